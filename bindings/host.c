@@ -1,0 +1,134 @@
+/* host.c: the `engine` executable.  Embeds LuaJIT, puts the Lua library on
+ * package.path, runs a recipe with `arg`, prints errors with a traceback and
+ * exits non-zero.  It initializes the distributed runtime (MPI) itself, so
+ * `engine x.lua` is a world of size 1 and `mpirun -np N engine x.lua` works.
+ *
+ *   engine [options] script.lua [args...]
+ *   engine -e 'lua code' [args...]
+ *   engine --version
+ */
+#include <lua.h>
+#include <lauxlib.h>
+#include <lualib.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+#include <limits.h>
+#include <libgen.h>
+#include "engine.h"
+
+static int traceback(lua_State* L) {
+  const char* msg = lua_tostring(L, 1);
+  if (!msg) {
+    if (luaL_callmeta(L, 1, "__tostring") && lua_type(L, -1) == LUA_TSTRING) return 1;
+    msg = lua_pushfstring(L, "(error object is a %s value)", luaL_typename(L, 1));
+  }
+  luaL_traceback(L, L, msg, 1);
+  return 1;
+}
+
+static int run_chunk(lua_State* L, int status, int nargs) {
+  if (status == 0) {
+    int base = lua_gettop(L) - nargs;
+    lua_pushcfunction(L, traceback);
+    lua_insert(L, base);
+    status = lua_pcall(L, nargs, 0, base);
+    lua_remove(L, base);
+  }
+  if (status != 0) {
+    const char* msg = lua_tostring(L, -1);
+    fprintf(stderr, "engine: %s\n", msg ? msg : "(error without message)");
+    fflush(stderr);
+    lua_pop(L, 1);
+  }
+  return status;
+}
+
+/* The folder that holds lua/engine: ENGINE_HOME, else derived from the
+ * executable's location (build/bindings/engine -> repo root), else the
+ * compiled-in source root. */
+static void find_home(char* out, size_t cap) {
+  const char* env = getenv("ENGINE_HOME");
+  if (env && *env) { snprintf(out, cap, "%s", env); return; }
+  char exe[PATH_MAX];
+  ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
+  if (n > 0) {
+    exe[n] = 0;
+    char probe[PATH_MAX + 64];
+    char* dir = dirname(exe);
+    for (int up = 0; up < 4; up++) {
+      snprintf(probe, sizeof probe, "%s/lua/engine/init.lua", dir);
+      if (access(probe, R_OK) == 0) { snprintf(out, cap, "%s", dir); return; }
+      dir = dirname(dir);
+    }
+  }
+  snprintf(out, cap, "%s", ENGINE_SOURCE_DIR);
+}
+
+static void usage(void) {
+  fprintf(stderr,
+          "usage: engine [-e code] [script.lua [args...]]\n"
+          "       engine --version\n"
+          "Runs a Lua recipe with the engine library on package.path.\n"
+          "Under mpirun each rank runs the script: mpirun -np 4 engine recipe.lua\n");
+}
+
+int main(int argc, char** argv) {
+  if (argc >= 2 && (!strcmp(argv[1], "--version") || !strcmp(argv[1], "-v"))) {
+    printf("%s\n", eng_version());
+    return 0;
+  }
+  if (argc >= 2 && (!strcmp(argv[1], "--help") || !strcmp(argv[1], "-h"))) { usage(); return 0; }
+  if (argc < 2) { usage(); return 2; }
+
+  eng_runtime_init();
+  if (eng_dist_init() != 0) {
+    fprintf(stderr, "engine: distributed init failed: %s\n", eng_last_error());
+    return 1;
+  }
+  lua_State* L = luaL_newstate();
+  if (!L) { fprintf(stderr, "engine: cannot create Lua state\n"); return 1; }
+  luaL_openlibs(L);
+
+  char home[PATH_MAX];
+  find_home(home, sizeof home);
+  lua_getglobal(L, "package");
+  lua_pushfstring(L, "%s/lua/?.lua;%s/lua/?/init.lua;", home, home);
+  lua_getfield(L, -2, "path");
+  lua_concat(L, 2);
+  lua_setfield(L, -2, "path");
+  lua_pop(L, 1);
+  lua_pushstring(L, home);
+  lua_setglobal(L, "ENGINE_HOME");
+
+  int script = 1;
+  const char* code = NULL;
+  if (!strcmp(argv[1], "-e")) {
+    if (argc < 3) { usage(); return 2; }
+    code = argv[2];
+    script = 2; /* arg[0] = "-e" chunk; args follow the code */
+  }
+  /* arg table: arg[0] = script, arg[1..] = its arguments, arg[-1] = engine */
+  lua_createtable(L, argc - script - 1, script + 1);
+  for (int i = 0; i < argc; i++) {
+    lua_pushstring(L, argv[i]);
+    lua_rawseti(L, -2, i - script);
+  }
+  lua_setglobal(L, "arg");
+
+  int status;
+  int nargs = argc - script - 1;
+  if (code) status = luaL_loadbuffer(L, code, strlen(code), "=(command line)");
+  else status = luaL_loadfile(L, argv[script]);
+  if (status == 0) {
+    luaL_checkstack(L, nargs, "too many arguments");
+    for (int i = script + 1; i < argc; i++) lua_pushstring(L, argv[i]);
+  } else nargs = 0;
+  status = run_chunk(L, status, nargs);
+  /* os.exit inside the script never gets here; the Lua library's exit path
+   * finalizes MPI itself. */
+  lua_close(L);
+  eng_dist_finalize();
+  return status ? 1 : 0;
+}

@@ -1,0 +1,57 @@
+/* base.h: dtypes, devices, errors, runtime and allocator statistics. */
+#ifndef ENG_BASE_H
+#define ENG_BASE_H
+
+typedef enum eng_dtype {
+  ENG_F32 = 0, ENG_F64 = 1, ENG_BF16 = 2, ENG_F16 = 3,
+  ENG_I32 = 4, ENG_I64 = 5, ENG_U8 = 6, ENG_BOOL = 7,
+  ENG_NUM_DTYPES = 8
+} eng_dtype;
+
+typedef enum eng_device { ENG_CPU = 0, ENG_CUDA = 1 } eng_device;
+
+/* Version string of the library, e.g. "engine 0.1.0". Borrowed. */
+const char* eng_version(void);
+
+/* The message of the last error on this thread (borrowed; "" if none). */
+const char* eng_last_error(void);
+void eng_clear_error(void);
+/* Set the error message from outside C (Lua hooks use it); returns -1. */
+int eng_set_error_message(const char* msg);
+
+/* Name and size of a dtype; -1 / NULL for an invalid one. */
+const char* eng_dtype_name(int dtype);
+int eng_dtype_size(int dtype);
+/* Parse "f32", "float32", "bf16", ... ; -1 and an error for unknown names. */
+int eng_dtype_from_name(const char* name);
+int eng_dtype_is_floating(int dtype);
+/* Result dtype of a binary op between a and b (PyTorch-like promotion). */
+int eng_promote_types(int a, int b);
+
+/* Runtime: tunes malloc (no mmap for big blocks, no trimming), sets up
+ * the allocator; idempotent.  eng_dist_* (distributed issue) handles MPI. */
+int eng_runtime_init(void);
+
+/* Caching allocator statistics in bytes. */
+typedef struct eng_alloc_stats {
+  int64_t allocated;       /* bytes in live tensors */
+  int64_t peak_allocated;  /* high-water mark of allocated */
+  int64_t reserved;        /* bytes obtained from the system (live + cached) */
+  int64_t n_system_allocs; /* calls to the system allocator so far */
+  int64_t n_allocs;        /* allocation requests served so far */
+} eng_alloc_stats;
+void eng_alloc_get_stats(eng_alloc_stats* out);
+void eng_alloc_reset_peak(void);
+/* Return every cached (free) block to the system. */
+void eng_alloc_empty_cache(void);
+
+/* Threads used by the CPU kernels and BLAS. */
+int eng_set_num_threads(int n);
+int eng_get_num_threads(void);
+/* Name of the BLAS core in use (e.g. "Haswell"); borrowed. */
+const char* eng_blas_corename(void);
+
+/* Monotonic wall clock in seconds. */
+double eng_time(void);
+
+#endif

@@ -1,0 +1,20 @@
+/* dist.h: the distributed runtime (MPI).  Process groups, meshes and
+ * collectives build on it. */
+#ifndef ENG_DIST_H
+#define ENG_DIST_H
+
+/* Initializes MPI if it is not yet (a singleton run is world size 1);
+ * idempotent.  The engine host calls it before running a recipe. */
+int eng_dist_init(void);
+int eng_dist_is_initialized(void);
+int eng_dist_finalize(void);
+int eng_dist_rank(void);
+int eng_dist_world_size(void);
+/* Rank among the processes on this node (for picking a GPU). */
+int eng_dist_local_rank(void);
+int eng_dist_barrier(void);
+/* Aborts every rank with the given exit code (after an unrecoverable error
+ * on one rank, so the others do not hang in a collective). */
+void eng_dist_abort(int code);
+
+#endif

@@ -1,0 +1,23 @@
+/* io.h: safetensors files of named tensors. */
+#ifndef ENG_IO_H
+#define ENG_IO_H
+
+/* Writes n named tensors (any dtype, any strides) and an optional
+ * __metadata__ of string pairs (n_meta keys and values; may be 0). */
+int eng_safetensors_save(const char* path, int n, const char** names, eng_tensor** tensors,
+                         int n_meta, const char** meta_keys, const char** meta_values);
+
+typedef struct eng_safetensors eng_safetensors;
+/* Reads and validates the whole file; NULL with an error on a bad file. */
+eng_safetensors* eng_safetensors_load(const char* path);
+void eng_safetensors_free(eng_safetensors* f);
+int eng_safetensors_count(const eng_safetensors* f);
+/* Borrowed names, in file order. */
+const char* eng_safetensors_name(const eng_safetensors* f, int i);
+/* New tensor for name; NULL with an error if absent. */
+eng_tensor* eng_safetensors_get(const eng_safetensors* f, const char* name);
+int eng_safetensors_meta_count(const eng_safetensors* f);
+const char* eng_safetensors_meta_key(const eng_safetensors* f, int i);
+const char* eng_safetensors_meta_value(const eng_safetensors* f, int i);
+
+#endif

@@ -1,0 +1,32 @@
+/* ops_nn.h: matmul, linear and the fused neural-network ops. */
+#ifndef ENG_OPS_NN_H
+#define ENG_OPS_NN_H
+
+/* torch.matmul semantics: 1-D/2-D, batched with broadcast batch dims. */
+eng_tensor* eng_matmul(eng_tensor* a, eng_tensor* b);
+/* x [..., in] @ w[out, in]^T + bias[out] (bias may be NULL). */
+eng_tensor* eng_linear(eng_tensor* x, eng_tensor* w, eng_tensor* bias);
+
+eng_tensor* eng_softmax(eng_tensor* t, int dim);
+eng_tensor* eng_log_softmax(eng_tensor* t, int dim);
+/* Normalises over the last n_norm dims; weight/bias (shape of those dims)
+ * may be NULL. */
+eng_tensor* eng_layer_norm(eng_tensor* x, int n_norm, eng_tensor* weight, eng_tensor* bias, double eps);
+eng_tensor* eng_rms_norm(eng_tensor* x, int n_norm, eng_tensor* weight, double eps);
+/* weight [num, dim], indices i32/i64 of any shape -> [..., dim].
+ * padding_idx < 0: none. */
+eng_tensor* eng_embedding(eng_tensor* weight, eng_tensor* indices, int64_t padding_idx);
+/* logits [N, C] (or [C], or [N, C, d1...] with classes in dim 1), target
+ * i32/i64 class indices.  reduction: 0 none, 1 mean, 2 sum.  Targets equal to
+ * ignore_index contribute nothing (mean divides by the non-ignored count). */
+eng_tensor* eng_cross_entropy(eng_tensor* logits, eng_tensor* target, int64_t ignore_index,
+                              int reduction, double label_smoothing);
+/* Inverted dropout with the global counter-based RNG (consumes offsets). */
+eng_tensor* eng_dropout(eng_tensor* x, double p, int training);
+/* q [..., L, E], k [..., S, E], v [..., S, Ev].  mask: NULL, bool (true =
+ * attend) or float (added).  scale <= 0 means 1/sqrt(E). */
+eng_tensor* eng_scaled_dot_product_attention(eng_tensor* q, eng_tensor* k, eng_tensor* v,
+                                             eng_tensor* mask, double dropout_p,
+                                             int is_causal, double scale);
+
+#endif

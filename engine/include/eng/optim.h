@@ -1,0 +1,23 @@
+/* optim.h: fused multi-tensor optimizer kernels and gradient norms.
+ * All operate in place on n parameters without autograd. */
+#ifndef ENG_OPTIM_H
+#define ENG_OPTIM_H
+
+/* AdamW (decoupled weight decay, torch.optim.AdamW semantics); step is the
+ * 1-based step count after increment.  Entries whose grad is NULL are skipped. */
+int eng_adamw_step(int n, eng_tensor** params, eng_tensor** grads, eng_tensor** exp_avg,
+                   eng_tensor** exp_avg_sq, double lr, double beta1, double beta2, double eps,
+                   double weight_decay, int64_t step);
+/* SGD with momentum/dampening/nesterov/weight decay (torch.optim.SGD).
+ * momentum_buf entries may be NULL when momentum == 0; on the first step
+ * (first_step = 1) the buffer is set to the gradient as in PyTorch. */
+int eng_sgd_step(int n, eng_tensor** params, eng_tensor** grads, eng_tensor** momentum_buf,
+                 double lr, double momentum, double dampening, double weight_decay,
+                 int nesterov, int first_step);
+/* Total p-norm of all n tensors (p = inf allowed) as if concatenated. */
+int eng_global_norm(int n, eng_tensor** ts, double p, double* out);
+/* Scales the grads of params in place so their total norm is at most
+ * max_norm (torch.nn.utils.clip_grad_norm_); returns the norm before. */
+int eng_clip_grad_norm_(int n, eng_tensor** params, double max_norm, double p, double* total);
+
+#endif

@@ -1,0 +1,101 @@
+/* tensor.h: the tensor type, storage, creation, views and copies. */
+#ifndef ENG_TENSOR_H
+#define ENG_TENSOR_H
+
+typedef struct eng_storage {
+  int32_t refcount;
+  int32_t device;
+  void* data;
+  int64_t nbytes;
+  int32_t version;   /* bumped by in-place writes (autograd checks it) */
+  int32_t external;  /* 1: data not owned by the allocator */
+} eng_storage;
+
+struct eng_node;
+struct eng_hook_list;
+struct eng_dist_spec;
+
+/* A strided view over refcounted storage.  shape/stride/offset are in
+ * elements.  Fields may be read from Lua; write them only through the API. */
+typedef struct eng_tensor {
+  int32_t refcount;
+  int32_t dtype;
+  int32_t device;
+  int32_t ndim;
+  int64_t shape[8];
+  int64_t stride[8];
+  int64_t offset;
+  int64_t numel;
+  eng_storage* storage;
+  /* autograd */
+  int32_t requires_grad;
+  int32_t output_nr;          /* which output of grad_fn this is */
+  int32_t retains_grad;
+  int32_t is_param;           /* set by nn.Parameter; informational */
+  struct eng_tensor* grad;    /* owned */
+  struct eng_node* grad_fn;   /* owned; NULL for leaves */
+  struct eng_node* grad_acc;  /* weak: the accumulator node of a leaf */
+  struct eng_hook_list* hooks;      /* gradient hooks */
+  struct eng_hook_list* post_hooks; /* post-accumulate-grad hooks (leaves) */
+  struct eng_dist_spec* dist; /* DTensor spec; NULL for a plain tensor */
+} eng_tensor;
+
+/* Reference counting.  retain returns its argument. */
+eng_tensor* eng_tensor_retain(eng_tensor* t);
+void eng_tensor_release(eng_tensor* t);
+int32_t eng_tensor_refcount(const eng_tensor* t);
+
+/* Creation.  shape has ndim entries (ndim 0 is a scalar). */
+eng_tensor* eng_tensor_empty(int ndim, const int64_t* shape, int dtype, int device);
+eng_tensor* eng_tensor_zeros(int ndim, const int64_t* shape, int dtype, int device);
+eng_tensor* eng_tensor_full(int ndim, const int64_t* shape, double value, int dtype, int device);
+/* Copies n elements of src_dtype from data (converted to dtype). */
+eng_tensor* eng_tensor_from_data(int ndim, const int64_t* shape, int dtype,
+                                 const void* data, int src_dtype, int64_t n);
+/* start, start+step, ... < end (or > end for negative step). */
+eng_tensor* eng_tensor_arange(double start, double end, double step, int dtype, int device);
+/* Same shape/dtype/device as t. */
+eng_tensor* eng_tensor_empty_like(const eng_tensor* t);
+eng_tensor* eng_tensor_zeros_like(const eng_tensor* t);
+
+/* Pointer to the first element (storage data + offset). Borrowed. */
+void* eng_tensor_data(const eng_tensor* t);
+int eng_tensor_is_contiguous(const eng_tensor* t);
+/* Value of a one-element tensor as double. */
+int eng_tensor_item(const eng_tensor* t, double* out);
+/* Element at a 0-based multi-index (ndim entries) as double. */
+int eng_tensor_get(const eng_tensor* t, const int64_t* index, double* out);
+int eng_tensor_set(eng_tensor* t, const int64_t* index, double value);
+/* Copies all elements, converted to dtype, into out (contiguous, row-major). */
+int eng_tensor_read(const eng_tensor* t, void* out, int dtype, int64_t n);
+/* "f32[2,3]" style description into buf; returns buf. */
+const char* eng_tensor_describe(const eng_tensor* t, char* buf, int buflen);
+
+/* In-place: dst <- src (broadcast to dst's shape, converted to dst's dtype).
+ * Not recorded by autograd: an error if src requires grad under grad mode,
+ * or if dst is a leaf that requires grad (use clone or no_grad). */
+int eng_tensor_copy_(eng_tensor* dst, eng_tensor* src);
+int eng_tensor_fill_(eng_tensor* t, double value);
+int eng_tensor_zero_(eng_tensor* t);
+
+/* New tensors. */
+eng_tensor* eng_tensor_clone(eng_tensor* t);
+eng_tensor* eng_tensor_contiguous(eng_tensor* t);     /* t itself (retained) if contiguous */
+eng_tensor* eng_tensor_to_dtype(eng_tensor* t, int dtype); /* t itself if same dtype */
+/* Shares storage, no autograd history, requires_grad = 0. */
+eng_tensor* eng_tensor_detach(eng_tensor* t);
+
+/* Autograd flags. */
+int eng_tensor_set_requires_grad(eng_tensor* t, int flag);
+/* Borrowed; NULL if none. */
+eng_tensor* eng_tensor_grad(eng_tensor* t);
+/* Replace .grad (g may be NULL); takes a new reference to g. */
+int eng_tensor_set_grad(eng_tensor* t, eng_tensor* g);
+int eng_tensor_retain_grad(eng_tensor* t);
+/* Version counter of t's storage. */
+int32_t eng_tensor_version(const eng_tensor* t);
+
+/* Number of live eng_tensor objects (for leak checks). */
+int64_t eng_tensor_live_count(void);
+
+#endif

@@ -1,0 +1,113 @@
+/* alloc.c: the caching CPU allocator behind tensor storage.
+ *
+ * Blocks are rounded to size classes and kept on per-class free lists when
+ * released, so a training loop that asks for the same sizes every step is
+ * served from memory that was already touched (first-touch page faults cost
+ * ~11 us per 4 KiB page on these machines).  Big blocks are 2 MiB aligned and
+ * advised as huge pages.  Nothing is returned to the system unless
+ * eng_alloc_empty_cache() is called. */
+#include "internal.h"
+#include <pthread.h>
+#include <sys/mman.h>
+
+typedef struct blk { struct blk* next; int64_t size; } blk;
+
+#define NCLASS 4096
+static blk* g_free[NCLASS];          /* hashed by class size */
+static int64_t g_class_size[NCLASS];
+static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
+static eng_alloc_stats g_st;
+
+/* Size classes: 64-byte granules up to 4 KiB, then 1/8-octave steps
+ * (at most 12.5% waste), page-rounded. */
+static int64_t round_size(int64_t n) {
+  if (n <= 0) n = 1;
+  if (n <= 4096) return (n + 63) & ~(int64_t)63;
+  int64_t p = 1; while (p * 2 <= n) p *= 2;
+  int64_t step = p / 8;
+  int64_t r = ((n + step - 1) / step) * step;
+  return (r + 4095) & ~(int64_t)4095;
+}
+
+static unsigned slot_of(int64_t size) {
+  uint64_t h = (uint64_t)size * 0x9E3779B97F4A7C15ull;
+  unsigned s = (unsigned)(h >> 52) & (NCLASS - 1);
+  while (g_class_size[s] != 0 && g_class_size[s] != size) s = (s + 1) & (NCLASS - 1);
+  return s;
+}
+
+void* eng_alloc_raw(int64_t nbytes, int64_t* got) {
+  int64_t size = round_size(nbytes);
+  void* p = NULL;
+  pthread_mutex_lock(&g_mu);
+  unsigned s = slot_of(size);
+  if (g_free[s]) { blk* b = g_free[s]; g_free[s] = b->next; p = b; }
+  g_st.n_allocs++;
+  if (p) {
+    g_st.allocated += size;
+    if (g_st.allocated > g_st.peak_allocated) g_st.peak_allocated = g_st.allocated;
+  }
+  pthread_mutex_unlock(&g_mu);
+  if (!p) {
+    size_t align = size >= (2 << 20) ? (2 << 20) : 64;
+    if (posix_memalign(&p, align, (size_t)size) != 0) return NULL;
+    if (size >= (2 << 20)) madvise(p, (size_t)size, MADV_HUGEPAGE);
+    pthread_mutex_lock(&g_mu);
+    g_st.n_system_allocs++;
+    g_st.reserved += size;
+    g_st.allocated += size;
+    if (g_st.allocated > g_st.peak_allocated) g_st.peak_allocated = g_st.allocated;
+    pthread_mutex_unlock(&g_mu);
+  }
+  *got = size;
+  return p;
+}
+
+void eng_free_raw(void* p, int64_t size) {
+  if (!p) return;
+  pthread_mutex_lock(&g_mu);
+  unsigned s = slot_of(size);
+  g_class_size[s] = size;
+  blk* b = (blk*)p; b->size = size; b->next = g_free[s]; g_free[s] = b;
+  g_st.allocated -= size;
+  pthread_mutex_unlock(&g_mu);
+}
+
+void eng_alloc_get_stats(eng_alloc_stats* out) {
+  pthread_mutex_lock(&g_mu); *out = g_st; pthread_mutex_unlock(&g_mu);
+}
+
+void eng_alloc_reset_peak(void) {
+  pthread_mutex_lock(&g_mu); g_st.peak_allocated = g_st.allocated; pthread_mutex_unlock(&g_mu);
+}
+
+void eng_alloc_empty_cache(void) {
+  pthread_mutex_lock(&g_mu);
+  for (int s = 0; s < NCLASS; s++) {
+    while (g_free[s]) { blk* b = g_free[s]; g_free[s] = b->next; g_st.reserved -= b->size; free(b); }
+  }
+  pthread_mutex_unlock(&g_mu);
+}
+
+eng_storage* eng_storage_new(int64_t nbytes, int device) {
+  if (device != ENG_CPU)
+    return eng_errp("storage: device %d is not available in this build (CPU only)", device);
+  eng_storage* s = calloc(1, sizeof *s);
+  if (!s) return eng_errp("storage: out of memory");
+  int64_t got = 0;
+  s->data = eng_alloc_raw(nbytes, &got);
+  if (!s->data) { free(s); return eng_errp("storage: out of memory allocating %lld bytes", (long long)nbytes); }
+  s->nbytes = got;
+  s->refcount = 1;
+  s->device = device;
+  return s;
+}
+
+void eng_storage_retain(eng_storage* s) { __atomic_add_fetch(&s->refcount, 1, __ATOMIC_RELAXED); }
+
+void eng_storage_release(eng_storage* s) {
+  if (!s) return;
+  if (__atomic_sub_fetch(&s->refcount, 1, __ATOMIC_ACQ_REL) != 0) return;
+  if (!s->external) eng_free_raw(s->data, s->nbytes);
+  free(s);
+}

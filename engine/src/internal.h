@@ -1,0 +1,87 @@
+/* internal.h: helpers shared by the engine's sources (not public). */
+#ifndef ENG_INTERNAL_H
+#define ENG_INTERNAL_H
+#include "engine.h"
+#include <stdarg.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define ENG_MAX_DIMS 8
+
+/* Errors: set the thread-local message; return -1 / NULL. */
+int eng_err(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
+void* eng_errp(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
+/* Prefix the current error message with "prefix: ". */
+void eng_err_prefix(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
+/* "f32[2,3]" in a thread-local ring of 8 buffers (valid until 8 more calls). */
+const char* eng_desc(const eng_tensor* t);
+/* "[2,3]" in the same ring. */
+const char* eng_shape_str(int ndim, const int64_t* shape);
+
+/* Normalizes dim (negative counts from the end) for a tensor of ndim dims;
+ * returns -1 with an error naming op otherwise. */
+int eng_norm_dim(int dim, int ndim, const char* op);
+
+#define ENG_CHECK(t, op)                                                    \
+  do { if (!(t)) return eng_errp("%s: tensor argument is nil/NULL", op); } while (0)
+#define ENG_CHECK_I(t, op)                                                  \
+  do { if (!(t)) return eng_err("%s: tensor argument is nil/NULL", op); } while (0)
+
+/* Storage and allocator. */
+eng_storage* eng_storage_new(int64_t nbytes, int device);
+void eng_storage_retain(eng_storage* s);
+void eng_storage_release(eng_storage* s);
+void* eng_alloc_raw(int64_t nbytes, int64_t* got);
+void eng_free_raw(void* p, int64_t nbytes);
+
+/* A contiguous tensor with fresh storage (no autograd). */
+eng_tensor* eng_new(int ndim, const int64_t* shape, int dtype, int device);
+/* A view of base's storage with the given geometry (no autograd). */
+eng_tensor* eng_view_of(const eng_tensor* base, int ndim, const int64_t* shape,
+                        const int64_t* stride, int64_t offset);
+void eng_contiguous_strides(int ndim, const int64_t* shape, int64_t* stride);
+int64_t eng_shape_numel(int ndim, const int64_t* shape);
+int eng_same_shape(const eng_tensor* a, const eng_tensor* b);
+/* Broadcast shapes; returns ndim of the result or -1 with an error naming op. */
+int eng_broadcast_shapes(int na, const int64_t* sa, int nb, const int64_t* sb,
+                         int64_t* out, const char* op, const eng_tensor* a, const eng_tensor* b);
+/* Strides of t seen as shape (ndim >= t->ndim, broadcast dims get 0). */
+void eng_broadcast_strides(const eng_tensor* t, int ndim, const int64_t* shape, int64_t* stride);
+/* Element pointer helper. */
+static inline char* eng_ptr(const eng_tensor* t) {
+  return (char*)t->storage->data + t->offset * (int64_t)eng_dtype_size(t->dtype);
+}
+/* Raw strided copy with dtype conversion: dst geometry (shape) <- src with
+ * the given (possibly broadcast) strides in elements. */
+void eng_copy_raw(eng_tensor* dst, const eng_tensor* src, const int64_t* src_stride);
+/* A contiguous tensor of the given dtype with t's values (t itself retained
+ * when already so).  No autograd. */
+eng_tensor* eng_as_contig(eng_tensor* t, int dtype);
+/* Bump the version counter of t's storage (in-place writes). */
+static inline void eng_bump_version(eng_tensor* t) { t->storage->version++; }
+/* Error if t may not be written in place (leaf requiring grad in grad mode). */
+int eng_check_inplace(eng_tensor* t, const char* op);
+
+/* Autograd helpers for op implementations. */
+/* Shape/dtype of input i recorded in node n. */
+int eng_node_in_ndim(const eng_node* n, int i);
+const int64_t* eng_node_in_shape(const eng_node* n, int i);
+int eng_node_in_dtype(const eng_node* n, int i);
+/* Reduce a gradient g (broadcast result) to input i's shape and dtype. */
+eng_tensor* eng_grad_to_input(eng_node* n, int i, eng_tensor* g);
+/* Record a one-output node for out if any input needs grad.  Returns the node
+ * (borrowed, owned by out) or NULL if no grad is needed. */
+eng_node* eng_record(const char* name, eng_backward_fn fn, int n_inputs, eng_tensor** inputs,
+                     eng_tensor* out);
+/* Same for several outputs. */
+eng_node* eng_record_multi(const char* name, eng_backward_fn fn, int n_inputs,
+                           eng_tensor** inputs, int n_outputs, eng_tensor** outputs);
+
+/* Lua closures behind hooks (autograd.c). */
+void eng_lua_queue_release(int64_t id);
+int eng_lua_dispatch_module(int64_t id, eng_tensor** ts, int n, eng_tensor** unused);
+
+/* Threads. */
+int eng_threads(void);
+
+#endif

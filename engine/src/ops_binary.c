@@ -1,0 +1,347 @@
+/* ops_binary.c: broadcasting binary ops (add, sub, mul, div, pow, maximum,
+ * minimum), their scalar forms, autograd, and in-place arithmetic. */
+#include "internal.h"
+#include "../../kernels/cpu/kcpu.h"
+#include <math.h>
+
+static int compute_dtype(int rdt) {
+  if (rdt == ENG_BF16 || rdt == ENG_F16) return ENG_F32;
+  if (rdt == ENG_BOOL) return ENG_U8;
+  return rdt;
+}
+
+typedef struct { int op, dt; } brow_ctx;
+static void brow(int64_t n, char** p, const int64_t* s, void* vc) {
+  brow_ctx* c = vc;
+  kc_binary_row(c->op, c->dt, n, p[0], s[0], p[1], s[1], p[2], s[2]);
+}
+
+static const char* const g_names[] = {"add", "sub", "mul", "div", "pow", "maximum", "minimum"};
+
+/* Forward only: out = a op b with broadcasting and type promotion. */
+static eng_tensor* binary_fwd(int op, eng_tensor* a, eng_tensor* b) {
+  const char* name = g_names[op];
+  ENG_CHECK(a, name); ENG_CHECK(b, name);
+  if (a->device != b->device)
+    return eng_errp("%s: tensors on different devices: %s and %s", name, eng_desc(a), eng_desc(b));
+  int rdt = eng_promote_types(a->dtype, b->dtype);
+  if (op == KB_DIV && !eng_dtype_is_floating(rdt)) rdt = ENG_F32; /* true division */
+  int cdt = compute_dtype(rdt);
+  int64_t shape[ENG_MAX_DIMS];
+  int nd = eng_broadcast_shapes(a->ndim, a->shape, b->ndim, b->shape, shape, name, a, b);
+  if (nd < 0) return NULL;
+  eng_tensor* A = a->dtype == cdt ? eng_tensor_retain(a) : eng_as_contig(a, cdt);
+  eng_tensor* B = b->dtype == cdt ? eng_tensor_retain(b) : eng_as_contig(b, cdt);
+  eng_tensor* out = (A && B) ? eng_new(nd, shape, cdt, a->device) : NULL;
+  if (out) {
+    int64_t sa[ENG_MAX_DIMS], sb[ENG_MAX_DIMS];
+    eng_broadcast_strides(A, nd, shape, sa);
+    eng_broadcast_strides(B, nd, shape, sb);
+    brow_ctx c = {op, cdt};
+    char* base[3] = {eng_ptr(out), eng_ptr(A), eng_ptr(B)};
+    const int64_t* st[3] = {out->stride, sa, sb};
+    int es = eng_dtype_size(cdt);
+    int esz[3] = {es, es, es};
+    kc_foreach(nd, shape, 3, base, st, esz, brow, &c);
+  }
+  eng_tensor_release(A); eng_tensor_release(B);
+  if (out && rdt != cdt) { eng_tensor* r = eng_as_contig(out, rdt); eng_tensor_release(out); out = r; }
+  return out;
+}
+
+/* ------------------------------------------------------------ backward */
+static int give(eng_node* n, int i, eng_tensor* g, eng_tensor** gi) {
+  if (!g) return -1;
+  gi[i] = eng_grad_to_input(n, i, g);
+  eng_tensor_release(g);
+  return gi[i] ? 0 : -1;
+}
+
+static int add_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
+  if (eng_node_needs_grad(n, 0) && give(n, 0, eng_tensor_retain(go[0]), gi)) return -1;
+  if (eng_node_needs_grad(n, 1) && give(n, 1, eng_tensor_retain(go[0]), gi)) return -1;
+  return 0;
+}
+
+static int sub_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
+  if (eng_node_needs_grad(n, 0) && give(n, 0, eng_tensor_retain(go[0]), gi)) return -1;
+  if (eng_node_needs_grad(n, 1) && give(n, 1, eng_neg(go[0]), gi)) return -1;
+  return 0;
+}
+
+static int mul_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
+  eng_tensor *a = eng_node_saved(n, 0), *b = eng_node_saved(n, 1);
+  if (!a || !b) return -1;
+  if (eng_node_needs_grad(n, 0) && give(n, 0, eng_mul(go[0], b), gi)) return -1;
+  if (eng_node_needs_grad(n, 1) && give(n, 1, eng_mul(go[0], a), gi)) return -1;
+  return 0;
+}
+
+static int div_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
+  eng_tensor *a = eng_node_saved(n, 0), *b = eng_node_saved(n, 1);
+  if (!a || !b) return -1;
+  if (eng_node_needs_grad(n, 0) && give(n, 0, eng_div(go[0], b), gi)) return -1;
+  if (eng_node_needs_grad(n, 1)) {
+    eng_tensor* t1 = eng_mul(go[0], a);
+    eng_tensor* t2 = t1 ? eng_mul(b, b) : NULL;
+    eng_tensor* t3 = t2 ? eng_div(t1, t2) : NULL;
+    eng_tensor_release(t1); eng_tensor_release(t2);
+    if (give(n, 1, t3 ? eng_neg(t3) : NULL, gi)) { eng_tensor_release(t3); return -1; }
+    eng_tensor_release(t3);
+  }
+  return 0;
+}
+
+/* d/da a^b = b a^(b-1); d/db = a^b ln a (0 where a == 0 and b >= 0, as PyTorch). */
+static int pow_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
+  eng_tensor *a = eng_node_saved(n, 0), *b = eng_node_saved(n, 1), *out = eng_node_saved(n, 2);
+  if (!a || !b || !out) return -1;
+  if (eng_node_needs_grad(n, 0)) {
+    eng_tensor* bm1 = eng_sub_scalar(b, 1.0);
+    eng_tensor* p = bm1 ? eng_pow(a, bm1) : NULL;
+    eng_tensor* q = p ? eng_mul(p, b) : NULL;
+    eng_tensor* r = q ? eng_mul(go[0], q) : NULL;
+    /* b == 0 gives 0 even where a == 0 */
+    eng_tensor* bz = r ? eng_compare_scalar(b, 0.0, ENG_EQ) : NULL;
+    eng_tensor* r2 = bz ? eng_masked_fill(r, bz, 0.0) : NULL;
+    eng_tensor_release(bm1); eng_tensor_release(p); eng_tensor_release(q); eng_tensor_release(r);
+    eng_tensor_release(bz);
+    if (give(n, 0, r2, gi)) return -1;
+  }
+  if (eng_node_needs_grad(n, 1)) {
+    eng_tensor* la = eng_log(a);
+    eng_tensor* p = la ? eng_mul(out, la) : NULL;
+    eng_tensor* az = p ? eng_compare_scalar(a, 0.0, ENG_EQ) : NULL;
+    eng_tensor* bp = az ? eng_compare_scalar(b, 0.0, ENG_GE) : NULL;
+    eng_tensor* m = bp ? eng_mul(az, bp) : NULL;
+    eng_tensor* p2 = m ? eng_masked_fill(p, m, 0.0) : NULL;
+    eng_tensor* r = p2 ? eng_mul(go[0], p2) : NULL;
+    eng_tensor_release(la); eng_tensor_release(p); eng_tensor_release(az); eng_tensor_release(bp);
+    eng_tensor_release(m); eng_tensor_release(p2);
+    if (give(n, 1, r, gi)) return -1;
+  }
+  return 0;
+}
+
+/* maximum/minimum: the gradient goes to the selected input, split evenly on ties. */
+static int maxmin_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
+  eng_tensor *a = eng_node_saved(n, 0), *b = eng_node_saved(n, 1);
+  if (!a || !b) return -1;
+  int is_max = (int)n->ints[0];
+  for (int i = 0; i < 2; i++) {
+    if (!eng_node_needs_grad(n, i)) continue;
+    eng_tensor* self = i == 0 ? a : b; eng_tensor* other = i == 0 ? b : a;
+    eng_tensor* win = eng_compare(self, other, is_max ? ENG_GT : ENG_LT);
+    eng_tensor* tie = win ? eng_compare(self, other, ENG_EQ) : NULL;
+    eng_tensor* wf = tie ? eng_tensor_to_dtype(win, go[0]->dtype) : NULL;
+    eng_tensor* tf = wf ? eng_tensor_to_dtype(tie, go[0]->dtype) : NULL;
+    eng_tensor* th = tf ? eng_mul_scalar(tf, 0.5) : NULL;
+    eng_tensor* w = th ? eng_add(wf, th) : NULL;
+    eng_tensor* r = w ? eng_mul(go[0], w) : NULL;
+    eng_tensor_release(win); eng_tensor_release(tie); eng_tensor_release(wf); eng_tensor_release(tf);
+    eng_tensor_release(th); eng_tensor_release(w);
+    if (give(n, i, r, gi)) return -1;
+  }
+  return 0;
+}
+
+static eng_tensor* binary(int op, eng_tensor* a, eng_tensor* b) {
+  eng_tensor* out = binary_fwd(op, a, b);
+  if (!out) return NULL;
+  eng_tensor* in[2] = {a, b};
+  if (!eng_any_requires_grad(2, in) || !eng_dtype_is_floating(out->dtype)) return out;
+  static const char* const bw_names[] = {"AddBackward", "SubBackward", "MulBackward", "DivBackward",
+                                         "PowBackward", "MaximumBackward", "MinimumBackward"};
+  static const eng_backward_fn fns[] = {add_bw, sub_bw, mul_bw, div_bw, pow_bw, maxmin_bw, maxmin_bw};
+  eng_node* nd = eng_record(bw_names[op], fns[op], 2, in, out);
+  if (!nd) { eng_tensor_release(out); return NULL; }
+  nd->ints[0] = op == KB_MAX;
+  int save = op >= KB_MUL;
+  if (save && (eng_node_save(nd, a) || eng_node_save(nd, b) || (op == KB_POW && eng_node_save(nd, out)))) {
+    eng_tensor_release(out);
+    return NULL;
+  }
+  return out;
+}
+
+eng_tensor* eng_add(eng_tensor* a, eng_tensor* b) { return binary(KB_ADD, a, b); }
+eng_tensor* eng_sub(eng_tensor* a, eng_tensor* b) { return binary(KB_SUB, a, b); }
+eng_tensor* eng_mul(eng_tensor* a, eng_tensor* b) { return binary(KB_MUL, a, b); }
+eng_tensor* eng_div(eng_tensor* a, eng_tensor* b) { return binary(KB_DIV, a, b); }
+eng_tensor* eng_pow(eng_tensor* a, eng_tensor* b) { return binary(KB_POW, a, b); }
+eng_tensor* eng_maximum(eng_tensor* a, eng_tensor* b) { return binary(KB_MAX, a, b); }
+eng_tensor* eng_minimum(eng_tensor* a, eng_tensor* b) { return binary(KB_MIN, a, b); }
+
+/* ------------------------------------------------------------ scalar forms */
+static eng_tensor* scalar_like(eng_tensor* a, double s) {
+  int dt = a->dtype;
+  if (!eng_dtype_is_floating(dt)) {
+    if (s != floor(s) || !isfinite(s)) dt = ENG_F32;
+    else if (dt == ENG_BOOL) dt = ENG_I64;
+  }
+  return eng_tensor_full(0, NULL, s, dt, a->device);
+}
+
+enum { SC_ADD, SC_SUB, SC_MUL, SC_DIV, SC_POW, SC_RSUB, SC_RDIV, SC_RPOW };
+
+static int scalar_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
+  double s = n->scalars[0];
+  eng_tensor* g = go[0];
+  eng_tensor* r = NULL;
+  switch ((int)n->ints[0]) {
+    case SC_ADD: case SC_SUB: r = eng_tensor_retain(g); break;
+    case SC_MUL: r = eng_mul_scalar(g, s); break;
+    case SC_DIV: r = eng_div_scalar(g, s); break;
+    case SC_RSUB: r = eng_neg(g); break;
+    case SC_POW: {
+      eng_tensor* a = eng_node_saved(n, 0);
+      if (!a) return -1;
+      if (s == 0.0) { r = eng_mul_scalar(g, 0.0); break; }
+      eng_tensor* p = eng_pow_scalar(a, s - 1.0);
+      eng_tensor* q = p ? eng_mul_scalar(p, s) : NULL;
+      r = q ? eng_mul(g, q) : NULL;
+      eng_tensor_release(p); eng_tensor_release(q);
+      break;
+    }
+    case SC_RDIV: { /* d(s/a) = -s/a^2 */
+      eng_tensor* a = eng_node_saved(n, 0);
+      if (!a) return -1;
+      eng_tensor* a2 = eng_mul(a, a);
+      eng_tensor* q = a2 ? eng_rdiv_scalar(-s, a2) : NULL;
+      r = q ? eng_mul(g, q) : NULL;
+      eng_tensor_release(a2); eng_tensor_release(q);
+      break;
+    }
+    case SC_RPOW: { /* d(s^a) = s^a ln s */
+      eng_tensor* out = eng_node_saved(n, 0);
+      if (!out) return -1;
+      eng_tensor* q = eng_mul_scalar(out, log(s));
+      r = q ? eng_mul(g, q) : NULL;
+      eng_tensor_release(q);
+      break;
+    }
+  }
+  return give(n, 0, r, gi);
+}
+
+static eng_tensor* scalar_op(int kind, eng_tensor* a, double s) {
+  static const int ops[] = {KB_ADD, KB_SUB, KB_MUL, KB_DIV, KB_POW, KB_SUB, KB_DIV, KB_POW};
+  static const char* const names[] = {"AddBackward", "SubBackward", "MulBackward", "DivBackward",
+                                      "PowBackward", "RsubBackward", "RdivBackward", "RpowBackward"};
+  ENG_CHECK(a, g_names[ops[kind]]);
+  eng_tensor* st = scalar_like(a, s);
+  if (!st) return NULL;
+  int rev = kind >= SC_RSUB;
+  int prev = eng_set_grad_enabled(0);
+  eng_tensor* out = rev ? binary_fwd(ops[kind], st, a) : binary_fwd(ops[kind], a, st);
+  eng_set_grad_enabled(prev);
+  eng_tensor_release(st);
+  if (!out || !eng_any_requires_grad(1, &a) || !eng_dtype_is_floating(out->dtype)) return out;
+  eng_node* nd = eng_record(names[kind], scalar_bw, 1, &a, out);
+  if (!nd) { eng_tensor_release(out); return NULL; }
+  nd->ints[0] = kind; nd->scalars[0] = s;
+  int rc = 0;
+  if (kind == SC_POW || kind == SC_RDIV) rc = eng_node_save(nd, a);
+  if (kind == SC_RPOW) rc = eng_node_save(nd, out);
+  if (rc) { eng_tensor_release(out); return NULL; }
+  return out;
+}
+
+eng_tensor* eng_add_scalar(eng_tensor* a, double s) { return scalar_op(SC_ADD, a, s); }
+eng_tensor* eng_sub_scalar(eng_tensor* a, double s) { return scalar_op(SC_SUB, a, s); }
+eng_tensor* eng_mul_scalar(eng_tensor* a, double s) { return scalar_op(SC_MUL, a, s); }
+eng_tensor* eng_div_scalar(eng_tensor* a, double s) { return scalar_op(SC_DIV, a, s); }
+eng_tensor* eng_pow_scalar(eng_tensor* a, double s) { return scalar_op(SC_POW, a, s); }
+eng_tensor* eng_rsub_scalar(double s, eng_tensor* a) { return scalar_op(SC_RSUB, a, s); }
+eng_tensor* eng_rdiv_scalar(double s, eng_tensor* a) { return scalar_op(SC_RDIV, a, s); }
+eng_tensor* eng_rpow_scalar(double s, eng_tensor* a) { return scalar_op(SC_RPOW, a, s); }
+
+/* ------------------------------------------------------------ in place */
+typedef struct { int op; double alpha; } ip_ctx;
+
+static void ip_row_f32(int64_t n, char** p, const int64_t* s, void* vc) {
+  ip_ctx* c = vc;
+  float* restrict a = (float*)p[0];
+  const char* b = p[1];
+  int64_t sa = s[0] / 4, sb = s[1];
+  float al = (float)c->alpha;
+  if (sa == 1 && sb == 4) {
+    const float* restrict B = (const float*)b;
+    switch (c->op) {
+      case KB_ADD: for (int64_t i = 0; i < n; i++) a[i] += al * B[i]; return;
+      case KB_MUL: for (int64_t i = 0; i < n; i++) a[i] *= B[i]; return;
+      case KB_DIV: for (int64_t i = 0; i < n; i++) a[i] /= B[i]; return;
+    }
+  }
+  for (int64_t i = 0; i < n; i++) {
+    float y = *(const float*)(b + i * sb);
+    float* x = a + i * sa;
+    switch (c->op) {
+      case KB_ADD: *x += al * y; break;
+      case KB_MUL: *x *= y; break;
+      default: *x /= y; break;
+    }
+  }
+}
+
+typedef struct { int op; double alpha; int adt, bdt; } ipg_ctx;
+static void ip_row_generic(int64_t n, char** p, const int64_t* s, void* vc) {
+  ipg_ctx* c = vc;
+  for (int64_t i = 0; i < n; i++) {
+    char* x = p[0] + i * s[0];
+    double a = kc_load(x, c->adt), b = kc_load(p[1] + i * s[1], c->bdt), r;
+    switch (c->op) {
+      case KB_ADD: r = a + c->alpha * b; break;
+      case KB_MUL: r = a * b; break;
+      default: r = a / b; break;
+    }
+    kc_store(x, c->adt, r);
+  }
+}
+
+static int inplace(int op, eng_tensor* a, eng_tensor* b, double alpha, const char* name) {
+  ENG_CHECK_I(a, name); ENG_CHECK_I(b, name);
+  if (eng_check_inplace(a, name)) return -1;
+  if (a->device != b->device) return eng_err("%s: tensors on different devices: %s and %s", name, eng_desc(a), eng_desc(b));
+  int64_t shape[ENG_MAX_DIMS];
+  int nd = eng_broadcast_shapes(a->ndim, a->shape, b->ndim, b->shape, shape, name, a, b);
+  if (nd < 0) return -1;
+  int ok = nd == a->ndim;
+  for (int d = 0; ok && d < nd; d++) ok = shape[d] == a->shape[d];
+  if (!ok) return eng_err("%s: %s cannot be broadcast to the in-place target %s", name, eng_desc(b), eng_desc(a));
+  eng_tensor* B = b;
+  if (b->storage == a->storage) { B = eng_as_contig(b, b->dtype); if (!B) return -1; }
+  else eng_tensor_retain(B);
+  int64_t sb[ENG_MAX_DIMS];
+  eng_broadcast_strides(B, a->ndim, a->shape, sb);
+  char* base[2] = {eng_ptr(a), eng_ptr(B)};
+  const int64_t* st[2] = {a->stride, sb};
+  int esz[2] = {eng_dtype_size(a->dtype), eng_dtype_size(B->dtype)};
+  if (a->dtype == ENG_F32 && B->dtype == ENG_F32) {
+    ip_ctx c = {op, alpha};
+    kc_foreach(a->ndim, a->shape, 2, base, st, esz, ip_row_f32, &c);
+  } else {
+    ipg_ctx c = {op, alpha, a->dtype, B->dtype};
+    kc_foreach(a->ndim, a->shape, 2, base, st, esz, ip_row_generic, &c);
+  }
+  eng_tensor_release(B);
+  eng_bump_version(a);
+  return 0;
+}
+
+int eng_add_(eng_tensor* a, eng_tensor* b, double alpha) { return inplace(KB_ADD, a, b, alpha, "add_"); }
+int eng_sub_(eng_tensor* a, eng_tensor* b) { return inplace(KB_ADD, a, b, -1.0, "sub_"); }
+int eng_mul_(eng_tensor* a, eng_tensor* b) { return inplace(KB_MUL, a, b, 1.0, "mul_"); }
+int eng_div_(eng_tensor* a, eng_tensor* b) { return inplace(KB_DIV, a, b, 1.0, "div_"); }
+
+static int inplace_scalar(int op, eng_tensor* a, double s, const char* name) {
+  ENG_CHECK_I(a, name);
+  eng_tensor* st = eng_tensor_full(0, NULL, s, a->dtype == ENG_F32 ? ENG_F32 : ENG_F64, a->device);
+  if (!st) return -1;
+  int rc = inplace(op, a, st, 1.0, name);
+  eng_tensor_release(st);
+  return rc;
+}
+
+int eng_add_scalar_(eng_tensor* a, double s) { return inplace_scalar(KB_ADD, a, s, "add_"); }
+int eng_mul_scalar_(eng_tensor* a, double s) { return inplace_scalar(KB_MUL, a, s, "mul_"); }

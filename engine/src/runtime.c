@@ -1,0 +1,49 @@
+/* runtime.c: process-wide set-up, threads, clocks. */
+#include "internal.h"
+#include <malloc.h>
+#include <time.h>
+#include <stdio.h>
+
+#ifndef ENG_VERSION_STRING
+#define ENG_VERSION_STRING "0.1.0"
+#endif
+
+/* OpenBLAS extensions (declared here to avoid depending on its cblas.h). */
+extern void openblas_set_num_threads(int);
+extern int openblas_get_num_threads(void);
+extern char* openblas_get_corename(void);
+
+static int g_inited;
+static int g_threads = 1;
+
+const char* eng_version(void) { return "engine " ENG_VERSION_STRING; }
+
+int eng_runtime_init(void) {
+  if (g_inited) return 0;
+  g_inited = 1;
+  /* First-touch page faults are expensive here: keep big blocks in the heap
+   * and never trim, so freed memory is reused without faulting again. */
+  mallopt(M_MMAP_MAX, 0);
+  mallopt(M_TRIM_THRESHOLD, 1 << 30);
+  mallopt(M_TOP_PAD, 64 << 20);
+  g_threads = openblas_get_num_threads();
+  if (g_threads < 1) g_threads = 1;
+  return 0;
+}
+
+int eng_set_num_threads(int n) {
+  if (n < 1) return eng_err("set_num_threads: %d is not a positive thread count", n);
+  openblas_set_num_threads(n);
+  g_threads = n;
+  return 0;
+}
+
+int eng_get_num_threads(void) { return g_threads; }
+int eng_threads(void) { return g_threads; }
+const char* eng_blas_corename(void) { const char* s = openblas_get_corename(); return s ? s : "?"; }
+
+double eng_time(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}

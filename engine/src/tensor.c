@@ -1,0 +1,374 @@
+/* tensor.c: tensor objects, creation, element access, copies, casts. */
+#include "internal.h"
+#include "../../kernels/cpu/kcpu.h"
+#include <math.h>
+#include <stdio.h>
+
+static int64_t g_live;
+
+int64_t eng_tensor_live_count(void) { return __atomic_load_n(&g_live, __ATOMIC_RELAXED); }
+
+void eng_contiguous_strides(int ndim, const int64_t* shape, int64_t* stride) {
+  int64_t s = 1;
+  for (int d = ndim - 1; d >= 0; d--) { stride[d] = s; s *= shape[d] > 0 ? shape[d] : 1; }
+}
+
+int64_t eng_shape_numel(int ndim, const int64_t* shape) {
+  int64_t n = 1;
+  for (int d = 0; d < ndim; d++) n *= shape[d];
+  return n;
+}
+
+int eng_same_shape(const eng_tensor* a, const eng_tensor* b) {
+  if (a->ndim != b->ndim) return 0;
+  for (int d = 0; d < a->ndim; d++) if (a->shape[d] != b->shape[d]) return 0;
+  return 1;
+}
+
+static eng_tensor* alloc_struct(void) {
+  eng_tensor* t = calloc(1, sizeof *t);
+  if (!t) return eng_errp("tensor: out of memory");
+  t->refcount = 1;
+  __atomic_add_fetch(&g_live, 1, __ATOMIC_RELAXED);
+  return t;
+}
+
+static int check_geometry(int ndim, const int64_t* shape, int dtype, const char* op) {
+  if (ndim < 0 || ndim > ENG_MAX_DIMS)
+    return eng_err("%s: %d dims requested; tensors have 0 to %d dims", op, ndim, ENG_MAX_DIMS);
+  if (ndim > 0 && !shape) return eng_err("%s: shape is NULL", op);
+  for (int d = 0; d < ndim; d++)
+    if (shape[d] < 0)
+      return eng_err("%s: negative size %lld in shape %s", op, (long long)shape[d], eng_shape_str(ndim, shape));
+  if (dtype < 0 || dtype >= ENG_NUM_DTYPES) return eng_err("%s: invalid dtype code %d", op, dtype);
+  return 0;
+}
+
+eng_tensor* eng_new(int ndim, const int64_t* shape, int dtype, int device) {
+  eng_tensor* t = alloc_struct();
+  if (!t) return NULL;
+  t->dtype = dtype; t->device = device; t->ndim = ndim;
+  for (int d = 0; d < ndim; d++) t->shape[d] = shape[d];
+  eng_contiguous_strides(ndim, shape, t->stride);
+  t->numel = eng_shape_numel(ndim, shape);
+  t->storage = eng_storage_new(t->numel * eng_dtype_size(dtype), device);
+  if (!t->storage) { free(t); __atomic_sub_fetch(&g_live, 1, __ATOMIC_RELAXED); return NULL; }
+  return t;
+}
+
+eng_tensor* eng_view_of(const eng_tensor* base, int ndim, const int64_t* shape,
+                        const int64_t* stride, int64_t offset) {
+  eng_tensor* t = alloc_struct();
+  if (!t) return NULL;
+  t->dtype = base->dtype; t->device = base->device; t->ndim = ndim;
+  for (int d = 0; d < ndim; d++) { t->shape[d] = shape[d]; t->stride[d] = stride[d]; }
+  t->offset = offset;
+  t->numel = eng_shape_numel(ndim, shape);
+  t->storage = base->storage;
+  eng_storage_retain(t->storage);
+  return t;
+}
+
+eng_tensor* eng_tensor_retain(eng_tensor* t) {
+  if (t) __atomic_add_fetch(&t->refcount, 1, __ATOMIC_RELAXED);
+  return t;
+}
+
+int32_t eng_tensor_refcount(const eng_tensor* t) { return t ? t->refcount : 0; }
+
+void eng_hook_list_free(struct eng_hook_list* h);    /* autograd.c */
+void eng_tensor_drop_retain_hook(eng_tensor* t);     /* autograd.c */
+void eng_dist_spec_release(struct eng_dist_spec* s); /* weak default below */
+
+__attribute__((weak)) void eng_dist_spec_release(struct eng_dist_spec* s) { (void)s; }
+
+void eng_tensor_release(eng_tensor* t) {
+  if (!t) return;
+  if (__atomic_sub_fetch(&t->refcount, 1, __ATOMIC_ACQ_REL) != 0) return;
+  if (t->retains_grad) eng_tensor_drop_retain_hook(t);
+  eng_tensor_release(t->grad);
+  if (t->grad_fn) eng_node_release(t->grad_fn);
+  eng_hook_list_free(t->hooks);
+  eng_hook_list_free(t->post_hooks);
+  if (t->dist) eng_dist_spec_release(t->dist);
+  eng_storage_release(t->storage);
+  free(t);
+  __atomic_sub_fetch(&g_live, 1, __ATOMIC_RELAXED);
+}
+
+eng_tensor* eng_tensor_empty(int ndim, const int64_t* shape, int dtype, int device) {
+  if (check_geometry(ndim, shape, dtype, "empty")) return NULL;
+  return eng_new(ndim, shape, dtype, device);
+}
+
+eng_tensor* eng_tensor_zeros(int ndim, const int64_t* shape, int dtype, int device) {
+  return eng_tensor_full(ndim, shape, 0.0, dtype, device);
+}
+
+eng_tensor* eng_tensor_full(int ndim, const int64_t* shape, double value, int dtype, int device) {
+  if (check_geometry(ndim, shape, dtype, "full")) return NULL;
+  eng_tensor* t = eng_new(ndim, shape, dtype, device);
+  if (t) kc_fill(t->numel, eng_ptr(t), dtype, value);
+  return t;
+}
+
+eng_tensor* eng_tensor_from_data(int ndim, const int64_t* shape, int dtype, const void* data,
+                                 int src_dtype, int64_t n) {
+  if (check_geometry(ndim, shape, dtype, "from_data")) return NULL;
+  if (src_dtype < 0 || src_dtype >= ENG_NUM_DTYPES) return eng_errp("from_data: invalid source dtype %d", src_dtype);
+  int64_t numel = eng_shape_numel(ndim, shape);
+  if (n != numel)
+    return eng_errp("from_data: %lld values given for shape %s (%lld elements)", (long long)n,
+                    eng_shape_str(ndim, shape), (long long)numel);
+  if (numel > 0 && !data) return eng_errp("from_data: data pointer is NULL");
+  eng_tensor* t = eng_new(ndim, shape, dtype, ENG_CPU);
+  if (t && numel) kc_convert(numel, eng_ptr(t), dtype, data, src_dtype);
+  return t;
+}
+
+eng_tensor* eng_tensor_arange(double start, double end, double step, int dtype, int device) {
+  if (step == 0 || isnan(step)) return eng_errp("arange: step must be non-zero (got %g)", step);
+  if (!isfinite(start) || !isfinite(end)) return eng_errp("arange: bounds must be finite (got %g, %g)", start, end);
+  if (dtype < 0 || dtype >= ENG_NUM_DTYPES) return eng_errp("arange: invalid dtype code %d", dtype);
+  double cnt = ceil((end - start) / step);
+  int64_t n = cnt > 0 ? (int64_t)cnt : 0;
+  eng_tensor* t = eng_new(1, &n, dtype, device);
+  if (!t) return NULL;
+  char* p = eng_ptr(t);
+  int es = eng_dtype_size(dtype);
+  for (int64_t i = 0; i < n; i++) kc_store(p + i * es, dtype, start + (double)i * step);
+  return t;
+}
+
+eng_tensor* eng_tensor_empty_like(const eng_tensor* t) {
+  ENG_CHECK(t, "empty_like");
+  return eng_new(t->ndim, t->shape, t->dtype, t->device);
+}
+
+eng_tensor* eng_tensor_zeros_like(const eng_tensor* t) {
+  ENG_CHECK(t, "zeros_like");
+  return eng_tensor_full(t->ndim, t->shape, 0.0, t->dtype, t->device);
+}
+
+void* eng_tensor_data(const eng_tensor* t) { return t ? eng_ptr(t) : NULL; }
+
+int eng_tensor_is_contiguous(const eng_tensor* t) {
+  int64_t s = 1;
+  for (int d = t->ndim - 1; d >= 0; d--) {
+    if (t->shape[d] == 1) continue;
+    if (t->stride[d] != s) return 0;
+    s *= t->shape[d];
+  }
+  return 1;
+}
+
+static int64_t elem_offset(const eng_tensor* t, const int64_t* idx, const char* op, int* err) {
+  int64_t off = t->offset;
+  for (int d = 0; d < t->ndim; d++) {
+    if (idx[d] < 0 || idx[d] >= t->shape[d]) {
+      *err = eng_err("%s: index %lld out of range for dim %d of size %lld in %s", op, (long long)idx[d], d,
+                     (long long)t->shape[d], eng_desc(t));
+      return 0;
+    }
+    off += idx[d] * t->stride[d];
+  }
+  return off;
+}
+
+int eng_tensor_item(const eng_tensor* t, double* out) {
+  ENG_CHECK_I(t, "item");
+  if (t->numel != 1)
+    return eng_err("item: only one-element tensors can be converted to a number, got %s", eng_desc(t));
+  int64_t off = t->offset;  /* all dims are 1 */
+  *out = kc_load((char*)t->storage->data + off * eng_dtype_size(t->dtype), t->dtype);
+  return 0;
+}
+
+int eng_tensor_get(const eng_tensor* t, const int64_t* index, double* out) {
+  ENG_CHECK_I(t, "get");
+  int err = 0;
+  int64_t off = elem_offset(t, index, "get", &err);
+  if (err) return -1;
+  *out = kc_load((char*)t->storage->data + off * eng_dtype_size(t->dtype), t->dtype);
+  return 0;
+}
+
+int eng_tensor_set(eng_tensor* t, const int64_t* index, double value) {
+  ENG_CHECK_I(t, "set");
+  if (eng_check_inplace(t, "set")) return -1;
+  int err = 0;
+  int64_t off = elem_offset(t, index, "set", &err);
+  if (err) return -1;
+  kc_store((char*)t->storage->data + off * eng_dtype_size(t->dtype), t->dtype, value);
+  eng_bump_version(t);
+  return 0;
+}
+
+void eng_copy_raw(eng_tensor* dst, const eng_tensor* src, const int64_t* src_stride) {
+  kc_copy(dst->ndim, dst->shape, eng_ptr(dst), dst->dtype, dst->stride, eng_ptr(src), src->dtype, src_stride);
+}
+
+int eng_tensor_read(const eng_tensor* t, void* out, int dtype, int64_t n) {
+  ENG_CHECK_I(t, "read");
+  if (dtype < 0 || dtype >= ENG_NUM_DTYPES) return eng_err("read: invalid dtype code %d", dtype);
+  if (n != t->numel) return eng_err("read: buffer of %lld elements for %s", (long long)n, eng_desc(t));
+  int64_t st[ENG_MAX_DIMS];
+  eng_contiguous_strides(t->ndim, t->shape, st);
+  kc_copy(t->ndim, t->shape, out, dtype, st, eng_ptr(t), t->dtype, t->stride);
+  return 0;
+}
+
+int eng_broadcast_shapes(int na, const int64_t* sa, int nb, const int64_t* sb, int64_t* out,
+                         const char* op, const eng_tensor* a, const eng_tensor* b) {
+  int n = na > nb ? na : nb;
+  for (int i = 0; i < n; i++) {
+    int ia = na - n + i, ib = nb - n + i;
+    int64_t x = ia >= 0 ? sa[ia] : 1, y = ib >= 0 ? sb[ib] : 1;
+    if (x != y && x != 1 && y != 1) {
+      if (a && b)
+        return eng_err("%s: %s and %s do not broadcast: size %lld vs %lld at dim %d (0-based, aligned from the right)",
+                       op, eng_desc(a), eng_desc(b), (long long)x, (long long)y, i);
+      return eng_err("%s: shapes %s and %s do not broadcast", op, eng_shape_str(na, sa), eng_shape_str(nb, sb));
+    }
+    out[i] = x == 1 ? y : x;
+  }
+  return n;
+}
+
+void eng_broadcast_strides(const eng_tensor* t, int ndim, const int64_t* shape, int64_t* stride) {
+  for (int i = 0; i < ndim; i++) {
+    int it = t->ndim - ndim + i;
+    stride[i] = (it < 0 || (t->shape[it] == 1 && shape[i] != 1)) ? 0 : t->stride[it];
+  }
+}
+
+eng_tensor* eng_as_contig(eng_tensor* t, int dtype) {
+  if (t->dtype == dtype && eng_tensor_is_contiguous(t)) return eng_tensor_retain(t);
+  eng_tensor* r = eng_new(t->ndim, t->shape, dtype, t->device);
+  if (r) eng_copy_raw(r, t, t->stride);
+  return r;
+}
+
+int eng_check_inplace(eng_tensor* t, const char* op) {
+  if (eng_grad_enabled() && t->requires_grad && !t->grad_fn)
+    return eng_err("%s: a leaf tensor that requires grad (%s) cannot be modified in place while grad "
+                   "mode is on (use no_grad)", op, eng_desc(t));
+  return 0;
+}
+
+int eng_tensor_copy_(eng_tensor* dst, eng_tensor* src) {
+  ENG_CHECK_I(dst, "copy_"); ENG_CHECK_I(src, "copy_");
+  if (eng_check_inplace(dst, "copy_")) return -1;
+  if (eng_grad_enabled() && src->requires_grad)
+    return eng_err("copy_: source %s requires grad and copy_ is not differentiable here; use clone() "
+                   "or copy under no_grad", eng_desc(src));
+  int64_t bs[ENG_MAX_DIMS];
+  int64_t tmp[ENG_MAX_DIMS];
+  int n = eng_broadcast_shapes(dst->ndim, dst->shape, src->ndim, src->shape, tmp, "copy_", dst, src);
+  if (n < 0) return -1;
+  {
+    int ok = n == dst->ndim;
+    for (int d = 0; ok && d < n; d++) ok = tmp[d] == dst->shape[d];
+    if (!ok) return eng_err("copy_: source %s cannot be broadcast to destination %s", eng_desc(src), eng_desc(dst));
+  }
+  if (dst->device != src->device)
+    return eng_err("copy_: device mismatch %s vs %s", eng_desc(dst), eng_desc(src));
+  eng_broadcast_strides(src, dst->ndim, dst->shape, bs);
+  if (dst->storage == src->storage) { /* possible overlap: go through a temporary */
+    eng_tensor* tmpt = eng_as_contig(src, src->dtype);
+    if (!tmpt) return -1;
+    eng_broadcast_strides(tmpt, dst->ndim, dst->shape, bs);
+    eng_copy_raw(dst, tmpt, bs);
+    eng_tensor_release(tmpt);
+  } else {
+    eng_copy_raw(dst, src, bs);
+  }
+  eng_bump_version(dst);
+  return 0;
+}
+
+static void fill_row(int64_t n, char** p, const int64_t* s, void* ctx) {
+  const double* v = ctx;
+  const int* dt = (const int*)(v + 1);
+  for (int64_t i = 0; i < n; i++) kc_store(p[0] + i * s[0], *dt, *v);
+}
+
+int eng_tensor_fill_(eng_tensor* t, double value) {
+  ENG_CHECK_I(t, "fill_");
+  if (eng_check_inplace(t, "fill_")) return -1;
+  if (eng_tensor_is_contiguous(t)) kc_fill(t->numel, eng_ptr(t), t->dtype, value);
+  else {
+    struct { double v; int dt; } ctx = {value, t->dtype};
+    char* base[1] = {eng_ptr(t)};
+    const int64_t* st[1] = {t->stride};
+    int esz[1] = {eng_dtype_size(t->dtype)};
+    kc_foreach(t->ndim, t->shape, 1, base, st, esz, fill_row, &ctx);
+  }
+  eng_bump_version(t);
+  return 0;
+}
+
+int eng_tensor_zero_(eng_tensor* t) { return eng_tensor_fill_(t, 0.0); }
+
+/* Identity-gradient copies (clone, contiguous) and casts. */
+static int copy_backward(eng_node* n, eng_tensor** go, eng_tensor** gi) {
+  if (!go[0]) return 0;
+  gi[0] = eng_tensor_to_dtype(go[0], eng_node_in_dtype(n, 0));
+  return gi[0] ? 0 : -1;
+}
+
+static eng_tensor* copy_as(eng_tensor* t, int dtype, const char* name) {
+  eng_tensor* r = eng_new(t->ndim, t->shape, dtype, t->device);
+  if (!r) return NULL;
+  eng_copy_raw(r, t, t->stride);
+  if (eng_dtype_is_floating(dtype)) eng_record(name, copy_backward, 1, &t, r);
+  return r;
+}
+
+eng_tensor* eng_tensor_clone(eng_tensor* t) {
+  ENG_CHECK(t, "clone");
+  return copy_as(t, t->dtype, "CloneBackward");
+}
+
+eng_tensor* eng_tensor_contiguous(eng_tensor* t) {
+  ENG_CHECK(t, "contiguous");
+  if (eng_tensor_is_contiguous(t)) return eng_tensor_retain(t);
+  return copy_as(t, t->dtype, "CloneBackward");
+}
+
+eng_tensor* eng_tensor_to_dtype(eng_tensor* t, int dtype) {
+  ENG_CHECK(t, "to");
+  if (dtype < 0 || dtype >= ENG_NUM_DTYPES) return eng_errp("to: invalid dtype code %d", dtype);
+  if (t->dtype == dtype) return eng_tensor_retain(t);
+  return copy_as(t, dtype, "ToCopyBackward");
+}
+
+eng_tensor* eng_tensor_detach(eng_tensor* t) {
+  ENG_CHECK(t, "detach");
+  return eng_view_of(t, t->ndim, t->shape, t->stride, t->offset);
+}
+
+int eng_tensor_set_requires_grad(eng_tensor* t, int flag) {
+  ENG_CHECK_I(t, "requires_grad_");
+  if (flag && !eng_dtype_is_floating(t->dtype))
+    return eng_err("requires_grad_: only floating point tensors can require gradients, got %s", eng_desc(t));
+  if (!flag && t->grad_fn)
+    return eng_err("requires_grad_: %s is not a leaf (it has grad_fn %s); use detach()", eng_desc(t),
+                   t->grad_fn->name);
+  t->requires_grad = flag ? 1 : 0;
+  return 0;
+}
+
+eng_tensor* eng_tensor_grad(eng_tensor* t) { return t ? t->grad : NULL; }
+
+int eng_tensor_set_grad(eng_tensor* t, eng_tensor* g) {
+  ENG_CHECK_I(t, "set_grad");
+  if (g && !eng_same_shape(t, g))
+    return eng_err("set_grad: gradient %s does not match tensor %s", eng_desc(g), eng_desc(t));
+  if (g) eng_tensor_retain(g);
+  eng_tensor_release(t->grad);
+  t->grad = g;
+  return 0;
+}
+
+int32_t eng_tensor_version(const eng_tensor* t) { return t ? t->storage->version : 0; }

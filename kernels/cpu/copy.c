@@ -1,0 +1,118 @@
+/* copy.c: strided copies, conversions, fills and the N-d row iterator. */
+#include "kcpu.h"
+#include <string.h>
+
+#define KMAX 8
+
+void kc_foreach(int ndim, const int64_t* shape, int k, char** base, const int64_t* const* strides,
+                const int* esz, kc_row_fn fn, void* ctx) {
+  int64_t sh[KMAX], st[4][KMAX]; /* byte strides, up to 4 operands */
+  int nd = 0;
+  for (int d = 0; d < ndim; d++) {
+    if (shape[d] == 0) return;
+    if (shape[d] == 1) continue;
+    sh[nd] = shape[d];
+    for (int j = 0; j < k; j++) st[j][nd] = strides[j][d] * esz[j];
+    nd++;
+  }
+  /* coalesce adjacent dims (outer d-1, inner d) where stride[d-1] == stride[d]*shape[d] */
+  int m = 0;
+  for (int d = 0; d < nd; d++) {
+    if (m > 0) {
+      int ok = 1;
+      for (int j = 0; j < k; j++) if (st[j][m - 1] != st[j][d] * sh[d]) { ok = 0; break; }
+      if (ok) { sh[m - 1] *= sh[d]; for (int j = 0; j < k; j++) st[j][m - 1] = st[j][d]; continue; }
+    }
+    sh[m] = sh[d];
+    for (int j = 0; j < k; j++) st[j][m] = st[j][d];
+    m++;
+  }
+  if (m == 0) { /* a single element */
+    int64_t z[4] = {0, 0, 0, 0};
+    fn(1, base, z, ctx);
+    return;
+  }
+  int64_t inner = sh[m - 1], istr[4];
+  for (int j = 0; j < k; j++) istr[j] = st[j][m - 1];
+  int64_t idx[KMAX] = {0};
+  char* p[4];
+  for (;;) {
+    for (int j = 0; j < k; j++) {
+      p[j] = base[j];
+      for (int d = 0; d < m - 1; d++) p[j] += idx[d] * st[j][d];
+    }
+    fn(inner, p, istr, ctx);
+    int d = m - 2;
+    while (d >= 0) { if (++idx[d] < sh[d]) break; idx[d] = 0; d--; }
+    if (d < 0) break;
+  }
+}
+
+static const int kc_size[8] = {4, 8, 2, 2, 4, 8, 1, 1};
+
+typedef struct { int ddt, sdt; } cpy_ctx;
+
+static void copy_row(int64_t n, char** p, const int64_t* s, void* vctx) {
+  cpy_ctx* c = vctx;
+  char *d = p[0]; const char* x = p[1];
+  int64_t sd = s[0], sx = s[1];
+  if (c->ddt == c->sdt) {
+    int es = kc_size[c->ddt];
+    if (sd == es && sx == es) { memcpy(d, x, (size_t)(n * es)); return; }
+    switch (es) {
+      case 4: for (int64_t i = 0; i < n; i++) *(uint32_t*)(d + i * sd) = *(const uint32_t*)(x + i * sx); return;
+      case 8: for (int64_t i = 0; i < n; i++) *(uint64_t*)(d + i * sd) = *(const uint64_t*)(x + i * sx); return;
+      case 2: for (int64_t i = 0; i < n; i++) *(uint16_t*)(d + i * sd) = *(const uint16_t*)(x + i * sx); return;
+      default: for (int64_t i = 0; i < n; i++) d[i * sd] = x[i * sx]; return;
+    }
+  }
+  if (c->ddt == KC_F32 && c->sdt == KC_BF16) {
+    for (int64_t i = 0; i < n; i++) *(float*)(d + i * sd) = kc_bf16_to_f32(*(const uint16_t*)(x + i * sx));
+    return;
+  }
+  if (c->ddt == KC_BF16 && c->sdt == KC_F32) {
+    for (int64_t i = 0; i < n; i++) *(uint16_t*)(d + i * sd) = kc_f32_to_bf16(*(const float*)(x + i * sx));
+    return;
+  }
+  if (c->ddt == KC_F64 && c->sdt == KC_F32) {
+    for (int64_t i = 0; i < n; i++) *(double*)(d + i * sd) = *(const float*)(x + i * sx);
+    return;
+  }
+  if (c->ddt == KC_F32 && c->sdt == KC_F64) {
+    for (int64_t i = 0; i < n; i++) *(float*)(d + i * sd) = (float)*(const double*)(x + i * sx);
+    return;
+  }
+  if (c->ddt == KC_BOOL) {
+    for (int64_t i = 0; i < n; i++) *(uint8_t*)(d + i * sd) = kc_load(x + i * sx, c->sdt) != 0.0;
+    return;
+  }
+  for (int64_t i = 0; i < n; i++) kc_store(d + i * sd, c->ddt, kc_load(x + i * sx, c->sdt));
+}
+
+void kc_copy(int ndim, const int64_t* shape, void* dst, int ddt, const int64_t* dstride,
+             const void* src, int sdt, const int64_t* sstride) {
+  cpy_ctx c = {ddt, sdt};
+  char* base[2] = {(char*)dst, (char*)src};
+  const int64_t* strides[2] = {dstride, sstride};
+  int esz[2] = {kc_size[ddt], kc_size[sdt]};
+  kc_foreach(ndim, shape, 2, base, strides, esz, copy_row, &c);
+}
+
+void kc_convert(int64_t n, void* dst, int ddt, const void* src, int sdt) {
+  int64_t one = 1;
+  kc_copy(1, &n, dst, ddt, &one, src, sdt, &one);
+}
+
+void kc_fill(int64_t n, void* dst, int dt, double v) {
+  if (v == 0.0 && dt != KC_BF16 && dt != KC_F16) { memset(dst, 0, (size_t)(n * kc_size[dt])); return; }
+  char tmp[8];
+  kc_store(tmp, dt, v);
+  int es = kc_size[dt];
+  char* d = dst;
+  switch (es) {
+    case 4: { uint32_t x; memcpy(&x, tmp, 4); for (int64_t i = 0; i < n; i++) ((uint32_t*)d)[i] = x; break; }
+    case 8: { uint64_t x; memcpy(&x, tmp, 8); for (int64_t i = 0; i < n; i++) ((uint64_t*)d)[i] = x; break; }
+    case 2: { uint16_t x; memcpy(&x, tmp, 2); for (int64_t i = 0; i < n; i++) ((uint16_t*)d)[i] = x; break; }
+    default: memset(d, tmp[0], (size_t)n); break;
+  }
+}

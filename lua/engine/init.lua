@@ -1,0 +1,56 @@
+-- engine: the Lua library of the training engine.
+--   local engine = require("engine")
+--   local nn, optim, dist = engine.nn, engine.optim, engine.distributed
+local core = require("engine.core")
+local Tensor = require("engine.tensor")
+local autograd = require("engine.autograd")
+local C = core.C
+
+C.eng_runtime_init()
+
+local engine = {}
+for k, v in pairs(Tensor.functions) do engine[k] = v end
+
+-- Op families register their methods and functions.
+for _, mod in ipairs({ "pointwise", "reduce", "shape", "nn", "random", "io" }) do
+  local ok, err = pcall(require, "engine.ops." .. mod)
+  if not ok and not tostring(err):match("module 'engine.ops." .. mod .. "' not found") then error(err, 0) end
+  if ok and type(err) == "table" then for k, v in pairs(err) do engine[k] = v end end
+end
+
+engine.Tensor = Tensor
+engine.autograd = autograd
+engine.no_grad = autograd.no_grad
+engine.enable_grad = autograd.enable_grad
+engine.is_grad_enabled = autograd.is_grad_enabled
+engine.set_grad_enabled = autograd.set_grad_enabled
+engine.version = core.ffi.string(C.eng_version())
+engine.C = C
+engine.ffi = core.ffi
+
+function engine.set_num_threads(n) core.check(C.eng_set_num_threads(n)) end
+function engine.get_num_threads() return C.eng_get_num_threads() end
+function engine.blas_corename() return core.ffi.string(C.eng_blas_corename()) end
+function engine.time() return C.eng_time() end
+
+-- Memory: the caching allocator's statistics (bytes).
+function engine.memory_stats()
+  local s = core.ffi.new("eng_alloc_stats")
+  C.eng_alloc_get_stats(s)
+  return { allocated = tonumber(s.allocated), peak_allocated = tonumber(s.peak_allocated),
+    reserved = tonumber(s.reserved), n_system_allocs = tonumber(s.n_system_allocs),
+    n_allocs = tonumber(s.n_allocs) }
+end
+function engine.reset_peak_memory() C.eng_alloc_reset_peak() end
+function engine.empty_cache() collectgarbage(); collectgarbage(); C.eng_alloc_empty_cache() end
+function engine.live_tensors() return tonumber(C.eng_tensor_live_count()) end
+
+-- Lazily loaded sub-libraries.
+local lazy = { nn = "engine.nn", optim = "engine.optim", data = "engine.data",
+  distributed = "engine.distributed", models = "engine.models" }
+setmetatable(engine, { __index = function(t, k)
+  local m = lazy[k]
+  if m then local v = require(m); rawset(t, k, v); return v end
+end })
+
+return engine

@@ -1,0 +1,433 @@
+-- engine.tensor: the Tensor type (a Lua table holding an eng_tensor* in _c),
+-- creation functions, core methods, arithmetic operators and autograd.
+-- Op families add their methods from engine/ops/*.lua through Tensor.methods.
+local core = require("engine.core")
+local ffi, C = core.ffi, core.C
+local wrap, ct, check, dim = core.wrap, core.ct, core.check, core.dim
+
+local Tensor = {}
+local methods = {}
+local props = {}
+Tensor.methods = methods
+Tensor.props = props
+Tensor.__name = "Tensor"
+core.Tensor = Tensor
+
+Tensor.__index = function(t, k)
+  local m = methods[k]
+  if m ~= nil then return m end
+  local p = props[k]
+  if p ~= nil then return p(t) end
+  return nil
+end
+
+Tensor.__newindex = function(t, k, v)
+  if k == "grad" then
+    check(C.eng_tensor_set_grad(t._c, v and ct(v, "grad", 1) or nil))
+  elseif k == "requires_grad" then
+    check(C.eng_tensor_set_requires_grad(t._c, v and 1 or 0))
+  elseif props[k] then
+    error("tensor: property '" .. k .. "' is read-only", 2)
+  else
+    rawset(t, k, v)
+  end
+end
+
+local M = {}  -- functions exported as engine.*
+Tensor.functions = M
+
+-- ---------------------------------------------------------------- creation
+local function opts_dtype(opts, default, op)
+  if type(opts) == "string" or type(opts) == "number" then return core.dtype(opts, op, 4) end
+  if type(opts) == "table" and opts.dtype ~= nil then return core.dtype(opts.dtype, op, 4) end
+  return default
+end
+
+local function requires(t, opts)
+  if type(opts) == "table" and opts.requires_grad then check(C.eng_tensor_set_requires_grad(t._c, 1), 4) end
+  return t
+end
+
+-- Splits trailing options table from shape varargs: f(2, 3, {dtype="f64"}).
+local function shape_and_opts(op, ...)
+  local n = select("#", ...)
+  local last = select(n, ...)
+  if n >= 1 and (type(last) == "table" and last[1] == nil and getmetatable(last) == nil) then
+    local args = { ... }
+    args[n] = nil
+    if n == 2 and type(args[1]) == "table" then return args[1], last end
+    return args, last
+  end
+  if n == 1 and type(last) == "table" then return last, nil end
+  return { ... }, nil
+end
+
+function M.empty(...)
+  local shape, opts = shape_and_opts("empty", ...)
+  local n, arr = core.shape_arg("empty", shape)
+  return requires(wrap(C.eng_tensor_empty(n, arr, opts_dtype(opts, 0, "empty"), 0)), opts)
+end
+
+function M.zeros(...)
+  local shape, opts = shape_and_opts("zeros", ...)
+  local n, arr = core.shape_arg("zeros", shape)
+  return requires(wrap(C.eng_tensor_zeros(n, arr, opts_dtype(opts, 0, "zeros"), 0)), opts)
+end
+
+function M.ones(...)
+  local shape, opts = shape_and_opts("ones", ...)
+  local n, arr = core.shape_arg("ones", shape)
+  return requires(wrap(C.eng_tensor_full(n, arr, 1, opts_dtype(opts, 0, "ones"), 0)), opts)
+end
+
+-- full(shape_table, value, opts)
+function M.full(shape, value, opts)
+  local n, arr = core.shape_arg("full", shape)
+  if type(value) ~= "number" and type(value) ~= "boolean" then
+    error("full: fill value must be a number, got " .. type(value), 2)
+  end
+  if type(value) == "boolean" then value = value and 1 or 0 end
+  return requires(wrap(C.eng_tensor_full(n, arr, value, opts_dtype(opts, 0, "full"), 0)), opts)
+end
+
+local function all_int(...)
+  for i = 1, select("#", ...) do
+    local v = select(i, ...)
+    if type(v) == "number" and v % 1 ~= 0 then return false end
+  end
+  return true
+end
+
+-- arange(end) / arange(start, end[, step]) [, opts]; integer args give i64.
+function M.arange(a, b, c, d)
+  local opts
+  if type(b) == "table" then opts, b = b, nil elseif type(c) == "table" then opts, c = c, nil
+  elseif type(d) == "table" then opts = d end
+  local start, stop, step
+  if b == nil then start, stop, step = 0, a, 1 else start, stop, step = a, b, c or 1 end
+  if type(start) ~= "number" or type(stop) ~= "number" or type(step) ~= "number" then
+    error("arange: start, end and step must be numbers", 2)
+  end
+  local dt = opts_dtype(opts, all_int(start, stop, step) and 5 or 0, "arange")
+  return requires(wrap(C.eng_tensor_arange(start, stop, step, dt, 0)), opts)
+end
+
+-- tensor(nested_table [, dtype or opts]): integers -> i64, booleans -> bool, else f32.
+function M.tensor(data, opts)
+  if core.is_tensor(data) then return data:clone() end
+  local shape, flat = {}, {}
+  local kind = "int"
+  if type(data) == "number" or type(data) == "boolean" then
+    flat[1] = data
+  elseif type(data) == "table" then
+    local t = data
+    while type(t) == "table" do
+      shape[#shape + 1] = #t
+      t = t[1]
+    end
+    local function walk(x, d)
+      if d > #shape then
+        if type(x) == "boolean" then kind = (kind == "int" and #flat == 0) and "bool" or kind; flat[#flat + 1] = x and 1 or 0; return end
+        if type(x) ~= "number" then error("tensor: elements must be numbers or booleans, got " .. type(x), 4) end
+        if kind == "bool" then kind = "int" end
+        if x % 1 ~= 0 then kind = "float" end
+        flat[#flat + 1] = x
+        return
+      end
+      if type(x) ~= "table" or #x ~= shape[d] then
+        error(string.format("tensor: ragged nested table: expected %d elements at depth %d", shape[d], d), 4)
+      end
+      for i = 1, #x do walk(x[i], d + 1) end
+    end
+    walk(data, 1)
+  else
+    error("tensor: expected a number or a nested table of numbers, got " .. type(data), 2)
+  end
+  if type(data) == "number" and data % 1 ~= 0 then kind = "float" end
+  if type(data) == "boolean" then kind = "bool"; flat[1] = data and 1 or 0 end
+  local default = kind == "float" and 0 or (kind == "bool" and 7 or 5)
+  local dt = opts_dtype(opts, default, "tensor")
+  local n = #flat
+  local buf = ffi.new("double[?]", n > 0 and n or 1)
+  for i = 1, n do buf[i - 1] = flat[i] end
+  local nd, arr = core.shape_arg("tensor", shape)
+  return requires(wrap(C.eng_tensor_from_data(nd, arr, dt, buf, 1, n)), opts)
+end
+
+function M.rand(...)
+  local shape, opts = shape_and_opts("rand", ...)
+  local n, arr = core.shape_arg("rand", shape)
+  return requires(wrap(C.eng_rand(n, arr, opts_dtype(opts, 0, "rand"))), opts)
+end
+
+function M.randn(...)
+  local shape, opts = shape_and_opts("randn", ...)
+  local n, arr = core.shape_arg("randn", shape)
+  return requires(wrap(C.eng_randn(n, arr, opts_dtype(opts, 0, "randn"))), opts)
+end
+
+function M.zeros_like(t, opts) return M.zeros(t:shape(), { dtype = opts_dtype(opts, t._c.dtype, "zeros_like") }) end
+function M.ones_like(t, opts) return M.ones(t:shape(), { dtype = opts_dtype(opts, t._c.dtype, "ones_like") }) end
+function M.full_like(t, v, opts) return M.full(t:shape(), v, { dtype = opts_dtype(opts, t._c.dtype, "full_like") }) end
+function M.empty_like(t, opts) return M.empty(t:shape(), { dtype = opts_dtype(opts, t._c.dtype, "empty_like") }) end
+function M.rand_like(t) return M.rand(t:shape(), { dtype = t._c.dtype }) end
+function M.randn_like(t) return M.randn(t:shape(), { dtype = t._c.dtype }) end
+
+function M.manual_seed(seed)
+  if type(seed) ~= "number" or seed < 0 or seed % 1 ~= 0 then error("manual_seed: seed must be a non-negative integer", 2) end
+  C.eng_manual_seed(seed)
+end
+
+M.is_tensor = core.is_tensor
+
+-- ---------------------------------------------------------------- properties
+props.dtype = function(t) return core.dtype_names[t._c.dtype] end
+props.device = function(t) return t._c.device == 0 and "cpu" or "cuda" end
+props.ndim = function(t) return t._c.ndim end
+props.requires_grad = function(t) return t._c.requires_grad ~= 0 end
+props.is_leaf = function(t) return t._c.grad_fn == nil end
+props.grad = function(t) return core.wrap_borrowed(t._c.grad) end
+props.grad_fn = function(t)
+  if t._c.grad_fn == nil then return nil end
+  return ffi.string(t._c.grad_fn.name)
+end
+
+-- ---------------------------------------------------------------- core methods
+function methods.dim(t) return t._c.ndim end
+methods.nDimension = methods.dim
+function methods.numel(t) return tonumber(t._c.numel) end
+methods.nElement = methods.numel
+
+-- size() -> table; size(d) -> number (d 1-based, negative from the end)
+function methods.size(t, d)
+  local c = t._c
+  if d == nil then
+    local s = {}
+    for i = 0, c.ndim - 1 do s[i + 1] = tonumber(c.shape[i]) end
+    return s
+  end
+  return tonumber(c.shape[dim(d, c.ndim, "size", 0, 3)])
+end
+
+function methods.shape(t)
+  local c, s = t._c, {}
+  for i = 0, c.ndim - 1 do s[i + 1] = tonumber(c.shape[i]) end
+  return s
+end
+
+function methods.stride(t, d)
+  local c = t._c
+  if d == nil then
+    local s = {}
+    for i = 0, c.ndim - 1 do s[i + 1] = tonumber(c.stride[i]) end
+    return s
+  end
+  return tonumber(c.stride[dim(d, c.ndim, "stride", 0, 3)])
+end
+
+function methods.is_contiguous(t) return C.eng_tensor_is_contiguous(t._c) ~= 0 end
+function methods.element_size(t) return C.eng_dtype_size(t._c.dtype) end
+function methods.is_floating_point(t) return C.eng_dtype_is_floating(t._c.dtype) ~= 0 end
+function methods.data_ptr(t) return C.eng_tensor_data(t._c) end
+
+local item_buf = ffi.new("double[1]")
+function methods.item(t)
+  check(C.eng_tensor_item(t._c, item_buf))
+  local v = item_buf[0]
+  if t._c.dtype == 7 then return v ~= 0 end
+  return v
+end
+
+-- Values as a flat Lua array (row-major).
+function methods.tolist_flat(t)
+  local n = tonumber(t._c.numel)
+  local buf = ffi.new("double[?]", n > 0 and n or 1)
+  check(C.eng_tensor_read(t._c, buf, 1, n))
+  local out = {}
+  for i = 1, n do out[i] = buf[i - 1] end
+  return out, buf
+end
+
+-- Nested Lua tables (a number for a 0-d tensor).
+function methods.totable(t)
+  local flat = t:tolist_flat()
+  local shape = t:shape()
+  local isbool = t._c.dtype == 7
+  if #shape == 0 then
+    if isbool then return flat[1] ~= 0 end
+    return flat[1]
+  end
+  local pos = 0
+  local function build(d)
+    local r = {}
+    for i = 1, shape[d] do
+      if d == #shape then
+        pos = pos + 1
+        local v = flat[pos]
+        if isbool then v = v ~= 0 end
+        r[i] = v
+      else
+        r[i] = build(d + 1)
+      end
+    end
+    return r
+  end
+  return build(1)
+end
+methods.tolist = methods.totable
+
+function methods.clone(t) return wrap(C.eng_tensor_clone(ct(t, "clone"))) end
+function methods.contiguous(t) return wrap(C.eng_tensor_contiguous(ct(t, "contiguous"))) end
+function methods.detach(t) return wrap(C.eng_tensor_detach(ct(t, "detach"))) end
+
+-- to(dtype) / to("cpu") / to{dtype=..., device=...}
+function methods.to(t, what)
+  local dt, dev
+  if type(what) == "table" then dt, dev = what.dtype, what.device
+  elseif what == "cpu" or what == "cuda" then dev = what
+  else dt = what end
+  local r = t
+  if dev ~= nil and dev ~= r.device then
+    if methods._to_device then r = methods._to_device(r, dev)
+    else error("to: device '" .. tostring(dev) .. "' is not available in this build", 2) end
+  end
+  if dt ~= nil then r = wrap(C.eng_tensor_to_dtype(r._c, core.dtype(dt, "to", 3))) end
+  return r
+end
+function methods.float(t) return wrap(C.eng_tensor_to_dtype(t._c, 0)) end
+function methods.double(t) return wrap(C.eng_tensor_to_dtype(t._c, 1)) end
+function methods.bfloat16(t) return wrap(C.eng_tensor_to_dtype(t._c, 2)) end
+function methods.half(t) return wrap(C.eng_tensor_to_dtype(t._c, 3)) end
+function methods.int(t) return wrap(C.eng_tensor_to_dtype(t._c, 4)) end
+function methods.long(t) return wrap(C.eng_tensor_to_dtype(t._c, 5)) end
+function methods.byte(t) return wrap(C.eng_tensor_to_dtype(t._c, 6)) end
+function methods.bool(t) return wrap(C.eng_tensor_to_dtype(t._c, 7)) end
+
+function methods.zero_(t) check(C.eng_tensor_zero_(t._c)); return t end
+function methods.fill_(t, v)
+  if type(v) == "boolean" then v = v and 1 or 0 end
+  if type(v) ~= "number" then error("fill_: value must be a number", 2) end
+  check(C.eng_tensor_fill_(t._c, v)); return t
+end
+function methods.copy_(t, src)
+  check(C.eng_tensor_copy_(t._c, ct(src, "copy_", 1)))
+  return t
+end
+
+-- Element access with 1-based indices (Torch7 style): t:get(i, j), t:set(v, i, j).
+local idx_buf = ffi.new("int64_t[8]")
+local function fill_index(t, op, ...)
+  local c = t._c
+  local n = select("#", ...)
+  if n ~= c.ndim then error(string.format("%s: %d indices for a %d-d tensor", op, n, c.ndim), 4) end
+  for i = 1, n do
+    local v = select(i, ...)
+    if type(v) ~= "number" or v % 1 ~= 0 then error(op .. ": indices must be integers", 4) end
+    if v < 0 then v = tonumber(c.shape[i - 1]) + v + 1 end
+    if v < 1 or v > c.shape[i - 1] then
+      error(string.format("%s: index %d out of range for dim %d of size %d (indices are 1-based)", op,
+        select(i, ...), i, tonumber(c.shape[i - 1])), 4)
+    end
+    idx_buf[i - 1] = v - 1
+  end
+end
+function methods.get(t, ...)
+  fill_index(t, "get", ...)
+  check(C.eng_tensor_get(t._c, idx_buf, item_buf))
+  return item_buf[0]
+end
+function methods.set(t, v, ...)
+  fill_index(t, "set", ...)
+  check(C.eng_tensor_set(t._c, idx_buf, v))
+  return t
+end
+
+-- ---------------------------------------------------------------- printing
+local function fmt_num(v, isfloat)
+  if not isfloat then return string.format("%d", v) end
+  if v ~= v then return "nan" end
+  if v == math.huge then return "inf" elseif v == -math.huge then return "-inf" end
+  return string.format("%.4f", v)
+end
+
+function Tensor.__tostring(t)
+  local c = t._c
+  local shape = t:shape()
+  local isfloat = C.eng_dtype_is_floating(c.dtype) ~= 0
+  local isbool = c.dtype == 7
+  local flat = t:tolist_flat()
+  local strides = {}
+  local s = 1
+  for d = #shape, 1, -1 do strides[d] = s; s = s * shape[d] end
+  local function fmt(v) if isbool then return v ~= 0 and "true" or "false" end return fmt_num(v, isfloat) end
+  local function rec(d, base, indent)
+    if d > #shape then return fmt(flat[base + 1]) end
+    local n, parts = shape[d], {}
+    local edge = 3
+    local sep = d == #shape and ", " or (",\n" .. indent .. " ")
+    for i = 1, n do
+      if n > 2 * edge + 1 and i == edge + 1 then parts[#parts + 1] = "..."
+      end
+      if not (n > 2 * edge + 1 and i > edge and i <= n - edge) then
+        parts[#parts + 1] = rec(d + 1, base + (i - 1) * strides[d], indent .. " ")
+      end
+    end
+    return "[" .. table.concat(parts, sep) .. "]"
+  end
+  local body = #shape == 0 and fmt(flat[1]) or rec(1, 0, "       ")
+  local extra = ""
+  if c.grad_fn ~= nil then extra = ", grad_fn=" .. ffi.string(c.grad_fn.name)
+  elseif c.requires_grad ~= 0 then extra = ", requires_grad=true" end
+  local dev = c.device == 0 and "" or ", device=cuda"
+  return string.format("tensor(%s, %s%s%s%s)", body, core.dtype_names[c.dtype],
+    "[" .. table.concat(shape, ",") .. "]", dev, extra)
+end
+
+-- ---------------------------------------------------------------- arithmetic operators
+local function binop(name, cfun, cscalar, crscalar)
+  return function(a, b)
+    local ta, tb = type(a), type(b)
+    if ta == "table" and tb == "table" then
+      return wrap(cfun(ct(a, name, 1), ct(b, name, 2)))
+    elseif ta == "table" and tb == "number" then
+      return wrap(cscalar(ct(a, name, 1), b))
+    elseif ta == "number" and tb == "table" then
+      return wrap(crscalar(a, ct(b, name, 2)))
+    end
+    error(string.format("%s: unsupported operand types %s and %s", name, ta, tb), 2)
+  end
+end
+
+local add = binop("add", C.eng_add, C.eng_add_scalar, function(s, t) return C.eng_add_scalar(t, s) end)
+local sub = binop("sub", C.eng_sub, C.eng_sub_scalar, C.eng_rsub_scalar)
+local mul = binop("mul", C.eng_mul, C.eng_mul_scalar, function(s, t) return C.eng_mul_scalar(t, s) end)
+local div = binop("div", C.eng_div, C.eng_div_scalar, C.eng_rdiv_scalar)
+local pow = binop("pow", C.eng_pow, C.eng_pow_scalar, C.eng_rpow_scalar)
+methods.add, methods.sub, methods.mul, methods.div, methods.pow = add, sub, mul, div, pow
+M.add, M.sub, M.mul, M.div, M.pow = add, sub, mul, div, pow
+Tensor.__add, Tensor.__sub, Tensor.__mul, Tensor.__div, Tensor.__pow = add, sub, mul, div, pow
+Tensor.__unm = function(a) return wrap(C.eng_neg(ct(a, "neg", 1))) end
+
+function methods.maximum(a, b) return wrap(C.eng_maximum(ct(a, "maximum", 1), ct(b, "maximum", 2))) end
+function methods.minimum(a, b) return wrap(C.eng_minimum(ct(a, "minimum", 1), ct(b, "minimum", 2))) end
+M.maximum, M.minimum = methods.maximum, methods.minimum
+
+-- In-place arithmetic (optimizers, init).
+function methods.add_(a, b, alpha)
+  if type(b) == "number" then check(C.eng_add_scalar_(a._c, b)) else check(C.eng_add_(a._c, ct(b, "add_", 1), alpha or 1)) end
+  return a
+end
+function methods.sub_(a, b)
+  if type(b) == "number" then check(C.eng_add_scalar_(a._c, -b)) else check(C.eng_sub_(a._c, ct(b, "sub_", 1))) end
+  return a
+end
+function methods.mul_(a, b)
+  if type(b) == "number" then check(C.eng_mul_scalar_(a._c, b)) else check(C.eng_mul_(a._c, ct(b, "mul_", 1))) end
+  return a
+end
+function methods.div_(a, b)
+  if type(b) == "number" then check(C.eng_mul_scalar_(a._c, 1 / b)) else check(C.eng_div_(a._c, ct(b, "div_", 1))) end
+  return a
+end
+
+return Tensor

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Installs the Debian packages the engine needs, only those missing.
+# Usage: tools/install-deps.sh [--torch]   (--torch adds PyTorch for fixtures/baselines)
+set -euo pipefail
+pkgs=(build-essential cmake pkg-config luajit libluajit-5.1-dev lua-busted openmpi-bin libopenmpi-dev
+      libopenblas-dev bible-kjv bible-kjv-text)
+if [ "${1:-}" = "--torch" ]; then pkgs+=(python3-torch python3-numpy); fi
+missing=()
+for p in "${pkgs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -eq 0 ]; then exit 0; fi
+echo "install-deps: installing ${missing[*]}"
+SUDO=""
+if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update -qq
+$SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
