@@ -30,6 +30,8 @@ extern "C" {
 #include "eng/rng.h"
 #include "eng/io.h"
 #include "eng/dist.h"
+#include "eng/comm.h"
+#include "eng/mesh.h"
 #ifdef __cplusplus
 }
 #endif

@@ -48,7 +48,7 @@ static void lua_release_id(int64_t id) {
 int eng_lua_released(int64_t* out, int max) {
   pthread_mutex_lock(&g_rel_mu);
   int n = g_rel_n < max ? g_rel_n : max;
-  memcpy(out, g_rel + (g_rel_n - n), (size_t)n * sizeof *out);
+  if (n > 0) memcpy(out, g_rel + (g_rel_n - n), (size_t)n * sizeof *out);
   g_rel_n -= n;
   pthread_mutex_unlock(&g_rel_mu);
   return n;
@@ -97,7 +97,8 @@ static int hook_call(eng_hook* k, eng_tensor* t, eng_tensor** grad) {
   int rc;
   if (k->fn) rc = k->fn(t, *grad, &out, k->ud);
   else if (!g_lua) rc = eng_err("hook: no Lua dispatcher registered");
-  else rc = g_lua(k->post ? 1 : 0, k->lua_id, 1, grad, k->post ? 0 : 1, &out);
+  else if (k->post) rc = g_lua(1, k->lua_id, 1, &t, 0, &out); /* post hooks get the leaf */
+  else rc = g_lua(0, k->lua_id, 1, grad, 1, &out);
   if (rc) { eng_tensor_release(out); return -1; }
   if (out) {
     if (*grad && !eng_same_shape(out, *grad)) {
@@ -462,6 +463,9 @@ static void graph_free(graph* g) {
     if (s->buf) for (int j = 0; j < s->node->n_outputs; j++) eng_tensor_release(s->buf[j]);
     free(s->buf);
   }
+  /* release the graph's node references only after the buffers (a node held
+   * by the graph alone, e.g. a root leaf's accumulator, dies here) */
+  for (int k = 0; k < g->n; k++) eng_node_release(g->st[k].node);
   free(g->st); free(g->table); free(g->heap);
 }
 
@@ -474,10 +478,15 @@ static int accumulate_backward(eng_node* n, eng_tensor** go, eng_tensor** gi) {
     for (eng_hook* k = leaf->hooks->head; k; k = k->next)
       if (hook_call(k, leaf, &g)) { eng_tensor_release(g); return -1; }
   if (!leaf->grad) {
-    if (g->refcount == 1 && eng_tensor_is_contiguous(g) && g->dtype == leaf->dtype && !g->grad_fn)
+    /* steal g only when nothing else can see its memory; otherwise copy
+     * (.grad is accumulated in place later and must not alias the caller's
+     * gradient or another leaf's) */
+    if (g->refcount == 1 && g->storage->refcount == 1 && eng_tensor_is_contiguous(g) &&
+        g->dtype == leaf->dtype && !g->grad_fn)
       leaf->grad = g;
     else {
-      leaf->grad = eng_as_contig(g, leaf->dtype);
+      leaf->grad = eng_new(leaf->ndim, leaf->shape, leaf->dtype, leaf->device);
+      if (leaf->grad) eng_copy_raw(leaf->grad, g, g->stride);
       eng_tensor_release(g);
       if (!leaf->grad) return -1;
     }
@@ -661,7 +670,6 @@ oom:
 done:
   if (rc && n_inputs > 0 && input_grads)
     for (int j = 0; j < n_inputs; j++) { eng_tensor_release(input_grads[j]); input_grads[j] = NULL; }
-  for (int k = 0; k < g.n; k++) eng_node_release(g.st[k].node);
   graph_free(&g);
   if (roots_grad) for (int i = 0; i < n; i++) eng_tensor_release(roots_grad[i]);
   free(roots_grad); free(roots); free(stack);

@@ -1,20 +1,27 @@
-/* dist_runtime.c: MPI start-up and shutdown, rank and world size. */
-#include "internal.h"
-#include <mpi.h>
+/* dist_runtime.c: MPI start-up and shutdown, rank and world size, merged
+ * test counts and the test watchdog. */
+#include "comm_impl.h"
+#include <pthread.h>
+#include <stdio.h>
+#include <time.h>
+#include <unistd.h>
 
 static int g_owned; /* we called MPI_Init */
 
 int eng_dist_init(void) {
-  int inited = 0;
+  int inited = 0, fin = 0;
   MPI_Initialized(&inited);
-  if (inited) return 0;
+  MPI_Finalized(&fin);
+  if (fin) return eng_err("dist.init: MPI was already finalized in this process");
+  /* the world group is created here, at the same point on every rank */
+  if (inited) return comm_ensure_init("dist.init");
   eng_runtime_init(); /* malloc settings must precede MPI's own allocations */
   int provided = 0;
   if (MPI_Init_thread(NULL, NULL, MPI_THREAD_FUNNELED, &provided) != MPI_SUCCESS)
     return eng_err("dist.init: MPI_Init_thread failed");
   MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
   g_owned = 1;
-  return 0;
+  return comm_ensure_init("dist.init");
 }
 
 int eng_dist_is_initialized(void) {
@@ -60,4 +67,77 @@ int eng_dist_barrier(void) {
 void eng_dist_abort(int code) {
   if (eng_dist_is_initialized()) MPI_Abort(MPI_COMM_WORLD, code);
   exit(code);
+}
+
+int eng_dist_allreduce_counts(int64_t* counts, int n) {
+  if (n < 0 || (n > 0 && !counts)) return eng_err("dist.allreduce_counts: bad arguments (n = %d)", n);
+  if (!eng_dist_is_initialized() || eng_dist_world_size() == 1 || n == 0) return 0;
+  int rc = MPI_Allreduce(MPI_IN_PLACE, counts, n, MPI_INT64_T, MPI_SUM, MPI_COMM_WORLD);
+  if (rc != MPI_SUCCESS) return eng_err("dist.allreduce_counts: %s", comm_mpi_errstr(rc));
+  return 0;
+}
+
+/* ---- watchdog: a thread that ends the process when a deadline passes. */
+static pthread_mutex_t g_wd_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t g_wd_cv;
+static int g_wd_started;
+static int64_t g_wd_gen;     /* bumped by every arm/disarm */
+static double g_wd_deadline; /* CLOCK_MONOTONIC seconds; 0: disarmed */
+static char g_wd_label[512];
+static int g_wd_rank;        /* world rank, read on the main thread */
+
+static void* watchdog_main(void* arg) {
+  (void)arg;
+  pthread_mutex_lock(&g_wd_mu);
+  for (;;) {
+    if (g_wd_deadline <= 0) { pthread_cond_wait(&g_wd_cv, &g_wd_mu); continue; }
+    struct timespec ts;
+    ts.tv_sec = (time_t)g_wd_deadline;
+    ts.tv_nsec = (long)((g_wd_deadline - (double)ts.tv_sec) * 1e9);
+    int64_t gen = g_wd_gen;
+    pthread_cond_timedwait(&g_wd_cv, &g_wd_mu, &ts);
+    if (gen != g_wd_gen || g_wd_deadline <= 0 || eng_time() < g_wd_deadline) continue;
+    fprintf(stderr,
+            "\n[rank %d] watchdog: '%s' did not finish in time; another rank has probably failed or issued a "
+            "different collective. Ending this rank (mpirun stops the others).\n%s",
+            g_wd_rank, g_wd_label, eng_comm_history_format(16));
+    fflush(stderr);
+    fflush(stdout);
+    _exit(3);
+  }
+  return NULL;
+}
+
+int eng_dist_watchdog_arm(double seconds, const char* label) {
+  if (!(seconds > 0)) return eng_err("watchdog: seconds must be positive, got %g", seconds);
+  pthread_mutex_lock(&g_wd_mu);
+  if (!g_wd_started) {
+    pthread_condattr_t a;
+    pthread_condattr_init(&a);
+    pthread_condattr_setclock(&a, CLOCK_MONOTONIC);
+    pthread_cond_init(&g_wd_cv, &a);
+    pthread_condattr_destroy(&a);
+    pthread_t th;
+    if (pthread_create(&th, NULL, watchdog_main, NULL) != 0) {
+      pthread_mutex_unlock(&g_wd_mu);
+      return eng_err("watchdog: cannot start its thread");
+    }
+    pthread_detach(th);
+    g_wd_started = 1;
+  }
+  snprintf(g_wd_label, sizeof g_wd_label, "%s", label ? label : "(unnamed)");
+  g_wd_rank = eng_dist_rank();
+  g_wd_deadline = eng_time() + seconds;
+  g_wd_gen++;
+  pthread_cond_signal(&g_wd_cv);
+  pthread_mutex_unlock(&g_wd_mu);
+  return 0;
+}
+
+void eng_dist_watchdog_disarm(void) {
+  pthread_mutex_lock(&g_wd_mu);
+  g_wd_deadline = 0;
+  g_wd_gen++;
+  if (g_wd_started) pthread_cond_signal(&g_wd_cv);
+  pthread_mutex_unlock(&g_wd_mu);
 }

@@ -84,4 +84,8 @@ int eng_lua_dispatch_module(int64_t id, eng_tensor** ts, int n, eng_tensor** unu
 /* Threads. */
 int eng_threads(void);
 
+/* RNG (rng.c): reserve n stream positions of the global generator atomically;
+ * returns the first offset and stores the generator's seed in *seed. */
+uint64_t eng_rng_reserve_seeded(uint64_t n, uint64_t* seed);
+
 #endif

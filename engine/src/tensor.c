@@ -250,9 +250,13 @@ eng_tensor* eng_as_contig(eng_tensor* t, int dtype) {
 }
 
 int eng_check_inplace(eng_tensor* t, const char* op) {
-  if (eng_grad_enabled() && t->requires_grad && !t->grad_fn)
-    return eng_err("%s: a leaf tensor that requires grad (%s) cannot be modified in place while grad "
-                   "mode is on (use no_grad)", op, eng_desc(t));
+  if (eng_grad_enabled() && t->requires_grad) {
+    if (!t->grad_fn)
+      return eng_err("%s: a leaf tensor that requires grad (%s) cannot be modified in place while grad "
+                     "mode is on (use no_grad)", op, eng_desc(t));
+    return eng_err("%s: %s requires grad (grad_fn %s); in-place writes to tensors in the autograd graph are "
+                   "not supported (use the out-of-place op, or no_grad)", op, eng_desc(t), t->grad_fn->name);
+  }
   return 0;
 }
 

@@ -53,4 +53,185 @@ enum { KB_ADD = 0, KB_SUB, KB_MUL, KB_DIV, KB_POW, KB_MAX, KB_MIN };
 /* o[i] = a[i] op b[i] over a row of n elements; strides in BYTES. */
 void kc_binary_row(int op, int dt, int64_t n, char* o, int64_t so, const char* a, int64_t sa,
                    const char* b, int64_t sb);
+
+/* shape.c */
+/* For each of outer rows: the blk[i] bytes of row o of each srcs[i], in order. */
+void kc_cat_blocks(int n, int64_t outer, char* dst, char* const* srcs, const int64_t* blk);
+/* dst[o, j, :] = src[o, idx[j], :] over rows of row_bytes bytes (contiguous). */
+void kc_index_select(int64_t outer, int64_t src_n, int64_t n_idx, int64_t row_bytes, char* dst,
+                     const char* src, const int64_t* idx);
+/* dst[o, idx[j], :] += src[o, j, :] (dst_n rows per o, inner elements per row). */
+void kc_index_add(int dt, int64_t outer, int64_t dst_n, int64_t n_idx, int64_t inner, char* dst,
+                  const char* src, const int64_t* idx);
+
+
+/* unary.c: elementwise unary functions (f32, f64; neg/abs/relu/clamp also
+ * i32, i64, u8).  Strides in BYTES.  p0/p1: clamp bounds (NaN = none). */
+enum { KU_NEG = 0, KU_EXP, KU_LOG, KU_SQRT, KU_RSQRT, KU_ABS, KU_TANH, KU_SIGMOID, KU_RELU,
+       KU_GELU, KU_GELU_TANH, KU_SILU, KU_CLAMP, KU_COUNT };
+void kc_unary_row(int op, int dt, int64_t n, char* o, int64_t so, const char* a, int64_t sa,
+                  double p0, double p1);
+/* gi = g * f'(x) where y = f(x) (f32, f64).  x or y may be unused by op
+ * (pass any valid pointer). */
+void kc_unary_grad_row(int op, int dt, int64_t n, char* gi, int64_t sgi, const char* g, int64_t sg,
+                       const char* x, int64_t sx, const char* y, int64_t sy, double p0, double p1);
+
+/* compare.c: comparisons, select and masked fill over strided rows (bytes). */
+enum { KCMP_EQ = 0, KCMP_NE, KCMP_LT, KCMP_LE, KCMP_GT, KCMP_GE };
+/* o (bool bytes) = a cmp b; dt in f32, f64, i32, i64, u8. */
+void kc_compare_row(int op, int dt, int64_t n, char* o, int64_t so, const char* a, int64_t sa,
+                    const char* b, int64_t sb);
+/* o = c ? a : b, elements of esz bytes (1, 2, 4, 8); c is bool/u8 bytes. */
+void kc_where_row(int esz, int64_t n, char* o, int64_t so, const char* c, int64_t sc, const char* a,
+                  int64_t sa, const char* b, int64_t sb);
+/* o = m ? *val : x, elements of esz bytes. */
+void kc_masked_fill_row(int esz, int64_t n, char* o, int64_t so, const char* x, int64_t sx,
+                        const char* m, int64_t sm, const void* val);
+
+/* inplace.c: fused in-place updates (strides in bytes); dt f32 or f64 for
+ * a, b, c alike (the engine converts other operands). */
+enum { KI_ADDCMUL = 0, KI_ADDCDIV, KI_LERP };
+void kc_inplace3_row(int op, int dt, int64_t n, char* a, int64_t sa, const char* b, int64_t sb,
+                     const char* c, int64_t sc, double v);
+
+/* reduce.c: sums and arg-extremes over strided rows (bytes). */
+/* acc += x over a row: acc is double for floating dt, int64 otherwise.
+ * sacc == 0 reduces the whole row into *acc (pairwise for floats). */
+void kc_sum_row(int dt, int64_t n, char* acc, int64_t sacc, const char* x, int64_t sx);
+/* Index of the first maximum (is_max) or minimum of a row; a NaN wins (the
+ * first one).  Any dtype. */
+int64_t kc_argext_row(int dt, int is_max, int64_t n, const char* x, int64_t sx);
+/* Column-wise: first extreme of each column of a contiguous [len, inner]
+ * block into vals (dt, [inner]) and idx ([inner]). */
+void kc_argext_cols(int dt, int is_max, int64_t len, int64_t inner, const char* x, char* vals, int64_t* idx);
+
+/* random.c: counter-based random runs (addressing in philox.h); strides in
+ * bytes.  Element k of a run is element j0 + k of the stream of seed. */
+enum { KC_RNG_UNIFORM = 0, KC_RNG_NORMAL = 1, KC_RNG_BERNOULLI = 2 };
+/* uniform: U[a, b); normal: a + b * N(0, 1); bernoulli: 1 with probability a. */
+double kc_random_value(int kind, uint64_t seed, uint64_t j, double a, double b);
+void kc_random_run(int kind, uint64_t seed, uint64_t j0, int64_t n, char* dst, int64_t stride, int dt,
+                   double a, double b);
+/* y = x * (u < keep ? scale : 0), u the uniform of the stream (any float dt). */
+void kc_dropout_run(uint64_t seed, uint64_t j0, int64_t n, double keep, double scale, const char* x,
+                    int64_t sx, char* y, int64_t sy, int dt);
+
+/* norm.c: fused layer_norm (rms = 0) and rms_norm (rms = 1) over m rows of
+ * n contiguous elements; dt f32 or f64 for x, w, b, y; w, b may be NULL;
+ * the per-row mean (unused, may be NULL, for rms) and rstd are double. */
+void kc_norm_fwd(int dt, int rms, int64_t m, int64_t n, const void* x, const void* w, const void* b,
+                 double eps, void* y, double* mean, double* rstd);
+/* dx (may be NULL) and the column sums dw += go * xhat, db += go (double[n]
+ * accumulators, each may be NULL). */
+void kc_norm_bwd(int dt, int rms, int64_t m, int64_t n, const void* go, const void* x, const void* w,
+                 const double* mean, const double* rstd, void* dx, double* dw, double* db);
+
+/* embedding.c: row gather / scatter-add; idx is i32 (idt 4) or i64 (5). */
+void kc_embedding_gather(int64_t n_idx, const void* idx, int idt, const char* w, int64_t row_bytes,
+                         char* out);
+/* gw[idx[i], :] += go[i, :] (dim elements, dt f32 or f64), skipping pad. */
+void kc_embedding_scatter_add(int dt, int64_t n_idx, const void* idx, int idt, const char* go,
+                              int64_t dim, int64_t pad, char* gw);
+
+/* optim.c: fused optimizer updates and norm accumulation over strided rows
+ * (strides in bytes).  Params f32/f64/bf16/f16; math in f32 for f32/bf16/f16
+ * params and in f64 for f64 params, in PyTorch's operation order. */
+typedef struct {
+  double lr, beta1, beta2, eps, weight_decay, step_size, bc2_sqrt;
+  int pdt, gdt, sdt;
+} kc_adamw_args;
+void kc_adamw_row(const kc_adamw_args* a, int64_t n, char* p, int64_t sp, const char* g, int64_t sg,
+                  char* m, int64_t sm, char* v, int64_t sv);
+typedef struct {
+  double lr, momentum, dampening, weight_decay;
+  int nesterov, first, pdt, gdt, bdt;
+} kc_sgd_args;
+/* buf may be NULL when momentum == 0. */
+void kc_sgd_row(const kc_sgd_args* a, int64_t n, char* p, int64_t sp, const char* g, int64_t sg,
+                char* buf, int64_t sb);
+enum { KN_POW = 0, KN_L2, KN_L1, KN_MAX, KN_MIN, KN_COUNT };
+/* acc <- combine(acc, row): KN_POW sum |x|^p, KN_L2 sum x^2, KN_L1 sum |x|,
+ * KN_MAX max |x|, KN_MIN min |x| (NaN propagates), KN_COUNT nonzeros. */
+void kc_pnorm_row(int kind, double p, int dt, int64_t n, const char* x, int64_t sx, double* acc);
+/* x *= s in x's dtype (f32 math for f32/bf16/f16). */
+void kc_scale_row(int dt, int64_t n, char* x, int64_t sx, double s);
+
+/* gemm.c (row-major; dt KC_F32 or KC_F64; ta/tb: 1 = use the transpose) */
+void kc_gemm(int dt, int ta, int tb, int64_t M, int64_t N, int64_t K, double alpha,
+             const void* A, int64_t lda, const void* B, int64_t ldb, double beta, void* C,
+             int64_t ldc);
+/* out[i, :] = bias (rows of n elements, row stride ld). */
+void kc_fill_rows(int dt, int64_t rows, int64_t n, const void* bias, void* out, int64_t ld);
+/* out[j] = sum_i g[i, j] (row stride ld). */
+void kc_sum_rows(int dt, int64_t rows, int64_t n, const void* g, int64_t ld, void* out);
+
+/* softmax.c: exp for f32 rows: vectorizable (~1 ulp); exp(x) = 0 for
+ * x < -87, saturates at exp(88) above 88 (callers pass x - max <= 0), NaN
+ * propagates. */
+static inline float kc_expf(float x) {
+  float xc = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+  float t = xc * 1.44269504088896341f + 12582912.0f;  /* round(x / ln 2) + 1.5 * 2^23 */
+  float n = t - 12582912.0f;
+  uint32_t ti; memcpy(&ti, &t, 4);
+  uint32_t eb = (ti - 0x4B400000u + 127u) << 23;
+  float r = xc - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500E-4f;
+  p = p * r + 1.3981999507E-3f;
+  p = p * r + 8.3334519073E-3f;
+  p = p * r + 4.1665795894E-2f;
+  p = p * r + 1.6666665459E-1f;
+  p = p * r + 5.0000001201E-1f;
+  p = p * r * r + r + 1.0f;
+  float sc; memcpy(&sc, &eb, 4);
+  float res = x < -87.0f ? 0.0f : p * sc;
+  return x != x ? x : res;
+}
+/* Row primitives: max (NaN ignored), sum of exp(x - m) (stores the exps in y
+ * if y != NULL; y may alias x), dot, sum. */
+float kc_row_max_f32(int64_t n, const float* x);
+double kc_row_max_f64(int64_t n, const double* x);
+float kc_row_expsum_f32(int64_t n, const float* x, float m, float* y);
+double kc_row_expsum_f64(int64_t n, const double* x, double m, double* y);
+float kc_row_dot_f32(int64_t n, const float* a, const float* b);
+double kc_row_dot_f64(int64_t n, const double* a, const double* b);
+float kc_row_sum_f32(int64_t n, const float* a);
+double kc_row_sum_f64(int64_t n, const double* a);
+/* (log_)softmax over D of contiguous [outer, D, inner]; -1 if out of memory. */
+int kc_softmax_f32(int64_t outer, int64_t D, int64_t inner, const float* x, float* y, int log_);
+int kc_softmax_f64(int64_t outer, int64_t D, int64_t inner, const double* x, double* y, int log_);
+/* Backward from the saved output y and the output gradient g (gx may alias g). */
+int kc_softmax_bw_f32(int64_t outer, int64_t D, int64_t inner, const float* y, const float* g,
+                      float* gx, int log_);
+int kc_softmax_bw_f64(int64_t outer, int64_t D, int64_t inner, const double* y, const double* g,
+                      double* gx, int log_);
+
+/* loss.c: fused log-softmax + NLL over the class dim of contiguous
+ * [N, C, inner] logits; tgt: N*inner class ids (i64).  Per position i:
+ * loss[i] = lse_i - (1 - eps) x[t_i] - eps/C sum_c x_c, lse[i] = logsumexp;
+ * both 0 where tgt == ignore.  Targets must be validated by the caller. */
+int kc_cross_entropy_f32(int64_t N, int64_t C, int64_t inner, const float* x, const int64_t* tgt,
+                         int64_t ignore, double eps, float* loss, float* lse);
+int kc_cross_entropy_f64(int64_t N, int64_t C, int64_t inner, const double* x, const int64_t* tgt,
+                         int64_t ignore, double eps, double* loss, double* lse);
+/* gx = s_i * (softmax(x) - (1 - eps) onehot(t_i) - eps/C), s_i = gs[i] (or
+ * gconst when gs is NULL), 0 where tgt == ignore. */
+int kc_cross_entropy_bw_f32(int64_t N, int64_t C, int64_t inner, const float* x, const int64_t* tgt,
+                            int64_t ignore, double eps, const float* lse, const float* gs,
+                            double gconst, float* gx);
+int kc_cross_entropy_bw_f64(int64_t N, int64_t C, int64_t inner, const double* x, const int64_t* tgt,
+                            int64_t ignore, double eps, const double* lse, const double* gs,
+                            double gconst, double* gx);
+
+/* attention.c: in-place masked softmax of an L x S score block (row stride
+ * lds).  mkind 0: no mask; 1: bool/u8 mask (nonzero = attend); 2: additive
+ * mask of the block's dtype.  Mask element (i, j) at mask + i*mrs + j*mcs
+ * (elements).  causal: j > i is masked (top-left aligned).  Rows with
+ * nothing to attend become 0. */
+void kc_attn_softmax_f32(int64_t L, int64_t S, float* s, int64_t lds, const void* mask, int mkind,
+                         int64_t mrs, int64_t mcs, int causal);
+void kc_attn_softmax_f64(int64_t L, int64_t S, double* s, int64_t lds, const void* mask, int mkind,
+                         int64_t mrs, int64_t mcs, int causal);
+/* out[i] = keep[i] ? x[i] * scale : 0 (out may alias x). */
+void kc_dropout_apply_f32(int64_t n, const float* x, const uint8_t* keep, float scale, float* out);
+void kc_dropout_apply_f64(int64_t n, const double* x, const uint8_t* keep, double scale, double* out);
 #endif

@@ -52,7 +52,7 @@ local function dispatch(kind, id, n_in, inp, n_out, out)
       local r = res[i + 1]
       if r ~= nil then
         if not core.is_tensor(r) then
-          error(string.format("hook returned a %s where a tensor or nil was expected", type(r)), 0)
+          core.fail(string.format("hook returned a %s where a tensor or nil was expected", type(r)))
         end
         out[i] = C.eng_tensor_retain(r._c)
       end
@@ -79,7 +79,7 @@ local function with_mode(flag, fn, ...)
   local prev = C.eng_set_grad_enabled(flag)
   local res = { pcall(fn, ...) }
   C.eng_set_grad_enabled(prev)
-  if not res[1] then error(res[2], 0) end
+  if not res[1] then core.fail(res[2]) end
   return unpack(res, 2, table.maxn(res))
 end
 
@@ -90,7 +90,7 @@ function M.enable_grad(fn, ...) return with_mode(1, fn, ...) end
 -- ---------------------------------------------------------------- backward
 local function tensor_list(x, op)
   if core.is_tensor(x) then return { x } end
-  if type(x) ~= "table" then error(op .. ": expected a tensor or a list of tensors", 3) end
+  if type(x) ~= "table" then core.fail(op .. ": expected a tensor or a list of tensors") end
   return x
 end
 
@@ -108,7 +108,7 @@ function M.backward(tensors, grads, opts)
   local retain = opts and opts.retain_graph and 1 or 0
   local rc = C.eng_backward(n, ts, gs, retain, 0, nil, nil)
   collect_released()
-  if rc ~= 0 then error(core.last_error(), 2) end
+  if rc ~= 0 then core.fail(core.last_error()) end
 end
 jit.off(M.backward)
 
@@ -131,7 +131,7 @@ function M.grad(outputs, inputs, grad_outputs, opts)
   local retain = opts and opts.retain_graph and 1 or 0
   local rc = C.eng_backward(n, ts, gs, retain, m, ins, outs)
   collect_released()
-  if rc ~= 0 then error(core.last_error(), 2) end
+  if rc ~= 0 then core.fail(core.last_error()) end
   local res = {}
   for i = 1, m do res[i] = outs[i - 1] ~= nil and wrap(outs[i - 1]) or nil end
   return res
@@ -146,7 +146,7 @@ function methods.backward(t, grad, opts)
   local gs = ffi.new("eng_tensor*[1]", grad and ct(grad, "backward", 1) or nil)
   local rc = C.eng_backward(1, ts, gs, opts and opts.retain_graph and 1 or 0, 0, nil, nil)
   collect_released()
-  if rc ~= 0 then error(core.last_error(), 2) end
+  if rc ~= 0 then core.fail(core.last_error()) end
 end
 jit.off(methods.backward)
 
@@ -169,20 +169,20 @@ end
 
 -- register_hook(fn): fn(grad) -> new grad or nil.
 function methods.register_hook(t, fn)
-  if type(fn) ~= "function" then error("register_hook: expected a function", 2) end
+  if type(fn) ~= "function" then core.fail("register_hook: expected a function") end
   local id = register(fn)
   local h = C.eng_tensor_register_lua_hook(t._c, id, 0)
-  if h < 0 then closures[id] = nil; error(core.last_error(), 2) end
+  if h < 0 then closures[id] = nil; core.fail(core.last_error()) end
   local c = t._c
   return setmetatable({ _remove = function() C.eng_tensor_remove_hook(c, h) end }, Handle)
 end
 
 -- register_post_accumulate_grad_hook(fn): fn(tensor) after .grad was updated.
 function methods.register_post_accumulate_grad_hook(t, fn)
-  if type(fn) ~= "function" then error("register_post_accumulate_grad_hook: expected a function", 2) end
+  if type(fn) ~= "function" then core.fail("register_post_accumulate_grad_hook: expected a function") end
   local id = register(fn)
   local h = C.eng_tensor_register_lua_hook(t._c, id, 1)
-  if h < 0 then closures[id] = nil; error(core.last_error(), 2) end
+  if h < 0 then closures[id] = nil; core.fail(core.last_error()) end
   local c = t._c
   return setmetatable({ _remove = function() C.eng_tensor_remove_hook(c, h) end }, Handle)
 end
@@ -209,7 +209,7 @@ local function fn_apply(def, ...)
   local prev = C.eng_set_grad_enabled(0)
   local res = { pcall(def.forward, ctx, unpack(args, 1, nargs)) }
   C.eng_set_grad_enabled(prev)
-  if not res[1] then error(res[2], 0) end
+  if not res[1] then core.fail(res[2]) end
   table.remove(res, 1)
   local outs = {}
   for i, r in ipairs(res) do if core.is_tensor(r) then outs[#outs + 1] = r end end
@@ -232,13 +232,13 @@ local function fn_apply(def, ...)
   for i = 1, nin do ins[i - 1] = inputs[i]._c end
   local os = ffi.new("eng_tensor*[?]", nout)
   for i = 1, nout do os[i - 1] = outs[i]._c end
-  if C.eng_lua_function_attach(id, nin, ins, nout, os) ~= 0 then error(core.last_error(), 2) end
+  if C.eng_lua_function_attach(id, nin, ins, nout, os) ~= 0 then core.fail(core.last_error()) end
   return unpack(res)
 end
 
 function M.Function(def)
   if type(def) ~= "table" or type(def.forward) ~= "function" or type(def.backward) ~= "function" then
-    error("autograd.Function: expected a table with forward(ctx, ...) and backward(ctx, ...)", 2)
+    core.fail("autograd.Function: expected a table with forward(ctx, ...) and backward(ctx, ...)")
   end
   local f = setmetatable({ forward = def.forward, backward = def.backward }, Function)
   f.apply = function(...) return fn_apply(f, ...) end

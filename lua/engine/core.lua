@@ -14,16 +14,34 @@ function M.last_error()
   return ffi.string(C.eng_last_error())
 end
 
--- Raise the C error at `level` (default: the caller of the API function
--- that called us, i.e. the recipe line).
-function M.raise(level)
-  error(M.last_error(), (level or 2) + 1)
+-- Raises msg at the first stack frame outside the engine's Lua library, so
+-- errors point at the user's line whatever the call depth (tail calls
+-- included).  The `level` arguments of the helpers below are accepted for
+-- compatibility and ignored.
+local lib_marker = "/lua/engine/"
+local function user_level()
+  local lvl = 3
+  while true do
+    local info = debug.getinfo(lvl, "S")
+    if not info then return 2 end
+    if info.what ~= "C" and not info.source:find(lib_marker, 1, true) then return lvl - 1 end
+    lvl = lvl + 1
+  end
+end
+
+function M.fail(msg)
+  error(msg, user_level())
+end
+local fail = M.fail
+
+function M.raise()
+  error(M.last_error(), user_level())
 end
 
 -- Wraps a new eng_tensor* reference in a Tensor, or raises the C error.
 -- level: stack level of the user's call (3 = caller of the API function).
 function M.wrap(p, level)
-  if p == nil then error(M.last_error(), level or 3) end
+  if p == nil then fail(M.last_error()) end
   return setmetatable({ _c = ffi.gc(p, tensor_release) }, M.Tensor)
 end
 
@@ -35,7 +53,7 @@ function M.wrap_borrowed(p)
 end
 
 function M.check(rc, level)
-  if rc ~= 0 then error(M.last_error(), level or 3) end
+  if rc ~= 0 then fail(M.last_error()) end
 end
 
 function M.is_tensor(x)
@@ -45,7 +63,7 @@ end
 -- The eng_tensor* of a Tensor argument, or an error naming op and position.
 function M.ct(x, op, pos, level)
   if type(x) == "table" and x._c then return x._c end
-  error(string.format("%s: argument %s must be a tensor, got %s", op, tostring(pos or 1), type(x)), level or 3)
+  fail(string.format("%s: argument %s must be a tensor, got %s", op, tostring(pos or 1), type(x)))
 end
 
 -- Optional tensor argument (nil allowed).
@@ -60,15 +78,15 @@ function M.dtype(d, op, level)
   if d == nil then return 0 end
   if type(d) == "number" then
     if d >= 0 and d < 8 and d % 1 == 0 then return d end
-    error(string.format("%s: invalid dtype code %s", op or "dtype", tostring(d)), level or 3)
+    fail(string.format("%s: invalid dtype code %s", op or "dtype", tostring(d)))
   end
   local c = dtype_cache[d]
   if c then return c end
   if type(d) ~= "string" then
-    error(string.format("%s: dtype must be a name such as \"f32\", got %s", op or "dtype", type(d)), level or 3)
+    fail(string.format("%s: dtype must be a name such as \"f32\", got %s", op or "dtype", type(d)))
   end
   c = C.eng_dtype_from_name(d)
-  if c < 0 then error((op and (op .. ": ") or "") .. M.last_error(), level or 3) end
+  if c < 0 then fail((op and (op .. ": ") or "") .. M.last_error()) end
   dtype_cache[d] = c
   return c
 end
@@ -80,17 +98,17 @@ M.dtype_names = { [0] = "f32", "f64", "bf16", "f16", "i32", "i64", "u8", "bool" 
 -- the end (unsqueeze, stack).
 function M.dim(d, ndim, op, extra, level)
   if type(d) ~= "number" or d % 1 ~= 0 then
-    error(string.format("%s: dim must be an integer, got %s", op, tostring(d)), level or 4)
+    fail(string.format("%s: dim must be an integer, got %s", op, tostring(d)))
   end
   local n = ndim + (extra or 0)
   if d == 0 then
-    error(string.format("%s: dim 0 is invalid: dims are 1-based (Torch7 convention); use 1 for the first dim or -1 for the last", op), level or 4)
+    fail(string.format("%s: dim 0 is invalid: dims are 1-based (Torch7 convention); use 1 for the first dim or -1 for the last", op))
   end
   local nn = n > 0 and n or 1
   if d < 0 then d = nn + d + 1 end
   if d < 1 or d > nn then
-    error(string.format("%s: dim %d out of range for a %d-d tensor (dims are 1-based; valid: 1..%d or -%d..-1)",
-      op, d <= 0 and d - nn - 1 or d, ndim, nn, nn), level or 4)
+    fail(string.format("%s: dim %d out of range for a %d-d tensor (dims are 1-based; valid: 1..%d or -%d..-1)",
+      op, d <= 0 and d - nn - 1 or d, ndim, nn, nn))
   end
   return d - 1
 end
@@ -101,15 +119,15 @@ function M.shape_arg(op, a, ...)
   local t = a
   if type(a) ~= "table" then t = { a, ... } end
   if type(a) == "table" and getmetatable(a) == M.Tensor then
-    error(op .. ": expected a shape (numbers or a table of numbers), got a tensor", 4)
+    fail(op .. ": expected a shape (numbers or a table of numbers), got a tensor")
   end
   local n = #t
-  if n > 8 then error(string.format("%s: %d dims given; at most 8 are supported", op, n), 4) end
+  if n > 8 then fail(string.format("%s: %d dims given; at most 8 are supported", op, n)) end
   local arr = ffi.new("int64_t[8]")
   for i = 1, n do
     local v = t[i]
     if type(v) ~= "number" or v % 1 ~= 0 then
-      error(string.format("%s: size %d of the shape must be an integer, got %s", op, i, tostring(v)), 4)
+      fail(string.format("%s: size %d of the shape must be an integer, got %s", op, i, tostring(v)))
     end
     arr[i - 1] = v
   end
@@ -118,7 +136,7 @@ end
 
 -- Array of eng_tensor* from a Lua list of Tensors.
 function M.tensor_array(list, op)
-  if type(list) ~= "table" then error(op .. ": expected a list of tensors", 4) end
+  if type(list) ~= "table" then fail(op .. ": expected a list of tensors") end
   local n = #list
   local arr = ffi.new("eng_tensor*[?]", n > 0 and n or 1)
   for i = 1, n do arr[i - 1] = M.ct(list[i], op, i, 5) end

@@ -27,7 +27,7 @@ Tensor.__newindex = function(t, k, v)
   elseif k == "requires_grad" then
     check(C.eng_tensor_set_requires_grad(t._c, v and 1 or 0))
   elseif props[k] then
-    error("tensor: property '" .. k .. "' is read-only", 2)
+    core.fail("tensor: property '" .. k .. "' is read-only")
   else
     rawset(t, k, v)
   end
@@ -84,7 +84,7 @@ end
 function M.full(shape, value, opts)
   local n, arr = core.shape_arg("full", shape)
   if type(value) ~= "number" and type(value) ~= "boolean" then
-    error("full: fill value must be a number, got " .. type(value), 2)
+    core.fail("full: fill value must be a number, got " .. type(value))
   end
   if type(value) == "boolean" then value = value and 1 or 0 end
   return requires(wrap(C.eng_tensor_full(n, arr, value, opts_dtype(opts, 0, "full"), 0)), opts)
@@ -106,7 +106,7 @@ function M.arange(a, b, c, d)
   local start, stop, step
   if b == nil then start, stop, step = 0, a, 1 else start, stop, step = a, b, c or 1 end
   if type(start) ~= "number" or type(stop) ~= "number" or type(step) ~= "number" then
-    error("arange: start, end and step must be numbers", 2)
+    core.fail("arange: start, end and step must be numbers")
   end
   local dt = opts_dtype(opts, all_int(start, stop, step) and 5 or 0, "arange")
   return requires(wrap(C.eng_tensor_arange(start, stop, step, dt, 0)), opts)
@@ -128,20 +128,20 @@ function M.tensor(data, opts)
     local function walk(x, d)
       if d > #shape then
         if type(x) == "boolean" then kind = (kind == "int" and #flat == 0) and "bool" or kind; flat[#flat + 1] = x and 1 or 0; return end
-        if type(x) ~= "number" then error("tensor: elements must be numbers or booleans, got " .. type(x), 4) end
+        if type(x) ~= "number" then core.fail("tensor: elements must be numbers or booleans, got " .. type(x)) end
         if kind == "bool" then kind = "int" end
         if x % 1 ~= 0 then kind = "float" end
         flat[#flat + 1] = x
         return
       end
       if type(x) ~= "table" or #x ~= shape[d] then
-        error(string.format("tensor: ragged nested table: expected %d elements at depth %d", shape[d], d), 4)
+        core.fail(string.format("tensor: ragged nested table: expected %d elements at depth %d", shape[d], d))
       end
       for i = 1, #x do walk(x[i], d + 1) end
     end
     walk(data, 1)
   else
-    error("tensor: expected a number or a nested table of numbers, got " .. type(data), 2)
+    core.fail("tensor: expected a number or a nested table of numbers, got " .. type(data))
   end
   if type(data) == "number" and data % 1 ~= 0 then kind = "float" end
   if type(data) == "boolean" then kind = "bool"; flat[1] = data and 1 or 0 end
@@ -174,7 +174,7 @@ function M.rand_like(t) return M.rand(t:shape(), { dtype = t._c.dtype }) end
 function M.randn_like(t) return M.randn(t:shape(), { dtype = t._c.dtype }) end
 
 function M.manual_seed(seed)
-  if type(seed) ~= "number" or seed < 0 or seed % 1 ~= 0 then error("manual_seed: seed must be a non-negative integer", 2) end
+  if type(seed) ~= "number" or seed < 0 or seed % 1 ~= 0 then core.fail("manual_seed: seed must be a non-negative integer") end
   C.eng_manual_seed(seed)
 end
 
@@ -289,7 +289,7 @@ function methods.to(t, what)
   local r = t
   if dev ~= nil and dev ~= r.device then
     if methods._to_device then r = methods._to_device(r, dev)
-    else error("to: device '" .. tostring(dev) .. "' is not available in this build", 2) end
+    else core.fail("to: device '" .. tostring(dev) .. "' is not available in this build") end
   end
   if dt ~= nil then r = wrap(C.eng_tensor_to_dtype(r._c, core.dtype(dt, "to", 3))) end
   return r
@@ -306,7 +306,7 @@ function methods.bool(t) return wrap(C.eng_tensor_to_dtype(t._c, 7)) end
 function methods.zero_(t) check(C.eng_tensor_zero_(t._c)); return t end
 function methods.fill_(t, v)
   if type(v) == "boolean" then v = v and 1 or 0 end
-  if type(v) ~= "number" then error("fill_: value must be a number", 2) end
+  if type(v) ~= "number" then core.fail("fill_: value must be a number") end
   check(C.eng_tensor_fill_(t._c, v)); return t
 end
 function methods.copy_(t, src)
@@ -319,14 +319,14 @@ local idx_buf = ffi.new("int64_t[8]")
 local function fill_index(t, op, ...)
   local c = t._c
   local n = select("#", ...)
-  if n ~= c.ndim then error(string.format("%s: %d indices for a %d-d tensor", op, n, c.ndim), 4) end
+  if n ~= c.ndim then core.fail(string.format("%s: %d indices for a %d-d tensor", op, n, c.ndim)) end
   for i = 1, n do
     local v = select(i, ...)
-    if type(v) ~= "number" or v % 1 ~= 0 then error(op .. ": indices must be integers", 4) end
+    if type(v) ~= "number" or v % 1 ~= 0 then core.fail(op .. ": indices must be integers") end
     if v < 0 then v = tonumber(c.shape[i - 1]) + v + 1 end
     if v < 1 or v > c.shape[i - 1] then
-      error(string.format("%s: index %d out of range for dim %d of size %d (indices are 1-based)", op,
-        select(i, ...), i, tonumber(c.shape[i - 1])), 4)
+      core.fail(string.format("%s: index %d out of range for dim %d of size %d (indices are 1-based)", op,
+        select(i, ...), i, tonumber(c.shape[i - 1])))
     end
     idx_buf[i - 1] = v - 1
   end
@@ -394,7 +394,7 @@ local function binop(name, cfun, cscalar, crscalar)
     elseif ta == "number" and tb == "table" then
       return wrap(crscalar(a, ct(b, name, 2)))
     end
-    error(string.format("%s: unsupported operand types %s and %s", name, ta, tb), 2)
+    core.fail(string.format("%s: unsupported operand types %s and %s", name, ta, tb))
   end
 end
 

@@ -16,5 +16,13 @@ int eng_dist_barrier(void);
 /* Aborts every rank with the given exit code (after an unrecoverable error
  * on one rank, so the others do not hang in a collective). */
 void eng_dist_abort(int code);
+/* Sums n counters element-wise over all world ranks, in place (for merging
+ * test results; collective over the world, not counted as a collective). */
+int eng_dist_allreduce_counts(int64_t* counts, int n);
+/* Watchdog: unless disarmed within `seconds`, prints `label` and the
+ * collective flight recorder to stderr and ends this process with exit code
+ * 3 (mpirun then stops the other ranks).  Re-arming replaces the deadline. */
+int eng_dist_watchdog_arm(double seconds, const char* label);
+void eng_dist_watchdog_disarm(void);
 
 #endif

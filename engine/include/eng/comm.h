@@ -1,0 +1,166 @@
+/* comm.h: process groups and collectives.
+ *
+ * A process group (eng_pg) wraps an MPI sub-communicator of the world.  Every
+ * world rank takes part in creating a group (as in PyTorch's new_group); the
+ * ranks outside it get a "not a member" group object (eng_pg_is_member() == 0)
+ * on which every collective is skipped: nothing is sent, nothing is counted, an
+ * in-place collective leaves the tensor alone, an out-of-place one returns a
+ * new reference to its input, and an async one returns a completed handle.
+ *
+ * Collectives work along dim 0 of contiguous or strided tensors of any dtype
+ * (f32, f64, bf16, f16, i32, i64, u8, bool).  CPU tensors go through MPI;
+ * CUDA tensors through NCCL when the library was built with it.  bf16/f16
+ * sums (and avg, prod) are computed in f32 and rounded once, so they equal
+ * the single-process f32 result rounded to the dtype; max/min on bf16/f16 use
+ * a 2-byte MPI datatype with custom MPI reduction ops.  avg needs a floating
+ * dtype; on bool, sum is logical or (max) and prod logical and (min), as in
+ * PyTorch.  Non-contiguous tensors are staged through persistent, reused
+ * communication buffers.
+ *
+ * Async: pass a non-NULL `work` to get a handle (a new reference) in *work
+ * and return at once; the result (in place, or the tensor returned by the
+ * out-of-place call) is valid after eng_work_wait.  With work == NULL the call
+ * blocks until the collective is done.
+ *
+ * Reliability: each group numbers its collectives (sequence numbers).  In
+ * debug mode (env ENGINE_COMM_DEBUG=1 or eng_comm_set_debug(1) on every rank)
+ * the ranks of a group first exchange (seq, kind, dtype, shape, op, root) and
+ * all fail with an error naming what each rank issued if they differ; a rank
+ * that waits longer than the debug timeout (env ENGINE_COMM_TIMEOUT, seconds,
+ * default 300) for its peers prints the flight recorder and aborts the job.
+ * The flight recorder keeps the last 64 collectives of this process; error
+ * messages from collectives end with the most recent entries. */
+#ifndef ENG_COMM_H
+#define ENG_COMM_H
+
+typedef struct eng_pg eng_pg;
+typedef struct eng_work eng_work;
+
+typedef enum eng_reduce_op {
+  ENG_REDUCE_SUM = 0, ENG_REDUCE_AVG = 1, ENG_REDUCE_MAX = 2, ENG_REDUCE_MIN = 3,
+  ENG_REDUCE_PROD = 4, ENG_NUM_REDUCE_OPS = 5
+} eng_reduce_op;
+
+typedef enum eng_coll_kind {
+  ENG_COLL_ALL_REDUCE = 0, ENG_COLL_ALL_GATHER = 1, ENG_COLL_REDUCE_SCATTER = 2,
+  ENG_COLL_ALL_TO_ALL = 3, ENG_COLL_BROADCAST = 4, ENG_COLL_SCATTER = 5,
+  ENG_COLL_BARRIER = 6, ENG_NUM_COLL_KINDS = 7
+} eng_coll_kind;
+
+/* "sum", "avg", ... (borrowed; NULL for an invalid code) and back (-1 and an
+ * error for an unknown name). */
+const char* eng_reduce_op_name(int op);
+int eng_reduce_op_from_name(const char* name);
+/* "all_reduce", "all_gather", ... (borrowed; NULL for an invalid code). */
+const char* eng_coll_kind_name(int kind);
+
+/* ---- groups.  Creation is collective over the whole world. */
+/* The world group (a duplicate of MPI_COMM_WORLD).  New reference. */
+eng_pg* eng_pg_world(void);
+/* The group of the n world ranks listed (distinct, in [0, world)); group rank
+ * i is ranks[i].  Every world rank must call it with the same list. */
+eng_pg* eng_pg_new(const int* ranks, int n);
+/* MPI_Comm_split of parent: ranks with the same color form a group, ordered
+ * by key (ties by parent rank); color < 0 gives a non-member object.  Every
+ * member of parent must call it. */
+eng_pg* eng_pg_split(eng_pg* parent, int color, int key);
+eng_pg* eng_pg_retain(eng_pg* pg);
+void eng_pg_release(eng_pg* pg);
+int eng_pg_is_member(const eng_pg* pg);
+/* This process's rank in the group and the group size (both -1 on a
+ * non-member, as in PyTorch). */
+int eng_pg_rank(const eng_pg* pg);
+int eng_pg_size(const eng_pg* pg);
+/* World ranks of the members in group-rank order into out (at most cap);
+ * returns the group size (0 on a non-member). */
+int eng_pg_ranks(const eng_pg* pg, int* out, int cap);
+/* Group rank of world rank r, or -1 with an error when r is not a member. */
+int eng_pg_group_rank(const eng_pg* pg, int world_rank);
+/* Unique id of the group within this process (the world group is 0). */
+int64_t eng_pg_id(const eng_pg* pg);
+/* Collectives issued on the group so far (its next sequence number). */
+int64_t eng_pg_seq(const eng_pg* pg);
+/* "world" or "group[0,2]" (or the name given by a mesh); borrowed. */
+const char* eng_pg_name(const eng_pg* pg);
+
+/* ---- collectives (op: eng_reduce_op; roots are group ranks). */
+/* In place: every member ends with the reduction of all members' t. */
+int eng_pg_all_reduce(eng_pg* pg, eng_tensor* t, int op, eng_work** work);
+/* New tensor [size*d0, d1, ...]: the members' inputs (equal shapes)
+ * concatenated along dim 0 in group-rank order. */
+eng_tensor* eng_pg_all_gather(eng_pg* pg, eng_tensor* in, eng_work** work);
+/* Same into out (shape [size*d0, d1, ...], same dtype). */
+int eng_pg_all_gather_into(eng_pg* pg, eng_tensor* out, eng_tensor* in, eng_work** work);
+/* in: [size*c, d1, ...] on every member; new tensor [c, d1, ...] holding the
+ * reduction of every member's chunk number (group rank). */
+eng_tensor* eng_pg_reduce_scatter(eng_pg* pg, eng_tensor* in, int op, eng_work** work);
+int eng_pg_reduce_scatter_into(eng_pg* pg, eng_tensor* out, eng_tensor* in, int op, eng_work** work);
+/* in: [size*c, d1, ...]: chunk j goes to rank j; result chunk i came from
+ * rank i.  New tensor of in's shape. */
+eng_tensor* eng_pg_all_to_all(eng_pg* pg, eng_tensor* in, eng_work** work);
+int eng_pg_all_to_all_into(eng_pg* pg, eng_tensor* out, eng_tensor* in, eng_work** work);
+/* In place: t on every member becomes root's t (same shape everywhere). */
+int eng_pg_broadcast(eng_pg* pg, eng_tensor* t, int root, eng_work** work);
+/* out [c, d1, ...] on every member receives chunk (group rank) of root's
+ * in [size*c, d1, ...]; in is ignored (may be NULL) on the other ranks. */
+int eng_pg_scatter(eng_pg* pg, eng_tensor* out, eng_tensor* in, int root, eng_work** work);
+int eng_pg_barrier(eng_pg* pg, eng_work** work);
+/* The bare MPI collective on raw contiguous CPU buffers, for benchmarks that
+ * compare against the checked path above: no staging, no counters, no
+ * recorder, no debug checks; blocking.  count: elements (all_reduce,
+ * broadcast), per rank (all_gather send, reduce_scatter receive, scatter
+ * receive) or per peer (all_to_all).  send NULL means in place (all_reduce).
+ * dtype: f32, f64, i32, i64, u8 (sum/max/min/prod; no avg). */
+int eng_pg_raw_collective(eng_pg* pg, int kind, const void* send, void* recv, int64_t count,
+                          int dtype, int op, int root);
+
+/* ---- async handles. */
+/* Blocks until done; finishes the result (copies from staging buffers).
+ * 0, or -1 with the collective's error.  Idempotent. */
+int eng_work_wait(eng_work* w);
+/* 1 when done (finished as by wait), 0 if still running, -1 on error. */
+int eng_work_is_completed(eng_work* w);
+/* The out-of-place result or the in-place tensor (borrowed; NULL for a
+ * barrier).  Valid after wait. */
+eng_tensor* eng_work_result(eng_work* w);
+eng_work* eng_work_retain(eng_work* w);
+/* Releasing the last reference of an unfinished handle waits for it. */
+void eng_work_release(eng_work* w);
+
+/* ---- counters (CommDebugMode-like): collectives issued by this process
+ * since the last reset, per kind, and the bytes of their inputs. */
+int64_t eng_comm_count(int kind);
+int64_t eng_comm_bytes(int kind);
+void eng_comm_reset_counts(void);
+
+/* ---- debug mode and the flight recorder. */
+int eng_comm_set_debug(int on);
+int eng_comm_get_debug(void);
+/* Seconds a debug-mode rank waits for its peers before aborting the job. */
+int eng_comm_set_timeout(double seconds);
+typedef struct eng_coll_record {
+  int64_t id;        /* position in this process's history (0, 1, ...) */
+  int64_t seq;       /* sequence number within its group */
+  int64_t group_id;
+  int32_t kind, dtype, op, root;
+  int32_t ndim, state; /* state: 0 issued, 1 completed, 2 failed */
+  int32_t async, group_size;
+  int64_t shape[8];
+  double t_start, t_end; /* eng_time() */
+} eng_coll_record;
+/* Number of records kept (at most 64); records from oldest to newest. */
+int eng_comm_history_len(void);
+int eng_comm_history_get(int i, eng_coll_record* out);
+/* Group name of a record (borrowed, valid until the group is freed or 64
+ * more collectives); "?" when unknown. */
+const char* eng_comm_history_group_name(int i);
+/* The recorder as text (borrowed, valid until the next call). */
+const char* eng_comm_history_format(int max_entries);
+
+/* ---- CUDA (NCCL backend). */
+/* Number of usable CUDA devices (0 without a GPU or without the CUDA build). */
+int eng_comm_cuda_device_count(void);
+/* 1 when CUDA tensors use NCCL in this build. */
+int eng_comm_have_nccl(void);
+
+#endif

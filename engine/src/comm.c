@@ -1,0 +1,1005 @@
+/* comm.c: process groups, collective dispatch, staging buffers, counters,
+ * sequence numbers, debug-mode consistency checks and the flight recorder.
+ * The backends (comm_mpi.c, comm_nccl.c) only see raw contiguous buffers. */
+#include "comm_impl.h"
+#include "../../kernels/cpu/kcpu.h"
+#include <limits.h>
+#include <sched.h>
+#include <stdio.h>
+#include <time.h>
+
+/* ------------------------------------------------------------------ names */
+static const char* const g_op_names[ENG_NUM_REDUCE_OPS] = {"sum", "avg", "max", "min", "prod"};
+static const char* const g_kind_names[ENG_NUM_COLL_KINDS] = {
+    "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "scatter", "barrier"};
+
+const char* eng_reduce_op_name(int op) { return op >= 0 && op < ENG_NUM_REDUCE_OPS ? g_op_names[op] : NULL; }
+const char* eng_coll_kind_name(int kind) {
+  return kind >= 0 && kind < ENG_NUM_COLL_KINDS ? g_kind_names[kind] : NULL;
+}
+
+int eng_reduce_op_from_name(const char* name) {
+  if (!name) return eng_err("reduce op: name is NULL");
+  for (int i = 0; i < ENG_NUM_REDUCE_OPS; i++) if (!strcmp(name, g_op_names[i])) return i;
+  if (!strcmp(name, "mean")) return ENG_REDUCE_AVG;
+  if (!strcmp(name, "product")) return ENG_REDUCE_PROD;
+  return eng_err("reduce op: unknown op '%s' (expected sum, avg, max, min or prod)", name);
+}
+
+/* ------------------------------------------------------------------ state */
+static eng_pg* g_world;
+static int g_my_rank; /* world rank, cached so other threads can print it */
+static int64_t g_next_id = 1;
+static int g_debug = -1;       /* -1: not read from the environment yet */
+static double g_timeout = -1;  /* seconds; -1: not read yet */
+static int64_t g_counts[ENG_NUM_COLL_KINDS], g_bytes[ENG_NUM_COLL_KINDS];
+
+static int debug_on(void) {
+  if (g_debug < 0) {
+    const char* e = getenv("ENGINE_COMM_DEBUG");
+    g_debug = e && *e && strcmp(e, "0") != 0;
+  }
+  return g_debug;
+}
+
+static double timeout_s(void) {
+  if (g_timeout < 0) {
+    const char* e = getenv("ENGINE_COMM_TIMEOUT");
+    double v = e ? atof(e) : 0;
+    g_timeout = v > 0 ? v : 300;
+  }
+  return g_timeout;
+}
+
+int eng_comm_set_debug(int on) { g_debug = on ? 1 : 0; return 0; }
+int eng_comm_get_debug(void) { return debug_on(); }
+int eng_comm_set_timeout(double seconds) {
+  if (!(seconds > 0)) return eng_err("comm: timeout must be a positive number of seconds, got %g", seconds);
+  g_timeout = seconds;
+  return 0;
+}
+
+int64_t eng_comm_count(int kind) { return kind >= 0 && kind < ENG_NUM_COLL_KINDS ? g_counts[kind] : 0; }
+int64_t eng_comm_bytes(int kind) { return kind >= 0 && kind < ENG_NUM_COLL_KINDS ? g_bytes[kind] : 0; }
+void eng_comm_reset_counts(void) {
+  memset(g_counts, 0, sizeof g_counts);
+  memset(g_bytes, 0, sizeof g_bytes);
+}
+
+/* ------------------------------------------------------------------ flight recorder */
+#define HIST 64
+static eng_coll_record g_hist[HIST];
+static char g_hist_group[HIST][96];
+static int64_t g_hist_n; /* records ever made */
+
+static int64_t rec_start(const eng_pg* pg, int64_t seq, int kind, int dtype, int op, int root, int ndim,
+                         const int64_t* shape, int async) {
+  int64_t id = g_hist_n++;
+  eng_coll_record* r = &g_hist[id % HIST];
+  memset(r, 0, sizeof *r);
+  r->id = id; r->seq = seq; r->group_id = pg->id; r->group_size = pg->size;
+  r->kind = kind; r->dtype = dtype; r->op = op; r->root = root; r->async = async;
+  r->ndim = ndim;
+  for (int d = 0; d < ndim && d < 8; d++) r->shape[d] = shape[d];
+  r->state = 0;
+  r->t_start = eng_time();
+  snprintf(g_hist_group[id % HIST], sizeof g_hist_group[0], "%s", pg->name);
+  return id;
+}
+
+static void rec_end(int64_t id, int state) {
+  if (id < 0 || id < g_hist_n - HIST) return; /* overwritten meanwhile */
+  eng_coll_record* r = &g_hist[id % HIST];
+  if (r->id != id) return;
+  r->state = state;
+  r->t_end = eng_time();
+}
+
+int eng_comm_history_len(void) { return (int)(g_hist_n < HIST ? g_hist_n : HIST); }
+
+static int hist_slot(int i) {
+  int len = eng_comm_history_len();
+  if (i < 0 || i >= len) return -1;
+  return (int)((g_hist_n - len + i) % HIST);
+}
+
+int eng_comm_history_get(int i, eng_coll_record* out) {
+  int s = hist_slot(i);
+  if (s < 0) return eng_err("comm history: index %d out of range (%d records)", i, eng_comm_history_len());
+  *out = g_hist[s];
+  return 0;
+}
+
+const char* eng_comm_history_group_name(int i) {
+  int s = hist_slot(i);
+  return s < 0 ? "?" : g_hist_group[s];
+}
+
+static const char* state_name(int s) { return s == 0 ? "issued" : s == 1 ? "completed" : "failed"; }
+
+static int format_record(char* b, int cap, const eng_coll_record* r, const char* group) {
+  int k = snprintf(b, cap, "  #%lld %s seq %lld %s %s%s", (long long)r->id, group, (long long)r->seq,
+                   eng_coll_kind_name(r->kind) ? eng_coll_kind_name(r->kind) : "?",
+                   r->kind == ENG_COLL_BARRIER ? "" : (eng_dtype_name(r->dtype) ? eng_dtype_name(r->dtype) : "?"),
+                   r->kind == ENG_COLL_BARRIER ? "" : eng_shape_str(r->ndim, r->shape));
+  if (k < cap && (r->kind == ENG_COLL_ALL_REDUCE || r->kind == ENG_COLL_REDUCE_SCATTER))
+    k += snprintf(b + k, cap - k, " op=%s", eng_reduce_op_name(r->op) ? eng_reduce_op_name(r->op) : "?");
+  if (k < cap && (r->kind == ENG_COLL_BROADCAST || r->kind == ENG_COLL_SCATTER))
+    k += snprintf(b + k, cap - k, " root=%d", r->root);
+  if (k < cap)
+    k += snprintf(b + k, cap - k, "%s %s", r->async ? " async" : "", state_name(r->state));
+  if (k < cap && r->state != 0) k += snprintf(b + k, cap - k, " %.3f ms", 1e3 * (r->t_end - r->t_start));
+  if (k < cap) k += snprintf(b + k, cap - k, "\n");
+  return k < cap ? k : cap;
+}
+
+static char g_fmt[HIST * 192 + 256];
+
+const char* eng_comm_history_format(int max_entries) {
+  int len = eng_comm_history_len();
+  int n = max_entries <= 0 || max_entries > len ? len : max_entries;
+  int k = snprintf(g_fmt, sizeof g_fmt, "collective flight recorder, rank %d: last %d of %lld collectives, oldest first%s\n",
+                   g_my_rank, n, (long long)g_hist_n, n ? ":" : "");
+  for (int i = len - n; i < len && k < (int)sizeof g_fmt - 1; i++) {
+    int s = hist_slot(i);
+    k += format_record(g_fmt + k, (int)sizeof g_fmt - k, &g_hist[s], g_hist_group[s]);
+  }
+  return g_fmt;
+}
+
+/* Appends the most recent records to the current error message. */
+static void err_append_history(void) {
+  char buf[2048];
+  const char* h = eng_comm_history_format(6);
+  snprintf(buf, sizeof buf, "%s\n%s", eng_last_error(), h);
+  size_t n = strlen(buf);
+  if (n && buf[n - 1] == '\n') buf[n - 1] = 0;
+  eng_set_error_message(buf);
+}
+
+/* ------------------------------------------------------------------ groups */
+int comm_ensure_init(const char* op) {
+  if (!eng_dist_is_initialized()) {
+    int inited = 0;
+    MPI_Initialized(&inited);
+    if (inited) return eng_err("%s: the distributed runtime was finalized", op);
+    if (eng_dist_init()) return -1;
+  }
+  if (!g_world) {
+    MPI_Comm c;
+    int rc = MPI_Comm_dup(MPI_COMM_WORLD, &c);
+    if (rc != MPI_SUCCESS) return eng_err("%s: cannot create the world group: %s", op, comm_mpi_errstr(rc));
+    g_world = comm_pg_from_mpi(c, "world");
+    if (!g_world) return -1;
+    g_world->id = 0;
+    g_next_id--;
+    g_my_rank = g_world->rank;
+  }
+  return 0;
+}
+
+static void name_from_ranks(char* b, int cap, const int* ranks, int n) {
+  int k = snprintf(b, cap, "group[");
+  for (int i = 0; i < n && k < cap - 8; i++) k += snprintf(b + k, cap - k, i ? ",%d" : "%d", ranks[i]);
+  if (k >= cap - 8) snprintf(b + cap - 6, 6, "...]");
+  else snprintf(b + k, cap - k, "]");
+}
+
+eng_pg* comm_pg_from_mpi(MPI_Comm c, const char* name) {
+  eng_pg* pg = calloc(1, sizeof *pg);
+  if (!pg) return eng_errp("process group: out of memory");
+  pg->refcount = 1;
+  pg->id = g_next_id++;
+  pg->comm = c;
+  pg->rank = pg->size = -1;
+  if (c != MPI_COMM_NULL) {
+    MPI_Comm_set_errhandler(c, MPI_ERRORS_RETURN);
+    pg->member = 1;
+    MPI_Comm_rank(c, &pg->rank);
+    MPI_Comm_size(c, &pg->size);
+    pg->ranks = malloc(sizeof(int) * (size_t)pg->size);
+    int* mine = malloc(sizeof(int) * (size_t)pg->size);
+    if (!pg->ranks || !mine) { free(mine); free(pg->ranks); free(pg); return eng_errp("process group: out of memory"); }
+    MPI_Group g, w;
+    MPI_Comm_group(c, &g);
+    MPI_Comm_group(MPI_COMM_WORLD, &w);
+    for (int i = 0; i < pg->size; i++) mine[i] = i;
+    MPI_Group_translate_ranks(g, pg->size, mine, w, pg->ranks);
+    MPI_Group_free(&g);
+    MPI_Group_free(&w);
+    free(mine);
+  }
+  if (name) snprintf(pg->name, sizeof pg->name, "%s", name);
+  else if (pg->member) name_from_ranks(pg->name, sizeof pg->name, pg->ranks, pg->size);
+  else snprintf(pg->name, sizeof pg->name, "(not a member)");
+  return pg;
+}
+
+eng_pg* eng_pg_world(void) {
+  if (comm_ensure_init("world group")) return NULL;
+  return eng_pg_retain(g_world);
+}
+
+eng_pg* eng_pg_retain(eng_pg* pg) {
+  if (pg) __atomic_add_fetch(&pg->refcount, 1, __ATOMIC_RELAXED);
+  return pg;
+}
+
+void eng_pg_release(eng_pg* pg) {
+  if (!pg) return;
+  if (__atomic_sub_fetch(&pg->refcount, 1, __ATOMIC_ACQ_REL) != 0) return;
+#if defined(ENG_HAVE_CUDA) && defined(ENG_HAVE_NCCL)
+  if (pg->nccl) comm_nccl_pg_free(pg->nccl);
+#endif
+  if (pg->comm != MPI_COMM_NULL && eng_dist_is_initialized()) MPI_Comm_free(&pg->comm);
+  free(pg->ranks);
+  free(pg);
+}
+
+/* Fails on every rank when `data` differs between the world ranks (a cheap
+ * guard against ranks creating groups with different arguments). */
+static uint64_t fnv(const void* p, size_t n, uint64_t h) {
+  const unsigned char* s = p;
+  for (size_t i = 0; i < n; i++) { h ^= s[i]; h *= 1099511628211ull; }
+  return h;
+}
+
+int comm_world_agree(const void* data, size_t n, const char* op, const char* what) {
+  if (eng_dist_world_size() == 1) return 0;
+  int64_t h = (int64_t)(fnv(data, n, 1469598103934665603ull) >> 1);
+  int64_t v[2] = {h, -h}, r[2];
+  int rc = MPI_Allreduce(v, r, 2, MPI_INT64_T, MPI_MAX, MPI_COMM_WORLD);
+  if (rc != MPI_SUCCESS) return eng_err("%s: %s", op, comm_mpi_errstr(rc));
+  if (r[0] != -r[1])
+    return eng_err("%s: the ranks called it with different %s (it is collective: every rank must pass the same "
+                   "arguments)", op, what);
+  return 0;
+}
+
+static int new_group_key(const int* ranks, int n, int* key);
+
+eng_pg* eng_pg_new(const int* ranks, int n) {
+  if (comm_ensure_init("new_group")) return NULL;
+  int key = -1;
+  if (new_group_key(ranks, n, &key)) {
+    /* still take part in the agreement, so ranks with valid arguments fail too instead of hanging */
+    char saved[2048];
+    snprintf(saved, sizeof saved, "%s", eng_last_error());
+    static const char tag[] = "invalid rank list";
+    comm_world_agree(tag, sizeof tag, "new_group", "rank lists");
+    eng_set_error_message(saved);
+    return NULL;
+  }
+  if (comm_world_agree(ranks, sizeof(int) * (size_t)n, "new_group", "rank lists")) return NULL;
+  MPI_Comm c;
+  int rc = MPI_Comm_split(MPI_COMM_WORLD, key >= 0 ? 0 : MPI_UNDEFINED, key, &c);
+  if (rc != MPI_SUCCESS) return eng_errp("new_group: MPI_Comm_split failed: %s", comm_mpi_errstr(rc));
+  char name[96];
+  name_from_ranks(name, sizeof name, ranks, n);
+  return comm_pg_from_mpi(c, name);
+}
+
+static int new_group_key(const int* ranks, int n, int* keyp) {
+  int world = eng_dist_world_size(), me = eng_dist_rank();
+  if (n < 1) return eng_err("new_group: the rank list is empty");
+  if (!ranks) return eng_err("new_group: ranks is NULL");
+  if (n > world) return eng_err("new_group: %d ranks listed for a world of size %d", n, world);
+  char* seen = calloc((size_t)world, 1);
+  if (!seen) return eng_err("new_group: out of memory");
+  for (int i = 0; i < n; i++) {
+    if (ranks[i] < 0 || ranks[i] >= world) {
+      free(seen);
+      return eng_err("new_group: rank %d is out of range for world size %d (ranks are 0-based)", ranks[i], world);
+    }
+    if (seen[ranks[i]]) { free(seen); return eng_err("new_group: rank %d is listed twice", ranks[i]); }
+    seen[ranks[i]] = 1;
+    if (ranks[i] == me) *keyp = i;
+  }
+  free(seen);
+  return 0;
+}
+
+eng_pg* eng_pg_split(eng_pg* parent, int color, int key) {
+  if (!parent) return eng_errp("split_group: parent group is NULL");
+  if (!parent->member) return comm_pg_from_mpi(MPI_COMM_NULL, NULL);
+  MPI_Comm c;
+  int rc = MPI_Comm_split(parent->comm, color < 0 ? MPI_UNDEFINED : color, key, &c);
+  if (rc != MPI_SUCCESS) return eng_errp("split_group: MPI_Comm_split of %s failed: %s", parent->name, comm_mpi_errstr(rc));
+  return comm_pg_from_mpi(c, NULL);
+}
+
+int eng_pg_is_member(const eng_pg* pg) { return pg && pg->member; }
+int eng_pg_rank(const eng_pg* pg) { return pg ? pg->rank : -1; }
+int eng_pg_size(const eng_pg* pg) { return pg ? pg->size : -1; }
+int64_t eng_pg_id(const eng_pg* pg) { return pg ? pg->id : -1; }
+int64_t eng_pg_seq(const eng_pg* pg) { return pg ? pg->seq : 0; }
+const char* eng_pg_name(const eng_pg* pg) { return pg ? pg->name : "nil"; }
+
+int eng_pg_ranks(const eng_pg* pg, int* out, int cap) {
+  if (!pg) return eng_err("group ranks: group is NULL");
+  if (!pg->member) return 0;
+  for (int i = 0; i < pg->size && i < cap; i++) out[i] = pg->ranks[i];
+  return pg->size;
+}
+
+int eng_pg_group_rank(const eng_pg* pg, int world_rank) {
+  if (!pg) return eng_err("group rank: group is NULL");
+  if (pg->member)
+    for (int i = 0; i < pg->size; i++) if (pg->ranks[i] == world_rank) return i;
+  return eng_err("global rank %d is not part of group %s", world_rank, pg->name);
+}
+
+/* ------------------------------------------------------------------ staging buffers */
+/* Persistent buffers, touched once when they grow and reused afterwards. */
+#define POOL 32
+static struct { char* p; int64_t cap; int busy; } g_pool[POOL];
+
+typedef struct sbuf { void* p; int64_t size; int slot; } sbuf;
+
+static int pool_get(int64_t nbytes, sbuf* b) {
+  if (nbytes <= 0) nbytes = 1;
+  int best = -1, grow = -1;
+  for (int i = 0; i < POOL; i++) {
+    if (g_pool[i].busy) continue;
+    if (g_pool[i].cap >= nbytes) { if (best < 0 || g_pool[i].cap < g_pool[best].cap) best = i; }
+    else if (grow < 0 || g_pool[i].cap > g_pool[grow].cap) grow = i;
+  }
+  if (best < 0 && grow >= 0) {
+    if (g_pool[grow].p) eng_free_raw(g_pool[grow].p, g_pool[grow].cap);
+    int64_t got = 0;
+    g_pool[grow].p = eng_alloc_raw(nbytes, &got);
+    if (!g_pool[grow].p) { g_pool[grow].cap = 0; return eng_err("comm: out of memory for a %lld-byte buffer", (long long)nbytes); }
+    g_pool[grow].cap = got;
+    memset(g_pool[grow].p, 0, (size_t)got); /* first touch now, not inside MPI */
+    best = grow;
+  }
+  if (best >= 0) {
+    g_pool[best].busy = 1;
+    b->p = g_pool[best].p; b->size = g_pool[best].cap; b->slot = best;
+    return 0;
+  }
+  /* every slot busy (many async collectives in flight): a one-off buffer */
+  int64_t got = 0;
+  b->p = eng_alloc_raw(nbytes, &got);
+  if (!b->p) return eng_err("comm: out of memory for a %lld-byte buffer", (long long)nbytes);
+  b->size = got; b->slot = -1;
+  return 0;
+}
+
+static void pool_put(sbuf* b) {
+  if (!b->p) return;
+  if (b->slot >= 0) g_pool[b->slot].busy = 0;
+  else eng_free_raw(b->p, b->size);
+  b->p = NULL;
+}
+
+/* ------------------------------------------------------------------ collective plan */
+typedef struct fin {
+  sbuf buf[2];
+  const void* res; int res_dt; eng_tensor* target; /* copy res -> target */
+  void* scale_p; int64_t scale_n; int scale_dt; double scale;
+  eng_tensor* bump; /* written in place */
+} fin;
+
+struct eng_work {
+  int32_t refcount;
+  int32_t done, status, backend; /* backend: 0 none, 1 MPI, 2 NCCL */
+  int kind;
+  int64_t rec;
+  eng_pg* pg;
+  MPI_Request req;
+  void* event;
+  eng_tensor* result;
+  eng_tensor* keep;
+  fin f;
+  char err[1024];
+};
+
+static void contig_strides(int ndim, const int64_t* shape, int64_t* st) { eng_contiguous_strides(ndim, shape, st); }
+
+static void copy_to_buf(const eng_tensor* t, void* buf, int dt) {
+  int64_t st[8];
+  contig_strides(t->ndim, t->shape, st);
+  if (t->numel) kc_copy(t->ndim, t->shape, buf, dt, st, eng_ptr(t), t->dtype, t->stride);
+}
+
+static void copy_from_buf(eng_tensor* t, const void* buf, int dt) {
+  int64_t st[8];
+  contig_strides(t->ndim, t->shape, st);
+  if (t->numel) kc_copy(t->ndim, t->shape, eng_ptr(t), t->dtype, t->stride, buf, dt, st);
+}
+
+static void scale_buf(void* p, int64_t n, int dt, double s) {
+  if (dt == ENG_F32) { float* x = p; float f = (float)s; for (int64_t i = 0; i < n; i++) x[i] *= f; }
+  else if (dt == ENG_F64) { double* x = p; for (int64_t i = 0; i < n; i++) x[i] *= s; }
+}
+
+static void fin_run(fin* f) {
+  if (f->scale_p) scale_buf(f->scale_p, f->scale_n, f->scale_dt, f->scale);
+  if (f->target) copy_from_buf(f->target, f->res, f->res_dt);
+  if (f->bump) eng_bump_version(f->bump);
+  pool_put(&f->buf[0]);
+  pool_put(&f->buf[1]);
+}
+
+static void fin_abort(fin* f) { pool_put(&f->buf[0]); pool_put(&f->buf[1]); }
+
+/* Byte range [lo, hi) of t in its storage. */
+static void byte_range(const eng_tensor* t, int64_t* lo, int64_t* hi) {
+  int64_t es = eng_dtype_size(t->dtype), a = t->offset, b = t->offset;
+  for (int d = 0; d < t->ndim; d++) {
+    if (t->shape[d] == 0) { *lo = *hi = 0; return; }
+    int64_t ext = (t->shape[d] - 1) * t->stride[d];
+    if (ext < 0) a += ext; else b += ext;
+  }
+  *lo = a * es; *hi = (b + 1) * es;
+}
+
+static int overlaps(const eng_tensor* x, const eng_tensor* y) {
+  if (!x || !y || x->storage != y->storage || !x->numel || !y->numel) return 0;
+  int64_t a0, a1, b0, b1;
+  byte_range(x, &a0, &a1);
+  byte_range(y, &b0, &b1);
+  return a0 < b1 && b0 < a1;
+}
+
+typedef struct coll {
+  const char* name;
+  int kind, op, root;
+  eng_pg* pg;
+  eng_tensor* in;
+  eng_tensor* out;
+} coll;
+
+static int is_float(int dt) { return dt == ENG_F32 || dt == ENG_F64 || dt == ENG_BF16 || dt == ENG_F16; }
+
+static int check_tensor(const coll* c, const eng_tensor* t, const char* what) {
+  if (!t) return eng_err("%s: %s tensor is nil/NULL", c->name, what);
+  if (t->dtype < 0 || t->dtype >= ENG_NUM_DTYPES) return eng_err("%s: invalid dtype code %d", c->name, t->dtype);
+  if (t->device == ENG_CUDA && !eng_comm_have_nccl())
+    return eng_err("%s: %s %s is a CUDA tensor but this build has no NCCL backend", c->name, what, eng_desc(t));
+  return 0;
+}
+
+/* The chunk along dim 0: a 0-d tensor counts as one row. */
+static int64_t rows(const eng_tensor* t) { return t->ndim ? t->shape[0] : 1; }
+
+static int same_rest(const eng_tensor* a, const eng_tensor* b) {
+  int na = a->ndim ? a->ndim : 1, nb = b->ndim ? b->ndim : 1;
+  if (na != nb) return 0;
+  for (int d = 1; d < a->ndim; d++) if (a->shape[d] != b->shape[d]) return 0;
+  return 1;
+}
+
+/* Local checks of one collective's arguments (pg is a member). */
+static int validate(const coll* c) {
+  int W = c->pg->size;
+  if (c->kind == ENG_COLL_ALL_REDUCE || c->kind == ENG_COLL_REDUCE_SCATTER) {
+    if (c->op < 0 || c->op >= ENG_NUM_REDUCE_OPS) return eng_err("%s: invalid reduce op code %d", c->name, c->op);
+  }
+  if ((c->kind == ENG_COLL_BROADCAST || c->kind == ENG_COLL_SCATTER) && (c->root < 0 || c->root >= W))
+    return eng_err("%s: root %d is out of range for group %s of size %d (roots are group ranks)", c->name, c->root,
+                   c->pg->name, W);
+  switch (c->kind) {
+    case ENG_COLL_BARRIER: return 0;
+    case ENG_COLL_ALL_REDUCE: case ENG_COLL_BROADCAST:
+      if (check_tensor(c, c->out, "the")) return -1;
+      if (c->kind == ENG_COLL_ALL_REDUCE && c->op == ENG_REDUCE_AVG && !is_float(c->out->dtype))
+        return eng_err("%s: op avg needs a floating dtype, got %s", c->name, eng_desc(c->out));
+      return 0;
+    case ENG_COLL_ALL_GATHER:
+      if (check_tensor(c, c->in, "input") || check_tensor(c, c->out, "output")) return -1;
+      if (c->out->dtype != c->in->dtype || c->out->device != c->in->device || !same_rest(c->in, c->out) ||
+          c->out->ndim != (c->in->ndim ? c->in->ndim : 1) || c->out->shape[0] != W * rows(c->in))
+        return eng_err("%s: output %s does not match input %s gathered over group %s of size %d (expected %s[%lld,...] "
+                       "with the input's trailing dims)", c->name, eng_desc(c->out), eng_desc(c->in), c->pg->name, W,
+                       eng_dtype_name(c->in->dtype), (long long)(W * rows(c->in)));
+      return 0;
+    case ENG_COLL_REDUCE_SCATTER: case ENG_COLL_ALL_TO_ALL: {
+      if (check_tensor(c, c->in, "input")) return -1;
+      if (c->in->ndim == 0) return eng_err("%s: input %s is 0-d; it needs a dim 0 to split", c->name, eng_desc(c->in));
+      if (c->in->shape[0] % W)
+        return eng_err("%s: input %s: dim 0 (%lld) is not divisible by the size %d of group %s (uneven chunks are "
+                       "not supported; pad first)", c->name, eng_desc(c->in), (long long)c->in->shape[0], W,
+                       c->pg->name);
+      if (c->kind == ENG_COLL_REDUCE_SCATTER && c->op == ENG_REDUCE_AVG && !is_float(c->in->dtype))
+        return eng_err("%s: op avg needs a floating dtype, got %s", c->name, eng_desc(c->in));
+      if (check_tensor(c, c->out, "output")) return -1;
+      int64_t want0 = c->kind == ENG_COLL_REDUCE_SCATTER ? c->in->shape[0] / W : c->in->shape[0];
+      if (c->out->dtype != c->in->dtype || c->out->device != c->in->device || c->out->ndim != c->in->ndim ||
+          c->out->shape[0] != want0 || !same_rest(c->in, c->out))
+        return eng_err("%s: output %s does not match input %s over group %s of size %d (expected %s[%lld,...])",
+                       c->name, eng_desc(c->out), eng_desc(c->in), c->pg->name, W, eng_dtype_name(c->in->dtype),
+                       (long long)want0);
+      if (c->kind == ENG_COLL_ALL_TO_ALL && overlaps(c->in, c->out))
+        return eng_err("%s: output %s and input %s share memory", c->name, eng_desc(c->out), eng_desc(c->in));
+      return 0;
+    }
+    case ENG_COLL_SCATTER:
+      if (check_tensor(c, c->out, "output")) return -1;
+      if (c->pg->rank == c->root) {
+        if (!c->in) return eng_err("%s: the root (group rank %d) must pass the input tensor", c->name, c->root);
+        if (check_tensor(c, c->in, "input")) return -1;
+        if (c->in->dtype != c->out->dtype || c->in->device != c->out->device ||
+            c->in->ndim != (c->out->ndim ? c->out->ndim : 1) || c->in->shape[0] != W * rows(c->out) ||
+            !same_rest(c->in, c->out))
+          return eng_err("%s: input %s on the root does not match output %s over group %s of size %d (expected "
+                         "%s[%lld,...])", c->name, eng_desc(c->in), eng_desc(c->out), c->pg->name, W,
+                         eng_dtype_name(c->out->dtype), (long long)(W * rows(c->out)));
+      }
+      return 0;
+  }
+  return eng_err("%s: invalid collective kind %d", c->name, c->kind);
+}
+
+/* The tensor whose shape identifies the collective in the records. */
+static const eng_tensor* key_tensor(const coll* c) {
+  if (c->kind == ENG_COLL_BARRIER) return NULL;
+  if (c->kind == ENG_COLL_ALL_REDUCE || c->kind == ENG_COLL_BROADCAST || c->kind == ENG_COLL_SCATTER) return c->out;
+  return c->in;
+}
+
+/* ------------------------------------------------------------------ debug-mode exchange */
+typedef struct fprint {
+  int64_t seq;
+  int32_t kind, dtype, op, root, ndim, err;
+  int64_t shape[8];
+  char msg[232];
+} fprint;
+
+static void fp_fill(fprint* f, const coll* c, int err) {
+  memset(f, 0, sizeof *f);
+  f->seq = c->pg->seq; f->kind = c->kind; f->err = err;
+  f->op = (c->kind == ENG_COLL_ALL_REDUCE || c->kind == ENG_COLL_REDUCE_SCATTER) ? c->op : -1;
+  f->root = (c->kind == ENG_COLL_BROADCAST || c->kind == ENG_COLL_SCATTER) ? c->root : -1;
+  const eng_tensor* t = key_tensor(c);
+  f->dtype = t ? t->dtype : -1;
+  if (t) { f->ndim = t->ndim; for (int d = 0; d < t->ndim; d++) f->shape[d] = t->shape[d]; }
+  if (err) snprintf(f->msg, sizeof f->msg, "%s", eng_last_error());
+}
+
+static int fp_same(const fprint* a, const fprint* b) {
+  if (a->seq != b->seq || a->kind != b->kind || a->dtype != b->dtype || a->op != b->op || a->root != b->root ||
+      a->ndim != b->ndim)
+    return 0;
+  for (int d = 0; d < a->ndim; d++) if (a->shape[d] != b->shape[d]) return 0;
+  return 1;
+}
+
+static int fp_desc(char* b, int cap, const fprint* f) {
+  int k = snprintf(b, cap, "#%lld %s", (long long)f->seq, eng_coll_kind_name(f->kind) ? eng_coll_kind_name(f->kind) : "?");
+  if (k < cap && f->dtype >= 0) k += snprintf(b + k, cap - k, " %s%s", eng_dtype_name(f->dtype), eng_shape_str(f->ndim, f->shape));
+  if (k < cap && f->op >= 0) k += snprintf(b + k, cap - k, " op=%s", eng_reduce_op_name(f->op));
+  if (k < cap && f->root >= 0) k += snprintf(b + k, cap - k, " root=%d", f->root);
+  return k < cap ? k : cap;
+}
+
+static void timeout_abort(const coll* c, double waited) {
+  fprintf(stderr,
+          "[rank %d] %s on group %s (seq %lld): the other ranks of the group did not join within %.0f s (debug "
+          "mode): a rank is stuck, has failed, or issued a different collective on another group. Aborting the "
+          "job.\n%s",
+          eng_dist_rank(), c->name, c->pg->name, (long long)c->pg->seq, waited, eng_comm_history_format(0));
+  fflush(stderr);
+  MPI_Abort(MPI_COMM_WORLD, 3);
+  exit(3);
+}
+
+/* Exchanges fingerprints; returns 0 when every rank issued the same valid
+ * collective, else -1 with an error naming each rank's call. */
+static int debug_exchange(const coll* c, int local_err) {
+  int W = c->pg->size;
+  fprint mine;
+  fp_fill(&mine, c, local_err);
+  fprint* all = malloc(sizeof(fprint) * (size_t)W);
+  if (!all) return eng_err("%s: out of memory (debug check)", c->name);
+  MPI_Request r;
+  int rc = MPI_Iallgather(&mine, (int)sizeof mine, MPI_BYTE, all, (int)sizeof mine, MPI_BYTE, c->pg->comm, &r);
+  if (rc != MPI_SUCCESS) { free(all); return eng_err("%s: debug check failed: %s", c->name, comm_mpi_errstr(rc)); }
+  double t0 = eng_time(), lim = timeout_s();
+  int flag = 0;
+  for (long spin = 0; !flag; spin++) {
+    if (MPI_Test(&r, &flag, MPI_STATUS_IGNORE) != MPI_SUCCESS) break;
+    if (flag) break;
+    if (spin > 64) sched_yield();
+    if ((spin & 255) == 0 && eng_time() - t0 > lim) timeout_abort(c, eng_time() - t0);
+  }
+  int bad = local_err ? 1 : 0, first_err = -1;
+  for (int i = 0; i < W; i++) {
+    if (all[i].err && first_err < 0) first_err = i;
+    if (all[i].err || !fp_same(&all[i], &all[0])) bad = 1;
+  }
+  if (!bad) { free(all); return 0; }
+  if (local_err) { free(all); return -1; } /* our own message is already set */
+  char msg[2048];
+  int k;
+  if (first_err >= 0) {
+    k = snprintf(msg, sizeof msg, "%s: rank %d (group rank %d of %s) failed its checks: %s", c->name,
+                 c->pg->ranks[first_err], first_err, c->pg->name, all[first_err].msg);
+  } else {
+    k = snprintf(msg, sizeof msg, "%s: collective mismatch on group %s (debug mode): ", c->name, c->pg->name);
+    for (int i = 0; i < W && k < (int)sizeof msg - 64; i++) {
+      k += snprintf(msg + k, sizeof msg - k, "%srank %d: ", i ? "; " : "", c->pg->ranks[i]);
+      k += fp_desc(msg + k, (int)sizeof msg - k, &all[i]);
+    }
+    if (k < (int)sizeof msg)
+      snprintf(msg + k, sizeof msg - k, " (every rank of a group must issue the same collectives in the same order, "
+               "with the same shapes, dtypes, ops and roots)");
+  }
+  free(all);
+  eng_set_error_message(msg);
+  return -1;
+}
+
+/* ------------------------------------------------------------------ dispatch */
+static eng_work* work_new(eng_pg* pg, int kind) {
+  eng_work* w = calloc(1, sizeof *w);
+  if (!w) return eng_errp("comm: out of memory");
+  w->refcount = 1;
+  w->kind = kind;
+  w->rec = -1;
+  w->pg = eng_pg_retain(pg);
+  w->req = MPI_REQUEST_NULL;
+  return w;
+}
+
+static eng_work* work_done(eng_pg* pg, int kind, eng_tensor* result) {
+  eng_work* w = work_new(pg, kind);
+  if (!w) return NULL;
+  w->done = 1;
+  w->result = eng_tensor_retain(result);
+  return w;
+}
+
+static int64_t tbytes(const eng_tensor* t) { return t ? t->numel * eng_dtype_size(t->dtype) : 0; }
+
+/* Sets up buffers for the CPU path; fills a and f. */
+static int plan_cpu(const coll* c, comm_args* a, fin* f) {
+  int W = c->pg->size;
+  eng_tensor* in = c->in;
+  eng_tensor* out = c->out;
+  int dt = out ? out->dtype : ENG_F32;
+  int op = c->op;
+  a->kind = c->kind; a->root = c->root; a->dtype = dt;
+  if (dt == ENG_BOOL && (c->kind == ENG_COLL_ALL_REDUCE || c->kind == ENG_COLL_REDUCE_SCATTER))
+    op = op == ENG_REDUCE_SUM ? ENG_REDUCE_MAX : op == ENG_REDUCE_PROD ? ENG_REDUCE_MIN : op;
+  a->op = op;
+  int half = dt == ENG_BF16 || dt == ENG_F16;
+  int widen = half && (c->kind == ENG_COLL_ALL_REDUCE || c->kind == ENG_COLL_REDUCE_SCATTER) &&
+              (op == ENG_REDUCE_SUM || op == ENG_REDUCE_AVG || op == ENG_REDUCE_PROD);
+  int wdt = widen ? ENG_F32 : dt;
+  int64_t wes = eng_dtype_size(wdt);
+  a->dtype = wdt;
+  int scale = (op == ENG_REDUCE_AVG) && W > 1;
+  switch (c->kind) {
+    case ENG_COLL_BARRIER:
+      a->count = 0;
+      return 0;
+    case ENG_COLL_ALL_REDUCE: case ENG_COLL_BROADCAST: {
+      a->count = out->numel;
+      if (!widen && eng_tensor_is_contiguous(out)) {
+        a->recv = eng_ptr(out); a->send = NULL;
+        if (scale) { f->scale_p = a->recv; f->scale_n = out->numel; f->scale_dt = wdt; f->scale = 1.0 / W; }
+      } else {
+        if (pool_get(out->numel * wes, &f->buf[0])) return -1;
+        if (c->kind == ENG_COLL_ALL_REDUCE || c->pg->rank == c->root) copy_to_buf(out, f->buf[0].p, wdt);
+        a->recv = f->buf[0].p; a->send = NULL;
+        f->res = a->recv; f->res_dt = wdt; f->target = out;
+        if (scale) { f->scale_p = a->recv; f->scale_n = out->numel; f->scale_dt = wdt; f->scale = 1.0 / W; }
+      }
+      f->bump = out;
+      return 0;
+    }
+    case ENG_COLL_ALL_GATHER: case ENG_COLL_ALL_TO_ALL: case ENG_COLL_REDUCE_SCATTER: case ENG_COLL_SCATTER: {
+      int send_here = c->kind != ENG_COLL_SCATTER || c->pg->rank == c->root;
+      if (send_here) {
+        if (!widen && eng_tensor_is_contiguous(in) && !overlaps(in, out)) a->send = eng_ptr(in);
+        else {
+          if (pool_get(in->numel * wes, &f->buf[0])) return -1;
+          copy_to_buf(in, f->buf[0].p, wdt);
+          a->send = f->buf[0].p;
+        }
+      } else a->send = NULL;
+      if (!widen && eng_tensor_is_contiguous(out)) {
+        a->recv = eng_ptr(out);
+      } else {
+        if (pool_get(out->numel * wes, &f->buf[1])) { pool_put(&f->buf[0]); return -1; }
+        a->recv = f->buf[1].p;
+        f->res = a->recv; f->res_dt = wdt; f->target = out;
+      }
+      if (c->kind == ENG_COLL_ALL_GATHER) a->count = in->numel;
+      else if (c->kind == ENG_COLL_ALL_TO_ALL) a->count = in->numel / W;
+      else a->count = out->numel;
+      if (scale && c->kind == ENG_COLL_REDUCE_SCATTER) {
+        f->scale_p = a->recv; f->scale_n = out->numel; f->scale_dt = wdt; f->scale = 1.0 / W;
+      }
+      f->bump = out;
+      return 0;
+    }
+  }
+  return eng_err("%s: invalid collective kind %d", c->name, c->kind);
+}
+
+#if defined(ENG_HAVE_CUDA) && defined(ENG_HAVE_NCCL)
+static int plan_cuda(const coll* c, comm_args* a, fin* f) {
+  eng_tensor* in = c->in;
+  eng_tensor* out = c->out;
+  int W = c->pg->size;
+  if ((in && !eng_tensor_is_contiguous(in)) || (out && !eng_tensor_is_contiguous(out)))
+    return eng_err("%s: the NCCL backend needs contiguous CUDA tensors, got %s%s%s (call contiguous() first)",
+                   c->name, in ? eng_desc(in) : "", in && out ? " and " : "", out ? eng_desc(out) : "");
+  if (in && out && in != out && c->kind != ENG_COLL_SCATTER && overlaps(in, out))
+    return eng_err("%s: output %s and input %s share memory", c->name, eng_desc(out), eng_desc(in));
+  int op = c->op;
+  int dt = out ? out->dtype : ENG_F32;
+  if (dt == ENG_BOOL) op = op == ENG_REDUCE_SUM ? ENG_REDUCE_MAX : op == ENG_REDUCE_PROD ? ENG_REDUCE_MIN : op;
+  a->kind = c->kind; a->op = op; a->root = c->root; a->dtype = dt;
+  a->send = in ? eng_ptr(in) : NULL;
+  a->recv = out ? eng_ptr(out) : NULL;
+  switch (c->kind) {
+    case ENG_COLL_ALL_REDUCE: case ENG_COLL_BROADCAST: a->count = out->numel; a->send = a->recv; break;
+    case ENG_COLL_ALL_GATHER: a->count = in->numel; break;
+    case ENG_COLL_ALL_TO_ALL: a->count = in->numel / W; break;
+    case ENG_COLL_REDUCE_SCATTER: case ENG_COLL_SCATTER: a->count = out->numel; break;
+    default: a->count = 0;
+  }
+  f->bump = out;
+  return 0;
+}
+#endif
+
+static int run(const coll* c, eng_work** work) {
+  if (work) *work = NULL;
+  if (!c->pg) return eng_err("%s: process group is nil/NULL", c->name);
+  if (!c->pg->member) {
+    /* not in the group: skip, as PyTorch does */
+    if (work) { *work = work_done(c->pg, c->kind, c->out ? c->out : c->in); if (!*work) return -1; }
+    return 0;
+  }
+  if (!eng_dist_is_initialized()) return eng_err("%s: the distributed runtime is not running", c->name);
+  int err = validate(c);
+  int64_t seq = c->pg->seq;
+  const eng_tensor* kt = key_tensor(c);
+  if (debug_on()) {
+    /* every rank took part in the exchange, so every rank counts it */
+    int rc = debug_exchange(c, err);
+    c->pg->seq++;
+    if (rc) {
+      if (!err) {
+        int64_t id = rec_start(c->pg, seq, c->kind, kt ? kt->dtype : -1, c->op, c->root, kt ? kt->ndim : 0,
+                               kt ? kt->shape : NULL, work != NULL);
+        rec_end(id, 2);
+        err_append_history();
+      }
+      return -1;
+    }
+  } else if (err) {
+    return -1;
+  } else {
+    c->pg->seq++;
+  }
+  int64_t rec = rec_start(c->pg, seq, c->kind, kt ? kt->dtype : -1, c->op, c->root, kt ? kt->ndim : 0,
+                          kt ? kt->shape : NULL, work != NULL);
+  g_counts[c->kind]++;
+  g_bytes[c->kind] += tbytes(c->kind == ENG_COLL_SCATTER ? c->out : (c->in ? c->in : c->out));
+
+  comm_args a;
+  memset(&a, 0, sizeof a);
+  fin f;
+  memset(&f, 0, sizeof f);
+  f.buf[0].slot = f.buf[1].slot = -1;
+  int cuda = (c->out && c->out->device == ENG_CUDA) || (c->in && c->in->device == ENG_CUDA);
+  int rc;
+#if defined(ENG_HAVE_CUDA) && defined(ENG_HAVE_NCCL)
+  rc = cuda ? plan_cuda(c, &a, &f) : plan_cpu(c, &a, &f);
+#else
+  rc = cuda ? eng_err("%s: CUDA tensors need a build with NCCL", c->name) : plan_cpu(c, &a, &f);
+#endif
+  if (rc) { rec_end(rec, 2); return -1; }
+
+  eng_work* w = NULL;
+  if (work) {
+    w = work_new(c->pg, c->kind);
+    if (!w) { fin_abort(&f); rec_end(rec, 2); return -1; }
+    w->rec = rec;
+  }
+#if defined(ENG_HAVE_CUDA) && defined(ENG_HAVE_NCCL)
+  if (cuda && c->kind != ENG_COLL_BARRIER) rc = comm_nccl_issue(c->pg, &a, w ? &w->event : NULL);
+  else rc = comm_mpi_issue(c->pg, &a, w ? &w->req : NULL);
+#else
+  rc = comm_mpi_issue(c->pg, &a, w ? &w->req : NULL);
+#endif
+  if (rc) {
+    fin_abort(&f);
+    rec_end(rec, 2);
+    err_append_history();
+    if (w) { w->done = 1; eng_work_release(w); }
+    return -1;
+  }
+  if (!w) {
+    fin_run(&f);
+    rec_end(rec, 1);
+    return 0;
+  }
+  w->backend = (cuda && c->kind != ENG_COLL_BARRIER) ? 2 : 1;
+  w->f = f;
+  w->result = eng_tensor_retain(c->out);
+  w->keep = eng_tensor_retain(c->in);
+  *work = w;
+  return 0;
+}
+
+/* ------------------------------------------------------------------ public collectives */
+int eng_pg_all_reduce(eng_pg* pg, eng_tensor* t, int op, eng_work** work) {
+  coll c = {"all_reduce", ENG_COLL_ALL_REDUCE, op, 0, pg, t, t};
+  return run(&c, work);
+}
+
+int eng_pg_broadcast(eng_pg* pg, eng_tensor* t, int root, eng_work** work) {
+  coll c = {"broadcast", ENG_COLL_BROADCAST, 0, root, pg, t, t};
+  return run(&c, work);
+}
+
+int eng_pg_barrier(eng_pg* pg, eng_work** work) {
+  coll c = {"barrier", ENG_COLL_BARRIER, 0, 0, pg, NULL, NULL};
+  return run(&c, work);
+}
+
+int eng_pg_all_gather_into(eng_pg* pg, eng_tensor* out, eng_tensor* in, eng_work** work) {
+  coll c = {"all_gather_into", ENG_COLL_ALL_GATHER, 0, 0, pg, in, out};
+  return run(&c, work);
+}
+
+int eng_pg_reduce_scatter_into(eng_pg* pg, eng_tensor* out, eng_tensor* in, int op, eng_work** work) {
+  coll c = {"reduce_scatter_into", ENG_COLL_REDUCE_SCATTER, op, 0, pg, in, out};
+  return run(&c, work);
+}
+
+int eng_pg_all_to_all_into(eng_pg* pg, eng_tensor* out, eng_tensor* in, eng_work** work) {
+  coll c = {"all_to_all_into", ENG_COLL_ALL_TO_ALL, 0, 0, pg, in, out};
+  return run(&c, work);
+}
+
+int eng_pg_scatter(eng_pg* pg, eng_tensor* out, eng_tensor* in, int root, eng_work** work) {
+  coll c = {"scatter", ENG_COLL_SCATTER, 0, root, pg, in, out};
+  return run(&c, work);
+}
+
+/* Out-of-place forms: allocate the output when the input allows it; the
+ * checks (and, in debug mode, the exchange) then run as for the _into form. */
+static eng_tensor* out_of_place(const char* name, int kind, eng_pg* pg, eng_tensor* in, int op, eng_work** work) {
+  if (work) *work = NULL;
+  if (!pg) return eng_errp("%s: process group is nil/NULL", name);
+  if (!pg->member) {
+    if (!in) return eng_errp("%s: input tensor is nil/NULL", name);
+    if (work) { *work = work_done(pg, kind, in); if (!*work) return NULL; }
+    return eng_tensor_retain(in);
+  }
+  int W = pg->size;
+  eng_tensor* out = NULL;
+  if (in && in->dtype >= 0 && in->dtype < ENG_NUM_DTYPES) {
+    int64_t shape[8];
+    int nd = in->ndim ? in->ndim : 1;
+    for (int d = 0; d < in->ndim; d++) shape[d] = in->shape[d];
+    int ok = 1;
+    if (kind == ENG_COLL_ALL_GATHER) shape[0] = W * rows(in);
+    else if (kind == ENG_COLL_REDUCE_SCATTER) { ok = in->ndim > 0 && in->shape[0] % W == 0; if (ok) shape[0] /= W; }
+    else ok = in->ndim > 0;
+    if (ok) {
+      out = eng_new(nd, shape, in->dtype, in->device);
+      if (!out) return NULL;
+    }
+  }
+  coll c = {name, kind, op, 0, pg, in, out};
+  if (run(&c, work)) { eng_tensor_release(out); return NULL; }
+  return out;
+}
+
+eng_tensor* eng_pg_all_gather(eng_pg* pg, eng_tensor* in, eng_work** work) {
+  return out_of_place("all_gather", ENG_COLL_ALL_GATHER, pg, in, 0, work);
+}
+
+eng_tensor* eng_pg_reduce_scatter(eng_pg* pg, eng_tensor* in, int op, eng_work** work) {
+  return out_of_place("reduce_scatter", ENG_COLL_REDUCE_SCATTER, pg, in, op, work);
+}
+
+eng_tensor* eng_pg_all_to_all(eng_pg* pg, eng_tensor* in, eng_work** work) {
+  return out_of_place("all_to_all", ENG_COLL_ALL_TO_ALL, pg, in, 0, work);
+}
+
+int eng_pg_raw_collective(eng_pg* pg, int kind, const void* send, void* recv, int64_t count, int dtype, int op,
+                          int root) {
+  if (!pg) return eng_err("raw_collective: process group is NULL");
+  if (!pg->member) return 0;
+  if (kind < 0 || kind >= ENG_NUM_COLL_KINDS) return eng_err("raw_collective: invalid kind %d", kind);
+  if (dtype != ENG_F32 && dtype != ENG_F64 && dtype != ENG_I32 && dtype != ENG_I64 && dtype != ENG_U8)
+    return eng_err("raw_collective: dtype %s is not supported (f32, f64, i32, i64, u8)",
+                   eng_dtype_name(dtype) ? eng_dtype_name(dtype) : "?");
+  if ((kind == ENG_COLL_ALL_REDUCE || kind == ENG_COLL_REDUCE_SCATTER) &&
+      (op < 0 || op >= ENG_NUM_REDUCE_OPS || op == ENG_REDUCE_AVG))
+    return eng_err("raw_collective: op %d is not supported (sum, max, min, prod)", op);
+  if (root < 0 || root >= pg->size) return eng_err("raw_collective: root %d out of range", root);
+  comm_args a = {kind, op, root, dtype, send, recv, count};
+  return comm_mpi_issue(pg, &a, NULL);
+}
+
+/* ------------------------------------------------------------------ work handles */
+static int work_finish(eng_work* w, int ok) {
+  w->done = 1;
+  if (ok) {
+    fin_run(&w->f);
+    rec_end(w->rec, 1);
+    w->status = 0;
+  } else {
+    fin_abort(&w->f);
+    rec_end(w->rec, 2);
+    w->status = -1;
+    snprintf(w->err, sizeof w->err, "%s", eng_last_error());
+  }
+#if defined(ENG_HAVE_CUDA) && defined(ENG_HAVE_NCCL)
+  if (w->backend == 2) comm_nccl_event_free(w->event);
+#endif
+  w->event = NULL;
+  return w->status;
+}
+
+int eng_work_wait(eng_work* w) {
+  if (!w) return eng_err("wait: work handle is NULL");
+  if (!w->done) {
+    int ok = 1;
+    if (w->backend == 1) {
+      int rc = MPI_Wait(&w->req, MPI_STATUS_IGNORE);
+      if (rc != MPI_SUCCESS) {
+        eng_err("%s: %s on group %s (async)", eng_coll_kind_name(w->kind), comm_mpi_errstr(rc), w->pg->name);
+        ok = 0;
+      }
+    } else if (w->backend == 2) {
+#if defined(ENG_HAVE_CUDA) && defined(ENG_HAVE_NCCL)
+      if (comm_nccl_wait(w->event)) ok = 0;
+#endif
+    }
+    work_finish(w, ok);
+  }
+  if (w->status) return eng_set_error_message(w->err);
+  return 0;
+}
+
+int eng_work_is_completed(eng_work* w) {
+  if (!w) return eng_err("is_completed: work handle is NULL");
+  if (!w->done) {
+    if (w->backend == 1) {
+      int flag = 0;
+      int rc = MPI_Test(&w->req, &flag, MPI_STATUS_IGNORE);
+      if (rc != MPI_SUCCESS) {
+        eng_err("%s: %s on group %s (async)", eng_coll_kind_name(w->kind), comm_mpi_errstr(rc), w->pg->name);
+        work_finish(w, 0);
+      } else if (flag) work_finish(w, 1);
+      else return 0;
+    } else if (w->backend == 2) {
+#if defined(ENG_HAVE_CUDA) && defined(ENG_HAVE_NCCL)
+      int r = comm_nccl_test(w->event);
+      if (r == 0) return 0;
+      work_finish(w, r > 0);
+#endif
+    }
+  }
+  if (w->status) return eng_set_error_message(w->err);
+  return 1;
+}
+
+eng_tensor* eng_work_result(eng_work* w) { return w ? w->result : NULL; }
+
+eng_work* eng_work_retain(eng_work* w) {
+  if (w) __atomic_add_fetch(&w->refcount, 1, __ATOMIC_RELAXED);
+  return w;
+}
+
+void eng_work_release(eng_work* w) {
+  if (!w) return;
+  if (__atomic_sub_fetch(&w->refcount, 1, __ATOMIC_ACQ_REL) != 0) return;
+  if (!w->done && eng_dist_is_initialized()) eng_work_wait(w); /* buffers must outlive the transfer */
+  eng_tensor_release(w->result);
+  eng_tensor_release(w->keep);
+  eng_pg_release(w->pg);
+  free(w);
+}

@@ -1,0 +1,55 @@
+/* comm_impl.h: process-group internals shared by comm.c (groups, dispatch,
+ * counters, debug checks, flight recorder), the backends comm_mpi.c and
+ * comm_nccl.c, and mesh.c.  Not public. */
+#ifndef ENG_COMM_IMPL_H
+#define ENG_COMM_IMPL_H
+#include "internal.h"
+#include <mpi.h>
+
+struct eng_pg {
+  int32_t refcount;
+  int32_t member;
+  int32_t rank, size;   /* -1, -1 on a non-member */
+  int64_t id;
+  int64_t seq;          /* collectives issued on this group */
+  MPI_Comm comm;        /* MPI_COMM_NULL on a non-member */
+  int* ranks;           /* world ranks of the members (size entries) */
+  char name[96];
+  void* nccl;           /* NCCL backend state, created on first use */
+};
+
+/* One collective on raw contiguous buffers, as handed to a backend.
+ * count: all_reduce/broadcast: elements; all_gather: elements sent per rank;
+ * reduce_scatter/scatter: elements received per rank; all_to_all: elements
+ * per peer.  send == recv (or send NULL) means in place.  op is already
+ * mapped for bool (sum -> max, prod -> min); avg reaches the MPI backend as
+ * sum (comm.c scales afterwards) and NCCL as avg. */
+typedef struct comm_args {
+  int kind, op, root, dtype;
+  const void* send;
+  void* recv;
+  int64_t count;
+} comm_args;
+
+/* Backend: MPI (comm_mpi.c).  req NULL: blocking. */
+int comm_mpi_issue(eng_pg* pg, const comm_args* a, MPI_Request* req);
+/* "MPI error N: text" for an MPI return code (thread-local buffer). */
+const char* comm_mpi_errstr(int rc);
+
+/* Backend: NCCL (comm_nccl.c, CUDA builds).  event NULL: blocking. */
+int comm_nccl_issue(eng_pg* pg, const comm_args* a, void** event);
+int comm_nccl_wait(void* event);
+int comm_nccl_test(void* event); /* 1 done, 0 running, -1 error */
+void comm_nccl_event_free(void* event);
+void comm_nccl_pg_free(void* state);
+
+/* Groups (comm.c): a group over an MPI communicator (taken over; may be
+ * MPI_COMM_NULL for a non-member). */
+eng_pg* comm_pg_from_mpi(MPI_Comm c, const char* name);
+/* Starts MPI if needed and creates the world group; 0 or -1. */
+int comm_ensure_init(const char* op);
+/* Collective over the world: -1 on every rank (error naming op and what)
+ * when `data` is not the same on all ranks. */
+int comm_world_agree(const void* data, size_t n, const char* op, const char* what);
+
+#endif

@@ -1,0 +1,216 @@
+/* comm_nccl.c: the NCCL backend of the process groups (CUDA builds).
+ *
+ * One NCCL communicator per process group, created on the group's first CUDA
+ * collective: group rank 0 makes the unique id, MPI_Bcast hands it to the
+ * other members over the group's MPI communicator (as llm.c does), and every
+ * member calls ncclCommInitRank.  Each group has its own non-blocking CUDA
+ * stream; a collective first waits for the work already queued on the
+ * default stream, then runs on the group's stream.  Blocking calls
+ * synchronize that stream; async ones record an event that eng_work_wait
+ * synchronizes.  Without ENG_HAVE_CUDA (and ENG_HAVE_NCCL) only the two
+ * capability queries are compiled, and they report no GPU / no NCCL. */
+#include "comm_impl.h"
+
+#if defined(ENG_HAVE_CUDA)
+#include <cuda_runtime.h>
+int eng_comm_cuda_device_count(void) {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) { cudaGetLastError(); return 0; }
+  return n;
+}
+#else
+int eng_comm_cuda_device_count(void) { return 0; }
+#endif
+
+#if defined(ENG_HAVE_CUDA) && defined(ENG_HAVE_NCCL)
+#include <nccl.h>
+#include <stdio.h>
+
+int eng_comm_have_nccl(void) { return 1; }
+
+typedef struct nccl_state {
+  ncclComm_t comm;
+  cudaStream_t stream;
+} nccl_state;
+
+static int g_device_chosen;
+
+/* Node-local rank from the launcher's environment (no communication: this
+ * runs inside a group's first collective, where only members take part). */
+static int local_rank(void) {
+  const char* vars[] = {"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID"};
+  for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++) {
+    const char* v = getenv(vars[i]);
+    if (v && *v) return atoi(v);
+  }
+  return eng_dist_rank();
+}
+
+static int cuda_check(cudaError_t e, const char* what, const char* group) {
+  if (e == cudaSuccess) return 0;
+  return eng_err("%s on group %s: CUDA error %d: %s", what, group, (int)e, cudaGetErrorString(e));
+}
+
+static int nccl_check(ncclResult_t r, const char* what, const char* group) {
+  if (r == ncclSuccess) return 0;
+  return eng_err("%s on group %s: NCCL error %d: %s", what, group, (int)r, ncclGetErrorString(r));
+}
+
+static nccl_state* ensure_comm(eng_pg* pg) {
+  if (pg->nccl) return pg->nccl;
+  int ndev = eng_comm_cuda_device_count();
+  if (ndev <= 0) return eng_errp("NCCL backend on group %s: no CUDA device is usable", pg->name);
+  if (!g_device_chosen) {
+    if (cuda_check(cudaSetDevice(local_rank() % ndev), "cudaSetDevice", pg->name)) return NULL;
+    g_device_chosen = 1;
+  }
+  /* the others wait for the id: on failure, send them a flag so every member fails */
+  struct { int32_t ok; ncclUniqueId id; } msg;
+  memset(&msg, 0, sizeof msg);
+  char why[512] = "";
+  if (pg->rank == 0) {
+    msg.ok = nccl_check(ncclGetUniqueId(&msg.id), "ncclGetUniqueId", pg->name) == 0;
+    if (!msg.ok) snprintf(why, sizeof why, "%s", eng_last_error());
+  }
+  int rc = MPI_Bcast(&msg, (int)sizeof msg, MPI_BYTE, 0, pg->comm);
+  if (rc != MPI_SUCCESS) return eng_errp("NCCL id broadcast on group %s: %s", pg->name, comm_mpi_errstr(rc));
+  if (!msg.ok)
+    return eng_errp("NCCL backend on group %s: group rank 0 could not create the unique id%s%s", pg->name,
+                    why[0] ? ": " : "", why);
+  ncclUniqueId id = msg.id;
+  nccl_state* s = calloc(1, sizeof *s);
+  if (!s) return eng_errp("NCCL backend: out of memory");
+  if (nccl_check(ncclCommInitRank(&s->comm, pg->size, id, pg->rank), "ncclCommInitRank", pg->name)) {
+    free(s);
+    return NULL;
+  }
+  if (cuda_check(cudaStreamCreateWithFlags(&s->stream, cudaStreamNonBlocking), "cudaStreamCreate", pg->name)) {
+    ncclCommDestroy(s->comm);
+    free(s);
+    return NULL;
+  }
+  pg->nccl = s;
+  return s;
+}
+
+void comm_nccl_pg_free(void* state) {
+  nccl_state* s = state;
+  if (!s) return;
+  ncclCommDestroy(s->comm);
+  cudaStreamDestroy(s->stream);
+  free(s);
+}
+
+static ncclDataType_t nccl_type(int dtype) {
+  switch (dtype) {
+    case ENG_F32: return ncclFloat32;
+    case ENG_F64: return ncclFloat64;
+    case ENG_BF16: return ncclBfloat16;
+    case ENG_F16: return ncclFloat16;
+    case ENG_I32: return ncclInt32;
+    case ENG_I64: return ncclInt64;
+    default: return ncclUint8;
+  }
+}
+
+static ncclRedOp_t nccl_op(int op) {
+  switch (op) {
+    case ENG_REDUCE_AVG: return ncclAvg;
+    case ENG_REDUCE_MAX: return ncclMax;
+    case ENG_REDUCE_MIN: return ncclMin;
+    case ENG_REDUCE_PROD: return ncclProd;
+    default: return ncclSum;
+  }
+}
+
+int comm_nccl_issue(eng_pg* pg, const comm_args* a, void** event) {
+  const char* kind = eng_coll_kind_name(a->kind);
+  nccl_state* s = ensure_comm(pg);
+  if (!s) return -1;
+  /* run after the work already queued on the default stream */
+  cudaEvent_t dep;
+  if (cuda_check(cudaEventCreateWithFlags(&dep, cudaEventDisableTiming), kind, pg->name)) return -1;
+  cudaEventRecord(dep, 0);
+  cudaStreamWaitEvent(s->stream, dep, 0);
+  cudaEventDestroy(dep);
+
+  ncclDataType_t dt = nccl_type(a->dtype);
+  size_t n = (size_t)a->count, es = (size_t)eng_dtype_size(a->dtype);
+  const char* send = a->send;
+  char* recv = a->recv;
+  ncclResult_t r = ncclSuccess;
+  switch (a->kind) {
+    case ENG_COLL_ALL_REDUCE:
+      r = ncclAllReduce(send ? send : recv, recv, n, dt, nccl_op(a->op), s->comm, s->stream);
+      break;
+    case ENG_COLL_ALL_GATHER:
+      r = ncclAllGather(send, recv, n, dt, s->comm, s->stream);
+      break;
+    case ENG_COLL_REDUCE_SCATTER:
+      r = ncclReduceScatter(send, recv, n, dt, nccl_op(a->op), s->comm, s->stream);
+      break;
+    case ENG_COLL_BROADCAST:
+      r = ncclBroadcast(recv, recv, n, dt, a->root, s->comm, s->stream);
+      break;
+    case ENG_COLL_ALL_TO_ALL:
+      r = ncclGroupStart();
+      for (int p = 0; p < pg->size && r == ncclSuccess; p++) {
+        r = ncclSend(send + (size_t)p * n * es, n, dt, p, s->comm, s->stream);
+        if (r == ncclSuccess) r = ncclRecv(recv + (size_t)p * n * es, n, dt, p, s->comm, s->stream);
+      }
+      {
+        ncclResult_t e = ncclGroupEnd();
+        if (r == ncclSuccess) r = e;
+      }
+      break;
+    case ENG_COLL_SCATTER:
+      r = ncclGroupStart();
+      if (pg->rank == a->root)
+        for (int p = 0; p < pg->size && r == ncclSuccess; p++)
+          r = ncclSend(send + (size_t)p * n * es, n, dt, p, s->comm, s->stream);
+      if (r == ncclSuccess) r = ncclRecv(recv, n, dt, a->root, s->comm, s->stream);
+      {
+        ncclResult_t e = ncclGroupEnd();
+        if (r == ncclSuccess) r = e;
+      }
+      break;
+    default:
+      return eng_err("%s: the NCCL backend does not run this collective", kind ? kind : "?");
+  }
+  if (nccl_check(r, kind, pg->name)) return -1;
+  if (event) {
+    cudaEvent_t ev;
+    if (cuda_check(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), kind, pg->name)) return -1;
+    if (cuda_check(cudaEventRecord(ev, s->stream), kind, pg->name)) { cudaEventDestroy(ev); return -1; }
+    *event = (void*)ev;
+    return 0;
+  }
+  if (cuda_check(cudaStreamSynchronize(s->stream), kind, pg->name)) return -1;
+  ncclResult_t ae = ncclSuccess;
+  ncclCommGetAsyncError(s->comm, &ae);
+  return nccl_check(ae, kind, pg->name);
+}
+
+int comm_nccl_wait(void* event) {
+  if (!event) return 0;
+  cudaError_t e = cudaEventSynchronize((cudaEvent_t)event);
+  if (e != cudaSuccess) return eng_err("NCCL collective (async): CUDA error %d: %s", (int)e, cudaGetErrorString(e));
+  return 0;
+}
+
+int comm_nccl_test(void* event) {
+  if (!event) return 1;
+  cudaError_t e = cudaEventQuery((cudaEvent_t)event);
+  if (e == cudaSuccess) return 1;
+  if (e == cudaErrorNotReady) return 0;
+  eng_err("NCCL collective (async): CUDA error %d: %s", (int)e, cudaGetErrorString(e));
+  return -1;
+}
+
+void comm_nccl_event_free(void* event) {
+  if (event) cudaEventDestroy((cudaEvent_t)event);
+}
+
+#else
+int eng_comm_have_nccl(void) { return 0; }
+#endif

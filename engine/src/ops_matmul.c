@@ -1,0 +1,410 @@
+/* ops_matmul.c: matmul (torch.matmul semantics: dot, mv, mm and batched
+ * products with broadcast batch dims) and linear, over BLAS, with autograd.
+ *
+ * Every product goes through eng_bmm_run(), which sees each operand as a batch
+ * of strided matrices (eng_mview) and hands BLAS transposed layouts instead of
+ * copies wherever the strides allow.  Batched products whose batch dims fold
+ * into the rows (x[B, T, K] @ w[K, N]) or into the contraction (the weight
+ * gradient of the same product) become a single GEMM. */
+#include "bmm.h"
+#include "../../kernels/cpu/kcpu.h"
+#include <limits.h>
+
+void eng_mview_of(const eng_tensor* t, int vec, int nb, const int64_t* bshape, eng_mview* m) {
+  int tb;
+  m->p = eng_ptr(t);
+  if (vec == 1) { m->rows = 1; m->cols = t->shape[0]; m->rs = 0; m->cs = t->stride[0]; tb = 0; }
+  else if (vec == 2) { m->rows = t->shape[0]; m->cols = 1; m->rs = t->stride[0]; m->cs = 0; tb = 0; }
+  else {
+    tb = t->ndim - 2;
+    m->rows = t->shape[tb]; m->cols = t->shape[tb + 1];
+    m->rs = t->stride[tb]; m->cs = t->stride[tb + 1];
+  }
+  for (int i = 0; i < nb; i++) {
+    int it = tb - nb + i;
+    m->bs[i] = (it < 0 || t->shape[it] == 1 || bshape[i] == 1) ? 0 : t->stride[it];
+  }
+}
+
+eng_mview eng_mview_t(eng_mview m) {
+  int64_t t = m.rows; m.rows = m.cols; m.cols = t;
+  t = m.rs; m.rs = m.cs; m.cs = t;
+  return m;
+}
+
+/* Can BLAS read m directly?  trans 0: row-major with leading dim ld;
+ * trans 1: the transpose of a row-major (cols x rows) matrix. */
+static int blas_layout(const eng_mview* m, int* trans, int64_t* ld) {
+  int64_t r1 = m->rows > 1 ? m->rows : 1, c1 = m->cols > 1 ? m->cols : 1;
+  if ((m->cols <= 1 || m->cs == 1) && (m->rows <= 1 || m->rs >= c1)) {
+    *trans = 0; *ld = m->rows <= 1 ? c1 : m->rs;
+  } else if ((m->rows <= 1 || m->rs == 1) && (m->cols <= 1 || m->cs >= r1)) {
+    *trans = 1; *ld = m->cols <= 1 ? r1 : m->cs;
+  } else {
+    return 0;
+  }
+  return *ld <= INT_MAX;
+}
+
+/* The view of t (already in the compute dtype), transposed if asked; t is
+ * copied to a contiguous tensor (owned by *hold) if BLAS cannot read it. */
+int eng_mview_prep(eng_tensor* t, int vec, int transpose, int nb, const int64_t* bshape, eng_mview* m,
+                   eng_tensor** hold) {
+  int tr; int64_t ld;
+  *hold = NULL;
+  eng_mview_of(t, vec, nb, bshape, m);
+  if (transpose) *m = eng_mview_t(*m);
+  if (blas_layout(m, &tr, &ld)) return 0;
+  *hold = eng_as_contig(t, t->dtype);
+  if (!*hold) return -1;
+  eng_mview_of(*hold, vec, nb, bshape, m);
+  if (transpose) *m = eng_mview_t(*m);
+  return 0;
+}
+
+/* Do the batch dims (strides bs) and one matrix dim (size n, stride s) of an
+ * operand coalesce into one dim?  Sets its stride. */
+static int fold(int nb, const int64_t* bshape, const int64_t* bs, int64_t n, int64_t s, int64_t* fs) {
+  int64_t expect = 0;
+  int have = 0;
+  *fs = s;
+  if (n > 1) { expect = s * n; have = 1; }
+  for (int d = nb - 1; d >= 0; d--) {
+    if (bshape[d] == 1) continue;
+    if (!have) { *fs = bs[d]; expect = bs[d] * bshape[d]; have = 1; continue; }
+    if (bs[d] != expect) return 0;
+    expect *= bshape[d];
+  }
+  return 1;
+}
+
+static int zero_strides(int nb, const int64_t* bshape, const int64_t* bs) {
+  for (int d = 0; d < nb; d++) if (bshape[d] > 1 && bs[d] != 0) return 0;
+  return 1;
+}
+
+static int gemm1(int dt, const eng_mview* A, const eng_mview* B, const eng_mview* C, double alpha,
+                 double beta, const char* op) {
+  int ta, tb, tc;
+  int64_t lda, ldb, ldc;
+  if (!blas_layout(A, &ta, &lda) || !blas_layout(B, &tb, &ldb) || !blas_layout(C, &tc, &ldc) || tc)
+    return eng_err("%s: internal error: operand layout not usable by BLAS", op);
+  kc_gemm(dt, ta, tb, A->rows, B->cols, A->cols, alpha, A->p, lda, B->p, ldb, beta, C->p, ldc);
+  return 0;
+}
+
+/* C[b] = alpha * A[b] @ B[b] + beta * C[b] over the batch index space
+ * bshape (nb dims); A: M x K, B: K x N, C: M x N (row-major, written by
+ * BLAS).  Where C has stride 0 in a batch dim of size > 1, the products are
+ * summed into C.  A and B must pass blas_layout. */
+int eng_bmm_run(int dt, int nb, const int64_t* bshape, const eng_mview* A, const eng_mview* B,
+                const eng_mview* C, double alpha, double beta, const char* op) {
+  int64_t M = A->rows, K = A->cols, N = B->cols;
+  int64_t tot = eng_shape_numel(nb, bshape);
+  if (M > INT_MAX || N > INT_MAX || K > INT_MAX)
+    return eng_err("%s: matrix dims %lld x %lld x %lld exceed the BLAS int range", op, (long long)M,
+                   (long long)K, (long long)N);
+  if (M == 0 || N == 0 || tot == 0) return 0;
+  int es = dt == ENG_F32 ? 4 : 8;
+  if (tot > 1) {
+    int64_t fa, fc, fb;
+    /* rows fold: B shared by every batch, A and C batches stacked row-wise */
+    if (M * tot <= INT_MAX && zero_strides(nb, bshape, B->bs) && fold(nb, bshape, A->bs, M, A->rs, &fa) &&
+        fold(nb, bshape, C->bs, M, C->rs, &fc)) {
+      eng_mview A2 = *A, C2 = *C;
+      A2.rows = C2.rows = M * tot; A2.rs = fa; C2.rs = fc;
+      int t1, t2; int64_t l1, l2;
+      if (blas_layout(&A2, &t1, &l1) && blas_layout(&C2, &t2, &l2) && !t2)
+        return gemm1(dt, &A2, B, &C2, alpha, beta, op);
+    }
+    /* contraction fold: one C for all batches, the sum runs over (b, k) */
+    if (K * tot <= INT_MAX && zero_strides(nb, bshape, C->bs) && fold(nb, bshape, A->bs, K, A->cs, &fa) &&
+        fold(nb, bshape, B->bs, K, B->rs, &fb)) {
+      eng_mview A2 = *A, B2 = *B;
+      A2.cols = B2.rows = K * tot; A2.cs = fa; B2.rs = fb;
+      int t1, t2; int64_t l1, l2;
+      if (blas_layout(&A2, &t1, &l1) && blas_layout(&B2, &t2, &l2))
+        return gemm1(dt, &A2, &B2, C, alpha, beta, op);
+    }
+  }
+  int acc = 0;
+  for (int d = 0; d < nb; d++) if (bshape[d] > 1 && C->bs[d] == 0) acc = 1;
+  int64_t idx[ENG_MAX_DIMS] = {0};
+  eng_mview a = *A, b = *B, c = *C;
+  for (int64_t it = 0; it < tot; it++) {
+    int64_t oa = 0, ob = 0, oc = 0;
+    int first = 1;
+    for (int d = 0; d < nb; d++) {
+      oa += idx[d] * A->bs[d]; ob += idx[d] * B->bs[d]; oc += idx[d] * C->bs[d];
+      if (idx[d] && C->bs[d] == 0) first = 0;
+    }
+    a.p = A->p + oa * es; b.p = B->p + ob * es; c.p = C->p + oc * es;
+    if (gemm1(dt, &a, &b, &c, alpha, acc && !first ? 1.0 : beta, op)) return -1;
+    for (int d = nb - 1; d >= 0; d--) { if (++idx[d] < bshape[d]) break; idx[d] = 0; }
+  }
+  return 0;
+}
+
+static int compute_dtype(int dt) { return (dt == ENG_F32 || dt == ENG_BF16 || dt == ENG_F16) ? ENG_F32 : ENG_F64; }
+
+/* t in dtype cdt (a new reference; t itself when it already is). */
+static eng_tensor* in_dtype(eng_tensor* t, int cdt) {
+  return t->dtype == cdt ? eng_tensor_retain(t) : eng_as_contig(t, cdt);
+}
+
+/* ------------------------------------------------------------------ matmul */
+typedef struct {
+  int nb, va, vb, ond;
+  int64_t M, K, N;
+  int64_t bshape[ENG_MAX_DIMS], oshape[ENG_MAX_DIMS];
+} mm_plan;
+
+static int mm_plan_make(const eng_tensor* a, const eng_tensor* b, mm_plan* p) {
+  if (a->ndim == 0 || b->ndim == 0)
+    return eng_err("matmul: %s x %s: both arguments need at least 1 dim (0-d tensors are scalars; use mul)",
+                   eng_desc(a), eng_desc(b));
+  p->va = a->ndim == 1 ? 1 : 0;
+  p->vb = b->ndim == 1 ? 2 : 0;
+  int64_t ka = a->shape[a->ndim - 1];
+  int64_t kb = b->ndim == 1 ? b->shape[0] : b->shape[b->ndim - 2];
+  if (ka != kb)
+    return eng_err("matmul: %s x %s: inner dims %lld and %lld differ", eng_desc(a), eng_desc(b),
+                   (long long)ka, (long long)kb);
+  p->M = p->va ? 1 : a->shape[a->ndim - 2];
+  p->N = p->vb ? 1 : b->shape[b->ndim - 1];
+  p->K = ka;
+  int nba = a->ndim > 2 ? a->ndim - 2 : 0, nbb = b->ndim > 2 ? b->ndim - 2 : 0;
+  p->nb = nba > nbb ? nba : nbb;
+  for (int i = 0; i < p->nb; i++) {
+    int ia = nba - p->nb + i, ib = nbb - p->nb + i;
+    int64_t x = ia >= 0 ? a->shape[ia] : 1, y = ib >= 0 ? b->shape[ib] : 1;
+    if (x != y && x != 1 && y != 1)
+      return eng_err("matmul: %s x %s: batch dims %s and %s do not broadcast", eng_desc(a), eng_desc(b),
+                     eng_shape_str(nba, a->shape), eng_shape_str(nbb, b->shape));
+    p->bshape[i] = x == 1 ? y : x;
+  }
+  p->ond = 0;
+  for (int i = 0; i < p->nb; i++) p->oshape[p->ond++] = p->bshape[i];
+  if (!p->va) p->oshape[p->ond++] = p->M;
+  if (!p->vb) p->oshape[p->ond++] = p->N;
+  return 0;
+}
+
+/* The output (or its gradient) g, shaped like the plan's output, as a batch
+ * of M x N matrices. */
+static void out_view(const eng_tensor* g, const mm_plan* p, eng_mview* m) {
+  m->p = eng_ptr(g);
+  for (int d = 0; d < p->nb; d++) m->bs[d] = g->shape[d] == 1 ? 0 : g->stride[d];
+  m->rows = p->M; m->cols = p->N;
+  m->rs = p->va ? 0 : g->stride[p->nb];
+  m->cs = p->vb ? 0 : g->stride[g->ndim - 1];
+}
+
+static int prep_out(eng_tensor* g, const mm_plan* p, eng_mview* m, eng_tensor** hold) {
+  int tr; int64_t ld;
+  *hold = NULL;
+  out_view(g, p, m);
+  if (blas_layout(m, &tr, &ld)) return 0;
+  *hold = eng_as_contig(g, g->dtype);
+  if (!*hold) return -1;
+  out_view(*hold, p, m);
+  return 0;
+}
+
+static int check_pair(const char* op, const eng_tensor* a, const eng_tensor* b) {
+  if (a->device != b->device)
+    return eng_err("%s: %s x %s: tensors on different devices", op, eng_desc(a), eng_desc(b));
+  if (a->dtype != b->dtype)
+    return eng_err("%s: %s x %s: dtypes differ (%s and %s); convert one first", op, eng_desc(a), eng_desc(b),
+                   eng_dtype_name(a->dtype), eng_dtype_name(b->dtype));
+  if (a->dtype == ENG_BOOL)
+    return eng_err("%s: %s x %s: bool tensors cannot be multiplied", op, eng_desc(a), eng_desc(b));
+  return 0;
+}
+
+static int matmul_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
+  eng_tensor *a = eng_node_saved(n, 0), *b = eng_node_saved(n, 1);
+  if (!a || !b) return -1;
+  mm_plan p;
+  if (mm_plan_make(a, b, &p)) return -1;
+  int cdt = compute_dtype(a->dtype);
+  eng_tensor *G = in_dtype(go[0], cdt), *A = NULL, *B = NULL, *hg = NULL, *ha = NULL, *hb = NULL;
+  eng_tensor *ga = NULL, *gb = NULL;
+  int rc = -1;
+  eng_mview vg, va, vb, vc;
+  if (!G || prep_out(G, &p, &vg, &hg)) goto done;
+  int zero = eng_shape_numel(p.nb, p.bshape) == 0;
+  if (eng_node_needs_grad(n, 0)) { /* ga = g @ b^T, summed over a's broadcast batch dims */
+    if (!(B = in_dtype(b, cdt)) || eng_mview_prep(B, p.vb, 1, p.nb, p.bshape, &vb, &hb)) goto done;
+    ga = zero ? eng_tensor_zeros(a->ndim, a->shape, cdt, a->device) : eng_new(a->ndim, a->shape, cdt, a->device);
+    if (!ga) goto done;
+    eng_mview_of(ga, p.va, p.nb, p.bshape, &vc);
+    if (eng_bmm_run(cdt, p.nb, p.bshape, &vg, &vb, &vc, 1.0, 0.0, "matmul backward")) goto done;
+    if (!(gi[0] = eng_grad_to_input(n, 0, ga))) goto done;
+  }
+  if (eng_node_needs_grad(n, 1)) { /* gb = a^T @ g, summed over b's broadcast batch dims */
+    if (!(A = in_dtype(a, cdt)) || eng_mview_prep(A, p.va, 1, p.nb, p.bshape, &va, &ha)) goto done;
+    gb = zero ? eng_tensor_zeros(b->ndim, b->shape, cdt, b->device) : eng_new(b->ndim, b->shape, cdt, b->device);
+    if (!gb) goto done;
+    eng_mview_of(gb, p.vb, p.nb, p.bshape, &vc);
+    if (eng_bmm_run(cdt, p.nb, p.bshape, &va, &vg, &vc, 1.0, 0.0, "matmul backward")) goto done;
+    if (!(gi[1] = eng_grad_to_input(n, 1, gb))) goto done;
+  }
+  rc = 0;
+done:
+  eng_tensor_release(G); eng_tensor_release(A); eng_tensor_release(B);
+  eng_tensor_release(hg); eng_tensor_release(ha); eng_tensor_release(hb);
+  eng_tensor_release(ga); eng_tensor_release(gb);
+  return rc;
+}
+
+eng_tensor* eng_matmul(eng_tensor* a, eng_tensor* b) {
+  ENG_CHECK(a, "matmul"); ENG_CHECK(b, "matmul");
+  if (check_pair("matmul", a, b)) return NULL;
+  mm_plan p;
+  if (mm_plan_make(a, b, &p)) return NULL;
+  int rdt = a->dtype, cdt = compute_dtype(rdt);
+  eng_tensor *A = in_dtype(a, cdt), *B = A ? in_dtype(b, cdt) : NULL, *ha = NULL, *hb = NULL, *out = NULL;
+  eng_mview va, vb, vc;
+  if (!A || !B || eng_mview_prep(A, p.va, 0, p.nb, p.bshape, &va, &ha) ||
+      eng_mview_prep(B, p.vb, 0, p.nb, p.bshape, &vb, &hb))
+    goto fail;
+  if (!(out = eng_new(p.ond, p.oshape, cdt, a->device))) goto fail;
+  out_view(out, &p, &vc);
+  if (eng_bmm_run(cdt, p.nb, p.bshape, &va, &vb, &vc, 1.0, 0.0, "matmul")) goto fail;
+  eng_tensor_release(A); eng_tensor_release(B); eng_tensor_release(ha); eng_tensor_release(hb);
+  A = B = ha = hb = NULL;
+  if (rdt != cdt) {
+    eng_tensor* r = eng_as_contig(out, rdt);
+    eng_tensor_release(out);
+    if (!(out = r)) return NULL;
+  }
+  eng_tensor* in[2] = {a, b};
+  if (eng_dtype_is_floating(rdt) && eng_any_requires_grad(2, in)) {
+    eng_node* nd = eng_record("MatmulBackward", matmul_bw, 2, in, out);
+    if (!nd || eng_node_save(nd, a) || eng_node_save(nd, b)) { eng_tensor_release(out); return NULL; }
+  }
+  return out;
+fail:
+  eng_tensor_release(A); eng_tensor_release(B); eng_tensor_release(ha); eng_tensor_release(hb);
+  eng_tensor_release(out);
+  return NULL;
+}
+
+/* ------------------------------------------------------------------ linear */
+/* x [..., in] is a batch (x's dims but the last two) of [rows, in] matrices
+ * (a 1-D x is one row); the weight is shared by every batch. */
+typedef struct { int nb, vec; int64_t bshape[ENG_MAX_DIMS]; } lin_plan;
+
+static void lin_plan_make(const eng_tensor* x, lin_plan* p) {
+  p->vec = x->ndim == 1 ? 1 : 0;
+  p->nb = x->ndim > 2 ? x->ndim - 2 : 0;
+  for (int i = 0; i < p->nb; i++) p->bshape[i] = x->shape[i];
+}
+
+static int linear_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
+  eng_tensor *x = eng_node_saved(n, 0), *w = eng_node_saved(n, 1);
+  if (!x || !w) return -1;
+  lin_plan p;
+  lin_plan_make(x, &p);
+  int cdt = compute_dtype(x->dtype);
+  eng_tensor *G = NULL, *X = NULL, *W = NULL, *hg = NULL, *hx = NULL, *hw = NULL;
+  eng_tensor *gx = NULL, *gw = NULL, *gb = NULL;
+  int rc = -1;
+  eng_mview vg, vx, vw, vc;
+  if (!(G = in_dtype(go[0], cdt)) || eng_mview_prep(G, p.vec, 0, p.nb, p.bshape, &vg, &hg)) goto done;
+  int zero = eng_shape_numel(p.nb, p.bshape) == 0;
+  if (eng_node_needs_grad(n, 0)) { /* gx = g @ w */
+    if (!(W = in_dtype(w, cdt)) || eng_mview_prep(W, 0, 0, p.nb, p.bshape, &vw, &hw)) goto done;
+    if (!(gx = eng_new(x->ndim, x->shape, cdt, x->device))) goto done;
+    eng_mview_of(gx, p.vec, p.nb, p.bshape, &vc);
+    if (eng_bmm_run(cdt, p.nb, p.bshape, &vg, &vw, &vc, 1.0, 0.0, "linear backward")) goto done;
+    if (!(gi[0] = eng_grad_to_input(n, 0, gx))) goto done;
+  }
+  if (eng_node_needs_grad(n, 1)) { /* gw = g^T @ x over all leading dims: one GEMM */
+    eng_mview vgt;
+    if (!(X = in_dtype(x, cdt)) || eng_mview_prep(X, p.vec, 0, p.nb, p.bshape, &vx, &hx)) goto done;
+    gw = zero ? eng_tensor_zeros(2, w->shape, cdt, w->device) : eng_new(2, w->shape, cdt, w->device);
+    if (!gw) goto done;
+    eng_mview_of(gw, 0, p.nb, p.bshape, &vc);
+    vgt = eng_mview_t(vg);
+    if (eng_bmm_run(cdt, p.nb, p.bshape, &vgt, &vx, &vc, 1.0, 0.0, "linear backward")) goto done;
+    if (!(gi[1] = eng_grad_to_input(n, 1, gw))) goto done;
+  }
+  if (n->n_inputs > 2 && eng_node_needs_grad(n, 2)) { /* gb = column sums of g */
+    eng_tensor* Gc = eng_as_contig(hg ? hg : G, cdt);
+    int64_t of = w->shape[0];
+    if (!Gc || !(gb = eng_new(1, &of, cdt, w->device))) { eng_tensor_release(Gc); goto done; }
+    int64_t rows = of ? Gc->numel / of : 0;
+    kc_sum_rows(cdt, rows, of, (void*)eng_ptr(Gc), of, (void*)eng_ptr(gb));
+    eng_tensor_release(Gc);
+    if (!(gi[2] = eng_grad_to_input(n, 2, gb))) goto done;
+  }
+  rc = 0;
+done:
+  eng_tensor_release(G); eng_tensor_release(X); eng_tensor_release(W);
+  eng_tensor_release(hg); eng_tensor_release(hx); eng_tensor_release(hw);
+  eng_tensor_release(gx); eng_tensor_release(gw); eng_tensor_release(gb);
+  return rc;
+}
+
+eng_tensor* eng_linear(eng_tensor* x, eng_tensor* w, eng_tensor* bias) {
+  ENG_CHECK(x, "linear"); ENG_CHECK(w, "linear");
+  if (x->ndim < 1)
+    return eng_errp("linear: input %s must have at least 1 dim ([..., in_features])", eng_desc(x));
+  if (w->ndim != 2)
+    return eng_errp("linear: weight %s must be 2-D [out_features, in_features]", eng_desc(w));
+  if (check_pair("linear", x, w)) return NULL;
+  if (!eng_dtype_is_floating(x->dtype))
+    return eng_errp("linear: %s x %s: floating point tensors expected", eng_desc(x), eng_desc(w));
+  int64_t in_f = x->shape[x->ndim - 1], out_f = w->shape[0];
+  if (w->shape[1] != in_f)
+    return eng_errp("linear: input %s and weight %s: in_features %lld and %lld differ", eng_desc(x),
+                    eng_desc(w), (long long)in_f, (long long)w->shape[1]);
+  if (bias) {
+    if (bias->dtype != x->dtype || bias->device != x->device)
+      return eng_errp("linear: bias %s does not match input %s in dtype/device", eng_desc(bias), eng_desc(x));
+    if (bias->ndim != 1 || bias->shape[0] != out_f)
+      return eng_errp("linear: bias %s must be [%lld] for weight %s", eng_desc(bias), (long long)out_f,
+                      eng_desc(w));
+  }
+  lin_plan p;
+  lin_plan_make(x, &p);
+  int rdt = x->dtype, cdt = compute_dtype(rdt);
+  int64_t oshape[ENG_MAX_DIMS];
+  for (int d = 0; d < x->ndim - 1; d++) oshape[d] = x->shape[d];
+  oshape[x->ndim - 1] = out_f;
+  eng_tensor *X = in_dtype(x, cdt), *W = X ? in_dtype(w, cdt) : NULL, *Bi = NULL, *hx = NULL, *hw = NULL;
+  eng_tensor* out = NULL;
+  eng_mview vx, vw, vc;
+  if (!X || !W || eng_mview_prep(X, p.vec, 0, p.nb, p.bshape, &vx, &hx) ||
+      eng_mview_prep(W, 0, 1, p.nb, p.bshape, &vw, &hw))
+    goto fail;
+  if (!(out = eng_new(x->ndim, oshape, cdt, x->device))) goto fail;
+  if (bias) {
+    if (!(Bi = eng_as_contig(bias, cdt))) goto fail;
+    int64_t rows = out_f ? out->numel / out_f : 0;
+    kc_fill_rows(cdt, rows, out_f, (void*)eng_ptr(Bi), (void*)eng_ptr(out), out_f);
+  }
+  eng_mview_of(out, p.vec, p.nb, p.bshape, &vc);
+  if (eng_bmm_run(cdt, p.nb, p.bshape, &vx, &vw, &vc, 1.0, bias ? 1.0 : 0.0, "linear")) goto fail;
+  eng_tensor_release(X); eng_tensor_release(W); eng_tensor_release(Bi);
+  eng_tensor_release(hx); eng_tensor_release(hw);
+  X = W = Bi = hx = hw = NULL;
+  if (rdt != cdt) {
+    eng_tensor* r = eng_as_contig(out, rdt);
+    eng_tensor_release(out);
+    if (!(out = r)) return NULL;
+  }
+  eng_tensor* in[3] = {x, w, bias};
+  int nin = bias ? 3 : 2;
+  if (eng_any_requires_grad(nin, in)) {
+    eng_node* nd = eng_record("LinearBackward", linear_bw, nin, in, out);
+    if (!nd || eng_node_save(nd, x) || eng_node_save(nd, w)) { eng_tensor_release(out); return NULL; }
+  }
+  return out;
+fail:
+  eng_tensor_release(X); eng_tensor_release(W); eng_tensor_release(Bi);
+  eng_tensor_release(hx); eng_tensor_release(hw); eng_tensor_release(out);
+  return NULL;
+}

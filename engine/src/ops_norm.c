@@ -1,0 +1,105 @@
+/* ops_norm.c: layer_norm and rms_norm over the last n_norm dims, with fused
+ * forward (saves per-row mean and rstd, in f64) and fused backward for x, weight and
+ * bias.  f64 inputs compute in f64, everything else in f32 (weight and bias
+ * are converted to the compute type; the output has x's dtype). */
+#include "internal.h"
+#include "../../kernels/cpu/kcpu.h"
+#include <math.h>
+
+static int check_param(const char* op, const char* what, eng_tensor* x, int n_norm, eng_tensor* p) {
+  if (!p) return 0;
+  if (!eng_dtype_is_floating(p->dtype))
+    return eng_err("%s: %s must be floating point, got %s", op, what, eng_desc(p));
+  if (p->device != x->device) return eng_err("%s: %s %s and input %s are on different devices", op, what, eng_desc(p), eng_desc(x));
+  int ok = p->ndim == n_norm;
+  for (int d = 0; ok && d < n_norm; d++) ok = p->shape[d] == x->shape[x->ndim - n_norm + d];
+  if (!ok)
+    return eng_err("%s: %s %s does not match the normalized shape %s (the last %d dims of input %s)", op, what,
+                   eng_desc(p), eng_shape_str(n_norm, x->shape + x->ndim - n_norm), n_norm, eng_desc(x));
+  return 0;
+}
+
+static int norm_bw(eng_node* nd, eng_tensor** go, eng_tensor** gi) {
+  int rms = (int)nd->ints[0];
+  int64_t m = nd->ints[1], n = nd->ints[2];
+  int cdt = (int)nd->ints[3];
+  eng_tensor *x = eng_node_saved(nd, 0), *w = eng_node_saved(nd, 1);
+  eng_tensor *mean = eng_node_saved(nd, 2), *rstd = eng_node_saved(nd, 3);
+  int has_w = (int)nd->ints[4];
+  if (!x || !rstd || (!rms && !mean) || (has_w && !w)) return -1;
+  int need_x = eng_node_needs_grad(nd, 0);
+  int need_w = w && eng_node_needs_grad(nd, 1);
+  int need_b = !rms && eng_node_needs_grad(nd, 2);
+  eng_tensor *G = eng_as_contig(go[0], cdt), *X = eng_as_contig(x, cdt);
+  eng_tensor* W = w ? eng_as_contig(w, cdt) : NULL;
+  eng_tensor* dx = need_x ? eng_new(x->ndim, x->shape, cdt, x->device) : NULL;
+  double* dw = need_w ? calloc((size_t)(n > 0 ? n : 1), sizeof(double)) : NULL;
+  double* db = need_b ? calloc((size_t)(n > 0 ? n : 1), sizeof(double)) : NULL;
+  int rc = -1;
+  if ((need_w && !dw) || (need_b && !db)) { eng_err("%s: out of memory", nd->name); goto done; }
+  if (!G || !X || (w && !W) || (need_x && !dx)) goto done;
+  kc_norm_bwd(cdt, rms, m, n, eng_ptr(G), eng_ptr(X), W ? eng_ptr(W) : NULL,
+              rms ? NULL : (const double*)eng_ptr(mean), (const double*)eng_ptr(rstd), dx ? eng_ptr(dx) : NULL, dw, db);
+  if (need_x) { gi[0] = eng_grad_to_input(nd, 0, dx); if (!gi[0]) goto done; }
+  for (int k = 0; k < 2; k++) {
+    double* acc = k == 0 ? dw : db;
+    if (!acc) continue;
+    int slot = k + 1;
+    eng_tensor* t = eng_new(eng_node_in_ndim(nd, slot), eng_node_in_shape(nd, slot), cdt, x->device);
+    if (!t) goto done;
+    kc_convert(n, eng_ptr(t), cdt, acc, KC_F64);
+    gi[slot] = eng_grad_to_input(nd, slot, t);
+    eng_tensor_release(t);
+    if (!gi[slot]) goto done;
+  }
+  rc = 0;
+done:
+  eng_tensor_release(G); eng_tensor_release(X); eng_tensor_release(W); eng_tensor_release(dx);
+  free(dw); free(db);
+  return rc;
+}
+
+static eng_tensor* norm(const char* op, int rms, eng_tensor* x, int n_norm, eng_tensor* w, eng_tensor* b,
+                        double eps) {
+  ENG_CHECK(x, op);
+  if (!eng_dtype_is_floating(x->dtype)) return eng_errp("%s: expects a floating point input, got %s", op, eng_desc(x));
+  if (n_norm < 1 || n_norm > x->ndim)
+    return eng_errp("%s: cannot normalize over the last %d dims of input %s (need 1 to %d)", op, n_norm,
+                    eng_desc(x), x->ndim);
+  if (!(eps >= 0.0) || !isfinite(eps)) return eng_errp("%s: eps must be finite and >= 0, got %g", op, eps);
+  if (check_param(op, "weight", x, n_norm, w) || check_param(op, "bias", x, n_norm, b)) return NULL;
+  int cdt = x->dtype == ENG_F64 ? ENG_F64 : ENG_F32;
+  int64_t n = 1, m = 1;
+  for (int d = 0; d < x->ndim; d++) { if (d < x->ndim - n_norm) m *= x->shape[d]; else n *= x->shape[d]; }
+  eng_tensor *X = eng_as_contig(x, cdt), *W = w ? eng_as_contig(w, cdt) : NULL, *B = b ? eng_as_contig(b, cdt) : NULL;
+  eng_tensor* y = eng_new(x->ndim, x->shape, cdt, x->device);
+  eng_tensor* mean = rms ? NULL : eng_new(1, &m, ENG_F64, x->device);
+  eng_tensor* rstd = eng_new(1, &m, ENG_F64, x->device);
+  eng_tensor* out = NULL;
+  if (!X || (w && !W) || (b && !B) || !y || (!rms && !mean) || !rstd) goto done;
+  kc_norm_fwd(cdt, rms, m, n, eng_ptr(X), W ? eng_ptr(W) : NULL, B ? eng_ptr(B) : NULL, eps, eng_ptr(y),
+              mean ? (double*)eng_ptr(mean) : NULL, (double*)eng_ptr(rstd));
+  out = cdt == x->dtype ? eng_tensor_retain(y) : eng_as_contig(y, x->dtype);
+  if (!out) goto done;
+  eng_tensor* in[3] = {x, w, b};
+  int nin = rms ? 2 : 3;
+  if (eng_any_requires_grad(nin, in)) {
+    eng_node* nd = eng_record(rms ? "RmsNormBackward" : "LayerNormBackward", norm_bw, nin, in, out);
+    if (!nd || eng_node_save(nd, x) || eng_node_save(nd, w) || eng_node_save(nd, mean) || eng_node_save(nd, rstd)) {
+      eng_tensor_release(out); out = NULL; goto done;
+    }
+    nd->ints[0] = rms; nd->ints[1] = m; nd->ints[2] = n; nd->ints[3] = cdt; nd->ints[4] = w != NULL;
+  }
+done:
+  eng_tensor_release(X); eng_tensor_release(W); eng_tensor_release(B); eng_tensor_release(y);
+  eng_tensor_release(mean); eng_tensor_release(rstd);
+  return out;
+}
+
+eng_tensor* eng_layer_norm(eng_tensor* x, int n_norm, eng_tensor* weight, eng_tensor* bias, double eps) {
+  return norm("layer_norm", 0, x, n_norm, weight, bias, eps);
+}
+
+eng_tensor* eng_rms_norm(eng_tensor* x, int n_norm, eng_tensor* weight, double eps) {
+  return norm("rms_norm", 1, x, n_norm, weight, NULL, eps);
+}

@@ -1,0 +1,199 @@
+/* optim.c: fused multi-tensor optimizer steps (AdamW, SGD), global gradient
+ * norms and clip_grad_norm_.  Everything is validated before any tensor is
+ * touched, so an error leaves all parameters and states unchanged. */
+#include "internal.h"
+#include "../../kernels/cpu/kcpu.h"
+#include <math.h>
+
+static int is_half(int dt) { return dt == ENG_BF16 || dt == ENG_F16; }
+
+/* t must be a CPU float tensor shaped like p, with dtype p's dtype or (for
+ * half-precision p) f32. */
+static int check_like(const char* op, const char* what, int i, eng_tensor* p, eng_tensor* t) {
+  if (!t) return eng_err("%s: %s %d is NULL (param %s)", op, what, i + 1, eng_desc(p));
+  if (!eng_same_shape(p, t))
+    return eng_err("%s: %s %d %s does not match the shape of param %s", op, what, i + 1, eng_desc(t), eng_desc(p));
+  if (!(t->dtype == p->dtype || (is_half(p->dtype) && t->dtype == ENG_F32)))
+    return eng_err("%s: %s %d %s has the wrong dtype for param %s (expected %s%s)", op, what, i + 1, eng_desc(t),
+                   eng_desc(p), eng_dtype_name(p->dtype), is_half(p->dtype) ? " or f32" : "");
+  if (t->device != ENG_CPU) return eng_err("%s: %s %d %s is not on the CPU", op, what, i + 1, eng_desc(t));
+  return 0;
+}
+
+static int check_param(const char* op, int i, eng_tensor* p) {
+  if (!p) return eng_err("%s: param %d is NULL", op, i + 1);
+  if (!eng_dtype_is_floating(p->dtype)) return eng_err("%s: param %d %s is not floating point", op, i + 1, eng_desc(p));
+  if (p->device != ENG_CPU) return eng_err("%s: param %d %s is not on the CPU", op, i + 1, eng_desc(p));
+  return 0;
+}
+
+static int check_list(const char* op, int n, void* list) {
+  if (n < 0) return eng_err("%s: negative tensor count %d", op, n);
+  if (n > 0 && !list) return eng_err("%s: tensor list is NULL", op);
+  return 0;
+}
+
+typedef struct { const kc_adamw_args* a; } adamw_ctx;
+static void adamw_rows(int64_t n, char** p, const int64_t* s, void* vc) {
+  kc_adamw_row(((adamw_ctx*)vc)->a, n, p[0], s[0], p[1], s[1], p[2], s[2], p[3], s[3]);
+}
+
+int eng_adamw_step(int n, eng_tensor** params, eng_tensor** grads, eng_tensor** exp_avg,
+                   eng_tensor** exp_avg_sq, double lr, double beta1, double beta2, double eps,
+                   double weight_decay, int64_t step) {
+  const char* op = "adamw_step";
+  if (check_list(op, n, params) || check_list(op, n, grads) || check_list(op, n, exp_avg) ||
+      check_list(op, n, exp_avg_sq))
+    return -1;
+  if (!(lr >= 0) || !isfinite(lr)) return eng_err("%s: invalid learning rate %g (expected finite >= 0)", op, lr);
+  if (!(beta1 >= 0 && beta1 < 1)) return eng_err("%s: invalid beta1 %g (expected 0 <= beta1 < 1)", op, beta1);
+  if (!(beta2 >= 0 && beta2 < 1)) return eng_err("%s: invalid beta2 %g (expected 0 <= beta2 < 1)", op, beta2);
+  if (!(eps >= 0) || !isfinite(eps)) return eng_err("%s: invalid eps %g (expected finite >= 0)", op, eps);
+  if (!(weight_decay >= 0) || !isfinite(weight_decay))
+    return eng_err("%s: invalid weight_decay %g (expected finite >= 0)", op, weight_decay);
+  if (step < 1) return eng_err("%s: step must be >= 1 (the count after increment), got %lld", op, (long long)step);
+  for (int i = 0; i < n; i++) {
+    if (!grads[i]) continue;
+    eng_tensor* p = params[i];
+    if (check_param(op, i, p) || check_like(op, "grad", i, p, grads[i]) ||
+        check_like(op, "exp_avg", i, p, exp_avg[i]) || check_like(op, "exp_avg_sq", i, p, exp_avg_sq[i]))
+      return -1;
+    if (exp_avg[i]->dtype != exp_avg_sq[i]->dtype)
+      return eng_err("%s: exp_avg %d %s and exp_avg_sq %s differ in dtype", op, i + 1, eng_desc(exp_avg[i]),
+                     eng_desc(exp_avg_sq[i]));
+  }
+  double bc1 = 1.0 - pow(beta1, (double)step), bc2 = 1.0 - pow(beta2, (double)step);
+  for (int i = 0; i < n; i++) {
+    if (!grads[i]) continue;
+    eng_tensor *p = params[i], *g = grads[i], *m = exp_avg[i], *v = exp_avg_sq[i];
+    kc_adamw_args a = {lr, beta1, beta2, eps, weight_decay, lr / bc1, sqrt(bc2), p->dtype, g->dtype, m->dtype};
+    adamw_ctx c = {&a};
+    char* base[4] = {eng_ptr(p), eng_ptr(g), eng_ptr(m), eng_ptr(v)};
+    const int64_t* st[4] = {p->stride, g->stride, m->stride, v->stride};
+    int esz[4] = {eng_dtype_size(p->dtype), eng_dtype_size(g->dtype), eng_dtype_size(m->dtype), eng_dtype_size(v->dtype)};
+    if (p->numel > 0) kc_foreach(p->ndim, p->shape, 4, base, st, esz, adamw_rows, &c);
+    eng_bump_version(p); eng_bump_version(m); eng_bump_version(v);
+  }
+  return 0;
+}
+
+typedef struct { const kc_sgd_args* a; int has_buf; } sgd_ctx;
+static void sgd_rows(int64_t n, char** p, const int64_t* s, void* vc) {
+  sgd_ctx* c = vc;
+  kc_sgd_row(c->a, n, p[0], s[0], p[1], s[1], c->has_buf ? p[2] : NULL, c->has_buf ? s[2] : 0);
+}
+
+int eng_sgd_step(int n, eng_tensor** params, eng_tensor** grads, eng_tensor** momentum_buf,
+                 double lr, double momentum, double dampening, double weight_decay,
+                 int nesterov, int first_step) {
+  const char* op = "sgd_step";
+  if (check_list(op, n, params) || check_list(op, n, grads)) return -1;
+  if (!(lr >= 0) || !isfinite(lr)) return eng_err("%s: invalid learning rate %g (expected finite >= 0)", op, lr);
+  if (!(momentum >= 0) || !isfinite(momentum)) return eng_err("%s: invalid momentum %g (expected finite >= 0)", op, momentum);
+  if (!isfinite(dampening)) return eng_err("%s: invalid dampening %g", op, dampening);
+  if (!(weight_decay >= 0) || !isfinite(weight_decay))
+    return eng_err("%s: invalid weight_decay %g (expected finite >= 0)", op, weight_decay);
+  if (nesterov && (momentum <= 0 || dampening != 0))
+    return eng_err("%s: nesterov momentum requires a momentum > 0 and zero dampening (got momentum %g, dampening %g)",
+                   op, momentum, dampening);
+  if (momentum != 0 && !momentum_buf) return eng_err("%s: momentum %g needs momentum buffers (got NULL)", op, momentum);
+  for (int i = 0; i < n; i++) {
+    if (!grads[i]) continue;
+    if (check_param(op, i, params[i]) || check_like(op, "grad", i, params[i], grads[i])) return -1;
+    if (momentum != 0 && check_like(op, "momentum buffer", i, params[i], momentum_buf[i])) return -1;
+  }
+  for (int i = 0; i < n; i++) {
+    if (!grads[i]) continue;
+    eng_tensor *p = params[i], *g = grads[i], *b = momentum != 0 ? momentum_buf[i] : NULL;
+    kc_sgd_args a = {lr, momentum, dampening, weight_decay, nesterov != 0, first_step != 0, p->dtype, g->dtype,
+                     b ? b->dtype : p->dtype};
+    sgd_ctx c = {&a, b != NULL};
+    char* base[3] = {eng_ptr(p), eng_ptr(g), b ? eng_ptr(b) : eng_ptr(p)};
+    const int64_t* st[3] = {p->stride, g->stride, b ? b->stride : p->stride};
+    int esz[3] = {eng_dtype_size(p->dtype), eng_dtype_size(g->dtype), eng_dtype_size(b ? b->dtype : p->dtype)};
+    if (p->numel > 0) kc_foreach(p->ndim, p->shape, 3, base, st, esz, sgd_rows, &c);
+    eng_bump_version(p);
+    if (b) eng_bump_version(b);
+  }
+  return 0;
+}
+
+/* Norm kind for order p, or -1 with an error. */
+static int norm_kind(const char* op, double p) {
+  if (p == 2.0) return KN_L2;
+  if (p == 1.0) return KN_L1;
+  if (isinf(p)) return p > 0 ? KN_MAX : KN_MIN;
+  if (p == 0.0) return KN_COUNT;
+  if (p > 0 && isfinite(p)) return KN_POW;
+  return eng_err("%s: unsupported norm order p = %g (use p > 0, 0, inf or -inf)", op, p);
+}
+
+typedef struct { int kind, dt; double p, acc; } norm_ctx;
+static void norm_rows(int64_t n, char** ptr, const int64_t* s, void* vc) {
+  norm_ctx* c = vc;
+  kc_pnorm_row(c->kind, c->p, c->dt, n, ptr[0], s[0], &c->acc);
+}
+
+static int total_norm(const char* op, int n, eng_tensor** ts, double p, double* out, int from_grads) {
+  int kind = norm_kind(op, p);
+  if (kind < 0) return -1;
+  for (int i = 0; i < n; i++) {
+    eng_tensor* t = ts[i] ? (from_grads ? ts[i]->grad : ts[i]) : NULL;
+    if (!t) continue;
+    if (!eng_dtype_is_floating(t->dtype))
+      return eng_err("%s: %s %d %s is not floating point", op, from_grads ? "grad of param" : "tensor", i + 1, eng_desc(t));
+    if (t->device != ENG_CPU) return eng_err("%s: tensor %d %s is not on the CPU", op, i + 1, eng_desc(t));
+  }
+  norm_ctx c = {kind, 0, p, kind == KN_MIN ? INFINITY : 0.0};
+  int64_t count = 0;
+  for (int i = 0; i < n; i++) {
+    eng_tensor* t = ts[i] ? (from_grads ? ts[i]->grad : ts[i]) : NULL;
+    if (!t || t->numel == 0) continue;
+    count += t->numel;
+    c.dt = t->dtype;
+    char* base[1] = {eng_ptr(t)};
+    const int64_t* st[1] = {t->stride};
+    int esz[1] = {eng_dtype_size(t->dtype)};
+    kc_foreach(t->ndim, t->shape, 1, base, st, esz, norm_rows, &c);
+  }
+  double r = c.acc;
+  if (count == 0) r = 0.0;
+  else if (kind == KN_L2) r = sqrt(r);
+  else if (kind == KN_POW) r = pow(r, 1.0 / p);
+  *out = r;
+  return 0;
+}
+
+int eng_global_norm(int n, eng_tensor** ts, double p, double* out) {
+  if (check_list("global_norm", n, ts)) return -1;
+  if (!out) return eng_err("global_norm: output pointer is NULL");
+  return total_norm("global_norm", n, ts, p, out, 0);
+}
+
+typedef struct { int dt; double s; } scale_ctx;
+static void scale_rows(int64_t n, char** ptr, const int64_t* s, void* vc) {
+  scale_ctx* c = vc;
+  kc_scale_row(c->dt, n, ptr[0], s[0], c->s);
+}
+
+int eng_clip_grad_norm_(int n, eng_tensor** params, double max_norm, double p, double* total) {
+  const char* op = "clip_grad_norm_";
+  if (check_list(op, n, params)) return -1;
+  if (!(max_norm >= 0)) return eng_err("%s: max_norm must be >= 0, got %g", op, max_norm);
+  double tn;
+  if (total_norm(op, n, params, p, &tn, 1)) return -1;
+  if (total) *total = tn;
+  double coef = max_norm / (tn + 1e-6);
+  if (coef >= 1.0) return 0; /* NaN coefficients scale (to NaN), as clamp(max=1) does in PyTorch */
+  for (int i = 0; i < n; i++) {
+    eng_tensor* g = params[i] ? params[i]->grad : NULL;
+    if (!g) continue;
+    scale_ctx c = {g->dtype, coef};
+    char* base[1] = {eng_ptr(g)};
+    const int64_t* st[1] = {g->stride};
+    int esz[1] = {eng_dtype_size(g->dtype)};
+    if (g->numel > 0) kc_foreach(g->ndim, g->shape, 1, base, st, esz, scale_rows, &c);
+    eng_bump_version(g);
+  }
+  return 0;
+}

@@ -1,0 +1,44 @@
+/* attention.c: the fused pieces of scaled dot-product attention between
+ * its GEMMs: masked (bool / additive / causal) row softmax of a score block,
+ * and inverted dropout applied from a precomputed keep mask. */
+/* FP compares must not count as traps, or GCC will not if-convert (and so not
+ * vectorize) the selects in kc_expf and the masked loops. */
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC optimize("no-trapping-math")
+#endif
+#include "kcpu.h"
+#include <math.h>
+#include <string.h>
+
+#define DEF_ATTN(T, SUF)                                                                \
+  void kc_attn_softmax_##SUF(int64_t L, int64_t S, T* s, int64_t lds, const void* mask, int mkind, \
+                             int64_t mrs, int64_t mcs, int causal) {                    \
+    for (int64_t i = 0; i < L; i++) {                                                   \
+      T* r = s + i * lds;                                                               \
+      int64_t n = causal ? (i + 1 < S ? i + 1 : S) : S;                                 \
+      if (mkind == 1) {                                                                 \
+        const uint8_t* mb = (const uint8_t*)mask + i * mrs;                             \
+        for (int64_t j = 0; j < n; j++) if (!mb[j * mcs]) r[j] = -INFINITY;             \
+      } else if (mkind == 2) {                                                          \
+        const T* mf = (const T*)mask + i * mrs;                                         \
+        if (mcs == 1) for (int64_t j = 0; j < n; j++) r[j] += mf[j];                    \
+        else for (int64_t j = 0; j < n; j++) r[j] += mf[j * mcs];                       \
+      }                                                                                 \
+      for (int64_t j = n; j < S; j++) r[j] = 0;                                         \
+      T m = kc_row_max_##SUF(n, r);                                                     \
+      if (m == -INFINITY) { for (int64_t j = 0; j < n; j++) r[j] = 0; continue; }       \
+      T inv = 1 / kc_row_expsum_##SUF(n, r, m, r);                                      \
+      for (int64_t j = 0; j < n; j++) r[j] *= inv;                                      \
+    }                                                                                   \
+  }
+
+DEF_ATTN(float, f32)
+DEF_ATTN(double, f64)
+
+void kc_dropout_apply_f32(int64_t n, const float* x, const uint8_t* keep, float scale, float* out) {
+  for (int64_t i = 0; i < n; i++) out[i] = keep[i] ? x[i] * scale : 0.0f;
+}
+
+void kc_dropout_apply_f64(int64_t n, const double* x, const uint8_t* keep, double scale, double* out) {
+  for (int64_t i = 0; i < n; i++) out[i] = keep[i] ? x[i] * scale : 0.0;
+}

@@ -1,0 +1,426 @@
+-- engine.distributed.comm: process groups, collectives, async work handles,
+-- collective counters, debug mode and the flight recorder.
+--
+-- Collectives work along the FIRST dim (dim 1 in Lua) and take an options
+-- table: {group = ProcessGroup or DeviceMesh (with mesh_dim), async = true}.
+-- Without a group they run on the world.  Ranks are 0-based (MPI convention):
+-- `src` is a global rank as in PyTorch, `group_src` a rank within the group.
+-- On a rank outside the group a collective is skipped (PyTorch semantics):
+-- in-place ones leave the tensor alone, out-of-place ones return the input.
+local core = require("engine.core")
+require("engine.tensor")
+local ffi, C = core.ffi, core.C
+local ct, check = core.ct, core.check
+
+local M = {}
+
+local function cerr(level) error(core.last_error(), level + 1) end
+
+-- ---------------------------------------------------------------- process groups
+local ProcessGroup = { __name = "ProcessGroup" }
+ProcessGroup.__index = ProcessGroup
+M.ProcessGroup = ProcessGroup
+
+local function wrap_pg(p, level)
+  if p == nil then cerr((level or 2) + 1) end
+  return setmetatable({ _c = ffi.gc(p, C.eng_pg_release) }, ProcessGroup)
+end
+M._wrap_pg = wrap_pg
+
+function M.is_group(x) return type(x) == "table" and getmetatable(x) == ProcessGroup end
+
+-- This process's rank in the group, nil when not a member.
+function ProcessGroup:rank()
+  local r = C.eng_pg_rank(self._c)
+  if r < 0 then return nil end
+  return r
+end
+-- Number of members (nil on a non-member, which does not know the members).
+function ProcessGroup:size()
+  local s = C.eng_pg_size(self._c)
+  if s < 0 then return nil end
+  return s
+end
+function ProcessGroup:is_member() return C.eng_pg_is_member(self._c) ~= 0 end
+function ProcessGroup:name() return ffi.string(C.eng_pg_name(self._c)) end
+function ProcessGroup:id() return tonumber(C.eng_pg_id(self._c)) end
+-- Collectives issued on the group so far (the next sequence number).
+function ProcessGroup:seq() return tonumber(C.eng_pg_seq(self._c)) end
+-- World ranks of the members in group-rank order ({} on a non-member).
+function ProcessGroup:ranks()
+  local n = C.eng_pg_size(self._c)
+  if n <= 0 then return {} end
+  local buf = ffi.new("int[?]", n)
+  C.eng_pg_ranks(self._c, buf, n)
+  local r = {}
+  for i = 1, n do r[i] = buf[i - 1] end
+  return r
+end
+-- Group rank of a global rank (error when it is not a member).
+function ProcessGroup:group_rank(global_rank)
+  local r = C.eng_pg_group_rank(self._c, global_rank)
+  if r < 0 then cerr(2) end
+  return r
+end
+-- Global rank of a group rank.
+function ProcessGroup:global_rank(group_rank)
+  local ranks = self:ranks()
+  local g = ranks[(group_rank or -1) + 1]
+  if g == nil then
+    error(string.format("global_rank: group rank %s is out of range for %s", tostring(group_rank), self:name()), 2)
+  end
+  return g
+end
+ProcessGroup.__eq = function(a, b) return C.eng_pg_id(a._c) == C.eng_pg_id(b._c) end
+ProcessGroup.__tostring = function(g)
+  if not g:is_member() then return string.format("ProcessGroup(%s)", g:name()) end
+  return string.format("ProcessGroup(%s, size=%d, rank=%d, ranks={%s})", g:name(), g:size(), g:rank(),
+    table.concat(g:ranks(), ", "))
+end
+
+local world
+function M.world_group()
+  if not world then world = wrap_pg(C.eng_pg_world(), 2) end
+  return world
+end
+
+-- new_group({0, 2}): collective over the world (every rank calls it with the
+-- same list); non-members get a group object on which collectives are skipped.
+function M.new_group(ranks)
+  if type(ranks) ~= "table" then error("new_group: expected a list of 0-based global ranks", 2) end
+  local n = #ranks
+  local buf = ffi.new("int[?]", n > 0 and n or 1)
+  for i = 1, n do
+    local r = ranks[i]
+    if type(r) ~= "number" or r % 1 ~= 0 then
+      error(string.format("new_group: rank %d of the list must be an integer, got %s", i, tostring(r)), 2)
+    end
+    buf[i - 1] = r
+  end
+  return wrap_pg(C.eng_pg_new(buf, n), 2)
+end
+
+-- ---------------------------------------------------------------- options
+local op_codes = {}
+M.ReduceOp = { SUM = "sum", AVG = "avg", MAX = "max", MIN = "min", PRODUCT = "prod", PROD = "prod" }
+
+local function reduce_op(op, name, level)
+  if op == nil then return 0 end
+  if type(op) ~= "string" then
+    error(string.format("%s: reduce op must be a name (\"sum\", \"avg\", \"max\", \"min\", \"prod\"), got %s", name,
+      type(op)), level + 1)
+  end
+  local c = op_codes[op]
+  if c then return c end
+  c = C.eng_reduce_op_from_name(op)
+  if c < 0 then error(name .. ": " .. core.last_error(), level + 1) end
+  op_codes[op] = c
+  return c
+end
+
+-- opts.group: nil (world), a ProcessGroup, or a DeviceMesh (opts.mesh_dim
+-- picks the dim; optional for a 1-d mesh).
+local function group_of(opts, name, level)
+  local g = opts and opts.group
+  if g == nil then return M.world_group() end
+  if getmetatable(g) == ProcessGroup then return g end
+  if type(g) == "table" and type(g.get_group) == "function" then
+    local ok, pg = pcall(g.get_group, g, opts.mesh_dim)
+    if not ok then error(name .. ": " .. tostring(pg):gsub("^[^:]*:%d+: ", ""), level + 1) end
+    return pg
+  end
+  error(string.format("%s: opts.group must be a ProcessGroup or a DeviceMesh, got %s", name, type(g)), level + 1)
+end
+
+local function check_opts(opts, name, level)
+  if opts ~= nil and type(opts) ~= "table" then
+    error(string.format("%s: options must be a table such as {group = g, async = true}, got %s", name, type(opts)),
+      level + 1)
+  end
+  return opts or {}
+end
+
+-- ---------------------------------------------------------------- work handles
+local Work = { __name = "Work" }
+Work.__index = Work
+M.Work = Work
+
+local function new_work(p, result)
+  return setmetatable({ _c = ffi.gc(p, C.eng_work_release), _result = result }, Work)
+end
+
+-- Blocks until done; returns the result tensor (nil for a barrier).
+function Work:wait()
+  if C.eng_work_wait(self._c) ~= 0 then cerr(2) end
+  return self._result
+end
+function Work:is_completed()
+  local r = C.eng_work_is_completed(self._c)
+  if r < 0 then cerr(2) end
+  return r == 1
+end
+function Work:result() return self._result end
+Work.__tostring = function(w) return "Work(" .. (C.eng_work_is_completed(w._c) == 1 and "completed" or "pending") .. ")" end
+
+local work_box = ffi.new("eng_work*[1]")
+
+-- Runs f(wptr_or_nil) and returns the tensor result or a Work handle.
+local function finish(opts, call, result_of, level)
+  if opts.async then
+    work_box[0] = nil
+    local r = call(work_box)
+    local p = work_box[0]
+    work_box[0] = nil
+    local res = result_of(r)
+    if p == nil then cerr(level + 1) end
+    return new_work(p, res)
+  end
+  return result_of(call(nil))
+end
+
+-- ---------------------------------------------------------------- collectives
+local function wrap_out(p, level)
+  if p == nil then cerr(level + 1) end
+  return core.wrap(p, level + 1)
+end
+
+-- all_reduce(t, op = "sum", opts): in place; returns t (or a Work).
+function M.all_reduce(t, op, opts)
+  if type(op) == "table" and opts == nil then op, opts = nil, op end
+  opts = check_opts(opts, "all_reduce", 2)
+  local c = ct(t, "all_reduce", 1)
+  local pg = group_of(opts, "all_reduce", 2)
+  local opc = reduce_op(op, "all_reduce", 2)
+  return finish(opts, function(w)
+    check(C.eng_pg_all_reduce(pg._c, c, opc, w), 5)
+  end, function() return t end, 2)
+end
+
+-- all_gather(t, opts) -> new tensor [size*d1, ...] (inputs concatenated along
+-- dim 1 in group-rank order).
+function M.all_gather(t, opts)
+  opts = check_opts(opts, "all_gather", 2)
+  local c = ct(t, "all_gather", 1)
+  local pg = group_of(opts, "all_gather", 2)
+  return finish(opts, function(w) return C.eng_pg_all_gather(pg._c, c, w) end,
+    function(p) return wrap_out(p, 4) end, 2)
+end
+
+-- all_gather_into(out, t, opts): out is [size*d1, ...].
+function M.all_gather_into(out, t, opts)
+  opts = check_opts(opts, "all_gather_into", 2)
+  local co, c = ct(out, "all_gather_into", 1), ct(t, "all_gather_into", 2)
+  local pg = group_of(opts, "all_gather_into", 2)
+  return finish(opts, function(w) check(C.eng_pg_all_gather_into(pg._c, co, c, w), 5) end,
+    function() return out end, 2)
+end
+
+-- reduce_scatter(t, op = "sum", opts): t is [size*c, ...]; returns [c, ...]
+-- holding the reduction of every rank's chunk number (group rank).
+function M.reduce_scatter(t, op, opts)
+  if type(op) == "table" and opts == nil then op, opts = nil, op end
+  opts = check_opts(opts, "reduce_scatter", 2)
+  local c = ct(t, "reduce_scatter", 1)
+  local pg = group_of(opts, "reduce_scatter", 2)
+  local opc = reduce_op(op, "reduce_scatter", 2)
+  return finish(opts, function(w) return C.eng_pg_reduce_scatter(pg._c, c, opc, w) end,
+    function(p) return wrap_out(p, 4) end, 2)
+end
+
+function M.reduce_scatter_into(out, t, op, opts)
+  if type(op) == "table" and opts == nil then op, opts = nil, op end
+  opts = check_opts(opts, "reduce_scatter_into", 2)
+  local co, c = ct(out, "reduce_scatter_into", 1), ct(t, "reduce_scatter_into", 2)
+  local pg = group_of(opts, "reduce_scatter_into", 2)
+  local opc = reduce_op(op, "reduce_scatter_into", 2)
+  return finish(opts, function(w) check(C.eng_pg_reduce_scatter_into(pg._c, co, c, opc, w), 5) end,
+    function() return out end, 2)
+end
+
+-- all_to_all(t, opts): t is [size*c, ...]; chunk j goes to group rank j and
+-- chunk i of the result came from group rank i.
+function M.all_to_all(t, opts)
+  opts = check_opts(opts, "all_to_all", 2)
+  local c = ct(t, "all_to_all", 1)
+  local pg = group_of(opts, "all_to_all", 2)
+  return finish(opts, function(w) return C.eng_pg_all_to_all(pg._c, c, w) end,
+    function(p) return wrap_out(p, 4) end, 2)
+end
+
+function M.all_to_all_into(out, t, opts)
+  opts = check_opts(opts, "all_to_all_into", 2)
+  local co, c = ct(out, "all_to_all_into", 1), ct(t, "all_to_all_into", 2)
+  local pg = group_of(opts, "all_to_all_into", 2)
+  return finish(opts, function(w) check(C.eng_pg_all_to_all_into(pg._c, co, c, w), 5) end,
+    function() return out end, 2)
+end
+
+-- The root as a group rank: src is a global rank, opts.group_src a group rank.
+local function root_of(pg, src, opts, name, level)
+  if opts.group_src ~= nil then
+    if src ~= nil then error(name .. ": give either src (global rank) or opts.group_src, not both", level + 1) end
+    if type(opts.group_src) ~= "number" or opts.group_src % 1 ~= 0 then
+      error(name .. ": opts.group_src must be an integer group rank", level + 1)
+    end
+    return opts.group_src
+  end
+  if type(src) ~= "number" or src % 1 ~= 0 then
+    error(string.format("%s: src must be an integer global rank (0-based), got %s", name, tostring(src)), level + 1)
+  end
+  if C.eng_pg_is_member(pg._c) == 0 then return 0 end -- skipped anyway
+  local r = C.eng_pg_group_rank(pg._c, src)
+  if r < 0 then error(name .. ": src: " .. core.last_error(), level + 1) end
+  return r
+end
+
+-- broadcast(t, src, opts): in place; t becomes src's t.
+function M.broadcast(t, src, opts)
+  if type(src) == "table" and opts == nil then src, opts = nil, src end
+  opts = check_opts(opts, "broadcast", 2)
+  local c = ct(t, "broadcast", 1)
+  local pg = group_of(opts, "broadcast", 2)
+  local root = root_of(pg, src, opts, "broadcast", 2)
+  return finish(opts, function(w) check(C.eng_pg_broadcast(pg._c, c, root, w), 5) end,
+    function() return t end, 2)
+end
+
+-- scatter(out, input, src, opts): out [c, ...] on every rank receives chunk
+-- (group rank) of src's input [size*c, ...]; input may be nil elsewhere.
+function M.scatter(out, input, src, opts)
+  if type(src) == "table" and opts == nil then src, opts = nil, src end
+  opts = check_opts(opts, "scatter", 2)
+  local co = ct(out, "scatter", 1)
+  local ci = input ~= nil and ct(input, "scatter", 2) or nil
+  local pg = group_of(opts, "scatter", 2)
+  local root = root_of(pg, src, opts, "scatter", 2)
+  return finish(opts, function(w) check(C.eng_pg_scatter(pg._c, co, ci, root, w), 5) end,
+    function() return out end, 2)
+end
+
+function M.barrier(opts)
+  opts = check_opts(opts, "barrier", 2)
+  local pg = group_of(opts, "barrier", 2)
+  return finish(opts, function(w) check(C.eng_pg_barrier(pg._c, w), 5) end, function() return nil end, 2)
+end
+
+-- ---------------------------------------------------------------- counters
+local kinds = { "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "scatter", "barrier" }
+local kind_code = {}
+for i, k in ipairs(kinds) do kind_code[k] = i - 1 end
+M.collective_kinds = kinds
+
+local function snapshot()
+  local s = {}
+  for i, k in ipairs(kinds) do s[k] = tonumber(C.eng_comm_count(i - 1)) end
+  return s
+end
+
+-- {all_reduce = 2, all_gather = 1, ...}: collectives issued by this rank since
+-- the last reset (kinds with a zero count are left out).
+function M.comm_counts()
+  local r = {}
+  for k, v in pairs(snapshot()) do if v > 0 then r[k] = v end end
+  return r
+end
+
+-- Count of one kind, or of all kinds when kind is nil.
+function M.comm_count(kind)
+  if kind == nil then
+    local n = 0
+    for _, v in pairs(snapshot()) do n = n + v end
+    return n
+  end
+  local c = kind_code[kind]
+  if not c then error("comm_count: unknown collective kind '" .. tostring(kind) .. "'", 2) end
+  return tonumber(C.eng_comm_count(c))
+end
+
+-- Bytes of the inputs of the collectives counted, per kind.
+function M.comm_bytes()
+  local r = {}
+  for i, k in ipairs(kinds) do
+    local v = tonumber(C.eng_comm_bytes(i - 1))
+    if v > 0 then r[k] = v end
+  end
+  return r
+end
+
+function M.reset_comm_counts() C.eng_comm_reset_counts() end
+
+-- count_collectives(fn, ...) -> counts of the collectives fn issued, then fn's results.
+function M.count_collectives(fn, ...)
+  local before = snapshot()
+  local out = { fn(...) }
+  local after = snapshot()
+  local d = {}
+  for k, v in pairs(after) do if v - before[k] > 0 then d[k] = v - before[k] end end
+  return d, unpack(out)
+end
+
+-- CommDebugMode-like object: mode:enter() ... mode:exit(); mode:get_comm_counts().
+local CommDebugMode = {}
+CommDebugMode.__index = CommDebugMode
+function M.CommDebugMode() return setmetatable({ _counts = {} }, CommDebugMode) end
+function CommDebugMode:enter() self._before = snapshot(); self._counts = {}; return self end
+function CommDebugMode:exit()
+  local after = snapshot()
+  local d = {}
+  for k, v in pairs(after) do if v - self._before[k] > 0 then d[k] = v - self._before[k] end end
+  self._counts, self._before = d, nil
+  return self
+end
+function CommDebugMode:get_comm_counts()
+  if self._before then
+    local after, d = snapshot(), {}
+    for k, v in pairs(after) do if v - self._before[k] > 0 then d[k] = v - self._before[k] end end
+    return d
+  end
+  return self._counts
+end
+function CommDebugMode:get_total_counts()
+  local n = 0
+  for _, v in pairs(self:get_comm_counts()) do n = n + v end
+  return n
+end
+
+-- ---------------------------------------------------------------- debug mode, flight recorder
+-- set_debug(true [, {timeout = seconds}]): must be set the same way on every rank.
+function M.set_debug(on, opts)
+  C.eng_comm_set_debug(on and 1 or 0)
+  if type(opts) == "table" and opts.timeout ~= nil then M.set_comm_timeout(opts.timeout) end
+end
+function M.get_debug() return C.eng_comm_get_debug() ~= 0 end
+function M.set_comm_timeout(seconds)
+  if type(seconds) ~= "number" then error("set_comm_timeout: seconds must be a number", 2) end
+  if C.eng_comm_set_timeout(seconds) ~= 0 then cerr(2) end
+end
+
+local state_names = { [0] = "issued", "completed", "failed" }
+
+-- dump_collectives([{print = true}]) -> list of the last (up to 64)
+-- collectives of this rank, oldest first, and the same as text.
+function M.dump_collectives(opts)
+  local n = C.eng_comm_history_len()
+  local rec = ffi.new("eng_coll_record")
+  local list = {}
+  for i = 0, n - 1 do
+    C.eng_comm_history_get(i, rec)
+    local shape = {}
+    for d = 0, rec.ndim - 1 do shape[d + 1] = tonumber(rec.shape[d]) end
+    local e = {
+      id = tonumber(rec.id), seq = tonumber(rec.seq), group = ffi.string(C.eng_comm_history_group_name(i)),
+      group_id = tonumber(rec.group_id), group_size = rec.group_size, kind = kinds[rec.kind + 1],
+      state = state_names[rec.state], async = rec.async ~= 0,
+    }
+    if rec.kind ~= 6 and rec.dtype >= 0 then e.dtype = core.dtype_names[rec.dtype]; e.shape = shape end
+    if rec.kind == 0 or rec.kind == 2 then e.op = ffi.string(C.eng_reduce_op_name(rec.op)) end
+    if rec.kind == 4 or rec.kind == 5 then e.root = rec.root end
+    if rec.state ~= 0 then e.ms = 1e3 * (rec.t_end - rec.t_start) end
+    list[#list + 1] = e
+  end
+  local text = ffi.string(C.eng_comm_history_format(0))
+  if type(opts) == "table" and opts.print then io.stderr:write(text); io.stderr:flush() end
+  return list, text
+end
+
+return M

@@ -1,0 +1,93 @@
+-- engine.distributed (engine.distributed / `dist`): the distributed runtime.
+--
+--   local dist = require("engine").distributed
+--   dist.init()                                    -- idempotent; the host starts MPI already
+--   dist.rank(), dist.world_size()
+--   dist.all_reduce(t, "sum", {group = g, async = false})
+--   local mesh = dist.init_device_mesh("cpu", {2, 2}, {"dp", "tp"})
+--
+-- The sub-modules (comm.lua: process groups and collectives; mesh.lua:
+-- DeviceMesh; later ones such as placements and DTensor) each return a table
+-- of functions merged into this one.  Add new sub-modules to `modules`.
+local core = require("engine.core")
+local C = core.C
+
+local dist = {}
+
+local modules = { "comm", "mesh", "placement", "dtensor", "redistribute", "sharding", "parallel", "fsdp",
+  "sharded_tensor", "checkpoint" }
+for _, name in ipairs(modules) do
+  local mod = "engine.distributed." .. name
+  local ok, m = pcall(require, mod)
+  if not ok and not tostring(m):match("module '" .. mod:gsub("%.", "%%.") .. "' not found") then error(m, 0) end
+  if ok and type(m) == "table" then
+    for k, v in pairs(m) do if dist[k] == nil then dist[k] = v end end
+  end
+end
+
+-- init(): starts MPI when the host has not (a singleton run is a world of
+-- size 1); idempotent.  Returns dist.
+function dist.init()
+  if C.eng_dist_init() ~= 0 then error(core.last_error(), 2) end
+  return dist
+end
+
+function dist.is_initialized() return C.eng_dist_is_initialized() ~= 0 end
+
+-- rank() / world_size(): this process in the world; with a group, in the group
+-- (nil / nil on a rank outside it).
+function dist.rank(group)
+  if group ~= nil then return group:rank() end
+  return C.eng_dist_rank()
+end
+function dist.world_size(group)
+  if group ~= nil then return group:size() end
+  return C.eng_dist_world_size()
+end
+dist.get_rank, dist.get_world_size = dist.rank, dist.world_size
+
+-- Ends MPI (collective: every rank calls it); later collectives fail.
+function dist.finalize() C.eng_dist_finalize() end
+
+-- Ends every rank at once (after an unrecoverable error on one rank).
+function dist.abort(code)
+  io.stdout:flush(); io.stderr:flush()
+  C.eng_dist_abort(code or 1)
+end
+
+-- Sums a list of integer counts over all ranks (collective over the world).
+function dist.allreduce_counts(list)
+  local n = #list
+  local buf = core.ffi.new("int64_t[?]", n > 0 and n or 1)
+  for i = 1, n do buf[i - 1] = list[i] end
+  if C.eng_dist_allreduce_counts(buf, n) ~= 0 then error(core.last_error(), 2) end
+  local r = {}
+  for i = 1, n do r[i] = tonumber(buf[i - 1]) end
+  return r
+end
+
+-- Watchdog for multi-process tests: ends this rank (and so the job) unless
+-- disarmed within `seconds`.
+function dist.watchdog(seconds, label)
+  if C.eng_dist_watchdog_arm(seconds, label or "watchdog") ~= 0 then error(core.last_error(), 2) end
+end
+function dist.watchdog_disarm() C.eng_dist_watchdog_disarm() end
+
+-- os.exit from a recipe: with code 0 every rank finalizes MPI first (as the
+-- host does after a normal end); a failing rank of a multi-rank job aborts
+-- the whole job, so the others do not wait for it in a collective.
+if not rawget(_G, "__engine_exit_wrapped") then
+  rawset(_G, "__engine_exit_wrapped", true)
+  local real_exit = os.exit
+  os.exit = function(code, close)
+    local ok = code == nil or code == true or code == 0
+    io.stdout:flush(); io.stderr:flush()
+    if C.eng_dist_is_initialized() ~= 0 then
+      if ok or C.eng_dist_world_size() == 1 then C.eng_dist_finalize()
+      else C.eng_dist_abort(type(code) == "number" and code or 1) end
+    end
+    return real_exit(code, close)
+  end
+end
+
+return dist

@@ -1,0 +1,121 @@
+-- engine.nn.functional (nn.functional, usually `local F = nn.functional`):
+-- the stateless functions behind the layers, with PyTorch's argument order.
+-- Dims are 1-based (negative from the end); class targets and token ids are
+-- 0-based.  Options are tables.
+local engine = require("engine")
+
+local F = {}
+
+local function need_tensor(x, op, pos)
+  if not engine.is_tensor(x) then
+    error(string.format("%s: argument %d must be a tensor, got %s", op, pos, type(x)), 3)
+  end
+end
+
+-- linear(x, weight [, bias]): x [..., in] @ weight[out, in]^T + bias[out]
+function F.linear(x, weight, bias)
+  return engine.linear(x, weight, bias)
+end
+
+function F.relu(x) need_tensor(x, "relu", 1); return x:relu() end
+function F.silu(x) need_tensor(x, "silu", 1); return x:silu() end
+function F.tanh(x) need_tensor(x, "tanh", 1); return x:tanh() end
+function F.sigmoid(x) need_tensor(x, "sigmoid", 1); return x:sigmoid() end
+
+-- gelu(x [, approximate = "none" | "tanh"]) (or {approximate = ...})
+function F.gelu(x, approximate)
+  need_tensor(x, "gelu", 1)
+  if type(approximate) == "table" then approximate = approximate.approximate end
+  return x:gelu(approximate or "none")
+end
+
+-- softmax(x, dim) / log_softmax(x, dim): dim is required (1-based, -1 = last).
+function F.softmax(x, dim)
+  need_tensor(x, "softmax", 1)
+  if dim == nil then error("softmax: dim is required (1-based; -1 is the last dim)", 2) end
+  return x:softmax(dim)
+end
+
+function F.log_softmax(x, dim)
+  need_tensor(x, "log_softmax", 1)
+  if dim == nil then error("log_softmax: dim is required (1-based; -1 is the last dim)", 2) end
+  return x:log_softmax(dim)
+end
+
+-- layer_norm(x, normalized_shape, weight, bias [, eps = 1e-5])
+function F.layer_norm(x, normalized_shape, weight, bias, eps)
+  return engine.layer_norm(x, normalized_shape, weight, bias, eps or 1e-5)
+end
+
+-- rms_norm(x, normalized_shape [, weight [, eps]]); eps nil: the machine
+-- epsilon of x's dtype (as PyTorch).
+function F.rms_norm(x, normalized_shape, weight, eps)
+  return engine.rms_norm(x, normalized_shape, weight, eps)
+end
+
+-- embedding(indices, weight [, padding_idx]): PyTorch's argument order.
+function F.embedding(indices, weight, padding_idx)
+  return engine.embedding(weight, indices, padding_idx)
+end
+
+-- dropout(x [, p = 0.5 [, training = true]])
+function F.dropout(x, p, training)
+  if p == nil then p = 0.5 end
+  if training == nil then training = true end
+  if type(p) ~= "number" or p < 0 or p > 1 then
+    error("dropout: probability p must be between 0 and 1, got " .. tostring(p), 2)
+  end
+  if not training or p == 0 then
+    need_tensor(x, "dropout", 1)
+    return x
+  end
+  return engine.dropout(x, p, training)
+end
+
+-- cross_entropy(logits, target [, {ignore_index = -100, reduction = "mean", label_smoothing = 0}])
+-- logits [N, C] (or [C], or [N, C, d1, ...]) with 0-based class targets, as in
+-- PyTorch.  Also accepted: logits [B, T, C] with targets [B, T] (classes in
+-- the last dim, the language-model layout): they are flattened to [B*T, C].
+function F.cross_entropy(logits, target, opts)
+  need_tensor(logits, "cross_entropy", 1)
+  need_tensor(target, "cross_entropy", 2)
+  local ls, ts = logits:shape(), target:shape()
+  if #ls >= 3 and #ts == #ls - 1 then
+    local last_layout = true
+    for i = 1, #ts do if ts[i] ~= ls[i] then last_layout = false end end
+    local torch_layout = ts[1] == ls[1]
+    for i = 2, #ts do if ts[i] ~= ls[i + 1] then torch_layout = false end end
+    if last_layout and not torch_layout then
+      logits = logits:reshape(-1, ls[#ls])
+      target = target:reshape(-1)
+    end
+  end
+  return engine.cross_entropy(logits, target, opts)
+end
+
+-- mse_loss(input, target [, {reduction = "mean" | "sum" | "none"}])
+function F.mse_loss(input, target, opts)
+  need_tensor(input, "mse_loss", 1)
+  need_tensor(target, "mse_loss", 2)
+  local reduction = type(opts) == "table" and opts.reduction or opts or "mean"
+  local d = input - target
+  local sq = d * d
+  if reduction == "mean" then return sq:mean()
+  elseif reduction == "sum" then return sq:sum()
+  elseif reduction == "none" then return sq end
+  error("mse_loss: reduction must be \"mean\", \"sum\" or \"none\", got " .. tostring(reduction), 2)
+end
+
+-- scaled_dot_product_attention(q, k, v [, attn_mask [, dropout_p [, is_causal [, scale]]]])
+-- or scaled_dot_product_attention(q, k, v, {attn_mask =, dropout_p =, is_causal =, scale =}).
+function F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale)
+  local opts
+  if type(attn_mask) == "table" and not engine.is_tensor(attn_mask) then
+    opts = attn_mask
+  else
+    opts = { attn_mask = attn_mask, dropout_p = dropout_p, is_causal = is_causal, scale = scale }
+  end
+  return engine.scaled_dot_product_attention(q, k, v, opts)
+end
+
+return F

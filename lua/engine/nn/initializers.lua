@@ -1,0 +1,95 @@
+-- engine.nn.initializers (exported as nn.init): in-place parameter
+-- initialisation, PyTorch's torch.nn.init.  All run without autograd and draw
+-- from the global counter-based generator (engine.manual_seed).
+local core = require("engine.core")
+local C = core.C
+
+local M = {}
+
+local function ct(t, op)
+  if not core.is_tensor(t) then error(op .. ": expected a tensor, got " .. type(t), 3) end
+  return t._c
+end
+
+-- Runs an in-place C fill with grad mode off (parameters are leaves that
+-- require grad: in-place writes to them are only allowed without recording).
+local function run(rc_fn, ...)
+  local prev = C.eng_set_grad_enabled(0)
+  local rc = rc_fn(...)
+  C.eng_set_grad_enabled(prev)
+  core.check(rc, 4)
+end
+
+-- fan_in, fan_out of a weight (PyTorch's _calculate_fan_in_and_fan_out):
+-- dim 2 is the input, dim 1 the output, the rest is the receptive field.
+function M.calculate_fan_in_and_fan_out(t)
+  local s = t:shape()
+  if #s < 2 then
+    error("calculate_fan_in_and_fan_out: fan in and fan out cannot be computed for a tensor with fewer than 2 dims ("
+      .. t.dtype .. "[" .. table.concat(s, ",") .. "])", 2)
+  end
+  local rf = 1
+  for d = 3, #s do rf = rf * s[d] end
+  return s[2] * rf, s[1] * rf
+end
+
+function M.calculate_gain(nonlinearity, param)
+  if nonlinearity == "linear" or nonlinearity == "sigmoid" or nonlinearity == "identity" then return 1 end
+  if nonlinearity == "tanh" then return 5 / 3 end
+  if nonlinearity == "relu" then return math.sqrt(2) end
+  if nonlinearity == "leaky_relu" then
+    local slope = param or 0.01
+    return math.sqrt(2 / (1 + slope * slope))
+  end
+  if nonlinearity == "selu" then return 3 / 4 end
+  error("calculate_gain: unsupported nonlinearity '" .. tostring(nonlinearity) .. "'", 2)
+end
+
+function M.uniform_(t, a, b)
+  run(C.eng_uniform_, ct(t, "uniform_"), a or 0, b or 1)
+  return t
+end
+
+function M.normal_(t, mean, std)
+  run(C.eng_normal_, ct(t, "normal_"), mean or 0, std or 1)
+  return t
+end
+
+function M.constant_(t, v)
+  run(C.eng_tensor_fill_, ct(t, "constant_"), v)
+  return t
+end
+
+function M.zeros_(t) run(C.eng_tensor_zero_, ct(t, "zeros_")); return t end
+function M.ones_(t) run(C.eng_tensor_fill_, ct(t, "ones_"), 1); return t end
+
+-- kaiming_uniform_(t, {a = 0, mode = "fan_in", nonlinearity = "leaky_relu"})
+function M.kaiming_uniform_(t, opts)
+  opts = opts or {}
+  local fan_in, fan_out = M.calculate_fan_in_and_fan_out(t)
+  local fan = (opts.mode == "fan_out") and fan_out or fan_in
+  local gain = M.calculate_gain(opts.nonlinearity or "leaky_relu", opts.a or 0)
+  local bound = fan > 0 and math.sqrt(3) * gain / math.sqrt(fan) or 0
+  return M.uniform_(t, -bound, bound)
+end
+
+function M.kaiming_normal_(t, opts)
+  opts = opts or {}
+  local fan_in, fan_out = M.calculate_fan_in_and_fan_out(t)
+  local fan = (opts.mode == "fan_out") and fan_out or fan_in
+  local gain = M.calculate_gain(opts.nonlinearity or "leaky_relu", opts.a or 0)
+  return M.normal_(t, 0, fan > 0 and gain / math.sqrt(fan) or 0)
+end
+
+function M.xavier_uniform_(t, gain)
+  local fan_in, fan_out = M.calculate_fan_in_and_fan_out(t)
+  local a = (gain or 1) * math.sqrt(6 / (fan_in + fan_out))
+  return M.uniform_(t, -a, a)
+end
+
+function M.xavier_normal_(t, gain)
+  local fan_in, fan_out = M.calculate_fan_in_and_fan_out(t)
+  return M.normal_(t, 0, (gain or 1) * math.sqrt(2 / (fan_in + fan_out)))
+end
+
+return M

@@ -1,0 +1,701 @@
+-- engine.nn.module: nn.Module (the base class of every layer and model) and
+-- nn.Parameter.
+--
+--   local MyMod = nn.Module:extend("MyMod")
+--   function MyMod:__init(dim) self.lin = nn.Linear(dim, dim); self.scale = nn.Parameter(engine.ones(dim)) end
+--   function MyMod:forward(x) return self.lin(x) * self.scale end
+--   local m = MyMod(16); local y = m(x)       -- runs forward-pre hooks, forward, forward hooks
+--
+-- Registration is by assignment, as in PyTorch: a Parameter assigned to a field
+-- becomes a parameter, a Module a submodule; everything else is a plain field.
+-- Lua tables are unordered, so each module keeps the names in registration
+-- order (named_parameters, state_dict and printing follow it).
+--
+-- Naming: parameter names are dotted paths ("layers.0.attention.wq.weight").
+-- Children of ModuleList/Sequential are named 0, 1, 2, ... (0-based, as in
+-- PyTorch, so that state dicts and checkpoints use PyTorch's names), while
+-- Lua indexing stays 1-based: model.layers[1] is the child named "0".
+--
+-- Hooks: each Module owns a C module object (eng_module, engine/include/eng/module.h)
+-- holding its forward-pre and forward hooks, so C hooks (FSDP's all-gather /
+-- reshard) and Lua hooks run in one registration order.  The C object is
+-- m._cmod (an eng_module*; register C hooks on it directly).
+local core = require("engine.core")
+require("engine.tensor")
+local autograd = require("engine.autograd")
+local ffi, C = core.ffi, core.C
+local is_tensor = core.is_tensor
+
+local PRE, POST = 0, 1  -- ENG_HOOK_FORWARD_PRE, ENG_HOOK_FORWARD_POST
+local hook_count = C.eng_module_hook_count
+
+local M = {}
+
+-- ---------------------------------------------------------------- Parameter
+-- nn.Parameter(t [, requires_grad = true]): a leaf tensor sharing t's storage,
+-- flagged as a parameter (t._c.is_param, informational) and requiring grad.
+function M.Parameter(t, requires_grad)
+  if not is_tensor(t) then
+    error("nn.Parameter: expected a tensor, got " .. type(t), 2)
+  end
+  local p = core.wrap(C.eng_tensor_detach(t._c), 3)
+  if requires_grad ~= false then core.check(C.eng_tensor_set_requires_grad(p._c, 1), 3) end
+  -- There is no setter in the C API for this purely informational flag.
+  p._c.is_param = 1
+  return p
+end
+
+local function is_param(v) return is_tensor(v) and v._c.is_param ~= 0 end
+M.is_parameter = is_param
+
+local function is_module(v) return type(v) == "table" and rawget(v, "_cmod") ~= nil end
+M.is_module = is_module
+
+local function ptr_key(t) return tonumber(ffi.cast("intptr_t", t._c)) end
+
+local function shape_str(t) return "[" .. table.concat(t:shape(), ", ") .. "]" end
+
+-- ---------------------------------------------------------------- class machinery
+local Module = {}
+M.Module = Module
+
+local function list_remove(list, name)
+  for i = 1, #list do if list[i] == name then table.remove(list, i); return end end
+end
+
+local function check_name(self, name, what, level)
+  if type(name) ~= "string" then
+    error(string.format("%s: %s name must be a string, got %s", self.__name, what, type(name)), level + 1)
+  end
+  if name == "" or name:find(".", 1, true) then
+    error(string.format("%s: %s name '%s' must be non-empty and must not contain '.'", self.__name, what, name),
+      level + 1)
+  end
+end
+
+-- Removes name from every registry (a name is a parameter, a buffer or a submodule).
+local function unregister(self, name)
+  local p, b, m = rawget(self, "_parameters"), rawget(self, "_buffers"), rawget(self, "_modules")
+  if p[name] ~= nil or rawget(self, "_param_none")[name] then
+    p[name] = nil; rawget(self, "_param_none")[name] = nil; list_remove(rawget(self, "_param_names"), name)
+  end
+  if b[name] ~= nil then b[name] = nil; list_remove(rawget(self, "_buffer_names"), name) end
+  if m[name] ~= nil then m[name] = nil; list_remove(rawget(self, "_module_names"), name) end
+end
+
+local function add_name(list, name)
+  for i = 1, #list do if list[i] == name then return end end
+  list[#list + 1] = name
+end
+
+local function set_parameter(self, name, p)
+  local params = rawget(self, "_parameters")
+  if params[name] == nil and not rawget(self, "_param_none")[name] then
+    unregister(self, name)
+    rawset(self, name, nil)
+  end
+  add_name(rawget(self, "_param_names"), name)
+  params[name] = p
+  rawget(self, "_param_none")[name] = (p == nil) or nil
+end
+
+local function set_module(self, name, m)
+  if rawget(self, "_modules")[name] == nil then unregister(self, name); rawset(self, name, nil) end
+  add_name(rawget(self, "_module_names"), name)
+  rawget(self, "_modules")[name] = m
+end
+
+local function module_newindex(self, k, v)
+  if type(k) ~= "string" then rawset(self, k, v); return end
+  local params = rawget(self, "_parameters")
+  if is_param(v) then
+    set_parameter(self, k, v)
+  elseif is_module(v) then
+    set_module(self, k, v)
+  elseif params[k] ~= nil or rawget(self, "_param_none")[k] then
+    if v == nil then
+      params[k] = nil; rawget(self, "_param_none")[k] = true  -- like register_parameter(k, None)
+    elseif is_tensor(v) then
+      error(string.format("%s: cannot assign a plain tensor to parameter '%s': wrap it in nn.Parameter(t) "
+        .. "(or use register_buffer for a non-trainable tensor)", self.__name, k), 2)
+    else
+      error(string.format("%s: cannot assign a %s to parameter '%s' (expected nn.Parameter or nil)",
+        self.__name, type(v), k), 2)
+    end
+  elseif rawget(self, "_modules")[k] ~= nil then
+    if v == nil then unregister(self, k)
+    else error(string.format("%s: cannot assign a %s to submodule '%s' (expected a Module or nil)",
+      self.__name, type(v), k), 2) end
+  elseif rawget(self, "_buffers")[k] ~= nil then
+    if v == nil then unregister(self, k)
+    elseif is_tensor(v) then rawget(self, "_buffers")[k] = v
+    else error(string.format("%s: cannot assign a %s to buffer '%s' (expected a tensor or nil)",
+      self.__name, type(v), k), 2) end
+  else
+    rawset(self, k, v)
+  end
+end
+
+local function make_index(cls)
+  return function(self, k)
+    local v = rawget(self, "_parameters")[k]
+    if v ~= nil then return v end
+    v = rawget(self, "_modules")[k]
+    if v ~= nil then return v end
+    v = rawget(self, "_buffers")[k]
+    if v ~= nil then return v end
+    return cls[k]
+  end
+end
+
+-- Forward with hooks.  Calls eng_module_run_hooks, which may call back into
+-- Lua (user hooks): this function must never run inside a JIT trace.
+local function take_back(arr, list, pos)
+  -- arr holds new references: wrap replaced tensors, drop the extra reference of unchanged ones
+  for j = 1, #pos do
+    local p, orig = arr[j - 1], list[pos[j]]
+    if p == orig._c then C.eng_tensor_release(p) else list[pos[j]] = core.wrap(p) end
+  end
+end
+
+local function run_hooks(self, kind, list, n)
+  local pos = {}
+  for i = 1, n do if is_tensor(list[i]) then pos[#pos + 1] = i end end
+  local k = #pos
+  local arr = ffi.new("eng_tensor*[?]", k > 0 and k or 1)
+  for j = 1, k do arr[j - 1] = C.eng_tensor_retain(list[pos[j]]._c) end
+  local rc = C.eng_module_run_hooks(rawget(self, "_cmod"), kind, arr, k)
+  local msg = rc ~= 0 and core.last_error() or nil
+  take_back(arr, list, pos)
+  if msg then error(msg, 0) end
+end
+
+local function call_with_hooks(self, ...)
+  local cm = rawget(self, "_cmod")
+  local n = select("#", ...)
+  local args = { ... }
+  if hook_count(cm, PRE) > 0 then run_hooks(self, PRE, args, n) end
+  local prev = rawget(self, "_hook_inputs")
+  rawset(self, "_hook_inputs", args)
+  local res = { pcall(self.forward, self, unpack(args, 1, n)) }
+  if not res[1] then rawset(self, "_hook_inputs", prev); error(res[2], 0) end
+  local nr = table.maxn(res) - 1
+  table.remove(res, 1)
+  if hook_count(cm, POST) > 0 then
+    local ok, err
+    if nr == 1 and type(res[1]) == "table" and not is_tensor(res[1]) then
+      -- forward returned a list of tensors: hook its elements, return a new list
+      local list = {}
+      for i, v in pairs(res[1]) do list[i] = v end
+      ok, err = pcall(run_hooks, self, POST, list, table.maxn(list))
+      res[1] = list
+    else
+      ok, err = pcall(run_hooks, self, POST, res, nr)
+    end
+    rawset(self, "_hook_inputs", prev)
+    if not ok then error(err, 0) end
+  else
+    rawset(self, "_hook_inputs", prev)
+  end
+  return unpack(res, 1, nr)
+end
+jit.off(call_with_hooks)
+jit.off(run_hooks)
+
+local function module_call(self, ...)
+  local cm = rawget(self, "_cmod")
+  if hook_count(cm, PRE) == 0 and hook_count(cm, POST) == 0 then
+    return self:forward(...)
+  end
+  return call_with_hooks(self, ...)
+end
+
+local function module_tostring(self) return self:_repr("") end
+
+local class_mt = {}
+
+local function construct(cls, ...)
+  local self = {
+    _parameters = {}, _param_names = {}, _param_none = {},
+    _buffers = {}, _buffer_names = {}, _non_persistent = {},
+    _modules = {}, _module_names = {},
+    _cmod = ffi.gc(C.eng_module_new(cls.__name), C.eng_module_release),
+    training = true,
+  }
+  setmetatable(self, cls)
+  local init = cls.__init
+  if init then init(self, ...) end
+  return self
+end
+
+local function make_class(name, parent)
+  local cls = {
+    __name = name, __parent = parent,
+    __newindex = module_newindex, __call = module_call, __tostring = module_tostring,
+  }
+  cls.__index = make_index(cls)
+  return setmetatable(cls, {
+    __index = parent, __call = construct,
+    __tostring = function(c) return "nn." .. c.__name .. " (Module class)" end,
+  })
+end
+
+-- Module:extend(name) -> a new Module class deriving from this one.
+function Module.extend(parent, name)
+  if type(name) ~= "string" or name == "" then
+    error("Module:extend: expected a class name (a non-empty string)", 2)
+  end
+  return make_class(name, parent)
+end
+
+Module.__name = "Module"
+Module.__newindex = module_newindex
+Module.__call = module_call
+Module.__tostring = module_tostring
+Module.__index = make_index(Module)
+setmetatable(Module, { __call = construct, __tostring = function() return "nn.Module (Module class)" end })
+
+-- isinstance: m:is_a(nn.Linear)
+function Module:is_a(cls)
+  local c = getmetatable(self)
+  while c do
+    if c == cls then return true end
+    c = rawget(c, "__parent")
+  end
+  return false
+end
+
+function Module:forward()
+  error(self.__name .. ": forward is not implemented (define " .. self.__name .. ":forward)", 2)
+end
+
+-- ---------------------------------------------------------------- registration
+-- register_parameter(name, p): p is an nn.Parameter or nil (declares the slot empty).
+function Module:register_parameter(name, p)
+  check_name(self, name, "parameter", 2)
+  if p ~= nil and not is_param(p) then
+    error(string.format("%s: register_parameter('%s'): expected nn.Parameter or nil, got %s",
+      self.__name, name, is_tensor(p) and "a plain tensor (wrap it in nn.Parameter)" or type(p)), 2)
+  end
+  set_parameter(self, name, p)
+  return p
+end
+
+-- register_buffer(name, t [, persistent = true]): a tensor saved in state_dict
+-- (if persistent) and converted by to(), but not trained.
+function Module:register_buffer(name, t, persistent)
+  check_name(self, name, "buffer", 2)
+  if t ~= nil and not is_tensor(t) then
+    error(string.format("%s: register_buffer('%s'): expected a tensor or nil, got %s", self.__name, name, type(t)), 2)
+  end
+  if rawget(self, "_buffers")[name] == nil then unregister(self, name); rawset(self, name, nil) end
+  add_name(rawget(self, "_buffer_names"), name)
+  rawget(self, "_buffers")[name] = t
+  rawget(self, "_non_persistent")[name] = (persistent == false) or nil
+  return t
+end
+
+function Module:register_module(name, m)
+  check_name(self, name, "submodule", 2)
+  if m ~= nil and not is_module(m) then
+    error(string.format("%s: register_module('%s'): expected a Module, got %s", self.__name, name, type(m)), 2)
+  end
+  if m == nil then unregister(self, name) else set_module(self, name, m) end
+  return m
+end
+Module.add_module = Module.register_module
+
+-- ---------------------------------------------------------------- traversal
+-- Ordered direct children: names, modules (containers override this).
+function Module:_children_list()
+  local names, mods = {}, {}
+  local reg = rawget(self, "_modules")
+  for _, name in ipairs(rawget(self, "_module_names")) do
+    local m = reg[name]
+    if m ~= nil then names[#names + 1] = name; mods[#mods + 1] = m end
+  end
+  return names, mods
+end
+
+-- Child by its name (for ModuleList, "0" is the first).
+function Module:_child(name)
+  local names, mods = self:_children_list()
+  for i = 1, #names do if names[i] == name then return mods[i] end end
+  return nil
+end
+
+local function iter(names, vals)
+  local i = 0
+  return function()
+    i = i + 1
+    if names[i] ~= nil then return names[i], vals[i] end
+  end
+end
+
+local function join(prefix, name) return prefix == "" and name or (prefix .. "." .. name) end
+
+-- All modules (self first, depth first) as names, modules; deduplicated by identity.
+local function collect_modules(self, prefix, names, mods, memo)
+  if memo then
+    if memo[self] then return end
+    memo[self] = true
+  end
+  names[#names + 1] = prefix; mods[#mods + 1] = self
+  local cn, cm = self:_children_list()
+  for i = 1, #cn do collect_modules(cm[i], join(prefix, cn[i]), names, mods, memo) end
+end
+
+-- named_modules([prefix]) -> iterator of (name, module); self is named "" (or prefix).
+function Module:named_modules(prefix, remove_duplicate)
+  local names, mods = {}, {}
+  collect_modules(self, prefix or "", names, mods, remove_duplicate ~= false and {} or nil)
+  return iter(names, mods)
+end
+
+-- modules() -> list of every module (self first).
+function Module:modules()
+  local names, mods = {}, {}
+  collect_modules(self, "", names, mods, {})
+  return mods
+end
+
+-- named_children() -> iterator of (name, child); children() -> list.
+function Module:named_children()
+  local names, mods = self:_children_list()
+  local seen, n2, m2 = {}, {}, {}
+  for i = 1, #names do
+    if not seen[mods[i]] then seen[mods[i]] = true; n2[#n2 + 1] = names[i]; m2[#m2 + 1] = mods[i] end
+  end
+  return iter(n2, m2)
+end
+
+function Module:children()
+  local out = {}
+  for _, m in self:named_children() do out[#out + 1] = m end
+  return out
+end
+
+-- Collects (name, tensor) of parameters or buffers.
+local function collect_tensors(self, kind, prefix, recurse, dedup)
+  local names, vals = {}, {}
+  local seen = {}
+  local mnames, mods = {}, {}
+  if recurse then collect_modules(self, prefix, mnames, mods, {}) else mnames[1], mods[1] = prefix, self end
+  for i = 1, #mods do
+    local m = mods[i]
+    local reg = rawget(m, kind == "param" and "_parameters" or "_buffers")
+    for _, name in ipairs(rawget(m, kind == "param" and "_param_names" or "_buffer_names")) do
+      local t = reg[name]
+      if t ~= nil then
+        local key = ptr_key(t)
+        if not (dedup and seen[key]) then
+          seen[key] = true
+          names[#names + 1] = join(mnames[i], name); vals[#vals + 1] = t
+        end
+      end
+    end
+  end
+  return names, vals
+end
+
+-- named_parameters([prefix [, recurse = true [, remove_duplicate = true]]])
+--   -> iterator of (name, parameter).  Tied parameters (one tensor under
+--   several names) appear once, under the first name.
+function Module:named_parameters(prefix, recurse, remove_duplicate)
+  if type(prefix) == "table" then
+    local o = prefix
+    prefix, recurse, remove_duplicate = o.prefix, o.recurse, o.remove_duplicate
+  end
+  return iter(collect_tensors(self, "param", prefix or "", recurse ~= false, remove_duplicate ~= false))
+end
+
+-- parameters([recurse = true]) -> list of parameters (deduplicated).
+function Module:parameters(recurse)
+  local _, vals = collect_tensors(self, "param", "", recurse ~= false, true)
+  return vals
+end
+
+function Module:named_buffers(prefix, recurse)
+  return iter(collect_tensors(self, "buffer", prefix or "", recurse ~= false, true))
+end
+
+function Module:buffers(recurse)
+  local _, vals = collect_tensors(self, "buffer", "", recurse ~= false, true)
+  return vals
+end
+
+-- Number of (distinct) parameter elements.
+function Module:num_parameters(only_trainable)
+  local n = 0
+  for _, p in ipairs(self:parameters()) do
+    if not only_trainable or p.requires_grad then n = n + p:numel() end
+  end
+  return n
+end
+
+-- get_submodule("layers.0.attention") -> module (error naming the missing part).
+function Module:get_submodule(target)
+  if target == nil or target == "" then return self end
+  if type(target) ~= "string" then error("get_submodule: target must be a string", 2) end
+  local m, path = self, ""
+  for atom in target:gmatch("[^.]+") do
+    local c = m:_child(atom)
+    if c == nil then
+      local names = m:_children_list()
+      error(string.format("get_submodule: %s%s has no submodule '%s' (children: %s)", m.__name,
+        path == "" and "" or (" '" .. path .. "'"), atom, #names > 0 and table.concat(names, ", ") or "none"), 2)
+    end
+    m = c
+    path = join(path, atom)
+  end
+  return m
+end
+
+-- get_parameter("layers.0.attention.wq.weight") -> parameter.
+function Module:get_parameter(target)
+  if type(target) ~= "string" then error("get_parameter: target must be a string", 2) end
+  local mod_path, name = target:match("^(.*)%.([^.]+)$")
+  if not mod_path then mod_path, name = "", target end
+  local ok, m = pcall(self.get_submodule, self, mod_path)
+  if not ok then error(m, 2) end
+  local p = rawget(m, "_parameters")[name]
+  if p == nil then
+    error(string.format("get_parameter: %s has no parameter '%s'", m.__name, name), 2)
+  end
+  return p
+end
+
+-- apply(fn): fn(m) on every submodule (children first, then self); returns self.
+function Module:apply(fn)
+  for _, c in ipairs(self:children()) do c:apply(fn) end
+  fn(self)
+  return self
+end
+
+-- ---------------------------------------------------------------- modes and gradients
+function Module:train(mode)
+  if mode == nil then mode = true end
+  for _, m in ipairs(self:modules()) do rawset(m, "training", mode and true or false) end
+  return self
+end
+
+function Module:eval() return self:train(false) end
+
+-- zero_grad([set_to_none = true])
+function Module:zero_grad(set_to_none)
+  if type(set_to_none) == "table" then set_to_none = set_to_none.set_to_none end
+  for _, p in ipairs(self:parameters()) do
+    if p._c.grad ~= nil then
+      if set_to_none == false then core.check(C.eng_tensor_zero_(p._c.grad), 3)
+      else core.check(C.eng_tensor_set_grad(p._c, nil), 3) end
+    end
+  end
+end
+
+function Module:requires_grad_(flag)
+  if flag == nil then flag = true end
+  for _, p in ipairs(self:parameters()) do p:requires_grad_(flag) end
+  return self
+end
+
+-- ---------------------------------------------------------------- conversion
+-- to(dtype) / to("cuda") / to{dtype=, device=}: converts parameters (floating
+-- ones only for a dtype change) and buffers in place of the old ones; tied
+-- parameters stay tied.  Returns self.
+function Module:to(what)
+  local dtype_change = not (what == "cpu" or what == "cuda" or (type(what) == "table" and what.dtype == nil))
+  local mapped = {}
+  local function convert(t)
+    local key = ptr_key(t)
+    local r = mapped[key]
+    if r ~= nil then return r end
+    if dtype_change and not t:is_floating_point() then mapped[key] = t; return t end
+    local c = t:to(what)
+    if c._c == t._c then mapped[key] = t; return t end
+    if is_param(t) then
+      local p = M.Parameter(c, t.requires_grad)
+      local g = t._c.grad
+      if g ~= nil then
+        local gw = core.wrap_borrowed(g)
+        p.grad = gw:to(what)
+      end
+      c = p
+    end
+    mapped[key] = c
+    return c
+  end
+  for _, m in ipairs(self:modules()) do
+    local params = rawget(m, "_parameters")
+    for _, name in ipairs(rawget(m, "_param_names")) do
+      if params[name] ~= nil then params[name] = convert(params[name]) end
+    end
+    local bufs = rawget(m, "_buffers")
+    for _, name in ipairs(rawget(m, "_buffer_names")) do
+      if bufs[name] ~= nil then bufs[name] = convert(bufs[name]) end
+    end
+  end
+  return self
+end
+
+function Module:float() return self:to("f32") end
+function Module:double() return self:to("f64") end
+function Module:half() return self:to("f16") end
+function Module:bfloat16() return self:to("bf16") end
+
+-- ---------------------------------------------------------------- state dict
+-- Walks every (name, tensor, kind) of the state dict in order, without
+-- deduplication (tied weights appear under each of their names, as in PyTorch).
+local function state_entries(self, prefix, names, vals, kinds)
+  local params = rawget(self, "_parameters")
+  for _, name in ipairs(rawget(self, "_param_names")) do
+    local p = params[name]
+    if p ~= nil then names[#names + 1] = prefix .. name; vals[#vals + 1] = p; kinds[#kinds + 1] = "param" end
+  end
+  local bufs, np = rawget(self, "_buffers"), rawget(self, "_non_persistent")
+  for _, name in ipairs(rawget(self, "_buffer_names")) do
+    local b = bufs[name]
+    if b ~= nil and not np[name] then
+      names[#names + 1] = prefix .. name; vals[#vals + 1] = b; kinds[#kinds + 1] = "buffer"
+    end
+  end
+  local cn, cm = self:_children_list()
+  for i = 1, #cn do state_entries(cm[i], prefix .. cn[i] .. ".", names, vals, kinds) end
+end
+
+-- state_dict([{prefix = "", keep_vars = false}]) -> table name -> tensor, and
+-- the list of names in order.  Values share storage with the parameters
+-- (detached unless keep_vars).
+function Module:state_dict(opts)
+  opts = opts or {}
+  local names, vals, kinds = {}, {}, {}
+  state_entries(self, opts.prefix or "", names, vals, kinds)
+  local sd = {}
+  for i = 1, #names do
+    local v = vals[i]
+    sd[names[i]] = opts.keep_vars and v or v:detach()
+  end
+  return sd, names
+end
+
+-- Ordered state-dict names.
+function Module:state_dict_keys()
+  local names, vals, kinds = {}, {}, {}
+  state_entries(self, "", names, vals, kinds)
+  return names
+end
+
+-- load_state_dict(sd [, {strict = true}]): copies the values into the
+-- parameters and buffers (converting dtypes).  Every problem is reported in
+-- one error: missing keys and unexpected keys (strict only) and shape
+-- mismatches (always).  Nothing is copied when there is an error.  Returns
+-- {missing_keys = {...}, unexpected_keys = {...}}.
+function Module:load_state_dict(sd, opts)
+  if type(sd) ~= "table" then error("load_state_dict: expected a table name -> tensor, got " .. type(sd), 2) end
+  local strict = not (opts and opts.strict == false)
+  local names, vals, kinds = {}, {}, {}
+  state_entries(self, "", names, vals, kinds)
+  local known, missing, unexpected, bad = {}, {}, {}, {}
+  for i = 1, #names do
+    local name, dst = names[i], vals[i]
+    known[name] = true
+    local src = sd[name]
+    if src == nil then
+      missing[#missing + 1] = name
+    elseif not is_tensor(src) then
+      bad[#bad + 1] = string.format("value for %s is a %s, not a tensor", name, type(src))
+    else
+      local ss, ds = src:shape(), dst:shape()
+      local same = #ss == #ds
+      if same then for d = 1, #ss do if ss[d] ~= ds[d] then same = false end end end
+      if not same then
+        bad[#bad + 1] = string.format("size mismatch for %s: copying a param with shape %s from checkpoint, "
+          .. "the shape in current model is %s", name, shape_str(src), shape_str(dst))
+      end
+    end
+  end
+  for k in pairs(sd) do
+    if not known[k] then unexpected[#unexpected + 1] = tostring(k) end
+  end
+  table.sort(unexpected)
+  local errs = {}
+  if strict and #missing > 0 then
+    errs[#errs + 1] = "Missing key(s) in state_dict: " .. table.concat(missing, ", ")
+  end
+  if strict and #unexpected > 0 then
+    errs[#errs + 1] = "Unexpected key(s) in state_dict: " .. table.concat(unexpected, ", ")
+  end
+  for _, b in ipairs(bad) do errs[#errs + 1] = b end
+  if #errs > 0 then
+    error(string.format("load_state_dict: error(s) in loading state_dict for %s:\n\t%s", self.__name,
+      table.concat(errs, "\n\t")), 2)
+  end
+  local prev = C.eng_set_grad_enabled(0)
+  for i = 1, #names do
+    local src = sd[names[i]]
+    if src ~= nil and not rawequal(src, vals[i]) and src._c ~= vals[i]._c then
+      local rc = C.eng_tensor_copy_(vals[i]._c, src._c)
+      if rc ~= 0 then
+        C.eng_set_grad_enabled(prev)
+        error("load_state_dict: " .. names[i] .. ": " .. core.last_error(), 2)
+      end
+    end
+  end
+  C.eng_set_grad_enabled(prev)
+  return { missing_keys = missing, unexpected_keys = unexpected }
+end
+
+-- ---------------------------------------------------------------- hooks
+local Handle = autograd.Handle
+
+local function add_hook(self, kind, wrapper, opts, op)
+  local id = autograd._register(wrapper)
+  local cm = rawget(self, "_cmod")
+  local h = C.eng_module_register_lua_hook(cm, kind, id, (opts and opts.prepend) and 1 or 0)
+  if h < 0 then autograd._closures[id] = nil; error(op .. ": " .. core.last_error(), 3) end
+  return setmetatable({ _remove = function() C.eng_module_remove_hook(cm, h) end }, Handle)
+end
+
+-- register_forward_pre_hook(fn [, {prepend = false}]): fn(module, inputs) runs
+-- before forward; inputs is the list of tensor arguments.  It may return nil
+-- (keep), a tensor (replaces the first) or a list of tensors (replace in
+-- order; nil entries keep).  Returns a handle with :remove().
+function Module:register_forward_pre_hook(fn, opts)
+  if type(fn) ~= "function" then error("register_forward_pre_hook: expected a function", 2) end
+  local ref = setmetatable({ m = self }, { __mode = "v" })  -- the hook must not keep the module alive
+  return add_hook(self, PRE, function(...) return fn(ref.m, { ... }) end, opts, "register_forward_pre_hook")
+end
+
+-- register_forward_hook(fn [, {prepend = false}]): fn(module, inputs, output)
+-- runs after forward (inputs: the tensor arguments after the pre hooks;
+-- output: the output tensor; with several output tensors they follow as
+-- further arguments).  It may return replacements like a pre hook.
+function Module:register_forward_hook(fn, opts)
+  if type(fn) ~= "function" then error("register_forward_hook: expected a function", 2) end
+  local ref = setmetatable({ m = self }, { __mode = "v" })
+  return add_hook(self, POST, function(...)
+    local m = ref.m
+    local inputs = {}
+    local hi = m and rawget(m, "_hook_inputs")
+    if hi then for _, v in pairs(hi) do if is_tensor(v) then inputs[#inputs + 1] = v end end end
+    return fn(m, inputs, ...)
+  end, opts, "register_forward_hook")
+end
+
+-- ---------------------------------------------------------------- printing
+function Module:extra_repr() return "" end
+
+function Module:_repr(indent)
+  local names, mods = self:_children_list()
+  local extra = self:extra_repr() or ""
+  if #names == 0 then return self.__name .. "(" .. extra .. ")" end
+  local lines = { self.__name .. "(" }
+  local inner = indent .. "  "
+  if extra ~= "" then lines[#lines + 1] = inner .. extra end
+  for i = 1, #names do
+    lines[#lines + 1] = inner .. "(" .. names[i] .. "): " .. mods[i]:_repr(inner)
+  end
+  lines[#lines + 1] = indent .. ")"
+  return table.concat(lines, "\n")
+end
+
+return M

@@ -1,0 +1,140 @@
+-- engine.ops.random: the counter-based generator (Philox 4x32-10).
+--
+--   engine.manual_seed(seed)                  (engine.tensor) seed, offset = 0
+--   engine.get_rng_state() -> {seed =, offset =}
+--   engine.set_rng_state(state)
+--   engine.rand(2, 3) / engine.randn(2, 3, {dtype = "f64"})   (engine.tensor)
+--   t:uniform_(a, b)   U[a, b) in place (default 0, 1)
+--   t:normal_(mean, std) in place (default 0, 1)
+--   engine.random_slice(kind, global_shape, start, size, opts)
+--
+-- Element i (row-major index in the GLOBAL tensor) of a tensor drawn with
+-- (seed, offset) depends only on (seed, offset + i).  random_slice(kind,
+-- global_shape, start, size) therefore returns exactly the block
+-- [start, start + size) of the whole tensor (start is 1-based per dim, as all
+-- Lua positions): a shard can generate its part without the rest.
+-- Every draw from the global generator advances offset by numel rounded up
+-- to a multiple of 4.
+-- Seeds and offsets above 2^53 come back as uint64 cdata (Lua numbers are
+-- doubles); both forms are accepted.
+local core = require("engine.core")
+local Tensor = require("engine.tensor")
+local ffi, C = core.ffi, core.C
+local wrap, ct, check = core.wrap, core.ct, core.check
+local methods = Tensor.methods
+
+local M = {}
+
+local TWO53 = 2 ^ 53
+local u64 = ffi.typeof("uint64_t")
+local state_buf = ffi.new("uint64_t[2]")
+
+local function to_lua(v)
+  if v < TWO53 then return tonumber(v) end
+  return v
+end
+
+local function to_u64(v, what, op)
+  if type(v) == "number" then
+    if v < 0 or v % 1 ~= 0 or v >= 2 ^ 64 then
+      error(string.format("%s: %s must be a non-negative integer, got %s", op, what, tostring(v)), 3)
+    end
+    return u64(v)
+  end
+  if type(v) == "cdata" then
+    local ok, r = pcall(u64, v)
+    if ok then return r end
+  end
+  error(string.format("%s: %s must be a non-negative integer, got %s", op, what, type(v)), 3)
+end
+
+function M.get_rng_state()
+  C.eng_rng_get_state(state_buf, state_buf + 1)
+  return { seed = to_lua(state_buf[0]), offset = to_lua(state_buf[1]) }
+end
+
+function M.set_rng_state(s)
+  if type(s) ~= "table" or s.seed == nil or s.offset == nil then
+    error("set_rng_state: expected a table {seed = ..., offset = ...} as returned by get_rng_state", 2)
+  end
+  C.eng_rng_set_state(to_u64(s.seed, "seed", "set_rng_state"), to_u64(s.offset, "offset", "set_rng_state"))
+end
+
+local kinds = { uniform = 0, normal = 1, bernoulli = 2 }
+
+-- int64_t[8] from a Lua list of nd integers; base 1: 1-based positions
+-- (converted to 0-based).  Errors point at the caller of the API function.
+local function int_array(list, nd, what, op, base)
+  if type(list) ~= "table" or #list ~= nd then
+    error(string.format("%s: %s must be a table of %d integers", op, what, nd), 3)
+  end
+  local arr = ffi.new("int64_t[8]")
+  for i = 1, nd do
+    local v = list[i]
+    if type(v) ~= "number" or v % 1 ~= 0 then
+      error(string.format("%s: %s[%d] must be an integer, got %s", op, what, i, tostring(v)), 3)
+    end
+    if base == 1 and v < 1 then
+      error(string.format("%s: %s[%d] = %d is invalid: positions are 1-based", op, what, i, v), 3)
+    end
+    arr[i - 1] = v - base
+  end
+  return arr
+end
+
+-- random_slice(kind, global_shape, start, size, opts)
+--   kind: "uniform" (opts.a, opts.b: U[a, b), default 0, 1), "normal" (a mean,
+--   b std, default 0, 1) or "bernoulli" (a = probability of 1, default 0.5).
+--   start: 1-based first position per dim (nil: all 1); size: sizes (nil: to
+--   the end).  opts.dtype (default f32); opts.seed / opts.offset default to
+--   the global generator's current state, which is NOT advanced.
+function M.random_slice(kind, global_shape, start, size, opts)
+  local op = "random_slice"
+  local k = kinds[kind]
+  if k == nil then
+    error(op .. ": kind must be \"uniform\", \"normal\" or \"bernoulli\", got " .. tostring(kind), 2)
+  end
+  if type(global_shape) ~= "table" then error(op .. ": global_shape must be a table of sizes", 2) end
+  opts = opts or {}
+  if type(opts) ~= "table" then error(op .. ": options must be a table", 2) end
+  local nd = #global_shape
+  if nd > 8 then error(string.format("%s: %d dims given; at most 8 are supported", op, nd), 2) end
+  local gshape = int_array(global_shape, nd, "global_shape", op, 0)
+  local st = start ~= nil and int_array(start, nd, "start", op, 1) or nil
+  local sz = size ~= nil and int_array(size, nd, "size", op, 0) or nil
+  local a, b
+  if k == 0 then a, b = opts.a or 0, opts.b or 1
+  elseif k == 1 then a, b = opts.a or 0, opts.b or 1
+  else a, b = opts.a or 0.5, 0 end
+  if type(a) ~= "number" or type(b) ~= "number" then error(op .. ": opts.a and opts.b must be numbers", 2) end
+  local seed, offset = opts.seed, opts.offset
+  if seed == nil or offset == nil then
+    C.eng_rng_get_state(state_buf, state_buf + 1)
+    seed = seed == nil and state_buf[0] or to_u64(seed, "seed", op)
+    offset = offset == nil and state_buf[1] or to_u64(offset, "offset", op)
+  else
+    seed, offset = to_u64(seed, "seed", op), to_u64(offset, "offset", op)
+  end
+  local dt = core.dtype(opts.dtype or 0, op, 3)
+  return wrap(C.eng_random_slice(k, nd, gshape, st, sz, a, b, dt, seed, offset))
+end
+
+-- In-place fills from the global generator (no autograd).
+function methods.uniform_(t, a, b)
+  a, b = a or 0, b or 1
+  if type(a) ~= "number" or type(b) ~= "number" then error("uniform_: bounds must be numbers", 2) end
+  check(C.eng_uniform_(ct(t, "uniform_", 1), a, b))
+  return t
+end
+
+function methods.normal_(t, mean, std)
+  mean, std = mean or 0, std or 1
+  if type(mean) ~= "number" or type(std) ~= "number" then error("normal_: mean and std must be numbers", 2) end
+  check(C.eng_normal_(ct(t, "normal_", 1), mean, std))
+  return t
+end
+
+M.uniform_ = methods.uniform_
+M.normal_ = methods.normal_
+
+return M

@@ -1,0 +1,88 @@
+-- engine.optim.adamw: AdamW (torch.optim.AdamW: Adam with decoupled weight decay).
+--   local opt = optim.AdamW(model:parameters(), {lr = 3e-4, betas = {0.9, 0.95}, weight_decay = 0.1})
+-- One fused C call (eng_adamw_step) per parameter group and step: for each p,
+--   p -= lr * wd * p;  m = b1 m + (1-b1) g;  v = b2 v + (1-b2) g^2
+--   p -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+local core = require("engine.core")
+local Optimizer = require("engine.optim.optimizer")
+local C = core.C
+
+local AdamW = Optimizer:extend("AdamW")
+
+local known = { lr = true, betas = true, eps = true, weight_decay = true, amsgrad = true, maximize = true,
+  foreach = true, fused = true, capturable = true, differentiable = true }
+
+function AdamW.new(params, opts)
+  opts = opts or {}
+  if type(opts) ~= "table" then error("AdamW: options must be a table", 3) end
+  local defaults = { lr = 1e-3, betas = { 0.9, 0.999 }, eps = 1e-8, weight_decay = 1e-2, amsgrad = false,
+    maximize = false }
+  for k, v in pairs(opts) do
+    if not known[k] then error("AdamW: unknown option '" .. tostring(k) .. "'", 3) end
+    defaults[k] = v
+  end
+  local self = setmetatable({}, AdamW)
+  Optimizer.init(self, params, defaults, "AdamW")
+  return self
+end
+
+function AdamW:validate_group(g, level)
+  local function bad(msg) error("AdamW: " .. msg, level + 1) end
+  if type(g.lr) ~= "number" or g.lr < 0 then bad("Invalid learning rate: " .. tostring(g.lr)) end
+  if type(g.eps) ~= "number" or g.eps < 0 then bad("Invalid epsilon value: " .. tostring(g.eps)) end
+  if type(g.betas) ~= "table" or #g.betas ~= 2 then bad("betas must be a table of two numbers") end
+  for i = 1, 2 do
+    local b = g.betas[i]
+    if type(b) ~= "number" or b < 0 or b >= 1 then
+      bad(string.format("Invalid beta parameter at index %d: %s", i - 1, tostring(b)))
+    end
+  end
+  if type(g.weight_decay) ~= "number" or g.weight_decay < 0 then
+    bad("Invalid weight_decay value: " .. tostring(g.weight_decay))
+  end
+  if g.amsgrad then bad("amsgrad is not supported") end
+  if g.maximize then bad("maximize is not supported") end
+end
+
+local function zeros_like(p) return core.wrap(C.eng_tensor_zeros_like(p._c), 4) end
+
+-- step([closure]): one update of every parameter that has a gradient.
+function AdamW:step(closure)
+  local loss = self:_closure(closure)
+  for _, g in ipairs(self.param_groups) do
+    -- parameters grouped by their step count (normally one group)
+    local buckets, order = {}, {}
+    for _, p in ipairs(g.params) do
+      if p._c.grad ~= nil then
+        local st = self.state[p]
+        if not st then
+          st = { step = 0, exp_avg = zeros_like(p), exp_avg_sq = zeros_like(p) }
+          self.state[p] = st
+        end
+        st.step = st.step + 1
+        local b = buckets[st.step]
+        if not b then b = {}; buckets[st.step] = b; order[#order + 1] = st.step end
+        b[#b + 1] = p
+      end
+    end
+    for _, step in ipairs(order) do
+      local list = buckets[step]
+      local k = #list
+      local ps, gs, ms, vs = Optimizer._arrays(k)
+      for i = 1, k do
+        local p = list[i]
+        local st = self.state[p]
+        ps[i - 1], gs[i - 1] = p._c, p._c.grad
+        ms[i - 1], vs[i - 1] = st.exp_avg._c, st.exp_avg_sq._c
+      end
+      local prev = C.eng_set_grad_enabled(0)
+      local rc = C.eng_adamw_step(k, ps, gs, ms, vs, g.lr, g.betas[1], g.betas[2], g.eps, g.weight_decay, step)
+      C.eng_set_grad_enabled(prev)
+      if rc ~= 0 then error("AdamW.step: " .. core.last_error(), 2) end
+    end
+  end
+  self:_after_step()
+  return loss
+end
+
+return AdamW

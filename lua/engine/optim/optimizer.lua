@@ -1,0 +1,309 @@
+-- engine.optim.optimizer: the Optimizer base class (param groups, per-parameter
+-- state, zero_grad, state_dict / load_state_dict for exact resume).
+--
+-- Subclasses (SGD, AdamW) call Optimizer.init(self, params, defaults) and
+-- implement step(closure).  params is a list of tensors, an iterator of
+-- (name, tensor) such as model:named_parameters(), or a list of groups
+-- {{params = {...}, lr = ...}, ...}; a group's missing options take the defaults.
+--
+-- The hot paths pass raw eng_tensor* arrays (p._c, p._c.grad) to the fused C
+-- kernels instead of going through Lua tensor wrappers: reading p.grad from
+-- Lua creates a wrapper that keeps the gradient's memory alive until the Lua
+-- GC collects it, which would delay freeing gradients set to none.
+local core = require("engine.core")
+local ffi, C = core.ffi, core.C
+local is_tensor = core.is_tensor
+
+local Optimizer = {}
+Optimizer.__index = Optimizer
+Optimizer.__name = "Optimizer"
+
+-- Optimizer:extend(name) -> subclass; Sub(params, opts) constructs via Sub.new.
+function Optimizer:extend(name)
+  local cls = setmetatable({ __name = name }, { __index = self, __call = function(c, ...) return c.new(...) end })
+  cls.__index = cls
+  cls.__tostring = Optimizer.__tostring
+  return cls
+end
+
+local function collect_params(params, op)
+  local list = {}
+  if type(params) == "function" then
+    for a, b in params do list[#list + 1] = b ~= nil and b or a end
+  elseif is_tensor(params) then
+    list[1] = params
+  elseif type(params) == "table" then
+    for i = 1, #params do list[i] = params[i] end
+  else
+    error(op .. ": params must be a list of tensors, an iterator of (name, tensor) or a list of param groups, got "
+      .. type(params), 4)
+  end
+  return list
+end
+
+-- Optimizer.init(self, params, defaults, opts): fills param_groups and state.
+function Optimizer.init(self, params, defaults, op)
+  self.defaults = defaults
+  self.param_groups = {}
+  self.state = {}
+  self._op = op
+  local list = collect_params(params, op)
+  if #list == 0 then error(op .. ": got an empty parameter list", 4) end
+  if is_tensor(list[1]) or type(list[1]) ~= "table" then
+    self:add_param_group({ params = list }, 5)
+  else
+    for _, g in ipairs(list) do self:add_param_group(g, 5) end
+  end
+end
+
+-- add_param_group({params = {...}, lr = ..., ...})
+function Optimizer:add_param_group(group, level)
+  level = level or 2
+  local op = self._op
+  if type(group) ~= "table" or is_tensor(group) then error(op .. ": a param group must be a table", level) end
+  local ps = collect_params(group.params, op)
+  local g = {}
+  for k, v in pairs(self.defaults) do g[k] = v end
+  for k, v in pairs(group) do if k ~= "params" then g[k] = v end end
+  if type(g.betas) == "table" then g.betas = { g.betas[1], g.betas[2] } end
+  local seen = {}
+  for _, og in ipairs(self.param_groups) do
+    for _, p in ipairs(og.params) do seen[tonumber(ffi.cast("intptr_t", p._c))] = true end
+  end
+  for i, p in ipairs(ps) do
+    if not is_tensor(p) then error(string.format("%s: parameter %d is a %s, not a tensor", op, i, type(p)), level) end
+    if not p:is_floating_point() then
+      error(string.format("%s: parameter %d has dtype %s; only floating-point tensors can be optimized", op, i, p.dtype), level)
+    end
+    if p._c.grad_fn ~= nil then error(string.format("%s: can't optimize a non-leaf tensor (parameter %d)", op, i), level) end
+    local key = tonumber(ffi.cast("intptr_t", p._c))
+    if seen[key] then
+      error(string.format("%s: some parameters appear in more than one parameter group (parameter %d)", op, i), level)
+    end
+    seen[key] = true
+  end
+  g.params = ps
+  if self.validate_group then self:validate_group(g, level + 1) end
+  self.param_groups[#self.param_groups + 1] = g
+end
+
+-- zero_grad([set_to_none = true])
+function Optimizer:zero_grad(set_to_none)
+  if type(set_to_none) == "table" then set_to_none = set_to_none.set_to_none end
+  for _, g in ipairs(self.param_groups) do
+    for _, p in ipairs(g.params) do
+      local c = p._c
+      if c.grad ~= nil then
+        if set_to_none == false then core.check(C.eng_tensor_zero_(c.grad))
+        else core.check(C.eng_tensor_set_grad(c, nil)) end
+      end
+    end
+  end
+end
+
+-- ---------------------------------------------------------------- state dict
+-- state_dict() -> {state = {[i] = {...}}, param_groups = {{..., params = {i, ...}}}}
+-- Parameters are numbered 0, 1, 2, ... over the groups in order (PyTorch's
+-- numbering).  State tensors are the live ones (clone them to keep a snapshot).
+function Optimizer:state_dict()
+  local state, groups = {}, {}
+  local idx = 0
+  for _, g in ipairs(self.param_groups) do
+    local sg = {}
+    for k, v in pairs(g) do
+      if k ~= "params" then sg[k] = type(v) == "table" and { unpack(v) } or v end
+    end
+    sg.params = {}
+    for _, p in ipairs(g.params) do
+      sg.params[#sg.params + 1] = idx
+      local st = self.state[p]
+      if st then
+        local s = {}
+        for k, v in pairs(st) do s[k] = v end
+        state[idx] = s
+      end
+      idx = idx + 1
+    end
+    groups[#groups + 1] = sg
+  end
+  return { state = state, param_groups = groups }
+end
+
+-- load_state_dict(sd): restores hyperparameters and state (tensors are copied).
+function Optimizer:load_state_dict(sd)
+  local op = self._op
+  if type(sd) ~= "table" or type(sd.param_groups) ~= "table" or type(sd.state) ~= "table" then
+    error(op .. ": load_state_dict expects {state = ..., param_groups = ...}", 2)
+  end
+  if #sd.param_groups ~= #self.param_groups then
+    error(string.format("%s: loaded state dict has %d parameter groups, the optimizer has %d", op,
+      #sd.param_groups, #self.param_groups), 2)
+  end
+  for i, g in ipairs(self.param_groups) do
+    local sg = sd.param_groups[i]
+    if #sg.params ~= #g.params then
+      error(string.format("%s: loaded state dict contains a parameter group (%d) with %d parameters, "
+        .. "which doesn't match the size of the optimizer's group (%d)", op, i, #sg.params, #g.params), 2)
+    end
+  end
+  local new_state = {}
+  for i, g in ipairs(self.param_groups) do
+    local sg = sd.param_groups[i]
+    for j, p in ipairs(g.params) do
+      local s = sd.state[sg.params[j]]
+      if s then
+        local st = {}
+        for k, v in pairs(s) do
+          if is_tensor(v) then
+            if k ~= "step" then
+              local ps, vs = p:shape(), v:shape()
+              local same = #ps == #vs
+              if same then for d = 1, #ps do if ps[d] ~= vs[d] then same = false end end end
+              if not same then
+                error(string.format("%s: state '%s' of parameter %d has shape [%s], the parameter has [%s]", op, k,
+                  sg.params[j], table.concat(vs, ","), table.concat(ps, ",")), 2)
+              end
+              st[k] = v:to(p.dtype):clone()
+            else
+              st[k] = v:item()
+            end
+          else
+            st[k] = v
+          end
+        end
+        new_state[p] = st
+      end
+    end
+  end
+  for i, g in ipairs(self.param_groups) do
+    for k, v in pairs(sd.param_groups[i]) do
+      if k ~= "params" then g[k] = type(v) == "table" and { unpack(v) } or v end
+    end
+  end
+  self.state = new_state
+end
+
+-- ---------------------------------------------------------------- flat state dicts
+-- For files of named tensors (safetensors): flatten_state_dict() -> tensors
+-- (name -> tensor, e.g. "state.0.exp_avg") and meta (name -> string, e.g.
+-- "state.0.step" = "12", "param_groups.1.lr" = "0.0003", "param_groups.1.betas" =
+-- "0.9,0.999", "param_groups.1.params" = "0,1,2").  load_flat_state_dict(tensors, meta)
+-- is the inverse.
+local function fmt(v)
+  if type(v) == "number" then return string.format("%.17g", v) end
+  if type(v) == "boolean" then return v and "true" or "false" end
+  if type(v) == "table" then
+    local parts = {}
+    for i = 1, #v do parts[i] = fmt(v[i]) end
+    return "list:" .. table.concat(parts, ",")
+  end
+  return "str:" .. tostring(v)
+end
+
+local function parse(s)
+  if s == "true" then return true elseif s == "false" then return false end
+  if s:sub(1, 5) == "list:" then
+    local out = {}
+    for item in s:sub(6):gmatch("[^,]+") do out[#out + 1] = parse(item) end
+    return out
+  end
+  if s:sub(1, 4) == "str:" then return s:sub(5) end
+  local n = tonumber(s)
+  if n == nil then error("load_flat_state_dict: cannot parse value '" .. s .. "'", 3) end
+  return n
+end
+
+function Optimizer:flatten_state_dict(prefix)
+  prefix = prefix or ""
+  local sd = self:state_dict()
+  local tensors, meta = {}, {}
+  for idx, s in pairs(sd.state) do
+    for k, v in pairs(s) do
+      local name = string.format("%sstate.%d.%s", prefix, idx, k)
+      if is_tensor(v) then tensors[name] = v else meta[name] = fmt(v) end
+    end
+  end
+  for i, g in ipairs(sd.param_groups) do
+    for k, v in pairs(g) do meta[string.format("%sparam_groups.%d.%s", prefix, i, k)] = fmt(v) end
+  end
+  return tensors, meta
+end
+
+function Optimizer:load_flat_state_dict(tensors, meta, prefix)
+  prefix = prefix or ""
+  local esc = prefix:gsub("%p", "%%%0")
+  local sd = { state = {}, param_groups = {} }
+  local function put(idx, k, v)
+    sd.state[idx] = sd.state[idx] or {}
+    sd.state[idx][k] = v
+  end
+  for name, t in pairs(tensors or {}) do
+    local idx, k = name:match("^" .. esc .. "state%.(%d+)%.(.+)$")
+    if idx then put(tonumber(idx), k, t) end
+  end
+  for name, s in pairs(meta or {}) do
+    local idx, k = name:match("^" .. esc .. "state%.(%d+)%.(.+)$")
+    if idx then put(tonumber(idx), k, parse(s))
+    else
+      local gi, gk = name:match("^" .. esc .. "param_groups%.(%d+)%.(.+)$")
+      if gi then
+        gi = tonumber(gi)
+        sd.param_groups[gi] = sd.param_groups[gi] or {}
+        local v = parse(s)
+        if gk == "params" and type(v) == "number" then v = { v } end
+        sd.param_groups[gi][gk] = v
+      end
+    end
+  end
+  for i = 1, #sd.param_groups do
+    if sd.param_groups[i] == nil then error("load_flat_state_dict: parameter group " .. i .. " is missing", 2) end
+  end
+  self:load_state_dict(sd)
+end
+
+-- Lua tensors are small tables whose C memory the Lua GC does not see, so it
+-- collects them rarely: measured on a 4-layer d=256 Transformer (B=8, T=128),
+-- allocated tensor memory grew by 84 MB per training step without collection
+-- (1.3 GB after 15 steps), and by the same amount with collectgarbage("step");
+-- a full collection after each optimizer step keeps it flat at the parameters
+-- plus optimizer state (39 MB) for about 0.6 ms per step (the Lua heap is
+-- under 1 MB; the step itself takes ~250 ms).  So step() ends with a full collection; set
+-- opt.collect_garbage = false (or Optimizer.collect_garbage) to turn it off.
+Optimizer.collect_garbage = true
+
+function Optimizer:_after_step()
+  if self.collect_garbage then collectgarbage() end
+end
+
+-- Runs closure (if any) with gradients on and returns its result.
+function Optimizer:_closure(closure)
+  if closure == nil then return nil end
+  local autograd = require("engine.autograd")
+  return autograd.enable_grad(closure)
+end
+
+-- eng_tensor* arrays for the fused kernels.
+function Optimizer._arrays(n)
+  local k = n > 0 and n or 1
+  return ffi.new("eng_tensor*[?]", k), ffi.new("eng_tensor*[?]", k), ffi.new("eng_tensor*[?]", k),
+    ffi.new("eng_tensor*[?]", k)
+end
+
+function Optimizer:__tostring()
+  local lines = { self.__name .. " (" }
+  for i, g in ipairs(self.param_groups) do
+    local keys = {}
+    for k in pairs(g) do if k ~= "params" then keys[#keys + 1] = k end end
+    table.sort(keys)
+    lines[#lines + 1] = string.format("Parameter Group %d (%d tensors)", i - 1, #g.params)
+    for _, k in ipairs(keys) do
+      local v = g[k]
+      if type(v) == "table" then v = "{" .. table.concat(v, ", ") .. "}" end
+      lines[#lines + 1] = string.format("    %s: %s", k, tostring(v))
+    end
+  end
+  lines[#lines + 1] = ")"
+  return table.concat(lines, "\n")
+end
+
+return Optimizer

@@ -1,0 +1,51 @@
+-- recipes/bench/dispatch.lua: per-op dispatch overhead seen from Lua.
+--
+--   build/engine recipes/bench/dispatch.lua [--n=100000] [--runs=7]
+--
+-- Times loops of n small ops on 4-element f32 tensors (so the arithmetic is negligible and what is
+-- measured is the Lua -> FFI -> C dispatch, the result tensor's allocation from the caching allocator,
+-- its Lua wrapper and its garbage collection) and prints ns/op, the median over `runs` runs:
+--   add        c = a + b          (new tensor, grad mode on, no input requires grad)
+--   add_grad   c = a + w          (w requires grad: an autograd node is recorded too)
+--   add_       a:add_(b)          (in place, no allocation)
+--   no_grad    c = a + b          inside engine.no_grad
+local engine = require("engine")
+
+local opts = { n = 100000, runs = 7 }
+for _, a in ipairs(arg or {}) do
+  local k, v = a:match("^%-%-([%w_]+)=(.*)$")
+  if not k or opts[k] == nil then error("dispatch: bad argument '" .. a .. "' (known: --n=, --runs=)", 0) end
+  opts[k] = tonumber(v) or error("dispatch: --" .. k .. " must be a number", 0)
+end
+
+local function median(t)
+  table.sort(t)
+  local n = #t
+  return n % 2 == 1 and t[(n + 1) / 2] or 0.5 * (t[n / 2] + t[n / 2 + 1])
+end
+
+local a, b = engine.ones(4), engine.full({ 4 }, 2)
+local w = engine.ones(4, { requires_grad = true })
+
+local cases = {
+  { "add", "c = a + b (new tensor)", function(n) local c; for _ = 1, n do c = a + b end; return c end },
+  { "add_grad", "c = a + w (w requires grad: node recorded)", function(n) local c; for _ = 1, n do c = a + w end; return c end },
+  { "add_", "a:add_(b) (in place)", function(n) for _ = 1, n do a:add_(b) end; return a end },
+  { "no_grad", "c = a + b under no_grad", function(n) local c; engine.no_grad(function() for _ = 1, n do c = a + b end end); return c end },
+}
+
+print(string.format("dispatch: %d ops per run, median of %d runs, engine %s, BLAS core %s, JIT %s",
+  opts.n, opts.runs, engine.version, engine.blas_corename(), tostring(jit and jit.status())))
+for _, case in ipairs(cases) do
+  local name, desc, fn = case[1], case[2], case[3]
+  fn(opts.n)  -- warm-up: JIT traces, allocator cache
+  collectgarbage()
+  local ts = {}
+  for r = 1, opts.runs do
+    local t0 = engine.time()
+    fn(opts.n)
+    ts[r] = (engine.time() - t0) * 1e9 / opts.n
+  end
+  local med = median(ts)
+  print(string.format("  %-9s %8.1f ns/op   (min %.1f, max %.1f)   %s", name, med, ts[1], ts[#ts], desc))
+end
