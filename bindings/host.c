@@ -126,6 +126,14 @@ int main(int argc, char** argv) {
     for (int i = script + 1; i < argc; i++) lua_pushstring(L, argv[i]);
   } else nargs = 0;
   status = run_chunk(L, status, nargs);
+  /* A failing rank of a multi-rank job ends the whole job: the other ranks
+   * may be waiting for it in a collective, and MPI_Finalize would wait for
+   * them in turn. */
+  if (status != 0 && eng_dist_world_size() > 1) {
+    fflush(stdout);
+    fflush(stderr);
+    eng_dist_abort(1);
+  }
   /* os.exit inside the script never gets here; the Lua library's exit path
    * finalizes MPI itself. */
   lua_close(L);

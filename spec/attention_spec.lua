@@ -124,6 +124,25 @@ describe("scaled_dot_product_attention", function()
     close(ob, composed(qh:bfloat16():double(), kh:bfloat16():double(), vh:bfloat16():double()):tolist_flat(), 2e-2)
   end)
 
+  it("gives the same results on one thread and on two", function()
+    local qb, kb, vb = engine.randn(3, 4, 16, 8), engine.randn(3, 4, 16, 8), engine.randn(3, 4, 16, 8)
+    local g = engine.randn(3, 4, 16, 8)
+    local function run()
+      local a, b, c = qb:clone(), kb:clone(), vb:clone()
+      a.requires_grad = true; b.requires_grad = true; c.requires_grad = true
+      local o = sdpa(a, b, c, { is_causal = true })
+      o:backward(g)
+      return { (o:tolist_flat()), (a.grad:tolist_flat()), (b.grad:tolist_flat()), (c.grad:tolist_flat()) }
+    end
+    local prev = engine.get_num_threads()
+    engine.set_num_threads(1)
+    local one = run()
+    engine.set_num_threads(2)
+    local two = run()
+    engine.set_num_threads(prev)
+    for i = 1, #one do assert.are.same(one[i], two[i]) end
+  end)
+
   describe("dropout", function()
     it("does not consume the RNG when dropout_p = 0", function()
       engine.manual_seed(11)

@@ -88,6 +88,32 @@ describe("cross_entropy", function()
     close(l, ce(engine.tensor(X, "f64"), engine.tensor({ 0, 2, 1 })):tolist_flat(), 1e-2)
   end)
 
+  it("splits big inputs across threads with the same results", function()
+    local x = engine.randn(700, 256)
+    local tv = {}
+    for i = 1, 700 do tv[i] = i % 5 == 0 and -100 or (i * 37) % 256 end
+    local t = engine.tensor(tv)
+    local function run()
+      local out = {}
+      for _, red in ipairs({ "none", "mean" }) do
+        local xi = x:clone(); xi.requires_grad = true
+        local l = ce(xi, t, { reduction = red, label_smoothing = 0.1 })
+        if red == "none" then l:sum():backward() else l:backward() end
+        out[#out + 1] = l:tolist_flat()
+        out[#out + 1] = xi.grad:tolist_flat()
+      end
+      return out
+    end
+    local prev = engine.get_num_threads()
+    engine.set_num_threads(1)
+    local one = run()
+    engine.set_num_threads(2)
+    local two = run()
+    engine.set_num_threads(prev)
+    for i = 1, #one do assert.are.same(one[i], two[i]) end
+    close(ce(x, t), ce(x:double(), t):tolist_flat(), 1e-5)
+  end)
+
   it("has gradient (softmax - onehot) / N for the mean", function()
     local x = engine.tensor({ { 1, 2, 3 }, { 1, 1, 1 } }, { dtype = "f64", requires_grad = true })
     ce(x, engine.tensor({ 0, 2 })):backward()

@@ -106,6 +106,32 @@ describe("random_slice", function()
     end
   end)
 
+  it("gives every element the same value whatever run or alignment it is drawn in", function()
+    for _, kind in ipairs(kinds) do
+      local whole = engine.random_slice(kind, { 400 }, nil, nil, { dtype = "f64", seed = 5, offset = 0, a = 0.5 }):tolist_flat()
+      for off = 0, 11 do
+        for len = 1, 70, 3 do
+          local s = engine.random_slice(kind, { len }, nil, nil, { dtype = "f64", seed = 5, offset = off, a = 0.5 }):tolist_flat()
+          for i = 1, len do assert.are.equal(whole[off + i], s[i]) end
+        end
+      end
+    end
+  end)
+
+  it("draws normals within a few ulp of the libm Box-Muller formula", function()
+    local n = 20000
+    local opts = { dtype = "f64", seed = 123, offset = 0 }
+    local z = engine.random_slice("normal", { n }, nil, nil, opts):tolist_flat()
+    local u = engine.random_slice("uniform", { n }, nil, nil, opts):tolist_flat()
+    local maxe = 0
+    for i = 1, n, 2 do
+      local r = math.sqrt(-2 * math.log((u[i] * 2 ^ 32 + 1) / 2 ^ 32))
+      local th = 2 * math.pi * u[i + 1]
+      maxe = math.max(maxe, math.abs(r * math.cos(th) - z[i]), math.abs(r * math.sin(th) - z[i + 1]))
+    end
+    assert.is_true(maxe < 1e-13, "max error " .. maxe)
+  end)
+
   it("handles 0-d and empty slices", function()
     local s = engine.random_slice("uniform", {}, nil, nil, { seed = 3, offset = 0, dtype = "f64" })
     assert.are.equal(0, s:dim())

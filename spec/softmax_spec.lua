@@ -99,6 +99,32 @@ describe("softmax", function()
     end
   end)
 
+  it("splits big inputs across threads with the same results", function()
+    local x = engine.randn(300, 512)
+    local g = engine.randn(300, 512)
+    local function run()
+      local out = {}
+      for _, d in ipairs({ 1, 2 }) do
+        for _, name in ipairs({ "softmax", "log_softmax" }) do
+          local xi = x:clone(); xi.requires_grad = true
+          local y = xi[name](xi, d)
+          y:backward(g)
+          out[#out + 1] = y:tolist_flat()
+          out[#out + 1] = xi.grad:tolist_flat()
+        end
+      end
+      return out
+    end
+    local prev = engine.get_num_threads()
+    engine.set_num_threads(1)
+    local one = run()
+    engine.set_num_threads(2)
+    local two = run()
+    engine.set_num_threads(prev)
+    for i = 1, #one do assert.are.same(one[i], two[i]) end
+    close(x:softmax(2), x:double():softmax(2):tolist_flat(), 1e-5)
+  end)
+
   it("handles 0-d and empty tensors", function()
     assert.are.equal(1, engine.tensor(3.5):softmax(1):item())
     assert.are.equal(0, engine.tensor(3.5):log_softmax(-1):item())

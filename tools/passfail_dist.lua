@@ -10,10 +10,15 @@
 -- finalized on every rank, so a rank with failures can exit non-zero without
 -- hanging or aborting the others.
 --
+-- The ranks must define the same tests in the same order.  They meet at the
+-- end of every test (a small all-reduce), so they stay in step.  A rank whose
+-- test failed waits at most ENGINE_DIST_FAIL_WAIT seconds (default 10) there:
+-- if the others do not arrive (they wait in a collective the failing rank
+-- skipped), it prints why and aborts the job instead of letting it hang.
 -- A watchdog covers every spec file and test: a rank that does not finish one
--- within ENGINE_DIST_TEST_TIMEOUT seconds (default 120; a peer failed before a
--- collective, or issued a different one) prints what it was doing and its
--- recent collectives and exits, and mpirun stops the job.
+-- within ENGINE_DIST_TEST_TIMEOUT seconds (default 120; a collective that
+-- never matches) prints what it was doing and its recent collectives and
+-- exits, and mpirun stops the job.
 return function(options)
   local busted = require("busted")
   local engine = require("engine")
@@ -21,6 +26,8 @@ return function(options)
   local C = engine.C
   local rank, world = dist.rank(), dist.world_size()
   local timeout = tonumber(os.getenv("ENGINE_DIST_TEST_TIMEOUT") or "") or 120
+  local fail_wait = math.min(tonumber(os.getenv("ENGINE_DIST_FAIL_WAIT") or "") or 10, timeout / 2)
+  local sync_buf = engine.ffi.new("int64_t[2]")
 
   local handler
   if rank == 0 then
@@ -39,6 +46,13 @@ return function(options)
     return src and (src .. ": " .. name) or name
   end
 
+  local function failure_text(f, what)
+    local t = f.element and f.element.trace
+    local where = t and t.short_src and (t.short_src .. " @ " .. tostring(t.currentline)) or "?"
+    local msg = type(f.message) == "string" and f.message or require("pl.pretty").write(f.message)
+    return string.format("\n[rank %d] %s -> %s\n%s\n%s\n", rank, what, where, tostring(f.name), tostring(msg))
+  end
+
   busted.subscribe({ "file", "start" }, function(file)
     dist.watchdog(timeout, "loading spec file " .. tostring(file and file.name))
     return nil, true
@@ -52,7 +66,25 @@ return function(options)
     return nil, true
   end)
   busted.subscribe({ "test", "end" }, function(element, parent, status)
-    statuses[#statuses + 1] = code[status] or 2
+    local s = code[status] or 2
+    statuses[#statuses + 1] = s
+    -- meet the other ranks at the end of the test
+    sync_buf[0], sync_buf[1] = s == 2 and 1 or 0, #statuses
+    local rc = C.eng_dist_allreduce_counts_timeout(sync_buf, 2, s == 2 and fail_wait or timeout)
+    if rc == 1 then
+      local last = (#handler.failures > 0 or #handler.errors > 0) and s == 2 and
+        (handler.errors[#handler.errors] or handler.failures[#handler.failures])
+      if last then io.stderr:write(failure_text(last, "Failure")) end
+      io.stderr:write(string.format("\n[rank %d] the other ranks did not reach the end of test '%s' within %g s%s. " ..
+        "Aborting the job.\n%s", rank, label(element), s == 2 and fail_wait or timeout,
+        s == 2 and " after it failed on this rank (they probably wait in a collective this rank skipped)" or "",
+        engine.ffi.string(C.eng_comm_history_format(8))))
+      dist.abort(4)
+    elseif world > 1 and rc == 0 and sync_buf[1] ~= #statuses * world then
+      io.stderr:write(string.format("\n[rank %d] the ranks are out of step after test '%s' (they must define the " ..
+        "same tests in the same order). Aborting the job.\n", rank, label(element)))
+      dist.abort(4)
+    end
     dist.watchdog(timeout, "after test " .. label(element))
     return nil, true
   end)
@@ -66,13 +98,6 @@ return function(options)
   end
   for _, kind in ipairs({ "error", "failure" }) do
     for _, where in ipairs({ "file", "describe" }) do busted.subscribe({ kind, where }, outside) end
-  end
-
-  local function failure_text(f, what)
-    local t = f.element and f.element.trace
-    local where = t and t.short_src and (t.short_src .. " @ " .. tostring(t.currentline)) or "?"
-    local msg = type(f.message) == "string" and f.message or require("pl.pretty").write(f.message)
-    return string.format("\n[rank %d] %s -> %s\n%s\n%s\n", rank, what, where, tostring(f.name), tostring(msg))
   end
 
   busted.subscribe({ "suite", "end" }, function()

@@ -23,8 +23,8 @@
 --     <out_dir>/kjv_train.bin, <out_dir>/kjv_val.bin
 -- If both exist and are valid (header and size), nothing is done unless --force is given.
 local ffi = require("ffi")
-
-local MAGIC, VERSION, HEADER_INTS = 20240520, 1, 256
+local engine = require("engine")
+local data = engine.data
 
 local function parse_args(argv)
   local o = { out_dir = nil, val_frac = 0.05, force = false }
@@ -45,21 +45,14 @@ local function parse_args(argv)
   return o
 end
 
--- Number of tokens in a valid shard, or nil and the reason.
+-- Number of tokens in a valid shard (engine.data.read_shard checks magic, version and size), or nil.
 local function shard_ntokens(path)
   local f = io.open(path, "rb")
-  if not f then return nil, "missing" end
-  local head = f:read(HEADER_INTS * 4)
-  local size = f:seek("end")
+  if not f then return nil end
   f:close()
-  if not head or #head < HEADER_INTS * 4 then return nil, "short header" end
-  local h = ffi.new("int32_t[?]", HEADER_INTS)
-  ffi.copy(h, head, HEADER_INTS * 4)
-  if h[0] ~= MAGIC then return nil, "bad magic" end
-  if h[1] ~= VERSION then return nil, "bad version" end
-  local n = tonumber(h[2])
-  if n <= 0 or size ~= HEADER_INTS * 4 + 2 * n then return nil, "size does not match the header" end
-  return n
+  local ok, shard = pcall(data.read_shard, path)
+  if not ok then return nil end
+  return shard.n
 end
 
 -- Reads the whole Bible and returns the cleaned text and the byte offsets of chapter starts.
@@ -105,18 +98,13 @@ local function kjv_text()
   return table.concat(out), chapters
 end
 
+-- Tokens text[first..last] (1-based, inclusive) as bytes, through engine.data.write_shard; written under
+-- a temporary name and renamed, so an interrupted run never leaves a half-written shard.
 local function write_shard(path, text, first, last)
-  local n = last - first + 1
-  local h = ffi.new("int32_t[?]", HEADER_INTS)
-  h[0], h[1], h[2] = MAGIC, VERSION, n
-  local toks = ffi.new("uint16_t[?]", n)
-  for i = 0, n - 1 do toks[i] = text:byte(first + i) end
-  local f, err = io.open(path .. ".tmp", "wb")
-  if not f then error("prepare_data: cannot write " .. path .. ": " .. tostring(err), 0) end
-  f:write(ffi.string(h, HEADER_INTS * 4))
-  f:write(ffi.string(toks, 2 * n))
-  f:close()
-  assert(os.rename(path .. ".tmp", path))
+  local bytes = ffi.cast("const uint8_t*", text) + (first - 1)
+  data.write_shard(path .. ".tmp", { data = bytes, n = last - first + 1 })
+  local ok, err = os.rename(path .. ".tmp", path)
+  if not ok then error("prepare_data: cannot rename " .. path .. ".tmp: " .. tostring(err), 0) end
 end
 
 local function main(argv)

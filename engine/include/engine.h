@@ -32,6 +32,7 @@ extern "C" {
 #include "eng/dist.h"
 #include "eng/comm.h"
 #include "eng/mesh.h"
+#include "eng/dtensor.h"
 #ifdef __cplusplus
 }
 #endif

@@ -487,6 +487,7 @@ static int accumulate_backward(eng_node* n, eng_tensor** go, eng_tensor** gi) {
     else {
       leaf->grad = eng_new(leaf->ndim, leaf->shape, leaf->dtype, leaf->device);
       if (leaf->grad) eng_copy_raw(leaf->grad, g, g->stride);
+      if (leaf->grad && g->dist) leaf->grad->dist = eng_dist_spec_retain(g->dist); /* DTensor grads stay DTensors */
       eng_tensor_release(g);
       if (!leaf->grad) return -1;
     }
@@ -539,12 +540,13 @@ int eng_backward(int n, eng_tensor** tensors, eng_tensor** grads, int retain_gra
     }
     eng_tensor* gr = grads ? grads[i] : NULL;
     if (!gr) {
-      if (t->numel != 1) {
+      if ((t->dist ? eng_dtensor_numel(t) : t->numel) != 1) {
         eng_err("backward: grad can be implicitly created only for one-element outputs, got %s "
                 "(pass a gradient)", eng_desc(t));
         goto done;
       }
-      roots_grad[i] = eng_tensor_full(t->ndim, t->shape, 1.0, t->dtype, t->device);
+      /* a DTensor root gets a DTensor of ones with the adjoint spec (Partial -> Replicate) */
+      roots_grad[i] = t->dist ? eng_dtensor_ones_grad(t) : eng_tensor_full(t->ndim, t->shape, 1.0, t->dtype, t->device);
     } else {
       if (!eng_same_shape(gr, t)) {
         eng_err("backward: gradient %s does not match output %s", eng_desc(gr), eng_desc(t));
@@ -623,7 +625,7 @@ int eng_backward(int n, eng_tensor** tensors, eng_tensor** grads, int retain_gra
       }
       int skip = n_inputs > 0 && nd->leaf;  /* grad(): never touch .grad */
       if (!skip) {
-        if (nd->released && !nd->leaf) {
+        if (nd->released && nd->n_saved > 0 && !nd->leaf) {
           eng_err("backward: trying to backward through %s a second time (saved tensors were freed "
                   "after the first backward; pass retain_graph = true)", nd->name);
           goto done;

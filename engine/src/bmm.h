@@ -22,6 +22,9 @@ eng_mview eng_mview_t(eng_mview m);
  * (a new reference in *hold, else NULL) when BLAS cannot read its strides. */
 int eng_mview_prep(eng_tensor* t, int vec, int transpose, int nb, const int64_t* bshape, eng_mview* m,
                    eng_tensor** hold);
+/* How BLAS reads m: trans 0 = row-major with leading dim ld, 1 = the
+ * transpose of a row-major matrix.  0 if it cannot (copy it first). */
+int eng_mview_layout(const eng_mview* m, int* trans, int64_t* ld);
 /* C[b] = alpha * A[b] @ B[b] + beta * C[b] over the batch index space bshape
  * (dt ENG_F32 or ENG_F64); A: M x K, B: K x N (both from eng_mview_prep),
  * C: M x N with unit column stride.  Where C has stride 0 in a batch dim of

@@ -118,8 +118,9 @@ const char* eng_comm_history_group_name(int i) {
 static const char* state_name(int s) { return s == 0 ? "issued" : s == 1 ? "completed" : "failed"; }
 
 static int format_record(char* b, int cap, const eng_coll_record* r, const char* group) {
-  int k = snprintf(b, cap, "  #%lld %s seq %lld %s %s%s", (long long)r->id, group, (long long)r->seq,
+  int k = snprintf(b, cap, "  #%lld %s seq %lld %s%s%s%s", (long long)r->id, group, (long long)r->seq,
                    eng_coll_kind_name(r->kind) ? eng_coll_kind_name(r->kind) : "?",
+                   r->kind == ENG_COLL_BARRIER ? "" : " ",
                    r->kind == ENG_COLL_BARRIER ? "" : (eng_dtype_name(r->dtype) ? eng_dtype_name(r->dtype) : "?"),
                    r->kind == ENG_COLL_BARRIER ? "" : eng_shape_str(r->ndim, r->shape));
   if (k < cap && (r->kind == ENG_COLL_ALL_REDUCE || r->kind == ENG_COLL_REDUCE_SCATTER))
@@ -283,7 +284,6 @@ static int new_group_key(const int* ranks, int n, int* keyp) {
   int world = eng_dist_world_size(), me = eng_dist_rank();
   if (n < 1) return eng_err("new_group: the rank list is empty");
   if (!ranks) return eng_err("new_group: ranks is NULL");
-  if (n > world) return eng_err("new_group: %d ranks listed for a world of size %d", n, world);
   char* seen = calloc((size_t)world, 1);
   if (!seen) return eng_err("new_group: out of memory");
   for (int i = 0; i < n; i++) {
@@ -377,7 +377,7 @@ static void pool_put(sbuf* b) {
 typedef struct fin {
   sbuf buf[2];
   const void* res; int res_dt; eng_tensor* target; /* copy res -> target */
-  void* scale_p; int64_t scale_n; int scale_dt; double scale;
+  void* scale_p; int64_t scale_n; int scale_dt; double divisor; /* avg */
   eng_tensor* bump; /* written in place */
 } fin;
 
@@ -409,13 +409,14 @@ static void copy_from_buf(eng_tensor* t, const void* buf, int dt) {
   if (t->numel) kc_copy(t->ndim, t->shape, eng_ptr(t), t->dtype, t->stride, buf, dt, st);
 }
 
-static void scale_buf(void* p, int64_t n, int dt, double s) {
-  if (dt == ENG_F32) { float* x = p; float f = (float)s; for (int64_t i = 0; i < n; i++) x[i] *= f; }
-  else if (dt == ENG_F64) { double* x = p; for (int64_t i = 0; i < n; i++) x[i] *= s; }
+/* avg: divide the sum by the group size (as a single process's mean does). */
+static void divide_buf(void* p, int64_t n, int dt, double d) {
+  if (dt == ENG_F32) { float* x = p; float f = (float)d; for (int64_t i = 0; i < n; i++) x[i] /= f; }
+  else if (dt == ENG_F64) { double* x = p; for (int64_t i = 0; i < n; i++) x[i] /= d; }
 }
 
 static void fin_run(fin* f) {
-  if (f->scale_p) scale_buf(f->scale_p, f->scale_n, f->scale_dt, f->scale);
+  if (f->scale_p) divide_buf(f->scale_p, f->scale_n, f->scale_dt, f->divisor);
   if (f->target) copy_from_buf(f->target, f->res, f->res_dt);
   if (f->bump) eng_bump_version(f->bump);
   pool_put(&f->buf[0]);
@@ -679,13 +680,13 @@ static int plan_cpu(const coll* c, comm_args* a, fin* f) {
       a->count = out->numel;
       if (!widen && eng_tensor_is_contiguous(out)) {
         a->recv = eng_ptr(out); a->send = NULL;
-        if (scale) { f->scale_p = a->recv; f->scale_n = out->numel; f->scale_dt = wdt; f->scale = 1.0 / W; }
+        if (scale) { f->scale_p = a->recv; f->scale_n = out->numel; f->scale_dt = wdt; f->divisor = W; }
       } else {
         if (pool_get(out->numel * wes, &f->buf[0])) return -1;
         if (c->kind == ENG_COLL_ALL_REDUCE || c->pg->rank == c->root) copy_to_buf(out, f->buf[0].p, wdt);
         a->recv = f->buf[0].p; a->send = NULL;
         f->res = a->recv; f->res_dt = wdt; f->target = out;
-        if (scale) { f->scale_p = a->recv; f->scale_n = out->numel; f->scale_dt = wdt; f->scale = 1.0 / W; }
+        if (scale) { f->scale_p = a->recv; f->scale_n = out->numel; f->scale_dt = wdt; f->divisor = W; }
       }
       f->bump = out;
       return 0;
@@ -711,7 +712,7 @@ static int plan_cpu(const coll* c, comm_args* a, fin* f) {
       else if (c->kind == ENG_COLL_ALL_TO_ALL) a->count = in->numel / W;
       else a->count = out->numel;
       if (scale && c->kind == ENG_COLL_REDUCE_SCATTER) {
-        f->scale_p = a->recv; f->scale_n = out->numel; f->scale_dt = wdt; f->scale = 1.0 / W;
+        f->scale_p = a->recv; f->scale_n = out->numel; f->scale_dt = wdt; f->divisor = W;
       }
       f->bump = out;
       return 0;
@@ -863,6 +864,16 @@ int eng_pg_all_to_all_into(eng_pg* pg, eng_tensor* out, eng_tensor* in, eng_work
 int eng_pg_scatter(eng_pg* pg, eng_tensor* out, eng_tensor* in, int root, eng_work** work) {
   coll c = {"scatter", ENG_COLL_SCATTER, 0, root, pg, in, out};
   return run(&c, work);
+}
+
+int eng_pg_report_error(eng_pg* pg, int kind, const char* msg) {
+  eng_set_error_message(msg ? msg : "collective: invalid arguments");
+  if (!pg || !pg->member || !debug_on() || !eng_dist_is_initialized()) return -1;
+  if (kind < 0 || kind >= ENG_NUM_COLL_KINDS) kind = ENG_COLL_BARRIER;
+  coll c = {eng_coll_kind_name(kind), kind, 0, 0, pg, NULL, NULL};
+  debug_exchange(&c, 1);
+  pg->seq++;
+  return -1;
 }
 
 /* Out-of-place forms: allocate the output when the input allows it; the

@@ -6,6 +6,9 @@
 #include "internal.h"
 #include <mpi.h>
 
+/* The comm_* functions below are internal to libengine (not exported). */
+#define COMM_INTERNAL __attribute__((visibility("hidden")))
+
 struct eng_pg {
   int32_t refcount;
   int32_t member;
@@ -32,24 +35,24 @@ typedef struct comm_args {
 } comm_args;
 
 /* Backend: MPI (comm_mpi.c).  req NULL: blocking. */
-int comm_mpi_issue(eng_pg* pg, const comm_args* a, MPI_Request* req);
+COMM_INTERNAL int comm_mpi_issue(eng_pg* pg, const comm_args* a, MPI_Request* req);
 /* "MPI error N: text" for an MPI return code (thread-local buffer). */
-const char* comm_mpi_errstr(int rc);
+COMM_INTERNAL const char* comm_mpi_errstr(int rc);
 
 /* Backend: NCCL (comm_nccl.c, CUDA builds).  event NULL: blocking. */
-int comm_nccl_issue(eng_pg* pg, const comm_args* a, void** event);
-int comm_nccl_wait(void* event);
-int comm_nccl_test(void* event); /* 1 done, 0 running, -1 error */
-void comm_nccl_event_free(void* event);
-void comm_nccl_pg_free(void* state);
+COMM_INTERNAL int comm_nccl_issue(eng_pg* pg, const comm_args* a, void** event);
+COMM_INTERNAL int comm_nccl_wait(void* event);
+COMM_INTERNAL int comm_nccl_test(void* event); /* 1 done, 0 running, -1 error */
+COMM_INTERNAL void comm_nccl_event_free(void* event);
+COMM_INTERNAL void comm_nccl_pg_free(void* state);
 
 /* Groups (comm.c): a group over an MPI communicator (taken over; may be
  * MPI_COMM_NULL for a non-member). */
-eng_pg* comm_pg_from_mpi(MPI_Comm c, const char* name);
+COMM_INTERNAL eng_pg* comm_pg_from_mpi(MPI_Comm c, const char* name);
 /* Starts MPI if needed and creates the world group; 0 or -1. */
-int comm_ensure_init(const char* op);
+COMM_INTERNAL int comm_ensure_init(const char* op);
 /* Collective over the world: -1 on every rank (error naming op and what)
  * when `data` is not the same on all ranks. */
-int comm_world_agree(const void* data, size_t n, const char* op, const char* what);
+COMM_INTERNAL int comm_world_agree(const void* data, size_t n, const char* op, const char* what);
 
 #endif

@@ -77,6 +77,28 @@ int eng_dist_allreduce_counts(int64_t* counts, int n) {
   return 0;
 }
 
+int eng_dist_allreduce_counts_timeout(int64_t* counts, int n, double seconds) {
+  if (n < 0 || (n > 0 && !counts)) return eng_err("dist.allreduce_counts: bad arguments (n = %d)", n);
+  if (!eng_dist_is_initialized() || eng_dist_world_size() == 1 || n == 0) return 0;
+  int64_t* send = malloc(sizeof(int64_t) * (size_t)n);
+  if (!send) return eng_err("dist.allreduce_counts: out of memory");
+  memcpy(send, counts, sizeof(int64_t) * (size_t)n);
+  MPI_Request r;
+  int rc = MPI_Iallreduce(send, counts, n, MPI_INT64_T, MPI_SUM, MPI_COMM_WORLD, &r);
+  if (rc != MPI_SUCCESS) { free(send); return eng_err("dist.allreduce_counts: %s", comm_mpi_errstr(rc)); }
+  double t0 = eng_time();
+  int flag = 0;
+  for (long spin = 0;; spin++) {
+    rc = MPI_Test(&r, &flag, MPI_STATUS_IGNORE);
+    if (rc != MPI_SUCCESS) { free(send); return eng_err("dist.allreduce_counts: %s", comm_mpi_errstr(rc)); }
+    if (flag) break;
+    if (eng_time() - t0 > seconds) return 1; /* send stays allocated: MPI may still read it */
+    if (spin > 100) { struct timespec ts = {0, 100000}; nanosleep(&ts, NULL); }
+  }
+  free(send);
+  return 0;
+}
+
 /* ---- watchdog: a thread that ends the process when a deadline passes. */
 static pthread_mutex_t g_wd_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t g_wd_cv;

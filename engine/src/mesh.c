@@ -307,13 +307,26 @@ eng_mesh* eng_mesh_slice_names(const eng_mesh* m, int n, const char* const* name
   return eng_mesh_slice(m, n, dims);
 }
 
+/* A flatten call with bad arguments still takes part in the split (as a
+ * non-member), so the ranks with good arguments do not hang. */
+static eng_mesh* flatten_fail(void) {
+  char saved[2048];
+  snprintf(saved, sizeof saved, "%s", eng_last_error());
+  MPI_Comm c = MPI_COMM_NULL;
+  if (MPI_Comm_split(MPI_COMM_WORLD, MPI_UNDEFINED, 0, &c) == MPI_SUCCESS && c != MPI_COMM_NULL) MPI_Comm_free(&c);
+  eng_set_error_message(saved);
+  return NULL;
+}
+
 eng_mesh* eng_mesh_flatten(const eng_mesh* m, const char* name) {
-  if (!m) return eng_errp("DeviceMesh flatten: mesh is NULL");
   if (comm_ensure_init("DeviceMesh flatten")) return NULL;
+  if (!m) { eng_err("DeviceMesh flatten: mesh is NULL"); return flatten_fail(); }
   char label[NAME_MAX_LEN + 1] = {0};
   if (name) {
-    if (!name[0] || strlen(name) > NAME_MAX_LEN)
-      return eng_errp("DeviceMesh flatten: the name must have 1 to %d characters", NAME_MAX_LEN);
+    if (!name[0] || strlen(name) > NAME_MAX_LEN) {
+      eng_err("DeviceMesh flatten: the name must have 1 to %d characters", NAME_MAX_LEN);
+      return flatten_fail();
+    }
     snprintf(label, sizeof label, "%s", name);
   } else if (m->has_names) {
     int k = 0;
@@ -322,7 +335,7 @@ eng_mesh* eng_mesh_flatten(const eng_mesh* m, const char* name) {
   }
   int64_t shape = m->numel;
   eng_mesh* f = mesh_alloc(m->device, 1, &shape, m->numel);
-  if (!f) return NULL;
+  if (!f) return flatten_fail();
   memcpy(f->ranks, m->ranks, sizeof(int) * (size_t)m->numel);
   if (label[0]) { f->has_names = 1; snprintf(f->names[0], sizeof f->names[0], "%s", label); }
   find_me(f);

@@ -5,7 +5,10 @@
  * not: backward regenerates it from the counter-based RNG (seed, offset),
  * with the same Bernoulli draws as eng_dropout on the probabilities.
  * Rows with nothing to attend to give zeros (PyTorch's math path uses the
- * same "safe softmax" since 2.5). */
+ * same "safe softmax" since 2.5).  Batches (all dims but the last two) run in
+ * parallel on the engine's threads, each doing its small GEMMs on one BLAS
+ * thread; backward runs serially when an input is broadcast over the batch
+ * (its gradient is a sum over batches). */
 #include "bmm.h"
 #include "../../kernels/cpu/kcpu.h"
 #include <math.h>
@@ -56,14 +59,6 @@ static int at_plan_make(const eng_tensor* q, const eng_tensor* k, const eng_tens
   return 0;
 }
 
-/* Contiguous [bshape, rows, cols] view (for P, dP and the outputs). */
-static void contig_view(const eng_tensor* t, int nb, eng_mview* m) {
-  m->p = eng_ptr(t);
-  for (int d = 0; d < nb; d++) m->bs[d] = t->shape[d] == 1 ? 0 : t->stride[d];
-  m->rows = t->shape[nb]; m->cols = t->shape[nb + 1];
-  m->rs = t->stride[nb]; m->cs = t->stride[nb + 1];
-}
-
 /* The dropout keep mask (u8, shape pshape) drawn with (seed, offset): the
  * same Bernoulli(1 - p) draws eng_dropout makes for that offset. */
 static eng_tensor* dropout_keep(const at_plan* p, double dp, uint64_t seed, uint64_t offset) {
@@ -71,17 +66,115 @@ static eng_tensor* dropout_keep(const at_plan* p, double dp, uint64_t seed, uint
                           offset);
 }
 
-static void dropout_apply(int cdt, eng_tensor* x, const eng_tensor* keep, double dp, eng_tensor* out) {
-  double sc = dp < 1.0 ? 1.0 / (1.0 - dp) : 0.0;
-  if (cdt == ENG_F32)
-    kc_dropout_apply_f32(x->numel, (void*)eng_ptr(x), (void*)eng_ptr(keep), (float)sc, (void*)eng_ptr(out));
-  else
-    kc_dropout_apply_f64(x->numel, (void*)eng_ptr(x), (void*)eng_ptr(keep), sc, (void*)eng_ptr(out));
-}
-
 static eng_tensor* grad_buffer(const eng_tensor* like, int cdt, int zero) {
   return zero ? eng_tensor_zeros(like->ndim, like->shape, cdt, like->device)
               : eng_new(like->ndim, like->shape, cdt, like->device);
+}
+
+/* One operand of the per-batch products: base pointer, BLAS layout and the
+ * byte offset of every batch (row-major over the batch shape). */
+typedef struct { char* p; int t; int64_t ld; int64_t* off; } opnd;
+
+static int opnd_make(const eng_mview* m, int nb, const int64_t* bs, int es, int output, opnd* o) {
+  o->off = NULL;
+  if (!eng_mview_layout(m, &o->t, &o->ld) || (output && o->t))
+    return eng_err("scaled_dot_product_attention: internal error: operand layout not usable by BLAS");
+  int64_t tot = eng_shape_numel(nb, bs), idx[ENG_MAX_DIMS] = {0};
+  o->p = m->p;
+  if (!(o->off = malloc((size_t)(tot > 0 ? tot : 1) * sizeof *o->off)))
+    return eng_err("scaled_dot_product_attention: out of memory");
+  for (int64_t b = 0; b < tot; b++) {
+    int64_t off = 0;
+    for (int d = 0; d < nb; d++) off += idx[d] * m->bs[d];
+    o->off[b] = off * es;
+    for (int d = nb - 1; d >= 0; d--) { if (++idx[d] < bs[d]) break; idx[d] = 0; }
+  }
+  return 0;
+}
+
+static void dropout_block(int dt, int64_t n, const char* x, const uint8_t* keep, double sc, char* out) {
+  if (dt == ENG_F32) kc_dropout_apply_f32(n, (const float*)x, keep, (float)sc, (float*)out);
+  else kc_dropout_apply_f64(n, (const double*)x, keep, sc, (double*)out);
+}
+
+/* Forward of batches [lo, hi): scores, masked softmax, dropout, @ v. */
+typedef struct {
+  int dt, mkind, causal;
+  int64_t L, S, E, Ev, es;
+  double scale, dsc;
+  opnd q, kt, v, out;
+  char *P, *Pd;            /* contiguous [batch, L, S] */
+  const uint8_t* keep;     /* contiguous [batch, L, S] or NULL */
+  const char* mask;
+  int64_t mrs, mcs;
+  const int64_t* moff;     /* bytes per batch */
+} fwd_ctx;
+
+static void fwd_range(void* vc, int64_t lo, int64_t hi) {
+  fwd_ctx* c = vc;
+  int64_t blk = c->L * c->S, lds = c->S > 0 ? c->S : 1;
+  for (int64_t b = lo; b < hi; b++) {
+    char* P = c->P + b * blk * c->es;
+    kc_gemm(c->dt, c->q.t, c->kt.t, c->L, c->S, c->E, c->scale, c->q.p + c->q.off[b], c->q.ld,
+            c->kt.p + c->kt.off[b], c->kt.ld, 0.0, P, lds);
+    const void* m = c->mask ? (const void*)(c->mask + c->moff[b]) : NULL;
+    if (c->dt == ENG_F32) kc_attn_softmax_f32(c->L, c->S, (float*)P, lds, m, c->mkind, c->mrs, c->mcs, c->causal);
+    else kc_attn_softmax_f64(c->L, c->S, (double*)P, lds, m, c->mkind, c->mrs, c->mcs, c->causal);
+    char* A = P;
+    if (c->keep) {
+      A = c->Pd + b * blk * c->es;
+      dropout_block(c->dt, blk, P, c->keep + b * blk, c->dsc, A);
+    }
+    kc_gemm(c->dt, 0, c->v.t, c->L, c->Ev, c->S, 1.0, A, lds, c->v.p + c->v.off[b], c->v.ld, 0.0,
+            c->out.p + c->out.off[b], c->out.ld);
+  }
+}
+
+/* Backward of batches [lo, hi). */
+typedef struct {
+  int dt, need_q, need_k, need_v, need_s;
+  int64_t L, S, E, Ev, es;
+  double scale, dsc, beta;
+  opnd g, vt, k, q, gq, gk, gv;
+  const char* P;
+  char *Pd, *dP;
+  const uint8_t* keep;
+} bwd_ctx;
+
+static void bwd_range(void* vc, int64_t lo, int64_t hi) {
+  bwd_ctx* c = vc;
+  int64_t blk = c->L * c->S, lds = c->S > 0 ? c->S : 1;
+  for (int64_t b = lo; b < hi; b++) {
+    const char* P = c->P + b * blk * c->es;
+    const char* A = P;
+    if (c->keep) {
+      char* pd = c->Pd + b * blk * c->es;
+      dropout_block(c->dt, blk, P, c->keep + b * blk, c->dsc, pd);
+      A = pd;
+    }
+    if (c->need_v) /* dv = Pd^T @ dO */
+      kc_gemm(c->dt, 1, c->g.t, c->S, c->Ev, c->L, 1.0, A, lds, c->g.p + c->g.off[b], c->g.ld, c->beta,
+              c->gv.p + c->gv.off[b], c->gv.ld);
+    if (!c->need_s) continue;
+    char* D = c->dP + b * blk * c->es;
+    /* dP = dO @ v^T, back through dropout and the softmax: dS (in place) */
+    kc_gemm(c->dt, c->g.t, c->vt.t, c->L, c->S, c->Ev, 1.0, c->g.p + c->g.off[b], c->g.ld,
+            c->vt.p + c->vt.off[b], c->vt.ld, 0.0, D, lds);
+    if (c->keep) dropout_block(c->dt, blk, D, c->keep + b * blk, c->dsc, D);
+    if (c->dt == ENG_F32) kc_softmax_bw_f32(c->L, c->S, 1, (const float*)P, (const float*)D, (float*)D, 0);
+    else kc_softmax_bw_f64(c->L, c->S, 1, (const double*)P, (const double*)D, (double*)D, 0);
+    if (c->need_q) /* dq = scale * dS @ k */
+      kc_gemm(c->dt, 0, c->k.t, c->L, c->E, c->S, c->scale, D, lds, c->k.p + c->k.off[b], c->k.ld, c->beta,
+              c->gq.p + c->gq.off[b], c->gq.ld);
+    if (c->need_k) /* dk = scale * dS^T @ q */
+      kc_gemm(c->dt, 1, c->q.t, c->S, c->E, c->L, c->scale, D, lds, c->q.p + c->q.off[b], c->q.ld, c->beta,
+              c->gk.p + c->gk.off[b], c->gk.ld);
+  }
+}
+
+static int broadcast_in(const eng_mview* m, int nb, const int64_t* bs) {
+  for (int d = 0; d < nb; d++) if (bs[d] > 1 && m->bs[d] == 0) return 1;
+  return 0;
 }
 
 /* saved: 0 q, 1 k, 2 v, 3 P (probabilities before dropout, compute dtype).
@@ -92,61 +185,68 @@ static int sdpa_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
   if (!q || !k || !v || !P) return -1;
   at_plan p;
   if (at_plan_make(q, k, v, &p)) return -1;
-  double scale = n->scalars[0], dp = n->scalars[1];
-  int cdt = P->dtype, nb = p.nb;
+  double dp = n->scalars[1];
+  int cdt = P->dtype, nb = p.nb, es = eng_dtype_size(cdt);
   const int64_t* bs = p.bshape;
-  int zero = eng_shape_numel(nb, bs) == 0;
-  const char* op = "scaled_dot_product_attention backward";
+  int64_t tot = eng_shape_numel(nb, bs);
+  bwd_ctx c = {0};
+  c.dt = cdt; c.L = p.L; c.S = p.S; c.E = p.E; c.Ev = p.Ev; c.es = es;
+  c.scale = n->scalars[0]; c.dsc = dp < 1.0 ? 1.0 / (1.0 - dp) : 0.0;
+  c.need_q = eng_node_needs_grad(n, 0); c.need_k = eng_node_needs_grad(n, 1); c.need_v = eng_node_needs_grad(n, 2);
+  int need_m = eng_node_needs_grad(n, 3);
+  c.need_s = c.need_q || c.need_k || need_m;
   eng_tensor *G = NULL, *Q = NULL, *K = NULL, *V = NULL, *U = NULL, *Pd = NULL, *dP = NULL;
   eng_tensor *hg = NULL, *hq = NULL, *hk = NULL, *hv = NULL, *gq = NULL, *gk = NULL, *gv = NULL;
   int rc = -1;
-  eng_mview vg, vP, vPd, vdP, vq, vk, vv, vc;
-  if (!(G = in_dtype(go[0], cdt)) || eng_mview_prep(G, 0, 0, nb, bs, &vg, &hg)) goto done;
-  contig_view(P, nb, &vP);
-  vPd = vP;
+  eng_mview vg, vq, vk, vv, vc;
+  /* grads of inputs broadcast over the batch are sums: accumulate serially */
+  eng_mview_of(q, 0, nb, bs, &vq); eng_mview_of(k, 0, nb, bs, &vk); eng_mview_of(v, 0, nb, bs, &vv);
+  int acc = (c.need_q && broadcast_in(&vq, nb, bs)) || (c.need_k && broadcast_in(&vk, nb, bs)) ||
+            (c.need_v && broadcast_in(&vv, nb, bs));
+  int zero = acc || tot == 0;
+  c.beta = acc ? 1.0 : 0.0;
+  if (!(G = in_dtype(go[0], cdt)) || eng_mview_prep(G, 0, 0, nb, bs, &vg, &hg) || opnd_make(&vg, nb, bs, es, 0, &c.g))
+    goto done;
+  c.P = eng_ptr(P);
   if (dp > 0.0) {
     if (!(U = dropout_keep(&p, dp, (uint64_t)n->ints[0], (uint64_t)n->ints[1]))) goto done;
     if (!(Pd = eng_new(P->ndim, P->shape, cdt, P->device))) goto done;
-    dropout_apply(cdt, P, U, dp, Pd);
-    contig_view(Pd, nb, &vPd);
+    c.keep = (const uint8_t*)eng_ptr(U);
+    c.Pd = eng_ptr(Pd);
   }
-  if (eng_node_needs_grad(n, 2)) { /* dv = Pd^T @ dO */
-    eng_mview t = eng_mview_t(vPd);
+  if (c.need_v) {
     if (!(gv = grad_buffer(v, cdt, zero))) goto done;
     eng_mview_of(gv, 0, nb, bs, &vc);
-    if (eng_bmm_run(cdt, nb, bs, &t, &vg, &vc, 1.0, 0.0, op)) goto done;
-    if (!(gi[2] = eng_grad_to_input(n, 2, gv))) goto done;
+    if (opnd_make(&vc, nb, bs, es, 1, &c.gv)) goto done;
   }
-  if (eng_node_needs_grad(n, 0) || eng_node_needs_grad(n, 1) || eng_node_needs_grad(n, 3)) {
-    /* dP = dO @ v^T, through dropout, then through the softmax: dS */
-    if (!(V = in_dtype(v, cdt)) || eng_mview_prep(V, 0, 1, nb, bs, &vv, &hv)) goto done;
+  if (c.need_s) {
+    if (!(V = in_dtype(v, cdt)) || eng_mview_prep(V, 0, 1, nb, bs, &vv, &hv) || opnd_make(&vv, nb, bs, es, 0, &c.vt))
+      goto done;
     if (!(dP = eng_new(P->ndim, P->shape, cdt, P->device))) goto done;
-    contig_view(dP, nb, &vdP);
-    if (eng_bmm_run(cdt, nb, bs, &vg, &vv, &vdP, 1.0, 0.0, op)) goto done;
-    if (U) dropout_apply(cdt, dP, U, dp, dP);
-    int64_t rows = eng_shape_numel(nb, bs) * p.L;
-    int kr = cdt == ENG_F32 ? kc_softmax_bw_f32(rows, p.S, 1, (void*)eng_ptr(P), (void*)eng_ptr(dP), (void*)eng_ptr(dP), 0)
-                            : kc_softmax_bw_f64(rows, p.S, 1, (void*)eng_ptr(P), (void*)eng_ptr(dP), (void*)eng_ptr(dP), 0);
-    if (kr) { eng_err("%s: out of memory", op); goto done; }
-    if (eng_node_needs_grad(n, 0)) { /* dq = scale * dS @ k */
-      if (!(K = in_dtype(k, cdt)) || eng_mview_prep(K, 0, 0, nb, bs, &vk, &hk)) goto done;
-      if (!(gq = grad_buffer(q, cdt, zero))) goto done;
-      eng_mview_of(gq, 0, nb, bs, &vc);
-      if (eng_bmm_run(cdt, nb, bs, &vdP, &vk, &vc, scale, 0.0, op)) goto done;
-      if (!(gi[0] = eng_grad_to_input(n, 0, gq))) goto done;
-    }
-    if (eng_node_needs_grad(n, 1)) { /* dk = scale * dS^T @ q */
-      eng_mview t = eng_mview_t(vdP);
-      if (!(Q = in_dtype(q, cdt)) || eng_mview_prep(Q, 0, 0, nb, bs, &vq, &hq)) goto done;
-      if (!(gk = grad_buffer(k, cdt, zero))) goto done;
-      eng_mview_of(gk, 0, nb, bs, &vc);
-      if (eng_bmm_run(cdt, nb, bs, &t, &vq, &vc, scale, 0.0, op)) goto done;
-      if (!(gi[1] = eng_grad_to_input(n, 1, gk))) goto done;
-    }
-    if (eng_node_needs_grad(n, 3) && !(gi[3] = eng_grad_to_input(n, 3, dP))) goto done;
+    c.dP = eng_ptr(dP);
   }
+  if (c.need_q) {
+    if (!(K = in_dtype(k, cdt)) || eng_mview_prep(K, 0, 0, nb, bs, &vk, &hk) || opnd_make(&vk, nb, bs, es, 0, &c.k))
+      goto done;
+    if (!(gq = grad_buffer(q, cdt, zero))) goto done;
+    eng_mview_of(gq, 0, nb, bs, &vc);
+    if (opnd_make(&vc, nb, bs, es, 1, &c.gq)) goto done;
+  }
+  if (c.need_k) {
+    if (!(Q = in_dtype(q, cdt)) || eng_mview_prep(Q, 0, 0, nb, bs, &vq, &hq) || opnd_make(&vq, nb, bs, es, 0, &c.q))
+      goto done;
+    if (!(gk = grad_buffer(k, cdt, zero))) goto done;
+    eng_mview_of(gk, 0, nb, bs, &vc);
+    if (opnd_make(&vc, nb, bs, es, 1, &c.gk)) goto done;
+  }
+  kc_parallel_blas(acc ? 1 : eng_threads(), tot, bwd_range, &c);
+  if (c.need_q && !(gi[0] = eng_grad_to_input(n, 0, gq))) goto done;
+  if (c.need_k && !(gi[1] = eng_grad_to_input(n, 1, gk))) goto done;
+  if (c.need_v && !(gi[2] = eng_grad_to_input(n, 2, gv))) goto done;
+  if (need_m && !(gi[3] = eng_grad_to_input(n, 3, dP))) goto done;
   rc = 0;
 done:
+  free(c.g.off); free(c.vt.off); free(c.k.off); free(c.q.off); free(c.gq.off); free(c.gk.off); free(c.gv.off);
   eng_tensor_release(G); eng_tensor_release(Q); eng_tensor_release(K); eng_tensor_release(V);
   eng_tensor_release(U); eng_tensor_release(Pd); eng_tensor_release(dP);
   eng_tensor_release(hg); eng_tensor_release(hq); eng_tensor_release(hk); eng_tensor_release(hv);
@@ -195,51 +295,50 @@ eng_tensor* eng_scaled_dot_product_attention(eng_tensor* q, eng_tensor* k, eng_t
   eng_tensor *Q = NULL, *K = NULL, *V = NULL, *Mk = NULL, *hq = NULL, *hk = NULL, *hv = NULL;
   eng_tensor *P = NULL, *U = NULL, *Pd = NULL, *out = NULL;
   uint64_t seed = 0, offset = 0;
-  eng_mview vq, vk, vv, vP, vPd, vo;
+  int es = eng_dtype_size(cdt);
+  int64_t tot = eng_shape_numel(nb, bs);
+  int64_t* moff = NULL;
+  fwd_ctx c = {0};
+  c.dt = cdt; c.causal = is_causal ? 1 : 0; c.L = p.L; c.S = p.S; c.E = p.E; c.Ev = p.Ev; c.es = es;
+  c.scale = scale; c.dsc = dropout_p < 1.0 ? 1.0 / (1.0 - dropout_p) : 0.0;
+  eng_mview vq, vk, vv, vo;
   if (!(Q = in_dtype(q, cdt)) || !(K = in_dtype(k, cdt)) || !(V = in_dtype(v, cdt))) goto fail;
   if (eng_mview_prep(Q, 0, 0, nb, bs, &vq, &hq) || eng_mview_prep(K, 0, 1, nb, bs, &vk, &hk) ||
       eng_mview_prep(V, 0, 0, nb, bs, &vv, &hv))
     goto fail;
   if (!(P = eng_new(pnd, p.pshape, cdt, q->device)) || !(out = eng_new(pnd, oshape, cdt, q->device))) goto fail;
-  contig_view(P, nb, &vP);
-  contig_view(out, nb, &vo);
-  /* scores = scale * q @ k^T */
-  if (eng_bmm_run(cdt, nb, bs, &vq, &vk, &vP, scale, 0.0, op)) goto fail;
-  /* masked softmax, batch by batch */
-  int mkind = 0;
-  int64_t mst[ENG_MAX_DIMS] = {0};
+  eng_mview_of(out, 0, nb, bs, &vo);
+  if (opnd_make(&vq, nb, bs, es, 0, &c.q) || opnd_make(&vk, nb, bs, es, 0, &c.kt) ||
+      opnd_make(&vv, nb, bs, es, 0, &c.v) || opnd_make(&vo, nb, bs, es, 1, &c.out))
+    goto fail;
+  c.P = eng_ptr(P);
   if (mask) {
-    if (mask->dtype == ENG_BOOL) { Mk = eng_tensor_retain(mask); mkind = 1; }
-    else { if (!(Mk = in_dtype(mask, cdt))) goto fail; mkind = 2; }
+    int64_t mst[ENG_MAX_DIMS] = {0}, idx[ENG_MAX_DIMS] = {0};
+    if (mask->dtype == ENG_BOOL) { Mk = eng_tensor_retain(mask); c.mkind = 1; }
+    else { if (!(Mk = in_dtype(mask, cdt))) goto fail; c.mkind = 2; }
     eng_broadcast_strides(Mk, pnd, p.pshape, mst);
-  }
-  {
-    int64_t tot = eng_shape_numel(nb, bs), idx[ENG_MAX_DIMS] = {0};
-    int es = eng_dtype_size(cdt), mes = Mk ? eng_dtype_size(Mk->dtype) : 0;
-    for (int64_t it = 0; it < tot && p.L > 0; it++) {
-      int64_t op_ = 0, om = 0;
-      for (int d = 0; d < nb; d++) { op_ += idx[d] * vP.bs[d]; om += idx[d] * mst[d]; }
-      char* blk = vP.p + op_ * es;
-      const void* mp = Mk ? (const void*)(eng_ptr(Mk) + om * mes) : NULL;
-      if (cdt == ENG_F32)
-        kc_attn_softmax_f32(p.L, p.S, (float*)blk, p.S, mp, mkind, mst[nb], mst[nb + 1], is_causal);
-      else
-        kc_attn_softmax_f64(p.L, p.S, (double*)blk, p.S, mp, mkind, mst[nb], mst[nb + 1], is_causal);
+    int mes = eng_dtype_size(Mk->dtype);
+    if (!(moff = malloc((size_t)(tot > 0 ? tot : 1) * sizeof *moff))) { eng_err("%s: out of memory", op); goto fail; }
+    for (int64_t b = 0; b < tot; b++) {
+      int64_t o = 0;
+      for (int d = 0; d < nb; d++) o += idx[d] * mst[d];
+      moff[b] = o * mes;
       for (int d = nb - 1; d >= 0; d--) { if (++idx[d] < bs[d]) break; idx[d] = 0; }
     }
+    c.mask = eng_ptr(Mk); c.moff = moff; c.mrs = mst[nb]; c.mcs = mst[nb + 1];
   }
-  vPd = vP;
   if (dropout_p > 0.0) {
     uint64_t cur;
     eng_rng_get_state(&seed, &cur);
     offset = eng_rng_reserve((uint64_t)P->numel);
     if (!(U = dropout_keep(&p, dropout_p, seed, offset))) goto fail;
     if (!(Pd = eng_new(pnd, p.pshape, cdt, q->device))) goto fail;
-    dropout_apply(cdt, P, U, dropout_p, Pd);
-    contig_view(Pd, nb, &vPd);
+    c.keep = (const uint8_t*)eng_ptr(U);
+    c.Pd = eng_ptr(Pd);
   }
-  /* out = P @ v */
-  if (eng_bmm_run(cdt, nb, bs, &vPd, &vv, &vo, 1.0, 0.0, op)) goto fail;
+  kc_parallel_blas(eng_threads(), tot, fwd_range, &c);
+  free(c.q.off); free(c.kt.off); free(c.v.off); free(c.out.off); free(moff);
+  c.q.off = c.kt.off = c.v.off = c.out.off = moff = NULL;
   eng_tensor_release(Q); eng_tensor_release(K); eng_tensor_release(V); eng_tensor_release(Mk);
   eng_tensor_release(hq); eng_tensor_release(hk); eng_tensor_release(hv);
   eng_tensor_release(U); eng_tensor_release(Pd);
@@ -260,6 +359,7 @@ eng_tensor* eng_scaled_dot_product_attention(eng_tensor* q, eng_tensor* k, eng_t
   eng_tensor_release(P);
   return out;
 fail:
+  free(c.q.off); free(c.kt.off); free(c.v.off); free(c.out.off); free(moff);
   eng_tensor_release(Q); eng_tensor_release(K); eng_tensor_release(V); eng_tensor_release(Mk);
   eng_tensor_release(hq); eng_tensor_release(hk); eng_tensor_release(hv);
   eng_tensor_release(P); eng_tensor_release(U); eng_tensor_release(Pd); eng_tensor_release(out);

@@ -10,6 +10,51 @@ enum { RED_NONE = 0, RED_MEAN = 1, RED_SUM = 2 };
 
 static int compute_dtype(int dt) { return dt == ENG_F64 ? ENG_F64 : ENG_F32; }
 
+/* Big inputs are split over N across the engine's threads. */
+#define PAR_MIN_NUMEL (1 << 17)
+
+typedef struct {
+  int dt, bw;
+  int64_t C, inner, ignore;
+  double eps, gconst;
+  const char *x, *lse_in, *gs;
+  const int64_t* tgt;
+  char *loss, *lse, *gx;
+  int fail;
+} ce_ctx;
+
+static void ce_range(void* vc, int64_t lo, int64_t hi) {
+  ce_ctx* c = vc;
+  int es = c->dt == ENG_F32 ? 4 : 8;
+  int64_t xo = lo * c->C * c->inner * es, po = lo * c->inner;
+  const int64_t* t = c->tgt + po;
+  int r;
+  if (c->bw) {
+    if (c->dt == ENG_F32)
+      r = kc_cross_entropy_bw_f32(hi - lo, c->C, c->inner, (const float*)(c->x + xo), t, c->ignore, c->eps,
+                                  (const float*)c->lse_in + po, c->gs ? (const float*)c->gs + po : NULL, c->gconst,
+                                  (float*)(c->gx + xo));
+    else
+      r = kc_cross_entropy_bw_f64(hi - lo, c->C, c->inner, (const double*)(c->x + xo), t, c->ignore, c->eps,
+                                  (const double*)c->lse_in + po, c->gs ? (const double*)c->gs + po : NULL,
+                                  c->gconst, (double*)(c->gx + xo));
+  } else {
+    if (c->dt == ENG_F32)
+      r = kc_cross_entropy_f32(hi - lo, c->C, c->inner, (const float*)(c->x + xo), t, c->ignore, c->eps,
+                               (float*)c->loss + po, (float*)c->lse + po);
+    else
+      r = kc_cross_entropy_f64(hi - lo, c->C, c->inner, (const double*)(c->x + xo), t, c->ignore, c->eps,
+                               (double*)c->loss + po, (double*)c->lse + po);
+  }
+  if (r) __atomic_store_n(&c->fail, 1, __ATOMIC_RELAXED);
+}
+
+static int run_ce(ce_ctx* c, int64_t N) {
+  int threads = N * c->C * c->inner >= PAR_MIN_NUMEL ? eng_threads() : 1;
+  kc_parallel_blas(threads, N, ce_range, c);
+  return c->fail ? eng_err("cross_entropy: out of memory") : 0;
+}
+
 /* saved: 0 logits (contiguous, compute dtype), 1 target (contiguous i64),
  * 2 lse.  ints: 0 N, 1 C, 2 inner, 3 ignore_index, 4 reduction, 5 count.
  * scalars: 0 label_smoothing. */
@@ -32,12 +77,11 @@ static int ce_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
     gconst = red == RED_MEAN ? g / (double)count : g;
   }
   if (!(gx = eng_new(X->ndim, X->shape, cdt, X->device))) goto done;
-  if (cdt == ENG_F32)
-    kc_cross_entropy_bw_f32(N, C, inner, (void*)eng_ptr(X), (void*)eng_ptr(T), ignore, eps, (void*)eng_ptr(lse),
-                            G ? (const float*)(void*)eng_ptr(G) : NULL, gconst, (void*)eng_ptr(gx));
-  else
-    kc_cross_entropy_bw_f64(N, C, inner, (void*)eng_ptr(X), (void*)eng_ptr(T), ignore, eps, (void*)eng_ptr(lse),
-                            G ? (const double*)(void*)eng_ptr(G) : NULL, gconst, (void*)eng_ptr(gx));
+  ce_ctx c = {0};
+  c.dt = cdt; c.bw = 1; c.C = C; c.inner = inner; c.ignore = ignore; c.eps = eps; c.gconst = gconst;
+  c.x = eng_ptr(X); c.tgt = (const int64_t*)eng_ptr(T); c.lse_in = eng_ptr(lse); c.gs = G ? eng_ptr(G) : NULL;
+  c.gx = eng_ptr(gx);
+  if (run_ce(&c, N)) goto done;
   if ((gi[0] = eng_grad_to_input(n, 0, gx))) rc = 0;
 done:
   eng_tensor_release(G); eng_tensor_release(gx);
@@ -92,10 +136,10 @@ eng_tensor* eng_cross_entropy(eng_tensor* logits, eng_tensor* target, int64_t ig
   if (!(X = eng_as_contig(x, cdt))) goto fail;
   int64_t np = npos;
   if (!(lse = eng_new(1, &np, cdt, x->device)) || !(loss = eng_new(tnd, tshape, cdt, x->device))) goto fail;
-  int k = cdt == ENG_F32
-              ? kc_cross_entropy_f32(N, C, inner, (void*)eng_ptr(X), tg, ignore_index, label_smoothing, (void*)eng_ptr(loss), (void*)eng_ptr(lse))
-              : kc_cross_entropy_f64(N, C, inner, (void*)eng_ptr(X), tg, ignore_index, label_smoothing, (void*)eng_ptr(loss), (void*)eng_ptr(lse));
-  if (k) { eng_errp("cross_entropy: out of memory"); goto fail; }
+  ce_ctx c = {0};
+  c.dt = cdt; c.C = C; c.inner = inner; c.ignore = ignore_index; c.eps = label_smoothing;
+  c.x = eng_ptr(X); c.tgt = tg; c.loss = eng_ptr(loss); c.lse = eng_ptr(lse);
+  if (run_ce(&c, N)) goto fail;
   if (reduction == RED_NONE) {
     out = loss; loss = NULL;
   } else {

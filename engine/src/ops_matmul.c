@@ -46,6 +46,8 @@ static int blas_layout(const eng_mview* m, int* trans, int64_t* ld) {
   return *ld <= INT_MAX;
 }
 
+int eng_mview_layout(const eng_mview* m, int* trans, int64_t* ld) { return blas_layout(m, trans, ld); }
+
 /* The view of t (already in the compute dtype), transposed if asked; t is
  * copied to a contiguous tensor (owned by *hold) if BLAS cannot read it. */
 int eng_mview_prep(eng_tensor* t, int vec, int transpose, int nb, const int64_t* bshape, eng_mview* m,
@@ -93,6 +95,37 @@ static int gemm1(int dt, const eng_mview* A, const eng_mview* B, const eng_mview
   return 0;
 }
 
+/* Batches with at most this many multiply-adds per product run in parallel
+ * (BLAS threads do not pay at these sizes). */
+#define SMALL_GEMM ((int64_t)1 << 22)
+
+typedef struct {
+  int dt, nb, es;
+  int64_t M, N, K;
+  double alpha, beta;
+  const eng_mview *A, *B, *C;
+  const int64_t* bshape;
+  int ta, tb, tc;
+  int64_t lda, ldb, ldc;
+} bmm_ctx;
+
+/* Independent products b in [lo, hi) (row-major over the batch shape). */
+static void bmm_range(void* vc, int64_t lo, int64_t hi) {
+  bmm_ctx* c = vc;
+  int64_t idx[ENG_MAX_DIMS];
+  int64_t rem = lo;
+  for (int d = c->nb - 1; d >= 0; d--) { idx[d] = rem % c->bshape[d]; rem /= c->bshape[d]; }
+  for (int64_t it = lo; it < hi; it++) {
+    int64_t oa = 0, ob = 0, oc = 0;
+    for (int d = 0; d < c->nb; d++) {
+      oa += idx[d] * c->A->bs[d]; ob += idx[d] * c->B->bs[d]; oc += idx[d] * c->C->bs[d];
+    }
+    kc_gemm(c->dt, c->ta, c->tb, c->M, c->N, c->K, c->alpha, c->A->p + oa * c->es, c->lda, c->B->p + ob * c->es,
+            c->ldb, c->beta, c->C->p + oc * c->es, c->ldc);
+    for (int d = c->nb - 1; d >= 0; d--) { if (++idx[d] < c->bshape[d]) break; idx[d] = 0; }
+  }
+}
+
 /* C[b] = alpha * A[b] @ B[b] + beta * C[b] over the batch index space
  * bshape (nb dims); A: M x K, B: K x N, C: M x N (row-major, written by
  * BLAS).  Where C has stride 0 in a batch dim of size > 1, the products are
@@ -129,19 +162,28 @@ int eng_bmm_run(int dt, int nb, const int64_t* bshape, const eng_mview* A, const
   }
   int acc = 0;
   for (int d = 0; d < nb; d++) if (bshape[d] > 1 && C->bs[d] == 0) acc = 1;
-  int64_t idx[ENG_MAX_DIMS] = {0};
-  eng_mview a = *A, b = *B, c = *C;
-  for (int64_t it = 0; it < tot; it++) {
-    int64_t oa = 0, ob = 0, oc = 0;
-    int first = 1;
-    for (int d = 0; d < nb; d++) {
-      oa += idx[d] * A->bs[d]; ob += idx[d] * B->bs[d]; oc += idx[d] * C->bs[d];
-      if (idx[d] && C->bs[d] == 0) first = 0;
+  bmm_ctx c = {dt, nb, es, M, N, K, alpha, beta, A, B, C, bshape, 0, 0, 0, 0, 0, 0};
+  if (!blas_layout(A, &c.ta, &c.lda) || !blas_layout(B, &c.tb, &c.ldb) || !blas_layout(C, &c.tc, &c.ldc) || c.tc)
+    return eng_err("%s: internal error: operand layout not usable by BLAS", op);
+  if (acc) {
+    /* sums into shared C slots: in order, beta only on each slot's first product */
+    int64_t idx[ENG_MAX_DIMS] = {0};
+    for (int64_t it = 0; it < tot; it++) {
+      int64_t oa = 0, ob = 0, oc = 0;
+      int first = 1;
+      for (int d = 0; d < nb; d++) {
+        oa += idx[d] * A->bs[d]; ob += idx[d] * B->bs[d]; oc += idx[d] * C->bs[d];
+        if (idx[d] && C->bs[d] == 0) first = 0;
+      }
+      kc_gemm(dt, c.ta, c.tb, M, N, K, alpha, A->p + oa * es, c.lda, B->p + ob * es, c.ldb, first ? beta : 1.0,
+              C->p + oc * es, c.ldc);
+      for (int d = nb - 1; d >= 0; d--) { if (++idx[d] < bshape[d]) break; idx[d] = 0; }
     }
-    a.p = A->p + oa * es; b.p = B->p + ob * es; c.p = C->p + oc * es;
-    if (gemm1(dt, &a, &b, &c, alpha, acc && !first ? 1.0 : beta, op)) return -1;
-    for (int d = nb - 1; d >= 0; d--) { if (++idx[d] < bshape[d]) break; idx[d] = 0; }
+    return 0;
   }
+  /* independent products: small ones run batch-parallel on one BLAS thread each */
+  int threads = M * N * K <= SMALL_GEMM ? eng_threads() : 1;
+  kc_parallel_blas(threads, tot, bmm_range, &c);
   return 0;
 }
 

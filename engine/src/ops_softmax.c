@@ -12,6 +12,44 @@ static void split_dims(const eng_tensor* t, int dim, int64_t* outer, int64_t* D,
   for (int d = dim + 1; d < t->ndim; d++) *inner *= t->shape[d];
 }
 
+/* Big inputs are split over outer rows across the engine's threads. */
+#define PAR_MIN_NUMEL (1 << 17)
+
+typedef struct {
+  int dt, log_, bw;
+  int64_t D, inner;
+  const char *x, *g;
+  char* y;
+  int fail;
+} sm_ctx;
+
+static void sm_range(void* vc, int64_t lo, int64_t hi) {
+  sm_ctx* c = vc;
+  int64_t off = lo * c->D * c->inner * (c->dt == ENG_F32 ? 4 : 8);
+  int r;
+  if (c->bw)
+    r = c->dt == ENG_F32 ? kc_softmax_bw_f32(hi - lo, c->D, c->inner, (const float*)(c->x + off),
+                                             (const float*)(c->g + off), (float*)(c->y + off), c->log_)
+                         : kc_softmax_bw_f64(hi - lo, c->D, c->inner, (const double*)(c->x + off),
+                                             (const double*)(c->g + off), (double*)(c->y + off), c->log_);
+  else
+    r = c->dt == ENG_F32 ? kc_softmax_f32(hi - lo, c->D, c->inner, (const float*)(c->x + off),
+                                          (float*)(c->y + off), c->log_)
+                         : kc_softmax_f64(hi - lo, c->D, c->inner, (const double*)(c->x + off),
+                                          (double*)(c->y + off), c->log_);
+  if (r) __atomic_store_n(&c->fail, 1, __ATOMIC_RELAXED);
+}
+
+/* y = (log_)softmax(x) (bw: its backward from saved output x and grad g);
+ * -1 when out of memory. */
+static int run_softmax(int dt, int log_, int bw, int64_t outer, int64_t D, int64_t inner, const char* x,
+                       const char* g, char* y) {
+  sm_ctx c = {dt, log_, bw, D, inner, x, g, y, 0};
+  int threads = outer * D * inner >= PAR_MIN_NUMEL ? eng_threads() : 1;
+  kc_parallel_blas(threads, outer, sm_range, &c);
+  return c.fail ? -1 : 0;
+}
+
 static int softmax_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
   eng_tensor* y = eng_node_saved(n, 0);
   if (!y) return -1;
@@ -23,9 +61,7 @@ static int softmax_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
   if (gx) {
     int64_t outer, D, inner;
     split_dims(y, dim, &outer, &D, &inner);
-    int k = cdt == ENG_F32
-                ? kc_softmax_bw_f32(outer, D, inner, (void*)eng_ptr(Y), (void*)eng_ptr(G), (void*)eng_ptr(gx), log_)
-                : kc_softmax_bw_f64(outer, D, inner, (void*)eng_ptr(Y), (void*)eng_ptr(G), (void*)eng_ptr(gx), log_);
+    int k = run_softmax(cdt, log_, 1, outer, D, inner, eng_ptr(Y), eng_ptr(G), eng_ptr(gx));
     if (k) eng_err("%s: out of memory", n->name);
     else rc = (gi[0] = eng_grad_to_input(n, 0, gx)) ? 0 : -1;
   }
@@ -46,8 +82,7 @@ static eng_tensor* softmax_op(eng_tensor* t, int dim, int log_) {
   if (!out) { eng_tensor_release(X); return NULL; }
   int64_t outer, D, inner;
   split_dims(t, d, &outer, &D, &inner);
-  int k = cdt == ENG_F32 ? kc_softmax_f32(outer, D, inner, (void*)eng_ptr(X), (void*)eng_ptr(out), log_)
-                         : kc_softmax_f64(outer, D, inner, (void*)eng_ptr(X), (void*)eng_ptr(out), log_);
+  int k = run_softmax(cdt, log_, 0, outer, D, inner, eng_ptr(X), NULL, eng_ptr(out));
   eng_tensor_release(X);
   if (k) { eng_tensor_release(out); return eng_errp("%s: out of memory", op); }
   if (rdt != cdt) {

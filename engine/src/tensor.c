@@ -349,7 +349,9 @@ eng_tensor* eng_tensor_to_dtype(eng_tensor* t, int dtype) {
 
 eng_tensor* eng_tensor_detach(eng_tensor* t) {
   ENG_CHECK(t, "detach");
-  return eng_view_of(t, t->ndim, t->shape, t->stride, t->offset);
+  eng_tensor* r = eng_view_of(t, t->ndim, t->shape, t->stride, t->offset);
+  if (r && t->dist) r->dist = eng_dist_spec_retain(t->dist); /* a detached DTensor stays a DTensor */
+  return r;
 }
 
 int eng_tensor_set_requires_grad(eng_tensor* t, int flag) {
@@ -367,8 +369,9 @@ eng_tensor* eng_tensor_grad(eng_tensor* t) { return t ? t->grad : NULL; }
 
 int eng_tensor_set_grad(eng_tensor* t, eng_tensor* g) {
   ENG_CHECK_I(t, "set_grad");
-  if (g && !eng_same_shape(t, g))
-    return eng_err("set_grad: gradient %s does not match tensor %s", eng_desc(g), eng_desc(t));
+  if (g && (!eng_same_shape(t, g) || g->dtype != t->dtype || g->device != t->device))
+    return eng_err("set_grad: gradient %s does not match tensor %s (shape, dtype and device must agree)",
+                   eng_desc(g), eng_desc(t));
   if (g) eng_tensor_retain(g);
   eng_tensor_release(t->grad);
   t->grad = g;

@@ -1,7 +1,9 @@
-/* gemm.c: matrix products on raw pointers (row-major, OpenBLAS) and the small
- * row helpers that go with them (bias rows, column sums). */
+/* gemm.c: matrix products on raw pointers (row-major, OpenBLAS), the small
+ * row helpers that go with them (bias rows, column sums), and a parallel
+ * loop for batches of small products. */
 #include "kcpu.h"
 #include <cblas.h>
+#include <pthread.h>
 #include <string.h>
 
 /* C = alpha * op(A) @ op(B) + beta * C with op(X) = X or X^T (ta/tb), all
@@ -69,4 +71,37 @@ void kc_sum_rows(int dt, int64_t rows, int64_t n, const void* g, int64_t ld, voi
       for (int64_t j = 0; j < n; j++) o[j] += r[j];
     }
   }
+}
+
+/* ------------------------------------------------------------ parallel batches */
+#define KC_MAX_THREADS 64
+
+typedef struct { kc_range_fn fn; void* ctx; int64_t lo, hi; } kc_part;
+
+static void* part_main(void* a) {
+  kc_part* p = a;
+  p->fn(p->ctx, p->lo, p->hi);
+  return NULL;
+}
+
+void kc_parallel_blas(int threads, int64_t n, kc_range_fn fn, void* ctx) {
+  if (threads > n) threads = (int)n;
+  if (threads > KC_MAX_THREADS) threads = KC_MAX_THREADS;
+  if (threads <= 1) { fn(ctx, 0, n); return; }
+  int blas = openblas_get_num_threads();
+  openblas_set_num_threads(1);
+  kc_part parts[KC_MAX_THREADS];
+  pthread_t tid[KC_MAX_THREADS];
+  int started[KC_MAX_THREADS] = {0};
+  for (int i = 0; i < threads; i++) {
+    parts[i].fn = fn; parts[i].ctx = ctx;
+    parts[i].lo = n * i / threads; parts[i].hi = n * (i + 1) / threads;
+  }
+  for (int i = 1; i < threads; i++) started[i] = pthread_create(&tid[i], NULL, part_main, &parts[i]) == 0;
+  fn(ctx, parts[0].lo, parts[0].hi);
+  for (int i = 1; i < threads; i++) {
+    if (started[i]) pthread_join(tid[i], NULL);
+    else fn(ctx, parts[i].lo, parts[i].hi);
+  }
+  openblas_set_num_threads(blas);
 }

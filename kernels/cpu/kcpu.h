@@ -109,7 +109,6 @@ void kc_argext_cols(int dt, int is_max, int64_t len, int64_t inner, const char* 
  * bytes.  Element k of a run is element j0 + k of the stream of seed. */
 enum { KC_RNG_UNIFORM = 0, KC_RNG_NORMAL = 1, KC_RNG_BERNOULLI = 2 };
 /* uniform: U[a, b); normal: a + b * N(0, 1); bernoulli: 1 with probability a. */
-double kc_random_value(int kind, uint64_t seed, uint64_t j, double a, double b);
 void kc_random_run(int kind, uint64_t seed, uint64_t j0, int64_t n, char* dst, int64_t stride, int dt,
                    double a, double b);
 /* y = x * (u < keep ? scale : 0), u the uniform of the stream (any float dt). */
@@ -164,6 +163,13 @@ void kc_gemm(int dt, int ta, int tb, int64_t M, int64_t N, int64_t K, double alp
 void kc_fill_rows(int dt, int64_t rows, int64_t n, const void* bias, void* out, int64_t ld);
 /* out[j] = sum_i g[i, j] (row stride ld). */
 void kc_sum_rows(int dt, int64_t rows, int64_t n, const void* g, int64_t ld, void* out);
+/* Runs fn(ctx, lo, hi) over [0, n) split into up to `threads` contiguous
+ * parts on as many threads, BLAS single-threaded meanwhile (so each part may
+ * call kc_gemm): for batches of small products, where BLAS threading does
+ * not pay.  threads <= 1, n < 2 or a failed thread start: one call on the
+ * calling thread.  fn must not fail. */
+typedef void (*kc_range_fn)(void* ctx, int64_t lo, int64_t hi);
+void kc_parallel_blas(int threads, int64_t n, kc_range_fn fn, void* ctx);
 
 /* softmax.c: exp for f32 rows: vectorizable (~1 ulp); exp(x) = 0 for
  * x < -87, saturates at exp(88) above 88 (callers pass x - max <= 0), NaN

@@ -1,46 +1,48 @@
 /* norm.c: fused layer_norm / rms_norm forward and backward over rows of n
- * contiguous elements (f32 and f64).  Row statistics accumulate in double
- * with four partial sums (breaks the add dependency chain) and are kept in
- * double; the elementwise math runs in the data type.  The mean is applied
- * as a hi + lo pair (x - hi is exact near the mean), so rows with a large
- * mean and a small spread keep their precision in f32. */
+ * contiguous elements (f32 and f64).
+ *
+ * Row statistics accumulate in double over 8 independent lanes (a fixed
+ * order, so results are deterministic, and the compiler can vectorize it)
+ * and are kept in double.  The elementwise math runs in the data type; the
+ * mean is applied as a hi + lo pair (x - hi is exact near the mean), so rows
+ * with a large mean and a small spread keep their precision in f32.  The
+ * weight/bias gradients are column sums accumulated in double. */
 #include "kcpu.h"
 #include <math.h>
 
-#define SUM4(T, N, EXPR)                                                   \
-  ({                                                                       \
-    double s0_ = 0, s1_ = 0, s2_ = 0, s3_ = 0;                             \
-    int64_t j = 0;                                                         \
-    for (; j + 4 <= (N); j += 4) {                                         \
-      { int64_t k = j; s0_ += (EXPR); }                                    \
-      { int64_t k = j + 1; s1_ += (EXPR); }                                \
-      { int64_t k = j + 2; s2_ += (EXPR); }                                \
-      { int64_t k = j + 3; s3_ += (EXPR); }                                \
-    }                                                                      \
-    for (; j < (N); j++) { int64_t k = j; s0_ += (EXPR); }                 \
-    (s0_ + s1_) + (s2_ + s3_);                                             \
+#define LANES 8
+
+/* Sum over k in [0, N) of EXPR (which uses k), in double, 8 lanes. */
+#define LANE_SUM(N, EXPR)                                               \
+  ({                                                                    \
+    double acc_[LANES] = {0};                                           \
+    int64_t j_ = 0;                                                     \
+    for (; j_ + LANES <= (N); j_ += LANES)                              \
+      for (int l_ = 0; l_ < LANES; l_++) { int64_t k = j_ + l_; acc_[l_] += (EXPR); } \
+    for (; j_ < (N); j_++) { int64_t k = j_; acc_[0] += (EXPR); }       \
+    ((acc_[0] + acc_[1]) + (acc_[2] + acc_[3])) + ((acc_[4] + acc_[5]) + (acc_[6] + acc_[7])); \
   })
 
-#define NORM_FWD(T, NAME)                                                                        \
-  static void NAME(int rms, int64_t m, int64_t n, const T* x, const T* w, const T* b, double eps, \
-                   T* y, double* mean, double* rstd) {                                                     \
-    for (int64_t r = 0; r < m; r++) {                                                            \
-      const T* restrict xr = x + r * n;                                                          \
-      T* restrict yr = y + r * n;                                                                \
-      double mu = 0.0, var = 0.0;                                                                \
-      if (n > 0) {                                                                               \
-        if (!rms) mu = SUM4(T, n, (double)xr[k]) / (double)n;                                    \
-        var = SUM4(T, n, ((double)xr[k] - mu) * ((double)xr[k] - mu)) / (double)n;               \
-      }                                                                                          \
-      double rs = 1.0 / sqrt(var + eps);                                                         \
-      if (mean) mean[r] = mu;                                                                    \
-      rstd[r] = rs;                                                                              \
-      const T mh = (T)mu, ml = (T)(mu - (double)mh), fr = (T)rs;                                 \
+#define NORM_FWD(T, NAME)                                                                         \
+  static void NAME(int rms, int64_t m, int64_t n, const T* x, const T* w, const T* b, double eps,  \
+                   T* y, double* mean, double* rstd) {                                            \
+    for (int64_t r = 0; r < m; r++) {                                                             \
+      const T* restrict xr = x + r * n;                                                           \
+      T* restrict yr = y + r * n;                                                                 \
+      double mu = 0.0, var = 0.0;                                                                 \
+      if (n > 0) {                                                                                \
+        if (!rms) mu = LANE_SUM(n, (double)xr[k]) / (double)n;                                    \
+        var = LANE_SUM(n, ((double)xr[k] - mu) * ((double)xr[k] - mu)) / (double)n;               \
+      }                                                                                           \
+      double rs = 1.0 / sqrt(var + eps);                                                          \
+      if (mean) mean[r] = mu;                                                                     \
+      rstd[r] = rs;                                                                               \
+      const T mh = (T)mu, ml = (T)(mu - (double)mh), fr = (T)rs;                                  \
       if (w && b) for (int64_t j = 0; j < n; j++) yr[j] = ((xr[j] - mh) - ml) * fr * w[j] + b[j]; \
-      else if (w) for (int64_t j = 0; j < n; j++) yr[j] = ((xr[j] - mh) - ml) * fr * w[j];       \
-      else if (b) for (int64_t j = 0; j < n; j++) yr[j] = ((xr[j] - mh) - ml) * fr + b[j];       \
-      else for (int64_t j = 0; j < n; j++) yr[j] = ((xr[j] - mh) - ml) * fr;                     \
-    }                                                                                            \
+      else if (w) for (int64_t j = 0; j < n; j++) yr[j] = ((xr[j] - mh) - ml) * fr * w[j];        \
+      else if (b) for (int64_t j = 0; j < n; j++) yr[j] = ((xr[j] - mh) - ml) * fr + b[j];        \
+      else for (int64_t j = 0; j < n; j++) yr[j] = ((xr[j] - mh) - ml) * fr;                      \
+    }                                                                                             \
   }
 
 NORM_FWD(float, fwd_f32)
@@ -49,31 +51,31 @@ NORM_FWD(double, fwd_f64)
 /* g_j = go_j * w_j, xhat_j = (x_j - mean) * rstd
  * layer: dx_j = rstd * (g_j - mean(g) - xhat_j * mean(g * xhat))
  * rms:   dx_j = rstd * (g_j - xhat_j * mean(g * xhat))
- * dw += go * xhat, db += go (column sums over rows). */
-#define NORM_BWD(T, NAME)                                                                         \
-  static void NAME(int rms, int64_t m, int64_t n, const T* go, const T* x, const T* w,            \
-                   const double* mean, const double* rstd, T* dx, double* dw, double* db) {      \
-    for (int64_t r = 0; r < m; r++) {                                                             \
-      const T* restrict xr = x + r * n;                                                           \
-      const T* restrict gr = go + r * n;                                                          \
-      const double mu = rms ? 0.0 : mean[r];                                                      \
-      const T mh = (T)mu, ml = (T)(mu - (double)mh), rs = (T)rstd[r];                             \
+ * dw += go * xhat, db += go (column sums over rows, in double). */
+#define NORM_BWD(T, NAME)                                                                          \
+  static void NAME(int rms, int64_t m, int64_t n, const T* go, const T* x, const T* w,             \
+                   const double* mean, const double* rstd, T* dx, double* dw, double* db) {       \
+    for (int64_t r = 0; r < m; r++) {                                                              \
+      const T* restrict xr = x + r * n;                                                            \
+      const T* restrict gr = go + r * n;                                                           \
+      const double mu = rms ? 0.0 : mean[r];                                                       \
+      const T mh = (T)mu, ml = (T)(mu - (double)mh), rs = (T)rstd[r];                              \
       if (dw) for (int64_t j = 0; j < n; j++) dw[j] += (double)gr[j] * (double)(((xr[j] - mh) - ml) * rs); \
-      if (db) for (int64_t j = 0; j < n; j++) db[j] += (double)gr[j];                            \
-      if (!dx || n == 0) continue;                                                                \
-      double sg = 0.0, sgx;                                                                       \
-      if (w) {                                                                                    \
-        if (!rms) sg = SUM4(T, n, (double)gr[k] * (double)w[k]);                                  \
-        sgx = SUM4(T, n, (double)gr[k] * (double)w[k] * ((double)xr[k] - mu) * (double)rs);       \
-      } else {                                                                                    \
-        if (!rms) sg = SUM4(T, n, (double)gr[k]);                                                 \
-        sgx = SUM4(T, n, (double)gr[k] * ((double)xr[k] - mu) * (double)rs);                      \
-      }                                                                                           \
-      const T a = (T)(sg / (double)n), c = (T)(sgx / (double)n);                                  \
-      T* restrict dr = dx + r * n;                                                                \
+      if (db) for (int64_t j = 0; j < n; j++) db[j] += (double)gr[j];                             \
+      if (!dx || n == 0) continue;                                                                 \
+      double sg = 0.0, sgx;                                                                        \
+      if (w) {                                                                                     \
+        if (!rms) sg = LANE_SUM(n, (double)(gr[k] * w[k]));                                        \
+        sgx = LANE_SUM(n, (double)(gr[k] * w[k]) * (double)(((xr[k] - mh) - ml) * rs));            \
+      } else {                                                                                     \
+        if (!rms) sg = LANE_SUM(n, (double)gr[k]);                                                 \
+        sgx = LANE_SUM(n, (double)gr[k] * (double)(((xr[k] - mh) - ml) * rs));                     \
+      }                                                                                            \
+      const T a = (T)(sg / (double)n), c = (T)(sgx / (double)n);                                   \
+      T* restrict dr = dx + r * n;                                                                 \
       if (w) for (int64_t j = 0; j < n; j++) dr[j] = rs * (gr[j] * w[j] - a - ((xr[j] - mh) - ml) * rs * c); \
       else for (int64_t j = 0; j < n; j++) dr[j] = rs * (gr[j] - a - ((xr[j] - mh) - ml) * rs * c); \
-    }                                                                                             \
+    }                                                                                              \
   }
 
 NORM_BWD(float, bwd_f32)

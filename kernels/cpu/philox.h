@@ -12,6 +12,10 @@
  *             elements 4b, 4b+2 take r*cos(theta), 4b+1, 4b+3 take r*sin(theta),
  *             with r = sqrt(-2 ln((w_even + 1) * 2^-32)), theta = 2 pi w_odd 2^-32.
  * All transforms run in double precision; callers round to the output dtype.
+ * The CPU kernels (random.c) evaluate ln, cos and sin with their own
+ * branch-free polynomials (within a few ulp of libm), so a value depends
+ * only on (seed, position); another backend matches them to ~1e-15, not
+ * bit for bit, unless it uses the same polynomials.
  * Pure C with no engine types; KC_PHILOX_FN lets another backend (e.g. CUDA)
  * compile the same functions with its own qualifiers. */
 #ifndef KCPU_PHILOX_H
@@ -55,15 +59,5 @@ KC_PHILOX_FN void kc_philox_block(uint64_t seed, uint64_t b, uint32_t out[4]) {
 }
 
 KC_PHILOX_FN double kc_philox_u01(uint32_t w) { return (double)w * (1.0 / 4294967296.0); }
-
-/* Standard normal for word index w (0..3) of a block. */
-KC_PHILOX_FN double kc_philox_normal(const uint32_t blk[4], int w) {
-  int e = w & 2;
-  double u1 = ((double)blk[e] + 1.0) * (1.0 / 4294967296.0); /* (0, 1] */
-  double u2 = (double)blk[e + 1] * (1.0 / 4294967296.0);     /* [0, 1) */
-  double r = sqrt(-2.0 * log(u1));
-  double th = 6.283185307179586476925286766559 * u2;
-  return (w & 1) ? r * sin(th) : r * cos(th);
-}
 
 #endif

@@ -195,12 +195,14 @@ end
 -- ---------------------------------------------------------------- core methods
 function methods.dim(t) return t._c.ndim end
 methods.nDimension = methods.dim
-function methods.numel(t) return tonumber(t._c.numel) end
+-- DTensors (t._c.dist ~= nil) report GLOBAL numel, size, shape and stride.
+function methods.numel(t) local c = t._c; if c.dist ~= nil then c = c.dist end return tonumber(c.numel) end
 methods.nElement = methods.numel
 
 -- size() -> table; size(d) -> number (d 1-based, negative from the end)
 function methods.size(t, d)
   local c = t._c
+  if c.dist ~= nil then c = c.dist end
   if d == nil then
     local s = {}
     for i = 0, c.ndim - 1 do s[i + 1] = tonumber(c.shape[i]) end
@@ -211,12 +213,14 @@ end
 
 function methods.shape(t)
   local c, s = t._c, {}
+  if c.dist ~= nil then c = c.dist end
   for i = 0, c.ndim - 1 do s[i + 1] = tonumber(c.shape[i]) end
   return s
 end
 
 function methods.stride(t, d)
   local c = t._c
+  if c.dist ~= nil then c = c.dist end
   if d == nil then
     local s = {}
     for i = 0, c.ndim - 1 do s[i + 1] = tonumber(c.stride[i]) end
@@ -352,6 +356,7 @@ end
 
 function Tensor.__tostring(t)
   local c = t._c
+  if c.dist ~= nil and Tensor.dtensor_tostring then return Tensor.dtensor_tostring(t) end
   local shape = t:shape()
   local isfloat = C.eng_dtype_is_floating(c.dtype) ~= 0
   local isbool = c.dtype == 7

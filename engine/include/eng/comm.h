@@ -60,6 +60,9 @@ eng_pg* eng_pg_world(void);
 /* The group of the n world ranks listed (distinct, in [0, world)); group rank
  * i is ranks[i].  Every world rank must call it with the same list. */
 eng_pg* eng_pg_new(const int* ranks, int n);
+/* (An invalid rank list still takes part in the world-wide agreement, so
+ * every rank fails instead of some hanging; eng_pg_new(NULL, 0) does only
+ * that, for callers that found the arguments invalid themselves.) */
 /* MPI_Comm_split of parent: ranks with the same color form a group, ordered
  * by key (ties by parent rank); color < 0 gives a non-member object.  Every
  * member of parent must call it. */
@@ -105,6 +108,12 @@ int eng_pg_broadcast(eng_pg* pg, eng_tensor* t, int root, eng_work** work);
  * in [size*c, d1, ...]; in is ignored (may be NULL) on the other ranks. */
 int eng_pg_scatter(eng_pg* pg, eng_tensor* out, eng_tensor* in, int root, eng_work** work);
 int eng_pg_barrier(eng_pg* pg, eng_work** work);
+/* For checks made outside C (e.g. by the Lua layer) on a collective of kind
+ * `kind` about to be issued on pg: sets msg as the error and returns -1.  In
+ * debug mode a member first takes part in the consistency exchange with the
+ * failure, so the other ranks fail too (naming this rank) instead of
+ * waiting. */
+int eng_pg_report_error(eng_pg* pg, int kind, const char* msg);
 /* The bare MPI collective on raw contiguous CPU buffers, for benchmarks that
  * compare against the checked path above: no staging, no counters, no
  * recorder, no debug checks; blocking.  count: elements (all_reduce,

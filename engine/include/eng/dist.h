@@ -19,6 +19,9 @@ void eng_dist_abort(int code);
 /* Sums n counters element-wise over all world ranks, in place (for merging
  * test results; collective over the world, not counted as a collective). */
 int eng_dist_allreduce_counts(int64_t* counts, int n);
+/* Same, but gives up after `seconds`: 0 done, 1 timed out (the others did
+ * not arrive; the caller should abort the job), -1 error. */
+int eng_dist_allreduce_counts_timeout(int64_t* counts, int n, double seconds);
 /* Watchdog: unless disarmed within `seconds`, prints `label` and the
  * collective flight recorder to stderr and ends this process with exit code
  * 3 (mpirun then stops the other ranks).  Re-arming replaces the deadline. */

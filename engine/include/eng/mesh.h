@@ -18,6 +18,10 @@ typedef struct eng_mesh eng_mesh;
  * names: NULL, or ndim distinct non-empty names. */
 eng_mesh* eng_mesh_new(int device, int ndim, const int64_t* shape, const int* ranks,
                        const char* const* names);
+/* (Every rank must call eng_mesh_new and eng_mesh_flatten, also one whose
+ * arguments are invalid: such a call still takes part in the world-wide
+ * agreement and fails, and the ranks with valid arguments then fail too,
+ * instead of hanging.) */
 eng_mesh* eng_mesh_retain(eng_mesh* m);
 void eng_mesh_release(eng_mesh* m);
 

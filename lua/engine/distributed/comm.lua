@@ -73,7 +73,11 @@ function ProcessGroup:global_rank(group_rank)
 end
 ProcessGroup.__eq = function(a, b) return C.eng_pg_id(a._c) == C.eng_pg_id(b._c) end
 ProcessGroup.__tostring = function(g)
-  if not g:is_member() then return string.format("ProcessGroup(%s)", g:name()) end
+  if not g:is_member() then
+    local n = g:name()
+    if n:find("not a member", 1, true) then return string.format("ProcessGroup(%s)", n) end
+    return string.format("ProcessGroup(%s, not a member)", n)
+  end
   return string.format("ProcessGroup(%s, size=%d, rank=%d, ranks={%s})", g:name(), g:size(), g:rank(),
     table.concat(g:ranks(), ", "))
 end
@@ -87,35 +91,56 @@ end
 -- new_group({0, 2}): collective over the world (every rank calls it with the
 -- same list); non-members get a group object on which collectives are skipped.
 function M.new_group(ranks)
-  if type(ranks) ~= "table" then error("new_group: expected a list of 0-based global ranks", 2) end
+  if type(ranks) ~= "table" then
+    C.eng_pg_new(nil, 0)
+    error("new_group: expected a list of 0-based global ranks", 2)
+  end
   local n = #ranks
   local buf = ffi.new("int[?]", n > 0 and n or 1)
   for i = 1, n do
     local r = ranks[i]
     if type(r) ~= "number" or r % 1 ~= 0 then
+      C.eng_pg_new(nil, 0) -- still take part in the agreement, so the other ranks fail too
       error(string.format("new_group: rank %d of the list must be an integer, got %s", i, tostring(r)), 2)
     end
     buf[i - 1] = r
   end
-  return wrap_pg(C.eng_pg_new(buf, n), 2)
+  local g = wrap_pg(C.eng_pg_new(buf, n), 2)
+  return g
 end
 
 -- ---------------------------------------------------------------- options
 local op_codes = {}
 M.ReduceOp = { SUM = "sum", AVG = "avg", MAX = "max", MIN = "min", PRODUCT = "prod", PROD = "prod" }
 
-local function reduce_op(op, name, level)
+local KIND = { all_reduce = 0, all_gather = 1, reduce_scatter = 2, all_to_all = 3, broadcast = 4, scatter = 5,
+  barrier = 6 }
+
+-- Argument checks return (value) or (nil, message); fail() raises the message
+-- after telling the group (in debug mode the other ranks then fail too).
+local function fail(pg, name, msg, level)
+  local kind = KIND[name:gsub("_into$", "")] or 6
+  C.eng_pg_report_error(pg._c, kind, msg)
+  error(msg, level + 1)
+end
+
+local function reduce_op(op, name)
   if op == nil then return 0 end
   if type(op) ~= "string" then
-    error(string.format("%s: reduce op must be a name (\"sum\", \"avg\", \"max\", \"min\", \"prod\"), got %s", name,
-      type(op)), level + 1)
+    return nil, string.format("%s: reduce op must be a name (\"sum\", \"avg\", \"max\", \"min\", \"prod\"), got %s",
+      name, type(op))
   end
   local c = op_codes[op]
   if c then return c end
   c = C.eng_reduce_op_from_name(op)
-  if c < 0 then error(name .. ": " .. core.last_error(), level + 1) end
+  if c < 0 then return nil, name .. ": " .. core.last_error() end
   op_codes[op] = c
   return c
+end
+
+local function tensor_arg(x, name, pos)
+  if type(x) == "table" and x._c then return x._c end
+  return nil, string.format("%s: argument %s must be a tensor, got %s", name, tostring(pos), type(x))
 end
 
 -- opts.group: nil (world), a ProcessGroup, or a DeviceMesh (opts.mesh_dim
@@ -164,55 +189,76 @@ Work.__tostring = function(w) return "Work(" .. (C.eng_work_is_completed(w._c) =
 
 local work_box = ffi.new("eng_work*[1]")
 
--- Runs f(wptr_or_nil) and returns the tensor result or a Work handle.
-local function finish(opts, call, result_of, level)
+-- Runs call(work_ptr_or_nil) and returns result_of(its return) or a Work.
+-- Errors point at the caller of the API function (level 2 from it).
+local function finish(opts, call, result_of)
   if opts.async then
     work_box[0] = nil
     local r = call(work_box)
     local p = work_box[0]
     work_box[0] = nil
     local res = result_of(r)
-    if p == nil then cerr(level + 1) end
-    return new_work(p, res)
+    if p == nil then cerr(3) end
+    local wk = new_work(p, res)
+    return wk
   end
-  return result_of(call(nil))
+  local res = result_of(call(nil))
+  return res
 end
 
 -- ---------------------------------------------------------------- collectives
-local function wrap_out(p, level)
-  if p == nil then cerr(level + 1) end
-  return core.wrap(p, level + 1)
+-- The new tensor, or the input's Lua object when the C call handed the input
+-- back (a rank outside the group).  Level 4: finish -> API function -> caller.
+local function out_of(input)
+  return function(p)
+    if p == nil then cerr(4) end
+    if p == input._c then
+      C.eng_tensor_release(p)
+      return input
+    end
+    return core.wrap(p, 5)
+  end
 end
+
+local function rc_check(rc) if rc ~= 0 then cerr(5) end end
 
 -- all_reduce(t, op = "sum", opts): in place; returns t (or a Work).
 function M.all_reduce(t, op, opts)
   if type(op) == "table" and opts == nil then op, opts = nil, op end
   opts = check_opts(opts, "all_reduce", 2)
-  local c = ct(t, "all_reduce", 1)
   local pg = group_of(opts, "all_reduce", 2)
-  local opc = reduce_op(op, "all_reduce", 2)
-  return finish(opts, function(w)
-    check(C.eng_pg_all_reduce(pg._c, c, opc, w), 5)
-  end, function() return t end, 2)
+  local c, e = tensor_arg(t, "all_reduce", 1)
+  if not c then fail(pg, "all_reduce", e, 2) end
+  local opc
+  opc, e = reduce_op(op, "all_reduce")
+  if not opc then fail(pg, "all_reduce", e, 2) end
+  local r = finish(opts, function(w) rc_check(C.eng_pg_all_reduce(pg._c, c, opc, w)) end, function() return t end)
+  return r
 end
 
 -- all_gather(t, opts) -> new tensor [size*d1, ...] (inputs concatenated along
 -- dim 1 in group-rank order).
 function M.all_gather(t, opts)
   opts = check_opts(opts, "all_gather", 2)
-  local c = ct(t, "all_gather", 1)
   local pg = group_of(opts, "all_gather", 2)
-  return finish(opts, function(w) return C.eng_pg_all_gather(pg._c, c, w) end,
-    function(p) return wrap_out(p, 4) end, 2)
+  local c, e = tensor_arg(t, "all_gather", 1)
+  if not c then fail(pg, "all_gather", e, 2) end
+  local r = finish(opts, function(w) return C.eng_pg_all_gather(pg._c, c, w) end, out_of(t))
+  return r
 end
 
 -- all_gather_into(out, t, opts): out is [size*d1, ...].
 function M.all_gather_into(out, t, opts)
   opts = check_opts(opts, "all_gather_into", 2)
-  local co, c = ct(out, "all_gather_into", 1), ct(t, "all_gather_into", 2)
   local pg = group_of(opts, "all_gather_into", 2)
-  return finish(opts, function(w) check(C.eng_pg_all_gather_into(pg._c, co, c, w), 5) end,
-    function() return out end, 2)
+  local co, e = tensor_arg(out, "all_gather_into", 1)
+  if not co then fail(pg, "all_gather_into", e, 2) end
+  local c
+  c, e = tensor_arg(t, "all_gather_into", 2)
+  if not c then fail(pg, "all_gather_into", e, 2) end
+  local r = finish(opts, function(w) rc_check(C.eng_pg_all_gather_into(pg._c, co, c, w)) end,
+    function() return out end)
+  return r
 end
 
 -- reduce_scatter(t, op = "sum", opts): t is [size*c, ...]; returns [c, ...]
@@ -220,56 +266,72 @@ end
 function M.reduce_scatter(t, op, opts)
   if type(op) == "table" and opts == nil then op, opts = nil, op end
   opts = check_opts(opts, "reduce_scatter", 2)
-  local c = ct(t, "reduce_scatter", 1)
   local pg = group_of(opts, "reduce_scatter", 2)
-  local opc = reduce_op(op, "reduce_scatter", 2)
-  return finish(opts, function(w) return C.eng_pg_reduce_scatter(pg._c, c, opc, w) end,
-    function(p) return wrap_out(p, 4) end, 2)
+  local c, e = tensor_arg(t, "reduce_scatter", 1)
+  if not c then fail(pg, "reduce_scatter", e, 2) end
+  local opc
+  opc, e = reduce_op(op, "reduce_scatter")
+  if not opc then fail(pg, "reduce_scatter", e, 2) end
+  local r = finish(opts, function(w) return C.eng_pg_reduce_scatter(pg._c, c, opc, w) end, out_of(t))
+  return r
 end
 
 function M.reduce_scatter_into(out, t, op, opts)
   if type(op) == "table" and opts == nil then op, opts = nil, op end
   opts = check_opts(opts, "reduce_scatter_into", 2)
-  local co, c = ct(out, "reduce_scatter_into", 1), ct(t, "reduce_scatter_into", 2)
   local pg = group_of(opts, "reduce_scatter_into", 2)
-  local opc = reduce_op(op, "reduce_scatter_into", 2)
-  return finish(opts, function(w) check(C.eng_pg_reduce_scatter_into(pg._c, co, c, opc, w), 5) end,
-    function() return out end, 2)
+  local co, e = tensor_arg(out, "reduce_scatter_into", 1)
+  if not co then fail(pg, "reduce_scatter_into", e, 2) end
+  local c
+  c, e = tensor_arg(t, "reduce_scatter_into", 2)
+  if not c then fail(pg, "reduce_scatter_into", e, 2) end
+  local opc
+  opc, e = reduce_op(op, "reduce_scatter_into")
+  if not opc then fail(pg, "reduce_scatter_into", e, 2) end
+  local r = finish(opts, function(w) rc_check(C.eng_pg_reduce_scatter_into(pg._c, co, c, opc, w)) end,
+    function() return out end)
+  return r
 end
 
 -- all_to_all(t, opts): t is [size*c, ...]; chunk j goes to group rank j and
 -- chunk i of the result came from group rank i.
 function M.all_to_all(t, opts)
   opts = check_opts(opts, "all_to_all", 2)
-  local c = ct(t, "all_to_all", 1)
   local pg = group_of(opts, "all_to_all", 2)
-  return finish(opts, function(w) return C.eng_pg_all_to_all(pg._c, c, w) end,
-    function(p) return wrap_out(p, 4) end, 2)
+  local c, e = tensor_arg(t, "all_to_all", 1)
+  if not c then fail(pg, "all_to_all", e, 2) end
+  local r = finish(opts, function(w) return C.eng_pg_all_to_all(pg._c, c, w) end, out_of(t))
+  return r
 end
 
 function M.all_to_all_into(out, t, opts)
   opts = check_opts(opts, "all_to_all_into", 2)
-  local co, c = ct(out, "all_to_all_into", 1), ct(t, "all_to_all_into", 2)
   local pg = group_of(opts, "all_to_all_into", 2)
-  return finish(opts, function(w) check(C.eng_pg_all_to_all_into(pg._c, co, c, w), 5) end,
-    function() return out end, 2)
+  local co, e = tensor_arg(out, "all_to_all_into", 1)
+  if not co then fail(pg, "all_to_all_into", e, 2) end
+  local c
+  c, e = tensor_arg(t, "all_to_all_into", 2)
+  if not c then fail(pg, "all_to_all_into", e, 2) end
+  local r = finish(opts, function(w) rc_check(C.eng_pg_all_to_all_into(pg._c, co, c, w)) end,
+    function() return out end)
+  return r
 end
 
 -- The root as a group rank: src is a global rank, opts.group_src a group rank.
-local function root_of(pg, src, opts, name, level)
+local function root_of(pg, src, opts, name)
   if opts.group_src ~= nil then
-    if src ~= nil then error(name .. ": give either src (global rank) or opts.group_src, not both", level + 1) end
+    if src ~= nil then return nil, name .. ": give either src (global rank) or opts.group_src, not both" end
     if type(opts.group_src) ~= "number" or opts.group_src % 1 ~= 0 then
-      error(name .. ": opts.group_src must be an integer group rank", level + 1)
+      return nil, name .. ": opts.group_src must be an integer group rank"
     end
     return opts.group_src
   end
   if type(src) ~= "number" or src % 1 ~= 0 then
-    error(string.format("%s: src must be an integer global rank (0-based), got %s", name, tostring(src)), level + 1)
+    return nil, string.format("%s: src must be an integer global rank (0-based), got %s", name, tostring(src))
   end
   if C.eng_pg_is_member(pg._c) == 0 then return 0 end -- skipped anyway
   local r = C.eng_pg_group_rank(pg._c, src)
-  if r < 0 then error(name .. ": src: " .. core.last_error(), level + 1) end
+  if r < 0 then return nil, name .. ": src: " .. core.last_error() end
   return r
 end
 
@@ -277,11 +339,14 @@ end
 function M.broadcast(t, src, opts)
   if type(src) == "table" and opts == nil then src, opts = nil, src end
   opts = check_opts(opts, "broadcast", 2)
-  local c = ct(t, "broadcast", 1)
   local pg = group_of(opts, "broadcast", 2)
-  local root = root_of(pg, src, opts, "broadcast", 2)
-  return finish(opts, function(w) check(C.eng_pg_broadcast(pg._c, c, root, w), 5) end,
-    function() return t end, 2)
+  local c, e = tensor_arg(t, "broadcast", 1)
+  if not c then fail(pg, "broadcast", e, 2) end
+  local root
+  root, e = root_of(pg, src, opts, "broadcast")
+  if not root then fail(pg, "broadcast", e, 2) end
+  local r = finish(opts, function(w) rc_check(C.eng_pg_broadcast(pg._c, c, root, w)) end, function() return t end)
+  return r
 end
 
 -- scatter(out, input, src, opts): out [c, ...] on every rank receives chunk
@@ -289,18 +354,27 @@ end
 function M.scatter(out, input, src, opts)
   if type(src) == "table" and opts == nil then src, opts = nil, src end
   opts = check_opts(opts, "scatter", 2)
-  local co = ct(out, "scatter", 1)
-  local ci = input ~= nil and ct(input, "scatter", 2) or nil
   local pg = group_of(opts, "scatter", 2)
-  local root = root_of(pg, src, opts, "scatter", 2)
-  return finish(opts, function(w) check(C.eng_pg_scatter(pg._c, co, ci, root, w), 5) end,
-    function() return out end, 2)
+  local co, e = tensor_arg(out, "scatter", 1)
+  if not co then fail(pg, "scatter", e, 2) end
+  local ci = nil
+  if input ~= nil then
+    ci, e = tensor_arg(input, "scatter", 2)
+    if not ci then fail(pg, "scatter", e, 2) end
+  end
+  local root
+  root, e = root_of(pg, src, opts, "scatter")
+  if not root then fail(pg, "scatter", e, 2) end
+  local r = finish(opts, function(w) rc_check(C.eng_pg_scatter(pg._c, co, ci, root, w)) end,
+    function() return out end)
+  return r
 end
 
 function M.barrier(opts)
   opts = check_opts(opts, "barrier", 2)
   local pg = group_of(opts, "barrier", 2)
-  return finish(opts, function(w) check(C.eng_pg_barrier(pg._c, w), 5) end, function() return nil end, 2)
+  local r = finish(opts, function(w) rc_check(C.eng_pg_barrier(pg._c, w)) end, function() return nil end)
+  return r
 end
 
 -- ---------------------------------------------------------------- counters

@@ -14,7 +14,7 @@ local C = core.C
 
 local dist = {}
 
-local modules = { "comm", "mesh", "placement", "dtensor", "redistribute", "sharding", "parallel", "fsdp",
+local modules = { "comm", "mesh", "placement", "placements", "dtensor", "redistribute", "sharding", "parallel", "fsdp",
   "sharded_tensor", "checkpoint" }
 for _, name in ipairs(modules) do
   local mod = "engine.distributed." .. name

@@ -211,7 +211,7 @@ function methods.slice(self, ...)
     local a = args[i]
     if type(a) ~= "string" then all_names = false end
     if type(a) ~= "string" and type(a) ~= "number" then
-      error(string.format("DeviceMesh slice: mesh dims must be names or 1-based indices, got %s", type(a)), 3)
+      error(string.format("DeviceMesh slice: mesh dims must be names or 1-based indices, got %s", type(a)), 2)
     end
     key[i] = tostring(a)
   end
@@ -223,14 +223,14 @@ function methods.slice(self, ...)
     local names = ffi.new("const char*[?]", n)
     for i = 1, n do names[i - 1] = args[i] end
     p = C.eng_mesh_slice_names(self._c, n, names)
-    if p == nil then error(core.last_error(), 3) end
+    if p == nil then error(core.last_error(), 2) end
   else
     local dims = ffi.new("int[?]", n)
-    for i = 1, n do dims[i - 1] = mesh_dim(self, args[i], "DeviceMesh slice", 3) end
+    for i = 1, n do dims[i - 1] = mesh_dim(self, args[i], "DeviceMesh slice", 2) end
     p = C.eng_mesh_slice(self._c, n, dims)
-    if p == nil then error(core.last_error(), 3) end
+    if p == nil then error(core.last_error(), 2) end
   end
-  local s = wrap(p, 3)
+  local s = wrap(p, 2)
   self._slices[k] = s
   return s
 end
@@ -238,7 +238,10 @@ end
 -- flatten([name]): a 1-d mesh over this mesh's ranks (row-major) with a new
 -- group; collective over the world.
 function methods.flatten(self, name)
-  if name ~= nil and type(name) ~= "string" then error("DeviceMesh.flatten: name must be a string", 2) end
+  if name ~= nil and type(name) ~= "string" then
+    C.eng_mesh_flatten(self._c, "") -- an invalid call that still takes part in the split
+    error("DeviceMesh.flatten: name must be a string", 2)
+  end
   local k = "\1flat\0" .. (name or "")
   local cached = self._slices[k]
   if cached then return cached end
@@ -253,81 +256,91 @@ local method_names = {}
 for k in pairs(methods) do method_names[k] = true end
 for k in pairs(props) do method_names[k] = true end
 
-local function device_code(device, op, level)
+-- Argument checks return (value) or (nil, message).
+local function device_code(device, op)
   if device == "cpu" then return 0 end
   if device == "cuda" then return 1 end
-  error(string.format("%s: device_type must be \"cpu\" or \"cuda\", got %s", op, tostring(device)), level + 1)
+  return nil, string.format("%s: device_type must be \"cpu\" or \"cuda\", got %s", op, tostring(device))
 end
 
-local function names_arg(names, ndim, op, level)
-  if names == nil then return nil end
-  if type(names) ~= "table" then
-    error(op .. ": mesh_dim_names must be a list of strings", level + 1)
-  end
+local function names_arg(names, ndim, op)
+  if names == nil then return false end
+  if type(names) ~= "table" then return nil, op .. ": mesh_dim_names must be a list of strings" end
   if #names ~= ndim then
-    error(string.format("%s: mesh_shape and mesh_dim_names should have same length! (%d dims, %d names)", op, ndim,
-      #names), level + 1)
+    return nil, string.format("%s: mesh_shape and mesh_dim_names should have same length! (%d dims, %d names)", op,
+      ndim, #names)
   end
   local arr = ffi.new("const char*[?]", ndim)
   for i = 1, ndim do
     local s = names[i]
     if type(s) ~= "string" then
-      error(string.format("%s: mesh_dim_names[%d] must be a string, got %s", op, i, type(s)), level + 1)
+      return nil, string.format("%s: mesh_dim_names[%d] must be a string, got %s", op, i, type(s))
     end
+    if s == "" then return nil, string.format("%s: mesh_dim_names[%d] is empty", op, i) end
     if method_names[s] or s:sub(1, 1) == "_" then
-      error(string.format("%s: mesh_dim_name '%s' clashes with a DeviceMesh method or field; choose another name", op, s),
-        level + 1)
+      return nil, string.format("%s: mesh_dim_name '%s' clashes with a DeviceMesh method or field; choose another name",
+        op, s)
     end
     arr[i - 1] = s
   end
-  return arr, names
+  return arr
 end
 
-local function int_list(t, op, what, level)
-  local n = #t
-  local buf = ffi.new("int[?]", n > 0 and n or 1)
-  for i = 1, n do
-    local v = t[i]
-    if type(v) ~= "number" or v % 1 ~= 0 then
-      error(string.format("%s: %s entry %d must be an integer, got %s", op, what, i, tostring(v)), level + 1)
-    end
-    buf[i - 1] = v
-  end
-  return buf, n
-end
-
-local function make(op, device, shape, ranks, names, level)
-  local dev = device_code(device, op, level + 1)
+local function shape_arg(shape, op)
   if type(shape) == "number" then shape = { shape } end
-  if type(shape) ~= "table" or #shape == 0 then
-    error(op .. ": mesh_shape must be a non-empty list of sizes", level + 1)
-  end
+  if type(shape) ~= "table" or #shape == 0 then return nil, op .. ": mesh_shape must be a non-empty list of sizes" end
   local nd = #shape
-  if nd > 8 then error(string.format("%s: a mesh has at most 8 dims, got %d", op, nd), level + 1) end
+  if nd > 8 then return nil, string.format("%s: a mesh has at most 8 dims, got %d", op, nd) end
   local sh = ffi.new("int64_t[8]")
   for i = 1, nd do
     local v = shape[i]
     if type(v) ~= "number" or v % 1 ~= 0 then
-      error(string.format("%s: mesh_shape entry %d must be an integer, got %s", op, i, tostring(v)), level + 1)
+      return nil, string.format("%s: mesh_shape entry %d must be an integer, got %s", op, i, tostring(v))
     end
     sh[i - 1] = v
   end
-  local narr, keep = names_arg(names, nd, op, level + 1)
-  local rbuf = nil
-  if ranks ~= nil then
-    local n
-    rbuf, n = int_list(ranks, op, "rank list", level + 1)
-    local want = 1
-    for i = 1, nd do want = want * shape[i] end
-    if n ~= want then
-      error(string.format("%s: the rank list has %d entries but the mesh shape {%s} holds %d", op, n,
-        table.concat(shape, ", "), want), level + 1)
+  return sh, shape
+end
+
+local function ranks_arg(ranks, shape, op)
+  if ranks == nil then return false end
+  if type(ranks) ~= "table" then return nil, op .. ": the rank list must be a table of integers" end
+  local n = #ranks
+  local buf = ffi.new("int[?]", n > 0 and n or 1)
+  for i = 1, n do
+    local v = ranks[i]
+    if type(v) ~= "number" or v % 1 ~= 0 then
+      return nil, string.format("%s: rank list entry %d must be an integer, got %s", op, i, tostring(v))
     end
+    buf[i - 1] = v
   end
-  local p = C.eng_mesh_new(dev, nd, sh, rbuf, narr)
-  local _ = keep
+  local want = 1
+  for i = 1, #shape do want = want * shape[i] end
+  if n ~= want then
+    return nil, string.format("%s: the rank list has %d entries but the mesh shape {%s} holds %d", op, n,
+      table.concat(shape, ", "), want)
+  end
+  return buf
+end
+
+-- Creates the mesh (collective).  A rank whose arguments fail the checks here
+-- still takes part in the C-side agreement (with an invalid call), so the
+-- other ranks fail too instead of waiting for it.
+local function make(op, device, shape, ranks, names, level)
+  local dev, sh, shp, narr, rbuf, e
+  dev, e = device_code(device, op)
+  if dev then sh, e = shape_arg(shape, op) end
+  if sh then shp = e; e = nil; narr, e = names_arg(names, #shp, op) end
+  if narr ~= nil and e == nil then rbuf, e = ranks_arg(ranks, shp, op) end
+  if e then
+    C.eng_mesh_new(0, 0, nil, nil, nil)
+    error(e, level + 1)
+  end
+  local p = C.eng_mesh_new(dev, #shp, sh, rbuf or nil, narr or nil)
   if p == nil then error(core.last_error(), level + 1) end
-  return wrap(p, level + 1)
+  local _ = names -- keeps the name strings alive during the call
+  local m = wrap(p, level + 1)
+  return m
 end
 
 -- init_device_mesh(device_type, mesh_shape, mesh_dim_names [, {ranks = {...}}]):
@@ -335,7 +348,8 @@ end
 function M.init_device_mesh(device, shape, names, opts)
   if type(names) == "table" and names.ranks ~= nil and opts == nil and #names == 0 then names, opts = nil, names end
   if opts ~= nil and type(opts) ~= "table" then error("init_device_mesh: options must be a table", 2) end
-  return make("init_device_mesh", device, shape, opts and opts.ranks, names, 2)
+  local m = make("init_device_mesh", device, shape, opts and opts.ranks, names, 2)
+  return m
 end
 
 -- DeviceMesh(device_type, mesh, mesh_dim_names): mesh is a nested Lua table of
@@ -360,7 +374,8 @@ function M.DeviceMesh(device, mesh, names)
   else
     error("DeviceMesh: mesh must be a nested table of ranks or an integer tensor, got " .. type(mesh), 2)
   end
-  return make("DeviceMesh", device, shape, flat, names, 2)
+  local m = make("DeviceMesh", device, shape, flat, names, 2)
+  return m
 end
 
 M.DeviceMeshClass = DeviceMesh

@@ -1,0 +1,181 @@
+/* dtensor.h: placements, DTensor specs, redistribute and the DTensor API.
+ *
+ * A DTensor is an ordinary eng_tensor whose `dist` field is non-NULL.  Its
+ * storage, shape and strides are this rank's LOCAL shard; the spec holds the
+ * mesh, one placement per mesh dim and the GLOBAL shape and stride.  Specs
+ * are immutable and refcounted (many tensors share one).  Autograd works on
+ * the tensor itself: a DTensor that requires grad is a leaf or has a grad_fn
+ * like any tensor, and gradients of DTensors are DTensors.
+ *
+ * Placements: Shard(dim) splits tensor dim `dim` over the mesh dim with
+ * torch.chunk rules (chunk = ceil(n/k); trailing shards may be short or
+ * empty); Replicate() holds the full value on each rank of the mesh dim;
+ * Partial(op) holds values still to be reduced with op (sum, avg, max, min,
+ * prod) over the mesh dim.  Dims are 0-based here and negative dims count
+ * from the end; specs store them normalized.
+ *
+ * Ranks outside the mesh hold an empty local tensor (every size 0, same
+ * number of dims as the global shape) and skip all communication.
+ *
+ * Async redistribute: the last collective of the plan is posted and the call
+ * returns; the result's storage is registered as pending.  It is waited for
+ * (and finished: strided copies out of the receive buffer) by
+ * eng_dtensor_wait, which to_local, full_tensor, redistribute, the DTensor
+ * op dispatch and the Lua layer call before reading the local data.
+ * Gradients (backward) are always redistributed synchronously. */
+#ifndef ENG_DTENSOR_H
+#define ENG_DTENSOR_H
+
+typedef enum eng_placement_kind {
+  ENG_PLACEMENT_REPLICATE = 0, ENG_PLACEMENT_SHARD = 1, ENG_PLACEMENT_PARTIAL = 2
+} eng_placement_kind;
+
+typedef struct eng_placement {
+  int32_t kind;  /* eng_placement_kind */
+  int32_t dim;   /* SHARD: tensor dim */
+  int32_t op;    /* PARTIAL: eng_reduce_op */
+} eng_placement;
+
+/* Immutable once created; fields may be read (also from Lua). */
+typedef struct eng_dist_spec {
+  int32_t refcount;
+  int32_t ndim;                /* tensor dims (global == local) */
+  int32_t mesh_ndim;           /* number of placements */
+  int32_t member;              /* 1 when this rank is in the mesh */
+  eng_mesh* mesh;              /* owned reference */
+  eng_placement placements[8];
+  int64_t shape[8];            /* global shape */
+  int64_t stride[8];           /* global stride */
+  int64_t numel;               /* global numel */
+  int64_t local_shape[8];      /* this rank's shard (all 0 for non-members) */
+  int64_t offset[8];           /* global offset of this rank's shard */
+  int64_t mesh_shape[8];
+  int32_t coord[8];            /* this rank's mesh coordinate (members) */
+  int32_t has_partial, has_shard;
+  uint64_t hash;
+} eng_dist_spec;
+
+/* One step of a redistribute plan: mesh dim, placement change on it, and
+ * the logical shape of the tensor on that mesh dim (sizes before that mesh
+ * dim's own sharding, from the source layout). */
+typedef struct eng_transform_info {
+  int32_t mesh_dim;
+  eng_placement src, dst;
+  int64_t logical_shape[8];
+} eng_transform_info;
+
+/* ---- specs */
+/* n placements (must equal the mesh's ndim); shape has ndim entries; stride
+ * NULL means contiguous.  Shard dims are checked and normalized. */
+eng_dist_spec* eng_dist_spec_new(eng_mesh* mesh, int n, const eng_placement* placements, int ndim,
+                                 const int64_t* shape, const int64_t* stride);
+/* Same mesh, global shape and stride; other placements. */
+eng_dist_spec* eng_dist_spec_with_placements(const eng_dist_spec* s, const eng_placement* placements);
+eng_dist_spec* eng_dist_spec_retain(eng_dist_spec* s);
+void eng_dist_spec_release(eng_dist_spec* s);
+/* Equal meshes (eng_mesh_equal), placements, global shape and stride. */
+int eng_dist_spec_equal(const eng_dist_spec* a, const eng_dist_spec* b);
+uint64_t eng_dist_spec_hash(const eng_dist_spec* s);
+int eng_placement_equal(const eng_placement* a, const eng_placement* b);
+/* "f32[12,3] on mesh(2x2: dp,tp) [Shard(1), Replicate()]" (dtype < 0: no
+ * dtype).  Returns buf. */
+const char* eng_dist_spec_describe(const eng_dist_spec* s, int dtype, char* buf, int buflen);
+/* "Shard(1)", "Replicate()", "Partial(sum)". */
+const char* eng_placement_describe(const eng_placement* p, char* buf, int buflen);
+/* Base used when messages print Shard dims: 0 (C, default) or 1 (the Lua
+ * library sets 1 so messages match what Lua users write).  Returns the
+ * previous base. */
+int eng_dtensor_set_display_base(int base);
+
+/* ---- layout math (pure; no communication) */
+/* torch.chunk: size and offset of chunk idx when n elements go to k chunks
+ * (chunk = ceil(n/k); chunks past the end are empty with offset n). */
+int eng_shard_size_and_offset(int64_t n, int k, int idx, int64_t* size, int64_t* offset);
+/* Local shape and global offset of the shard at mesh coordinate coord of a
+ * global tensor, applying the placements left to right (PyTorch's
+ * compute_local_shape_and_global_offset). */
+int eng_local_shape_and_offset(int ndim, const int64_t* global_shape, int mesh_ndim, const int64_t* mesh_shape,
+                               const int* coord, const eng_placement* placements, int64_t* local_shape,
+                               int64_t* offset);
+/* The greedy redistribute plan (PyTorch's generate_greedy_transform_infos)
+ * for a rank at coord: writes up to cap steps, returns the number of steps
+ * (or -1).  Pure: no mesh needed. */
+int eng_redistribute_plan(int mesh_ndim, const int64_t* mesh_shape, const int* coord, const eng_placement* src,
+                          const eng_placement* dst, int ndim, const int64_t* global_shape,
+                          eng_transform_info* out, int cap);
+/* Same for two specs on one mesh (cached per (src, dst)); this rank. */
+int eng_dtensor_transform_infos(const eng_dist_spec* src, const eng_dist_spec* dst, eng_transform_info* out,
+                                int cap);
+
+/* ---- DTensor queries */
+int eng_is_dtensor(const eng_tensor* t);
+/* Borrowed; NULL for a plain tensor. */
+eng_dist_spec* eng_dtensor_spec(const eng_tensor* t);
+/* Global numel (t->numel for a plain tensor). */
+int64_t eng_dtensor_numel(const eng_tensor* t);
+/* "DTensor(f32[12,3] on mesh(4) [Shard(0)], local f32[3,3])" style. */
+const char* eng_dtensor_describe(const eng_tensor* t, char* buf, int buflen);
+/* A plain view of the local shard (no dist, no autograd). */
+eng_tensor* eng_dtensor_local_view(eng_tensor* t);
+
+/* ---- creation and conversion (autograd-recorded where differentiable) */
+/* No data movement: local becomes this rank's shard.  placements NULL: all
+ * Replicate.  shape and stride (both or neither) give the global metadata
+ * for uneven shards; otherwise the global shape is the local shape times
+ * the mesh size on each Shard dim.  run_check: all ranks of the mesh check
+ * that dtype, requires_grad (and shape/stride when not given) agree, and
+ * rank 0's data is broadcast over every Replicate mesh dim. */
+eng_tensor* eng_dtensor_from_local(eng_tensor* local, eng_mesh* mesh, int n, const eng_placement* placements,
+                                   int run_check, const int64_t* shape, const int64_t* stride);
+/* A new plain view of the local shard; the backward wraps the local grad as a
+ * DTensor with t's placements or grad_placements (mesh ndim entries, or NULL). */
+eng_tensor* eng_dtensor_to_local(eng_tensor* t, const eng_placement* grad_placements);
+/* redistribute to all Replicate, then to_local (differentiable). */
+eng_tensor* eng_dtensor_full_tensor(eng_tensor* t, const eng_placement* grad_placements);
+/* Public redistribute: mesh NULL or equal to t's; a Partial target is legal
+ * only where t already has the identical Partial. */
+eng_tensor* eng_dtensor_redistribute(eng_tensor* t, eng_mesh* mesh, int n, const eng_placement* placements,
+                                     int async_op);
+/* Building block for op dispatch: redistribute t to spec dst (same mesh and
+ * global shape), autograd-recorded.  flags: 1 async, 2 allow Partial targets
+ * (Replicate -> Partial: sum divides by the mesh dim size; avg/max/min keep
+ * the value). */
+eng_tensor* eng_dtensor_redistribute_spec(eng_tensor* t, eng_dist_spec* dst, int flags);
+/* Scatter (Shard) or broadcast (Replicate) from group rank src_data_rank of
+ * each mesh dim, left to right; src_data_rank < 0: every rank takes its
+ * chunk of its own t, no communication.  t must be a leaf; the result is a
+ * leaf with t's requires_grad. */
+eng_tensor* eng_dtensor_distribute_tensor(eng_tensor* t, eng_mesh* mesh, int n, const eng_placement* placements,
+                                          int src_data_rank);
+/* Factories: only the local shard is allocated; global stride contiguous. */
+eng_tensor* eng_dtensor_full(int ndim, const int64_t* shape, double value, int dtype, eng_mesh* mesh, int n,
+                             const eng_placement* placements);
+eng_tensor* eng_dtensor_empty(int ndim, const int64_t* shape, int dtype, eng_mesh* mesh, int n,
+                              const eng_placement* placements);
+/* kind: ENG_RNG_UNIFORM U[a, b) or ENG_RNG_NORMAL N(a, b^2).  Draws the
+ * shard's slice of the global random tensor from the global generator and
+ * advances it by the global numel, as eng_rand does: full_tensor() is the
+ * same for every layout and equals eng_rand/eng_randn with the same seed. */
+eng_tensor* eng_dtensor_random(int kind, int ndim, const int64_t* shape, double a, double b, int dtype,
+                               eng_mesh* mesh, int n, const eng_placement* placements);
+
+/* ---- building blocks for op dispatch (sharding propagation) */
+/* Thread-local: while on, ops ignore `dist` and work on the local tensors.
+ * Returns the previous value. */
+int eng_dtensor_set_local_mode(int on);
+int eng_dtensor_local_mode(void);
+/* Attaches spec (new reference taken) to an op output computed on local
+ * tensors; checks the local shape on members. */
+int eng_dtensor_wrap_output(eng_tensor* out, eng_dist_spec* spec);
+/* Implicit root gradient of backward(): ones in t's local shape, as a DTensor
+ * with the adjoint spec (Partial -> Replicate). */
+eng_tensor* eng_dtensor_ones_grad(eng_tensor* t);
+
+/* ---- async */
+/* Waits for a pending async redistribute whose result shares t's storage
+ * (no-op otherwise). */
+int eng_dtensor_wait(eng_tensor* t);
+int eng_dtensor_is_pending(const eng_tensor* t);
+int eng_dtensor_wait_all(void);
+
+#endif

@@ -1,0 +1,331 @@
+/* dist_spec.c: placements, DTensor specs (mesh + placements + global shape
+ * and stride), torch.chunk layout math and the greedy redistribute planner
+ * (PyTorch's generate_greedy_transform_infos).  No communication here. */
+#include "dtensor_impl.h"
+#include <stdio.h>
+
+static int g_display_base;
+
+int eng_dtensor_set_display_base(int base) {
+  int prev = g_display_base;
+  g_display_base = base ? 1 : 0;
+  return prev;
+}
+
+/* ------------------------------------------------------------------ text */
+const char* eng_placement_describe(const eng_placement* p, char* buf, int cap) {
+  if (!buf || cap <= 0) return "";
+  if (!p) { snprintf(buf, cap, "?"); return buf; }
+  switch (p->kind) {
+    case ENG_PLACEMENT_SHARD:
+      snprintf(buf, cap, "Shard(%d)", p->dim >= 0 ? p->dim + g_display_base : p->dim);
+      break;
+    case ENG_PLACEMENT_REPLICATE: snprintf(buf, cap, "Replicate()"); break;
+    case ENG_PLACEMENT_PARTIAL: {
+      const char* op = eng_reduce_op_name(p->op);
+      snprintf(buf, cap, "Partial(%s)", op ? op : "?");
+      break;
+    }
+    default: snprintf(buf, cap, "Placement(kind %d)", p->kind);
+  }
+  return buf;
+}
+
+const char* dt_placements_str(int n, const eng_placement* pl, char* buf, int cap) {
+  int k = snprintf(buf, cap, "[");
+  for (int i = 0; i < n && k < cap; i++) {
+    char one[48];
+    k += snprintf(buf + k, cap - k, "%s%s", i ? ", " : "", eng_placement_describe(&pl[i], one, sizeof one));
+  }
+  if (k < cap) snprintf(buf + k, cap - k, "]");
+  return buf;
+}
+
+const char* dt_mesh_str(const eng_mesh* m, char* buf, int cap) {
+  if (!m) { snprintf(buf, cap, "mesh(NULL)"); return buf; }
+  int nd = eng_mesh_ndim(m);
+  int k = snprintf(buf, cap, "mesh(");
+  for (int d = 0; d < nd && k < cap; d++) k += snprintf(buf + k, cap - k, "%s%d", d ? "x" : "", eng_mesh_size(m, d));
+  if (eng_mesh_has_names(m))
+    for (int d = 0; d < nd && k < cap; d++)
+      k += snprintf(buf + k, cap - k, "%s%s", d ? "," : ": ", eng_mesh_dim_name(m, d));
+  if (k < cap) snprintf(buf + k, cap - k, ")");
+  return buf;
+}
+
+const char* eng_dist_spec_describe(const eng_dist_spec* s, int dtype, char* buf, int cap) {
+  if (!buf || cap <= 0) return "";
+  if (!s) { snprintf(buf, cap, "(no spec)"); return buf; }
+  char ms[160], ps[400];
+  const char* dn = dtype >= 0 ? eng_dtype_name(dtype) : NULL;
+  snprintf(buf, cap, "%s%s on %s %s", dn ? dn : "", eng_shape_str(s->ndim, s->shape), dt_mesh_str(s->mesh, ms, sizeof ms),
+           dt_placements_str(s->mesh_ndim, s->placements, ps, sizeof ps));
+  return buf;
+}
+
+/* ------------------------------------------------------------------ placements */
+int eng_placement_equal(const eng_placement* a, const eng_placement* b) {
+  if (a->kind != b->kind) return 0;
+  if (a->kind == ENG_PLACEMENT_SHARD) return a->dim == b->dim;
+  if (a->kind == ENG_PLACEMENT_PARTIAL) return a->op == b->op;
+  return 1;
+}
+
+int dt_check_placements(const char* op, const eng_mesh* mesh, int n, const eng_placement* pl, int ndim,
+                        eng_placement* out) {
+  if (!mesh) return eng_err("%s: device mesh is NULL", op);
+  int mnd = eng_mesh_ndim(mesh);
+  if (!pl) return eng_err("%s: placements are NULL", op);
+  if (n != mnd)
+    return eng_err("%s: `placements` must have the same length as `device_mesh.ndim`! Found placements length: "
+                   "%d, and device_mesh.ndim: %d.", op, n, mnd);
+  for (int i = 0; i < n; i++) {
+    eng_placement p = pl[i];
+    switch (p.kind) {
+      case ENG_PLACEMENT_REPLICATE: p.dim = 0; p.op = 0; break;
+      case ENG_PLACEMENT_SHARD:
+        if (p.dim < -ndim || p.dim >= ndim) {
+          int shown = p.dim >= 0 ? p.dim + g_display_base : p.dim;
+          if (ndim == 0)
+            return eng_err("%s: Shard(%d) (placement %d) cannot shard a 0-d tensor", op, shown, i + g_display_base);
+          return eng_err("%s: Shard(%d) (placement %d) is out of range for a %d-d tensor (valid: %d..%d or -%d..-1)",
+                         op, shown, i + g_display_base, ndim, g_display_base, ndim - 1 + g_display_base, ndim);
+        }
+        if (p.dim < 0) p.dim += ndim;
+        p.op = 0;
+        break;
+      case ENG_PLACEMENT_PARTIAL:
+        if (p.op < 0 || p.op >= ENG_NUM_REDUCE_OPS)
+          return eng_err("%s: Partial placement %d has an invalid reduce op code %d", op, i + g_display_base, p.op);
+        p.dim = 0;
+        break;
+      default:
+        return eng_err("%s: placement %d has an invalid kind %d (0 Replicate, 1 Shard, 2 Partial)", op,
+                       i + g_display_base, p.kind);
+    }
+    out[i] = p;
+  }
+  return 0;
+}
+
+/* ------------------------------------------------------------------ layout math */
+int eng_shard_size_and_offset(int64_t n, int k, int idx, int64_t* size, int64_t* offset) {
+  if (k < 1) return eng_err("shard_size_and_offset: %d chunks requested (need >= 1)", k);
+  if (idx < 0 || idx >= k) return eng_err("shard_size_and_offset: chunk index %d out of range for %d chunks", idx, k);
+  if (n < 0) return eng_err("shard_size_and_offset: negative size %lld", (long long)n);
+  int64_t full = (n + k - 1) / k;
+  int64_t off = (int64_t)idx * full;
+  if (off > n) off = n;
+  int64_t sz = n - off < full ? n - off : full;
+  if (size) *size = sz;
+  if (offset) *offset = off;
+  return 0;
+}
+
+static void chunk(int64_t n, int64_t k, int64_t idx, int64_t* size, int64_t* offset) {
+  int64_t full = (n + k - 1) / k;
+  int64_t off = idx * full;
+  if (off > n) off = n;
+  *size = n - off < full ? n - off : full;
+  *offset = off;
+}
+
+int eng_local_shape_and_offset(int ndim, const int64_t* gshape, int mesh_ndim, const int64_t* mesh_shape,
+                               const int* coord, const eng_placement* pl, int64_t* lshape, int64_t* offset) {
+  if (ndim < 0 || ndim > ENG_MAX_DIMS) return eng_err("local_shape_and_offset: invalid ndim %d", ndim);
+  if (mesh_ndim < 1 || mesh_ndim > ENG_MAX_DIMS) return eng_err("local_shape_and_offset: invalid mesh ndim %d", mesh_ndim);
+  for (int d = 0; d < ndim; d++) { lshape[d] = gshape[d]; offset[d] = 0; }
+  for (int i = 0; i < mesh_ndim; i++) {
+    if (pl[i].kind != ENG_PLACEMENT_SHARD) continue;
+    int d = pl[i].dim < 0 ? pl[i].dim + ndim : pl[i].dim;
+    if (d < 0 || d >= ndim) return eng_err("local_shape_and_offset: Shard dim %d out of range for %d dims", pl[i].dim, ndim);
+    if (mesh_shape[i] < 1 || coord[i] < 0 || coord[i] >= mesh_shape[i])
+      return eng_err("local_shape_and_offset: coordinate %d out of range for mesh dim %d of size %lld", coord[i], i,
+                     (long long)mesh_shape[i]);
+    int64_t sz, off;
+    chunk(lshape[d], mesh_shape[i], coord[i], &sz, &off);
+    lshape[d] = sz;
+    offset[d] += off;
+  }
+  return 0;
+}
+
+/* ------------------------------------------------------------------ specs */
+static uint64_t fnv(uint64_t h, const void* p, size_t n) {
+  const unsigned char* b = p;
+  for (size_t i = 0; i < n; i++) { h ^= b[i]; h *= 1099511628211ull; }
+  return h;
+}
+
+eng_dist_spec* dt_spec_make(eng_mesh* mesh, const eng_placement* pl, int ndim, const int64_t* shape,
+                            const int64_t* stride) {
+  eng_dist_spec* s = calloc(1, sizeof *s);
+  if (!s) return eng_errp("DTensor spec: out of memory");
+  s->refcount = 1;
+  s->ndim = ndim;
+  s->mesh_ndim = eng_mesh_ndim(mesh);
+  s->mesh = eng_mesh_retain(mesh);
+  for (int i = 0; i < s->mesh_ndim; i++) {
+    s->placements[i] = pl[i];
+    s->mesh_shape[i] = eng_mesh_size(mesh, i);
+    if (pl[i].kind == ENG_PLACEMENT_PARTIAL) s->has_partial = 1;
+    if (pl[i].kind == ENG_PLACEMENT_SHARD) s->has_shard = 1;
+  }
+  for (int d = 0; d < ndim; d++) s->shape[d] = shape[d];
+  if (stride) for (int d = 0; d < ndim; d++) s->stride[d] = stride[d];
+  else eng_contiguous_strides(ndim, shape, s->stride);
+  s->numel = eng_shape_numel(ndim, shape);
+  int coord[ENG_MAX_DIMS];
+  s->member = eng_mesh_get_coordinate(mesh, coord) ? 1 : 0;
+  if (s->member) {
+    for (int i = 0; i < s->mesh_ndim; i++) s->coord[i] = coord[i];
+    eng_local_shape_and_offset(ndim, s->shape, s->mesh_ndim, s->mesh_shape, coord, s->placements, s->local_shape,
+                               s->offset);
+  } else {
+    for (int d = 0; d < ndim; d++) { s->local_shape[d] = 0; s->offset[d] = 0; }
+  }
+  uint64_t h = 1469598103934665603ull;
+  h = fnv(h, &s->ndim, sizeof s->ndim);
+  h = fnv(h, &s->mesh_ndim, sizeof s->mesh_ndim);
+  h = fnv(h, s->mesh_shape, sizeof(int64_t) * (size_t)s->mesh_ndim);
+  h = fnv(h, s->placements, sizeof(eng_placement) * (size_t)s->mesh_ndim);
+  h = fnv(h, s->shape, sizeof(int64_t) * (size_t)ndim);
+  h = fnv(h, s->stride, sizeof(int64_t) * (size_t)ndim);
+  s->hash = h;
+  return s;
+}
+
+eng_dist_spec* eng_dist_spec_new(eng_mesh* mesh, int n, const eng_placement* pl, int ndim, const int64_t* shape,
+                                 const int64_t* stride) {
+  const char* op = "DTensor spec";
+  if (ndim < 0 || ndim > ENG_MAX_DIMS) return eng_errp("%s: %d dims (tensors have 0 to %d dims)", op, ndim, ENG_MAX_DIMS);
+  if (ndim > 0 && !shape) return eng_errp("%s: shape is NULL", op);
+  for (int d = 0; d < ndim; d++)
+    if (shape[d] < 0) return eng_errp("%s: negative size in shape %s", op, eng_shape_str(ndim, shape));
+  eng_placement norm[ENG_MAX_DIMS];
+  if (dt_check_placements(op, mesh, n, pl, ndim, norm)) return NULL;
+  return dt_spec_make(mesh, norm, ndim, shape, stride);
+}
+
+eng_dist_spec* eng_dist_spec_with_placements(const eng_dist_spec* s, const eng_placement* pl) {
+  if (!s) return eng_errp("DTensor spec: spec is NULL");
+  eng_placement norm[ENG_MAX_DIMS];
+  if (dt_check_placements("DTensor spec", s->mesh, s->mesh_ndim, pl, s->ndim, norm)) return NULL;
+  return dt_spec_make(s->mesh, norm, s->ndim, s->shape, s->stride);
+}
+
+eng_dist_spec* eng_dist_spec_retain(eng_dist_spec* s) {
+  if (s) __atomic_add_fetch(&s->refcount, 1, __ATOMIC_RELAXED);
+  return s;
+}
+
+/* Strong definition of the hook tensor.c calls when a DTensor dies. */
+void eng_dist_spec_release(eng_dist_spec* s) {
+  if (!s) return;
+  if (__atomic_sub_fetch(&s->refcount, 1, __ATOMIC_ACQ_REL) != 0) return;
+  eng_mesh_release(s->mesh);
+  free(s);
+}
+
+uint64_t eng_dist_spec_hash(const eng_dist_spec* s) { return s ? s->hash : 0; }
+
+int eng_dist_spec_equal(const eng_dist_spec* a, const eng_dist_spec* b) {
+  if (a == b) return 1;
+  if (!a || !b || a->hash != b->hash || a->ndim != b->ndim || a->mesh_ndim != b->mesh_ndim) return 0;
+  for (int i = 0; i < a->mesh_ndim; i++) if (!eng_placement_equal(&a->placements[i], &b->placements[i])) return 0;
+  for (int d = 0; d < a->ndim; d++) if (a->shape[d] != b->shape[d] || a->stride[d] != b->stride[d]) return 0;
+  return a->mesh == b->mesh || eng_mesh_equal(a->mesh, b->mesh);
+}
+
+eng_dist_spec* dt_spec_adjoint(eng_dist_spec* s) {
+  if (!s->has_partial) return eng_dist_spec_retain(s);
+  eng_placement pl[ENG_MAX_DIMS];
+  for (int i = 0; i < s->mesh_ndim; i++) {
+    pl[i] = s->placements[i];
+    if (pl[i].kind == ENG_PLACEMENT_PARTIAL) { pl[i].kind = ENG_PLACEMENT_REPLICATE; pl[i].op = 0; }
+  }
+  return dt_spec_make(s->mesh, pl, s->ndim, s->shape, s->stride);
+}
+
+/* ------------------------------------------------------------------ planner */
+static int emit(eng_transform_info* out, int cap, int* n, int mesh_dim, const eng_placement* src,
+                const eng_placement* dst, int ndim, const int64_t* ls) {
+  if (*n >= cap) return eng_err("redistribute plan: more than %d steps", cap);
+  eng_transform_info* t = &out[*n];
+  memset(t, 0, sizeof *t);
+  t->mesh_dim = mesh_dim;
+  t->src = *src;
+  t->dst = *dst;
+  for (int d = 0; d < ndim; d++) t->logical_shape[d] = ls[d];
+  (*n)++;
+  return 0;
+}
+
+int eng_redistribute_plan(int mesh_ndim, const int64_t* mesh_shape, const int* coord, const eng_placement* src,
+                          const eng_placement* dst, int ndim, const int64_t* gshape, eng_transform_info* out,
+                          int cap) {
+  if (mesh_ndim < 1 || mesh_ndim > ENG_MAX_DIMS) return eng_err("redistribute plan: invalid mesh ndim %d", mesh_ndim);
+  if (ndim < 0 || ndim > ENG_MAX_DIMS) return eng_err("redistribute plan: invalid tensor ndim %d", ndim);
+  eng_placement s[ENG_MAX_DIMS], t[ENG_MAX_DIMS], cur[ENG_MAX_DIMS];
+  for (int i = 0; i < mesh_ndim; i++) {
+    s[i] = src[i]; t[i] = dst[i];
+    if (s[i].kind == ENG_PLACEMENT_SHARD && s[i].dim < 0) s[i].dim += ndim;
+    if (t[i].kind == ENG_PLACEMENT_SHARD && t[i].dim < 0) t[i].dim += ndim;
+    if ((s[i].kind == ENG_PLACEMENT_SHARD && (s[i].dim < 0 || s[i].dim >= ndim)) ||
+        (t[i].kind == ENG_PLACEMENT_SHARD && (t[i].dim < 0 || t[i].dim >= ndim)))
+      return eng_err("redistribute plan: Shard dim out of range for a %d-d tensor on mesh dim %d", ndim, i);
+    if (coord[i] < 0 || coord[i] >= mesh_shape[i])
+      return eng_err("redistribute plan: coordinate %d out of range for mesh dim %d of size %lld", coord[i], i,
+                     (long long)mesh_shape[i]);
+  }
+  int n = 0;
+  /* logical shapes per mesh dim, from the source layout */
+  int64_t ls[ENG_MAX_DIMS + 1][ENG_MAX_DIMS];
+  for (int d = 0; d < ndim; d++) ls[0][d] = gshape[d];
+  if (mesh_ndim == 1) {
+    if (emit(out, cap, &n, 0, &s[0], &t[0], ndim, ls[0])) return -1;
+    return n;
+  }
+  int64_t num_shards = 1;
+  for (int i = 0; i < mesh_ndim; i++) {
+    for (int d = 0; d < ndim; d++) ls[i + 1][d] = ls[i][d];
+    if (s[i].kind == ENG_PLACEMENT_SHARD) {
+      num_shards *= mesh_shape[i];
+      if (i < mesh_ndim - 1) {
+        int64_t sz, off;
+        chunk(ls[i][s[i].dim], mesh_shape[i], coord[i], &sz, &off);
+        ls[i + 1][s[i].dim] = sz;
+      }
+    }
+    cur[i] = s[i];
+  }
+  if (num_shards > 1) {
+    /* inner -> outer: gathers first; a target Shard whose tensor dim is sharded
+     * differently by the outer mesh dims (now vs in the target) passes through
+     * Replicate */
+    for (int i = mesh_ndim - 1; i >= 0; i--) {
+      eng_placement tg = t[i];
+      if (tg.kind == ENG_PLACEMENT_SHARD) {
+        int same = 1;
+        for (int j = 0; j < i; j++) {
+          int a = cur[j].kind == ENG_PLACEMENT_SHARD && cur[j].dim == tg.dim;
+          int b = t[j].kind == ENG_PLACEMENT_SHARD && t[j].dim == tg.dim;
+          if (a != b) { same = 0; break; }
+        }
+        if (!same) { tg.kind = ENG_PLACEMENT_REPLICATE; tg.dim = 0; tg.op = 0; }
+      }
+      if (!eng_placement_equal(&cur[i], &tg)) {
+        if (emit(out, cap, &n, i, &cur[i], &tg, ndim, ls[i])) return -1;
+        cur[i] = tg;
+      }
+    }
+  }
+  /* outer -> inner: the remaining (re-)sharding */
+  for (int i = 0; i < mesh_ndim; i++) {
+    if (!eng_placement_equal(&cur[i], &t[i])) {
+      if (emit(out, cap, &n, i, &cur[i], &t[i], ndim, ls[i])) return -1;
+      cur[i] = t[i];
+    }
+  }
+  return n;
+}

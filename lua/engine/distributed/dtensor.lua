@@ -1,0 +1,330 @@
+-- engine.distributed.dtensor: DTensor (a Tensor sharded/replicated over a DeviceMesh).
+--
+--   local dist = engine.distributed
+--   local mesh = dist.init_device_mesh("cpu", {2, 2}, {"dp", "tp"})
+--   local d = dist.distribute_tensor(x, mesh, {dist.Shard(1), dist.Replicate()})
+--   d:shape()                       -- GLOBAL shape; d:to_local():shape() is this rank's shard
+--   d = d:redistribute(nil, {dist.Replicate(), dist.Shard(2)})   -- mesh nil: same mesh
+--   local full = d:full_tensor()    -- plain Tensor with the whole value
+--   local p = dist.DTensor.from_local(t, mesh, {dist.Partial(), dist.Replicate()})
+--   dist.rand({8, 16}, {mesh = mesh, placements = {dist.Shard(1), dist.Replicate()}})
+--
+-- A DTensor IS a Tensor (same class; d._c.dist ~= nil): backward, .grad and
+-- hooks work as usual and gradients of DTensors are DTensors.  d.placements is
+-- a Lua list of placements (Shard dims 1-based), d.device_mesh the mesh.
+-- Ranks outside the mesh hold empty local tensors and skip communication.
+-- Collectives are counted by dist.comm_counts() / dist.count_collectives().
+local core = require("engine.core")
+local Tensor = require("engine.tensor")
+local P = require("engine.distributed.placements")
+local meshmod = require("engine.distributed.mesh")
+local ffi, C = core.ffi, core.C
+local wrap, ct, check = core.wrap, core.ct, core.check
+local methods, props = Tensor.methods, Tensor.props
+
+local M = {}
+M.Shard, M.Replicate, M.Partial = P.Shard, P.Replicate, P.Partial
+M.is_placement = P.is_placement
+
+local function is_dtensor(t) return core.is_tensor(t) and t._c.dist ~= nil end
+M.is_dtensor = is_dtensor
+
+-- ---------------------------------------------------------------- meshes
+-- The Lua mesh object for a C mesh pointer: the one the user passed in if it is
+-- still alive (weak table), else a new wrapper holding a new reference.
+local meshes = setmetatable({}, { __mode = "v" })
+local function key_of(p) return tonumber(ffi.cast("uintptr_t", p)) end
+local function remember(mesh) meshes[key_of(mesh._c)] = mesh; return mesh end
+local function mesh_of(p)
+  local k = key_of(p)
+  local m = meshes[k]
+  if m and m._c == p then return m end
+  m = meshmod._wrap_mesh(C.eng_mesh_retain(p))
+  meshes[k] = m
+  return m
+end
+
+local function mesh_arg(mesh, op)
+  if not meshmod.is_mesh(mesh) then
+    core.fail(string.format("%s: device_mesh must be a DeviceMesh (dist.init_device_mesh), got %s", op, type(mesh)))
+  end
+  return remember(mesh)
+end
+
+local function placements_arg(pl, mesh, op)
+  if pl == nil then return nil, C.eng_mesh_ndim(mesh._c) end
+  return P._to_c(pl, op)
+end
+
+local function opts_arg(opts, op)
+  if opts ~= nil and type(opts) ~= "table" then core.fail(op .. ": options must be a table") end
+  return opts or {}
+end
+
+local function int64_list(list, op, what)
+  if type(list) ~= "table" then core.fail(string.format("%s: %s must be a list of integers", op, what)) end
+  local n = #list
+  if n > 8 then core.fail(string.format("%s: %s has %d entries (at most 8)", op, what, n)) end
+  local arr = ffi.new("int64_t[8]")
+  for i = 1, n do
+    local v = list[i]
+    if type(v) ~= "number" or v % 1 ~= 0 then
+      core.fail(string.format("%s: %s[%d] must be an integer, got %s", op, what, i, tostring(v)))
+    end
+    arr[i - 1] = v
+  end
+  return arr, n
+end
+
+local function list_of(arr, n)
+  local r = {}
+  for i = 0, n - 1 do r[i + 1] = tonumber(arr[i]) end
+  return r
+end
+
+-- ---------------------------------------------------------------- creation
+local DTensor = {}
+M.DTensor = DTensor
+
+-- DTensor.from_local(t, mesh, placements, {run_check = false, shape = {...}, stride = {...}})
+-- No data movement: t becomes this rank's shard.  placements nil: all
+-- Replicate.  Without shape/stride the global shape is t's shape times the
+-- mesh size on each Shard dim; give both for uneven shards.
+function DTensor.from_local(t, mesh, placements, opts)
+  local op = "from_local"
+  local c = ct(t, op, 1)
+  mesh = mesh_arg(mesh, op)
+  opts = opts_arg(opts, op)
+  local arr, n = placements_arg(placements, mesh, op)
+  local sh, st = nil, nil
+  if opts.shape ~= nil then
+    local nn
+    sh, nn = int64_list(opts.shape, op, "shape")
+    if nn ~= c.ndim then core.fail(string.format("%s: shape has %d entries for a %d-d local tensor", op, nn, c.ndim)) end
+  end
+  if opts.stride ~= nil then
+    local nn
+    st, nn = int64_list(opts.stride, op, "stride")
+    if nn ~= c.ndim then core.fail(string.format("%s: stride has %d entries for a %d-d local tensor", op, nn, c.ndim)) end
+  end
+  return wrap(C.eng_dtensor_from_local(c, mesh._c, n, arr, opts.run_check and 1 or 0, sh, st))
+end
+M.from_local = DTensor.from_local
+DTensor.is_dtensor = is_dtensor
+
+-- distribute_tensor(t, mesh, placements, {src_data_rank = 0}): scatter (Shard)
+-- or broadcast (Replicate) from group rank src_data_rank of each mesh dim;
+-- src_data_rank = false (or -1): every rank uses its own t, no communication.
+function M.distribute_tensor(t, mesh, placements, opts)
+  local op = "distribute_tensor"
+  local c = ct(t, op, 1)
+  mesh = mesh_arg(mesh, op)
+  opts = opts_arg(opts, op)
+  local arr, n = placements_arg(placements, mesh, op)
+  local src = opts.src_data_rank
+  if src == nil then src = 0 elseif src == false then src = -1 end
+  if type(src) ~= "number" or src % 1 ~= 0 then
+    core.fail(op .. ": src_data_rank must be an integer group rank, or false for no communication")
+  end
+  return wrap(C.eng_dtensor_distribute_tensor(c, mesh._c, n, arr, src))
+end
+
+-- Factories: only the local shard is allocated.
+local function factory_args(op, shape, opts)
+  opts = opts_arg(opts, op)
+  if opts.mesh == nil then core.fail(op .. ": opts.mesh (a DeviceMesh) is required") end
+  local mesh = mesh_arg(opts.mesh, op)
+  local nd, sarr = core.shape_arg(op, shape)
+  local arr, n = placements_arg(opts.placements, mesh, op)
+  local dt = core.dtype(opts.dtype, op)
+  return mesh, nd, sarr, arr, n, dt, opts
+end
+
+local function requires(t, opts)
+  if opts.requires_grad then check(C.eng_tensor_set_requires_grad(t._c, 1)) end
+  return t
+end
+
+function M.full(shape, value, opts)
+  if type(value) == "boolean" then value = value and 1 or 0 end
+  if type(value) ~= "number" then core.fail("full: fill value must be a number, got " .. type(value)) end
+  local mesh, nd, sarr, arr, n, dt
+  mesh, nd, sarr, arr, n, dt, opts = factory_args("full", shape, opts)
+  return requires(wrap(C.eng_dtensor_full(nd, sarr, value, dt, mesh._c, n, arr)), opts)
+end
+function M.zeros(shape, opts)
+  local mesh, nd, sarr, arr, n, dt
+  mesh, nd, sarr, arr, n, dt, opts = factory_args("zeros", shape, opts)
+  return requires(wrap(C.eng_dtensor_full(nd, sarr, 0, dt, mesh._c, n, arr)), opts)
+end
+function M.ones(shape, opts)
+  local mesh, nd, sarr, arr, n, dt
+  mesh, nd, sarr, arr, n, dt, opts = factory_args("ones", shape, opts)
+  return requires(wrap(C.eng_dtensor_full(nd, sarr, 1, dt, mesh._c, n, arr)), opts)
+end
+function M.empty(shape, opts)
+  local mesh, nd, sarr, arr, n, dt
+  mesh, nd, sarr, arr, n, dt, opts = factory_args("empty", shape, opts)
+  return requires(wrap(C.eng_dtensor_empty(nd, sarr, dt, mesh._c, n, arr)), opts)
+end
+-- rand/randn: the shard's slice of the global random tensor; full_tensor() is
+-- the same for every layout and equals engine.rand/randn with the same seed.
+function M.rand(shape, opts)
+  local mesh, nd, sarr, arr, n, dt
+  mesh, nd, sarr, arr, n, dt, opts = factory_args("rand", shape, opts)
+  return requires(wrap(C.eng_dtensor_random(0, nd, sarr, 0, 1, dt, mesh._c, n, arr)), opts)
+end
+function M.randn(shape, opts)
+  local mesh, nd, sarr, arr, n, dt
+  mesh, nd, sarr, arr, n, dt, opts = factory_args("randn", shape, opts)
+  return requires(wrap(C.eng_dtensor_random(1, nd, sarr, 0, 1, dt, mesh._c, n, arr)), opts)
+end
+
+-- ---------------------------------------------------------------- methods
+local function need_dtensor(t, op)
+  local c = ct(t, op, "self")
+  if c.dist == nil then core.fail(string.format("%s: %s is not a DTensor", op, ffi.string(C.eng_dtensor_describe(c, ffi.new("char[256]"), 256)))) end
+  return c
+end
+
+local function grad_pl(opts, op)
+  opts = opts_arg(opts, op)
+  if opts.grad_placements == nil then return nil end
+  return (P._to_c(opts.grad_placements, op .. ": grad_placements"))
+end
+
+-- d:to_local({grad_placements = {...}}): plain view of this rank's shard.
+function methods.to_local(t, opts)
+  local c = need_dtensor(t, "to_local")
+  return wrap(C.eng_dtensor_to_local(c, grad_pl(opts, "to_local")))
+end
+
+-- d:full_tensor({grad_placements = {...}}): the whole value on every rank (plain Tensor).
+function methods.full_tensor(t, opts)
+  local c = need_dtensor(t, "full_tensor")
+  return wrap(C.eng_dtensor_full_tensor(c, grad_pl(opts, "full_tensor")))
+end
+
+-- d:redistribute(mesh_or_nil, placements, {async_op = false}); also d:redistribute(placements).
+function methods.redistribute(t, mesh, placements, opts)
+  local op = "redistribute"
+  local c = need_dtensor(t, op)
+  if placements == nil and type(mesh) == "table" and not meshmod.is_mesh(mesh) then mesh, placements = nil, mesh end
+  if mesh ~= nil then mesh = mesh_arg(mesh, op) end
+  if placements == nil then core.fail(op .. ": placements is needed for redistribute!") end
+  opts = opts_arg(opts, op)
+  local arr, n = P._to_c(placements, op)
+  return wrap(C.eng_dtensor_redistribute(c, mesh and mesh._c or nil, n, arr, opts.async_op and 1 or 0))
+end
+
+-- Async results: wait for / query a pending redistribute.
+function methods.wait(t)
+  check(C.eng_dtensor_wait(ct(t, "wait", "self")))
+  return t
+end
+function methods.is_pending(t) return C.eng_dtensor_is_pending(ct(t, "is_pending", "self")) ~= 0 end
+function methods.is_dtensor(t) return t._c.dist ~= nil end
+
+props.placements = function(t)
+  local s = t._c.dist
+  if s == nil then return nil end
+  return P._from_c(s.placements, s.mesh_ndim)
+end
+props.device_mesh = function(t)
+  local s = t._c.dist
+  if s == nil then return nil end
+  return mesh_of(s.mesh)
+end
+
+local desc_buf = ffi.new("char[?]", 2048)
+function Tensor.dtensor_tostring(t)
+  local c = t._c
+  C.eng_dtensor_wait(c)
+  local s = c.dist
+  local spec = ffi.string(C.eng_dist_spec_describe(s, c.dtype, desc_buf, 2048))
+  local extra = ""
+  if c.grad_fn ~= nil then extra = ", grad_fn=" .. ffi.string(c.grad_fn.name)
+  elseif c.requires_grad ~= 0 then extra = ", requires_grad=true" end
+  local localt = wrap(C.eng_dtensor_local_view(c))
+  return string.format("DTensor(%s%s, local=%s)", spec, extra, tostring(localt))
+end
+
+-- ---------------------------------------------------------------- layout helpers
+-- local_shard_size_and_offset(n, k, r): torch.chunk size and (0-based) offset of chunk r.
+function M.local_shard_size_and_offset(n, k, r)
+  local size, off = ffi.new("int64_t[1]"), ffi.new("int64_t[1]")
+  check(C.eng_shard_size_and_offset(n, k, r, size, off))
+  return tonumber(size[0]), tonumber(off[0])
+end
+
+-- compute_local_shape_and_global_offset(global_shape, mesh, placements [, coord])
+-- -> local shape, 0-based global offsets (lists).  coord (0-based list)
+-- defaults to this rank's; a rank outside the mesh gets zeros and nil.
+function M.compute_local_shape_and_global_offset(shape, mesh, placements, coord)
+  local op = "compute_local_shape_and_global_offset"
+  mesh = mesh_arg(mesh, op)
+  local sarr, nd = int64_list(shape, op, "global shape")
+  local arr, n = placements_arg(placements, mesh, op)
+  local mnd = C.eng_mesh_ndim(mesh._c)
+  if arr == nil then arr = P._to_c((function() local r = {} for i = 1, mnd do r[i] = P.Replicate() end return r end)(), op) end
+  if n ~= mnd then
+    core.fail(string.format("%s: `placements` must have the same length as `device_mesh.ndim`! Found placements length: %d, and device_mesh.ndim: %d.", op, n, mnd))
+  end
+  local cbuf = ffi.new("int[8]")
+  if coord ~= nil then
+    for i = 1, mnd do cbuf[i - 1] = coord[i] end
+  elseif C.eng_mesh_get_coordinate(mesh._c, cbuf) == 0 then
+    local z = {}
+    for i = 1, nd do z[i] = 0 end
+    return z, nil
+  end
+  local mshape = ffi.new("int64_t[8]")
+  for i = 0, mnd - 1 do mshape[i] = C.eng_mesh_size(mesh._c, i) end
+  local ls, off = ffi.new("int64_t[8]"), ffi.new("int64_t[8]")
+  check(C.eng_local_shape_and_offset(nd, sarr, mnd, mshape, cbuf, arr, ls, off))
+  return list_of(ls, nd), list_of(off, nd)
+end
+
+-- redistribute_plan(src_placements, dst_placements, global_shape, mesh_or_shape [, coord])
+-- -> list of steps {mesh_dim = (1-based), src = Placement, dst = Placement,
+-- logical_shape = {...}} (PyTorch's greedy transform infos).  With a list of
+-- mesh sizes instead of a mesh, coord (0-based list) is required.
+function M.redistribute_plan(src, dst, shape, mesh, coord)
+  local op = "redistribute_plan"
+  local sarr, nd = int64_list(shape, op, "global shape")
+  local mshape = ffi.new("int64_t[8]")
+  local cbuf = ffi.new("int[8]")
+  local mnd
+  if meshmod.is_mesh(mesh) then
+    mnd = C.eng_mesh_ndim(mesh._c)
+    for i = 0, mnd - 1 do mshape[i] = C.eng_mesh_size(mesh._c, i) end
+    if coord == nil and C.eng_mesh_get_coordinate(mesh._c, cbuf) == 0 then return {} end
+  else
+    local _
+    _, mnd = int64_list(mesh, op, "mesh shape")
+    for i = 1, mnd do mshape[i - 1] = mesh[i] end
+    if coord == nil then core.fail(op .. ": coord (a 0-based list) is required with a mesh shape") end
+  end
+  if coord ~= nil then for i = 1, mnd do cbuf[i - 1] = coord[i] end end
+  local sa, sn = P._to_c(src, op)
+  local da, dn = P._to_c(dst, op)
+  if sn ~= mnd or dn ~= mnd then
+    core.fail(string.format("%s: %d source and %d target placements for a %d-d mesh", op, sn, dn, mnd))
+  end
+  local out = ffi.new("eng_transform_info[16]")
+  local n = C.eng_redistribute_plan(mnd, mshape, cbuf, sa, da, nd, sarr, out, 16)
+  if n < 0 then core.raise() end
+  local r = {}
+  for i = 0, n - 1 do
+    local e = out[i]
+    r[i + 1] = { mesh_dim = e.mesh_dim + 1, src = P._one_from_c(e.src), dst = P._one_from_c(e.dst),
+      logical_shape = list_of(e.logical_shape, nd) }
+  end
+  return r
+end
+
+-- Local mode (for op dispatch code): ops ignore DTensor specs while on.
+function M.set_local_mode(on) return C.eng_dtensor_set_local_mode(on and 1 or 0) ~= 0 end
+function M.wait_all() check(C.eng_dtensor_wait_all()) end
+
+return M

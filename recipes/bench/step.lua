@@ -1,0 +1,153 @@
+-- recipes/bench/step.lua: training-step time of the reference model against its floors and PyTorch.
+--
+--   build/engine recipes/bench/step.lua [--steps=20] [--warmup=3] [--threads=2] [--torch=1]
+--       [--n_layers=4] [--dim=256] [--n_heads=4] [--seq=128] [--batch=8] [--gemm_reps=5]
+--   make bench
+--
+-- Prints, in one run:
+--   1. engine: median ms per training step (forward + cross entropy + backward + grad clipping-free
+--      AdamW step + zero_grad, fixed random batch) after `warmup` steps, for seq 003's Transformer
+--      (4 layers, dim 256, 4 heads, seq 128, batch 8, vocab 256, fp32, dropout 0, tied output weights).
+--   2. GEMM floor: the measured sgemm rate of the engine's matmul/linear on every GEMM shape of one
+--      step (each Linear's forward x W^T, grad-input g W and grad-weight g^T x at M = batch x seq),
+--      and 6 x params x tokens / that rate: the time a step would take if it were nothing but GEMMs
+--      at that rate.  Also the measured time of those GEMMs themselves (attention excluded).
+--   3. PyTorch: tools/bench_step_torch.py with the same model, batch and init under /usr/bin/python3
+--      (torch.set_num_threads(1), OpenBLAS with --threads threads), when torch is importable there;
+--      both medians and the ratio.
+-- The BLAS core (engine.blas_corename()) and thread counts are logged: OPENBLAS_CORETYPE changes
+-- sgemm speed by up to 1.8x on the same machine (shared/reference/environment.md section 5).
+local engine = require("engine")
+local nn, optim = engine.nn, engine.optim
+local F = nn.functional
+
+local o = { steps = 20, warmup = 3, threads = 2, torch = 1, n_layers = 4, dim = 256, n_heads = 4, seq = 128,
+  batch = 8, vocab = 256, gemm_reps = 5 }
+for _, a in ipairs(arg or {}) do
+  local k, v = a:match("^%-%-([%w_]+)=(.*)$")
+  if not k or o[k] == nil then
+    local names = {}
+    for n in pairs(o) do names[#names + 1] = "--" .. n end
+    table.sort(names)
+    error("bench/step: bad argument '" .. a .. "' (options: " .. table.concat(names, " ") .. ")", 0)
+  end
+  o[k] = tonumber(v) or error("bench/step: --" .. k .. " must be a number", 0)
+end
+
+local function median(t)
+  local s = { unpack(t) }
+  table.sort(s)
+  local n = #s
+  return n % 2 == 1 and s[(n + 1) / 2] or 0.5 * (s[n / 2] + s[n / 2 + 1])
+end
+
+engine.set_num_threads(o.threads)
+print(string.format("bench/step: engine %s, BLAS core %s, %d threads, OPENBLAS_CORETYPE=%s", engine.version,
+  engine.blas_corename(), engine.get_num_threads(), os.getenv("OPENBLAS_CORETYPE") or "(unset)"))
+
+-- ---------------------------------------------------------------- 1. training step
+engine.manual_seed(0)
+local model = nn.Transformer{ n_layers = o.n_layers, dim = o.dim, n_heads = o.n_heads, vocab_size = o.vocab,
+  max_seq_len = o.seq, dropout_p = 0 }
+for name, p in model:named_parameters() do  -- GPT-2 style init, as recipes/gpt.lua and the torch script
+  if name:match("embeddings%.weight$") then nn.init.normal_(p, 0, 0.02) end
+end
+model:train()
+local params = model:parameters()
+local nparams = model:num_parameters()
+local opt = optim.AdamW(params, { lr = 3e-4, betas = { 0.9, 0.999 }, eps = 1e-8, weight_decay = 0.1 })
+local seq = (engine.rand(o.batch, o.seq + 1) * o.vocab):long():clamp(0, o.vocab - 1)
+local x = seq:narrow(2, 1, o.seq):contiguous()
+local y = seq:narrow(2, 2, o.seq):contiguous()
+local tokens = o.batch * o.seq
+
+local times, losses = {}, {}
+for i = 1, o.warmup + o.steps do
+  local t0 = engine.time()
+  local loss = F.cross_entropy(model(x), y)
+  loss:backward()
+  opt:step()
+  opt:zero_grad()
+  losses[#losses + 1] = loss:item()
+  local dt = engine.time() - t0
+  if i > o.warmup then times[#times + 1] = dt * 1e3 end
+end
+local eng_ms = median(times)
+table.sort(times)
+print(string.format("engine step: median %.1f ms (min %.1f, max %.1f) over %d steps after %d warm-up; "
+  .. "%d params, %d tokens/step, %.0f tok/s, loss %.4f -> %.4f, peak %.1f MiB",
+  eng_ms, times[1], times[#times], o.steps, o.warmup, nparams, tokens, tokens / eng_ms * 1e3, losses[1],
+  losses[#losses], engine.memory_stats().peak_allocated / 2 ^ 20))
+
+-- ---------------------------------------------------------------- 2. GEMM floor
+-- The Linear layers of one step (in, out): per block wq, wk, wv, wo (dim, dim), w1 (dim, 4 dim),
+-- w2 (4 dim, dim); the output projection (dim, vocab).
+local shapes = {}
+for _ = 1, o.n_layers do
+  for _ = 1, 4 do shapes[#shapes + 1] = { o.dim, o.dim } end
+  shapes[#shapes + 1] = { o.dim, 4 * o.dim }
+  shapes[#shapes + 1] = { 4 * o.dim, o.dim }
+end
+shapes[#shapes + 1] = { o.dim, o.vocab }
+local M = tokens
+local cache = {}
+local function operands(i, n)
+  local key = i .. "x" .. n
+  if not cache[key] then
+    cache[key] = { x = engine.randn(M, i), w = engine.randn(n, i), g = engine.randn(M, n) }
+  end
+  return cache[key]
+end
+local gemm_flops, gemm_times = 0, {}
+engine.no_grad(function()
+  for _, s in ipairs(shapes) do
+    local op = operands(s[1], s[2])
+    gemm_flops = gemm_flops + 3 * 2 * M * s[1] * s[2]
+    local _ = engine.linear(op.x, op.w):sum()  -- warm-up of each shape
+  end
+  for r = 1, o.gemm_reps + 1 do
+    local t0 = engine.time()
+    for _, s in ipairs(shapes) do
+      local op = operands(s[1], s[2])
+      local _ = engine.linear(op.x, op.w)            -- forward:     [M, in] x [out, in]^T
+      local _ = engine.matmul(op.g, op.w)            -- grad input:  [M, out] x [out, in]
+      local _ = engine.matmul(op.g:t(), op.x)        -- grad weight: [M, out]^T x [M, in]
+    end
+    if r > 1 then gemm_times[#gemm_times + 1] = engine.time() - t0 end
+    collectgarbage()
+  end
+end)
+local gemm_s = median(gemm_times)
+local rate = gemm_flops / gemm_s
+local floor_ms = 6 * nparams * tokens / rate * 1e3
+print(string.format("sgemm: %.1f GFLOP/s over the %d GEMM shapes of a step (%d GEMMs, %.2f GFLOP, %.1f ms measured)",
+  rate / 1e9, #shapes, 3 * #shapes, gemm_flops / 1e9, gemm_s * 1e3))
+print(string.format("GEMM floor: 6 x %d params x %d tokens / %.1f GFLOP/s = %.1f ms; engine step = %.2f x floor",
+  nparams, tokens, rate / 1e9, floor_ms, eng_ms / floor_ms))
+
+-- ---------------------------------------------------------------- 3. PyTorch
+local torch_ms
+if o.torch ~= 0 then
+  local has = os.execute("/usr/bin/python3 -c 'import torch' >/dev/null 2>&1")
+  if has == 0 or has == true then
+    collectgarbage()
+    local home = (ENGINE_HOME and ENGINE_HOME ~= "") and ENGINE_HOME or "."
+    local cmd = string.format("OPENBLAS_NUM_THREADS=%d /usr/bin/python3 '%s/tools/bench_step_torch.py' "
+      .. "--steps=%d --warmup=%d --torch_threads=1 --blas_threads=%d --n_layers=%d --dim=%d --n_heads=%d "
+      .. "--seq=%d --batch=%d --vocab=%d 2>&1", o.threads, home, o.steps, o.warmup, o.threads, o.n_layers, o.dim,
+      o.n_heads, o.seq, o.batch, o.vocab)
+    local p = io.popen(cmd)
+    local out = p:read("*a")
+    p:close()
+    for line in out:gmatch("[^\n]+") do print("  torch> " .. line) end
+    torch_ms = tonumber(out:match("torch_step_ms median=([%d%.]+)"))
+    if not torch_ms then print("bench/step: the PyTorch benchmark failed (output above)") end
+  else
+    print("bench/step: /usr/bin/python3 has no torch (tools/install-deps.sh --torch): PyTorch baseline skipped")
+  end
+end
+
+print(string.format("summary: engine %.1f ms/step | GEMM floor %.1f ms (%.1f GFLOP/s) | PyTorch %s | "
+  .. "engine/PyTorch %s | BLAS %s, %d threads", eng_ms, floor_ms, rate / 1e9,
+  torch_ms and string.format("%.1f ms/step", torch_ms) or "n/a",
+  torch_ms and string.format("%.2f", eng_ms / torch_ms) or "n/a", engine.blas_corename(), o.threads))

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Runs the benchmarks (recipes/bench/*.lua) and prints their figures with the machine and BLAS setup.
+#   tools/bench.sh [BUILD_DIR] [-- extra args for recipes/bench/step.lua]
+# Example: tools/bench.sh build -- --steps=30 --threads=2
+# Nothing else should run on the machine meanwhile (2 cores: any other load shows up in the timings).
+set -u
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+BUILD=${1:-build}
+[ $# -gt 0 ] && shift
+[ "${1:-}" = "--" ] && shift
+cd "$ROOT"
+ENGINE="$BUILD/engine"
+if [ ! -x "$ENGINE" ]; then echo "bench.sh: $ENGINE not found (run make build first)"; exit 1; fi
+echo "== machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//'), avx512f: $(grep -q avx512f /proc/cpuinfo && echo yes || echo no)"
+echo "== OPENBLAS_CORETYPE=${OPENBLAS_CORETYPE:-(unset)} OPENBLAS_NUM_THREADS=${OPENBLAS_NUM_THREADS:-(unset)}"
+echo "== git: $(git rev-parse --short HEAD 2>/dev/null || echo '?')$(git diff --quiet 2>/dev/null || echo ' (modified tree)')"
+rc=0
+echo "== recipes/bench/dispatch.lua"
+"$ENGINE" recipes/bench/dispatch.lua || rc=1
+echo "== recipes/bench/step.lua $*"
+"$ENGINE" recipes/bench/step.lua "$@" || rc=1
+exit $rc
