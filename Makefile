@@ -18,7 +18,7 @@ $(BUILD)/Makefile: CMakeLists.txt
 	@cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release > $(BUILD).cmake.log 2>&1 || (cat $(BUILD).cmake.log; exit 1)
 
 build: deps $(BUILD)/Makefile
-	@cmake --build $(BUILD) -j 2 2>&1 | grep -E "error|warning|Error" || true
+	@cmake --build $(BUILD) -j 2 2>&1 | grep -E "error:|warning:|Error [0-9]" || true
 	@test -x $(BUILD)/engine || (cmake --build $(BUILD) -j 2; exit 1)
 
 data: build

@@ -448,13 +448,46 @@ static int heap_pop(graph* g) {
   return top;
 }
 
+/* A plain gradient buffer nothing else can see: it may be summed into in
+ * place (DTensor gradients keep the out-of-place path). */
+static int exclusive(const eng_tensor* t, int refs) {
+  return t->refcount == refs && t->storage->refcount == 1 && !t->grad_fn && !t->dist && eng_tensor_is_contiguous(t);
+}
+
+/* slot += g.  In place into whichever of the two only the backward pass
+ * holds (g: the caller's one reference); a new sum otherwise. */
 static int buf_add(eng_tensor** slot, eng_tensor* g) {
   if (!*slot) { *slot = eng_tensor_retain(g); return 0; }
+  if (*slot == g) return 0; /* the backward function summed into the slot itself (eng_grad_accum_slot) */
+  if (eng_same_shape(*slot, g) && (*slot)->dtype == g->dtype) {
+    if (exclusive(*slot, 1) && (*slot)->storage != g->storage) return eng_add_(*slot, g, 1.0);
+    if (exclusive(g, 1) && (*slot)->storage != g->storage) {
+      if (eng_add_(g, *slot, 1.0)) return -1;
+      eng_tensor_release(*slot);
+      *slot = eng_tensor_retain(g);
+      return 0;
+    }
+  }
   eng_tensor* s = eng_add(*slot, g);
   if (!s) return -1;
   eng_tensor_release(*slot);
   *slot = s;
   return 0;
+}
+
+/* The graph and node whose backward function runs now (eng_grad_accum_slot). */
+static __thread graph* t_graph;
+static __thread eng_node* t_node;
+
+eng_tensor* eng_grad_accum_slot(eng_node* n, int i) {
+  if (!t_graph || n != t_node || i < 0 || i >= n->n_inputs || !n->next[i].node) return NULL;
+  int k = g_find(t_graph, n->next[i].node);
+  if (k < 0) return NULL;
+  eng_tensor* s = t_graph->st[k].buf[n->next[i].input_nr];
+  if (!s || !exclusive(s, 1) || s->dtype != eng_node_in_dtype(n, i) || s->ndim != eng_node_in_ndim(n, i)) return NULL;
+  const int64_t* sh = eng_node_in_shape(n, i);
+  for (int d = 0; d < s->ndim; d++) if (s->shape[d] != sh[d]) return NULL;
+  return s;
 }
 
 static void graph_free(graph* g) {
@@ -481,7 +514,8 @@ static int accumulate_backward(eng_node* n, eng_tensor** go, eng_tensor** gi) {
     /* steal g only when nothing else can see its memory; otherwise copy
      * (.grad is accumulated in place later and must not alias the caller's
      * gradient or another leaf's) */
-    if (g->refcount == 1 && g->storage->refcount == 1 && eng_tensor_is_contiguous(g) &&
+    int others = g == go[0] ? 1 : 0; /* the backward pass's buffer slot, released after this node */
+    if (g->refcount == 1 + others && g->storage->refcount == 1 && eng_tensor_is_contiguous(g) &&
         g->dtype == leaf->dtype && !g->grad_fn)
       leaf->grad = g;
     else {
@@ -491,6 +525,8 @@ static int accumulate_backward(eng_node* n, eng_tensor** go, eng_tensor** gi) {
       eng_tensor_release(g);
       if (!leaf->grad) return -1;
     }
+    /* a plain local gradient of a DTensor leaf is in the leaf's layout */
+    if (leaf->dist && !leaf->grad->dist) leaf->grad->dist = eng_dist_spec_retain(leaf->dist);
   } else {
     int rc = eng_add_(leaf->grad, g, 1.0);
     eng_tensor_release(g);
@@ -635,7 +671,12 @@ int eng_backward(int n, eng_tensor** tensors, eng_tensor** grads, int retain_gra
           if (!gi) goto oom;
         }
         eng_clear_error();
-        if (nd->backward(nd, s->buf, gi)) {
+        graph* prev_graph = t_graph;
+        eng_node* prev_node = t_node;
+        t_graph = &g; t_node = nd;
+        int brc = nd->backward(nd, s->buf, gi);
+        t_graph = prev_graph; t_node = prev_node;
+        if (brc) {
           if (!eng_last_error()[0]) eng_err("failed");
           eng_err_prefix("backward: in %s", nd->name);
           for (int e = 0; e < nd->n_inputs; e++) eng_tensor_release(gi[e]);

@@ -397,22 +397,52 @@ struct eng_work {
 
 static void contig_strides(int ndim, const int64_t* shape, int64_t* st) { eng_contiguous_strides(ndim, shape, st); }
 
+/* Contiguous bf16 <-> f32 conversions written so that the compiler
+ * vectorizes them (the staging of bf16 sums over more than 2 ranks). */
+static void bf16_to_f32(const uint16_t* s, float* d, int64_t n) {
+  uint32_t* u = (uint32_t*)d;
+  for (int64_t i = 0; i < n; i++) u[i] = (uint32_t)s[i] << 16;
+}
+
+static void f32_to_bf16(const float* s, uint16_t* d, int64_t n) {
+  const uint32_t* u = (const uint32_t*)s;
+  for (int64_t i = 0; i < n; i++) {
+    uint32_t x = u[i];
+    uint16_t r = (uint16_t)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+    uint16_t q = (uint16_t)((x >> 16) | 0x40u); /* quiet NaN */
+    d[i] = (x & 0x7fffffffu) > 0x7f800000u ? q : r;
+  }
+}
+
 static void copy_to_buf(const eng_tensor* t, void* buf, int dt) {
+  if (!t->numel) return;
+  if (t->dtype == ENG_BF16 && dt == ENG_F32 && eng_tensor_is_contiguous(t)) {
+    bf16_to_f32((const uint16_t*)eng_ptr(t), buf, t->numel);
+    return;
+  }
   int64_t st[8];
   contig_strides(t->ndim, t->shape, st);
-  if (t->numel) kc_copy(t->ndim, t->shape, buf, dt, st, eng_ptr(t), t->dtype, t->stride);
+  kc_copy(t->ndim, t->shape, buf, dt, st, eng_ptr(t), t->dtype, t->stride);
 }
 
 static void copy_from_buf(eng_tensor* t, const void* buf, int dt) {
+  if (!t->numel) return;
+  if (t->dtype == ENG_BF16 && dt == ENG_F32 && eng_tensor_is_contiguous(t)) {
+    f32_to_bf16(buf, (uint16_t*)eng_ptr(t), t->numel);
+    return;
+  }
   int64_t st[8];
   contig_strides(t->ndim, t->shape, st);
-  if (t->numel) kc_copy(t->ndim, t->shape, eng_ptr(t), t->dtype, t->stride, buf, dt, st);
+  kc_copy(t->ndim, t->shape, eng_ptr(t), t->dtype, t->stride, buf, dt, st);
 }
 
 /* avg: divide the sum by the group size (as a single process's mean does). */
 static void divide_buf(void* p, int64_t n, int dt, double d) {
-  if (dt == ENG_F32) { float* x = p; float f = (float)d; for (int64_t i = 0; i < n; i++) x[i] /= f; }
+  float f = (float)d;
+  if (dt == ENG_F32) { float* x = p; for (int64_t i = 0; i < n; i++) x[i] /= f; }
   else if (dt == ENG_F64) { double* x = p; for (int64_t i = 0; i < n; i++) x[i] /= d; }
+  else if (dt == ENG_BF16) { uint16_t* x = p; for (int64_t i = 0; i < n; i++) x[i] = kc_f32_to_bf16(kc_bf16_to_f32(x[i]) / f); }
+  else if (dt == ENG_F16) { uint16_t* x = p; for (int64_t i = 0; i < n; i++) x[i] = kc_f32_to_f16(kc_f16_to_f32(x[i]) / f); }
 }
 
 static void fin_run(fin* f) {
@@ -665,8 +695,11 @@ static int plan_cpu(const coll* c, comm_args* a, fin* f) {
   if (dt == ENG_BOOL && (c->kind == ENG_COLL_ALL_REDUCE || c->kind == ENG_COLL_REDUCE_SCATTER))
     op = op == ENG_REDUCE_SUM ? ENG_REDUCE_MAX : op == ENG_REDUCE_PROD ? ENG_REDUCE_MIN : op;
   a->op = op;
+  /* bf16/f16 sums and products: with 2 ranks each element is combined once
+   * (the custom 2-byte MPI op rounds once, half the traffic); with more the
+   * values are widened to f32 so that they are still rounded only once. */
   int half = dt == ENG_BF16 || dt == ENG_F16;
-  int widen = half && (c->kind == ENG_COLL_ALL_REDUCE || c->kind == ENG_COLL_REDUCE_SCATTER) &&
+  int widen = half && W > 2 && (c->kind == ENG_COLL_ALL_REDUCE || c->kind == ENG_COLL_REDUCE_SCATTER) &&
               (op == ENG_REDUCE_SUM || op == ENG_REDUCE_AVG || op == ENG_REDUCE_PROD);
   int wdt = widen ? ENG_F32 : dt;
   int64_t wes = eng_dtype_size(wdt);

@@ -1,9 +1,11 @@
 /* comm_mpi.c: the MPI backend of the process groups: one collective on raw
  * contiguous CPU buffers, blocking (MPI_Allreduce, ...) or nonblocking
  * (MPI_Iallreduce, ...).  bf16 and f16 travel as 2-byte MPI datatypes of
- * their own; max and min on them are custom MPI reduction ops computing in
- * f32 (exact for max/min).  Sums and products of bf16/f16 never get here:
- * comm.c widens them to f32 first, so they are rounded only once. */
+ * their own, reduced by custom MPI ops that compute each pairwise step in f32
+ * and round the result to the 16-bit type.  For max/min that is exact; for
+ * sum/prod it is exact only when every element is combined once (2 ranks):
+ * comm.c widens sums and products to f32 for larger groups, so they are
+ * rounded only once. */
 #include "comm_impl.h"
 #include "../../kernels/cpu/kcpu.h"
 #include <limits.h>
@@ -11,7 +13,8 @@
 #include <stdio.h>
 
 static MPI_Datatype g_bf16 = MPI_DATATYPE_NULL, g_f16 = MPI_DATATYPE_NULL;
-static MPI_Op g_half_max = MPI_OP_NULL, g_half_min = MPI_OP_NULL;
+static MPI_Op g_half_max = MPI_OP_NULL, g_half_min = MPI_OP_NULL, g_half_sum = MPI_OP_NULL,
+              g_half_prod = MPI_OP_NULL;
 static int g_ready;
 
 typedef float (*half_load)(uint16_t);
@@ -33,12 +36,31 @@ static void half_reduce(void* in, void* inout, int* len, MPI_Datatype* dt, int i
 static void half_max_fn(void* in, void* inout, int* len, MPI_Datatype* dt) { half_reduce(in, inout, len, dt, 1); }
 static void half_min_fn(void* in, void* inout, int* len, MPI_Datatype* dt) { half_reduce(in, inout, len, dt, 0); }
 
+/* inout[i] = round16(f32(in[i]) + f32(inout[i])) (or *): the f32 sum of two
+ * bf16 values is exact, so this rounds once. */
+static void half_arith(void* in, void* inout, int* len, MPI_Datatype* dt, int is_prod) {
+  const uint16_t* a = in;
+  uint16_t* b = inout;
+  int n = *len;
+  if (*dt == g_bf16) {
+    if (is_prod) for (int i = 0; i < n; i++) b[i] = kc_f32_to_bf16(kc_bf16_to_f32(a[i]) * kc_bf16_to_f32(b[i]));
+    else for (int i = 0; i < n; i++) b[i] = kc_f32_to_bf16(kc_bf16_to_f32(a[i]) + kc_bf16_to_f32(b[i]));
+  } else {
+    if (is_prod) for (int i = 0; i < n; i++) b[i] = kc_f32_to_f16(kc_f16_to_f32(a[i]) * kc_f16_to_f32(b[i]));
+    else for (int i = 0; i < n; i++) b[i] = kc_f32_to_f16(kc_f16_to_f32(a[i]) + kc_f16_to_f32(b[i]));
+  }
+}
+static void half_sum_fn(void* in, void* inout, int* len, MPI_Datatype* dt) { half_arith(in, inout, len, dt, 0); }
+static void half_prod_fn(void* in, void* inout, int* len, MPI_Datatype* dt) { half_arith(in, inout, len, dt, 1); }
+
 static int ensure_types(void) {
   if (g_ready) return 0;
   if (MPI_Type_contiguous(2, MPI_BYTE, &g_bf16) != MPI_SUCCESS || MPI_Type_commit(&g_bf16) != MPI_SUCCESS ||
       MPI_Type_contiguous(2, MPI_BYTE, &g_f16) != MPI_SUCCESS || MPI_Type_commit(&g_f16) != MPI_SUCCESS ||
       MPI_Op_create(half_max_fn, 1, &g_half_max) != MPI_SUCCESS ||
-      MPI_Op_create(half_min_fn, 1, &g_half_min) != MPI_SUCCESS)
+      MPI_Op_create(half_min_fn, 1, &g_half_min) != MPI_SUCCESS ||
+      MPI_Op_create(half_sum_fn, 1, &g_half_sum) != MPI_SUCCESS ||
+      MPI_Op_create(half_prod_fn, 1, &g_half_prod) != MPI_SUCCESS)
     return eng_err("comm: cannot create the MPI datatypes and ops for bf16/f16");
   g_ready = 1;
   return 0;
@@ -68,15 +90,12 @@ static MPI_Datatype mpi_type(int dtype) {
 static int mpi_op(int op, int dtype, MPI_Op* out) {
   int half = dtype == ENG_BF16 || dtype == ENG_F16;
   switch (op) {
-    case ENG_REDUCE_SUM: case ENG_REDUCE_AVG: *out = MPI_SUM; break;
+    case ENG_REDUCE_SUM: case ENG_REDUCE_AVG: *out = half ? g_half_sum : MPI_SUM; break;
     case ENG_REDUCE_MAX: *out = half ? g_half_max : MPI_MAX; break;
     case ENG_REDUCE_MIN: *out = half ? g_half_min : MPI_MIN; break;
-    case ENG_REDUCE_PROD: *out = MPI_PROD; break;
+    case ENG_REDUCE_PROD: *out = half ? g_half_prod : MPI_PROD; break;
     default: return eng_err("comm: invalid reduce op %d", op);
   }
-  if (half && (op == ENG_REDUCE_SUM || op == ENG_REDUCE_AVG || op == ENG_REDUCE_PROD))
-    return eng_err("comm: internal: %s of %s must be widened to f32 before MPI", eng_reduce_op_name(op),
-                   eng_dtype_name(dtype));
   return 0;
 }
 

@@ -6,6 +6,8 @@
 
 static int g_display_base;
 
+int dt_base(void) { return g_display_base; }
+
 int eng_dtensor_set_display_base(int base) {
   int prev = g_display_base;
   g_display_base = base ? 1 : 0;
@@ -140,7 +142,7 @@ int eng_local_shape_and_offset(int ndim, const int64_t* gshape, int mesh_ndim, c
     int d = pl[i].dim < 0 ? pl[i].dim + ndim : pl[i].dim;
     if (d < 0 || d >= ndim) return eng_err("local_shape_and_offset: Shard dim %d out of range for %d dims", pl[i].dim, ndim);
     if (mesh_shape[i] < 1 || coord[i] < 0 || coord[i] >= mesh_shape[i])
-      return eng_err("local_shape_and_offset: coordinate %d out of range for mesh dim %d of size %lld", coord[i], i,
+      return eng_err("local_shape_and_offset: coordinate %d out of range for mesh dim %d of size %lld", coord[i], i + g_display_base,
                      (long long)mesh_shape[i]);
     int64_t sz, off;
     chunk(lshape[d], mesh_shape[i], coord[i], &sz, &off);
@@ -273,9 +275,9 @@ int eng_redistribute_plan(int mesh_ndim, const int64_t* mesh_shape, const int* c
     if (t[i].kind == ENG_PLACEMENT_SHARD && t[i].dim < 0) t[i].dim += ndim;
     if ((s[i].kind == ENG_PLACEMENT_SHARD && (s[i].dim < 0 || s[i].dim >= ndim)) ||
         (t[i].kind == ENG_PLACEMENT_SHARD && (t[i].dim < 0 || t[i].dim >= ndim)))
-      return eng_err("redistribute plan: Shard dim out of range for a %d-d tensor on mesh dim %d", ndim, i);
+      return eng_err("redistribute plan: Shard dim out of range for a %d-d tensor on mesh dim %d", ndim, i + g_display_base);
     if (coord[i] < 0 || coord[i] >= mesh_shape[i])
-      return eng_err("redistribute plan: coordinate %d out of range for mesh dim %d of size %lld", coord[i], i,
+      return eng_err("redistribute plan: coordinate %d out of range for mesh dim %d of size %lld", coord[i], i + g_display_base,
                      (long long)mesh_shape[i]);
   }
   int n = 0;

@@ -121,20 +121,21 @@ static eng_tensor* cast_to(eng_tensor* r, int dtype) {
 }
 
 /* Gradient of the plain local input: the DTensor gradient redistributed to
- * the from_local layout (Partial -> Replicate: grads never become Partial),
- * as a plain local tensor. */
+ * the from_local layout (a Partial layout takes a Shard/Replicate gradient as
+ * Replicate: grads never become Partial), as a plain local tensor. */
 static int from_local_backward(eng_node* n, eng_tensor** go, eng_tensor** gi) {
   fl_ctx* c = n->ctx;
   eng_tensor* g = go[0];
   eng_tensor* r;
   if (!c->spec->member) {
     r = eng_tensor_zeros(eng_node_in_ndim(n, 0), eng_node_in_shape(n, 0), eng_node_in_dtype(n, 0), ENG_CPU);
-  } else {
-    eng_dist_spec* target = dt_spec_adjoint(c->spec);
+  } else if (g->dist && !eng_dist_spec_equal(g->dist, c->spec)) {
+    eng_dist_spec* target = dt_grad_target(c->spec, g->dist);
     if (!target) return -1;
-    if (g->dist && !eng_dist_spec_equal(g->dist, target)) r = dt_redistribute_local(g, g->dist, target, 0, 1);
-    else r = dt_plain(g);
+    r = eng_dist_spec_equal(g->dist, target) ? dt_plain(g) : dt_redistribute_local(g, g->dist, target, 0, 1);
     eng_dist_spec_release(target);
+  } else {
+    r = dt_plain(g);
   }
   r = cast_to(r, eng_node_in_dtype(n, 0));
   if (!r) return -1;
@@ -293,10 +294,11 @@ eng_tensor* eng_dtensor_to_local(eng_tensor* t, const eng_placement* grad_pl) {
       for (int d = 0; d < src->ndim; d++)
         if (gspec->local_shape[d] != src->local_shape[d]) {
           char b[400];
+          eng_errp("%s: %s: grad_placements %s give local shards of shape %s, not the local shape %s", op,
+                   spec_desc(t, a, sizeof a), dt_placements_str(src->mesh_ndim, norm, b, sizeof b),
+                   eng_shape_str(src->ndim, gspec->local_shape), eng_shape_str(t->ndim, t->shape));
           eng_dist_spec_release(gspec);
-          return eng_errp("%s: %s: grad_placements %s give local shards of shape %s, not the local shape %s", op,
-                          spec_desc(t, a, sizeof a), dt_placements_str(src->mesh_ndim, norm, b, sizeof b),
-                          eng_shape_str(src->ndim, gspec->local_shape), eng_shape_str(t->ndim, t->shape));
+          return NULL;
         }
   }
   eng_tensor* out = dt_plain(t);
@@ -417,12 +419,12 @@ eng_tensor* eng_dtensor_distribute_tensor(eng_tensor* t, eng_mesh* mesh, int n, 
   for (int i = 0; i < mnd; i++)
     if (norm[i].kind == ENG_PLACEMENT_PARTIAL)
       return eng_errp("%s: %s: Trying to distribute tensor with unsupported placements %s on device mesh dimension "
-                      "%d!", op, eng_desc(t), eng_placement_describe(&norm[i], b, sizeof b), i);
+                      "%d!", op, eng_desc(t), eng_placement_describe(&norm[i], b, sizeof b), i + dt_base());
   if (check_cpu(op, t)) return NULL;
   if (src_data_rank >= 0)
     for (int i = 0; i < mnd; i++)
       if (src_data_rank >= eng_mesh_size(mesh, i))
-        return eng_errp("%s: src_data_rank %d is out of range for mesh dim %d of size %d", op, src_data_rank, i,
+        return eng_errp("%s: src_data_rank %d is out of range for mesh dim %d of size %d", op, src_data_rank, i + dt_base(),
                         eng_mesh_size(mesh, i));
   if (eng_dtensor_wait(t)) return NULL;
   eng_dist_spec* spec = dt_spec_make(mesh, norm, t->ndim, t->shape, t->stride);

@@ -6,6 +6,8 @@
 #define ENG_DTENSOR_IMPL_H
 #include "internal.h"
 
+/* Base (0 or 1) for dims printed in messages (eng_dtensor_set_display_base). */
+int dt_base(void);
 /* "[Shard(1), Replicate()]" into buf (returns buf). */
 const char* dt_placements_str(int n, const eng_placement* pl, char* buf, int cap);
 /* "mesh(2x2: dp,tp)" into buf. */
@@ -33,6 +35,10 @@ eng_tensor* dt_plain(const eng_tensor* t);
  * turned into Partial sums). */
 eng_tensor* dt_redistribute_local(eng_tensor* local, const eng_dist_spec* src, const eng_dist_spec* dst,
                                   int async, int is_backward);
+/* Where a gradient with spec grad goes back to for a forward input with
+ * spec src: src's placements, Partial -> Replicate where the gradient is not
+ * Partial on that mesh dim (new reference). */
+eng_dist_spec* dt_grad_target(const eng_dist_spec* src, const eng_dist_spec* grad);
 /* Redistribute with autograd (one node); out gets spec dst. */
 eng_tensor* dt_redistribute_autograd(const char* op, eng_tensor* t, eng_dist_spec* dst, int async,
                                      int is_backward_flag);

@@ -67,6 +67,12 @@ int eng_check_inplace(eng_tensor* t, const char* op);
 int eng_node_in_ndim(const eng_node* n, int i);
 const int64_t* eng_node_in_shape(const eng_node* n, int i);
 int eng_node_in_dtype(const eng_node* n, int i);
+/* For a backward function of node n while it runs: the gradient already
+ * summed for input i by other consumers when only the backward pass holds it
+ * (contiguous, input i's shape and dtype), else NULL.  The function may add
+ * its contribution into it in place and return it (retained) as gi[i]; the
+ * engine then adds nothing more.  Borrowed. */
+eng_tensor* eng_grad_accum_slot(eng_node* n, int i);
 /* Reduce a gradient g (broadcast result) to input i's shape and dtype. */
 eng_tensor* eng_grad_to_input(eng_node* n, int i, eng_tensor* g);
 /* Record a one-output node for out if any input needs grad.  Returns the node

@@ -66,9 +66,36 @@ static eng_tensor* dropout_keep(const at_plan* p, double dp, uint64_t seed, uint
                           offset);
 }
 
+/* A new tensor of the given shape (ref's dim count) laid out in memory in
+ * the dim order of ref's strides, as torch.empty_like keeps a dense layout:
+ * q, k, v are usually [B, H, L, E] views of [B, L, H, E] projections, and
+ * an output and gradients in that layout make the transposes around the
+ * attention free (no copies).  Contiguous when ref's last dim is not its
+ * innermost one. */
+static eng_tensor* new_like_layout(const eng_tensor* ref, const int64_t* shape, int dt, int zero) {
+  int nd = ref->ndim, perm[ENG_MAX_DIMS];
+  for (int d = 0; d < nd; d++) perm[d] = d;
+  for (int i = 1; i < nd; i++) /* stable insertion sort by stride, outermost first */
+    for (int j = i; j > 0 && ref->stride[perm[j]] > ref->stride[perm[j - 1]]; j--) {
+      int t = perm[j]; perm[j] = perm[j - 1]; perm[j - 1] = t;
+    }
+  int ident = 1;
+  for (int d = 0; d < nd; d++) ident &= perm[d] == d;
+  if (ident || nd == 0 || perm[nd - 1] != nd - 1)
+    return zero ? eng_tensor_zeros(nd, shape, dt, ref->device) : eng_new(nd, shape, dt, ref->device);
+  int64_t pshape[ENG_MAX_DIMS], pst[ENG_MAX_DIMS], st[ENG_MAX_DIMS];
+  for (int d = 0; d < nd; d++) pshape[d] = shape[perm[d]];
+  eng_tensor* base = zero ? eng_tensor_zeros(nd, pshape, dt, ref->device) : eng_new(nd, pshape, dt, ref->device);
+  if (!base) return NULL;
+  eng_contiguous_strides(nd, pshape, pst);
+  for (int d = 0; d < nd; d++) st[perm[d]] = pst[d];
+  eng_tensor* t = eng_view_of(base, nd, shape, st, 0);
+  eng_tensor_release(base);
+  return t;
+}
+
 static eng_tensor* grad_buffer(const eng_tensor* like, int cdt, int zero) {
-  return zero ? eng_tensor_zeros(like->ndim, like->shape, cdt, like->device)
-              : eng_new(like->ndim, like->shape, cdt, like->device);
+  return new_like_layout(like, like->shape, cdt, zero);
 }
 
 /* One operand of the per-batch products: base pointer, BLAS layout and the
@@ -91,6 +118,17 @@ static int opnd_make(const eng_mview* m, int nb, const int64_t* bs, int es, int 
   }
   return 0;
 }
+
+/* Row i of operand o's matrix for batch b (o.t: stored transposed). */
+static inline char* opnd_row(const opnd* o, int64_t b, int64_t i, int64_t es) {
+  return o->p + o->off[b] + (o->t ? i : i * o->ld) * es;
+}
+
+/* Causal attention works in blocks of CAUSAL_BLK query rows: block
+ * [i0, i1) attends to keys [0, min(i1, S)) only, so the products skip the
+ * masked upper triangle (whose probabilities are exactly 0) instead of
+ * computing and discarding it. */
+#define CAUSAL_BLK 32
 
 static void dropout_block(int dt, int64_t n, const char* x, const uint8_t* keep, double sc, char* out) {
   if (dt == ENG_F32) kc_dropout_apply_f32(n, (const float*)x, keep, (float)sc, (float*)out);
@@ -115,8 +153,16 @@ static void fwd_range(void* vc, int64_t lo, int64_t hi) {
   int64_t blk = c->L * c->S, lds = c->S > 0 ? c->S : 1;
   for (int64_t b = lo; b < hi; b++) {
     char* P = c->P + b * blk * c->es;
-    kc_gemm(c->dt, c->q.t, c->kt.t, c->L, c->S, c->E, c->scale, c->q.p + c->q.off[b], c->q.ld,
-            c->kt.p + c->kt.off[b], c->kt.ld, 0.0, P, lds);
+    if (c->causal) {
+      for (int64_t i0 = 0; i0 < c->L; i0 += CAUSAL_BLK) {
+        int64_t i1 = i0 + CAUSAL_BLK < c->L ? i0 + CAUSAL_BLK : c->L, nc = i1 < c->S ? i1 : c->S;
+        kc_gemm(c->dt, c->q.t, c->kt.t, i1 - i0, nc, c->E, c->scale, opnd_row(&c->q, b, i0, c->es), c->q.ld,
+                c->kt.p + c->kt.off[b], c->kt.ld, 0.0, P + i0 * lds * c->es, lds);
+      }
+    } else {
+      kc_gemm(c->dt, c->q.t, c->kt.t, c->L, c->S, c->E, c->scale, c->q.p + c->q.off[b], c->q.ld,
+              c->kt.p + c->kt.off[b], c->kt.ld, 0.0, P, lds);
+    }
     const void* m = c->mask ? (const void*)(c->mask + c->moff[b]) : NULL;
     if (c->dt == ENG_F32) kc_attn_softmax_f32(c->L, c->S, (float*)P, lds, m, c->mkind, c->mrs, c->mcs, c->causal);
     else kc_attn_softmax_f64(c->L, c->S, (double*)P, lds, m, c->mkind, c->mrs, c->mcs, c->causal);
@@ -125,14 +171,22 @@ static void fwd_range(void* vc, int64_t lo, int64_t hi) {
       A = c->Pd + b * blk * c->es;
       dropout_block(c->dt, blk, P, c->keep + b * blk, c->dsc, A);
     }
-    kc_gemm(c->dt, 0, c->v.t, c->L, c->Ev, c->S, 1.0, A, lds, c->v.p + c->v.off[b], c->v.ld, 0.0,
-            c->out.p + c->out.off[b], c->out.ld);
+    if (c->causal) {
+      for (int64_t i0 = 0; i0 < c->L; i0 += CAUSAL_BLK) {
+        int64_t i1 = i0 + CAUSAL_BLK < c->L ? i0 + CAUSAL_BLK : c->L, nc = i1 < c->S ? i1 : c->S;
+        kc_gemm(c->dt, 0, c->v.t, i1 - i0, c->Ev, nc, 1.0, A + i0 * lds * c->es, lds, c->v.p + c->v.off[b],
+                c->v.ld, 0.0, opnd_row(&c->out, b, i0, c->es), c->out.ld);
+      }
+    } else {
+      kc_gemm(c->dt, 0, c->v.t, c->L, c->Ev, c->S, 1.0, A, lds, c->v.p + c->v.off[b], c->v.ld, 0.0,
+              c->out.p + c->out.off[b], c->out.ld);
+    }
   }
 }
 
 /* Backward of batches [lo, hi). */
 typedef struct {
-  int dt, need_q, need_k, need_v, need_s;
+  int dt, need_q, need_k, need_v, need_s, causal;
   int64_t L, S, E, Ev, es;
   double scale, dsc, beta;
   opnd g, vt, k, q, gq, gk, gv;
@@ -140,6 +194,53 @@ typedef struct {
   char *Pd, *dP;
   const uint8_t* keep;
 } bwd_ctx;
+
+/* Causal backward of one batch: the same products restricted to the
+ * unmasked part.  Query-row blocks [i0, i1) give dP and dq from keys
+ * [0, min(i1, S)); key-column blocks [j0, j1) give dv and dk from query rows
+ * [j0, L) (the rows that attend to them). */
+static void bwd_causal(bwd_ctx* c, int64_t b, const char* P, const char* A, char* D) {
+  int64_t L = c->L, S = c->S, es = c->es, lds = S > 0 ? S : 1;
+  if (c->need_v) /* dv = Pd^T @ dO */
+    for (int64_t j0 = 0; j0 < S; j0 += CAUSAL_BLK) {
+      int64_t j1 = j0 + CAUSAL_BLK < S ? j0 + CAUSAL_BLK : S, r0 = j0 < L ? j0 : L;
+      kc_gemm(c->dt, 1, c->g.t, j1 - j0, c->Ev, L - r0, 1.0, A + (r0 * lds + j0) * es, lds, opnd_row(&c->g, b, r0, es),
+              c->g.ld, c->beta, opnd_row(&c->gv, b, j0, es), c->gv.ld);
+    }
+  if (!c->need_s) return;
+  for (int64_t i0 = 0; i0 < L; i0 += CAUSAL_BLK) { /* dP = dO @ v^T on the unmasked columns, 0 beyond */
+    int64_t i1 = i0 + CAUSAL_BLK < L ? i0 + CAUSAL_BLK : L, nc = i1 < S ? i1 : S;
+    kc_gemm(c->dt, c->g.t, c->vt.t, i1 - i0, nc, c->Ev, 1.0, opnd_row(&c->g, b, i0, es), c->g.ld,
+            c->vt.p + c->vt.off[b], c->vt.ld, 0.0, D + i0 * lds * es, lds);
+    if (nc < S)
+      for (int64_t i = i0; i < i1; i++) memset(D + (i * lds + nc) * es, 0, (size_t)((S - nc) * es));
+  }
+  int64_t blk = L * S;
+  if (c->keep) dropout_block(c->dt, blk, D, c->keep + b * blk, c->dsc, D);
+  /* softmax backward over each row's unmasked part, in whole 16-lane groups
+   * (P is 0 past the diagonal, so dS is too); the rest of the row is 0 */
+  for (int64_t i = 0; i < L; i++) {
+    int64_t nv = ((i + 1 < S ? i + 1 : S) + 15) & ~(int64_t)15;
+    if (nv > S) nv = S;
+    char* Di = D + i * lds * es;
+    const char* Pi = P + i * lds * es;
+    if (c->dt == ENG_F32) kc_softmax_bw_f32(1, nv, 1, (const float*)Pi, (const float*)Di, (float*)Di, 0);
+    else kc_softmax_bw_f64(1, nv, 1, (const double*)Pi, (const double*)Di, (double*)Di, 0);
+    if (nv < S) memset(Di + nv * es, 0, (size_t)((S - nv) * es));
+  }
+  if (c->need_q) /* dq = scale * dS @ k */
+    for (int64_t i0 = 0; i0 < L; i0 += CAUSAL_BLK) {
+      int64_t i1 = i0 + CAUSAL_BLK < L ? i0 + CAUSAL_BLK : L, nc = i1 < S ? i1 : S;
+      kc_gemm(c->dt, 0, c->k.t, i1 - i0, c->E, nc, c->scale, D + i0 * lds * es, lds, c->k.p + c->k.off[b], c->k.ld,
+              c->beta, opnd_row(&c->gq, b, i0, es), c->gq.ld);
+    }
+  if (c->need_k) /* dk = scale * dS^T @ q */
+    for (int64_t j0 = 0; j0 < S; j0 += CAUSAL_BLK) {
+      int64_t j1 = j0 + CAUSAL_BLK < S ? j0 + CAUSAL_BLK : S, r0 = j0 < L ? j0 : L;
+      kc_gemm(c->dt, 1, c->q.t, j1 - j0, c->E, L - r0, c->scale, D + (r0 * lds + j0) * es, lds,
+              opnd_row(&c->q, b, r0, es), c->q.ld, c->beta, opnd_row(&c->gk, b, j0, es), c->gk.ld);
+    }
+}
 
 static void bwd_range(void* vc, int64_t lo, int64_t hi) {
   bwd_ctx* c = vc;
@@ -152,6 +253,7 @@ static void bwd_range(void* vc, int64_t lo, int64_t hi) {
       dropout_block(c->dt, blk, P, c->keep + b * blk, c->dsc, pd);
       A = pd;
     }
+    if (c->causal) { bwd_causal(c, b, P, A, c->need_s ? c->dP + b * blk * c->es : NULL); continue; }
     if (c->need_v) /* dv = Pd^T @ dO */
       kc_gemm(c->dt, 1, c->g.t, c->S, c->Ev, c->L, 1.0, A, lds, c->g.p + c->g.off[b], c->g.ld, c->beta,
               c->gv.p + c->gv.off[b], c->gv.ld);
@@ -178,7 +280,7 @@ static int broadcast_in(const eng_mview* m, int nb, const int64_t* bs) {
 }
 
 /* saved: 0 q, 1 k, 2 v, 3 P (probabilities before dropout, compute dtype).
- * scalars: 0 scale, 1 dropout_p.  ints: 0 seed, 1 offset. */
+ * scalars: 0 scale, 1 dropout_p.  ints: 0 seed, 1 offset, 2 is_causal. */
 static int sdpa_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
   eng_tensor *q = eng_node_saved(n, 0), *k = eng_node_saved(n, 1), *v = eng_node_saved(n, 2);
   eng_tensor* P = eng_node_saved(n, 3);
@@ -192,6 +294,7 @@ static int sdpa_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
   bwd_ctx c = {0};
   c.dt = cdt; c.L = p.L; c.S = p.S; c.E = p.E; c.Ev = p.Ev; c.es = es;
   c.scale = n->scalars[0]; c.dsc = dp < 1.0 ? 1.0 / (1.0 - dp) : 0.0;
+  c.causal = (int)n->ints[2];
   c.need_q = eng_node_needs_grad(n, 0); c.need_k = eng_node_needs_grad(n, 1); c.need_v = eng_node_needs_grad(n, 2);
   int need_m = eng_node_needs_grad(n, 3);
   c.need_s = c.need_q || c.need_k || need_m;
@@ -306,7 +409,9 @@ eng_tensor* eng_scaled_dot_product_attention(eng_tensor* q, eng_tensor* k, eng_t
   if (eng_mview_prep(Q, 0, 0, nb, bs, &vq, &hq) || eng_mview_prep(K, 0, 1, nb, bs, &vk, &hk) ||
       eng_mview_prep(V, 0, 0, nb, bs, &vv, &hv))
     goto fail;
-  if (!(P = eng_new(pnd, p.pshape, cdt, q->device)) || !(out = eng_new(pnd, oshape, cdt, q->device))) goto fail;
+  if (!(P = eng_new(pnd, p.pshape, cdt, q->device))) goto fail;
+  out = q->ndim == pnd ? new_like_layout(q, oshape, cdt, 0) : eng_new(pnd, oshape, cdt, q->device);
+  if (!out) goto fail;
   eng_mview_of(out, 0, nb, bs, &vo);
   if (opnd_make(&vq, nb, bs, es, 0, &c.q) || opnd_make(&vk, nb, bs, es, 0, &c.kt) ||
       opnd_make(&vv, nb, bs, es, 0, &c.v) || opnd_make(&vo, nb, bs, es, 1, &c.out))
@@ -354,7 +459,7 @@ eng_tensor* eng_scaled_dot_product_attention(eng_tensor* q, eng_tensor* k, eng_t
     if (!nd || eng_node_save(nd, q) || eng_node_save(nd, k) || eng_node_save(nd, v) || eng_node_save(nd, P))
       goto fail;
     nd->scalars[0] = scale; nd->scalars[1] = dropout_p;
-    nd->ints[0] = (int64_t)seed; nd->ints[1] = (int64_t)offset;
+    nd->ints[0] = (int64_t)seed; nd->ints[1] = (int64_t)offset; nd->ints[2] = is_causal ? 1 : 0;
   }
   eng_tensor_release(P);
   return out;

@@ -42,7 +42,7 @@ static eng_tensor* binary_fwd(int op, eng_tensor* a, eng_tensor* b) {
     const int64_t* st[3] = {out->stride, sa, sb};
     int es = eng_dtype_size(cdt);
     int esz[3] = {es, es, es};
-    kc_foreach(nd, shape, 3, base, st, esz, brow, &c);
+    kc_foreach_par(nd, shape, 3, base, st, esz, brow, &c);
   }
   eng_tensor_release(A); eng_tensor_release(B);
   if (out && rdt != cdt) { eng_tensor* r = eng_as_contig(out, rdt); eng_tensor_release(out); out = r; }
@@ -319,10 +319,10 @@ static int inplace(int op, eng_tensor* a, eng_tensor* b, double alpha, const cha
   int esz[2] = {eng_dtype_size(a->dtype), eng_dtype_size(B->dtype)};
   if (a->dtype == ENG_F32 && B->dtype == ENG_F32) {
     ip_ctx c = {op, alpha};
-    kc_foreach(a->ndim, a->shape, 2, base, st, esz, ip_row_f32, &c);
+    kc_foreach_par(a->ndim, a->shape, 2, base, st, esz, ip_row_f32, &c);
   } else {
     ipg_ctx c = {op, alpha, a->dtype, B->dtype};
-    kc_foreach(a->ndim, a->shape, 2, base, st, esz, ip_row_generic, &c);
+    kc_foreach_par(a->ndim, a->shape, 2, base, st, esz, ip_row_generic, &c);
   }
   eng_tensor_release(B);
   eng_bump_version(a);

@@ -9,6 +9,7 @@
 #include "bmm.h"
 #include "../../kernels/cpu/kcpu.h"
 #include <limits.h>
+#include <stdio.h>
 
 void eng_mview_of(const eng_tensor* t, int vec, int nb, const int64_t* bshape, eng_mview* m) {
   int tb;
@@ -344,6 +345,24 @@ static void lin_plan_make(const eng_tensor* x, lin_plan* p) {
   for (int i = 0; i < p->nb; i++) p->bshape[i] = x->shape[i];
 }
 
+/* One product of linear's backward (gx or gw), run as a task of the pool. */
+typedef struct {
+  int dt, nb;
+  const int64_t* bshape;
+  eng_mview A, B, C;
+  double beta;
+  int rc;
+  char err[256];
+} lin_task;
+
+static void lin_tasks_run(void* vt, int64_t lo, int64_t hi) {
+  lin_task* t = vt;
+  for (int64_t i = lo; i < hi; i++) {
+    t[i].rc = eng_bmm_run(t[i].dt, t[i].nb, t[i].bshape, &t[i].A, &t[i].B, &t[i].C, 1.0, t[i].beta, "linear backward");
+    if (t[i].rc) snprintf(t[i].err, sizeof t[i].err, "%s", eng_last_error());
+  }
+}
+
 static int linear_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
   eng_tensor *x = eng_node_saved(n, 0), *w = eng_node_saved(n, 1);
   if (!x || !w) return -1;
@@ -352,27 +371,32 @@ static int linear_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
   int cdt = compute_dtype(x->dtype);
   eng_tensor *G = NULL, *X = NULL, *W = NULL, *hg = NULL, *hx = NULL, *hw = NULL;
   eng_tensor *gx = NULL, *gw = NULL, *gb = NULL;
-  int rc = -1;
+  int rc = -1, nt = 0;
+  lin_task task[2];
   eng_mview vg, vx, vw, vc;
   if (!(G = in_dtype(go[0], cdt)) || eng_mview_prep(G, p.vec, 0, p.nb, p.bshape, &vg, &hg)) goto done;
   int zero = eng_shape_numel(p.nb, p.bshape) == 0;
-  if (eng_node_needs_grad(n, 0)) { /* gx = g @ w */
+  int need_x = eng_node_needs_grad(n, 0), need_w = eng_node_needs_grad(n, 1);
+  if (need_x) { /* gx = g @ w, summed straight into x's gradient buffer when it has one */
     if (!(W = in_dtype(w, cdt)) || eng_mview_prep(W, 0, 0, p.nb, p.bshape, &vw, &hw)) goto done;
-    if (!(gx = eng_new(x->ndim, x->shape, cdt, x->device))) goto done;
+    eng_tensor* acc = cdt == x->dtype && !zero ? eng_grad_accum_slot(n, 0) : NULL;
+    if (!(gx = acc ? eng_tensor_retain(acc) : eng_new(x->ndim, x->shape, cdt, x->device))) goto done;
     eng_mview_of(gx, p.vec, p.nb, p.bshape, &vc);
-    if (eng_bmm_run(cdt, p.nb, p.bshape, &vg, &vw, &vc, 1.0, 0.0, "linear backward")) goto done;
-    if (!(gi[0] = eng_grad_to_input(n, 0, gx))) goto done;
+    task[nt++] = (lin_task){cdt, p.nb, p.bshape, vg, vw, vc, acc ? 1.0 : 0.0, 0, {0}};
   }
-  if (eng_node_needs_grad(n, 1)) { /* gw = g^T @ x over all leading dims: one GEMM */
-    eng_mview vgt;
+  if (need_w) { /* gw = g^T @ x over all leading dims: one GEMM */
     if (!(X = in_dtype(x, cdt)) || eng_mview_prep(X, p.vec, 0, p.nb, p.bshape, &vx, &hx)) goto done;
     gw = zero ? eng_tensor_zeros(2, w->shape, cdt, w->device) : eng_new(2, w->shape, cdt, w->device);
     if (!gw) goto done;
     eng_mview_of(gw, 0, p.nb, p.bshape, &vc);
-    vgt = eng_mview_t(vg);
-    if (eng_bmm_run(cdt, p.nb, p.bshape, &vgt, &vx, &vc, 1.0, 0.0, "linear backward")) goto done;
-    if (!(gi[1] = eng_grad_to_input(n, 1, gw))) goto done;
+    task[nt++] = (lin_task){cdt, p.nb, p.bshape, eng_mview_t(vg), vx, vc, 0.0, 0, {0}};
   }
+  /* gx and gw cost the same: two threads run one each, whole (no product is
+   * split, so neither repacks the other's operands); one thread runs both */
+  kc_parallel_for(nt, 1, lin_tasks_run, task);
+  for (int i = 0; i < nt; i++) if (task[i].rc) { eng_err("%s", task[i].err); goto done; }
+  if (need_x && !(gi[0] = eng_grad_to_input(n, 0, gx))) goto done;
+  if (need_w && !(gi[1] = eng_grad_to_input(n, 1, gw))) goto done;
   if (n->n_inputs > 2 && eng_node_needs_grad(n, 2)) { /* gb = column sums of g */
     eng_tensor* Gc = eng_as_contig(hg ? hg : G, cdt);
     int64_t of = w->shape[0];

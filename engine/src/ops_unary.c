@@ -49,15 +49,11 @@ static eng_tensor* unary_fwd(int op, eng_tensor* a, double p0, double p1) {
   eng_tensor* out = eng_new(a->ndim, a->shape, cdt, a->device);
   if (out && out->numel > 0) {
     int es = eng_dtype_size(cdt);
-    if (eng_tensor_is_contiguous(A)) {
-      kc_unary_row(op, cdt, out->numel, eng_ptr(out), es, eng_ptr(A), es, p0, p1);
-    } else {
-      urow_ctx c = {op, cdt, p0, p1};
-      char* base[2] = {eng_ptr(out), eng_ptr(A)};
-      const int64_t* st[2] = {out->stride, A->stride};
-      int esz[2] = {es, es};
-      kc_foreach(out->ndim, out->shape, 2, base, st, esz, urow, &c);
-    }
+    urow_ctx c = {op, cdt, p0, p1};
+    char* base[2] = {eng_ptr(out), eng_ptr(A)};
+    const int64_t* st[2] = {out->stride, A->stride};
+    int esz[2] = {es, es};
+    kc_foreach_par(out->ndim, out->shape, 2, base, st, esz, urow, &c);
   }
   eng_tensor_release(A);
   if (out && rdt != cdt) { eng_tensor* r = eng_as_contig(out, rdt); eng_tensor_release(out); out = r; }
@@ -88,7 +84,7 @@ static eng_tensor* unary_grad(int op, eng_tensor* g, eng_tensor* x, eng_tensor* 
     char* base[4] = {eng_ptr(out), eng_ptr(G), eng_ptr(xs), eng_ptr(ys)};
     const int64_t* st[4] = {out->stride, G->stride, xs->stride, ys->stride};
     int esz[4] = {es, es, es, es};
-    kc_foreach(out->ndim, out->shape, 4, base, st, esz, grow, &c);
+    kc_foreach_par(out->ndim, out->shape, 4, base, st, esz, grow, &c);
   }
   eng_tensor_release(G); eng_tensor_release(X); eng_tensor_release(Y);
   return out;

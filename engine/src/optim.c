@@ -71,7 +71,7 @@ int eng_adamw_step(int n, eng_tensor** params, eng_tensor** grads, eng_tensor** 
     char* base[4] = {eng_ptr(p), eng_ptr(g), eng_ptr(m), eng_ptr(v)};
     const int64_t* st[4] = {p->stride, g->stride, m->stride, v->stride};
     int esz[4] = {eng_dtype_size(p->dtype), eng_dtype_size(g->dtype), eng_dtype_size(m->dtype), eng_dtype_size(v->dtype)};
-    if (p->numel > 0) kc_foreach(p->ndim, p->shape, 4, base, st, esz, adamw_rows, &c);
+    if (p->numel > 0) kc_foreach_par(p->ndim, p->shape, 4, base, st, esz, adamw_rows, &c);
     eng_bump_version(p); eng_bump_version(m); eng_bump_version(v);
   }
   return 0;
@@ -111,7 +111,7 @@ int eng_sgd_step(int n, eng_tensor** params, eng_tensor** grads, eng_tensor** mo
     char* base[3] = {eng_ptr(p), eng_ptr(g), b ? eng_ptr(b) : eng_ptr(p)};
     const int64_t* st[3] = {p->stride, g->stride, b ? b->stride : p->stride};
     int esz[3] = {eng_dtype_size(p->dtype), eng_dtype_size(g->dtype), eng_dtype_size(b ? b->dtype : p->dtype)};
-    if (p->numel > 0) kc_foreach(p->ndim, p->shape, 3, base, st, esz, sgd_rows, &c);
+    if (p->numel > 0) kc_foreach_par(p->ndim, p->shape, 3, base, st, esz, sgd_rows, &c);
     eng_bump_version(p);
     if (b) eng_bump_version(b);
   }

@@ -141,13 +141,13 @@ static void pending_register(pending* p) {
   for (pending** pp = &g_pend; *pp;) {
     pending* e = *pp;
     if (e->result->refcount == 1) { /* only the registry holds it: waiting early is always safe */
-      *pp = e->next; g_npend--;
+      *pp = e->next; __atomic_sub_fetch(&g_npend, 1, __ATOMIC_RELEASE);
       pending_finish(e); free(e);
     } else pp = &e->next;
   }
   q->next = g_pend;
   g_pend = q;
-  g_npend++;
+  __atomic_add_fetch(&g_npend, 1, __ATOMIC_RELEASE);
   pthread_mutex_unlock(&g_pend_mu);
 }
 
@@ -158,7 +158,7 @@ int eng_dtensor_wait(eng_tensor* t) {
   for (pending** pp = &g_pend; *pp;) {
     pending* e = *pp;
     if (e->result->storage == t->storage) {
-      *pp = e->next; g_npend--;
+      *pp = e->next; __atomic_sub_fetch(&g_npend, 1, __ATOMIC_RELEASE);
       if (pending_finish(e)) rc = -1;
       free(e);
     } else pp = &e->next;
@@ -182,7 +182,7 @@ int eng_dtensor_wait_all(void) {
   pthread_mutex_lock(&g_pend_mu);
   while (g_pend) {
     pending* e = g_pend;
-    g_pend = e->next; g_npend--;
+    g_pend = e->next; __atomic_sub_fetch(&g_npend, 1, __ATOMIC_RELEASE);
     if (pending_finish(e)) rc = -1;
     free(e);
   }
@@ -232,8 +232,8 @@ static int check_local_size(step_ctx* c, const eng_tensor* x, int d, int64_t L) 
   chunk_of(L, c->k, c->coord, &want, NULL);
   if (x->shape[d] != want)
     return eng_err("%s: the local shard %s has %lld entries on dim %d, but Shard of %lld entries over %d ranks "
-                   "gives %lld at mesh coordinate %d of mesh dim %d", c->op, eng_desc(x), (long long)x->shape[d], d,
-                   (long long)L, c->k, (long long)want, c->coord, c->mesh_dim);
+                   "gives %lld at mesh coordinate %d of mesh dim %d", c->op, eng_desc(x), (long long)x->shape[d], d + dt_base(),
+                   (long long)L, c->k, (long long)want, c->coord, c->mesh_dim + dt_base());
   return 0;
 }
 
@@ -382,8 +382,8 @@ static eng_tensor* apply_s2s(step_ctx* c, eng_tensor* x, const eng_placement* s,
   if (check_local_size(c, x, a, La)) return NULL;
   if (x->shape[b] != nb)
     return eng_errp("%s: the local shard %s has %lld entries on dim %d, expected %lld (the logical size before "
-                    "sharding it on mesh dim %d)", c->op, eng_desc(x), (long long)x->shape[b], b, (long long)nb,
-                    c->mesh_dim);
+                    "sharding it on mesh dim %d)", c->op, eng_desc(x), (long long)x->shape[b], b + dt_base(), (long long)nb,
+                    c->mesh_dim + dt_base());
   int64_t fa = cdiv(La, k), ma = x->shape[a], fb = cdiv(nb, k), mb;
   chunk_of(nb, k, c->coord, &mb, NULL);
   int64_t cs[ENG_MAX_DIMS], cst[ENG_MAX_DIMS];
@@ -477,11 +477,13 @@ static int chk_r2p(const eng_placement* s, const eng_placement* t) { return is_r
 static int chk_p2p(const eng_placement* s, const eng_placement* t) { return is_p(s) && is_p(t) && s->op != t->op; }
 static int chk_s2p(const eng_placement* s, const eng_placement* t) { return is_s(s) && is_p(t); }
 
-/* Where the gradient goes back to on a mesh dim: the source placement, but
- * never Partial (PyTorch's Redistribute.backward). */
-static eng_placement bwd_source(const eng_placement* s, const eng_placement* t) {
+/* Where a gradient that arrives with placement g goes back to on a mesh dim
+ * whose forward source was s: s, except that a Partial source receives a
+ * Shard/Replicate gradient as Replicate (gradients are never turned into
+ * Partial sums; PyTorch's Redistribute.backward). */
+static eng_placement bwd_source(const eng_placement* s, const eng_placement* g) {
   eng_placement r = *s;
-  if (is_p(s)) { r.kind = ENG_PLACEMENT_REPLICATE; r.dim = 0; r.op = 0; }
+  if (is_p(s) && !is_p(g)) { r.kind = ENG_PLACEMENT_REPLICATE; r.dim = 0; r.op = 0; }
   return r;
 }
 
@@ -490,7 +492,8 @@ typedef struct transition {
   int collective;  /* issues a collective */
   int (*check)(const eng_placement* s, const eng_placement* t);
   eng_tensor* (*apply)(step_ctx* c, eng_tensor* x, const eng_placement* s, const eng_placement* t);
-  eng_placement (*backward)(const eng_placement* s, const eng_placement* t);
+  /* placement a gradient arriving as g is redistributed to, given the forward source s */
+  eng_placement (*backward)(const eng_placement* s, const eng_placement* g);
 } transition;
 
 static const transition g_transitions[] = {
@@ -663,7 +666,7 @@ eng_tensor* dt_redistribute_local(eng_tensor* local, const eng_dist_spec* src, c
       char a[512], b[400];
       eng_err_prefix("%s: %s -> %s: step %d (mesh dim %d, %s)", op,
                      eng_dist_spec_describe(src, local->dtype, a, sizeof a),
-                     dt_placements_str(dst->mesh_ndim, dst->placements, b, sizeof b), s, i, tr[s]->name);
+                     dt_placements_str(dst->mesh_ndim, dst->placements, b, sizeof b), s + 1, i + dt_base(), tr[s]->name);
       return NULL;
     }
     if (c.async && pend.result) pending_register(&pend);
@@ -674,16 +677,30 @@ eng_tensor* dt_redistribute_local(eng_tensor* local, const eng_dist_spec* src, c
 }
 
 /* ------------------------------------------------------------------ autograd */
+eng_dist_spec* dt_grad_target(const eng_dist_spec* src, const eng_dist_spec* grad) {
+  eng_placement gp[ENG_MAX_DIMS];
+  int same = 1;
+  for (int i = 0; i < src->mesh_ndim; i++) {
+    const eng_placement* s = &src->placements[i];
+    const eng_placement* g = &grad->placements[i];
+    const transition* tr = find_transition(s, g);
+    gp[i] = tr ? tr->backward(s, g) : bwd_source(s, g);
+    if (!eng_placement_equal(&gp[i], s)) same = 0;
+  }
+  if (same) return eng_dist_spec_retain((eng_dist_spec*)src);
+  return dt_spec_make(src->mesh, gp, src->ndim, src->shape, src->stride);
+}
+
 typedef struct rd_ctx {
-  eng_dist_spec* out_spec;   /* the forward result's spec */
-  eng_dist_spec* grad_spec;  /* where gradients go back to */
+  eng_dist_spec* src;   /* the forward input's spec */
+  eng_dist_spec* out;   /* the forward result's spec */
 } rd_ctx;
 
 static void rd_free(eng_node* n) {
   rd_ctx* c = n->ctx;
   if (!c) return;
-  eng_dist_spec_release(c->out_spec);
-  eng_dist_spec_release(c->grad_spec);
+  eng_dist_spec_release(c->src);
+  eng_dist_spec_release(c->out);
   free(c);
   n->ctx = NULL;
 }
@@ -692,17 +709,19 @@ static int rd_backward(eng_node* n, eng_tensor** go, eng_tensor** gi) {
   rd_ctx* c = n->ctx;
   eng_tensor* g = go[0];
   if (!eng_node_needs_grad(n, 0)) return 0;
-  eng_dist_spec* gs = g->dist ? g->dist : c->out_spec;
-  eng_tensor* r = dt_redistribute_local(g, gs, c->grad_spec, 0, 1);
-  if (!r) return -1;
-  int want = eng_node_in_dtype(n, 0);
-  if (r->dtype != want) {
-    eng_tensor* cv = eng_tensor_to_dtype(r, want);
+  eng_dist_spec* gs = g->dist ? g->dist : c->out;
+  if (gs->mesh_ndim != c->src->mesh_ndim) return eng_err("gradient spec does not match the forward mesh");
+  eng_dist_spec* target = dt_grad_target(c->src, gs);
+  if (!target) return -1;
+  eng_tensor* r = eng_dist_spec_equal(gs, target) ? dt_plain(g) : dt_redistribute_local(g, gs, target, 0, 1);
+  if (r && r->dtype != eng_node_in_dtype(n, 0)) {
+    eng_tensor* cv = eng_tensor_to_dtype(r, eng_node_in_dtype(n, 0));
     eng_tensor_release(r);
-    if (!cv) return -1;
     r = cv;
   }
-  dt_attach(r, c->grad_spec);
+  if (r) dt_attach(r, target);
+  eng_dist_spec_release(target);
+  if (!r) return -1;
   gi[0] = r;
   return 0;
 }
@@ -716,19 +735,13 @@ eng_tensor* dt_redistribute_autograd(const char* op, eng_tensor* t, eng_dist_spe
   if (!out) return NULL;
   dt_attach(out, dst);
   if (eng_any_requires_grad(1, &t) && eng_dtype_is_floating(out->dtype)) {
-    eng_placement gp[ENG_MAX_DIMS];
-    for (int i = 0; i < src->mesh_ndim; i++) {
-      const transition* tr = find_transition(&src->placements[i], &dst->placements[i]);
-      gp[i] = tr ? tr->backward(&src->placements[i], &dst->placements[i]) : src->placements[i];
-    }
     rd_ctx* c = calloc(1, sizeof *c);
     eng_node* node = c ? eng_node_new("RedistributeBackward", rd_backward, 1, &t, 1) : NULL;
     if (!node) { free(c); eng_tensor_release(out); return c ? NULL : eng_errp("%s: out of memory", op); }
     node->ctx = c;
     node->free_ctx = rd_free;
-    c->out_spec = eng_dist_spec_retain(dst);
-    c->grad_spec = dt_spec_make(src->mesh, gp, src->ndim, src->shape, src->stride);
-    if (!c->grad_spec) { eng_node_release(node); eng_tensor_release(out); return NULL; }
+    c->src = eng_dist_spec_retain(src);
+    c->out = eng_dist_spec_retain(dst);
     eng_node_set_output(node, out, 0);
     eng_node_release(node);
   }
@@ -763,7 +776,7 @@ static eng_tensor* redistribute_impl(const char* op, eng_tensor* t, eng_mesh* me
                         "for internal use only!", op, eng_dist_spec_describe(src, t->dtype, a, sizeof a),
                         dt_placements_str(n, norm, b, sizeof b),
                         eng_placement_describe(&src->placements[i], x, sizeof x), eng_placement_describe(&norm[i], y, sizeof y),
-                        i);
+                        i + dt_base());
       }
     }
   }
@@ -797,6 +810,6 @@ eng_tensor* eng_dtensor_redistribute_spec(eng_tensor* t, eng_dist_spec* dst, int
       if (dst->placements[i].kind == ENG_PLACEMENT_PARTIAL && !eng_placement_equal(&src->placements[i], &dst->placements[i]))
         return eng_errp("%s: %s -> %s: Can not redistribute to a Partial placement (mesh dim %d), redistributing to "
                         "Partial is for internal use only!", op, eng_dist_spec_describe(src, t->dtype, a, sizeof a),
-                        eng_dist_spec_describe(dst, -1, b, sizeof b), i);
+                        eng_dist_spec_describe(dst, -1, b, sizeof b), i + dt_base());
   return dt_redistribute_autograd(op, t, dst, flags & 1, 0);
 }

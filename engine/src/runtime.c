@@ -1,5 +1,6 @@
 /* runtime.c: process-wide set-up, threads, clocks. */
 #include "internal.h"
+#include "../../kernels/cpu/kcpu.h"
 #include <malloc.h>
 #include <time.h>
 #include <stdio.h>
@@ -26,14 +27,21 @@ int eng_runtime_init(void) {
   mallopt(M_MMAP_MAX, 0);
   mallopt(M_TRIM_THRESHOLD, 1 << 30);
   mallopt(M_TOP_PAD, 64 << 20);
+  /* The thread count OpenBLAS chose (OPENBLAS_NUM_THREADS, CPU affinity)
+   * sizes the engine's own pool; OpenBLAS itself runs single-threaded and
+   * the engine splits big GEMMs over the pool (kernels/cpu/gemm.c), so no
+   * BLAS thread spins against the engine's parallel kernels. */
   g_threads = openblas_get_num_threads();
   if (g_threads < 1) g_threads = 1;
+  openblas_set_num_threads(1);
+  kc_set_threads(g_threads);
   return 0;
 }
 
 int eng_set_num_threads(int n) {
   if (n < 1) return eng_err("set_num_threads: %d is not a positive thread count", n);
-  openblas_set_num_threads(n);
+  if (n > 64) n = 64;
+  kc_set_threads(n);
   g_threads = n;
   return 0;
 }

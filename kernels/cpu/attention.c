@@ -24,11 +24,16 @@
         if (mcs == 1) for (int64_t j = 0; j < n; j++) r[j] += mf[j];                    \
         else for (int64_t j = 0; j < n; j++) r[j] += mf[j * mcs];                       \
       }                                                                                 \
-      for (int64_t j = n; j < S; j++) r[j] = 0;                                         \
-      T m = kc_row_max_##SUF(n, r);                                                     \
-      if (m == -INFINITY) { for (int64_t j = 0; j < n; j++) r[j] = 0; continue; }       \
-      T inv = 1 / kc_row_expsum_##SUF(n, r, m, r);                                      \
-      for (int64_t j = 0; j < n; j++) r[j] *= inv;                                      \
+      /* causal rows run over whole 16-lane groups, the masked part as -inf \
+         (exp gives exactly 0), so no row ends in a scalar tail */           \
+      int64_t nv = causal ? ((n + 15) & ~(int64_t)15) : n;                              \
+      if (nv > S) nv = S;                                                               \
+      for (int64_t j = n; j < nv; j++) r[j] = -INFINITY;                                \
+      for (int64_t j = nv; j < S; j++) r[j] = 0;                                        \
+      T m = kc_row_max_##SUF(nv, r);                                                    \
+      if (m == -INFINITY) { for (int64_t j = 0; j < nv; j++) r[j] = 0; continue; }      \
+      T inv = 1 / kc_row_expsum_##SUF(nv, r, m, r);                                     \
+      for (int64_t j = 0; j < nv; j++) r[j] *= inv;                                     \
     }                                                                                   \
   }
 

@@ -4,18 +4,19 @@
 
 #define KMAX 8
 
-void kc_foreach(int ndim, const int64_t* shape, int k, char** base, const int64_t* const* strides,
-                const int* esz, kc_row_fn fn, void* ctx) {
-  int64_t sh[KMAX], st[4][KMAX]; /* byte strides, up to 4 operands */
+/* Drops size-1 dims and coalesces adjacent dims (outer d-1, inner d) where
+ * stride[d-1] == stride[d] * shape[d] for every operand; byte strides.
+ * Returns the dim count (0: a single element), -1 if the space is empty. */
+static int coalesce(int ndim, const int64_t* shape, int k, const int64_t* const* strides, const int* esz,
+                    int64_t* sh, int64_t (*st)[KMAX]) {
   int nd = 0;
   for (int d = 0; d < ndim; d++) {
-    if (shape[d] == 0) return;
+    if (shape[d] == 0) return -1;
     if (shape[d] == 1) continue;
     sh[nd] = shape[d];
     for (int j = 0; j < k; j++) st[j][nd] = strides[j][d] * esz[j];
     nd++;
   }
-  /* coalesce adjacent dims (outer d-1, inner d) where stride[d-1] == stride[d]*shape[d] */
   int m = 0;
   for (int d = 0; d < nd; d++) {
     if (m > 0) {
@@ -27,25 +28,84 @@ void kc_foreach(int ndim, const int64_t* shape, int k, char** base, const int64_
     for (int j = 0; j < k; j++) st[j][m] = st[j][d];
     m++;
   }
-  if (m == 0) { /* a single element */
-    int64_t z[4] = {0, 0, 0, 0};
-    fn(1, base, z, ctx);
-    return;
-  }
+  return m;
+}
+
+/* Calls fn on the rows r0 <= r < r1 of the coalesced space (m >= 1 dims; a
+ * row is the innermost dim). */
+static void rows_run(int m, const int64_t* sh, int k, char* const* base, int64_t (*st)[KMAX], int64_t r0,
+                     int64_t r1, kc_row_fn fn, void* ctx) {
   int64_t inner = sh[m - 1], istr[4];
   for (int j = 0; j < k; j++) istr[j] = st[j][m - 1];
-  int64_t idx[KMAX] = {0};
+  int64_t idx[KMAX] = {0}, rem = r0;
+  for (int d = m - 2; d >= 0; d--) { idx[d] = rem % sh[d]; rem /= sh[d]; }
   char* p[4];
-  for (;;) {
+  for (int64_t r = r0; r < r1; r++) {
     for (int j = 0; j < k; j++) {
       p[j] = base[j];
       for (int d = 0; d < m - 1; d++) p[j] += idx[d] * st[j][d];
     }
     fn(inner, p, istr, ctx);
-    int d = m - 2;
-    while (d >= 0) { if (++idx[d] < sh[d]) break; idx[d] = 0; d--; }
-    if (d < 0) break;
+    for (int d = m - 2; d >= 0; d--) { if (++idx[d] < sh[d]) break; idx[d] = 0; }
   }
+}
+
+void kc_foreach(int ndim, const int64_t* shape, int k, char** base, const int64_t* const* strides,
+                const int* esz, kc_row_fn fn, void* ctx) {
+  int64_t sh[KMAX], st[4][KMAX]; /* byte strides, up to 4 operands */
+  int m = coalesce(ndim, shape, k, strides, esz, sh, st);
+  if (m < 0) return;
+  if (m == 0) { /* a single element */
+    int64_t z[4] = {0, 0, 0, 0};
+    fn(1, base, z, ctx);
+    return;
+  }
+  int64_t rows = 1;
+  for (int d = 0; d < m - 1; d++) rows *= sh[d];
+  rows_run(m, sh, k, base, st, 0, rows, fn, ctx);
+}
+
+/* ------------------------------------------------------------ parallel */
+/* Elements per chunk of a parallel elementwise loop. */
+#define PAR_GRAIN 16384
+
+typedef struct {
+  int m, k;
+  const int64_t* sh;
+  int64_t (*st)[KMAX];
+  char* const* base;
+  int64_t inner; /* > 0: split one row by elements */
+  kc_row_fn fn;
+  void* ctx;
+} par_ctx;
+
+static void par_part(void* vc, int64_t lo, int64_t hi) {
+  par_ctx* c = vc;
+  if (c->inner > 0) {
+    char* p[4];
+    int64_t istr[4];
+    for (int j = 0; j < c->k; j++) { istr[j] = c->st[j][0]; p[j] = c->base[j] + lo * istr[j]; }
+    c->fn(hi - lo, p, istr, c->ctx);
+  } else {
+    rows_run(c->m, c->sh, c->k, c->base, c->st, lo, hi, c->fn, c->ctx);
+  }
+}
+
+void kc_foreach_par(int ndim, const int64_t* shape, int k, char** base, const int64_t* const* strides,
+                    const int* esz, kc_row_fn fn, void* ctx) {
+  int64_t sh[KMAX], st[4][KMAX];
+  int m = coalesce(ndim, shape, k, strides, esz, sh, st);
+  if (m < 0) return;
+  int64_t total = 1;
+  for (int d = 0; d < m; d++) total *= sh[d];
+  if (m == 0 || total < 2 * PAR_GRAIN || kc_get_threads() < 2) {
+    kc_foreach(ndim, shape, k, base, strides, esz, fn, ctx);
+    return;
+  }
+  par_ctx c = {m, k, sh, st, base, 0, fn, ctx};
+  if (m == 1) { c.inner = sh[0]; kc_parallel_for(sh[0], PAR_GRAIN, par_part, &c); return; }
+  int64_t rows = total / sh[m - 1], per = PAR_GRAIN / sh[m - 1];
+  kc_parallel_for(rows, per > 1 ? per : 1, par_part, &c);
 }
 
 static const int kc_size[8] = {4, 8, 2, 2, 4, 8, 1, 1};
@@ -95,7 +155,7 @@ void kc_copy(int ndim, const int64_t* shape, void* dst, int ddt, const int64_t* 
   char* base[2] = {(char*)dst, (char*)src};
   const int64_t* strides[2] = {dstride, sstride};
   int esz[2] = {kc_size[ddt], kc_size[sdt]};
-  kc_foreach(ndim, shape, 2, base, strides, esz, copy_row, &c);
+  kc_foreach_par(ndim, shape, 2, base, strides, esz, copy_row, &c);
 }
 
 void kc_convert(int64_t n, void* dst, int ddt, const void* src, int sdt) {

@@ -46,6 +46,11 @@ void kc_fill(int64_t n, void* dst, int dt, double v);
 typedef void (*kc_row_fn)(int64_t n, char** ptrs, const int64_t* inner_strides, void* ctx);
 void kc_foreach(int ndim, const int64_t* shape, int k, char** base, const int64_t* const* strides,
                 const int* esz, kc_row_fn fn, void* ctx);
+/* kc_foreach with the rows (or a single long row's elements) split over the
+ * worker pool (parallel.c) when the space is big: for row functions that
+ * only write their own rows' elements and keep no state across calls. */
+void kc_foreach_par(int ndim, const int64_t* shape, int k, char** base, const int64_t* const* strides,
+                    const int* esz, kc_row_fn fn, void* ctx);
 
 
 /* binary.c */
@@ -155,7 +160,23 @@ void kc_pnorm_row(int kind, double p, int dt, int64_t n, const char* x, int64_t 
 /* x *= s in x's dtype (f32 math for f32/bf16/f16). */
 void kc_scale_row(int dt, int64_t n, char* x, int64_t sx, double s);
 
-/* gemm.c (row-major; dt KC_F32 or KC_F64; ta/tb: 1 = use the transpose) */
+/* parallel.c: the worker pool behind the kernels' parallel loops.
+ * kc_parallel_for runs fn(ctx, lo, hi) over [0, n) in contiguous chunks of
+ * at least `grain` items (boundaries fixed by n, grain and the thread count)
+ * on the calling thread and the pool's workers; inline when the pool has one
+ * thread, n < 2 grain, or when called from inside a chunk or while another
+ * thread uses the pool.  fn must not fail and must be safe to run on
+ * disjoint ranges at once.  kc_set_threads: pool size including the caller. */
+typedef void (*kc_range_fn)(void* ctx, int64_t lo, int64_t hi);
+void kc_parallel_for(int64_t n, int64_t grain, kc_range_fn fn, void* ctx);
+void kc_set_threads(int n);
+int kc_get_threads(void);
+/* 1 while running a chunk on any thread (nested work then runs serially). */
+int kc_in_parallel(void);
+
+/* gemm.c (row-major; dt KC_F32 or KC_F64; ta/tb: 1 = use the transpose).
+ * Products of 2^21 multiply-adds or more are split over the worker pool by
+ * blocks of rows (or columns) of C, unless called from inside a pool job. */
 void kc_gemm(int dt, int ta, int tb, int64_t M, int64_t N, int64_t K, double alpha,
              const void* A, int64_t lda, const void* B, int64_t ldb, double beta, void* C,
              int64_t ldc);
@@ -163,12 +184,10 @@ void kc_gemm(int dt, int ta, int tb, int64_t M, int64_t N, int64_t K, double alp
 void kc_fill_rows(int dt, int64_t rows, int64_t n, const void* bias, void* out, int64_t ld);
 /* out[j] = sum_i g[i, j] (row stride ld). */
 void kc_sum_rows(int dt, int64_t rows, int64_t n, const void* g, int64_t ld, void* out);
-/* Runs fn(ctx, lo, hi) over [0, n) split into up to `threads` contiguous
- * parts on as many threads, BLAS single-threaded meanwhile (so each part may
- * call kc_gemm): for batches of small products, where BLAS threading does
- * not pay.  threads <= 1, n < 2 or a failed thread start: one call on the
- * calling thread.  fn must not fail. */
-typedef void (*kc_range_fn)(void* ctx, int64_t lo, int64_t hi);
+/* Runs fn(ctx, lo, hi) over [0, n) in contiguous parts on the worker pool
+ * (parallel.c) when threads > 1, each part's kc_gemm calls single-threaded:
+ * for batches of small products, where splitting each product does not pay.
+ * threads <= 1 or n < 2: one call on the calling thread.  fn must not fail. */
 void kc_parallel_blas(int threads, int64_t n, kc_range_fn fn, void* ctx);
 
 /* softmax.c: exp for f32 rows: vectorizable (~1 ulp); exp(x) = 0 for

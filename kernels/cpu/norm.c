@@ -9,6 +9,8 @@
  * weight/bias gradients are column sums accumulated in double. */
 #include "kcpu.h"
 #include <math.h>
+#include <stdlib.h>
+#include <string.h>
 
 #define LANES 8
 
@@ -81,14 +83,83 @@ NORM_FWD(double, fwd_f64)
 NORM_BWD(float, bwd_f32)
 NORM_BWD(double, bwd_f64)
 
+/* ---------------------------------------------------------------- parallel drivers
+ * Rows are independent in the forward pass and for dx; the weight/bias
+ * gradients are column sums, accumulated per fixed block of BLK rows (in
+ * parallel) and then added block by block in order, so their value does not
+ * depend on the thread count. */
+#define BLK 32
+#define ROW_GRAIN 16384 /* elements per chunk */
+
+typedef struct {
+  int dt, rms;
+  int64_t m, n;
+  const void *x, *w, *b, *go;
+  double eps;
+  void *y, *dx;
+  double *mean, *rstd, *pw, *pb;
+  const double *cmean, *crstd;
+  int64_t pstride;
+} norm_job;
+
+static void fwd_part(void* vj, int64_t lo, int64_t hi) {
+  const norm_job* j = vj;
+  size_t es = j->dt == KC_F64 ? 8 : 4;
+  const char* x = (const char*)j->x + (size_t)(lo * j->n) * es;
+  char* y = (char*)j->y + (size_t)(lo * j->n) * es;
+  double* mean = j->mean ? j->mean + lo : NULL;
+  if (j->dt == KC_F64) fwd_f64(j->rms, hi - lo, j->n, (const double*)x, j->w, j->b, j->eps, (double*)y, mean, j->rstd + lo);
+  else fwd_f32(j->rms, hi - lo, j->n, (const float*)x, j->w, j->b, j->eps, (float*)y, mean, j->rstd + lo);
+}
+
 void kc_norm_fwd(int dt, int rms, int64_t m, int64_t n, const void* x, const void* w, const void* b,
                  double eps, void* y, double* mean, double* rstd) {
-  if (dt == KC_F64) fwd_f64(rms, m, n, x, w, b, eps, y, mean, rstd);
-  else fwd_f32(rms, m, n, x, w, b, eps, y, mean, rstd);
+  norm_job j = {dt, rms, m, n, x, w, b, NULL, eps, y, NULL, mean, rstd, NULL, NULL, NULL, NULL, 0};
+  int64_t g = n > 0 ? ROW_GRAIN / n : m;
+  kc_parallel_for(m, g > 1 ? g : 1, fwd_part, &j);
+}
+
+/* blocks [lo, hi) of BLK rows; block k's column sums go to pw/pb + k * pstride
+ * (pstride 0: every block accumulates into the same sums, serially) */
+static void bwd_part(void* vj, int64_t lo, int64_t hi) {
+  const norm_job* j = vj;
+  size_t es = j->dt == KC_F64 ? 8 : 4;
+  for (int64_t k = lo; k < hi; k++) {
+    int64_t r0 = k * BLK, r1 = r0 + BLK < j->m ? r0 + BLK : j->m;
+    size_t off = (size_t)(r0 * j->n) * es;
+    double* pw = j->pw ? j->pw + k * j->pstride : NULL;
+    double* pb = j->pb ? j->pb + k * j->pstride : NULL;
+    const double* mean = j->rms ? NULL : j->cmean + r0;
+    void* dx = j->dx ? (char*)j->dx + off : NULL;
+    if (j->dt == KC_F64)
+      bwd_f64(j->rms, r1 - r0, j->n, (const double*)((const char*)j->go + off), (const double*)((const char*)j->x + off),
+              j->w, mean, j->crstd + r0, dx, pw, pb);
+    else
+      bwd_f32(j->rms, r1 - r0, j->n, (const float*)((const char*)j->go + off), (const float*)((const char*)j->x + off),
+              j->w, mean, j->crstd + r0, dx, pw, pb);
+  }
 }
 
 void kc_norm_bwd(int dt, int rms, int64_t m, int64_t n, const void* go, const void* x, const void* w,
                  const double* mean, const double* rstd, void* dx, double* dw, double* db) {
-  if (dt == KC_F64) bwd_f64(rms, m, n, go, x, w, mean, rstd, dx, dw, db);
-  else bwd_f32(rms, m, n, go, x, w, mean, rstd, dx, dw, db);
+  int64_t nblk = (m + BLK - 1) / BLK;
+  norm_job j = {dt, rms, m, n, x, w, NULL, go, 0, NULL, dx, NULL, NULL, dw, db, mean, rstd, 0};
+  double* part = NULL;
+  if ((dw || db) && nblk > 1 && n > 0)
+    part = calloc((size_t)nblk * (size_t)n * ((dw ? 1 : 0) + (db ? 1 : 0)), sizeof *part);
+  if (!part) { /* one block, no gradient sums, or no memory for the partials: serially */
+    bwd_part(&j, 0, nblk);
+    return;
+  }
+  j.pstride = n;
+  j.pw = dw ? part : NULL;
+  j.pb = db ? part + (dw ? nblk * n : 0) : NULL;
+  int64_t g = ROW_GRAIN / (n * BLK);
+  kc_parallel_for(nblk, g > 1 ? g : 1, bwd_part, &j);
+  for (int64_t k = 0; k < nblk; k++)
+    for (int64_t c = 0; c < n; c++) {
+      if (dw) dw[c] += j.pw[k * n + c];
+      if (db) db[c] += j.pb[k * n + c];
+    }
+  free(part);
 }

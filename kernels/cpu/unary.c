@@ -117,28 +117,64 @@ static inline float k_tanhf(float x) {
   return x != x ? x : t;
 }
 
-/* erfc for z >= 0 (Numerical Recipes' Chebyshev fit, fractional error below
- * 1.2e-7 everywhere, so the tail keeps its relative accuracy). */
-static inline float k_erfcf_pos(float z) {
-  float t = 1.0f / (1.0f + 0.5f * z);
-  float p = 0.17087277f;
-  p = p * t - 0.82215223f;
-  p = p * t + 1.48851587f;
-  p = p * t - 1.13520398f;
-  p = p * t + 0.27886807f;
-  p = p * t - 0.18628806f;
-  p = p * t + 0.09678418f;
-  p = p * t + 0.37409196f;
-  p = p * t + 1.00002368f;
-  p = p * t - 1.26551223f;
-  return t * k_expf(p - z * z);
+/* Phi(x) for gelu in float, with its relative accuracy kept in the
+ * negative tail: Phi(-|x|) = erfc(z) / 2 with z = |x| / sqrt 2 and
+ *   erfc(z) = t * Q(t) * exp(-x^2 / 2),  t = 1 / (1 + z / 2),
+ * Q a degree-10 polynomial fit of erfc(z) exp(z^2) / t on t in [0, 1]
+ * (relative error 1.2e-8; Numerical Recipes' substitution).  exp(-x^2/2) is
+ * taken of the exact square (x^2 = hi + lo by an FMA), so the tail keeps
+ * ~4e-7 relative accuracy; the same exponential serves the derivative's
+ * pdf.  Kept identical to the AVX2 version below. */
+#define GQ0 0.282094806432724f
+#define GQ1 0.28209376335144043f
+#define GQ2 0.24688458442687988f
+#define GQ3 0.17531581223011017f
+#define GQ4 0.09346336871385574f
+#define GQ5 -0.05921443924307823f
+#define GQ6 0.13218338787555695f
+#define GQ7 -0.4549821615219116f
+#define GQ8 0.49370133876800537f
+#define GQ9 -0.2347363829612732f
+#define GQ10 0.043195951730012894f
+#define K_EXP_LO -87.3365479f /* below: exp flushed to 0 (the f32 normal range) */
+
+/* exp(a + b) for a <= 88, |b| <= ulp(a) (a + b = -x^2/2 split exactly):
+ * k_expf's reduction with b folded into the reduced argument; 0 below
+ * K_EXP_LO and for NaN. */
+static inline float k_exp_hilo(float a, float b) {
+  float ac = a < K_EXP_LO ? K_EXP_LO : a;
+  float kf = __builtin_rintf(ac * 1.44269504088896341f);
+  float r = __builtin_fmaf(-kf, 0.693145751953125f, ac);
+  r = __builtin_fmaf(-kf, 1.428606765330187045e-06f, r) + b;
+  float p = 1.0f / 720.0f;
+  p = __builtin_fmaf(p, r, 1.0f / 120.0f);
+  p = __builtin_fmaf(p, r, 1.0f / 24.0f);
+  p = __builtin_fmaf(p, r, 1.0f / 6.0f);
+  p = __builtin_fmaf(p, r, 0.5f);
+  p = __builtin_fmaf(p, r, 1.0f);
+  p = __builtin_fmaf(p, r, 1.0f);
+  int32_t bits = (int32_t)((uint32_t)((int32_t)kf + 127) << 23);
+  float sc;
+  __builtin_memcpy(&sc, &bits, 4);
+  return a >= K_EXP_LO ? p * sc : 0.0f;
 }
-/* Standard normal CDF Phi(x) in float. */
-static inline float k_phif(float x) {
+/* exp(-x^2 / 2) */
+static inline float k_gauss(float x) {
+  float hi = x * x, lo = __builtin_fmaf(x, x, -hi);
+  return k_exp_hilo(-0.5f * hi, -0.5f * lo);
+}
+static inline float k_phif_e(float x, float e) {
   float z = (x < 0 ? -x : x) * (float)K_SQRT1_2;
-  float h = 0.5f * k_erfcf_pos(z);
+  float t = 1.0f / __builtin_fmaf(0.5f, z, 1.0f);
+  float q = GQ10;
+  q = __builtin_fmaf(q, t, GQ9); q = __builtin_fmaf(q, t, GQ8); q = __builtin_fmaf(q, t, GQ7);
+  q = __builtin_fmaf(q, t, GQ6); q = __builtin_fmaf(q, t, GQ5); q = __builtin_fmaf(q, t, GQ4);
+  q = __builtin_fmaf(q, t, GQ3); q = __builtin_fmaf(q, t, GQ2); q = __builtin_fmaf(q, t, GQ1);
+  q = __builtin_fmaf(q, t, GQ0);
+  float h = 0.5f * t * q * e;
   return x < 0 ? h : 1.0f - h;
 }
+static inline float k_phif(float x) { return k_phif_e(x, k_gauss(x)); }
 
 static inline float k_sigmoidf(float x) { return 1.0f / (1.0f + k_expf(-x)); }
 static inline double k_sigmoid(double x) { return 1.0 / (1.0 + exp(-x)); }
@@ -157,6 +193,104 @@ static inline double k_gelu_tanh(double x) {
  * relative accuracy. */
 static inline float k_geluf(float x) { return x * k_phif(x); }
 static inline double k_gelu(double x) { return 0.5 * x * erfc(-x * K_SQRT1_2); }
+
+/* ---------------------------------------------------------------- AVX2 exact gelu
+ * The same formulas and operation order as k_geluf / d_geluf, eight lanes at
+ * a time.  A row's tail runs
+ * through the same vector code on a padded copy, so an element's value does
+ * not depend on where a row (or a thread's chunk of it) starts. */
+#if defined(__AVX2__) && defined(__FMA__)
+#define K_HAVE_GELU_VEC 1
+/* k_gauss: exp(-x^2 / 2) of the exact square, 0 below the normal range and
+ * for NaN (NaN still propagates through t and x). */
+static inline __m256 v_gauss(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(K_EXP_LO);
+  __m256 hi2 = _mm256_mul_ps(x, x);
+  __m256 lo2 = _mm256_fmsub_ps(x, x, hi2);
+  __m256 a = _mm256_mul_ps(_mm256_set1_ps(-0.5f), hi2), b = _mm256_mul_ps(_mm256_set1_ps(-0.5f), lo2);
+  __m256 ac = _mm256_max_ps(a, lo);
+  __m256 kf = _mm256_round_ps(_mm256_mul_ps(ac, _mm256_set1_ps(1.44269504088896341f)),
+                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(kf, _mm256_set1_ps(0.693145751953125f), ac);
+  r = _mm256_add_ps(_mm256_fnmadd_ps(kf, _mm256_set1_ps(1.428606765330187045e-06f), r), b);
+  __m256 p = _mm256_set1_ps(1.0f / 720.0f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  __m256i k = _mm256_cvtps_epi32(kf);
+  __m256 sc = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(k, _mm256_set1_epi32(127)), 23));
+  return _mm256_and_ps(_mm256_mul_ps(p, sc), _mm256_cmp_ps(a, lo, _CMP_GE_OQ));
+}
+
+static inline __m256 v_phif_e(__m256 x, __m256 e) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 z = _mm256_mul_ps(_mm256_andnot_ps(sign, x), _mm256_set1_ps((float)K_SQRT1_2));
+  __m256 t = _mm256_div_ps(_mm256_set1_ps(1.0f), _mm256_fmadd_ps(_mm256_set1_ps(0.5f), z, _mm256_set1_ps(1.0f)));
+  __m256 q = _mm256_set1_ps(GQ10);
+  q = _mm256_fmadd_ps(q, t, _mm256_set1_ps(GQ9));
+  q = _mm256_fmadd_ps(q, t, _mm256_set1_ps(GQ8));
+  q = _mm256_fmadd_ps(q, t, _mm256_set1_ps(GQ7));
+  q = _mm256_fmadd_ps(q, t, _mm256_set1_ps(GQ6));
+  q = _mm256_fmadd_ps(q, t, _mm256_set1_ps(GQ5));
+  q = _mm256_fmadd_ps(q, t, _mm256_set1_ps(GQ4));
+  q = _mm256_fmadd_ps(q, t, _mm256_set1_ps(GQ3));
+  q = _mm256_fmadd_ps(q, t, _mm256_set1_ps(GQ2));
+  q = _mm256_fmadd_ps(q, t, _mm256_set1_ps(GQ1));
+  q = _mm256_fmadd_ps(q, t, _mm256_set1_ps(GQ0));
+  __m256 h = _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), t), q), e);
+  __m256 neg = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ);
+  return _mm256_blendv_ps(_mm256_sub_ps(_mm256_set1_ps(1.0f), h), h, neg);
+}
+
+static inline __m256 v_gelu(__m256 x) { return _mm256_mul_ps(x, v_phif_e(x, v_gauss(x))); }
+
+/* g * (Phi(x) + x * pdf(x)) */
+static inline __m256 v_gelu_grad(__m256 g, __m256 x) {
+  __m256 e = v_gauss(x);
+  __m256 pdf = _mm256_mul_ps(_mm256_set1_ps((float)K_INV_SQRT_2PI), e);
+  return _mm256_mul_ps(g, _mm256_fmadd_ps(x, pdf, v_phif_e(x, e)));
+}
+
+static void gelu_f32_vec(int64_t n, float* o, const float* a) {
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) { /* four independent chains: the math is latency bound */
+    __m256 y0 = v_gelu(_mm256_loadu_ps(a + i)), y1 = v_gelu(_mm256_loadu_ps(a + i + 8));
+    __m256 y2 = v_gelu(_mm256_loadu_ps(a + i + 16)), y3 = v_gelu(_mm256_loadu_ps(a + i + 24));
+    _mm256_storeu_ps(o + i, y0); _mm256_storeu_ps(o + i + 8, y1);
+    _mm256_storeu_ps(o + i + 16, y2); _mm256_storeu_ps(o + i + 24, y3);
+  }
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(o + i, v_gelu(_mm256_loadu_ps(a + i)));
+  if (i < n) {
+    float xb[8] = {0}, yb[8];
+    for (int64_t j = i; j < n; j++) xb[j - i] = a[j];
+    _mm256_storeu_ps(yb, v_gelu(_mm256_loadu_ps(xb)));
+    for (int64_t j = i; j < n; j++) o[j] = yb[j - i];
+  }
+}
+
+static void gelu_grad_f32_vec(int64_t n, float* gi, const float* g, const float* x) {
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    __m256 y0 = v_gelu_grad(_mm256_loadu_ps(g + i), _mm256_loadu_ps(x + i));
+    __m256 y1 = v_gelu_grad(_mm256_loadu_ps(g + i + 8), _mm256_loadu_ps(x + i + 8));
+    __m256 y2 = v_gelu_grad(_mm256_loadu_ps(g + i + 16), _mm256_loadu_ps(x + i + 16));
+    __m256 y3 = v_gelu_grad(_mm256_loadu_ps(g + i + 24), _mm256_loadu_ps(x + i + 24));
+    _mm256_storeu_ps(gi + i, y0); _mm256_storeu_ps(gi + i + 8, y1);
+    _mm256_storeu_ps(gi + i + 16, y2); _mm256_storeu_ps(gi + i + 24, y3);
+  }
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(gi + i, v_gelu_grad(_mm256_loadu_ps(g + i), _mm256_loadu_ps(x + i)));
+  if (i < n) {
+    float gb[8] = {0}, xb[8] = {0}, yb[8];
+    for (int64_t j = i; j < n; j++) { gb[j - i] = g[j]; xb[j - i] = x[j]; }
+    _mm256_storeu_ps(yb, v_gelu_grad(_mm256_loadu_ps(gb), _mm256_loadu_ps(xb)));
+    for (int64_t j = i; j < n; j++) gi[j] = yb[j - i];
+  }
+}
+#endif
 
 /* ---------------------------------------------------------------- forward rows */
 #define UROW(T, EXPR)                                                                \
@@ -196,6 +330,9 @@ static void unary_f32(int op, int64_t n, char* o, int64_t so, const char* a, int
   if ((op == KU_SQRT || op == KU_RSQRT) && so == 4 && sa == 4 && o != a &&
       sqrt_f32_contig(op, n, (float*)o, (const float*)a))
     return;
+#ifdef K_HAVE_GELU_VEC
+  if (op == KU_GELU && so == 4 && sa == 4) { gelu_f32_vec(n, (float*)o, (const float*)a); return; }
+#endif
   switch (op) {
     case KU_NEG: UROW(float, -x); break;
     case KU_EXP: UROW(float, k_expf(x)); break;
@@ -296,8 +433,8 @@ void kc_unary_row(int op, int dt, int64_t n, char* o, int64_t so, const char* a,
   } while (0)
 
 static inline float d_geluf(float x) {
-  float pdf = (float)K_INV_SQRT_2PI * k_expf(-0.5f * x * x);
-  return k_phif(x) + x * pdf;
+  float e = k_gauss(x);
+  return __builtin_fmaf(x, (float)K_INV_SQRT_2PI * e, k_phif_e(x, e));
 }
 static inline double d_gelu(double x) {
   double cdf = 0.5 * erfc(-x * K_SQRT1_2);
@@ -325,6 +462,12 @@ static inline double d_silu(double x) { double s = k_sigmoid(x); return s * (1.0
 void kc_unary_grad_row(int op, int dt, int64_t n, char* gi, int64_t sgi, const char* g, int64_t sg,
                        const char* x, int64_t sx, const char* y, int64_t sy, double p0, double p1) {
   if (dt == KC_F32) {
+#ifdef K_HAVE_GELU_VEC
+    if (op == KU_GELU && sgi == 4 && sg == 4 && sx == 4) {
+      gelu_grad_f32_vec(n, (float*)gi, (const float*)g, (const float*)x);
+      return;
+    }
+#endif
     float lo = p0 != p0 ? -__builtin_inff() : (float)p0, hi = p1 != p1 ? __builtin_inff() : (float)p1;
     switch (op) {
       case KU_NEG: GROW(float, -gv); break;

@@ -1,6 +1,6 @@
 -- recipes/bench/dispatch.lua: per-op dispatch overhead seen from Lua.
 --
---   build/engine recipes/bench/dispatch.lua [--n=100000] [--runs=7]
+--   build/engine recipes/bench/dispatch.lua [--n=100000] [--runs=7] [--case=name]
 --
 -- Times loops of n small ops on 4-element f32 tensors (so the arithmetic is negligible and what is
 -- measured is the Lua -> FFI -> C dispatch, the result tensor's allocation from the caching allocator,
@@ -9,13 +9,17 @@
 --   add_grad   c = a + w          (w requires grad: an autograd node is recorded too)
 --   add_       a:add_(b)          (in place, no allocation)
 --   no_grad    c = a + b          inside engine.no_grad
+-- Each case runs in a fresh engine process (the script re-runs itself with --case=name): in one
+-- process, a case's figure depends on which cases ran before it (JIT traces and heap state), by up
+-- to 1.5x.
 local engine = require("engine")
 
-local opts = { n = 100000, runs = 7 }
+local opts = { n = 100000, runs = 7, case = "" }
 for _, a in ipairs(arg or {}) do
   local k, v = a:match("^%-%-([%w_]+)=(.*)$")
-  if not k or opts[k] == nil then error("dispatch: bad argument '" .. a .. "' (known: --n=, --runs=)", 0) end
-  opts[k] = tonumber(v) or error("dispatch: --" .. k .. " must be a number", 0)
+  if not k or opts[k] == nil then error("dispatch: bad argument '" .. a .. "' (known: --n=, --runs=, --case=)", 0) end
+  if k == "case" then opts.case = v
+  else opts[k] = tonumber(v) or error("dispatch: --" .. k .. " must be a number", 0) end
 end
 
 local function median(t)
@@ -34,10 +38,37 @@ local cases = {
   { "no_grad", "c = a + b under no_grad", function(n) local c; engine.no_grad(function() for _ = 1, n do c = a + b end end); return c end },
 }
 
-print(string.format("dispatch: %d ops per run, median of %d runs, engine %s, BLAS core %s, JIT %s",
-  opts.n, opts.runs, engine.version, engine.blas_corename(), tostring(jit and jit.status())))
+local function engine_binary()
+  local f = assert(io.open("/proc/self/stat", "r"))
+  local pid = f:read("*l"):match("^(%d+)")
+  f:close()
+  local q = io.popen("readlink /proc/" .. pid .. "/exe")
+  local exe = q:read("*l")
+  q:close()
+  return exe
+end
+
+if opts.case == "" then
+  print(string.format("dispatch: %d ops per run, median of %d runs, each case in its own process, engine %s, JIT %s",
+    opts.n, opts.runs, engine.version, tostring(jit and jit.status())))
+  local exe, script = engine_binary(), arg[0]
+  for _, case in ipairs(cases) do
+    local p = io.popen(string.format("'%s' '%s' --n=%d --runs=%d --case=%s 2>&1", exe, script, opts.n, opts.runs,
+      case[1]))
+    io.write(p:read("*a"))
+    p:close()
+  end
+  return
+end
+
+local known = {}
+for _, case in ipairs(cases) do known[#known + 1] = case[1] end
+if not (" " .. table.concat(known, " ") .. " "):find(" " .. opts.case .. " ", 1, true) then
+  error("dispatch: unknown --case=" .. opts.case .. " (cases: " .. table.concat(known, ", ") .. ")", 0)
+end
 for _, case in ipairs(cases) do
   local name, desc, fn = case[1], case[2], case[3]
+  if name ~= opts.case then goto continue end
   fn(opts.n)  -- warm-up: JIT traces, allocator cache
   collectgarbage()
   local ts = {}
@@ -48,4 +79,5 @@ for _, case in ipairs(cases) do
   end
   local med = median(ts)
   print(string.format("  %-9s %8.1f ns/op   (min %.1f, max %.1f)   %s", name, med, ts[1], ts[#ts], desc))
+  ::continue::
 end

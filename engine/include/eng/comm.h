@@ -11,8 +11,12 @@
  * (f32, f64, bf16, f16, i32, i64, u8, bool).  CPU tensors go through MPI;
  * CUDA tensors through NCCL when the library was built with it.  bf16/f16
  * sums (and avg, prod) are computed in f32 and rounded once, so they equal
- * the single-process f32 result rounded to the dtype; max/min on bf16/f16 use
- * a 2-byte MPI datatype with custom MPI reduction ops.  avg needs a floating
+ * the single-process f32 result rounded to the dtype: bf16/f16 travel as a
+ * 2-byte MPI datatype reduced by custom MPI ops that compute in f32 and round
+ * (exact for max/min, and for sum/prod on 2 ranks where each element is
+ * combined once); on larger groups sums and products are widened to f32
+ * through a staging buffer instead.  avg divides the sum by the group size
+ * (as a single process's mean).  avg needs a floating
  * dtype; on bool, sum is logical or (max) and prod logical and (min), as in
  * PyTorch.  Non-contiguous tensors are staged through persistent, reused
  * communication buffers.

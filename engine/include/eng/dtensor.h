@@ -22,7 +22,16 @@
  * (and finished: strided copies out of the receive buffer) by
  * eng_dtensor_wait, which to_local, full_tensor, redistribute, the DTensor
  * op dispatch and the Lua layer call before reading the local data.
- * Gradients (backward) are always redistributed synchronously. */
+ * Gradients (backward) are always redistributed synchronously.
+ *
+ * Gradient rules (PyTorch's): redistribute's backward sends the gradient back
+ * to the source placements, except that a Partial source receives a
+ * Shard/Replicate gradient as Replicate (never as a Partial sum); so S->R
+ * costs nothing backward, R->S one all_gather, P->R nothing (the Partial
+ * local's gradient is the full upstream gradient).  from_local's backward
+ * does the same towards the from_local layout and returns the local part;
+ * to_local's backward wraps the plain local gradient as a DTensor.  A DTensor
+ * leaf's .grad is a DTensor (a plain gradient is taken in the leaf's layout). */
 #ifndef ENG_DTENSOR_H
 #define ENG_DTENSOR_H
 
@@ -127,8 +136,10 @@ eng_tensor* eng_dtensor_local_view(eng_tensor* t);
  * rank 0's data is broadcast over every Replicate mesh dim. */
 eng_tensor* eng_dtensor_from_local(eng_tensor* local, eng_mesh* mesh, int n, const eng_placement* placements,
                                    int run_check, const int64_t* shape, const int64_t* stride);
-/* A new plain view of the local shard; the backward wraps the local grad as a
- * DTensor with t's placements or grad_placements (mesh ndim entries, or NULL). */
+/* A new plain view of the local shard (also under no_grad: a view sharing
+ * the storage, never t itself, which carries the spec); the backward wraps the
+ * local grad as a DTensor with t's placements or grad_placements (mesh ndim
+ * entries, or NULL; they must give the same local shape). */
 eng_tensor* eng_dtensor_to_local(eng_tensor* t, const eng_placement* grad_placements);
 /* redistribute to all Replicate, then to_local (differentiable). */
 eng_tensor* eng_dtensor_full_tensor(eng_tensor* t, const eng_placement* grad_placements);

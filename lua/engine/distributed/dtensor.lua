@@ -126,7 +126,9 @@ function M.distribute_tensor(t, mesh, placements, opts)
   if type(src) ~= "number" or src % 1 ~= 0 then
     core.fail(op .. ": src_data_rank must be an integer group rank, or false for no communication")
   end
-  return wrap(C.eng_dtensor_distribute_tensor(c, mesh._c, n, arr, src))
+  local p = C.eng_dtensor_distribute_tensor(c, mesh._c, n, arr, src)
+  if p ~= nil and p == c then C.eng_tensor_release(p); return t end  -- already laid out so: t itself
+  return wrap(p)
 end
 
 -- Factories: only the local shard is allocated.
@@ -260,17 +262,30 @@ end
 -- compute_local_shape_and_global_offset(global_shape, mesh, placements [, coord])
 -- -> local shape, 0-based global offsets (lists).  coord (0-based list)
 -- defaults to this rank's; a rank outside the mesh gets zeros and nil.
+-- mesh may also be a list of mesh sizes (then coord is required).
 function M.compute_local_shape_and_global_offset(shape, mesh, placements, coord)
   local op = "compute_local_shape_and_global_offset"
-  mesh = mesh_arg(mesh, op)
   local sarr, nd = int64_list(shape, op, "global shape")
-  local arr, n = placements_arg(placements, mesh, op)
-  local mnd = C.eng_mesh_ndim(mesh._c)
-  if arr == nil then arr = P._to_c((function() local r = {} for i = 1, mnd do r[i] = P.Replicate() end return r end)(), op) end
+  local mshape = ffi.new("int64_t[8]")
+  local cbuf = ffi.new("int[8]")
+  local mnd
+  if meshmod.is_mesh(mesh) then
+    mnd = C.eng_mesh_ndim(mesh._c)
+    for i = 0, mnd - 1 do mshape[i] = C.eng_mesh_size(mesh._c, i) end
+  else
+    local _
+    _, mnd = int64_list(mesh, op, "mesh shape")
+    for i = 1, mnd do mshape[i - 1] = mesh[i] end
+    if coord == nil then core.fail(op .. ": coord (a 0-based list) is required with a mesh shape") end
+  end
+  if placements == nil then
+    placements = {}
+    for i = 1, mnd do placements[i] = P.Replicate() end
+  end
+  local arr, n = P._to_c(placements, op)
   if n ~= mnd then
     core.fail(string.format("%s: `placements` must have the same length as `device_mesh.ndim`! Found placements length: %d, and device_mesh.ndim: %d.", op, n, mnd))
   end
-  local cbuf = ffi.new("int[8]")
   if coord ~= nil then
     for i = 1, mnd do cbuf[i - 1] = coord[i] end
   elseif C.eng_mesh_get_coordinate(mesh._c, cbuf) == 0 then
@@ -278,8 +293,6 @@ function M.compute_local_shape_and_global_offset(shape, mesh, placements, coord)
     for i = 1, nd do z[i] = 0 end
     return z, nil
   end
-  local mshape = ffi.new("int64_t[8]")
-  for i = 0, mnd - 1 do mshape[i] = C.eng_mesh_size(mesh._c, i) end
   local ls, off = ffi.new("int64_t[8]"), ffi.new("int64_t[8]")
   check(C.eng_local_shape_and_offset(nd, sarr, mnd, mshape, cbuf, arr, ls, off))
   return list_of(ls, nd), list_of(off, nd)
@@ -321,6 +334,19 @@ function M.redistribute_plan(src, dst, shape, mesh, coord)
       logical_shape = list_of(e.logical_shape, nd) }
   end
   return r
+end
+
+-- Internal redistribute (also to Partial: Replicate -> Partial(sum) divides
+-- by the mesh dim size), as op dispatch uses it.  Autograd-recorded.
+function M._redistribute_internal(t, placements)
+  local op = "redistribute"
+  local c = need_dtensor(t, op)
+  local arr = P._to_c(placements, op)
+  local spec = C.eng_dist_spec_with_placements(c.dist, arr)
+  if spec == nil then core.raise() end
+  local r = C.eng_dtensor_redistribute_spec(c, spec, 2)
+  C.eng_dist_spec_release(spec)
+  return wrap(r)
 end
 
 -- Local mode (for op dispatch code): ops ignore DTensor specs while on.

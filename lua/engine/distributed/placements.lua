@@ -74,7 +74,7 @@ Placement.__tostring = function(p)
 end
 
 -- "[Shard(1), Replicate()]"
-function M.describe(list)
+function M.placements_describe(list)
   local parts = {}
   for i, p in ipairs(list) do parts[i] = tostring(p) end
   return "[" .. table.concat(parts, ", ") .. "]"

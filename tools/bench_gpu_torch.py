@@ -1,0 +1,169 @@
+#!/usr/bin/env python3
+"""PyTorch counterpart of recipes/bench/gpu_step.lua: training-step throughput of the same
+GPT-2-small-shaped model on the GPU, in eager mode and with torch.compile.
+
+    python3 tools/bench_gpu_torch.py [--steps=20] [--warmup=5] [--batch=8] [--seq=1024] [--n_layers=12]
+        [--dim=768] [--n_heads=12] [--vocab=50304] [--modes=eager,compile] [--peak_tflops=<measured>]
+
+The model mirrors engine.nn.Transformer (seed 003's architecture): token + learned position embeddings,
+pre-LayerNorm blocks with bias-free q/k/v/o projections and causal F.scaled_dot_product_attention, a 4x MLP
+with exact GELU, final LayerNorm, output projection tied to the token embeddings, logits cast to float32.
+Parameters, activations and AdamW states (fused AdamW) are bf16; dropout 0; random tokens; one step =
+forward + cross entropy + backward + optimizer step + zero_grad, timed to torch.cuda.synchronize().
+
+MFU = (6 * params + 12 * n_layers * dim * seq) * tokens/s / peak, with the peak passed in by gpu_step.lua
+(the engine's measured cuBLASLt bf16 rate) or measured here with torch.matmul when not given.
+
+Machine-readable lines:
+    RESULT peak_bf16_tflops=<x>
+    RESULT mode=<eager|compile> tokens_per_s=<x> step_ms=<x> mfu=<x> params=<n> loss0=<x> lossN=<x>
+Without a GPU (or without torch) it prints why and exits with status 0.
+"""
+import argparse
+import sys
+import time
+
+
+def parse():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    for k, v in dict(steps=20, warmup=5, batch=8, seq=1024, n_layers=12, dim=768, n_heads=12, vocab=50304).items():
+        p.add_argument("--" + k, type=int, default=v)
+    p.add_argument("--modes", default="eager,compile")
+    p.add_argument("--peak_tflops", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args()
+
+
+def main():
+    o = parse()
+    try:
+        import torch
+        import torch.nn as nn
+        import torch.nn.functional as F
+    except Exception as e:  # noqa: BLE001 - any import failure means "no baseline here"
+        print("bench_gpu_torch: no GPU baseline: PyTorch cannot be imported (%s)" % e)
+        return 0
+    if not torch.cuda.is_available():
+        print("bench_gpu_torch: no GPU: torch.cuda.is_available() is False (torch %s, built for CUDA %s)"
+              % (torch.__version__, torch.version.cuda))
+        return 0
+    if not hasattr(F, "scaled_dot_product_attention"):
+        print("bench_gpu_torch: torch %s has no F.scaled_dot_product_attention (needs torch >= 2.0)"
+              % torch.__version__)
+        return 1
+    dev = torch.device("cuda", torch.cuda.current_device())
+    print("bench_gpu_torch: torch %s, CUDA %s, %s" % (torch.__version__, torch.version.cuda,
+                                                       torch.cuda.get_device_name(dev)))
+
+    class Block(nn.Module):
+        def __init__(self, dim, n_heads):
+            super().__init__()
+            self.n_heads = n_heads
+            self.attention_norm = nn.LayerNorm(dim)
+            self.wq = nn.Linear(dim, dim, bias=False)
+            self.wk = nn.Linear(dim, dim, bias=False)
+            self.wv = nn.Linear(dim, dim, bias=False)
+            self.wo = nn.Linear(dim, dim, bias=False)
+            self.ffn_norm = nn.LayerNorm(dim)
+            self.w1 = nn.Linear(dim, 4 * dim)
+            self.gelu = nn.GELU()
+            self.w2 = nn.Linear(4 * dim, dim)
+
+        def forward(self, x):
+            b, t, d = x.shape
+            h = self.attention_norm(x)
+            q, k, v = (w(h).view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2)
+                       for w in (self.wq, self.wk, self.wv))
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + self.wo(a.transpose(1, 2).contiguous().view(b, t, d))
+            return x + self.w2(self.gelu(self.w1(self.ffn_norm(x))))
+
+    class Transformer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok_embeddings = nn.Embedding(o.vocab, o.dim)
+            self.pos_embeddings = nn.Embedding(o.seq, o.dim)
+            self.layers = nn.ModuleList([Block(o.dim, o.n_heads) for _ in range(o.n_layers)])
+            self.norm = nn.LayerNorm(o.dim)
+            self.output = nn.Linear(o.dim, o.vocab, bias=False)
+            self.output.weight = self.tok_embeddings.weight
+            with torch.no_grad():
+                self.tok_embeddings.weight.normal_(0.0, 0.02)
+                self.pos_embeddings.weight.normal_(0.0, 0.02)
+
+        def forward(self, tokens):
+            t = tokens.shape[1]
+            h = self.tok_embeddings(tokens) + self.pos_embeddings(torch.arange(t, device=tokens.device))
+            for layer in self.layers:
+                h = layer(h)
+            return self.output(self.norm(h)).float()
+
+    peak = o.peak_tflops * 1e12
+    if peak <= 0:
+        n = 8192
+        a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+        b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+        for trial in range(4):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(10):
+                a @ b
+            torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            if trial > 0:
+                peak = max(peak, 2 * n ** 3 * 10 / dt)
+        del a, b
+    print("RESULT peak_bf16_tflops=%.3f" % (peak / 1e12))
+
+    tokens = o.batch * o.seq
+    for mode in [m for m in o.modes.split(",") if m]:
+        if mode not in ("eager", "compile"):
+            print("bench_gpu_torch: unknown mode %r (eager, compile)" % mode)
+            return 1
+        torch.manual_seed(o.seed)
+        model = Transformer().to(dev, dtype=torch.bfloat16).train()
+        nparams = sum(p.numel() for p in model.parameters())
+        try:
+            opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1,
+                                    fused=True)
+        except (TypeError, RuntimeError):
+            opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+        run = torch.compile(model) if mode == "compile" else model
+        g = torch.Generator(device="cpu").manual_seed(o.seed)
+        seq = torch.randint(0, o.vocab, (o.batch, o.seq + 1), generator=g).to(dev)
+        x, y = seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+        warmup = o.warmup + (3 if mode == "compile" else 0)
+        times, loss0, lossn = [], None, None
+        for i in range(warmup + o.steps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            logits = run(x)
+            loss = F.cross_entropy(logits.view(-1, o.vocab), y.view(-1))
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            if i == 0:
+                loss0 = loss.item()
+            if i == warmup + o.steps - 1:
+                lossn = loss.item()
+            if i >= warmup:
+                times.append(dt)
+        times.sort()
+        k = len(times)
+        med = times[k // 2] if k % 2 else 0.5 * (times[k // 2 - 1] + times[k // 2])
+        tps = tokens / med
+        flops_per_token = 6 * nparams + 12 * o.n_layers * o.dim * o.seq
+        mfu = flops_per_token * tps / peak
+        print("RESULT mode=%s tokens_per_s=%.1f step_ms=%.3f mfu=%.4f params=%d loss0=%.4f lossN=%.4f "
+              "peak_mem_gib=%.2f" % (mode, tps, med * 1e3, mfu, nparams, loss0, lossn,
+                                     torch.cuda.max_memory_allocated(dev) / 2 ** 30))
+        del model, opt, run
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,220 @@
+#!/usr/bin/python3
+"""Checks the index algebra of the tensor-core attention kernels (kernels/cuda/attention.cu: attn_fwd_tc,
+attn_dkv_tc, attn_dq_tc) without a GPU: the kernels' code is mirrored here lane by lane, each mma.sync
+m16n8k16 is emulated from the fragment layouts documented in the PTX ISA, everything in float64, and the
+results are compared with a direct softmax-attention reference (forward output and logsumexp, dq, dk, dv).
+Keep it in step with the kernels when they change.  Needs numpy (/usr/bin/python3 has it).
+
+    /usr/bin/python3 tools/emulate_attention_tc.py      # prints the max abs errors (~1e-15) and "ok"
+"""
+import numpy as np
+rng = np.random.default_rng(0)
+LOG2E, LN2 = 1.4426950408889634, 0.6931471805599453
+
+def mma(d, a, b):
+    A = np.zeros((16, 16)); B = np.zeros((16, 8)); C = np.zeros((16, 8))
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        A[g, 2*t:2*t+2] = a[lane][0]; A[g+8, 2*t:2*t+2] = a[lane][1]
+        A[g, 2*t+8:2*t+10] = a[lane][2]; A[g+8, 2*t+8:2*t+10] = a[lane][3]
+        B[2*t:2*t+2, g] = b[lane][0]; B[2*t+8:2*t+10, g] = b[lane][1]
+        C[g, 2*t:2*t+2] = d[lane][0:2]; C[g+8, 2*t:2*t+2] = d[lane][2:4]
+    Dm = A @ B + C
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        d[lane][0:2] = Dm[g, 2*t:2*t+2]; d[lane][2:4] = Dm[g+8, 2*t:2*t+2]
+
+def ld32(X, row, col):  # X: [rows, D]
+    return np.array(X[row, col:col+2]) if row < X.shape[0] else np.zeros(2)
+
+def load_afrag(X, r0, D):
+    f = []
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        f.append([[ld32(X, r0+g, kc*16+2*t), ld32(X, r0+g+8, kc*16+2*t), ld32(X, r0+g, kc*16+2*t+8),
+                   ld32(X, r0+g+8, kc*16+2*t+8)] for kc in range(D // 16)])
+    return f
+
+def stage(X, r0, NR, D):
+    S = np.zeros((NR, D))
+    n = max(0, min(NR, X.shape[0] - r0))
+    S[:n] = X[r0:r0+n]
+    return S
+
+def bfrag_rows(S, k0, n, t): return [np.array([S[k0+2*t, n], S[k0+2*t+1, n]]), np.array([S[k0+2*t+8, n], S[k0+2*t+9, n]])]
+def bfrag_cols(S, n, k0, t): return [S[n, k0+2*t:k0+2*t+2].copy(), S[n, k0+2*t+8:k0+2*t+10].copy()]
+def pack_a(s, kc, lane): return [s[2*kc][lane][0:2], s[2*kc][lane][2:4], s[2*kc+1][lane][0:2], s[2*kc+1][lane][2:4]]
+
+def fwd(q, k, v, causal, scale, D, q0tile):
+    Lq, Lk = q.shape[0], k.shape[0]
+    O = np.full((Lq, D), np.nan); LSE = np.full(Lq, np.nan)
+    q0 = q0tile * 64
+    for warp in range(4):
+        qw = q0 + warp * 16
+        qf = load_afrag(q, qw, D)
+        o = [[np.zeros(4) for _ in range(D // 8)] for _ in range(32)]
+        m = [[-np.inf, -np.inf] for _ in range(32)]; l = [[0.0, 0.0] for _ in range(32)]
+        sl2 = scale * LOG2E
+        kend = min(Lk, q0 + 64) if causal else Lk
+        for k0 in range(0, kend, 64):
+            Ks, Vs = stage(k, k0, 64, D), stage(v, k0, 64, D)
+            s = [[np.zeros(4) for _ in range(32)] for _ in range(8)]
+            for nb in range(8):
+                for kc in range(D // 16):
+                    mma(s[nb], [qf[lane][kc] for lane in range(32)],
+                        [bfrag_cols(Ks, nb*8 + (lane >> 2), kc*16, lane & 3) for lane in range(32)])
+            mt = [[-np.inf, -np.inf] for _ in range(32)]
+            for lane in range(32):
+                g, t = lane >> 2, lane & 3
+                for nb in range(8):
+                    for i in range(4):
+                        key = k0 + nb*8 + 2*t + (i & 1); row = qw + g + (i >> 1)*8
+                        val = s[nb][lane][i] * sl2
+                        if key >= Lk or (causal and key > row): val = -np.inf
+                        s[nb][lane][i] = val
+                        mt[lane][i >> 1] = max(mt[lane][i >> 1], val)
+            mt2 = [[max(mt[ln ^ x][r] for x in range(4)) for r in range(2)] for ln in range(32)]  # xor 1, 2
+            corr = [[0, 0] for _ in range(32)]; mn = [[0, 0] for _ in range(32)]
+            for lane in range(32):
+                for r in range(2):
+                    mn[lane][r] = max(m[lane][r], mt2[lane][r])
+                    corr[lane][r] = 1.0 if mn[lane][r] == -np.inf else 2.0 ** (m[lane][r] - mn[lane][r])
+                    m[lane][r] = mn[lane][r]; l[lane][r] *= corr[lane][r]
+                for nb in range(8):
+                    for i in range(4):
+                        r = i >> 1
+                        p = 0.0 if mn[lane][r] == -np.inf else 2.0 ** (s[nb][lane][i] - mn[lane][r])
+                        s[nb][lane][i] = p; l[lane][r] += p
+                for nd in range(D // 8):
+                    o[lane][nd][0:2] *= corr[lane][0]; o[lane][nd][2:4] *= corr[lane][1]
+            for kc in range(4):
+                pa = [pack_a(s, kc, lane) for lane in range(32)]
+                for nd in range(D // 8):
+                    d = [o[lane][nd] for lane in range(32)]
+                    mma(d, pa, [bfrag_rows(Vs, kc*16, nd*8 + (lane >> 2), lane & 3) for lane in range(32)])
+        lt = [[sum(l[lane ^ x][r] for x in range(4)) for r in range(2)] for lane in range(32)]
+        for lane in range(32):
+            g, t = lane >> 2, lane & 3
+            for r in range(2):
+                row = qw + g + 8*r
+                if row >= Lq: continue
+                mul = 1/lt[lane][r] if lt[lane][r] > 0 else 0
+                for nd in range(D // 8):
+                    O[row, nd*8+2*t:nd*8+2*t+2] = o[lane][nd][2*r:2*r+2] * mul
+                if t == 0: LSE[row] = m[lane][r]*LN2 + np.log(lt[lane][r]) if lt[lane][r] > 0 else -np.inf
+    return O, LSE
+
+def dkv(q, k, v, dout, lse, delta, causal, scale, D, ktile):
+    Lq, Lk = q.shape[0], k.shape[0]
+    DK = np.full((Lk, D), np.nan); DV = np.full((Lk, D), np.nan)
+    k0 = ktile * 64
+    for warp in range(4):
+        kw = k0 + warp*16
+        kf, vf = load_afrag(k, kw, D), load_afrag(v, kw, D)
+        dk = [[np.zeros(4) for _ in range(D // 8)] for _ in range(32)]
+        dv = [[np.zeros(4) for _ in range(D // 8)] for _ in range(32)]
+        sl2 = scale * LOG2E
+        qstart = (k0 // 32) * 32 if causal else 0
+        for q0 in range(qstart, Lq, 32):
+            Qs, Gs = stage(q, q0, 32, D), stage(dout, q0, 32, D)
+            Ls = [lse[q0+i]*LOG2E if q0+i < Lq else -np.inf for i in range(32)]
+            Ds = [delta[q0+i] if q0+i < Lq else 0 for i in range(32)]
+            st = [[np.zeros(4) for _ in range(32)] for _ in range(4)]
+            dpt = [[np.zeros(4) for _ in range(32)] for _ in range(4)]
+            for nb in range(4):
+                for kc in range(D // 16):
+                    mma(st[nb], [kf[lane][kc] for lane in range(32)], [bfrag_cols(Qs, nb*8+(lane >> 2), kc*16, lane & 3) for lane in range(32)])
+                    mma(dpt[nb], [vf[lane][kc] for lane in range(32)], [bfrag_cols(Gs, nb*8+(lane >> 2), kc*16, lane & 3) for lane in range(32)])
+            for lane in range(32):
+                g, t = lane >> 2, lane & 3
+                for nb in range(4):
+                    for i in range(4):
+                        qc = nb*8 + 2*t + (i & 1); qi = q0 + qc; key = kw + g + (i >> 1)*8
+                        l2 = Ls[qc]
+                        masked = qi >= Lq or key >= Lk or (causal and key > qi) or l2 == -np.inf
+                        p = 0.0 if masked else 2.0 ** (st[nb][lane][i]*sl2 - l2)
+                        st[nb][lane][i] = p
+                        dpt[nb][lane][i] = p * (dpt[nb][lane][i] - Ds[qc])
+            for kc in range(2):
+                pa = [pack_a(st, kc, lane) for lane in range(32)]
+                sa = [pack_a(dpt, kc, lane) for lane in range(32)]
+                for nd in range(D // 8):
+                    mma([dv[lane][nd] for lane in range(32)], pa, [bfrag_rows(Gs, kc*16, nd*8+(lane >> 2), lane & 3) for lane in range(32)])
+                    mma([dk[lane][nd] for lane in range(32)], sa, [bfrag_rows(Qs, kc*16, nd*8+(lane >> 2), lane & 3) for lane in range(32)])
+        for lane in range(32):
+            g, t = lane >> 2, lane & 3
+            for r in range(2):
+                row = kw + g + 8*r
+                if row >= Lk: continue
+                for nd in range(D // 8):
+                    DK[row, nd*8+2*t:nd*8+2*t+2] = dk[lane][nd][2*r:2*r+2]*scale
+                    DV[row, nd*8+2*t:nd*8+2*t+2] = dv[lane][nd][2*r:2*r+2]
+    return DK, DV
+
+def dq(q, k, v, dout, lse, delta, causal, scale, D, qtile):
+    Lq, Lk = q.shape[0], k.shape[0]
+    DQ = np.full((Lq, D), np.nan)
+    q0 = qtile*64
+    for warp in range(4):
+        qw = q0 + warp*16
+        qf, gf = load_afrag(q, qw, D), load_afrag(dout, qw, D)
+        dqa = [[np.zeros(4) for _ in range(D // 8)] for _ in range(32)]
+        sl2 = scale*LOG2E
+        kend = min(Lk, q0+64) if causal else Lk
+        for k0 in range(0, kend, 64):
+            Ks, Vs = stage(k, k0, 64, D), stage(v, k0, 64, D)
+            s = [[np.zeros(4) for _ in range(32)] for _ in range(8)]
+            dp = [[np.zeros(4) for _ in range(32)] for _ in range(8)]
+            for nb in range(8):
+                for kc in range(D // 16):
+                    mma(s[nb], [qf[lane][kc] for lane in range(32)], [bfrag_cols(Ks, nb*8+(lane >> 2), kc*16, lane & 3) for lane in range(32)])
+                    mma(dp[nb], [gf[lane][kc] for lane in range(32)], [bfrag_cols(Vs, nb*8+(lane >> 2), kc*16, lane & 3) for lane in range(32)])
+            for lane in range(32):
+                g, t = lane >> 2, lane & 3
+                for nb in range(8):
+                    for i in range(4):
+                        r = i >> 1; key = k0 + nb*8 + 2*t + (i & 1); row = qw + g + 8*r
+                        l2 = lse[row]*LOG2E if row < Lq else -np.inf
+                        dl = delta[row] if row < Lq else 0
+                        masked = row >= Lq or key >= Lk or (causal and key > row) or l2 == -np.inf
+                        p = 0.0 if masked else 2.0 ** (s[nb][lane][i]*sl2 - l2)
+                        s[nb][lane][i] = p*(dp[nb][lane][i] - dl)
+            for kc in range(4):
+                sa = [pack_a(s, kc, lane) for lane in range(32)]
+                for nd in range(D // 8):
+                    mma([dqa[lane][nd] for lane in range(32)], sa, [bfrag_rows(Ks, kc*16, nd*8+(lane >> 2), lane & 3) for lane in range(32)])
+        for lane in range(32):
+            g, t = lane >> 2, lane & 3
+            for r in range(2):
+                row = qw + g + 8*r
+                if row >= Lq: continue
+                for nd in range(D // 8):
+                    DQ[row, nd*8+2*t:nd*8+2*t+2] = dqa[lane][nd][2*r:2*r+2]*scale
+    return DQ
+
+def ref(q, k, v, dout, causal, scale):
+    S = q @ k.T * scale
+    if causal: S = np.where(np.arange(k.shape[0])[None, :] > np.arange(q.shape[0])[:, None], -np.inf, S)
+    m = S.max(1, keepdims=True); P = np.exp(S - m); l = P.sum(1, keepdims=True); P /= l
+    O = P @ v; lse = (m + np.log(l))[:, 0]
+    dP = dout @ v.T; delta = (dout * O).sum(1); dS = P * (dP - delta[:, None])
+    return O, lse, dS @ k * scale, dS.T @ q * scale, P.T @ dout, delta
+
+for (Lq, Lk, D, causal) in [(70, 70, 32, True), (100, 45, 64, False), (64, 130, 32, False), (130, 130, 32, True)]:
+    q, k, v, g = (rng.standard_normal((n, D)) for n in (Lq, Lk, Lk, Lq))
+    scale = 1 / np.sqrt(D)
+    O, lse, DQ, DK, DV, delta = ref(q, k, v, g, causal, scale)
+    Oe = np.full_like(O, np.nan); Le = np.full_like(lse, np.nan)
+    for qt in range((Lq + 63) // 64):
+        o_, l_ = fwd(q, k, v, causal, scale, D, qt)
+        sel = ~np.isnan(o_[:, 0]); Oe[sel] = o_[sel]; Le[sel] = l_[sel]
+    DQe = np.full_like(DQ, np.nan)
+    for qt in range((Lq + 63) // 64):
+        d_ = dq(q, k, v, g, lse, delta, causal, scale, D, qt); sel = ~np.isnan(d_[:, 0]); DQe[sel] = d_[sel]
+    DKe = np.full_like(DK, np.nan); DVe = np.full_like(DV, np.nan)
+    for kt in range((Lk + 63) // 64):
+        a_, b_ = dkv(q, k, v, g, lse, delta, causal, scale, D, kt); sel = ~np.isnan(a_[:, 0]); DKe[sel] = a_[sel]; DVe[sel] = b_[sel]
+    errs = [np.nanmax(np.abs(x - y)) if not np.isnan(x).any() else float('nan') for x, y in ((Oe, O), (Le, lse), (DQe, DQ), (DKe, DK), (DVe, DV))]
+    print(Lq, Lk, D, causal, ["%.2e" % e for e in errs])
+    assert all(e < 1e-12 for e in errs), "the emulated kernels disagree with the reference"
+print("ok")
