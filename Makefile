@@ -1,13 +1,15 @@
 # The two commands of the README:
 #   make run   installs what is missing, builds, prepares data, runs the default recipe
-#   make test  same set-up, then the whole test suite (last line: N passed, N failed)
+#   make test  installs and builds (the Release build and an ASan+UBSan build), then the whole test
+#              suite, then its sanitizer stage (last line: N passed, N failed, N skipped)
 BUILD ?= build
+ASAN_BUILD ?= build-asan
 NP ?= 1
 ARGS ?=
 MPIRUN = mpirun --allow-run-as-root --oversubscribe --bind-to none --mca btl self,vader --mca pml ob1 \
          -x MALLOC_MMAP_MAX_=0 -x MALLOC_TRIM_THRESHOLD_=1073741824
 
-.PHONY: all deps build run test data clean sanitize bench
+.PHONY: all deps build asan-build run test data clean sanitize bench
 
 all: build
 
@@ -15,7 +17,8 @@ deps:
 	@tools/install-deps.sh
 
 $(BUILD)/Makefile: CMakeLists.txt
-	@cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release > $(BUILD).cmake.log 2>&1 || (cat $(BUILD).cmake.log; exit 1)
+	@mkdir -p $(BUILD)
+	@cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release > $(BUILD)/configure.log 2>&1 || (cat $(BUILD)/configure.log; exit 1)
 
 build: deps $(BUILD)/Makefile
 	@cmake --build $(BUILD) -j 2 2>&1 | grep -E "error:|warning:|Error [0-9]" || true
@@ -27,16 +30,24 @@ data: build
 run: build data
 	$(MPIRUN) -np $(NP) $(BUILD)/engine recipes/gpt.lua $(ARGS)
 
-test: build
-	@tools/run-tests.sh $(BUILD)
+test: build asan-build
+	@tools/run-tests.sh $(BUILD) --sanitize $(ASAN_BUILD)
 
-sanitize: deps
-	@cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DENGINE_SANITIZE=ON -DENABLE_CUDA=OFF > build-asan.cmake.log 2>&1
-	@cmake --build build-asan -j 2 >/dev/null
-	@tools/run-sanitized.sh build-asan
+# ASan+UBSan build of the library, host and C tests (CPU only)
+$(ASAN_BUILD)/Makefile: CMakeLists.txt
+	@mkdir -p $(ASAN_BUILD)
+	@cmake -S . -B $(ASAN_BUILD) -DCMAKE_BUILD_TYPE=Debug -DENGINE_SANITIZE=ON -DENABLE_CUDA=OFF \
+	  > $(ASAN_BUILD)/configure.log 2>&1 || (cat $(ASAN_BUILD)/configure.log; exit 1)
+
+asan-build: deps $(ASAN_BUILD)/Makefile
+	@cmake --build $(ASAN_BUILD) -j 2 2>&1 | grep -E "error:|Error [0-9]" || true
+	@test -x $(ASAN_BUILD)/engine || (cmake --build $(ASAN_BUILD) -j 2; exit 1)
+
+sanitize: asan-build
+	@tools/run-sanitized.sh $(ASAN_BUILD)
 
 bench: build
-	@$(BUILD)/engine recipes/bench/step.lua
+	@tools/bench.sh $(BUILD)
 
 clean:
-	rm -rf $(BUILD) build-asan
+	rm -rf $(BUILD) $(ASAN_BUILD)

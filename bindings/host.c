@@ -18,7 +18,12 @@
 #include <libgen.h>
 #include "engine.h"
 
+/* Message handler: the error message with a traceback.  A nil error object
+ * is the Lua 5.1 way to end a script quietly with a failure status (as
+ * lua.c and luajit.c treat it): busted's exit(n) does `error()` when n is not
+ * 0, after printing its own summary.  It stays nil, and nothing is printed. */
 static int traceback(lua_State* L) {
+  if (lua_isnoneornil(L, 1)) { lua_settop(L, 1); return 1; }
   const char* msg = lua_tostring(L, 1);
   if (!msg) {
     if (luaL_callmeta(L, 1, "__tostring") && lua_type(L, -1) == LUA_TSTRING) return 1;
@@ -37,9 +42,11 @@ static int run_chunk(lua_State* L, int status, int nargs) {
     lua_remove(L, base);
   }
   if (status != 0) {
-    const char* msg = lua_tostring(L, -1);
-    fprintf(stderr, "engine: %s\n", msg ? msg : "(error without message)");
-    fflush(stderr);
+    if (!lua_isnil(L, -1)) { /* nil: a quiet failure exit (see traceback) */
+      const char* msg = lua_tostring(L, -1);
+      fprintf(stderr, "engine: %s\n", msg ? msg : "(error object is not a string)");
+      fflush(stderr);
+    }
     lua_pop(L, 1);
   }
   return status;

@@ -64,6 +64,21 @@ describe("engine host", function()
     assert.truthy(out:match(":2:"), "error should point at the recipe line: " .. out)
   end)
 
+  it("exits quietly with the status of os.exit and of a nil error (busted's failure exit)", function()
+    if not is_host then return pending("not running under the engine host") end
+    local out, rc = run("-e 'print(\"before\"); os.exit(3)'")
+    assert.are.equal(3, rc)
+    assert.are.equal("before\nrc=3\n", out)
+    out, rc = run("-e 'print(\"before\"); error()'")
+    assert.are.equal(1, rc)
+    assert.are.equal("before\nrc=1\n", out)
+    -- a non-string error object is still reported, with a traceback
+    out, rc = run("-e 'error({})'")
+    assert.are.equal(1, rc)
+    assert.truthy(out:match("error object is a table value"), out)
+    assert.truthy(out:match("stack traceback"), out)
+  end)
+
   it("exits non-zero for a missing script", function()
     if not is_host then return pending("not running under the engine host") end
     local out, rc = run("/nonexistent/recipe.lua")

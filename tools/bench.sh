@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Runs the benchmarks (recipes/bench/*.lua) and prints their figures with the machine and BLAS setup.
+# Runs the benchmarks (recipes/bench/*.lua) and prints their figures with the machine and BLAS setup:
+# dispatch.lua and step.lua in one process, comm.lua and redistribute.lua under mpirun with 4 ranks
+# (BENCH_NP), and gpu_step.lua when a CUDA device is usable.  `make bench` runs it.
 #   tools/bench.sh [BUILD_DIR] [-- extra args for recipes/bench/step.lua]
 # Example: tools/bench.sh build -- --steps=30 --threads=2
 # Nothing else should run on the machine meanwhile (2 cores: any other load shows up in the timings).
@@ -19,4 +21,17 @@ echo "== recipes/bench/dispatch.lua"
 "$ENGINE" recipes/bench/dispatch.lua || rc=1
 echo "== recipes/bench/step.lua $*"
 "$ENGINE" recipes/bench/step.lua "$@" || rc=1
+NP=${BENCH_NP:-4}
+MPIRUN="mpirun --allow-run-as-root --oversubscribe --bind-to none --mca btl self,vader --mca pml ob1 -x MALLOC_MMAP_MAX_=0 -x MALLOC_TRIM_THRESHOLD_=1073741824"
+for b in comm redistribute; do
+  echo "== recipes/bench/$b.lua ($NP ranks)"
+  $MPIRUN -np "$NP" "$ENGINE" "recipes/bench/$b.lua" || rc=1
+done
+ngpu=$("$ENGINE" -e 'io.write(tonumber(require("engine").C.eng_comm_cuda_device_count()))' 2>/dev/null)
+if [ "${ngpu:-0}" -gt 0 ] 2>/dev/null; then
+  echo "== recipes/bench/gpu_step.lua"
+  "$ENGINE" recipes/bench/gpu_step.lua || rc=1
+else
+  echo "== recipes/bench/gpu_step.lua: skipped (no usable CUDA device)"
+fi
 exit $rc

@@ -1,12 +1,30 @@
 #!/usr/bin/env bash
 # Runs the whole test suite: C-level tests, single-process busted specs under
 # the engine host, and multi-process specs under mpirun (2 and 4 ranks).
-# Ends with one line "N passed, N failed" (skipped counted separately).
+# Ends with one line "N passed, N failed, N skipped" (skipped counted separately).
+#
+#   tools/run-tests.sh [BUILD] [--sanitize ASAN_BUILD]
+#   tools/run-tests.sh --sanitize-only ASAN_BUILD          (tools/run-sanitized.sh, make sanitize)
+#
+# --sanitize adds a second stage on an ASan+UBSan build (cmake -DENGINE_SANITIZE=ON): the C tests, the
+# single-process specs and the multi-process specs on 2 ranks again, with the sanitizer runtime preloaded
+# into the host (LuaJIT itself is not instrumented).  A sanitizer report stops that process (halt_on_error,
+# abort_on_error) and counts as a failure.  Its counts are added to the final line.  The environment
+# variable ENGINE_TEST_SANITIZE=ASAN_BUILD does the same as --sanitize.
 set -u
-BUILD=${1:-build}
+BUILD=build
+ASAN_BUILD=${ENGINE_TEST_SANITIZE:-}
+MAIN=1
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --sanitize) ASAN_BUILD=${2:?--sanitize needs the build dir}; shift 2 ;;
+    --sanitize-only) ASAN_BUILD=${2:?--sanitize-only needs the build dir}; MAIN=0; shift 2 ;;
+    -*) echo "run-tests.sh: unknown option $1" >&2; exit 2 ;;
+    *) BUILD=$1; shift ;;
+  esac
+done
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
-ENGINE="$BUILD/engine"
 BUSTED=$(command -v busted || echo /usr/bin/busted)
 MPIRUN="mpirun --allow-run-as-root --oversubscribe --bind-to none --mca btl self,vader --mca pml ob1 -x MALLOC_MMAP_MAX_=0 -x MALLOC_TRIM_THRESHOLD_=1073741824 -x ENGINE_SUMMARY_DIR"
 TMP=$(mktemp -d)
@@ -15,45 +33,65 @@ passed=0; failed=0; skipped=0
 
 add() { passed=$((passed + $1)); failed=$((failed + $2)); skipped=$((skipped + ${3:-0})); }
 
-# 1. C-level tests: each binary prints "N passed, N failed" as its last line.
-for t in "$BUILD"/ctests/*; do
-  [ -x "$t" ] || continue
-  out=$("$t" 2>&1); rc=$?
-  echo "$out" | tail -n 20
-  line=$(echo "$out" | grep -E '^[0-9]+ passed, [0-9]+ failed' | tail -1)
-  if [ -n "$line" ] && [ $rc -eq 0 -o -n "$line" ]; then
-    p=$(echo "$line" | sed -E 's/^([0-9]+) passed, ([0-9]+) failed.*/\1/')
-    f=$(echo "$line" | sed -E 's/^([0-9]+) passed, ([0-9]+) failed.*/\2/')
-    [ $rc -ne 0 ] && [ "$f" = 0 ] && f=1
-    add "$p" "$f"
-  else
-    echo "ctest $(basename "$t"): crashed or printed no summary (rc=$rc)"; add 0 1
+# One pass of the suite on build dir B; sanitized=1: the ASan+UBSan stage.
+suite() {
+  local B=$1 sanitized=$2
+  ENGINE="$B/engine"
+  LABEL=""; TAG=""; PRE=""; MPIX=""; NPS="2 4"
+  if [ ! -x "$ENGINE" ]; then echo "run-tests.sh: $ENGINE not found (build first)"; add 0 1; return; fi
+  if [ "$sanitized" = 1 ]; then
+    LABEL=" (ASan+UBSan)"; TAG=".asan"; NPS="2"
+    export ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:allocator_may_return_null=1
+    export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+    PRE="env LD_PRELOAD=$(gcc -print-file-name=libasan.so)"
+    MPIX="-x ASAN_OPTIONS -x UBSAN_OPTIONS"
+    echo
+    echo "== sanitizer stage: $B"
   fi
-done
-
-# 2. Single-process specs (spec/*_spec.lua) under the engine host.
-run_busted() { # label, summary file, command...
-  local label=$1 sum=$2; shift 2
-  echo "== $label"
-  ENGINE_SUMMARY_FILE=$sum timeout 1800 "$@"
-  local rc=$?
-  if [ -f "$sum" ]; then read -r p f s < "$sum"; add "$p" "$f" "$s"
-  else echo "$label: no summary (rc=$rc)"; add 0 1; fi
-}
-run_busted "single-process specs" "$TMP/single" "$ENGINE" "$BUSTED" --ignore-lua -o tools/passfail.lua spec
-
-# 3. Multi-process specs (spec/dist/*_spec.lua) under mpirun, when present.
-if ls spec/dist/*_spec.lua >/dev/null 2>&1; then
-  for np in 2 4; do
-    export ENGINE_SUMMARY_DIR="$TMP/np$np"; mkdir -p "$ENGINE_SUMMARY_DIR"
-    echo "== multi-process specs, $np ranks"
-    timeout 1800 $MPIRUN -np $np "$ENGINE" "$BUSTED" --ignore-lua -o tools/passfail_dist.lua spec/dist
-    rc=$?
-    if [ -f "$ENGINE_SUMMARY_DIR/merged" ]; then read -r p f s < "$ENGINE_SUMMARY_DIR/merged"; add "$p" "$f" "$s"
-    else echo "multi-process specs ($np ranks): no merged summary (rc=$rc)"; add 0 1; fi
-    [ $rc -ne 0 ] && [ -f "$ENGINE_SUMMARY_DIR/merged" ] && read -r p f s < "$ENGINE_SUMMARY_DIR/merged" && [ "$f" = 0 ] && add 0 1
+  # 1. C-level tests: each binary prints "N passed, N failed" as its last line.
+  for t in "$B"/ctests/*; do
+    [ -x "$t" ] || continue
+    out=$("$t" 2>&1); rc=$?
+    echo "$out" | tail -n 20
+    line=$(echo "$out" | grep -E '^[0-9]+ passed, [0-9]+ failed' | tail -1)
+    if [ -n "$line" ] && [ $rc -eq 0 -o -n "$line" ]; then
+      p=$(echo "$line" | sed -E 's/^([0-9]+) passed, ([0-9]+) failed.*/\1/')
+      f=$(echo "$line" | sed -E 's/^([0-9]+) passed, ([0-9]+) failed.*/\2/')
+      [ $rc -ne 0 ] && [ "$f" = 0 ] && f=1
+      add "$p" "$f"
+    else
+      echo "ctest $(basename "$t")$LABEL: crashed or printed no summary (rc=$rc)"; add 0 1
+    fi
   done
-fi
+
+  # 2. Single-process specs (spec/*_spec.lua) under the engine host.
+  run_busted() { # label, summary file, command...
+    local label=$1 sum=$2; shift 2
+    echo "== $label"
+    ENGINE_SUMMARY_FILE=$sum timeout 1800 "$@"
+    local rc=$?
+    if [ -f "$sum" ]; then read -r p f s < "$sum"; add "$p" "$f" "$s"
+    else echo "$label: no summary (rc=$rc)"; add 0 1; fi
+  }
+  run_busted "single-process specs$LABEL" "$TMP/single$TAG" $PRE "$ENGINE" "$BUSTED" --ignore-lua -o tools/passfail.lua spec
+
+  # 3. Multi-process specs (spec/dist/*_spec.lua) under mpirun, when present.
+  if ls spec/dist/*_spec.lua >/dev/null 2>&1; then
+    for np in $NPS; do
+      export ENGINE_SUMMARY_DIR="$TMP/np$np$TAG"; mkdir -p "$ENGINE_SUMMARY_DIR"
+      echo "== multi-process specs, $np ranks$LABEL"
+      timeout 1800 $MPIRUN $MPIX -np $np $PRE "$ENGINE" "$BUSTED" --ignore-lua -o tools/passfail_dist.lua spec/dist
+      rc=$?
+      if [ -f "$ENGINE_SUMMARY_DIR/merged" ]; then read -r p f s < "$ENGINE_SUMMARY_DIR/merged"; add "$p" "$f" "$s"
+      else echo "multi-process specs ($np ranks$LABEL): no merged summary (rc=$rc)"; add 0 1; fi
+      [ $rc -ne 0 ] && [ -f "$ENGINE_SUMMARY_DIR/merged" ] && read -r p f s < "$ENGINE_SUMMARY_DIR/merged" && [ "$f" = 0 ] && add 0 1
+    done
+  fi
+  if [ "$sanitized" = 1 ]; then unset ASAN_OPTIONS UBSAN_OPTIONS; fi
+}
+
+[ "$MAIN" = 1 ] && suite "$BUILD" 0
+[ -n "$ASAN_BUILD" ] && suite "$ASAN_BUILD" 1
 
 echo
 echo "$passed passed, $failed failed, $skipped skipped"

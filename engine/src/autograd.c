@@ -160,6 +160,7 @@ void eng_node_release(eng_node* n) {
   release_saved(n);
   if (n->free_ctx) n->free_ctx(n);
   eng_hook_list_free(n->pre_hooks);
+  if (n->dist) eng_dist_node_free(n->dist);
   if (n->leaf) {
     if (n->leaf->grad_acc == n) n->leaf->grad_acc = NULL;
     eng_tensor_release(n->leaf);
@@ -187,6 +188,7 @@ eng_node* eng_node_new(const char* name, eng_backward_fn fn, int n_inputs, eng_t
       if (!n->next[i].node) { eng_node_release(n); return NULL; }
     }
   }
+  eng_dist_mark_node(n, n_inputs, inputs); /* no-op outside a DTensor dispatch local region */
   return n;
 }
 
@@ -506,7 +508,9 @@ static void graph_free(graph* g) {
 static int accumulate_backward(eng_node* n, eng_tensor** go, eng_tensor** gi) {
   (void)gi;
   eng_tensor* leaf = n->leaf;
-  eng_tensor* g = eng_tensor_retain(go[0]);
+  /* a DTensor leaf takes its gradient in its own layout (Partial grads are reduced here) */
+  eng_tensor* g = leaf->dist ? eng_dist_grad_for_leaf(leaf, go[0]) : eng_tensor_retain(go[0]);
+  if (!g) return -1;
   if (leaf->hooks)
     for (eng_hook* k = leaf->hooks->head; k; k = k->next)
       if (hook_call(k, leaf, &g)) { eng_tensor_release(g); return -1; }
@@ -674,7 +678,7 @@ int eng_backward(int n, eng_tensor** tensors, eng_tensor** grads, int retain_gra
         graph* prev_graph = t_graph;
         eng_node* prev_node = t_node;
         t_graph = &g; t_node = nd;
-        int brc = nd->backward(nd, s->buf, gi);
+        int brc = nd->dist ? eng_dist_node_backward(nd, s->buf, gi) : nd->backward(nd, s->buf, gi);
         t_graph = prev_graph; t_node = prev_node;
         if (brc) {
           if (!eng_last_error()[0]) eng_err("failed");

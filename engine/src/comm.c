@@ -474,6 +474,15 @@ static int overlaps(const eng_tensor* x, const eng_tensor* y) {
   return a0 < b1 && b0 < a1;
 }
 
+/* x and y are the same view (same elements in the same order). */
+static int same_view(const eng_tensor* x, const eng_tensor* y) {
+  if (x == y) return 1;
+  if (!x || !y || x->storage != y->storage || x->offset != y->offset || x->ndim != y->ndim) return 0;
+  for (int d = 0; d < x->ndim; d++)
+    if (x->shape[d] != y->shape[d] || (x->shape[d] > 1 && x->stride[d] != y->stride[d])) return 0;
+  return 1;
+}
+
 typedef struct coll {
   const char* name;
   int kind, op, root;
@@ -517,6 +526,16 @@ static int validate(const coll* c) {
       if (check_tensor(c, c->out, "the")) return -1;
       if (c->kind == ENG_COLL_ALL_REDUCE && c->op == ENG_REDUCE_AVG && !is_float(c->out->dtype))
         return eng_err("%s: op avg needs a floating dtype, got %s", c->name, eng_desc(c->out));
+      if (c->kind == ENG_COLL_ALL_REDUCE && !same_view(c->in, c->out)) { /* out of place */
+        if (check_tensor(c, c->in, "input")) return -1;
+        int same = c->in->dtype == c->out->dtype && c->in->device == c->out->device && c->in->ndim == c->out->ndim;
+        for (int d = 0; same && d < c->in->ndim; d++) same = c->in->shape[d] == c->out->shape[d];
+        if (!same)
+          return eng_err("%s: output %s does not match input %s (same shape, dtype and device expected)", c->name,
+                         eng_desc(c->out), eng_desc(c->in));
+        if (overlaps(c->in, c->out))
+          return eng_err("%s: output %s and input %s share memory", c->name, eng_desc(c->out), eng_desc(c->in));
+      }
       return 0;
     case ENG_COLL_ALL_GATHER:
       if (check_tensor(c, c->in, "input") || check_tensor(c, c->out, "output")) return -1;
@@ -710,13 +729,19 @@ static int plan_cpu(const coll* c, comm_args* a, fin* f) {
       a->count = 0;
       return 0;
     case ENG_COLL_ALL_REDUCE: case ENG_COLL_BROADCAST: {
+      /* the values reduced: in (out of place, all_reduce_into) or out itself */
+      const eng_tensor* src = c->kind == ENG_COLL_ALL_REDUCE && in && !same_view(in, out) ? in : out;
       a->count = out->numel;
       if (!widen && eng_tensor_is_contiguous(out)) {
         a->recv = eng_ptr(out); a->send = NULL;
+        if (src != out) {
+          if (eng_tensor_is_contiguous(src)) a->send = eng_ptr(src); /* MPI reads in, writes out */
+          else copy_to_buf(src, a->recv, wdt);                       /* stage in out, reduce in place */
+        }
         if (scale) { f->scale_p = a->recv; f->scale_n = out->numel; f->scale_dt = wdt; f->divisor = W; }
       } else {
         if (pool_get(out->numel * wes, &f->buf[0])) return -1;
-        if (c->kind == ENG_COLL_ALL_REDUCE || c->pg->rank == c->root) copy_to_buf(out, f->buf[0].p, wdt);
+        if (c->kind == ENG_COLL_ALL_REDUCE || c->pg->rank == c->root) copy_to_buf(src, f->buf[0].p, wdt);
         a->recv = f->buf[0].p; a->send = NULL;
         f->res = a->recv; f->res_dt = wdt; f->target = out;
         if (scale) { f->scale_p = a->recv; f->scale_n = out->numel; f->scale_dt = wdt; f->divisor = W; }
@@ -762,7 +787,7 @@ static int plan_cuda(const coll* c, comm_args* a, fin* f) {
   if ((in && !eng_tensor_is_contiguous(in)) || (out && !eng_tensor_is_contiguous(out)))
     return eng_err("%s: the NCCL backend needs contiguous CUDA tensors, got %s%s%s (call contiguous() first)",
                    c->name, in ? eng_desc(in) : "", in && out ? " and " : "", out ? eng_desc(out) : "");
-  if (in && out && in != out && c->kind != ENG_COLL_SCATTER && overlaps(in, out))
+  if (in && out && !same_view(in, out) && c->kind != ENG_COLL_SCATTER && overlaps(in, out))
     return eng_err("%s: output %s and input %s share memory", c->name, eng_desc(out), eng_desc(in));
   int op = c->op;
   int dt = out ? out->dtype : ENG_F32;
@@ -771,7 +796,10 @@ static int plan_cuda(const coll* c, comm_args* a, fin* f) {
   a->send = in ? eng_ptr(in) : NULL;
   a->recv = out ? eng_ptr(out) : NULL;
   switch (c->kind) {
-    case ENG_COLL_ALL_REDUCE: case ENG_COLL_BROADCAST: a->count = out->numel; a->send = a->recv; break;
+    case ENG_COLL_ALL_REDUCE: case ENG_COLL_BROADCAST:
+      a->count = out->numel;
+      if (c->kind == ENG_COLL_BROADCAST || !in || same_view(in, out)) a->send = a->recv;
+      break;
     case ENG_COLL_ALL_GATHER: a->count = in->numel; break;
     case ENG_COLL_ALL_TO_ALL: a->count = in->numel / W; break;
     case ENG_COLL_REDUCE_SCATTER: case ENG_COLL_SCATTER: a->count = out->numel; break;
@@ -866,6 +894,12 @@ static int run(const coll* c, eng_work** work) {
 /* ------------------------------------------------------------------ public collectives */
 int eng_pg_all_reduce(eng_pg* pg, eng_tensor* t, int op, eng_work** work) {
   coll c = {"all_reduce", ENG_COLL_ALL_REDUCE, op, 0, pg, t, t};
+  return run(&c, work);
+}
+
+int eng_pg_all_reduce_into(eng_pg* pg, eng_tensor* out, eng_tensor* in, int op, eng_work** work) {
+  coll c = {"all_reduce_into", ENG_COLL_ALL_REDUCE, op, 0, pg, in ? in : out, out};
+  if (!in && pg && pg->member) { if (work) *work = NULL; return eng_err("all_reduce_into: input tensor is nil/NULL"); }
   return run(&c, work);
 }
 

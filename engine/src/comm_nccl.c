@@ -3,12 +3,21 @@
  * One NCCL communicator per process group, created on the group's first CUDA
  * collective: group rank 0 makes the unique id, MPI_Bcast hands it to the
  * other members over the group's MPI communicator (as llm.c does), and every
- * member calls ncclCommInitRank.  Each group has its own non-blocking CUDA
- * stream; a collective first waits for the work already queued on the
- * default stream, then runs on the group's stream.  Blocking calls
- * synchronize that stream; async ones record an event that eng_work_wait
- * synchronizes.  Without ENG_HAVE_CUDA (and ENG_HAVE_NCCL) only the two
- * capability queries are compiled, and they report no GPU / no NCCL. */
+ * member calls ncclCommInitRank on the process's device
+ * (eng_cuda_current_device(): the node-local rank modulo the GPU count, see
+ * eng/cuda.h).  Collectives run on the runtime's communication stream
+ * (ENG_CUDA_STREAM_COMM): it first waits, through an event, for the work
+ * queued so far on the compute stream (which produced the inputs), and the
+ * compute stream waits, through an event, for the collective before any later
+ * kernel reads the results: no host synchronization on the way, as
+ * PyTorch's NCCL process groups.  A blocking call makes the compute stream
+ * wait at once; an async one records an event on the communication stream
+ * that eng_work_wait hands to the compute stream (eng_work_test queries it).
+ * Freed inputs are safe: the allocator reuses blocks in compute-stream
+ * order, which runs after the collective once the compute stream waited (a
+ * work released without a wait makes it wait too).  Without ENG_HAVE_CUDA
+ * (and ENG_HAVE_NCCL) only the two capability queries are compiled, and
+ * they report no GPU / no NCCL. */
 #include "comm_impl.h"
 
 #if defined(ENG_HAVE_CUDA)
@@ -30,21 +39,8 @@ int eng_comm_have_nccl(void) { return 1; }
 
 typedef struct nccl_state {
   ncclComm_t comm;
-  cudaStream_t stream;
+  int device;
 } nccl_state;
-
-static int g_device_chosen;
-
-/* Node-local rank from the launcher's environment (no communication: this
- * runs inside a group's first collective, where only members take part). */
-static int local_rank(void) {
-  const char* vars[] = {"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID"};
-  for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++) {
-    const char* v = getenv(vars[i]);
-    if (v && *v) return atoi(v);
-  }
-  return eng_dist_rank();
-}
 
 static int cuda_check(cudaError_t e, const char* what, const char* group) {
   if (e == cudaSuccess) return 0;
@@ -58,11 +54,11 @@ static int nccl_check(ncclResult_t r, const char* what, const char* group) {
 
 static nccl_state* ensure_comm(eng_pg* pg) {
   if (pg->nccl) return pg->nccl;
-  int ndev = eng_comm_cuda_device_count();
-  if (ndev <= 0) return eng_errp("NCCL backend on group %s: no CUDA device is usable", pg->name);
-  if (!g_device_chosen) {
-    if (cuda_check(cudaSetDevice(local_rank() % ndev), "cudaSetDevice", pg->name)) return NULL;
-    g_device_chosen = 1;
+  /* the runtime's device (chosen by node-local rank at its first use), current on this thread */
+  int dev = eng_cuda_current_device();
+  if (dev < 0) {
+    eng_err_prefix("NCCL backend on group %s", pg->name);
+    return NULL;
   }
   /* the others wait for the id: on failure, send them a flag so every member fails */
   struct { int32_t ok; ncclUniqueId id; } msg;
@@ -84,11 +80,7 @@ static nccl_state* ensure_comm(eng_pg* pg) {
     free(s);
     return NULL;
   }
-  if (cuda_check(cudaStreamCreateWithFlags(&s->stream, cudaStreamNonBlocking), "cudaStreamCreate", pg->name)) {
-    ncclCommDestroy(s->comm);
-    free(s);
-    return NULL;
-  }
+  s->device = dev;
   pg->nccl = s;
   return s;
 }
@@ -97,7 +89,6 @@ void comm_nccl_pg_free(void* state) {
   nccl_state* s = state;
   if (!s) return;
   ncclCommDestroy(s->comm);
-  cudaStreamDestroy(s->stream);
   free(s);
 }
 
@@ -127,12 +118,12 @@ int comm_nccl_issue(eng_pg* pg, const comm_args* a, void** event) {
   const char* kind = eng_coll_kind_name(a->kind);
   nccl_state* s = ensure_comm(pg);
   if (!s) return -1;
-  /* run after the work already queued on the default stream */
-  cudaEvent_t dep;
-  if (cuda_check(cudaEventCreateWithFlags(&dep, cudaEventDisableTiming), kind, pg->name)) return -1;
-  cudaEventRecord(dep, 0);
-  cudaStreamWaitEvent(s->stream, dep, 0);
-  cudaEventDestroy(dep);
+  cudaStream_t stream = (cudaStream_t)eng_cuda_stream(ENG_CUDA_STREAM_COMM);
+  /* run after the compute-stream work that produced the inputs (an event, no host sync) */
+  if (!stream || eng_cuda_stream_wait(ENG_CUDA_STREAM_COMM, ENG_CUDA_STREAM_COMPUTE)) {
+    eng_err_prefix("%s on group %s", kind ? kind : "collective", pg->name);
+    return -1;
+  }
 
   ncclDataType_t dt = nccl_type(a->dtype);
   size_t n = (size_t)a->count, es = (size_t)eng_dtype_size(a->dtype);
@@ -141,22 +132,22 @@ int comm_nccl_issue(eng_pg* pg, const comm_args* a, void** event) {
   ncclResult_t r = ncclSuccess;
   switch (a->kind) {
     case ENG_COLL_ALL_REDUCE:
-      r = ncclAllReduce(send ? send : recv, recv, n, dt, nccl_op(a->op), s->comm, s->stream);
+      r = ncclAllReduce(send ? send : recv, recv, n, dt, nccl_op(a->op), s->comm, stream);
       break;
     case ENG_COLL_ALL_GATHER:
-      r = ncclAllGather(send, recv, n, dt, s->comm, s->stream);
+      r = ncclAllGather(send, recv, n, dt, s->comm, stream);
       break;
     case ENG_COLL_REDUCE_SCATTER:
-      r = ncclReduceScatter(send, recv, n, dt, nccl_op(a->op), s->comm, s->stream);
+      r = ncclReduceScatter(send, recv, n, dt, nccl_op(a->op), s->comm, stream);
       break;
     case ENG_COLL_BROADCAST:
-      r = ncclBroadcast(recv, recv, n, dt, a->root, s->comm, s->stream);
+      r = ncclBroadcast(recv, recv, n, dt, a->root, s->comm, stream);
       break;
     case ENG_COLL_ALL_TO_ALL:
       r = ncclGroupStart();
       for (int p = 0; p < pg->size && r == ncclSuccess; p++) {
-        r = ncclSend(send + (size_t)p * n * es, n, dt, p, s->comm, s->stream);
-        if (r == ncclSuccess) r = ncclRecv(recv + (size_t)p * n * es, n, dt, p, s->comm, s->stream);
+        r = ncclSend(send + (size_t)p * n * es, n, dt, p, s->comm, stream);
+        if (r == ncclSuccess) r = ncclRecv(recv + (size_t)p * n * es, n, dt, p, s->comm, stream);
       }
       {
         ncclResult_t e = ncclGroupEnd();
@@ -167,8 +158,8 @@ int comm_nccl_issue(eng_pg* pg, const comm_args* a, void** event) {
       r = ncclGroupStart();
       if (pg->rank == a->root)
         for (int p = 0; p < pg->size && r == ncclSuccess; p++)
-          r = ncclSend(send + (size_t)p * n * es, n, dt, p, s->comm, s->stream);
-      if (r == ncclSuccess) r = ncclRecv(recv, n, dt, a->root, s->comm, s->stream);
+          r = ncclSend(send + (size_t)p * n * es, n, dt, p, s->comm, stream);
+      if (r == ncclSuccess) r = ncclRecv(recv, n, dt, a->root, s->comm, stream);
       {
         ncclResult_t e = ncclGroupEnd();
         if (r == ncclSuccess) r = e;
@@ -181,19 +172,27 @@ int comm_nccl_issue(eng_pg* pg, const comm_args* a, void** event) {
   if (event) {
     cudaEvent_t ev;
     if (cuda_check(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), kind, pg->name)) return -1;
-    if (cuda_check(cudaEventRecord(ev, s->stream), kind, pg->name)) { cudaEventDestroy(ev); return -1; }
+    if (cuda_check(cudaEventRecord(ev, stream), kind, pg->name)) { cudaEventDestroy(ev); return -1; }
     *event = (void*)ev;
     return 0;
   }
-  if (cuda_check(cudaStreamSynchronize(s->stream), kind, pg->name)) return -1;
+  /* blocking: later compute-stream work (kernels, copies to the host) sees the results */
+  if (eng_cuda_stream_wait(ENG_CUDA_STREAM_COMPUTE, ENG_CUDA_STREAM_COMM)) {
+    eng_err_prefix("%s on group %s", kind ? kind : "collective", pg->name);
+    return -1;
+  }
   ncclResult_t ae = ncclSuccess;
   ncclCommGetAsyncError(s->comm, &ae);
   return nccl_check(ae, kind, pg->name);
 }
 
+/* The compute stream waits for the collective (no host sync): kernels and
+ * host copies queued after eng_work_wait see its results. */
 int comm_nccl_wait(void* event) {
   if (!event) return 0;
-  cudaError_t e = cudaEventSynchronize((cudaEvent_t)event);
+  cudaStream_t cs = (cudaStream_t)eng_cuda_stream(ENG_CUDA_STREAM_COMPUTE);
+  if (!cs) { eng_err_prefix("NCCL collective (async)"); return -1; }
+  cudaError_t e = cudaStreamWaitEvent(cs, (cudaEvent_t)event, 0);
   if (e != cudaSuccess) return eng_err("NCCL collective (async): CUDA error %d: %s", (int)e, cudaGetErrorString(e));
   return 0;
 }
@@ -208,7 +207,12 @@ int comm_nccl_test(void* event) {
 }
 
 void comm_nccl_event_free(void* event) {
-  if (event) cudaEventDestroy((cudaEvent_t)event);
+  if (!event) return;
+  /* a work released without a wait: order the compute stream (and so the
+   * allocator's reuse of the buffers) after the collective anyway */
+  cudaStream_t cs = (cudaStream_t)eng_cuda_stream(ENG_CUDA_STREAM_COMPUTE);
+  if (cs && cudaStreamWaitEvent(cs, (cudaEvent_t)event, 0) != cudaSuccess) cudaGetLastError();
+  cudaEventDestroy((cudaEvent_t)event);
 }
 
 #else

@@ -42,5 +42,11 @@ eng_dist_spec* dt_grad_target(const eng_dist_spec* src, const eng_dist_spec* gra
 /* Redistribute with autograd (one node); out gets spec dst. */
 eng_tensor* dt_redistribute_autograd(const char* op, eng_tensor* t, eng_dist_spec* dst, int async,
                                      int is_backward_flag);
+/* Same with forward_dtype / backward_dtype (-1: none): the local is cast to
+ * fwd_dtype before the communication (the result has that dtype); in
+ * backward the gradient is cast to bwd_dtype (default: t's dtype) before the
+ * communication and returned in t's dtype. */
+eng_tensor* dt_redistribute_autograd_ex(const char* op, eng_tensor* t, eng_dist_spec* dst, int async,
+                                        int is_backward_flag, int fwd_dtype, int bwd_dtype);
 
 #endif

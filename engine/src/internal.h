@@ -53,7 +53,7 @@ static inline char* eng_ptr(const eng_tensor* t) {
 }
 /* Raw strided copy with dtype conversion: dst geometry (shape) <- src with
  * the given (possibly broadcast) strides in elements. */
-void eng_copy_raw(eng_tensor* dst, const eng_tensor* src, const int64_t* src_stride);
+int eng_copy_raw(eng_tensor* dst, const eng_tensor* src, const int64_t* src_stride);  /* 0 / -1 (device errors) */
 /* A contiguous tensor of the given dtype with t's values (t itself retained
  * when already so).  No autograd. */
 eng_tensor* eng_as_contig(eng_tensor* t, int dtype);
@@ -82,6 +82,18 @@ eng_node* eng_record(const char* name, eng_backward_fn fn, int n_inputs, eng_ten
 /* Same for several outputs. */
 eng_node* eng_record_multi(const char* name, eng_backward_fn fn, int n_inputs,
                            eng_tensor** inputs, int n_outputs, eng_tensor** outputs);
+
+/* DTensor dispatch glue for autograd.c (dtensor_dispatch.c). */
+struct eng_node_dist;
+/* Marks n when a dispatcher local region is active (eng_node_new calls it). */
+void eng_dist_mark_node(eng_node* n, int n_inputs, eng_tensor** inputs);
+/* Backward of a marked node: grads to the output adjoint specs, the node's
+ * backward in local mode, input grads wrapped with their adjoint specs. */
+int eng_dist_node_backward(eng_node* n, eng_tensor** go, eng_tensor** gi);
+void eng_dist_node_free(struct eng_node_dist* d);
+/* The gradient g of DTensor leaf redistributed to the leaf's spec (new
+ * reference; a plain g is taken as the leaf's local shard). */
+eng_tensor* eng_dist_grad_for_leaf(eng_tensor* leaf, eng_tensor* g);
 
 /* Lua closures behind hooks (autograd.c). */
 void eng_lua_queue_release(int64_t id);

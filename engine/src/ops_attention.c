@@ -10,7 +10,9 @@
  * thread; backward runs serially when an input is broadcast over the batch
  * (its gradient is a sum over batches). */
 #include "bmm.h"
+#include "sharding.h"
 #include "../../kernels/cpu/kcpu.h"
+#include "cuda_ops.h"
 #include <math.h>
 
 static int compute_dtype(int dt) { return dt == ENG_F64 ? ENG_F64 : ENG_F32; }
@@ -357,11 +359,50 @@ done:
   return rc;
 }
 
+/* CUDA: the flash kernels (no L x S matrix); saved q, k, v, out, lse.
+ * scalars: 0 scale.  ints: 0 is_causal. */
+static int sdpa_bw_cuda(eng_node* n, eng_tensor** go, eng_tensor** gi) {
+  eng_tensor *q = eng_node_saved(n, 0), *k = eng_node_saved(n, 1), *v = eng_node_saved(n, 2);
+  eng_tensor *o = eng_node_saved(n, 3), *lse = eng_node_saved(n, 4);
+  if (!q || !k || !v || !o || !lse) return -1;
+  if (eng_cu_same_device(n->name, q, go[0])) return -1;
+  eng_tensor* g[3] = {NULL, NULL, NULL};
+  if (eng_cu_sdpa_bwd(q, k, v, o, lse, go[0], (int)n->ints[0], n->scalars[0], &g[0], &g[1], &g[2], n->name))
+    return -1;
+  int rc = 0;
+  for (int i = 0; i < 3; i++) {
+    if (rc == 0 && eng_node_needs_grad(n, i) && !(gi[i] = eng_grad_to_input(n, i, g[i]))) rc = -1;
+    eng_tensor_release(g[i]);
+  }
+  return rc;
+}
+
+static eng_tensor* sdpa_cuda(eng_tensor* q, eng_tensor* k, eng_tensor* v, int causal, double scale) {
+  const char* op = "scaled_dot_product_attention";
+  eng_tensor* lse = NULL;
+  eng_tensor* out = eng_cu_sdpa_fwd(q, k, v, causal, scale, &lse, op);
+  if (!out) return NULL;
+  eng_tensor* in[3] = {q, k, v};
+  if (eng_any_requires_grad(3, in)) {
+    eng_node* nd = eng_record("ScaledDotProductAttentionBackward", sdpa_bw_cuda, 3, in, out);
+    if (!nd || eng_node_save(nd, q) || eng_node_save(nd, k) || eng_node_save(nd, v) || eng_node_save(nd, out) ||
+        eng_node_save(nd, lse)) {
+      eng_tensor_release(out); eng_tensor_release(lse);
+      return NULL;
+    }
+    nd->scalars[0] = scale;
+    nd->ints[0] = causal;
+  }
+  eng_tensor_release(lse);
+  return out;
+}
+
 eng_tensor* eng_scaled_dot_product_attention(eng_tensor* q, eng_tensor* k, eng_tensor* v,
                                              eng_tensor* mask, double dropout_p, int is_causal,
                                              double scale) {
   const char* op = "scaled_dot_product_attention";
   ENG_CHECK(q, op); ENG_CHECK(k, op); ENG_CHECK(v, op);
+  if (ENG_DT_ACTIVE(q->dist || k->dist || v->dist || (mask && mask->dist))) return eng_no_rule("scaled_dot_product_attention", &(eng_op_call){.n_in = 4, .in = {q, k, v, mask}});
   if (q->dtype != k->dtype || q->dtype != v->dtype)
     return eng_errp("%s: q %s, k %s and v %s must have the same dtype", op, eng_desc(q), eng_desc(k), eng_desc(v));
   if (!eng_dtype_is_floating(q->dtype))
@@ -391,6 +432,11 @@ eng_tensor* eng_scaled_dot_product_attention(eng_tensor* q, eng_tensor* k, eng_t
     }
   }
   if (!(scale > 0.0)) scale = p.E > 0 ? 1.0 / sqrt((double)p.E) : 1.0;
+  if (q->device == ENG_CUDA) {
+    if (mask) return eng_cu_unsupportedp("scaled_dot_product_attention with an attn_mask", mask);
+    if (dropout_p > 0.0) return eng_cu_unsupportedp("scaled_dot_product_attention with dropout_p > 0", q);
+    return sdpa_cuda(q, k, v, is_causal ? 1 : 0, scale);
+  }
   int rdt = q->dtype, cdt = compute_dtype(rdt);
   int64_t oshape[ENG_MAX_DIMS];
   for (int d = 0; d < nb; d++) oshape[d] = bs[d];

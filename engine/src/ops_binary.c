@@ -1,7 +1,9 @@
 /* ops_binary.c: broadcasting binary ops (add, sub, mul, div, pow, maximum,
  * minimum), their scalar forms, autograd, and in-place arithmetic. */
 #include "internal.h"
+#include "sharding.h"
 #include "../../kernels/cpu/kcpu.h"
+#include "cuda_ops.h"
 #include <math.h>
 
 static int compute_dtype(int rdt) {
@@ -26,14 +28,22 @@ static eng_tensor* binary_fwd(int op, eng_tensor* a, eng_tensor* b) {
     return eng_errp("%s: tensors on different devices: %s and %s", name, eng_desc(a), eng_desc(b));
   int rdt = eng_promote_types(a->dtype, b->dtype);
   if (op == KB_DIV && !eng_dtype_is_floating(rdt)) rdt = ENG_F32; /* true division */
-  int cdt = compute_dtype(rdt);
+  int cdt = a->device == ENG_CUDA ? rdt : compute_dtype(rdt); /* the CUDA kernels take every dtype as is */
   int64_t shape[ENG_MAX_DIMS];
   int nd = eng_broadcast_shapes(a->ndim, a->shape, b->ndim, b->shape, shape, name, a, b);
   if (nd < 0) return NULL;
   eng_tensor* A = a->dtype == cdt ? eng_tensor_retain(a) : eng_as_contig(a, cdt);
   eng_tensor* B = b->dtype == cdt ? eng_tensor_retain(b) : eng_as_contig(b, cdt);
   eng_tensor* out = (A && B) ? eng_new(nd, shape, cdt, a->device) : NULL;
-  if (out) {
+  if (out && a->device == ENG_CUDA) {
+    int64_t sa[ENG_MAX_DIMS], sb[ENG_MAX_DIMS];
+    eng_broadcast_strides(A, nd, shape, sa);
+    eng_broadcast_strides(B, nd, shape, sb);
+    if (eng_cu_binary(op, cdt, nd, shape, eng_ptr(out), out->stride, eng_ptr(A), sa, eng_ptr(B), sb, name)) {
+      eng_tensor_release(out);
+      out = NULL;
+    }
+  } else if (out) {
     int64_t sa[ENG_MAX_DIMS], sb[ENG_MAX_DIMS];
     eng_broadcast_strides(A, nd, shape, sa);
     eng_broadcast_strides(B, nd, shape, sb);
@@ -164,13 +174,18 @@ static eng_tensor* binary(int op, eng_tensor* a, eng_tensor* b) {
   return out;
 }
 
-eng_tensor* eng_add(eng_tensor* a, eng_tensor* b) { return binary(KB_ADD, a, b); }
-eng_tensor* eng_sub(eng_tensor* a, eng_tensor* b) { return binary(KB_SUB, a, b); }
-eng_tensor* eng_mul(eng_tensor* a, eng_tensor* b) { return binary(KB_MUL, a, b); }
-eng_tensor* eng_div(eng_tensor* a, eng_tensor* b) { return binary(KB_DIV, a, b); }
-eng_tensor* eng_pow(eng_tensor* a, eng_tensor* b) { return binary(KB_POW, a, b); }
-eng_tensor* eng_maximum(eng_tensor* a, eng_tensor* b) { return binary(KB_MAX, a, b); }
-eng_tensor* eng_minimum(eng_tensor* a, eng_tensor* b) { return binary(KB_MIN, a, b); }
+/* DTensor arguments go through the dispatcher (sharding_pointwise.c). */
+#define BIN_GUARD(which, a, b)                                                                     \
+  if (a && b && ENG_DT_ACTIVE(a->dist || b->dist))                                                 \
+    return eng_dispatch(&eng_opdef_binary, &(eng_op_call){.name = g_names[which], .n_in = 2, .in = {a, b}, .ints = {which}})
+
+eng_tensor* eng_add(eng_tensor* a, eng_tensor* b) { BIN_GUARD(ENG_BIN_ADD, a, b); return binary(KB_ADD, a, b); }
+eng_tensor* eng_sub(eng_tensor* a, eng_tensor* b) { BIN_GUARD(ENG_BIN_SUB, a, b); return binary(KB_SUB, a, b); }
+eng_tensor* eng_mul(eng_tensor* a, eng_tensor* b) { BIN_GUARD(ENG_BIN_MUL, a, b); return binary(KB_MUL, a, b); }
+eng_tensor* eng_div(eng_tensor* a, eng_tensor* b) { BIN_GUARD(ENG_BIN_DIV, a, b); return binary(KB_DIV, a, b); }
+eng_tensor* eng_pow(eng_tensor* a, eng_tensor* b) { BIN_GUARD(ENG_BIN_POW, a, b); return binary(KB_POW, a, b); }
+eng_tensor* eng_maximum(eng_tensor* a, eng_tensor* b) { BIN_GUARD(ENG_BIN_MAX, a, b); return binary(KB_MAX, a, b); }
+eng_tensor* eng_minimum(eng_tensor* a, eng_tensor* b) { BIN_GUARD(ENG_BIN_MIN, a, b); return binary(KB_MIN, a, b); }
 
 /* ------------------------------------------------------------ scalar forms */
 static eng_tensor* scalar_like(eng_tensor* a, double s) {
@@ -247,14 +262,18 @@ static eng_tensor* scalar_op(int kind, eng_tensor* a, double s) {
   return out;
 }
 
-eng_tensor* eng_add_scalar(eng_tensor* a, double s) { return scalar_op(SC_ADD, a, s); }
-eng_tensor* eng_sub_scalar(eng_tensor* a, double s) { return scalar_op(SC_SUB, a, s); }
-eng_tensor* eng_mul_scalar(eng_tensor* a, double s) { return scalar_op(SC_MUL, a, s); }
-eng_tensor* eng_div_scalar(eng_tensor* a, double s) { return scalar_op(SC_DIV, a, s); }
-eng_tensor* eng_pow_scalar(eng_tensor* a, double s) { return scalar_op(SC_POW, a, s); }
-eng_tensor* eng_rsub_scalar(double s, eng_tensor* a) { return scalar_op(SC_RSUB, a, s); }
-eng_tensor* eng_rdiv_scalar(double s, eng_tensor* a) { return scalar_op(SC_RDIV, a, s); }
-eng_tensor* eng_rpow_scalar(double s, eng_tensor* a) { return scalar_op(SC_RPOW, a, s); }
+#define SC_GUARD(which, nm, a, s)                                                                \
+  if (a && ENG_DT_ACTIVE(a->dist))                                                                 \
+    return eng_dispatch(&eng_opdef_scalar, &(eng_op_call){.name = nm, .n_in = 1, .in = {a}, .ints = {which}, .scalars = {s}})
+
+eng_tensor* eng_add_scalar(eng_tensor* a, double s) { SC_GUARD(ENG_SC_ADD, "add", a, s); return scalar_op(SC_ADD, a, s); }
+eng_tensor* eng_sub_scalar(eng_tensor* a, double s) { SC_GUARD(ENG_SC_SUB, "sub", a, s); return scalar_op(SC_SUB, a, s); }
+eng_tensor* eng_mul_scalar(eng_tensor* a, double s) { SC_GUARD(ENG_SC_MUL, "mul", a, s); return scalar_op(SC_MUL, a, s); }
+eng_tensor* eng_div_scalar(eng_tensor* a, double s) { SC_GUARD(ENG_SC_DIV, "div", a, s); return scalar_op(SC_DIV, a, s); }
+eng_tensor* eng_pow_scalar(eng_tensor* a, double s) { SC_GUARD(ENG_SC_POW, "pow", a, s); return scalar_op(SC_POW, a, s); }
+eng_tensor* eng_rsub_scalar(double s, eng_tensor* a) { SC_GUARD(ENG_SC_RSUB, "rsub", a, s); return scalar_op(SC_RSUB, a, s); }
+eng_tensor* eng_rdiv_scalar(double s, eng_tensor* a) { SC_GUARD(ENG_SC_RDIV, "rdiv", a, s); return scalar_op(SC_RDIV, a, s); }
+eng_tensor* eng_rpow_scalar(double s, eng_tensor* a) { SC_GUARD(ENG_SC_RPOW, "rpow", a, s); return scalar_op(SC_RPOW, a, s); }
 
 /* ------------------------------------------------------------ in place */
 typedef struct { int op; double alpha; } ip_ctx;
@@ -299,6 +318,31 @@ static void ip_row_generic(int64_t n, char** p, const int64_t* s, void* vc) {
   }
 }
 
+/* a op= alpha * B on the device (B does not overlap a; broadcast to a).
+ * Half-precision targets compute in f32 and are written back once. */
+static int inplace_cuda(int op, eng_tensor* a, eng_tensor* B, double alpha, const char* name) {
+  int cdt = (a->dtype == ENG_BF16 || a->dtype == ENG_F16) ? ENG_F32 : a->dtype;
+  eng_tensor* A = a->dtype == cdt ? eng_tensor_retain(a) : eng_as_contig(a, cdt);
+  eng_tensor* Bc = A ? (B->dtype == cdt ? eng_tensor_retain(B) : eng_as_contig(B, cdt)) : NULL;
+  int rc = -1;
+  if (Bc && alpha != 1.0) { /* alpha only comes with add */
+    int prev = eng_set_grad_enabled(0);
+    eng_tensor* t = eng_mul_scalar(Bc, alpha);
+    eng_set_grad_enabled(prev);
+    eng_tensor_release(Bc);
+    Bc = t && t->dtype != cdt ? eng_as_contig(t, cdt) : eng_tensor_retain(t);
+    eng_tensor_release(t);
+  }
+  if (A && Bc) {
+    int64_t sb[ENG_MAX_DIMS];
+    eng_broadcast_strides(Bc, a->ndim, a->shape, sb);
+    rc = eng_cu_binary(op, cdt, a->ndim, a->shape, eng_ptr(A), A->stride, eng_ptr(A), A->stride, eng_ptr(Bc), sb, name);
+    if (rc == 0 && A != a) rc = eng_copy_raw(a, A, A->stride);
+  }
+  eng_tensor_release(A); eng_tensor_release(Bc);
+  return rc;
+}
+
 static int inplace(int op, eng_tensor* a, eng_tensor* b, double alpha, const char* name) {
   ENG_CHECK_I(a, name); ENG_CHECK_I(b, name);
   if (eng_check_inplace(a, name)) return -1;
@@ -312,6 +356,13 @@ static int inplace(int op, eng_tensor* a, eng_tensor* b, double alpha, const cha
   eng_tensor* B = b;
   if (b->storage == a->storage) { B = eng_as_contig(b, b->dtype); if (!B) return -1; }
   else eng_tensor_retain(B);
+  if (a->device == ENG_CUDA) {
+    int rc = inplace_cuda(op, a, B, alpha, name);
+    eng_tensor_release(B);
+    if (rc) return -1;
+    eng_bump_version(a);
+    return 0;
+  }
   int64_t sb[ENG_MAX_DIMS];
   eng_broadcast_strides(B, a->ndim, a->shape, sb);
   char* base[2] = {eng_ptr(a), eng_ptr(B)};
@@ -329,10 +380,18 @@ static int inplace(int op, eng_tensor* a, eng_tensor* b, double alpha, const cha
   return 0;
 }
 
-int eng_add_(eng_tensor* a, eng_tensor* b, double alpha) { return inplace(KB_ADD, a, b, alpha, "add_"); }
-int eng_sub_(eng_tensor* a, eng_tensor* b) { return inplace(KB_ADD, a, b, -1.0, "sub_"); }
-int eng_mul_(eng_tensor* a, eng_tensor* b) { return inplace(KB_MUL, a, b, 1.0, "mul_"); }
-int eng_div_(eng_tensor* a, eng_tensor* b) { return inplace(KB_DIV, a, b, 1.0, "div_"); }
+/* DTensor in-place: the operand is laid out like the target, then the op runs on the locals. */
+static int ip_local(eng_op_call* c) {
+  return inplace((int)c->ints[0], c->in[0], c->in[1], c->scalars[0], c->name);
+}
+#define IP_GUARD(op, nm, mode, a, b, alpha)                                                      \
+  if (a && b && ENG_DT_ACTIVE(a->dist || b->dist))                                                 \
+    return eng_dispatch_inplace(nm, mode, &(eng_op_call){.name = nm, .n_in = 2, .in = {a, b}, .ints = {op}, .scalars = {alpha}}, ip_local)
+
+int eng_add_(eng_tensor* a, eng_tensor* b, double alpha) { IP_GUARD(KB_ADD, "add_", 1, a, b, alpha); return inplace(KB_ADD, a, b, alpha, "add_"); }
+int eng_sub_(eng_tensor* a, eng_tensor* b) { IP_GUARD(KB_ADD, "sub_", 1, a, b, -1.0); return inplace(KB_ADD, a, b, -1.0, "sub_"); }
+int eng_mul_(eng_tensor* a, eng_tensor* b) { IP_GUARD(KB_MUL, "mul_", 0, a, b, 1.0); return inplace(KB_MUL, a, b, 1.0, "mul_"); }
+int eng_div_(eng_tensor* a, eng_tensor* b) { IP_GUARD(KB_DIV, "div_", 0, a, b, 1.0); return inplace(KB_DIV, a, b, 1.0, "div_"); }
 
 static int inplace_scalar(int op, eng_tensor* a, double s, const char* name) {
   ENG_CHECK_I(a, name);
@@ -343,5 +402,15 @@ static int inplace_scalar(int op, eng_tensor* a, double s, const char* name) {
   return rc;
 }
 
-int eng_add_scalar_(eng_tensor* a, double s) { return inplace_scalar(KB_ADD, a, s, "add_"); }
-int eng_mul_scalar_(eng_tensor* a, double s) { return inplace_scalar(KB_MUL, a, s, "mul_"); }
+static int ips_local(eng_op_call* c) { return inplace_scalar((int)c->ints[0], c->in[0], c->scalars[0], c->name); }
+
+int eng_add_scalar_(eng_tensor* a, double s) {
+  if (a && ENG_DT_ACTIVE(a->dist))
+    return eng_dispatch_inplace("add_", 0, &(eng_op_call){.name = "add_", .n_in = 1, .in = {a}, .ints = {KB_ADD}, .scalars = {s}}, ips_local);
+  return inplace_scalar(KB_ADD, a, s, "add_");
+}
+int eng_mul_scalar_(eng_tensor* a, double s) {
+  if (a && ENG_DT_ACTIVE(a->dist))
+    return eng_dispatch_inplace("mul_", 2, &(eng_op_call){.name = "mul_", .n_in = 1, .in = {a}, .ints = {KB_MUL}, .scalars = {s}}, ips_local);
+  return inplace_scalar(KB_MUL, a, s, "mul_");
+}

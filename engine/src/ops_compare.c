@@ -1,7 +1,9 @@
 /* ops_compare.c: comparisons (bool results, no gradient), where and
  * masked_fill (differentiable in their tensor arguments). */
 #include "internal.h"
+#include "sharding.h"
 #include "../../kernels/cpu/kcpu.h"
+#include "cuda_ops.h"
 #include <math.h>
 
 static const char* const cmp_names[] = {"eq", "ne", "lt", "le", "gt", "ge"};
@@ -30,12 +32,19 @@ static eng_tensor* compare_in(eng_tensor* a, eng_tensor* b, int op, int cdt, con
     int64_t sa[ENG_MAX_DIMS], sb[ENG_MAX_DIMS];
     eng_broadcast_strides(A, nd, shape, sa);
     eng_broadcast_strides(B, nd, shape, sb);
-    crow_ctx c = {op, cdt};
-    char* base[3] = {eng_ptr(out), eng_ptr(A), eng_ptr(B)};
-    const int64_t* st[3] = {out->stride, sa, sb};
-    int es = eng_dtype_size(cdt);
-    int esz[3] = {1, es, es};
-    kc_foreach(nd, shape, 3, base, st, esz, crow, &c);
+    if (out->device == ENG_CUDA) {
+      if (eng_cu_compare(op, cdt, nd, shape, eng_ptr(out), out->stride, eng_ptr(A), sa, eng_ptr(B), sb, name)) {
+        eng_tensor_release(out);
+        out = NULL;
+      }
+    } else {
+      crow_ctx c = {op, cdt};
+      char* base[3] = {eng_ptr(out), eng_ptr(A), eng_ptr(B)};
+      const int64_t* st[3] = {out->stride, sa, sb};
+      int es = eng_dtype_size(cdt);
+      int esz[3] = {1, es, es};
+      kc_foreach(nd, shape, 3, base, st, esz, crow, &c);
+    }
   }
   eng_tensor_release(A); eng_tensor_release(B);
   return out;
@@ -45,6 +54,8 @@ eng_tensor* eng_compare(eng_tensor* a, eng_tensor* b, int op) {
   if (op < 0 || op > ENG_GE) return eng_errp("compare: invalid comparison code %d (0..5: eq ne lt le gt ge)", op);
   const char* name = cmp_names[op];
   ENG_CHECK(a, name); ENG_CHECK(b, name);
+  if (ENG_DT_ACTIVE(a->dist || b->dist))
+    return eng_dispatch(&eng_opdef_compare, &(eng_op_call){.name = name, .n_in = 2, .in = {a, b}, .ints = {op}});
   if (a->device != b->device)
     return eng_errp("%s: tensors on different devices: %s and %s", name, eng_desc(a), eng_desc(b));
   return compare_in(a, b, op, compute_dtype(eng_promote_types(a->dtype, b->dtype)), name);
@@ -54,6 +65,8 @@ eng_tensor* eng_compare_scalar(eng_tensor* a, double s, int op) {
   if (op < 0 || op > ENG_GE) return eng_errp("compare: invalid comparison code %d (0..5: eq ne lt le gt ge)", op);
   const char* name = cmp_names[op];
   ENG_CHECK(a, name);
+  if (ENG_DT_ACTIVE(a->dist))
+    return eng_dispatch(&eng_opdef_compare_scalar, &(eng_op_call){.name = name, .n_in = 1, .in = {a}, .ints = {op}, .scalars = {s}});
   /* The scalar takes a's dtype if a is floating (so bf16(x) == x holds as in
    * PyTorch); with an integer tensor, an integral scalar compares as i64,
    * any other as f64. */
@@ -98,10 +111,19 @@ static eng_tensor* where_fwd(eng_tensor* cond, eng_tensor* a, eng_tensor* b) {
     eng_broadcast_strides(A, nd, shape, sa);
     eng_broadcast_strides(B, nd, shape, sb);
     int es = eng_dtype_size(rdt);
-    char* base[4] = {eng_ptr(out), eng_ptr(cond), eng_ptr(A), eng_ptr(B)};
-    const int64_t* st[4] = {out->stride, sc, sa, sb};
-    int esz[4] = {es, 1, es, es};
-    kc_foreach(nd, shape, 4, base, st, esz, wrow, &es);
+    if (out->device == ENG_CUDA) {
+      if (eng_cu_same_device("where", out, cond) ||
+          eng_cu_where(es, nd, shape, eng_ptr(out), out->stride, eng_ptr(cond), sc, eng_ptr(A), sa, eng_ptr(B), sb,
+                       "where")) {
+        eng_tensor_release(out);
+        out = NULL;
+      }
+    } else {
+      char* base[4] = {eng_ptr(out), eng_ptr(cond), eng_ptr(A), eng_ptr(B)};
+      const int64_t* st[4] = {out->stride, sc, sa, sb};
+      int esz[4] = {es, 1, es, es};
+      kc_foreach(nd, shape, 4, base, st, esz, wrow, &es);
+    }
   }
   eng_tensor_release(A); eng_tensor_release(B);
   return out;
@@ -133,6 +155,8 @@ static int check_mask(eng_tensor* m, const char* op, const char* what) {
 
 eng_tensor* eng_where(eng_tensor* cond, eng_tensor* a, eng_tensor* b) {
   ENG_CHECK(cond, "where"); ENG_CHECK(a, "where"); ENG_CHECK(b, "where");
+  if (ENG_DT_ACTIVE(cond->dist || a->dist || b->dist))
+    return eng_dispatch(&eng_opdef_where, &(eng_op_call){.n_in = 3, .in = {cond, a, b}});
   if (check_mask(cond, "where", "condition")) return NULL;
   if (a->device != b->device || cond->device != a->device)
     return eng_errp("where: tensors on different devices: %s, %s and %s", eng_desc(cond), eng_desc(a), eng_desc(b));
@@ -166,10 +190,19 @@ static eng_tensor* masked_fill_fwd(eng_tensor* t, eng_tensor* mask, double value
     int64_t sx[ENG_MAX_DIMS], sm[ENG_MAX_DIMS];
     eng_broadcast_strides(t, nd, shape, sx);
     eng_broadcast_strides(mask, nd, shape, sm);
-    char* base[3] = {eng_ptr(out), eng_ptr(t), eng_ptr(mask)};
-    const int64_t* st[3] = {out->stride, sx, sm};
-    int esz[3] = {c.es, c.es, 1};
-    kc_foreach(nd, shape, 3, base, st, esz, mrow, &c);
+    if (out->device == ENG_CUDA) {
+      if (eng_cu_same_device("masked_fill", out, mask) ||
+          eng_cu_masked_fill(c.es, nd, shape, eng_ptr(out), out->stride, eng_ptr(t), sx, eng_ptr(mask), sm, c.val,
+                             "masked_fill")) {
+        eng_tensor_release(out);
+        out = NULL;
+      }
+    } else {
+      char* base[3] = {eng_ptr(out), eng_ptr(t), eng_ptr(mask)};
+      const int64_t* st[3] = {out->stride, sx, sm};
+      int esz[3] = {c.es, c.es, 1};
+      kc_foreach(nd, shape, 3, base, st, esz, mrow, &c);
+    }
   }
   return out;
 }
@@ -186,6 +219,8 @@ static int masked_fill_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
 
 eng_tensor* eng_masked_fill(eng_tensor* t, eng_tensor* mask, double value) {
   ENG_CHECK(t, "masked_fill"); ENG_CHECK(mask, "masked_fill");
+  if (ENG_DT_ACTIVE(t->dist || mask->dist))
+    return eng_dispatch(&eng_opdef_masked_fill, &(eng_op_call){.n_in = 2, .in = {t, mask}, .scalars = {value}});
   if (check_mask(mask, "masked_fill", "mask")) return NULL;
   if (t->device != mask->device)
     return eng_errp("masked_fill: tensors on different devices: %s and %s", eng_desc(t), eng_desc(mask));

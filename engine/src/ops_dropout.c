@@ -5,7 +5,9 @@
  * shard can rebuild its part of the mask.  Backward regenerates the mask from
  * the (seed, offset) saved in the node: no mask is stored. */
 #include "internal.h"
+#include "sharding.h"
 #include "../../kernels/cpu/kcpu.h"
+#include "cuda_ops.h"
 #include <math.h>
 
 typedef struct { uint64_t seed, j; double keep, scale; int dt; } drop_ctx;
@@ -20,6 +22,13 @@ static void drop_row(int64_t n, char** p, const int64_t* s, void* vc) {
 static eng_tensor* apply_mask(eng_tensor* x, uint64_t seed, uint64_t off, double keep, double scale) {
   eng_tensor* out = eng_new(x->ndim, x->shape, x->dtype, x->device);
   if (!out || out->numel == 0) return out;
+  if (x->device == ENG_CUDA) { /* element i (row-major) uses stream position off + i, as below */
+    eng_tensor* X = eng_as_contig(x, x->dtype);
+    int rc = X ? eng_cu_dropout(x->dtype, x->numel, seed, off, keep, scale, eng_ptr(X), eng_ptr(out), "dropout") : -1;
+    eng_tensor_release(X);
+    if (rc) { eng_tensor_release(out); return NULL; }
+    return out;
+  }
   drop_ctx c = {seed, off, keep, scale, x->dtype};
   char* base[2] = {eng_ptr(out), eng_ptr(x)};
   const int64_t* st[2] = {out->stride, x->stride};
@@ -43,12 +52,12 @@ static int dropout_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
 
 eng_tensor* eng_dropout(eng_tensor* x, double p, int training) {
   ENG_CHECK(x, "dropout");
+  if (ENG_DT_ACTIVE(x->dist)) return eng_no_rule("dropout", &(eng_op_call){.n_in = 1, .in = {x}});
   if (!(p >= 0.0 && p <= 1.0))
     return eng_errp("dropout: probability has to be between 0 and 1, but got %g (input %s)", p, eng_desc(x));
   if (!training || p == 0.0 || x->numel == 0) return eng_tensor_retain(x);
   if (!eng_dtype_is_floating(x->dtype))
     return eng_errp("dropout: expects a floating point input, got %s", eng_desc(x));
-  if (x->device != ENG_CPU) return eng_errp("dropout: %s is not on the CPU", eng_desc(x));
   uint64_t seed;
   uint64_t off = eng_rng_reserve_seeded((uint64_t)x->numel, &seed);
   double keep = 1.0 - p;

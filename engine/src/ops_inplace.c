@@ -4,7 +4,9 @@
  * require grad in grad mode); b and c broadcast to a; the version counter
  * of a's storage is bumped. */
 #include "internal.h"
+#include "sharding.h"
 #include "../../kernels/cpu/kcpu.h"
+#include "cuda_ops.h"
 #include <math.h>
 
 /* The in-place target must keep its shape: x broadcast to a. */
@@ -62,6 +64,15 @@ static int inplace3(int op, eng_tensor* a, eng_tensor* b, eng_tensor* c, double 
     return eng_err("%s: the in-place target must be floating point, got %s", name, eng_desc(a));
   if (check_operand(a, b, name) || (c && check_operand(a, c, name))) return -1;
   if (a->numel == 0) { eng_bump_version(a); return 0; }
+  if (a->device == ENG_CUDA) { /* composed from the device's binary ops */
+    int prev = eng_set_grad_enabled(0);
+    eng_tensor* t = op == KI_ADDCMUL ? eng_mul(b, c) : op == KI_ADDCDIV ? eng_div(b, c) : eng_sub(b, a);
+    int rc = t ? eng_add_(a, t, v) : -1;
+    eng_set_grad_enabled(prev);
+    eng_tensor_release(t);
+    if (rc) eng_err_prefix("%s", name);
+    return rc;
+  }
   /* f32 and f64 targets compute in their own dtype; bf16/f16 targets load
    * and store through double with operands converted to f64. */
   int fast = a->dtype == ENG_F32 || a->dtype == ENG_F64;
@@ -88,13 +99,27 @@ static int inplace3(int op, eng_tensor* a, eng_tensor* b, eng_tensor* c, double 
   return 0;
 }
 
+/* DTensor targets: operands laid out like the target, then the op runs on the locals. */
+static int i3_local(eng_op_call* c) {
+  return inplace3((int)c->ints[0], c->in[0], c->in[1], c->n_in > 2 ? c->in[2] : NULL, c->scalars[0], c->name);
+}
+#define I3_GUARD(op, nm, mode, a, b, c, v)                                                        \
+  if (a && b && ENG_DT_ACTIVE(a->dist || b->dist || (c && c->dist)))                                \
+    return eng_dispatch_inplace(nm, mode, &(eng_op_call){.name = nm, .n_in = c ? 3 : 2, .in = {a, b, c}, .ints = {op}, .scalars = {v}}, i3_local)
+
 int eng_addcmul_(eng_tensor* a, eng_tensor* b, eng_tensor* c, double v) {
+  I3_GUARD(KI_ADDCMUL, "addcmul_", 0, a, b, c, v);
   return inplace3(KI_ADDCMUL, a, b, c, v, "addcmul_");
 }
 int eng_addcdiv_(eng_tensor* a, eng_tensor* b, eng_tensor* c, double v) {
+  I3_GUARD(KI_ADDCDIV, "addcdiv_", 0, a, b, c, v);
   return inplace3(KI_ADDCDIV, a, b, c, v, "addcdiv_");
 }
-int eng_lerp_(eng_tensor* a, eng_tensor* b, double w) { return inplace3(KI_LERP, a, b, NULL, w, "lerp_"); }
+int eng_lerp_(eng_tensor* a, eng_tensor* b, double w) {
+  eng_tensor* none = NULL;
+  I3_GUARD(KI_LERP, "lerp_", 1, a, b, none, w);
+  return inplace3(KI_LERP, a, b, NULL, w, "lerp_");
+}
 
 /* ------------------------------------------------------------ clamp_ */
 typedef struct { int dt; double lo, hi; } cl_ctx;
@@ -114,8 +139,11 @@ static void clamp_row_generic(int64_t n, char** p, const int64_t* s, void* vc) {
   }
 }
 
+static int clamp_local(eng_op_call* c);
 int eng_clamp_(eng_tensor* a, double lo, double hi) {
   ENG_CHECK_I(a, "clamp_");
+  if (ENG_DT_ACTIVE(a->dist))
+    return eng_dispatch_inplace("clamp_", 0, &(eng_op_call){.name = "clamp_", .n_in = 1, .in = {a}, .scalars = {lo, hi}}, clamp_local);
   if (eng_check_inplace(a, "clamp_")) return -1;
   if (isnan(lo) && isnan(hi))
     return eng_err("clamp_: %s: at least one of min and max must be given (both are NaN/nil)", eng_desc(a));
@@ -123,7 +151,11 @@ int eng_clamp_(eng_tensor* a, double lo, double hi) {
   if (!eng_dtype_is_floating(a->dtype) && ((!isnan(lo) && lo != floor(lo)) || (!isnan(hi) && hi != floor(hi))))
     return eng_err("clamp_: bounds %g, %g are not integers and the in-place target %s is an integer tensor "
                    "(its dtype cannot change)", lo, hi, eng_desc(a));
-  if (a->numel > 0) {
+  if (a->numel > 0 && a->device == ENG_CUDA) {
+    if (eng_cu_unary(KU_CLAMP, a->dtype, a->ndim, a->shape, eng_ptr(a), a->stride, eng_ptr(a), a->stride, lo, hi,
+                     "clamp_"))
+      return -1;
+  } else if (a->numel > 0) {
     cl_ctx c = {a->dtype, lo, hi};
     char* base[1] = {eng_ptr(a)};
     const int64_t* st[1] = {a->stride};
@@ -135,3 +167,5 @@ int eng_clamp_(eng_tensor* a, double lo, double hi) {
   eng_bump_version(a);
   return 0;
 }
+
+static int clamp_local(eng_op_call* c) { return eng_clamp_(c->in[0], c->scalars[0], c->scalars[1]); }

@@ -2,7 +2,9 @@
  * split, split_sizes, chunk) and index_select, with their autograd.
  * Pieces of split/chunk are views of the input; cat/stack/index_select copy. */
 #include "internal.h"
+#include "sharding.h"
 #include "../../kernels/cpu/kcpu.h"
+#include "cuda_ops.h"
 #include <stdio.h>
 
 static int wrap_dim(int dim, int ndim, const char* op, const eng_tensor* t) {
@@ -44,6 +46,13 @@ static int join_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
 static eng_tensor* join(int n, eng_tensor** ts, int dim, int stack) {
   const char* op = stack ? "stack" : "cat";
   if (n < 1 || !ts) return eng_errp("%s: expected a non-empty list of tensors", op);
+  if (!eng_dtensor_local_mode())
+    for (int i = 0; i < n; i++)
+      if (ts[i] && ts[i]->dist) {
+        eng_op_call c = {.n_in = n < ENG_OP_MAX_IN ? n : ENG_OP_MAX_IN};
+        for (int j = 0; j < c.n_in; j++) c.in[j] = ts[j];
+        return eng_no_rule(op, &c);
+      }
   int dt = -1;
   const eng_tensor* ref = NULL;
   for (int i = 0; i < n; i++) {
@@ -89,7 +98,7 @@ static eng_tensor* join(int n, eng_tensor** ts, int dim, int stack) {
   if (!out) return NULL;
   if (out->numel > 0) {
     int es = eng_dtype_size(dt);
-    int fast = 1;
+    int fast = out->device != ENG_CUDA; /* CUDA: one strided copy per input */
     for (int i = 0; i < n && fast; i++)
       fast = (ts[i]->dtype == dt && eng_tensor_is_contiguous(ts[i])) || ts[i]->numel == 0;
     int64_t outer = 1, inner = 1;
@@ -121,7 +130,13 @@ static eng_tensor* join(int n, eng_tensor** ts, int dim, int stack) {
           if (stack && k == d) { sh[k] = 1; sst[k] = 0; continue; }
           sh[k] = t->shape[j]; sst[k] = t->stride[j]; j++;
         }
-        if (t->numel > 0)
+        if (t->numel > 0 && out->device == ENG_CUDA) {
+          if (eng_cu_copy(ond, sh, eng_ptr(out) + off * out->stride[d] * es, dt, out->stride, eng_ptr(t), t->dtype, sst,
+                          op)) {
+            eng_tensor_release(out);
+            return NULL;
+          }
+        } else if (t->numel > 0)
           kc_copy(ond, sh, eng_ptr(out) + off * out->stride[d] * es, dt, out->stride, eng_ptr(t), t->dtype, sst);
         off += sh[d];
       }
@@ -212,6 +227,7 @@ static int split_even(eng_tensor* t, int64_t split_size, int d, int max_out, eng
 
 int eng_split(eng_tensor* t, int64_t split_size, int dim, int max_out, eng_tensor** out) {
   ENG_CHECK_I(t, "split");
+  if (ENG_DT_ACTIVE(t->dist)) return eng_no_rule_i("split", &(eng_op_call){.n_in = 1, .in = {t}});
   if (t->ndim == 0) return eng_err("split: cannot split a 0-d tensor (%s)", eng_desc(t));
   if (!out || max_out < 1) return eng_err("split: no room for outputs (max_out %d)", max_out);
   int d = wrap_dim(dim, t->ndim, "split", t);
@@ -225,6 +241,7 @@ int eng_split(eng_tensor* t, int64_t split_size, int dim, int max_out, eng_tenso
 
 int eng_split_sizes(eng_tensor* t, int n, const int64_t* sizes, int dim, eng_tensor** out) {
   ENG_CHECK_I(t, "split_sizes");
+  if (ENG_DT_ACTIVE(t->dist)) return eng_no_rule_i("split_sizes", &(eng_op_call){.n_in = 1, .in = {t}});
   if (t->ndim == 0) return eng_err("split_sizes: cannot split a 0-d tensor (%s)", eng_desc(t));
   int d = wrap_dim(dim, t->ndim, "split_sizes", t);
   if (d < 0) return -1;
@@ -247,6 +264,7 @@ int eng_split_sizes(eng_tensor* t, int n, const int64_t* sizes, int dim, eng_ten
 
 int eng_chunk(eng_tensor* t, int chunks, int dim, int max_out, eng_tensor** out) {
   ENG_CHECK_I(t, "chunk");
+  if (ENG_DT_ACTIVE(t->dist)) return eng_no_rule_i("chunk", &(eng_op_call){.n_in = 1, .in = {t}});
   if (t->ndim == 0) return eng_err("chunk: cannot chunk a 0-d tensor (%s)", eng_desc(t));
   if (chunks <= 0) return eng_err("chunk: chunks must be greater than 0, got %d for %s", chunks, eng_desc(t));
   if (!out || max_out < 1) return eng_err("chunk: no room for outputs (max_out %d)", max_out);
@@ -276,6 +294,28 @@ static int64_t* read_index(const eng_tensor* index, int64_t size, const eng_tens
   return idx;
 }
 
+/* CUDA index_select / its backward as row gathers / scatter-adds (the
+ * embedding kernels) over each of the `outer` blocks; idx (host, checked)
+ * goes to the device once.  bw: dst (zeroed, [outer, size, inner] of f32 or
+ * f64) gets the sums of g ([outer, n_idx, inner]) rows. */
+static int index_cuda(int bw, int dt, int64_t outer, int64_t size, int64_t n_idx, int64_t inner, char* dst,
+                      const char* src, const int64_t* idx, const char* op) {
+  if (outer * n_idx * inner == 0) return 0;
+  void* didx = eng_cuda_malloc(n_idx * (int64_t)sizeof(int64_t));
+  if (!didx) { eng_err_prefix("%s", op); return -1; }
+  int es = eng_dtype_size(dt), rc = eng_cuda_memcpy_h2d(didx, idx, n_idx * (int64_t)sizeof(int64_t));
+  for (int64_t o = 0; o < outer && rc == 0; o++) {
+    if (bw)
+      rc = eng_cu_embedding_bwd(dt, n_idx, didx, ENG_I64, src + o * n_idx * inner * es, inner, size, -1,
+                                dst + o * size * inner * es, op);
+    else
+      rc = eng_cu_embedding_fwd(n_idx, didx, ENG_I64, src + o * size * inner * es, size, inner * es,
+                                dst + o * n_idx * inner * es, op);
+  }
+  eng_cuda_free(didx);
+  return rc;
+}
+
 static void split_dims(const int64_t* shape, int ndim, int d, int64_t* outer, int64_t* inner) {
   *outer = 1; *inner = 1;
   for (int k = 0; k < d; k++) *outer *= shape[k];
@@ -294,7 +334,14 @@ static int index_select_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
   if (!idx) return -1;
   eng_tensor* g = eng_as_contig(go[0], cdt);
   eng_tensor* z = g ? eng_tensor_zeros(nd, sh, cdt, go[0]->device) : NULL;
-  if (z) {
+  if (z && z->device == ENG_CUDA) {
+    int64_t outer, inner;
+    split_dims(sh, nd, d, &outer, &inner);
+    if (index_cuda(1, cdt, outer, sh[d], n_idx, inner, eng_ptr(z), eng_ptr(g), idx, n->name)) {
+      eng_tensor_release(z);
+      z = NULL;
+    }
+  } else if (z) {
     int64_t outer, inner;
     split_dims(sh, nd, d, &outer, &inner);
     kc_index_add(cdt, outer, sh[d], n_idx, inner, eng_ptr(z), eng_ptr(g), idx);
@@ -309,6 +356,7 @@ static int index_select_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
 
 eng_tensor* eng_index_select(eng_tensor* t, int dim, eng_tensor* index) {
   ENG_CHECK(t, "index_select"); ENG_CHECK(index, "index_select");
+  if (ENG_DT_ACTIVE(t->dist || index->dist)) return eng_no_rule("index_select", &(eng_op_call){.n_in = 2, .in = {t, index}});
   if (t->ndim == 0) return eng_errp("index_select: cannot index a 0-d tensor (%s)", eng_desc(t));
   if (index->ndim > 1)
     return eng_errp("index_select: index must be a 1-D tensor (a vector), got %s for %s", eng_desc(index), eng_desc(t));
@@ -326,7 +374,14 @@ eng_tensor* eng_index_select(eng_tensor* t, int dim, eng_tensor* index) {
   sh[d] = n_idx;
   eng_tensor* src = eng_as_contig(t, t->dtype);
   eng_tensor* out = src ? eng_new(t->ndim, sh, t->dtype, t->device) : NULL;
-  if (out && out->numel > 0) {
+  if (out && out->numel > 0 && out->device == ENG_CUDA) {
+    int64_t outer, inner;
+    split_dims(t->shape, t->ndim, d, &outer, &inner);
+    if (index_cuda(0, t->dtype, outer, t->shape[d], n_idx, inner, eng_ptr(out), eng_ptr(src), idx, "index_select")) {
+      eng_tensor_release(out);
+      out = NULL;
+    }
+  } else if (out && out->numel > 0) {
     int64_t outer, inner;
     split_dims(t->shape, t->ndim, d, &outer, &inner);
     kc_index_select(outer, t->shape[d], n_idx, inner * eng_dtype_size(t->dtype), eng_ptr(out), eng_ptr(src), idx);

@@ -3,7 +3,9 @@
  * log-softmax + NLL kernel.  Backward is softmax - smoothed one-hot, scaled,
  * computed from the saved logits and per-position logsumexp only. */
 #include "internal.h"
+#include "sharding.h"
 #include "../../kernels/cpu/kcpu.h"
+#include "cuda_ops.h"
 #include <math.h>
 
 enum { RED_NONE = 0, RED_MEAN = 1, RED_SUM = 2 };
@@ -88,9 +90,89 @@ done:
   return rc;
 }
 
+/* ------------------------------------------------------------ CUDA
+ * Logits [N, C] (or [C]) in their own dtype (the kernels read bf16/f16
+ * directly), targets i32/i64, loss and lse f32 (f64 for f64 logits).
+ * 'mean' divides by the count of non-ignored targets, computed on the device
+ * with the mean (saved for backward: no host sync on the way). */
+static int ce_bw_cuda(eng_node* n, eng_tensor** go, eng_tensor** gi) {
+  eng_tensor *X = eng_node_saved(n, 0), *T = eng_node_saved(n, 1), *lse = eng_node_saved(n, 2);
+  eng_tensor* stats = n->ints[4] == RED_MEAN ? eng_node_saved(n, 3) : NULL;
+  if (!X || !T || !lse || (n->ints[4] == RED_MEAN && !stats)) return -1;
+  if (!eng_node_needs_grad(n, 0)) return 0;
+  if (eng_cu_same_device(n->name, X, go[0])) return -1;
+  int64_t N = n->ints[0], C = n->ints[1], ignore = n->ints[3];
+  int red = (int)n->ints[4], ldt = lse->dtype;
+  int prev = eng_set_grad_enabled(0);
+  eng_tensor *G = eng_as_contig(go[0], ldt), *sc = NULL, *gx = NULL;
+  int rc = -1;
+  if (G && red == RED_MEAN) { /* upstream gradient / count, on the device */
+    eng_tensor* cnt = eng_view_of(stats, 0, NULL, NULL, 1);
+    sc = cnt ? eng_div(G, cnt) : NULL;
+    eng_tensor_release(cnt);
+    if (sc && sc->dtype != ldt) { eng_tensor* t = eng_as_contig(sc, ldt); eng_tensor_release(sc); sc = t; }
+  } else if (G && red == RED_SUM) {
+    sc = eng_tensor_retain(G);
+  }
+  if (G && (red == RED_NONE || sc) && (gx = eng_new(X->ndim, X->shape, X->dtype, X->device)) &&
+      eng_cu_cross_entropy_bwd(X->dtype, N, C, eng_ptr(X), eng_ptr(T), T->dtype, ignore, n->scalars[0], eng_ptr(lse),
+                               red == RED_NONE ? eng_ptr(G) : NULL, sc ? eng_ptr(sc) : NULL, 1.0, eng_ptr(gx),
+                               n->name) == 0)
+    rc = (gi[0] = eng_grad_to_input(n, 0, gx)) ? 0 : -1;
+  eng_set_grad_enabled(prev);
+  eng_tensor_release(G); eng_tensor_release(sc); eng_tensor_release(gx);
+  return rc;
+}
+
+static eng_tensor* ce_cuda(eng_tensor* x, eng_tensor* target, int64_t N, int64_t C, int64_t ignore, int red,
+                           double eps, int tnd, const int64_t* tshape) {
+  const char* op = "cross_entropy";
+  int rdt = x->dtype, ldt = rdt == ENG_F64 ? ENG_F64 : ENG_F32;
+  eng_tensor *X = NULL, *T = NULL, *lse = NULL, *loss = NULL, *stats = NULL, *out = NULL;
+  int64_t two = 2;
+  if (!(X = eng_as_contig(x, rdt)) || !(T = eng_as_contig(target, target->dtype))) goto fail;
+  if (!(lse = eng_new(1, &N, ldt, x->device)) || !(loss = eng_new(tnd, tshape, ldt, x->device))) goto fail;
+  if (eng_cu_cross_entropy_fwd(rdt, N, C, eng_ptr(X), eng_ptr(T), T->dtype, ignore, eps, eng_ptr(loss), eng_ptr(lse),
+                               op))
+    goto fail;
+  if (red == RED_NONE) {
+    out = eng_tensor_retain(loss);
+  } else if (red == RED_MEAN) {
+    if (!(stats = eng_new(1, &two, ldt, x->device)) ||
+        eng_cu_masked_mean(rdt, N, eng_ptr(loss), eng_ptr(T), T->dtype, ignore, eng_ptr(stats), op) ||
+        !(out = eng_view_of(stats, 0, NULL, NULL, 0)))
+      goto fail;
+  } else {
+    if (!(out = eng_new(0, NULL, ldt, x->device)) ||
+        eng_cu_reduce_all(0, ldt, N, eng_ptr(loss), eng_ptr(out), ldt, 1.0, op))
+      goto fail;
+  }
+  if (rdt != ldt) {
+    eng_tensor* r = eng_as_contig(out, rdt);
+    eng_tensor_release(out);
+    if (!(out = r)) goto fail;
+  }
+  if (eng_any_requires_grad(1, &x)) {
+    eng_node* nd = eng_record("CrossEntropyBackward", ce_bw_cuda, 1, &x, out);
+    if (!nd || eng_node_save(nd, X) || eng_node_save(nd, T) || eng_node_save(nd, lse) ||
+        (stats && eng_node_save(nd, stats)))
+      goto fail;
+    nd->ints[0] = N; nd->ints[1] = C; nd->ints[2] = 1; nd->ints[3] = ignore; nd->ints[4] = red;
+    nd->scalars[0] = eps;
+  }
+  eng_tensor_release(X); eng_tensor_release(T); eng_tensor_release(lse); eng_tensor_release(loss);
+  eng_tensor_release(stats);
+  return out;
+fail:
+  eng_tensor_release(X); eng_tensor_release(T); eng_tensor_release(lse); eng_tensor_release(loss);
+  eng_tensor_release(stats); eng_tensor_release(out);
+  return NULL;
+}
+
 eng_tensor* eng_cross_entropy(eng_tensor* logits, eng_tensor* target, int64_t ignore_index,
                               int reduction, double label_smoothing) {
   ENG_CHECK(logits, "cross_entropy"); ENG_CHECK(target, "cross_entropy");
+  if (ENG_DT_ACTIVE(logits->dist || target->dist)) return eng_no_rule("cross_entropy", &(eng_op_call){.n_in = 2, .in = {logits, target}});
   eng_tensor* x = logits;
   if (!eng_dtype_is_floating(x->dtype))
     return eng_errp("cross_entropy: logits %s must be floating point", eng_desc(x));
@@ -118,6 +200,10 @@ eng_tensor* eng_cross_entropy(eng_tensor* logits, eng_tensor* target, int64_t ig
                     eng_shape_str(tnd, tshape), cdim);
   int64_t C = x->shape[cdim], N = x->ndim == 1 ? 1 : x->shape[0], inner = 1;
   for (int d = 2; d < x->ndim; d++) inner *= x->shape[d];
+  if (x->device == ENG_CUDA) {
+    if (inner != 1) return eng_cu_unsupportedp("cross_entropy with logits [N, C, d1, ...]", x);
+    return ce_cuda(x, target, N, C, ignore_index, reduction, label_smoothing, tnd, tshape);
+  }
   int rdt = x->dtype, cdt = compute_dtype(rdt);
   eng_tensor *X = NULL, *T = NULL, *lse = NULL, *loss = NULL, *out = NULL;
   if (!(T = eng_as_contig(target, ENG_I64))) goto fail;

@@ -7,7 +7,9 @@
  * into the rows (x[B, T, K] @ w[K, N]) or into the contraction (the weight
  * gradient of the same product) become a single GEMM. */
 #include "bmm.h"
+#include "sharding.h"
 #include "../../kernels/cpu/kcpu.h"
+#include "cuda_ops.h"
 #include <limits.h>
 #include <stdio.h>
 
@@ -189,6 +191,16 @@ int eng_bmm_run(int dt, int nb, const int64_t* bshape, const eng_mview* A, const
 }
 
 static int compute_dtype(int dt) { return (dt == ENG_F32 || dt == ENG_BF16 || dt == ENG_F16) ? ENG_F32 : ENG_F64; }
+/* Compute dtype on t's device: cuBLASLt multiplies bf16/f16 as is (f32
+ * accumulation), BLAS needs f32/f64. */
+static int mm_cdt(const eng_tensor* t) { return t->device == ENG_CUDA ? t->dtype : compute_dtype(t->dtype); }
+
+/* eng_bmm_run on the device of the tensors (dev). */
+static int bmm_dev(int dev, int cdt, int nb, const int64_t* bshape, const eng_mview* A, const eng_mview* B,
+                   const eng_mview* C, double alpha, double beta, const char* op) {
+  if (dev == ENG_CUDA) return eng_cu_bmm_run(cdt, cdt, nb, bshape, A, B, C, alpha, beta, NULL, op);
+  return eng_bmm_run(cdt, nb, bshape, A, B, C, alpha, beta, op);
+}
 
 /* t in dtype cdt (a new reference; t itself when it already is). */
 static eng_tensor* in_dtype(eng_tensor* t, int cdt) {
@@ -262,6 +274,8 @@ static int check_pair(const char* op, const eng_tensor* a, const eng_tensor* b) 
                    eng_dtype_name(a->dtype), eng_dtype_name(b->dtype));
   if (a->dtype == ENG_BOOL)
     return eng_err("%s: %s x %s: bool tensors cannot be multiplied", op, eng_desc(a), eng_desc(b));
+  if (a->device == ENG_CUDA && !eng_dtype_is_floating(a->dtype))
+    return eng_err("%s: %s x %s: integer products are not implemented for cuda tensors", op, eng_desc(a), eng_desc(b));
   return 0;
 }
 
@@ -270,7 +284,8 @@ static int matmul_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
   if (!a || !b) return -1;
   mm_plan p;
   if (mm_plan_make(a, b, &p)) return -1;
-  int cdt = compute_dtype(a->dtype);
+  if (eng_cu_same_device(n->name, a, go[0])) return -1;
+  int cdt = mm_cdt(a);
   eng_tensor *G = in_dtype(go[0], cdt), *A = NULL, *B = NULL, *hg = NULL, *ha = NULL, *hb = NULL;
   eng_tensor *ga = NULL, *gb = NULL;
   int rc = -1;
@@ -282,7 +297,7 @@ static int matmul_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
     ga = zero ? eng_tensor_zeros(a->ndim, a->shape, cdt, a->device) : eng_new(a->ndim, a->shape, cdt, a->device);
     if (!ga) goto done;
     eng_mview_of(ga, p.va, p.nb, p.bshape, &vc);
-    if (eng_bmm_run(cdt, p.nb, p.bshape, &vg, &vb, &vc, 1.0, 0.0, "matmul backward")) goto done;
+    if (bmm_dev(a->device, cdt, p.nb, p.bshape, &vg, &vb, &vc, 1.0, 0.0, "matmul backward")) goto done;
     if (!(gi[0] = eng_grad_to_input(n, 0, ga))) goto done;
   }
   if (eng_node_needs_grad(n, 1)) { /* gb = a^T @ g, summed over b's broadcast batch dims */
@@ -290,7 +305,7 @@ static int matmul_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
     gb = zero ? eng_tensor_zeros(b->ndim, b->shape, cdt, b->device) : eng_new(b->ndim, b->shape, cdt, b->device);
     if (!gb) goto done;
     eng_mview_of(gb, p.vb, p.nb, p.bshape, &vc);
-    if (eng_bmm_run(cdt, p.nb, p.bshape, &va, &vg, &vc, 1.0, 0.0, "matmul backward")) goto done;
+    if (bmm_dev(a->device, cdt, p.nb, p.bshape, &va, &vg, &vc, 1.0, 0.0, "matmul backward")) goto done;
     if (!(gi[1] = eng_grad_to_input(n, 1, gb))) goto done;
   }
   rc = 0;
@@ -304,9 +319,10 @@ done:
 eng_tensor* eng_matmul(eng_tensor* a, eng_tensor* b) {
   ENG_CHECK(a, "matmul"); ENG_CHECK(b, "matmul");
   if (check_pair("matmul", a, b)) return NULL;
+  if (ENG_DT_ACTIVE(a->dist || b->dist)) return eng_dispatch(&eng_opdef_matmul, &(eng_op_call){.n_in = 2, .in = {a, b}});
   mm_plan p;
   if (mm_plan_make(a, b, &p)) return NULL;
-  int rdt = a->dtype, cdt = compute_dtype(rdt);
+  int rdt = a->dtype, cdt = mm_cdt(a);
   eng_tensor *A = in_dtype(a, cdt), *B = A ? in_dtype(b, cdt) : NULL, *ha = NULL, *hb = NULL, *out = NULL;
   eng_mview va, vb, vc;
   if (!A || !B || eng_mview_prep(A, p.va, 0, p.nb, p.bshape, &va, &ha) ||
@@ -314,7 +330,7 @@ eng_tensor* eng_matmul(eng_tensor* a, eng_tensor* b) {
     goto fail;
   if (!(out = eng_new(p.ond, p.oshape, cdt, a->device))) goto fail;
   out_view(out, &p, &vc);
-  if (eng_bmm_run(cdt, p.nb, p.bshape, &va, &vb, &vc, 1.0, 0.0, "matmul")) goto fail;
+  if (bmm_dev(a->device, cdt, p.nb, p.bshape, &va, &vb, &vc, 1.0, 0.0, "matmul")) goto fail;
   eng_tensor_release(A); eng_tensor_release(B); eng_tensor_release(ha); eng_tensor_release(hb);
   A = B = ha = hb = NULL;
   if (rdt != cdt) {
@@ -368,7 +384,8 @@ static int linear_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
   if (!x || !w) return -1;
   lin_plan p;
   lin_plan_make(x, &p);
-  int cdt = compute_dtype(x->dtype);
+  if (eng_cu_same_device(n->name, x, go[0])) return -1;
+  int cdt = mm_cdt(x), dev = x->device;
   eng_tensor *G = NULL, *X = NULL, *W = NULL, *hg = NULL, *hx = NULL, *hw = NULL;
   eng_tensor *gx = NULL, *gw = NULL, *gb = NULL;
   int rc = -1, nt = 0;
@@ -393,8 +410,15 @@ static int linear_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
   }
   /* gx and gw cost the same: two threads run one each, whole (no product is
    * split, so neither repacks the other's operands); one thread runs both */
-  kc_parallel_for(nt, 1, lin_tasks_run, task);
-  for (int i = 0; i < nt; i++) if (task[i].rc) { eng_err("%s", task[i].err); goto done; }
+  if (dev == ENG_CUDA) { /* queued in order on the compute stream */
+    for (int i = 0; i < nt; i++)
+      if (eng_cu_bmm_run(cdt, cdt, task[i].nb, task[i].bshape, &task[i].A, &task[i].B, &task[i].C, 1.0, task[i].beta,
+                         NULL, "linear backward"))
+        goto done;
+  } else {
+    kc_parallel_for(nt, 1, lin_tasks_run, task);
+    for (int i = 0; i < nt; i++) if (task[i].rc) { eng_err("%s", task[i].err); goto done; }
+  }
   if (need_x && !(gi[0] = eng_grad_to_input(n, 0, gx))) goto done;
   if (need_w && !(gi[1] = eng_grad_to_input(n, 1, gw))) goto done;
   if (n->n_inputs > 2 && eng_node_needs_grad(n, 2)) { /* gb = column sums of g */
@@ -402,8 +426,11 @@ static int linear_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
     int64_t of = w->shape[0];
     if (!Gc || !(gb = eng_new(1, &of, cdt, w->device))) { eng_tensor_release(Gc); goto done; }
     int64_t rows = of ? Gc->numel / of : 0;
-    kc_sum_rows(cdt, rows, of, (void*)eng_ptr(Gc), of, (void*)eng_ptr(gb));
+    int rc2 = 0;
+    if (dev == ENG_CUDA) rc2 = eng_cu_reduce_dim(0, cdt, 1, rows, of, eng_ptr(Gc), eng_ptr(gb), cdt, 1.0, n->name);
+    else kc_sum_rows(cdt, rows, of, (void*)eng_ptr(Gc), of, (void*)eng_ptr(gb));
     eng_tensor_release(Gc);
+    if (rc2) goto done;
     if (!(gi[2] = eng_grad_to_input(n, 2, gb))) goto done;
   }
   rc = 0;
@@ -421,6 +448,8 @@ eng_tensor* eng_linear(eng_tensor* x, eng_tensor* w, eng_tensor* bias) {
   if (w->ndim != 2)
     return eng_errp("linear: weight %s must be 2-D [out_features, in_features]", eng_desc(w));
   if (check_pair("linear", x, w)) return NULL;
+  if (ENG_DT_ACTIVE(x->dist || w->dist || (bias && bias->dist)))
+    return eng_dispatch(&eng_opdef_linear, &(eng_op_call){.n_in = 3, .in = {x, w, bias}});
   if (!eng_dtype_is_floating(x->dtype))
     return eng_errp("linear: %s x %s: floating point tensors expected", eng_desc(x), eng_desc(w));
   int64_t in_f = x->shape[x->ndim - 1], out_f = w->shape[0];
@@ -436,7 +465,7 @@ eng_tensor* eng_linear(eng_tensor* x, eng_tensor* w, eng_tensor* bias) {
   }
   lin_plan p;
   lin_plan_make(x, &p);
-  int rdt = x->dtype, cdt = compute_dtype(rdt);
+  int rdt = x->dtype, cdt = mm_cdt(x);
   int64_t oshape[ENG_MAX_DIMS];
   for (int d = 0; d < x->ndim - 1; d++) oshape[d] = x->shape[d];
   oshape[x->ndim - 1] = out_f;
@@ -447,13 +476,15 @@ eng_tensor* eng_linear(eng_tensor* x, eng_tensor* w, eng_tensor* bias) {
       eng_mview_prep(W, 0, 1, p.nb, p.bshape, &vw, &hw))
     goto fail;
   if (!(out = eng_new(x->ndim, oshape, cdt, x->device))) goto fail;
-  if (bias) {
-    if (!(Bi = eng_as_contig(bias, cdt))) goto fail;
+  if (bias && !(Bi = eng_as_contig(bias, cdt))) goto fail;
+  if (bias && x->device != ENG_CUDA) {
     int64_t rows = out_f ? out->numel / out_f : 0;
     kc_fill_rows(cdt, rows, out_f, (void*)eng_ptr(Bi), (void*)eng_ptr(out), out_f);
   }
   eng_mview_of(out, p.vec, p.nb, p.bshape, &vc);
-  if (eng_bmm_run(cdt, p.nb, p.bshape, &vx, &vw, &vc, 1.0, bias ? 1.0 : 0.0, "linear")) goto fail;
+  if (x->device == ENG_CUDA) { /* the bias rides in cuBLASLt's epilogue */
+    if (eng_cu_bmm_run(cdt, cdt, p.nb, p.bshape, &vx, &vw, &vc, 1.0, 0.0, Bi ? eng_ptr(Bi) : NULL, "linear")) goto fail;
+  } else if (eng_bmm_run(cdt, p.nb, p.bshape, &vx, &vw, &vc, 1.0, bias ? 1.0 : 0.0, "linear")) goto fail;
   eng_tensor_release(X); eng_tensor_release(W); eng_tensor_release(Bi);
   eng_tensor_release(hx); eng_tensor_release(hw);
   X = W = Bi = hx = hw = NULL;

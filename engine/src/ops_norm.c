@@ -3,7 +3,9 @@
  * bias.  f64 inputs compute in f64, everything else in f32 (weight and bias
  * are converted to the compute type; the output has x's dtype). */
 #include "internal.h"
+#include "sharding.h"
 #include "../../kernels/cpu/kcpu.h"
+#include "cuda_ops.h"
 #include <math.h>
 
 static int check_param(const char* op, const char* what, eng_tensor* x, int n_norm, eng_tensor* p) {
@@ -38,6 +40,20 @@ static int norm_bw(eng_node* nd, eng_tensor** go, eng_tensor** gi) {
   int rc = -1;
   if ((need_w && !dw) || (need_b && !db)) { eng_err("%s: out of memory", nd->name); goto done; }
   if (!G || !X || (w && !W) || (need_x && !dx)) goto done;
+  if (x->device == ENG_CUDA) { /* dw, db written (not accumulated) by the kernel, in cdt */
+    eng_tensor* dwt = need_w ? eng_new(eng_node_in_ndim(nd, 1), eng_node_in_shape(nd, 1), cdt, x->device) : NULL;
+    eng_tensor* dbt = need_b ? eng_new(eng_node_in_ndim(nd, 2), eng_node_in_shape(nd, 2), cdt, x->device) : NULL;
+    int ok = (!need_w || dwt) && (!need_b || dbt) && eng_cu_same_device(nd->name, x, go[0]) == 0 &&
+             eng_cu_norm_bwd(cdt, rms, m, n, eng_ptr(G), eng_ptr(X), W ? eng_ptr(W) : NULL,
+                             rms ? NULL : eng_ptr(mean), eng_ptr(rstd), dx ? eng_ptr(dx) : NULL,
+                             dwt ? eng_ptr(dwt) : NULL, dbt ? eng_ptr(dbt) : NULL, nd->name) == 0;
+    if (ok && need_x) ok = (gi[0] = eng_grad_to_input(nd, 0, dx)) != NULL;
+    if (ok && need_w) ok = (gi[1] = eng_grad_to_input(nd, 1, dwt)) != NULL;
+    if (ok && need_b) ok = (gi[2] = eng_grad_to_input(nd, 2, dbt)) != NULL;
+    eng_tensor_release(dwt); eng_tensor_release(dbt);
+    if (ok) rc = 0;
+    goto done;
+  }
   kc_norm_bwd(cdt, rms, m, n, eng_ptr(G), eng_ptr(X), W ? eng_ptr(W) : NULL,
               rms ? NULL : (const double*)eng_ptr(mean), (const double*)eng_ptr(rstd), dx ? eng_ptr(dx) : NULL, dw, db);
   if (need_x) { gi[0] = eng_grad_to_input(nd, 0, dx); if (!gi[0]) goto done; }
@@ -62,6 +78,7 @@ done:
 static eng_tensor* norm(const char* op, int rms, eng_tensor* x, int n_norm, eng_tensor* w, eng_tensor* b,
                         double eps) {
   ENG_CHECK(x, op);
+  if (ENG_DT_ACTIVE(x->dist || (w && w->dist) || (b && b->dist))) return eng_no_rule(op, &(eng_op_call){.n_in = 3, .in = {x, w, b}});
   if (!eng_dtype_is_floating(x->dtype)) return eng_errp("%s: expects a floating point input, got %s", op, eng_desc(x));
   if (n_norm < 1 || n_norm > x->ndim)
     return eng_errp("%s: cannot normalize over the last %d dims of input %s (need 1 to %d)", op, n_norm,
@@ -73,12 +90,19 @@ static eng_tensor* norm(const char* op, int rms, eng_tensor* x, int n_norm, eng_
   for (int d = 0; d < x->ndim; d++) { if (d < x->ndim - n_norm) m *= x->shape[d]; else n *= x->shape[d]; }
   eng_tensor *X = eng_as_contig(x, cdt), *W = w ? eng_as_contig(w, cdt) : NULL, *B = b ? eng_as_contig(b, cdt) : NULL;
   eng_tensor* y = eng_new(x->ndim, x->shape, cdt, x->device);
-  eng_tensor* mean = rms ? NULL : eng_new(1, &m, ENG_F64, x->device);
-  eng_tensor* rstd = eng_new(1, &m, ENG_F64, x->device);
+  int sdt = x->device == ENG_CUDA && cdt != ENG_F64 ? ENG_F32 : ENG_F64; /* the CUDA kernels save f32 stats */
+  eng_tensor* mean = rms ? NULL : eng_new(1, &m, sdt, x->device);
+  eng_tensor* rstd = eng_new(1, &m, sdt, x->device);
   eng_tensor* out = NULL;
   if (!X || (w && !W) || (b && !B) || !y || (!rms && !mean) || !rstd) goto done;
-  kc_norm_fwd(cdt, rms, m, n, eng_ptr(X), W ? eng_ptr(W) : NULL, B ? eng_ptr(B) : NULL, eps, eng_ptr(y),
-              mean ? (double*)eng_ptr(mean) : NULL, (double*)eng_ptr(rstd));
+  if (x->device == ENG_CUDA) {
+    if (eng_cu_norm_fwd(cdt, rms, m, n, eng_ptr(X), W ? eng_ptr(W) : NULL, B ? eng_ptr(B) : NULL, eps, eng_ptr(y),
+                        mean ? eng_ptr(mean) : NULL, eng_ptr(rstd), op))
+      goto done;
+  } else {
+    kc_norm_fwd(cdt, rms, m, n, eng_ptr(X), W ? eng_ptr(W) : NULL, B ? eng_ptr(B) : NULL, eps, eng_ptr(y),
+                mean ? (double*)eng_ptr(mean) : NULL, (double*)eng_ptr(rstd));
+  }
   out = cdt == x->dtype ? eng_tensor_retain(y) : eng_as_contig(y, x->dtype);
   if (!out) goto done;
   eng_tensor* in[3] = {x, w, b};

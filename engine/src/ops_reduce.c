@@ -4,7 +4,9 @@
  * accumulation); integer and bool sums give i64; mean of integers is an
  * error as in PyTorch. */
 #include "internal.h"
+#include "sharding.h"
 #include "../../kernels/cpu/kcpu.h"
+#include "cuda_ops.h"
 #include <math.h>
 
 /* ------------------------------------------------------------ helpers */
@@ -47,9 +49,67 @@ static void sum_cb(int64_t n, char** p, const int64_t* s, void* vc) {
   kc_sum_row(*(int*)vc, n, p[0], s[0], p[1], s[1]);
 }
 
+/* sum_raw on the device: one [outer, D, inner] reduction per reduced dim
+ * (innermost first; f32 intermediates for f32/bf16/f16 data, f64 for f64,
+ * i64 for integers), or one reduction over everything. */
+static eng_tensor* sum_raw_cuda(eng_tensor* t, const uint8_t* mask, int keepdim, double scale, int out_dt) {
+  const char* op = "sum";
+  int nd = t->ndim, floating = eng_dtype_is_floating(t->dtype);
+  int odt = floating ? out_dt : ENG_I64, adt = floating ? (t->dtype == ENG_F64 ? ENG_F64 : ENG_F32) : ENG_I64;
+  int64_t sh[ENG_MAX_DIMS];
+  int all = 1, last = -1;
+  for (int d = 0; d < nd; d++) {
+    sh[d] = t->shape[d];
+    if (!mask[d] && sh[d] != 1) all = 0;
+  }
+  for (int d = 0; d < nd; d++) if (mask[d] && sh[d] != 1) { last = d; break; } /* reduced last */
+  eng_tensor* cur = eng_as_contig(t, t->dtype);
+  if (!cur) return NULL;
+  if (all && last >= 0) {
+    int64_t ks[ENG_MAX_DIMS];
+    for (int d = 0; d < nd; d++) ks[d] = 1;
+    eng_tensor* r = eng_new(nd, ks, odt, t->device);
+    if (r && eng_cu_reduce_all(0 /* sum */, cur->dtype, cur->numel, eng_ptr(cur), eng_ptr(r), odt, scale, op)) {
+      eng_tensor_release(r);
+      r = NULL;
+    }
+    eng_tensor_release(cur);
+    cur = r;
+  } else {
+    for (int d = nd - 1; d >= 0 && cur; d--) {
+      if (!mask[d] || sh[d] == 1) continue;
+      int64_t outer = 1, inner = 1, D = sh[d];
+      for (int k = 0; k < d; k++) outer *= sh[k];
+      for (int k = d + 1; k < nd; k++) inner *= sh[k];
+      sh[d] = 1;
+      int fin = d == last, rdt = fin ? odt : adt;
+      eng_tensor* r = eng_new(nd, sh, rdt, t->device);
+      if (r && eng_cu_reduce_dim(0 /* sum */, cur->dtype, outer, D, inner, eng_ptr(cur), eng_ptr(r), rdt,
+                                 fin ? scale : 1.0, op)) {
+        eng_tensor_release(r);
+        r = NULL;
+      }
+      eng_tensor_release(cur);
+      cur = r;
+    }
+    if (cur && last < 0) { /* nothing to reduce (dims of size 1): a converted copy */
+      eng_tensor* r = eng_as_contig(cur, odt);
+      eng_tensor_release(cur);
+      cur = r;
+    }
+  }
+  if (cur && !keepdim) {
+    int64_t os[ENG_MAX_DIMS];
+    int on = reduced_shape(t, mask, 0, os);
+    set_shape(cur, on, os);
+  }
+  return cur;
+}
+
 /* Sum over the masked dims (keepdim layout), times scale, as a new tensor of
  * dtype out_dt (floating inputs) or i64.  No autograd. */
 static eng_tensor* sum_raw(eng_tensor* t, const uint8_t* mask, int keepdim, double scale, int out_dt) {
+  if (t->device == ENG_CUDA) return sum_raw_cuda(t, mask, keepdim, scale, out_dt);
   int nd = t->ndim;
   int floating = eng_dtype_is_floating(t->dtype);
   int64_t kshape[ENG_MAX_DIMS];
@@ -144,6 +204,12 @@ static eng_tensor* sum_mean(eng_tensor* t, int n_dims, const int* dims, int keep
   if (is_mean && !eng_dtype_is_floating(t->dtype))
     return eng_errp("mean: input %s is not floating point (mean of integer or bool tensors is not "
                     "defined, as in PyTorch); convert it with :float() or :double() first", eng_desc(t));
+  if (ENG_DT_ACTIVE(t->dist)) {
+    int64_t m = eng_dims_mask(t->ndim, n_dims, dims, name);
+    if (m < 0) return NULL;
+    return eng_dispatch(is_mean ? &eng_opdef_mean : &eng_opdef_sum,
+                        &(eng_op_call){.name = name, .n_in = 1, .in = {t}, .ints = {m, keepdim ? 1 : 0}});
+  }
   uint8_t mask[ENG_MAX_DIMS];
   if (dims_mask(t, n_dims, dims, name, mask)) return NULL;
   double scale = 1.0;
@@ -185,6 +251,7 @@ static int sum_to_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
 
 eng_tensor* eng_sum_to_shape(eng_tensor* t, int ndim, const int64_t* shape) {
   ENG_CHECK(t, "sum_to_shape");
+  if (ENG_DT_ACTIVE(t->dist)) return eng_no_rule("sum_to_shape", &(eng_op_call){.n_in = 1, .in = {t}});
   if (ndim < 0 || ndim > ENG_MAX_DIMS) return eng_errp("sum_to_shape: %d dims requested for %s", ndim, eng_desc(t));
   if (ndim > 0 && !shape) return eng_errp("sum_to_shape: shape is NULL");
   int ok = ndim <= t->ndim;
@@ -231,7 +298,17 @@ static int extreme_dim_raw(eng_tensor* t, int d, int keepdim, int is_max, eng_te
   eng_tensor* ix = eng_new(nd, ks, ENG_I64, t->device);
   if ((vals && !v) || !ix) { eng_tensor_release(v); eng_tensor_release(ix); return -1; }
   int es = eng_dtype_size(t->dtype);
-  if (nd == 0) {
+  if (t->device == ENG_CUDA) {
+    int64_t outer = 1, inner = 1, len = nd ? t->shape[d] : 1;
+    for (int k = 0; k < d; k++) outer *= t->shape[k];
+    for (int k = d + 1; k < nd; k++) inner *= t->shape[k];
+    eng_tensor* X = eng_as_contig(t, t->dtype);
+    int rc = X ? eng_cu_argext_dim(t->dtype, is_max, outer, len, inner, eng_ptr(X), v ? eng_ptr(v) : NULL,
+                                   (int64_t*)eng_ptr(ix), name)
+               : -1;
+    eng_tensor_release(X);
+    if (rc) { eng_tensor_release(v); eng_tensor_release(ix); return -1; }
+  } else if (nd == 0) {
     if (v) memcpy(eng_ptr(v), eng_ptr(t), (size_t)es);
     *(int64_t*)eng_ptr(ix) = 0;
   } else if (ix->numel > 0 && eng_tensor_is_contiguous(t) && d < nd - 1 && t->shape[nd - 1] > 1) {
@@ -289,7 +366,18 @@ static int extreme_dim_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
   if (!r) return -1;
   eng_tensor* G = g->dtype == gdt ? eng_tensor_retain(g) : eng_as_contig(g, gdt);
   if (!G) { eng_tensor_release(r); return -1; }
-  if (r->numel > 0) {
+  if (r->device == ENG_CUDA) {
+    int64_t outer = 1, inner = 1;
+    for (int k = 0; k < d; k++) outer *= sh[k];
+    for (int k = d + 1; k < nd; k++) inner *= sh[k];
+    eng_tensor* Gc = eng_as_contig(G, gdt);
+    eng_tensor* I = Gc ? eng_as_contig(idx, ENG_I64) : NULL;
+    int rc = I ? eng_cu_scatter_dim(eng_dtype_size(gdt), outer, nd ? sh[d] : 1, inner, (const int64_t*)eng_ptr(I),
+                                    eng_ptr(Gc), eng_ptr(r), n->name)
+               : -1;
+    eng_tensor_release(Gc); eng_tensor_release(I);
+    if (rc) { eng_tensor_release(G); eng_tensor_release(r); return -1; }
+  } else if (r->numel > 0) {
     int64_t ks[ENG_MAX_DIMS], sg[ENG_MAX_DIMS], si[ENG_MAX_DIMS];
     int j = 0;
     for (int k = 0; k < nd; k++) {
@@ -323,7 +411,16 @@ static eng_tensor* extreme_dim(eng_tensor* t, int dim, int keepdim, eng_tensor**
   const char* name = is_max ? "max" : "min";
   ENG_CHECK(t, name);
   int d = eng_norm_dim(dim, t->ndim, name);
-  if (d < 0 || check_dim_nonempty(t, d, name)) return NULL;
+  if (d < 0) return NULL;
+  if (ENG_DT_ACTIVE(t->dist)) {
+    eng_op_call c = {.name = name, .n_in = 1, .in = {t}, .ints = {d, keepdim ? 1 : 0, is_max}};
+    if (!indices) return eng_dispatch(&eng_opdef_max_dim_values, &c);
+    eng_tensor* o[2];
+    if (eng_dispatch_multi(&eng_opdef_max_dim, &c, o)) return NULL;
+    *indices = o[1];
+    return o[0];
+  }
+  if (check_dim_nonempty(t, d, name)) return NULL;
   eng_tensor *v = NULL, *ix = NULL;
   if (extreme_dim_raw(t, d, keepdim, is_max, &v, &ix, name)) return NULL;
   if (eng_any_requires_grad(1, &t) && eng_dtype_is_floating(v->dtype)) {
@@ -346,7 +443,10 @@ static eng_tensor* arg_dim(eng_tensor* t, int dim, int keepdim, int is_max) {
   const char* name = is_max ? "argmax" : "argmin";
   ENG_CHECK(t, name);
   int d = eng_norm_dim(dim, t->ndim, name);
-  if (d < 0 || check_dim_nonempty(t, d, name)) return NULL;
+  if (d < 0) return NULL;
+  if (ENG_DT_ACTIVE(t->dist))
+    return eng_dispatch(&eng_opdef_argext, &(eng_op_call){.name = name, .n_in = 1, .in = {t}, .ints = {d, keepdim ? 1 : 0, is_max}});
+  if (check_dim_nonempty(t, d, name)) return NULL;
   eng_tensor* ix = NULL;
   if (extreme_dim_raw(t, d, keepdim, is_max, NULL, &ix, name)) return NULL;
   return ix;
@@ -387,19 +487,34 @@ static int extreme_all_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
 static eng_tensor* extreme_all(eng_tensor* t, int is_max) {
   const char* name = is_max ? "max" : "min";
   ENG_CHECK(t, name);
+  if (ENG_DT_ACTIVE(t->dist))
+    return eng_dispatch(&eng_opdef_extreme_all, &(eng_op_call){.name = name, .n_in = 1, .in = {t}, .ints = {is_max}});
   if (t->numel == 0)
     return eng_errp("%s: %s is empty; the %s over all elements needs at least one element", name,
                     eng_desc(t), name);
+  eng_tensor* out;
+  if (t->device == ENG_CUDA) {
+    eng_tensor* X = eng_as_contig(t, t->dtype);
+    out = X ? eng_new(0, NULL, t->dtype, t->device) : NULL;
+    if (out && eng_cu_reduce_all(is_max ? 1 : 2, X->dtype, X->numel, eng_ptr(X), eng_ptr(out), X->dtype, 1.0, name)) {
+      eng_tensor_release(out);
+      out = NULL;
+    }
+    eng_tensor_release(X);
+    if (!out) return NULL;
+    goto record;
+  }
   int err = 0;
   int64_t bi = argext_all(t, is_max, &err);
   if (err) return NULL;
-  eng_tensor* out = eng_new(0, NULL, t->dtype, t->device);
+  out = eng_new(0, NULL, t->dtype, t->device);
   if (!out) return NULL;
   /* element bi in row-major order -> its address in t */
   int64_t off = 0, rem = bi;
   for (int d = t->ndim - 1; d >= 0; d--) { off += (rem % t->shape[d]) * t->stride[d]; rem /= t->shape[d]; }
   int es = eng_dtype_size(t->dtype);
   memcpy(eng_ptr(out), eng_ptr(t) + off * es, (size_t)es);
+record:
   if (eng_any_requires_grad(1, &t) && eng_dtype_is_floating(out->dtype)) {
     eng_node* nd = eng_record(is_max ? "MaxBackward" : "MinBackward", extreme_all_bw, 1, &t, out);
     if (!nd || eng_node_save(nd, t) || eng_node_save(nd, out)) { eng_tensor_release(out); return NULL; }
@@ -412,7 +527,18 @@ eng_tensor* eng_min_all(eng_tensor* t) { return extreme_all(t, 0); }
 
 eng_tensor* eng_argmax_all(eng_tensor* t) {
   ENG_CHECK(t, "argmax");
+  if (ENG_DT_ACTIVE(t->dist)) return eng_dispatch(&eng_opdef_argmax_all, &(eng_op_call){.n_in = 1, .in = {t}});
   if (t->numel == 0) return eng_errp("argmax: %s is empty; argmax over all elements needs at least one element", eng_desc(t));
+  if (t->device == ENG_CUDA) { /* the index stays on the device */
+    eng_tensor* X = eng_as_contig(t, t->dtype);
+    eng_tensor* ix = X ? eng_new(0, NULL, ENG_I64, t->device) : NULL;
+    if (ix && eng_cu_argext_dim(X->dtype, 1, 1, X->numel, 1, eng_ptr(X), NULL, (int64_t*)eng_ptr(ix), "argmax")) {
+      eng_tensor_release(ix);
+      ix = NULL;
+    }
+    eng_tensor_release(X);
+    return ix;
+  }
   int err = 0;
   int64_t bi = argext_all(t, 1, &err);
   if (err) return NULL;

@@ -2,7 +2,9 @@
  * The input is seen as a contiguous [outer, D, inner] block (the last dim
  * contiguous is the fast path, inner == 1); bf16/f16 compute in f32. */
 #include "internal.h"
+#include "sharding.h"
 #include "../../kernels/cpu/kcpu.h"
+#include "cuda_ops.h"
 
 static int compute_dtype(int dt) { return dt == ENG_F64 ? ENG_F64 : ENG_F32; }
 
@@ -61,9 +63,13 @@ static int softmax_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
   if (gx) {
     int64_t outer, D, inner;
     split_dims(y, dim, &outer, &D, &inner);
-    int k = run_softmax(cdt, log_, 1, outer, D, inner, eng_ptr(Y), eng_ptr(G), eng_ptr(gx));
-    if (k) eng_err("%s: out of memory", n->name);
-    else rc = (gi[0] = eng_grad_to_input(n, 0, gx)) ? 0 : -1;
+    int k;
+    if (y->device == ENG_CUDA)
+      k = eng_cu_same_device(n->name, y, go[0]) ||
+          eng_cu_softmax(cdt, log_, 1, outer, D, inner, eng_ptr(Y), eng_ptr(G), eng_ptr(gx), n->name);
+    else if ((k = run_softmax(cdt, log_, 1, outer, D, inner, eng_ptr(Y), eng_ptr(G), eng_ptr(gx))))
+      eng_err("%s: out of memory", n->name);
+    if (!k) rc = (gi[0] = eng_grad_to_input(n, 0, gx)) ? 0 : -1;
   }
   eng_tensor_release(Y); eng_tensor_release(G); eng_tensor_release(gx);
   return rc;
@@ -72,6 +78,7 @@ static int softmax_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
 static eng_tensor* softmax_op(eng_tensor* t, int dim, int log_) {
   const char* op = log_ ? "log_softmax" : "softmax";
   ENG_CHECK(t, op);
+  if (ENG_DT_ACTIVE(t->dist)) return eng_no_rule(op, &(eng_op_call){.n_in = 1, .in = {t}});
   if (!eng_dtype_is_floating(t->dtype))
     return eng_errp("%s: %s: floating point input expected (convert with :float())", op, eng_desc(t));
   int d = eng_norm_dim(dim, t->ndim, op);
@@ -82,9 +89,15 @@ static eng_tensor* softmax_op(eng_tensor* t, int dim, int log_) {
   if (!out) { eng_tensor_release(X); return NULL; }
   int64_t outer, D, inner;
   split_dims(t, d, &outer, &D, &inner);
-  int k = run_softmax(cdt, log_, 0, outer, D, inner, eng_ptr(X), NULL, eng_ptr(out));
-  eng_tensor_release(X);
-  if (k) { eng_tensor_release(out); return eng_errp("%s: out of memory", op); }
+  if (t->device == ENG_CUDA) {
+    int kc = eng_cu_softmax(cdt, log_, 0, outer, D, inner, eng_ptr(X), NULL, eng_ptr(out), op);
+    eng_tensor_release(X);
+    if (kc) { eng_tensor_release(out); return NULL; }
+  } else {
+    int k = run_softmax(cdt, log_, 0, outer, D, inner, eng_ptr(X), NULL, eng_ptr(out));
+    eng_tensor_release(X);
+    if (k) { eng_tensor_release(out); return eng_errp("%s: out of memory", op); }
+  }
   if (rdt != cdt) {
     eng_tensor* r = eng_as_contig(out, rdt);
     eng_tensor_release(out);

@@ -4,7 +4,9 @@
  * of the float-only functions are promoted to f32 as in PyTorch; neg, abs,
  * relu and clamp with integral bounds keep integer dtypes. */
 #include "internal.h"
+#include "sharding.h"
 #include "../../kernels/cpu/kcpu.h"
+#include "cuda_ops.h"
 #include <math.h>
 
 static const char* const u_names[KU_COUNT] = {"neg", "exp", "log", "sqrt", "rsqrt", "abs", "tanh",
@@ -30,7 +32,6 @@ static void urow(int64_t n, char** p, const int64_t* s, void* vc) {
 static eng_tensor* unary_fwd(int op, eng_tensor* a, double p0, double p1) {
   const char* name = u_names[op];
   ENG_CHECK(a, name);
-  if (a->device != ENG_CPU) return eng_errp("%s: %s: device not supported by this kernel", name, eng_desc(a));
   int rdt = a->dtype;
   if (!eng_dtype_is_floating(rdt)) {
     if (int_capable(op)) {
@@ -43,11 +44,16 @@ static eng_tensor* unary_fwd(int op, eng_tensor* a, double p0, double p1) {
       rdt = ENG_F32;
     }
   }
-  int cdt = compute_dtype(rdt);
+  int cdt = a->device == ENG_CUDA ? rdt : compute_dtype(rdt); /* the CUDA kernels take bf16/f16 as is */
   eng_tensor* A = a->dtype == cdt ? eng_tensor_retain(a) : eng_as_contig(a, cdt);
   if (!A) return NULL;
   eng_tensor* out = eng_new(a->ndim, a->shape, cdt, a->device);
-  if (out && out->numel > 0) {
+  if (out && out->numel > 0 && a->device == ENG_CUDA) {
+    if (eng_cu_unary(op, cdt, out->ndim, out->shape, eng_ptr(out), out->stride, eng_ptr(A), A->stride, p0, p1, name)) {
+      eng_tensor_release(out);
+      out = NULL;
+    }
+  } else if (out && out->numel > 0) {
     int es = eng_dtype_size(cdt);
     urow_ctx c = {op, cdt, p0, p1};
     char* base[2] = {eng_ptr(out), eng_ptr(A)};
@@ -69,14 +75,23 @@ static void grow(int64_t n, char** p, const int64_t* s, void* vc) {
 
 /* gi = g * f'(x) (x, y = f(x) as needed by op; NULL where unused).  No autograd. */
 static eng_tensor* unary_grad(int op, eng_tensor* g, eng_tensor* x, eng_tensor* y, double p0, double p1) {
-  int cdt = compute_dtype(g->dtype);
+  int cdt = g->device == ENG_CUDA ? g->dtype : compute_dtype(g->dtype);
   if (!eng_dtype_is_floating(cdt)) cdt = ENG_F32;
+  if ((x && eng_cu_same_device(u_bw_names[op], g, x)) || (y && eng_cu_same_device(u_bw_names[op], g, y))) return NULL;
   eng_tensor* G = g->dtype == cdt ? eng_tensor_retain(g) : eng_as_contig(g, cdt);
   eng_tensor* X = x ? (x->dtype == cdt ? eng_tensor_retain(x) : eng_as_contig(x, cdt)) : NULL;
   eng_tensor* Y = y ? (y->dtype == cdt ? eng_tensor_retain(y) : eng_as_contig(y, cdt)) : NULL;
   eng_tensor* out = NULL;
   if (G && (!x || X) && (!y || Y)) out = eng_new(g->ndim, g->shape, cdt, g->device);
-  if (out && out->numel > 0) {
+  if (out && out->numel > 0 && g->device == ENG_CUDA) {
+    eng_tensor* xs = X ? X : G;
+    eng_tensor* ys = Y ? Y : G;
+    if (eng_cu_unary_grad(op, cdt, out->ndim, out->shape, eng_ptr(out), out->stride, eng_ptr(G), G->stride,
+                          eng_ptr(xs), xs->stride, eng_ptr(ys), ys->stride, p0, p1, u_bw_names[op])) {
+      eng_tensor_release(out);
+      out = NULL;
+    }
+  } else if (out && out->numel > 0) {
     eng_tensor* xs = X ? X : G;
     eng_tensor* ys = Y ? Y : G;
     int es = eng_dtype_size(cdt);
@@ -119,20 +134,26 @@ static eng_tensor* unary(int op, eng_tensor* a, double p0, double p1) {
   return out;
 }
 
-eng_tensor* eng_neg(eng_tensor* a) { return unary(KU_NEG, a, NAN, NAN); }
-eng_tensor* eng_exp(eng_tensor* a) { return unary(KU_EXP, a, NAN, NAN); }
-eng_tensor* eng_log(eng_tensor* a) { return unary(KU_LOG, a, NAN, NAN); }
-eng_tensor* eng_sqrt(eng_tensor* a) { return unary(KU_SQRT, a, NAN, NAN); }
-eng_tensor* eng_rsqrt(eng_tensor* a) { return unary(KU_RSQRT, a, NAN, NAN); }
-eng_tensor* eng_abs(eng_tensor* a) { return unary(KU_ABS, a, NAN, NAN); }
-eng_tensor* eng_tanh(eng_tensor* a) { return unary(KU_TANH, a, NAN, NAN); }
-eng_tensor* eng_sigmoid(eng_tensor* a) { return unary(KU_SIGMOID, a, NAN, NAN); }
-eng_tensor* eng_relu(eng_tensor* a) { return unary(KU_RELU, a, NAN, NAN); }
-eng_tensor* eng_silu(eng_tensor* a) { return unary(KU_SILU, a, NAN, NAN); }
+/* DTensor arguments go through the dispatcher (sharding_pointwise.c). */
+#define UN_GUARD(which, nm, a, i1, p0, p1)                                                       \
+  if (a && ENG_DT_ACTIVE(a->dist))                                                                 \
+    return eng_dispatch(&eng_opdef_unary, &(eng_op_call){.name = nm, .n_in = 1, .in = {a}, .ints = {which, i1}, .scalars = {p0, p1}})
+
+eng_tensor* eng_neg(eng_tensor* a) { UN_GUARD(ENG_UN_NEG, "neg", a, 0, NAN, NAN); return unary(KU_NEG, a, NAN, NAN); }
+eng_tensor* eng_exp(eng_tensor* a) { UN_GUARD(ENG_UN_EXP, "exp", a, 0, NAN, NAN); return unary(KU_EXP, a, NAN, NAN); }
+eng_tensor* eng_log(eng_tensor* a) { UN_GUARD(ENG_UN_LOG, "log", a, 0, NAN, NAN); return unary(KU_LOG, a, NAN, NAN); }
+eng_tensor* eng_sqrt(eng_tensor* a) { UN_GUARD(ENG_UN_SQRT, "sqrt", a, 0, NAN, NAN); return unary(KU_SQRT, a, NAN, NAN); }
+eng_tensor* eng_rsqrt(eng_tensor* a) { UN_GUARD(ENG_UN_RSQRT, "rsqrt", a, 0, NAN, NAN); return unary(KU_RSQRT, a, NAN, NAN); }
+eng_tensor* eng_abs(eng_tensor* a) { UN_GUARD(ENG_UN_ABS, "abs", a, 0, NAN, NAN); return unary(KU_ABS, a, NAN, NAN); }
+eng_tensor* eng_tanh(eng_tensor* a) { UN_GUARD(ENG_UN_TANH, "tanh", a, 0, NAN, NAN); return unary(KU_TANH, a, NAN, NAN); }
+eng_tensor* eng_sigmoid(eng_tensor* a) { UN_GUARD(ENG_UN_SIGMOID, "sigmoid", a, 0, NAN, NAN); return unary(KU_SIGMOID, a, NAN, NAN); }
+eng_tensor* eng_relu(eng_tensor* a) { UN_GUARD(ENG_UN_RELU, "relu", a, 0, NAN, NAN); return unary(KU_RELU, a, NAN, NAN); }
+eng_tensor* eng_silu(eng_tensor* a) { UN_GUARD(ENG_UN_SILU, "silu", a, 0, NAN, NAN); return unary(KU_SILU, a, NAN, NAN); }
 
 eng_tensor* eng_gelu(eng_tensor* a, int approximate) {
   if (approximate != 0 && approximate != 1)
     return eng_errp("gelu: approximate must be 0 (exact, erf) or 1 (tanh), got %d", approximate);
+  UN_GUARD(ENG_UN_GELU, "gelu", a, approximate, NAN, NAN);
   return unary(approximate ? KU_GELU_TANH : KU_GELU, a, NAN, NAN);
 }
 
@@ -140,5 +161,6 @@ eng_tensor* eng_clamp(eng_tensor* a, double lo, double hi) {
   ENG_CHECK(a, "clamp");
   if (isnan(lo) && isnan(hi))
     return eng_errp("clamp: %s: at least one of min and max must be given (both are NaN/nil)", eng_desc(a));
+  UN_GUARD(ENG_UN_CLAMP, "clamp", a, 0, lo, hi);
   return unary(KU_CLAMP, a, lo, hi);
 }

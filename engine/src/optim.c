@@ -3,27 +3,40 @@
  * touched, so an error leaves all parameters and states unchanged. */
 #include "internal.h"
 #include "../../kernels/cpu/kcpu.h"
+#include "cuda_ops.h"
 #include <math.h>
 
 static int is_half(int dt) { return dt == ENG_BF16 || dt == ENG_F16; }
 
+/* DTensors: param, grad and state must have the same layout (then the step
+ * works on the local shards); a plain tensor matches only a plain one. */
+static int check_layout(const char* op, const char* what, int i, eng_tensor* p, eng_tensor* t) {
+  if (!p->dist && !t->dist) return eng_dtensor_wait(t);
+  if (p->dist && t->dist && eng_dist_spec_equal(p->dist, t->dist)) return eng_dtensor_wait(t) || eng_dtensor_wait(p);
+  char a[768], b[768];
+  return eng_err("%s: %s %d has layout %s but its param has layout %s (param, grad and optimizer state must have "
+                 "the same DTensor layout)", op, what, i + 1, eng_dtensor_describe(t, a, sizeof a),
+                 eng_dtensor_describe(p, b, sizeof b));
+}
+
 /* t must be a CPU float tensor shaped like p, with dtype p's dtype or (for
- * half-precision p) f32. */
+ * half-precision p) f32, and p's DTensor layout. */
 static int check_like(const char* op, const char* what, int i, eng_tensor* p, eng_tensor* t) {
   if (!t) return eng_err("%s: %s %d is NULL (param %s)", op, what, i + 1, eng_desc(p));
+  if (check_layout(op, what, i, p, t)) return -1;
   if (!eng_same_shape(p, t))
     return eng_err("%s: %s %d %s does not match the shape of param %s", op, what, i + 1, eng_desc(t), eng_desc(p));
   if (!(t->dtype == p->dtype || (is_half(p->dtype) && t->dtype == ENG_F32)))
     return eng_err("%s: %s %d %s has the wrong dtype for param %s (expected %s%s)", op, what, i + 1, eng_desc(t),
                    eng_desc(p), eng_dtype_name(p->dtype), is_half(p->dtype) ? " or f32" : "");
-  if (t->device != ENG_CPU) return eng_err("%s: %s %d %s is not on the CPU", op, what, i + 1, eng_desc(t));
+  if (t->device != p->device)
+    return eng_err("%s: %s %d %s and its param %s are on different devices", op, what, i + 1, eng_desc(t), eng_desc(p));
   return 0;
 }
 
 static int check_param(const char* op, int i, eng_tensor* p) {
   if (!p) return eng_err("%s: param %d is NULL", op, i + 1);
   if (!eng_dtype_is_floating(p->dtype)) return eng_err("%s: param %d %s is not floating point", op, i + 1, eng_desc(p));
-  if (p->device != ENG_CPU) return eng_err("%s: param %d %s is not on the CPU", op, i + 1, eng_desc(p));
   return 0;
 }
 
@@ -62,9 +75,23 @@ int eng_adamw_step(int n, eng_tensor** params, eng_tensor** grads, eng_tensor** 
       return eng_err("%s: exp_avg %d %s and exp_avg_sq %s differ in dtype", op, i + 1, eng_desc(exp_avg[i]),
                      eng_desc(exp_avg_sq[i]));
   }
+  int n_cuda = 0;
+  for (int i = 0; i < n; i++) n_cuda += grads[i] && params[i]->device == ENG_CUDA;
+  if (n_cuda) { /* multi-tensor launches over the CUDA params (the others below) */
+    eng_tensor** gc = calloc((size_t)n, sizeof *gc);
+    if (!gc) return eng_err("%s: out of memory", op);
+    for (int i = 0; i < n; i++) gc[i] = grads[i] && params[i]->device == ENG_CUDA ? grads[i] : NULL;
+    int rc = eng_cu_adamw(n, params, gc, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay, step, op);
+    free(gc);
+    if (rc) return -1;
+    for (int i = 0; i < n; i++)
+      if (grads[i] && params[i]->device == ENG_CUDA) {
+        eng_bump_version(params[i]); eng_bump_version(exp_avg[i]); eng_bump_version(exp_avg_sq[i]);
+      }
+  }
   double bc1 = 1.0 - pow(beta1, (double)step), bc2 = 1.0 - pow(beta2, (double)step);
   for (int i = 0; i < n; i++) {
-    if (!grads[i]) continue;
+    if (!grads[i] || params[i]->device == ENG_CUDA) continue;
     eng_tensor *p = params[i], *g = grads[i], *m = exp_avg[i], *v = exp_avg_sq[i];
     kc_adamw_args a = {lr, beta1, beta2, eps, weight_decay, lr / bc1, sqrt(bc2), p->dtype, g->dtype, m->dtype};
     adamw_ctx c = {&a};
@@ -100,6 +127,7 @@ int eng_sgd_step(int n, eng_tensor** params, eng_tensor** grads, eng_tensor** mo
   for (int i = 0; i < n; i++) {
     if (!grads[i]) continue;
     if (check_param(op, i, params[i]) || check_like(op, "grad", i, params[i], grads[i])) return -1;
+    if (params[i]->device == ENG_CUDA) return eng_cu_unsupported(op, params[i]);
     if (momentum != 0 && check_like(op, "momentum buffer", i, params[i], momentum_buf[i])) return -1;
   }
   for (int i = 0; i < n; i++) {
@@ -134,29 +162,95 @@ static void norm_rows(int64_t n, char** ptr, const int64_t* s, void* vc) {
   kc_pnorm_row(c->kind, c->p, c->dt, n, ptr[0], s[0], &c->acc);
 }
 
+/* DTensors: each tensor's local accumulator is combined over the mesh dims
+ * where it is Shard (not where it is Replicate).  Tensors with the same mesh
+ * and set of Shard mesh dims share one accumulator and one all_reduce per
+ * such mesh dim; plain and fully replicated tensors need none. */
+typedef struct { eng_mesh* mesh; uint32_t mask; norm_ctx c; } norm_group;
+
+static int reduce_op_of(int kind) { return kind == KN_MAX ? ENG_REDUCE_MAX : kind == KN_MIN ? ENG_REDUCE_MIN : ENG_REDUCE_SUM; }
+
+static double combine(int kind, double a, double b) {
+  if (kind == KN_MAX) return (a > b || isnan(a)) ? a : b;
+  if (kind == KN_MIN) return (a < b || isnan(a)) ? a : b;
+  return a + b;
+}
+
 static int total_norm(const char* op, int n, eng_tensor** ts, double p, double* out, int from_grads) {
   int kind = norm_kind(op, p);
   if (kind < 0) return -1;
+  int first_dev = -1;
   for (int i = 0; i < n; i++) {
     eng_tensor* t = ts[i] ? (from_grads ? ts[i]->grad : ts[i]) : NULL;
     if (!t) continue;
     if (!eng_dtype_is_floating(t->dtype))
       return eng_err("%s: %s %d %s is not floating point", op, from_grads ? "grad of param" : "tensor", i + 1, eng_desc(t));
-    if (t->device != ENG_CPU) return eng_err("%s: tensor %d %s is not on the CPU", op, i + 1, eng_desc(t));
+    if (t->device != ENG_CPU && t->dist) return eng_cu_unsupported(op, t);
+    if (first_dev >= 0 && t->device != first_dev)
+      return eng_err("%s: %s %d %s is on %s, the first one on %s (all on one device)", op,
+                     from_grads ? "grad of param" : "tensor", i + 1, eng_desc(t), t->device == ENG_CUDA ? "cuda" : "cpu",
+                     first_dev == ENG_CUDA ? "cuda" : "cpu");
+    first_dev = t->device;
+    if (t->dist && t->dist->has_partial) {
+      char a[768];
+      return eng_err("%s: %s %d is %s: a Partial placement has no norm (redistribute it to Replicate or Shard first)",
+                     op, from_grads ? "grad of param" : "tensor", i + 1, eng_dtensor_describe(t, a, sizeof a));
+    }
+    if (eng_dtensor_wait(t)) return -1;
   }
-  norm_ctx c = {kind, 0, p, kind == KN_MIN ? INFINITY : 0.0};
+  if (first_dev == ENG_CUDA) return eng_cu_global_norm(n, ts, from_grads, p, out, op);
+  double init = kind == KN_MIN ? INFINITY : 0.0;
+  norm_group* groups = calloc((size_t)n + 1, sizeof *groups);
+  if (!groups) return eng_err("%s: out of memory", op);
+  int ng = 1; /* group 0: plain and fully replicated tensors */
+  groups[0].c = (norm_ctx){kind, 0, p, init};
   int64_t count = 0;
   for (int i = 0; i < n; i++) {
     eng_tensor* t = ts[i] ? (from_grads ? ts[i]->grad : ts[i]) : NULL;
-    if (!t || t->numel == 0) continue;
-    count += t->numel;
-    c.dt = t->dtype;
+    if (!t) continue;
+    count += eng_dtensor_numel(t);
+    int g = 0;
+    if (t->dist) {
+      uint32_t mask = 0;
+      for (int d = 0; d < t->dist->mesh_ndim; d++)
+        if (t->dist->placements[d].kind == ENG_PLACEMENT_SHARD && t->dist->mesh_shape[d] > 1) mask |= 1u << d;
+      if (mask) {
+        for (g = 1; g < ng; g++)
+          if (groups[g].mask == mask &&
+              (groups[g].mesh == t->dist->mesh || eng_mesh_equal(groups[g].mesh, t->dist->mesh)))
+            break;
+        if (g == ng) {
+          groups[g].mesh = t->dist->mesh; groups[g].mask = mask;
+          groups[g].c = (norm_ctx){kind, 0, p, init};
+          ng++;
+        }
+      }
+    }
+    if (t->numel == 0) continue;
+    norm_ctx* c = &groups[g].c;
+    c->dt = t->dtype;
     char* base[1] = {eng_ptr(t)};
     const int64_t* st[1] = {t->stride};
     int esz[1] = {eng_dtype_size(t->dtype)};
-    kc_foreach(t->ndim, t->shape, 1, base, st, esz, norm_rows, &c);
+    kc_foreach(t->ndim, t->shape, 1, base, st, esz, norm_rows, c);
   }
-  double r = c.acc;
+  double r = groups[0].c.acc;
+  int rc = 0;
+  for (int g = 1; g < ng && rc == 0; g++) {
+    int64_t one = 1;
+    eng_tensor* v = eng_tensor_full(1, &one, groups[g].c.acc, ENG_F64, ENG_CPU);
+    if (!v) { rc = -1; break; }
+    for (int d = 0; d < eng_mesh_ndim(groups[g].mesh) && rc == 0; d++) {
+      if (!(groups[g].mask & (1u << d))) continue;
+      eng_pg* pg = eng_mesh_get_group(groups[g].mesh, d);
+      if (!pg || eng_pg_all_reduce(pg, v, reduce_op_of(kind), NULL)) rc = -1;
+      eng_pg_release(pg);
+    }
+    if (rc == 0) r = combine(kind, r, *(double*)eng_ptr(v));
+    eng_tensor_release(v);
+  }
+  free(groups);
+  if (rc) { eng_err_prefix("%s: norm over DTensor shards", op); return -1; }
   if (count == 0) r = 0.0;
   else if (kind == KN_L2) r = sqrt(r);
   else if (kind == KN_POW) r = pow(r, 1.0 / p);
@@ -185,6 +279,13 @@ int eng_clip_grad_norm_(int n, eng_tensor** params, double max_norm, double p, d
   if (total) *total = tn;
   double coef = max_norm / (tn + 1e-6);
   if (coef >= 1.0) return 0; /* NaN coefficients scale (to NaN), as clamp(max=1) does in PyTorch */
+  int any_cuda = 0;
+  for (int i = 0; i < n; i++) any_cuda |= params[i] && params[i]->grad && params[i]->grad->device == ENG_CUDA;
+  if (any_cuda) {
+    if (eng_cu_scale(n, params, 1, coef, op)) return -1;
+    for (int i = 0; i < n; i++) if (params[i] && params[i]->grad) eng_bump_version(params[i]->grad);
+    return 0;
+  }
   for (int i = 0; i < n; i++) {
     eng_tensor* g = params[i] ? params[i]->grad : NULL;
     if (!g) continue;

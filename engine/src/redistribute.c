@@ -307,18 +307,18 @@ static eng_tensor* apply_r2s(step_ctx* c, eng_tensor* x, const eng_placement* s,
   return out;
 }
 
-/* P -> R: all_reduce. */
+/* P -> R: all_reduce, in place on a temporary of this plan, else out of
+ * place from the input into the result (no copy of the input first). */
 static eng_tensor* apply_p2r(step_ctx* c, eng_tensor* x, const eng_placement* s, const eng_placement* t) {
   eng_tensor* out;
-  if (c->owned && x->refcount == 1 && x->storage->refcount == 1 && eng_tensor_is_contiguous(x)) out = eng_tensor_retain(x);
-  else {
-    out = new_like_shape(x, x->ndim, x->shape);
-    if (!out) return NULL;
-    copy_into(out, x);
-  }
+  int in_place = c->owned && x->refcount == 1 && x->storage->refcount == 1 && eng_tensor_is_contiguous(x);
+  if (in_place) out = eng_tensor_retain(x);
+  else out = new_like_shape(x, x->ndim, x->shape);
+  if (!out) return NULL;
   if (out->numel == 0) return out;
   eng_work* w = NULL;
-  int rc = eng_pg_all_reduce(c->pg, out, s->op, c->async ? &w : NULL);
+  int rc = in_place ? eng_pg_all_reduce(c->pg, out, s->op, c->async ? &w : NULL)
+                    : eng_pg_all_reduce_into(c->pg, out, x, s->op, c->async ? &w : NULL);
   return complete(c, rc, w, 0, NULL, out);
 }
 
@@ -694,6 +694,7 @@ eng_dist_spec* dt_grad_target(const eng_dist_spec* src, const eng_dist_spec* gra
 typedef struct rd_ctx {
   eng_dist_spec* src;   /* the forward input's spec */
   eng_dist_spec* out;   /* the forward result's spec */
+  int bwd_dtype;        /* dtype the gradient travels in (-1: the input's) */
 } rd_ctx;
 
 static void rd_free(eng_node* n) {
@@ -713,7 +714,14 @@ static int rd_backward(eng_node* n, eng_tensor** go, eng_tensor** gi) {
   if (gs->mesh_ndim != c->src->mesh_ndim) return eng_err("gradient spec does not match the forward mesh");
   eng_dist_spec* target = dt_grad_target(c->src, gs);
   if (!target) return -1;
-  eng_tensor* r = eng_dist_spec_equal(gs, target) ? dt_plain(g) : dt_redistribute_local(g, gs, target, 0, 1);
+  /* backward_dtype (default: the input's dtype) is what the communication carries */
+  int bdt = c->bwd_dtype >= 0 ? c->bwd_dtype : eng_node_in_dtype(n, 0);
+  eng_tensor* gp = dt_plain(g);
+  eng_tensor* gc = !gp ? NULL : g->dtype != bdt ? eng_tensor_to_dtype(gp, bdt) : eng_tensor_retain(gp);
+  eng_tensor_release(gp);
+  if (!gc) { eng_dist_spec_release(target); return -1; }
+  eng_tensor* r = eng_dist_spec_equal(gs, target) ? dt_plain(gc) : dt_redistribute_local(gc, gs, target, 0, 1);
+  eng_tensor_release(gc);
   if (r && r->dtype != eng_node_in_dtype(n, 0)) {
     eng_tensor* cv = eng_tensor_to_dtype(r, eng_node_in_dtype(n, 0));
     eng_tensor_release(r);
@@ -727,11 +735,26 @@ static int rd_backward(eng_node* n, eng_tensor** go, eng_tensor** gi) {
 }
 
 eng_tensor* dt_redistribute_autograd(const char* op, eng_tensor* t, eng_dist_spec* dst, int async, int is_backward) {
+  return dt_redistribute_autograd_ex(op, t, dst, async, is_backward, -1, -1);
+}
+
+eng_tensor* dt_redistribute_autograd_ex(const char* op, eng_tensor* t, eng_dist_spec* dst, int async, int is_backward,
+                                        int fwd_dtype, int bwd_dtype) {
   if (eng_dtensor_wait(t)) return NULL;
   eng_dist_spec* src = t->dist;
   eng_tensor* out;
-  if (eng_dist_spec_equal(src, dst)) out = dt_plain(t);
-  else out = dt_redistribute_local(t, src, dst, async, is_backward);
+  eng_tensor* x = t;
+  if (fwd_dtype >= 0 && fwd_dtype != t->dtype) { /* forward_dtype: cast the local before the communication */
+    eng_tensor* v = dt_plain(t);
+    int prev = eng_set_grad_enabled(0);
+    x = v ? eng_tensor_to_dtype(v, fwd_dtype) : NULL;
+    eng_set_grad_enabled(prev);
+    eng_tensor_release(v);
+    if (!x) return NULL;
+  }
+  if (eng_dist_spec_equal(src, dst)) out = dt_plain(x);
+  else out = dt_redistribute_local(x, src, dst, async, is_backward);
+  if (x != t) eng_tensor_release(x);
   if (!out) return NULL;
   dt_attach(out, dst);
   if (eng_any_requires_grad(1, &t) && eng_dtype_is_floating(out->dtype)) {
@@ -742,6 +765,7 @@ eng_tensor* dt_redistribute_autograd(const char* op, eng_tensor* t, eng_dist_spe
     node->free_ctx = rd_free;
     c->src = eng_dist_spec_retain(src);
     c->out = eng_dist_spec_retain(dst);
+    c->bwd_dtype = bwd_dtype;
     eng_node_set_output(node, out, 0);
     eng_node_release(node);
   }
@@ -750,11 +774,20 @@ eng_tensor* dt_redistribute_autograd(const char* op, eng_tensor* t, eng_dist_spe
 
 /* ------------------------------------------------------------------ public entry points */
 static eng_tensor* redistribute_impl(const char* op, eng_tensor* t, eng_mesh* mesh, int n,
-                                     const eng_placement* pl, int async, int allow_partial) {
+                                     const eng_placement* pl, int async, int allow_partial, int fwd_dtype,
+                                     int bwd_dtype) {
   ENG_CHECK(t, op);
   if (!t->dist) return eng_errp("%s: %s is not a DTensor (use from_local or distribute_tensor first)", op, eng_desc(t));
   eng_dist_spec* src = t->dist;
   char a[512], b[400];
+  for (int k = 0; k < 2; k++) {
+    int dt = k ? bwd_dtype : fwd_dtype;
+    if (dt < 0) continue;
+    if (dt >= ENG_NUM_DTYPES || !eng_dtype_is_floating(dt) || !eng_dtype_is_floating(t->dtype))
+      return eng_errp("%s: %s: %s %s is invalid (a floating dtype, for a floating DTensor)", op,
+                      eng_dist_spec_describe(src, t->dtype, a, sizeof a), k ? "backward_dtype" : "forward_dtype",
+                      dt < ENG_NUM_DTYPES ? eng_dtype_name(dt) : "(unknown)");
+  }
   if (mesh && mesh != src->mesh && !eng_mesh_equal(mesh, src->mesh)) {
     char ms[160];
     return eng_errp("%s: %s to %s: Cross device mesh comm not supported yet!", op,
@@ -786,13 +819,18 @@ static eng_tensor* redistribute_impl(const char* op, eng_tensor* t, eng_mesh* me
   if (same) dst = eng_dist_spec_retain(src);
   else dst = dt_spec_make(src->mesh, norm, src->ndim, src->shape, src->stride);
   if (!dst) return NULL;
-  eng_tensor* out = dt_redistribute_autograd(op, t, dst, async, 0);
+  eng_tensor* out = dt_redistribute_autograd_ex(op, t, dst, async, 0, fwd_dtype, bwd_dtype);
   eng_dist_spec_release(dst);
   return out;
 }
 
 eng_tensor* eng_dtensor_redistribute(eng_tensor* t, eng_mesh* mesh, int n, const eng_placement* pl, int async_op) {
-  return redistribute_impl("redistribute", t, mesh, n, pl, async_op, 0);
+  return redistribute_impl("redistribute", t, mesh, n, pl, async_op, 0, -1, -1);
+}
+
+eng_tensor* eng_dtensor_redistribute_dtype(eng_tensor* t, eng_mesh* mesh, int n, const eng_placement* pl,
+                                           int async_op, int forward_dtype, int backward_dtype) {
+  return redistribute_impl("redistribute", t, mesh, n, pl, async_op, 0, forward_dtype, backward_dtype);
 }
 
 eng_tensor* eng_dtensor_redistribute_spec(eng_tensor* t, eng_dist_spec* dst, int flags) {

@@ -3,6 +3,7 @@
  * (seed, offset + i) only (i = row-major index in the global tensor); the
  * transforms and the Philox addressing are in kernels/cpu/philox.h. */
 #include "internal.h"
+#include "cuda_ops.h"
 #include "../../kernels/cpu/kcpu.h"
 #include <math.h>
 #include <pthread.h>
@@ -152,11 +153,17 @@ static int fill_(const char* op, int kind, eng_tensor* t, double a, double b) {
   if (check_params(op, kind, a, b)) return -1;
   if (!eng_dtype_is_floating(t->dtype))
     return eng_err("%s: expects a floating point tensor, got %s", op, eng_desc(t));
-  if (t->device != ENG_CPU) return eng_err("%s: %s is not on the CPU", op, eng_desc(t));
   if (eng_check_inplace(t, op)) return -1;
   uint64_t seed;
   uint64_t off = eng_rng_reserve_seeded((uint64_t)t->numel, &seed);
-  if (t->numel > 0) {
+  if (t->numel > 0 && t->device == ENG_CUDA) { /* same numbers as below: element i (row-major) <- off + i */
+    int contig = eng_tensor_is_contiguous(t);
+    eng_tensor* d = contig ? eng_tensor_retain(t) : eng_new(t->ndim, t->shape, t->dtype, t->device);
+    int rc = d ? eng_cu_random(kind, t->dtype, t->numel, seed, off, a, b, eng_ptr(d), op) : -1;
+    if (rc == 0 && !contig) rc = eng_copy_raw(t, d, d->stride);
+    eng_tensor_release(d);
+    if (rc) return -1;
+  } else if (t->numel > 0) {
     /* kc_foreach visits rows in row-major order, so a running counter gives
      * element i the stream position off + i. */
     fill_ctx c = {kind, t->dtype, seed, off, a, b};

@@ -1,6 +1,8 @@
 /* tensor.c: tensor objects, creation, element access, copies, casts. */
 #include "internal.h"
+#include "sharding.h"
 #include "../../kernels/cpu/kcpu.h"
+#include "cuda_ops.h"
 #include <math.h>
 #include <stdio.h>
 
@@ -41,6 +43,13 @@ static int check_geometry(int ndim, const int64_t* shape, int dtype, const char*
     if (shape[d] < 0)
       return eng_err("%s: negative size %lld in shape %s", op, (long long)shape[d], eng_shape_str(ndim, shape));
   if (dtype < 0 || dtype >= ENG_NUM_DTYPES) return eng_err("%s: invalid dtype code %d", op, dtype);
+  return 0;
+}
+
+static int check_device(int device, const char* op) {
+  if (device == ENG_CPU) return 0;
+  if (device != ENG_CUDA) return eng_err("%s: invalid device code %d (0 = cpu, 1 = cuda)", op, device);
+  if (!eng_cuda_is_available()) return eng_err("%s: %s", op, eng_cuda_unavailable_reason());
   return 0;
 }
 
@@ -97,7 +106,7 @@ void eng_tensor_release(eng_tensor* t) {
 }
 
 eng_tensor* eng_tensor_empty(int ndim, const int64_t* shape, int dtype, int device) {
-  if (check_geometry(ndim, shape, dtype, "empty")) return NULL;
+  if (check_geometry(ndim, shape, dtype, "empty") || check_device(device, "empty")) return NULL;
   return eng_new(ndim, shape, dtype, device);
 }
 
@@ -106,9 +115,13 @@ eng_tensor* eng_tensor_zeros(int ndim, const int64_t* shape, int dtype, int devi
 }
 
 eng_tensor* eng_tensor_full(int ndim, const int64_t* shape, double value, int dtype, int device) {
-  if (check_geometry(ndim, shape, dtype, "full")) return NULL;
+  if (check_geometry(ndim, shape, dtype, "full") || check_device(device, "full")) return NULL;
   eng_tensor* t = eng_new(ndim, shape, dtype, device);
-  if (t) kc_fill(t->numel, eng_ptr(t), dtype, value);
+  if (t && device == ENG_CUDA) {
+    if (eng_cu_fill(eng_ptr(t), dtype, t->numel, value, "full")) { eng_tensor_release(t); return NULL; }
+  } else if (t) {
+    kc_fill(t->numel, eng_ptr(t), dtype, value);
+  }
   return t;
 }
 
@@ -130,6 +143,13 @@ eng_tensor* eng_tensor_arange(double start, double end, double step, int dtype, 
   if (step == 0 || isnan(step)) return eng_errp("arange: step must be non-zero (got %g)", step);
   if (!isfinite(start) || !isfinite(end)) return eng_errp("arange: bounds must be finite (got %g, %g)", start, end);
   if (dtype < 0 || dtype >= ENG_NUM_DTYPES) return eng_errp("arange: invalid dtype code %d", dtype);
+  if (check_device(device, "arange")) return NULL;
+  if (device == ENG_CUDA) { /* made on the host, then copied */
+    eng_tensor* h = eng_tensor_arange(start, end, step, dtype, ENG_CPU);
+    eng_tensor* r = h ? eng_tensor_to_device(h, ENG_CUDA) : NULL;
+    eng_tensor_release(h);
+    return r;
+  }
   double cnt = ceil((end - start) / step);
   int64_t n = cnt > 0 ? (int64_t)cnt : 0;
   eng_tensor* t = eng_new(1, &n, dtype, device);
@@ -175,13 +195,27 @@ static int64_t elem_offset(const eng_tensor* t, const int64_t* idx, const char* 
   return off;
 }
 
+/* Element at storage offset off (elements) as double; device tensors are
+ * read back (a sync). */
+static int load_elem(const eng_tensor* t, int64_t off, double* out, const char* op) {
+  int es = eng_dtype_size(t->dtype);
+  const char* p = (const char*)t->storage->data + off * es;
+  if (t->device == ENG_CUDA) {
+    _Alignas(8) char buf[8];
+    if (eng_cuda_memcpy_d2h(buf, p, es)) { eng_err_prefix("%s", op); return -1; }
+    *out = kc_load(buf, t->dtype);
+    return 0;
+  }
+  *out = kc_load(p, t->dtype);
+  return 0;
+}
+
 int eng_tensor_item(const eng_tensor* t, double* out) {
   ENG_CHECK_I(t, "item");
   if (t->numel != 1)
     return eng_err("item: only one-element tensors can be converted to a number, got %s", eng_desc(t));
   int64_t off = t->offset;  /* all dims are 1 */
-  *out = kc_load((char*)t->storage->data + off * eng_dtype_size(t->dtype), t->dtype);
-  return 0;
+  return load_elem(t, off, out, "item");
 }
 
 int eng_tensor_get(const eng_tensor* t, const int64_t* index, double* out) {
@@ -189,8 +223,7 @@ int eng_tensor_get(const eng_tensor* t, const int64_t* index, double* out) {
   int err = 0;
   int64_t off = elem_offset(t, index, "get", &err);
   if (err) return -1;
-  *out = kc_load((char*)t->storage->data + off * eng_dtype_size(t->dtype), t->dtype);
-  return 0;
+  return load_elem(t, off, out, "get");
 }
 
 int eng_tensor_set(eng_tensor* t, const int64_t* index, double value) {
@@ -199,13 +232,26 @@ int eng_tensor_set(eng_tensor* t, const int64_t* index, double value) {
   int err = 0;
   int64_t off = elem_offset(t, index, "set", &err);
   if (err) return -1;
-  kc_store((char*)t->storage->data + off * eng_dtype_size(t->dtype), t->dtype, value);
+  char* p = (char*)t->storage->data + off * eng_dtype_size(t->dtype);
+  if (t->device == ENG_CUDA) {
+    _Alignas(8) char buf[8];
+    kc_store(buf, t->dtype, value);
+    if (eng_cuda_memcpy_h2d(p, buf, eng_dtype_size(t->dtype))) { eng_err_prefix("set"); return -1; }
+  } else {
+    kc_store(p, t->dtype, value);
+  }
   eng_bump_version(t);
   return 0;
 }
 
-void eng_copy_raw(eng_tensor* dst, const eng_tensor* src, const int64_t* src_stride) {
+int eng_copy_raw(eng_tensor* dst, const eng_tensor* src, const int64_t* src_stride) {
+  if (dst->device != src->device) /* callers move data between devices with eng_tensor_to_device */
+    return eng_err("copy: internal error: %s and %s are on different devices", eng_desc(dst), eng_desc(src));
+  if (dst->device == ENG_CUDA)
+    return eng_cu_copy(dst->ndim, dst->shape, eng_ptr(dst), dst->dtype, dst->stride, eng_ptr(src), src->dtype,
+                       src_stride, "copy");
   kc_copy(dst->ndim, dst->shape, eng_ptr(dst), dst->dtype, dst->stride, eng_ptr(src), src->dtype, src_stride);
+  return 0;
 }
 
 int eng_tensor_read(const eng_tensor* t, void* out, int dtype, int64_t n) {
@@ -214,6 +260,14 @@ int eng_tensor_read(const eng_tensor* t, void* out, int dtype, int64_t n) {
   if (n != t->numel) return eng_err("read: buffer of %lld elements for %s", (long long)n, eng_desc(t));
   int64_t st[ENG_MAX_DIMS];
   eng_contiguous_strides(t->ndim, t->shape, st);
+  if (t->device == ENG_CUDA) { /* converted on the device, then one copy back */
+    eng_tensor* c = eng_new(t->ndim, t->shape, dtype, ENG_CUDA);
+    int rc = c ? eng_copy_raw(c, t, t->stride) : -1;
+    if (rc == 0 && n > 0) rc = eng_cuda_memcpy_d2h(out, eng_ptr(c), n * eng_dtype_size(dtype));
+    eng_tensor_release(c);
+    if (rc) eng_err_prefix("read");
+    return rc;
+  }
   kc_copy(t->ndim, t->shape, out, dtype, st, eng_ptr(t), t->dtype, t->stride);
   return 0;
 }
@@ -245,7 +299,7 @@ void eng_broadcast_strides(const eng_tensor* t, int ndim, const int64_t* shape, 
 eng_tensor* eng_as_contig(eng_tensor* t, int dtype) {
   if (t->dtype == dtype && eng_tensor_is_contiguous(t)) return eng_tensor_retain(t);
   eng_tensor* r = eng_new(t->ndim, t->shape, dtype, t->device);
-  if (r) eng_copy_raw(r, t, t->stride);
+  if (r && eng_copy_raw(r, t, t->stride)) { eng_tensor_release(r); return NULL; }
   return r;
 }
 
@@ -257,6 +311,78 @@ int eng_check_inplace(eng_tensor* t, const char* op) {
     return eng_err("%s: %s requires grad (grad_fn %s); in-place writes to tensors in the autograd graph are "
                    "not supported (use the out-of-place op, or no_grad)", op, eng_desc(t), t->grad_fn->name);
   }
+  return 0;
+}
+
+/* ------------------------------------------------------------ devices */
+/* A contiguous copy of t on device (same dtype and shape), no autograd:
+ * host <-> device through the runtime's pinned staging buffers. */
+static eng_tensor* device_copy(eng_tensor* t, int device) {
+  if (check_device(device, "to_device")) return NULL;
+  eng_tensor* src = eng_as_contig(t, t->dtype); /* on t's device */
+  if (!src) return NULL;
+  eng_tensor* r = eng_new(t->ndim, t->shape, t->dtype, device);
+  int rc = r ? 0 : -1;
+  int64_t nb = t->numel * eng_dtype_size(t->dtype);
+  if (r && nb > 0) {
+    if (src->device == device) rc = device == ENG_CUDA ? eng_cuda_memcpy_d2d(eng_ptr(r), eng_ptr(src), nb)
+                                                       : (memcpy(eng_ptr(r), eng_ptr(src), (size_t)nb), 0);
+    else if (device == ENG_CUDA) rc = eng_cuda_memcpy_h2d(eng_ptr(r), eng_ptr(src), nb);
+    else rc = eng_cuda_memcpy_d2h(eng_ptr(r), eng_ptr(src), nb);
+    if (rc) eng_err_prefix("to_device");
+  }
+  eng_tensor_release(src);
+  if (rc) { eng_tensor_release(r); return NULL; }
+  return r;
+}
+
+/* The gradient goes back to the input's device (ints[0]) and dtype. */
+static int to_device_backward(eng_node* n, eng_tensor** go, eng_tensor** gi) {
+  if (!go[0]) return 0;
+  eng_tensor* g = go[0]->device == (int)n->ints[0] ? eng_tensor_retain(go[0]) : device_copy(go[0], (int)n->ints[0]);
+  if (!g) return -1;
+  gi[0] = eng_tensor_to_dtype(g, eng_node_in_dtype(n, 0));
+  eng_tensor_release(g);
+  return gi[0] ? 0 : -1;
+}
+
+eng_tensor* eng_tensor_to_device(eng_tensor* t, int device) {
+  ENG_CHECK(t, "to_device");
+  if (device != ENG_CPU && device != ENG_CUDA)
+    return eng_errp("to_device: invalid device code %d (0 = cpu, 1 = cuda)", device);
+  if (t->device == device) return eng_tensor_retain(t);
+  if (t->dist) return eng_errp("to_device: %s is a DTensor; moving DTensors between devices is not supported", eng_desc(t));
+  eng_tensor* r = device_copy(t, device);
+  if (!r) return NULL;
+  if (eng_dtype_is_floating(t->dtype) && eng_any_requires_grad(1, &t)) {
+    eng_node* nd = eng_record("ToCopyBackward", to_device_backward, 1, &t, r);
+    if (!nd) { eng_tensor_release(r); return NULL; }
+    nd->ints[0] = t->device;
+  }
+  return r;
+}
+
+int eng_tensor_set_data(eng_tensor* t, eng_tensor* src) {
+  ENG_CHECK_I(t, "set_data"); ENG_CHECK_I(src, "set_data");
+  if (t->dist || src->dist)
+    return eng_err("set_data: %s / %s: DTensors cannot swap their data", eng_desc(t), eng_desc(src));
+  if (t->grad_fn) return eng_err("set_data: %s is not a leaf (it has grad_fn %s)", eng_desc(t), t->grad_fn->name);
+  if (t->requires_grad && !eng_dtype_is_floating(src->dtype))
+    return eng_err("set_data: %s requires grad and %s is not floating point", eng_desc(t), eng_desc(src));
+  if (t->grad && (t->grad->dtype != src->dtype || t->grad->device != src->device || !eng_same_shape(t->grad, src)))
+    return eng_err("set_data: %s has a gradient %s that would not match %s (convert or clear the gradient first)",
+                   eng_desc(t), eng_desc(t->grad), eng_desc(src));
+  if (t == src) return 0;
+  eng_storage_retain(src->storage);
+  eng_storage_release(t->storage);
+  t->storage = src->storage;
+  t->dtype = src->dtype; t->device = src->device; t->ndim = src->ndim;
+  for (int d = 0; d < ENG_MAX_DIMS; d++) {
+    t->shape[d] = d < src->ndim ? src->shape[d] : 0;
+    t->stride[d] = d < src->ndim ? src->stride[d] : 0;
+  }
+  t->offset = src->offset;
+  t->numel = src->numel;
   return 0;
 }
 
@@ -275,18 +401,19 @@ int eng_tensor_copy_(eng_tensor* dst, eng_tensor* src) {
     for (int d = 0; ok && d < n; d++) ok = tmp[d] == dst->shape[d];
     if (!ok) return eng_err("copy_: source %s cannot be broadcast to destination %s", eng_desc(src), eng_desc(dst));
   }
-  if (dst->device != src->device)
-    return eng_err("copy_: device mismatch %s vs %s", eng_desc(dst), eng_desc(src));
   eng_broadcast_strides(src, dst->ndim, dst->shape, bs);
-  if (dst->storage == src->storage) { /* possible overlap: go through a temporary */
-    eng_tensor* tmpt = eng_as_contig(src, src->dtype);
+  int rc;
+  if (dst->storage == src->storage || dst->device != src->device) {
+    /* possible overlap, or another device: go through a temporary on dst's device */
+    eng_tensor* tmpt = dst->device != src->device ? device_copy(src, dst->device) : eng_as_contig(src, src->dtype);
     if (!tmpt) return -1;
     eng_broadcast_strides(tmpt, dst->ndim, dst->shape, bs);
-    eng_copy_raw(dst, tmpt, bs);
+    rc = eng_copy_raw(dst, tmpt, bs);
     eng_tensor_release(tmpt);
   } else {
-    eng_copy_raw(dst, src, bs);
+    rc = eng_copy_raw(dst, src, bs);
   }
+  if (rc) return -1;
   eng_bump_version(dst);
   return 0;
 }
@@ -300,7 +427,18 @@ static void fill_row(int64_t n, char** p, const int64_t* s, void* ctx) {
 int eng_tensor_fill_(eng_tensor* t, double value) {
   ENG_CHECK_I(t, "fill_");
   if (eng_check_inplace(t, "fill_")) return -1;
-  if (eng_tensor_is_contiguous(t)) kc_fill(t->numel, eng_ptr(t), t->dtype, value);
+  if (t->device == ENG_CUDA) {
+    int rc;
+    if (eng_tensor_is_contiguous(t)) {
+      rc = eng_cu_fill(eng_ptr(t), t->dtype, t->numel, value, "fill_");
+    } else { /* a filled scalar broadcast (stride 0) into the strided view */
+      eng_tensor* v = eng_tensor_full(0, NULL, value, t->dtype, ENG_CUDA);
+      int64_t zs[ENG_MAX_DIMS] = {0};
+      rc = v ? eng_copy_raw(t, v, zs) : -1;
+      eng_tensor_release(v);
+    }
+    if (rc) return -1;
+  } else if (eng_tensor_is_contiguous(t)) kc_fill(t->numel, eng_ptr(t), t->dtype, value);
   else {
     struct { double v; int dt; } ctx = {value, t->dtype};
     char* base[1] = {eng_ptr(t)};
@@ -324,19 +462,22 @@ static int copy_backward(eng_node* n, eng_tensor** go, eng_tensor** gi) {
 static eng_tensor* copy_as(eng_tensor* t, int dtype, const char* name) {
   eng_tensor* r = eng_new(t->ndim, t->shape, dtype, t->device);
   if (!r) return NULL;
-  eng_copy_raw(r, t, t->stride);
+  if (eng_copy_raw(r, t, t->stride)) { eng_tensor_release(r); return NULL; }
   if (eng_dtype_is_floating(dtype)) eng_record(name, copy_backward, 1, &t, r);
   return r;
 }
 
 eng_tensor* eng_tensor_clone(eng_tensor* t) {
   ENG_CHECK(t, "clone");
+  if (ENG_DT_ACTIVE(t->dist)) return eng_dispatch(&eng_opdef_clone, &(eng_op_call){.name = "clone", .n_in = 1, .in = {t}});
   return copy_as(t, t->dtype, "CloneBackward");
 }
 
 eng_tensor* eng_tensor_contiguous(eng_tensor* t) {
   ENG_CHECK(t, "contiguous");
   if (eng_tensor_is_contiguous(t)) return eng_tensor_retain(t);
+  if (ENG_DT_ACTIVE(t->dist))
+    return eng_dispatch(&eng_opdef_clone, &(eng_op_call){.name = "contiguous", .n_in = 1, .in = {t}, .ints = {1}});
   return copy_as(t, t->dtype, "CloneBackward");
 }
 
@@ -344,6 +485,7 @@ eng_tensor* eng_tensor_to_dtype(eng_tensor* t, int dtype) {
   ENG_CHECK(t, "to");
   if (dtype < 0 || dtype >= ENG_NUM_DTYPES) return eng_errp("to: invalid dtype code %d", dtype);
   if (t->dtype == dtype) return eng_tensor_retain(t);
+  if (ENG_DT_ACTIVE(t->dist)) return eng_dispatch(&eng_opdef_cast, &(eng_op_call){.name = "to", .n_in = 1, .in = {t}, .ints = {dtype}});
   return copy_as(t, dtype, "ToCopyBackward");
 }
 

@@ -67,6 +67,29 @@ int kcu_cast(int64_t n, void* dst, int ddt, const void* src, int sdt, cudaStream
 /* dst[0..n) = value (converted to dt). */
 int kcu_fill(int dt, int64_t n, void* dst, double value, cudaStream_t stream);
 
+/* ================================================================ select.cu
+ * Strided N-d selection ops with broadcasting (0 strides; NULL strides =
+ * contiguous).  compare: out (bool, 1 byte) = a op b, op 0..5 = eq ne lt le
+ * gt ge (eng_cmp_op), both operands of dtype dt (i64 compared exactly, the
+ * others through f64).  where: out = cond ? a : b on elements of es bytes
+ * (cond bool).  masked_fill: out = mask ? *value : x (value: es bytes). */
+int kcu_compare(int op, int dt, int ndim, const int64_t* shape, void* out, const int64_t* so, const void* a,
+                const int64_t* sa, const void* b, const int64_t* sb, cudaStream_t stream);
+int kcu_where(int es, int ndim, const int64_t* shape, void* out, const int64_t* so, const void* cond,
+              const int64_t* sc, const void* a, const int64_t* sa, const void* b, const int64_t* sb,
+              cudaStream_t stream);
+int kcu_masked_fill(int es, int ndim, const int64_t* shape, void* out, const int64_t* so, const void* x,
+                    const int64_t* sx, const void* mask, const int64_t* sm, const void* value, cudaStream_t stream);
+/* Over contiguous x [outer, D, inner] (D >= 1): idx[o, i] (i64) = index of
+ * the first max (is_max) / min along D, a NaN winning (the first one), as
+ * the CPU; vals (may be NULL; x's dtype) gets the value.  Deterministic. */
+int kcu_argext_dim(int dt, int is_max, int64_t outer, int64_t D, int64_t inner, const void* x, void* vals,
+                   int64_t* idx, cudaStream_t stream);
+/* out[o, idx[o, i], i] = g[o, i] for contiguous out [outer, D, inner]
+ * (zeroed by the caller) and g, idx [outer, inner]; elements of es bytes. */
+int kcu_scatter_dim(int es, int64_t outer, int64_t D, int64_t inner, const int64_t* idx, const void* g, void* out,
+                    cudaStream_t stream);
+
 /* ================================================================ reduce.cu
  * Over contiguous x viewed as [outer, D, inner]: out[o, i] = red_d x[o, d, i]
  * times scale (scale applies to SUM only: 1/D gives the mean).  Accumulation

@@ -46,7 +46,7 @@ function engine.empty_cache() collectgarbage(); collectgarbage(); C.eng_alloc_em
 function engine.live_tensors() return tonumber(C.eng_tensor_live_count()) end
 
 -- Lazily loaded sub-libraries.
-local lazy = { nn = "engine.nn", optim = "engine.optim", data = "engine.data",
+local lazy = { nn = "engine.nn", optim = "engine.optim", data = "engine.data", cuda = "engine.cuda",
   distributed = "engine.distributed", models = "engine.models" }
 setmetatable(engine, { __index = function(t, k)
   local m = lazy[k]

@@ -223,7 +223,7 @@ function Transformer:forward(tokens)
     error(string.format("Transformer: sequence length %d exceeds max_seq_len %d", seq_len, self.max_seq_len), 2)
   end
   local h = self.tok_embeddings(tokens)
-  local p = self.pos_embeddings(engine.arange(0, seq_len))  -- [seq_len, dim]
+  local p = self.pos_embeddings(engine.arange(0, seq_len, { device = tokens.device }))  -- [seq_len, dim]
   h = h + p
   h = self.dropout(h)
   local ckpt = self.checkpoint_activations

@@ -43,6 +43,39 @@ local function opts_dtype(opts, default, op)
   return default
 end
 
+-- ---------------------------------------------------------------- devices
+-- "cpu" -> 0, "cuda" / "cuda:N" -> 1; nil for anything else.
+local function device_code(dev)
+  if dev == "cpu" then return 0 end
+  if dev == "cuda" or (type(dev) == "string" and dev:match("^cuda:%d+$")) then return 1 end
+  return nil
+end
+Tensor.device_code = device_code
+
+-- Fails with "<op>: CUDA is not available: <reason>" when CUDA is asked for
+-- and there is none (nothing is allocated or changed).
+local function require_device(code, op, level)
+  if code == 1 and C.eng_cuda_is_available() == 0 then
+    core.fail(op .. ": " .. ffi.string(C.eng_cuda_unavailable_reason()), level)
+  end
+end
+Tensor.require_device = require_device
+
+local function opts_device(opts, op)
+  if type(opts) ~= "table" or opts.device == nil then return 0 end
+  local code = device_code(opts.device)
+  if not code then core.fail(op .. ": unknown device '" .. tostring(opts.device) .. "' (expected \"cpu\" or \"cuda\")", 4) end
+  require_device(code, op, 5)
+  return code
+end
+
+-- t moved to the device of opts (creation functions that build on the host).
+local function placed(t, opts, op)
+  local code = opts_device(opts, op)
+  if code ~= 0 then return wrap(C.eng_tensor_to_device(t._c, code)) end
+  return t
+end
+
 local function requires(t, opts)
   if type(opts) == "table" and opts.requires_grad then check(C.eng_tensor_set_requires_grad(t._c, 1), 4) end
   return t
@@ -65,19 +98,19 @@ end
 function M.empty(...)
   local shape, opts = shape_and_opts("empty", ...)
   local n, arr = core.shape_arg("empty", shape)
-  return requires(wrap(C.eng_tensor_empty(n, arr, opts_dtype(opts, 0, "empty"), 0)), opts)
+  return requires(wrap(C.eng_tensor_empty(n, arr, opts_dtype(opts, 0, "empty"), opts_device(opts, "empty"))), opts)
 end
 
 function M.zeros(...)
   local shape, opts = shape_and_opts("zeros", ...)
   local n, arr = core.shape_arg("zeros", shape)
-  return requires(wrap(C.eng_tensor_zeros(n, arr, opts_dtype(opts, 0, "zeros"), 0)), opts)
+  return requires(wrap(C.eng_tensor_zeros(n, arr, opts_dtype(opts, 0, "zeros"), opts_device(opts, "zeros"))), opts)
 end
 
 function M.ones(...)
   local shape, opts = shape_and_opts("ones", ...)
   local n, arr = core.shape_arg("ones", shape)
-  return requires(wrap(C.eng_tensor_full(n, arr, 1, opts_dtype(opts, 0, "ones"), 0)), opts)
+  return requires(wrap(C.eng_tensor_full(n, arr, 1, opts_dtype(opts, 0, "ones"), opts_device(opts, "ones"))), opts)
 end
 
 -- full(shape_table, value, opts)
@@ -87,7 +120,7 @@ function M.full(shape, value, opts)
     core.fail("full: fill value must be a number, got " .. type(value))
   end
   if type(value) == "boolean" then value = value and 1 or 0 end
-  return requires(wrap(C.eng_tensor_full(n, arr, value, opts_dtype(opts, 0, "full"), 0)), opts)
+  return requires(wrap(C.eng_tensor_full(n, arr, value, opts_dtype(opts, 0, "full"), opts_device(opts, "full"))), opts)
 end
 
 local function all_int(...)
@@ -109,7 +142,7 @@ function M.arange(a, b, c, d)
     core.fail("arange: start, end and step must be numbers")
   end
   local dt = opts_dtype(opts, all_int(start, stop, step) and 5 or 0, "arange")
-  return requires(wrap(C.eng_tensor_arange(start, stop, step, dt, 0)), opts)
+  return requires(wrap(C.eng_tensor_arange(start, stop, step, dt, opts_device(opts, "arange"))), opts)
 end
 
 -- tensor(nested_table [, dtype or opts]): integers -> i64, booleans -> bool, else f32.
@@ -151,27 +184,32 @@ function M.tensor(data, opts)
   local buf = ffi.new("double[?]", n > 0 and n or 1)
   for i = 1, n do buf[i - 1] = flat[i] end
   local nd, arr = core.shape_arg("tensor", shape)
-  return requires(wrap(C.eng_tensor_from_data(nd, arr, dt, buf, 1, n)), opts)
+  return requires(placed(wrap(C.eng_tensor_from_data(nd, arr, dt, buf, 1, n)), opts, "tensor"), opts)
 end
 
 function M.rand(...)
   local shape, opts = shape_and_opts("rand", ...)
   local n, arr = core.shape_arg("rand", shape)
-  return requires(wrap(C.eng_rand(n, arr, opts_dtype(opts, 0, "rand"))), opts)
+  return requires(placed(wrap(C.eng_rand(n, arr, opts_dtype(opts, 0, "rand"))), opts, "rand"), opts)
 end
 
 function M.randn(...)
   local shape, opts = shape_and_opts("randn", ...)
   local n, arr = core.shape_arg("randn", shape)
-  return requires(wrap(C.eng_randn(n, arr, opts_dtype(opts, 0, "randn"))), opts)
+  return requires(placed(wrap(C.eng_randn(n, arr, opts_dtype(opts, 0, "randn"))), opts, "randn"), opts)
 end
 
-function M.zeros_like(t, opts) return M.zeros(t:shape(), { dtype = opts_dtype(opts, t._c.dtype, "zeros_like") }) end
-function M.ones_like(t, opts) return M.ones(t:shape(), { dtype = opts_dtype(opts, t._c.dtype, "ones_like") }) end
-function M.full_like(t, v, opts) return M.full(t:shape(), v, { dtype = opts_dtype(opts, t._c.dtype, "full_like") }) end
-function M.empty_like(t, opts) return M.empty(t:shape(), { dtype = opts_dtype(opts, t._c.dtype, "empty_like") }) end
-function M.rand_like(t) return M.rand(t:shape(), { dtype = t._c.dtype }) end
-function M.randn_like(t) return M.randn(t:shape(), { dtype = t._c.dtype }) end
+-- *_like keep t's device (and dtype unless given).
+local function like_opts(t, opts, op)
+  local dev = type(opts) == "table" and opts.device or (t._c.device == 1 and "cuda" or "cpu")
+  return { dtype = opts_dtype(opts, t._c.dtype, op), device = dev }
+end
+function M.zeros_like(t, opts) return M.zeros(t:shape(), like_opts(t, opts, "zeros_like")) end
+function M.ones_like(t, opts) return M.ones(t:shape(), like_opts(t, opts, "ones_like")) end
+function M.full_like(t, v, opts) return M.full(t:shape(), v, like_opts(t, opts, "full_like")) end
+function M.empty_like(t, opts) return M.empty(t:shape(), like_opts(t, opts, "empty_like")) end
+function M.rand_like(t) return M.rand(t:shape(), like_opts(t, nil, "rand_like")) end
+function M.randn_like(t) return M.randn(t:shape(), like_opts(t, nil, "randn_like")) end
 
 function M.manual_seed(seed)
   if type(seed) ~= "number" or seed < 0 or seed % 1 ~= 0 then core.fail("manual_seed: seed must be a non-negative integer") end
@@ -284,17 +322,28 @@ function methods.clone(t) return wrap(C.eng_tensor_clone(ct(t, "clone"))) end
 function methods.contiguous(t) return wrap(C.eng_tensor_contiguous(ct(t, "contiguous"))) end
 function methods.detach(t) return wrap(C.eng_tensor_detach(ct(t, "detach"))) end
 
--- to(dtype) / to("cpu") / to{dtype=..., device=...}
+-- Moves t to a device ("cpu", "cuda", "cuda:0"); t itself when already there.
+-- Differentiable (the gradient goes back to t's device).
+function methods._to_device(t, dev, op)
+  op = op or "to"
+  local code = device_code(dev)
+  if not code then core.fail(op .. ": unknown device '" .. tostring(dev) .. "' (expected \"cpu\" or \"cuda\")", 3) end
+  if t._c.device == code then return t end
+  require_device(code, op, 4)
+  return wrap(C.eng_tensor_to_device(t._c, code))
+end
+function methods.cuda(t) return methods._to_device(t, "cuda", "x:cuda()") end
+function methods.cpu(t) return methods._to_device(t, "cpu", "x:cpu()") end
+props.is_cuda = function(t) return t._c.device == 1 end
+
+-- to(dtype) / to("cpu") / to("cuda") / to{dtype=..., device=...}
 function methods.to(t, what)
   local dt, dev
   if type(what) == "table" then dt, dev = what.dtype, what.device
-  elseif what == "cpu" or what == "cuda" then dev = what
+  elseif device_code(what) then dev = what
   else dt = what end
   local r = t
-  if dev ~= nil and dev ~= r.device then
-    if methods._to_device then r = methods._to_device(r, dev)
-    else core.fail("to: device '" .. tostring(dev) .. "' is not available in this build") end
-  end
+  if dev ~= nil then r = methods._to_device(r, dev, "x:to(\"" .. tostring(dev) .. "\")") end
   if dt ~= nil then r = wrap(C.eng_tensor_to_dtype(r._c, core.dtype(dt, "to", 3))) end
   return r
 end

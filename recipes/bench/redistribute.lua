@@ -10,8 +10,8 @@
 --
 -- Cases (Lua dims are 1-based: Shard(1) is PyTorch's Shard(0)):
 --   S(1)->R      all_gather of the local shard into the full matrix
---   P->R         all_reduce; the bare call out of place (DTensor keeps its input: it copies
---                the local, then reduces in place), and once more against the bare in-place call
+--   P->R         all_reduce; the bare call out of place, as DTensor's (it keeps its input: MPI reads
+--                the local and writes the result), and once more against the bare in-place call
 --   P->S(1)      reduce_scatter
 --   S(1)->S(2)   all_to_all (DTensor also packs the column blocks before it and
 --                needs no unpacking after it: the received row blocks are the result)

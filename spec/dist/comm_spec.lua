@@ -152,6 +152,40 @@ describe("all_reduce", function()
     end
   end)
 
+  it("out of place (eng_pg_all_reduce_into): the input stays, contiguous or not, sync or async", function()
+    local pg = dist.world_group()._c
+    local s = W * (W + 1) / 2
+    for _, dt in ipairs({ "f32", "bf16", "i64" }) do
+      local x = mk({ 1, 2, 3, 4, 5, 6 }, dt, { 2, 3 }) * (R + 1)
+      local out = engine.zeros({ 2, 3 }, { dtype = dt })
+      assert.equal(0, C.eng_pg_all_reduce_into(pg, out._c, x._c, 0, nil))
+      assert.same({ s, 2 * s, 3 * s, 4 * s, 5 * s, 6 * s }, flat(out))
+      assert.same({ R + 1, 2 * (R + 1), 3 * (R + 1), 4 * (R + 1), 5 * (R + 1), 6 * (R + 1) }, flat(x))
+      -- non-contiguous input and output, avg
+      local xt, o2 = x:t(), engine.zeros({ 2, 3 }, { dtype = dt }):t()
+      if dt ~= "i64" then
+        assert.equal(0, C.eng_pg_all_reduce_into(pg, o2._c, xt._c, 1, nil))
+        assert.same({ s / W, 4 * s / W, 2 * s / W, 5 * s / W, 3 * s / W, 6 * s / W }, flat(o2))
+      end
+      -- async: the result is there after the wait
+      local w = ffi.new("eng_work*[1]")
+      local o3 = engine.zeros({ 2, 3 }, { dtype = dt })
+      assert.equal(0, C.eng_pg_all_reduce_into(pg, o3._c, x._c, 2, w))
+      assert.equal(0, C.eng_work_wait(w[0]))
+      C.eng_work_release(w[0])
+      assert.same({ W, 2 * W, 3 * W, 4 * W, 5 * W, 6 * W }, flat(o3))
+    end
+    -- out == in is the in-place call; a mismatched or overlapping output is an error on every rank
+    local y = engine.ones(4)
+    assert.equal(0, C.eng_pg_all_reduce_into(pg, y._c, y._c, 0, nil))
+    assert.same({ W, W, W, W }, flat(y))
+    assert.equal(-1, C.eng_pg_all_reduce_into(pg, engine.zeros(3)._c, y._c, 0, nil))
+    assert.truthy(ffi.string(C.eng_last_error()):match("all_reduce_into: output f32%[3%] does not match input f32%[4%]"))
+    local z = engine.ones(6)
+    assert.equal(-1, C.eng_pg_all_reduce_into(pg, z:narrow(1, 1, 4)._c, z:narrow(1, 3, 4)._c, 0, nil))
+    assert.truthy(ffi.string(C.eng_last_error()):match("share memory"))
+  end)
+
   it("handles 0-d and empty tensors", function()
     local s = engine.tensor(R + 1.0)
     dist.all_reduce(s, "max")

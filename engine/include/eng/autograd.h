@@ -11,6 +11,7 @@
 #define ENG_AUTOGRAD_H
 
 struct eng_node;
+struct eng_node_dist;
 typedef int (*eng_backward_fn)(struct eng_node* node, eng_tensor** grad_outputs,
                                eng_tensor** grad_inputs);
 typedef void (*eng_node_free_fn)(struct eng_node* node);
@@ -41,6 +42,7 @@ typedef struct eng_node {
   void* ctx;               /* larger op context, freed by free_ctx */
   struct eng_hook_list* pre_hooks;  /* per-output gradient hooks */
   struct eng_tensor* leaf; /* AccumulateGrad: the leaf (owned) */
+  struct eng_node_dist* dist; /* DTensor dispatch: node of a local region (adjoint specs), or NULL */
 } eng_node;
 
 /* Grad mode (thread-local).  set returns the previous value. */

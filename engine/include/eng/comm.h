@@ -93,6 +93,10 @@ const char* eng_pg_name(const eng_pg* pg);
 /* ---- collectives (op: eng_reduce_op; roots are group ranks). */
 /* In place: every member ends with the reduction of all members' t. */
 int eng_pg_all_reduce(eng_pg* pg, eng_tensor* t, int op, eng_work** work);
+/* Out of place: out (same shape, dtype and device as in) receives the
+ * reduction of all members' in; in is left alone.  out may be in itself (then
+ * as eng_pg_all_reduce) but must not overlap it otherwise. */
+int eng_pg_all_reduce_into(eng_pg* pg, eng_tensor* out, eng_tensor* in, int op, eng_work** work);
 /* New tensor [size*d0, d1, ...]: the members' inputs (equal shapes)
  * concatenated along dim 0 in group-rank order. */
 eng_tensor* eng_pg_all_gather(eng_pg* pg, eng_tensor* in, eng_work** work);

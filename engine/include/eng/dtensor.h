@@ -147,6 +147,13 @@ eng_tensor* eng_dtensor_full_tensor(eng_tensor* t, const eng_placement* grad_pla
  * only where t already has the identical Partial. */
 eng_tensor* eng_dtensor_redistribute(eng_tensor* t, eng_mesh* mesh, int n, const eng_placement* placements,
                                      int async_op);
+/* Same with PyTorch's forward_dtype / backward_dtype (a dtype code, or -1 for
+ * none): the local shard is cast to forward_dtype before the communication
+ * (the result has that dtype); in backward the gradient is cast to
+ * backward_dtype (default: t's dtype) before the communication, and t's
+ * gradient comes back in t's dtype. */
+eng_tensor* eng_dtensor_redistribute_dtype(eng_tensor* t, eng_mesh* mesh, int n, const eng_placement* placements,
+                                           int async_op, int forward_dtype, int backward_dtype);
 /* Building block for op dispatch: redistribute t to spec dst (same mesh and
  * global shape), autograd-recorded.  flags: 1 async, 2 allow Partial targets
  * (Replicate -> Partial: sum divides by the mesh dim size; avg/max/min keep

@@ -2,6 +2,8 @@
 #ifndef ENG_OPS_NN_H
 #define ENG_OPS_NN_H
 
+struct eng_pg; /* comm.h */
+
 /* torch.matmul semantics: 1-D/2-D, batched with broadcast batch dims. */
 eng_tensor* eng_matmul(eng_tensor* a, eng_tensor* b);
 /* x [..., in] @ w[out, in]^T + bias[out] (bias may be NULL). */
@@ -16,11 +18,27 @@ eng_tensor* eng_rms_norm(eng_tensor* x, int n_norm, eng_tensor* weight, double e
 /* weight [num, dim], indices i32/i64 of any shape -> [..., dim].
  * padding_idx < 0: none. */
 eng_tensor* eng_embedding(eng_tensor* weight, eng_tensor* indices, int64_t padding_idx);
+/* Row-sharded embedding: weight_shard holds rows [row_offset, row_offset +
+ * rows) of the full table.  Indices outside that range give zero rows (a
+ * negative index is an error); backward scatter-adds only into owned rows.
+ * Summing the results over the shards gives eng_embedding of the full table. */
+eng_tensor* eng_embedding_masked(eng_tensor* weight_shard, eng_tensor* indices, int64_t row_offset);
 /* logits [N, C] (or [C], or [N, C, d1...] with classes in dim 1), target
  * i32/i64 class indices.  reduction: 0 none, 1 mean, 2 sum.  Targets equal to
  * ignore_index contribute nothing (mean divides by the non-ignored count). */
 eng_tensor* eng_cross_entropy(eng_tensor* logits, eng_tensor* target, int64_t ignore_index,
                               int reduction, double label_smoothing);
+/* Vocab-parallel cross entropy (Megatron's): logits_local [..., V_local]
+ * holds classes [vocab_offset, vocab_offset + V_local) of vocab_total (class
+ * dim LAST); targets [...] (the same on every rank of group) hold global
+ * class ids.  Three all_reduces over group (row max, sum of exp, target
+ * logit), no all_gather; returns the loss (same on every rank; reduction and
+ * ignore_index as eng_cross_entropy, no label smoothing); backward (no
+ * communication) gives the local logits' gradient.  group NULL: one process
+ * holds the whole vocabulary.  CPU tensors. */
+eng_tensor* eng_cross_entropy_vocab_parallel(eng_tensor* logits_local, eng_tensor* target, int64_t vocab_offset,
+                                             int64_t vocab_total, struct eng_pg* group, int64_t ignore_index,
+                                             int reduction);
 /* Inverted dropout with the global counter-based RNG (consumes offsets). */
 eng_tensor* eng_dropout(eng_tensor* x, double p, int training);
 /* q [..., L, E], k [..., S, E], v [..., S, Ev].  mask: NULL, bool (true =

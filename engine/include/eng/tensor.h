@@ -82,6 +82,16 @@ int eng_tensor_zero_(eng_tensor* t);
 eng_tensor* eng_tensor_clone(eng_tensor* t);
 eng_tensor* eng_tensor_contiguous(eng_tensor* t);     /* t itself (retained) if contiguous */
 eng_tensor* eng_tensor_to_dtype(eng_tensor* t, int dtype); /* t itself if same dtype */
+/* A copy on device (ENG_CPU / ENG_CUDA), t itself (retained) when already
+ * there; differentiable (the gradient goes back to t's device).  Host <->
+ * device through the CUDA runtime's pinned staging buffers.  Without a GPU:
+ * NULL with "to_device: CUDA is not available: <reason>". */
+eng_tensor* eng_tensor_to_device(eng_tensor* t, int device);
+/* t takes src's data (storage, dtype, device, geometry) in place, keeping
+ * its identity, flags, hooks and .grad (like PyTorch's `t.data = src`):
+ * module.to() converts parameters with it.  t must be a leaf; a .grad must
+ * already match src (dtype, device, shape). */
+int eng_tensor_set_data(eng_tensor* t, eng_tensor* src);
 /* Shares storage, no autograd history, requires_grad = 0. */
 eng_tensor* eng_tensor_detach(eng_tensor* t);
 

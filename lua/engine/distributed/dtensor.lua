@@ -207,16 +207,27 @@ function methods.full_tensor(t, opts)
   return wrap(C.eng_dtensor_full_tensor(c, grad_pl(opts, "full_tensor")))
 end
 
--- d:redistribute(mesh_or_nil, placements, {async_op = false}); also d:redistribute(placements).
+-- d:redistribute(mesh_or_nil, placements, {async_op = false, forward_dtype = nil, backward_dtype = nil});
+-- also d:redistribute(placements [, opts]).  forward_dtype: the local shard is cast
+-- before the communication (the result has that dtype); backward_dtype: the
+-- gradient is cast before the communication (default: d's dtype) and d's
+-- gradient comes back in d's dtype.
 function methods.redistribute(t, mesh, placements, opts)
   local op = "redistribute"
   local c = need_dtensor(t, op)
-  if placements == nil and type(mesh) == "table" and not meshmod.is_mesh(mesh) then mesh, placements = nil, mesh end
+  if type(mesh) == "table" and not meshmod.is_mesh(mesh) and (placements == nil or not P.is_placement(placements[1])) then
+    mesh, placements, opts = nil, mesh, placements
+  end
   if mesh ~= nil then mesh = mesh_arg(mesh, op) end
   if placements == nil then core.fail(op .. ": placements is needed for redistribute!") end
   opts = opts_arg(opts, op)
   local arr, n = P._to_c(placements, op)
-  return wrap(C.eng_dtensor_redistribute(c, mesh and mesh._c or nil, n, arr, opts.async_op and 1 or 0))
+  local fdt = opts.forward_dtype ~= nil and core.dtype(opts.forward_dtype, op .. ": forward_dtype") or -1
+  local bdt = opts.backward_dtype ~= nil and core.dtype(opts.backward_dtype, op .. ": backward_dtype") or -1
+  if fdt < 0 and bdt < 0 then
+    return wrap(C.eng_dtensor_redistribute(c, mesh and mesh._c or nil, n, arr, opts.async_op and 1 or 0))
+  end
+  return wrap(C.eng_dtensor_redistribute_dtype(c, mesh and mesh._c or nil, n, arr, opts.async_op and 1 or 0, fdt, bdt))
 end
 
 -- Async results: wait for / query a pending redistribute.

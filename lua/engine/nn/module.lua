@@ -21,7 +21,7 @@
 -- reshard) and Lua hooks run in one registration order.  The C object is
 -- m._cmod (an eng_module*; register C hooks on it directly).
 local core = require("engine.core")
-require("engine.tensor")
+local Tensor = require("engine.tensor")
 local autograd = require("engine.autograd")
 local ffi, C = core.ffi, core.C
 local is_tensor = core.is_tensor
@@ -499,43 +499,74 @@ function Module:requires_grad_(flag)
 end
 
 -- ---------------------------------------------------------------- conversion
--- to(dtype) / to("cuda") / to{dtype=, device=}: converts parameters (floating
--- ones only for a dtype change) and buffers in place of the old ones; tied
--- parameters stay tied.  Returns self.
+-- to(dtype) / to("cuda") / to("cpu") / to{dtype=, device=}: converts the
+-- parameters (floating ones only for a dtype change) and buffers IN PLACE, as
+-- PyTorch's module.to: every Parameter keeps its identity (the same Lua
+-- object and C tensor, with its flags, hooks and gradient, which is converted
+-- too) and takes the converted data, so tied parameters stay tied and
+-- optimizers built before or after see the moved tensors.  Without a GPU,
+-- to("cuda") fails before anything changes.  Returns self.
 function Module:to(what)
-  local dtype_change = not (what == "cpu" or what == "cuda" or (type(what) == "table" and what.dtype == nil))
-  local mapped = {}
-  local function convert(t)
-    local key = ptr_key(t)
-    local r = mapped[key]
-    if r ~= nil then return r end
-    if dtype_change and not t:is_floating_point() then mapped[key] = t; return t end
-    local c = t:to(what)
-    if c._c == t._c then mapped[key] = t; return t end
-    if is_param(t) then
-      local p = M.Parameter(c, t.requires_grad)
-      local g = t._c.grad
-      if g ~= nil then
-        local gw = core.wrap_borrowed(g)
-        p.grad = gw:to(what)
+  local dt, dev
+  if type(what) == "table" then dt, dev = what.dtype, what.device
+  elseif Tensor.device_code(what) then dev = what
+  else dt = what end
+  local op = "module:to(" .. (type(what) == "string" and ('"' .. what .. '"') or "...") .. ")"
+  local code
+  if dev ~= nil then
+    code = Tensor.device_code(dev)
+    if not code then core.fail(op .. ": unknown device '" .. tostring(dev) .. "' (expected \"cpu\" or \"cuda\")") end
+    Tensor.require_device(code, op)
+  end
+  local dcode = dt ~= nil and core.dtype(dt, "to", 3) or nil
+  local function check_ptr(p) if p == nil then core.raise() end return p end
+  -- the converted data of tensor c (a new reference), or nil when unchanged
+  local function converted(c, floating_only)
+    local r, owned = c, false
+    if code and c.device ~= code then r = check_ptr(C.eng_tensor_to_device(c, code)); owned = true end
+    if dcode and r.dtype ~= dcode and (not floating_only or C.eng_dtype_is_floating(r.dtype) ~= 0) then
+      local r2 = check_ptr(C.eng_tensor_to_dtype(r, dcode))
+      if owned then C.eng_tensor_release(r) end
+      r, owned = r2, true
+    end
+    return owned and r or nil
+  end
+  local function swap(c, floating_only)
+    local r = converted(c, floating_only)
+    if r == nil then return end
+    local rc = C.eng_tensor_set_data(c, r)
+    C.eng_tensor_release(r)
+    core.check(rc)
+  end
+  local seen = {}
+  local prev = C.eng_set_grad_enabled(0)
+  local ok, err = pcall(function()
+    for _, m in ipairs(self:modules()) do
+      local params = rawget(m, "_parameters")
+      for _, name in ipairs(rawget(m, "_param_names")) do
+        local p = params[name]
+        if p ~= nil and not seen[ptr_key(p)] then
+          seen[ptr_key(p)] = true
+          if p._c.grad ~= nil then swap(p._c.grad, true) end
+          swap(p._c, true)
+        end
       end
-      c = p
+      local bufs = rawget(m, "_buffers")
+      for _, name in ipairs(rawget(m, "_buffer_names")) do
+        local b = bufs[name]
+        if b ~= nil and not seen[ptr_key(b)] then
+          seen[ptr_key(b)] = true
+          swap(b._c, true)
+        end
+      end
     end
-    mapped[key] = c
-    return c
-  end
-  for _, m in ipairs(self:modules()) do
-    local params = rawget(m, "_parameters")
-    for _, name in ipairs(rawget(m, "_param_names")) do
-      if params[name] ~= nil then params[name] = convert(params[name]) end
-    end
-    local bufs = rawget(m, "_buffers")
-    for _, name in ipairs(rawget(m, "_buffer_names")) do
-      if bufs[name] ~= nil then bufs[name] = convert(bufs[name]) end
-    end
-  end
+  end)
+  C.eng_set_grad_enabled(prev)
+  if not ok then error(err, 2) end
   return self
 end
+function Module:cuda() return self:to("cuda") end
+function Module:cpu() return self:to("cpu") end
 
 function Module:float() return self:to("f32") end
 function Module:double() return self:to("f64") end

@@ -227,6 +227,19 @@ function M.embedding(weight, idx, padding_idx)
   return wrap(C.eng_embedding(cw, ci, pad))
 end
 
+-- embedding_masked(weight_shard, idx, row_offset): the local op of a row-sharded
+-- embedding.  weight_shard holds rows row_offset .. row_offset + rows - 1 (0-based
+-- row ids, like idx) of the full table; other indices give zero rows and the
+-- backward adds gradient only into owned rows.
+function M.embedding_masked(weight, idx, row_offset)
+  local op = "embedding_masked"
+  local cw, ci = ct(weight, op, 1), ct(idx, op, 2)
+  if type(row_offset) ~= "number" or row_offset % 1 ~= 0 then
+    error(op .. ": row_offset must be an integer (0-based row id), got " .. tostring(row_offset), 2)
+  end
+  return wrap(C.eng_embedding_masked(cw, ci, row_offset))
+end
+
 -- eng_tensor*[n] from a Lua list of n entries; nil/false entries become NULL
 -- when holes are allowed.
 local function c2_list(list, n, op, what, holes)

@@ -44,7 +44,7 @@ function AdamW:validate_group(g, level)
   if g.maximize then bad("maximize is not supported") end
 end
 
-local function zeros_like(p) return core.wrap(C.eng_tensor_zeros_like(p._c), 4) end
+local function zeros_like(p) return Optimizer._zeros_like(p, 4) end
 
 -- step([closure]): one update of every parameter that has a gradient.
 function AdamW:step(closure)

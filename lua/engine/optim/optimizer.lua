@@ -282,6 +282,18 @@ function Optimizer:_closure(closure)
   return autograd.enable_grad(closure)
 end
 
+-- A zero state tensor in p's layout: p's local shape, dtype and device, and
+-- p's DTensor spec when p is a DTensor (the fused kernels then step the local
+-- shards; they reject a state or gradient whose layout differs from p's).
+function Optimizer._zeros_like(p, level)
+  local z = C.eng_tensor_zeros_like(p._c)
+  if z ~= nil and p._c.dist ~= nil and z.dist == nil and C.eng_dtensor_wrap_output(z, p._c.dist) ~= 0 then
+    C.eng_tensor_release(z)
+    z = nil
+  end
+  return core.wrap(z, (level or 1) + 1)
+end
+
 -- eng_tensor* arrays for the fused kernels.
 function Optimizer._arrays(n)
   local k = n > 0 and n or 1

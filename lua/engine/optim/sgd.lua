@@ -51,7 +51,7 @@ function SGD:step(closure)
           local st = self.state[p]
           if not st or st.momentum_buffer == nil then
             st = st or {}
-            st.momentum_buffer = core.wrap(C.eng_tensor_zeros_like(p._c), 3)
+            st.momentum_buffer = Optimizer._zeros_like(p, 3)
             self.state[p] = st
             first = true
           end

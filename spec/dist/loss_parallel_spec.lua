@@ -1,0 +1,150 @@
+-- Vocab-parallel cross entropy (dist.cross_entropy_vocab_parallel, Megatron's
+-- parallel cross entropy): every rank holds a torch.chunk slice of the class
+-- (last) dim; loss and the gathered logits gradient must equal
+-- engine.cross_entropy on the full logits, for even and uneven vocab splits
+-- (V = 13 and 5 over 4 ranks: empty slices too), ignore_index and every
+-- reduction; exactly 3 all_reduces forward and no collective backward.
+local engine = require("engine")
+local dist = engine.distributed
+
+local R, W = dist.rank(), dist.world_size()
+local S = dist.Shard
+
+local function diff(a, b)
+  local sa, sb = a:shape(), b:shape()
+  if #sa ~= #sb then return math.huge end
+  for i = 1, #sa do if sa[i] ~= sb[i] then return math.huge end end
+  if a:numel() == 0 then return 0 end
+  return (a:double() - b:double()):abs():max():item()
+end
+local function errmsg(fn, ...)
+  local ok, e = pcall(fn, ...)
+  assert(not ok, "expected an error")
+  return tostring(e)
+end
+
+local mesh = dist.init_device_mesh("cpu", { W })
+local group = mesh:get_group()
+
+-- Same data on every rank (same seed); targets cover every rank's slice, plus ignored rows.
+local function data(shape, V, dtype, ignore)
+  engine.manual_seed(1234)
+  local full = (engine.randn(shape, { dtype = "f64" }) * 3):to(dtype)
+  local tshape = {}
+  for i = 1, #shape - 1 do tshape[i] = shape[i] end
+  local n = 1
+  for i = 1, #tshape do n = n * tshape[i] end
+  local t = {}
+  for i = 1, n do t[i] = ((i - 1) * 7 + 3) % V end
+  if ignore then t[2] = ignore; if n > 4 then t[n - 1] = ignore end end
+  local tgt = engine.tensor(t):view(tshape)
+  local g = engine.randn(tshape, { dtype = "f64" }):to(dtype)
+  return full, tgt, g
+end
+
+-- Runs both paths; returns loss_vp, loss_ref, gathered grad, ref grad, forward counts, backward counts.
+local function run(shape, V, red, dtype, ignore)
+  local full, tgt, g = data(shape, V, dtype, ignore)
+  local nd = #shape
+  local size, off = dist.local_shard_size_and_offset(V, W, R)
+  local loc = full:narrow(nd, off + 1, size):clone()
+  loc.requires_grad = true
+  local ref_in = full:clone()
+  ref_in.requires_grad = true
+  local opts = { vocab_offset = off, vocab_total = V, group = group, reduction = red, ignore_index = ignore }
+  local fc, loss = dist.count_collectives(dist.cross_entropy_vocab_parallel, loc, tgt, opts)
+  local flat_ref = nd == 2 and ref_in or ref_in:view(-1, V)
+  local ref = engine.cross_entropy(flat_ref, tgt:view(-1), { reduction = red, ignore_index = ignore })
+  if red == "none" then ref = ref:view(tgt:shape()) end
+  local bc = dist.count_collectives(function()
+    if red == "none" then (loss * g):sum():backward() else loss:backward() end
+  end)
+  if red == "none" then (ref * g):sum():backward() else ref:backward() end
+  local stride, s = {}, 1
+  for i = nd, 1, -1 do stride[i] = s; s = s * shape[i] end
+  local gathered = dist.DTensor.from_local(loc.grad, mesh, { S(nd) }, { shape = shape, stride = stride }):full_tensor()
+  return loss, ref, gathered, ref_in.grad, fc, bc
+end
+
+local function total(c) local n = 0 for _, v in pairs(c) do n = n + v end return n end
+
+describe("cross_entropy_vocab_parallel", function()
+  for _, V in ipairs({ 13, 5, 4 * W }) do
+    for _, red in ipairs({ "mean", "sum", "none" }) do
+      for _, ign in ipairs({ -100, 3 }) do
+        it(string.format("[7, %d] f64, reduction %s, ignore_index %d: loss and grad equal cross_entropy", V, red, ign), function()
+          local loss, ref, gathered, rg, fc, bc = run({ 7, V }, V, red, "f64", ign)
+          assert.is_true(diff(loss, ref) < 1e-12, "loss differs: " .. diff(loss, ref))
+          assert.is_true(diff(gathered, rg) < 1e-12, "grad differs: " .. diff(gathered, rg))
+          if W > 1 then
+            assert.are.same({ all_reduce = 3 }, fc)
+          end
+          assert.are.equal(0, total(bc))
+        end)
+      end
+    end
+  end
+
+  it("[2, 3, 13] (batch, time, vocab) f32, reduction mean, uneven split", function()
+    local loss, ref, gathered, rg = run({ 2, 3, 13 }, 13, "mean", "f32", -100)
+    assert.is_true(diff(loss, ref) < 1e-5, "loss differs: " .. diff(loss, ref))
+    assert.is_true(diff(gathered, rg) < 1e-6, "grad differs: " .. diff(gathered, rg))
+  end)
+
+  it("[2, 3, 13] f64, reduction none", function()
+    local loss, ref, gathered, rg = run({ 2, 3, 13 }, 13, "none", "f64", 5)
+    assert.are.same({ 2, 3 }, loss:shape())
+    assert.is_true(diff(loss, ref) < 1e-12)
+    assert.is_true(diff(gathered, rg) < 1e-12)
+  end)
+
+  it("all rows ignored: mean is NaN like cross_entropy, sum is 0", function()
+    local size, off = dist.local_shard_size_and_offset(6, W, R)
+    local x = engine.randn({ 3, 6 }, { dtype = "f64" }):narrow(2, off + 1, size):clone()
+    local t = engine.tensor({ -100, -100, -100 })
+    local m = dist.cross_entropy_vocab_parallel(x, t, { vocab_offset = off, vocab_total = 6, group = group })
+    assert.is_true(m:item() ~= m:item())
+    local s = dist.cross_entropy_vocab_parallel(x, t, { vocab_offset = off, vocab_total = 6, group = group,
+      reduction = "sum" })
+    assert.are.equal(0, s:item())
+  end)
+
+  it("every rank fails with the same error for a target out of range", function()
+    local size, off = dist.local_shard_size_and_offset(6, W, R)
+    local x = engine.randn({ 2, size }, { dtype = "f64" })
+    local e = errmsg(dist.cross_entropy_vocab_parallel, x, engine.tensor({ 1, 6 }),
+      { vocab_offset = off, vocab_total = 6, group = group })
+    assert.is_truthy(e:find("target 6 at %(0%-based, flat%) position 1 is out of range for 6 classes"), e)
+  end)
+
+  it("a wrong vocab slice on one rank fails on every rank", function()
+    local size, off = dist.local_shard_size_and_offset(8, W, R)
+    if R == W - 1 then off = off + 1 end
+    local x = engine.randn({ 2, size }, { dtype = "f64" })
+    local e = errmsg(dist.cross_entropy_vocab_parallel, x, engine.tensor({ 1, 2 }),
+      { vocab_offset = off, vocab_total = 8, group = group })
+    if W > 1 then
+      assert.is_truthy(e:find("vocab slice") or e:find("another rank"), e)
+    else
+      assert.is_truthy(e:find("vocab slice"), e)
+    end
+  end)
+
+  it("local vocab sizes that do not add up to vocab_total fail on every rank", function()
+    local x = engine.randn({ 2, 2 }, { dtype = "f64" })
+    local e = errmsg(dist.cross_entropy_vocab_parallel, x, engine.tensor({ 0, 1 }),
+      { vocab_offset = 0, vocab_total = 2 * W + 1, group = group })
+    if W == 1 then
+      assert.is_truthy(e:find("add up to 2, not vocab_total = 3"), e)
+    else
+      assert.is_truthy(e:find("vocab slice") or e:find("another rank") or e:find("add up to"), e)
+    end
+  end)
+
+  it("a DTensor argument outside local mode is an error", function()
+    local d = dist.distribute_tensor(engine.randn({ 2, 4 * W }, { dtype = "f64" }), mesh, { S(2) })
+    local e = errmsg(dist.cross_entropy_vocab_parallel, d, engine.tensor({ 0, 1 }),
+      { vocab_offset = 0, vocab_total = 4 * W, group = group })
+    assert.is_truthy(e:find("cross_entropy_vocab_parallel: takes this rank's local logits"), e)
+  end)
+end)

@@ -1,0 +1,114 @@
+-- redistribute's forward_dtype / backward_dtype (pytorch-semantics 1.3, D10):
+-- the local shard is cast before the communication (the collective carries
+-- that dtype: checked with the byte counters), the gradient is cast to
+-- backward_dtype (default: the input's dtype) before the backward
+-- communication, and the input's gradient comes back in its own dtype.
+local engine = require("engine")
+local dist = engine.distributed
+
+local R, W = dist.rank(), dist.world_size()
+local S, Rep = dist.Shard, dist.Replicate
+
+local function diff(a, b)
+  local sa, sb = a:shape(), b:shape()
+  if #sa ~= #sb then return math.huge end
+  for i = 1, #sa do if sa[i] ~= sb[i] then return math.huge end end
+  if a:numel() == 0 then return 0 end
+  return (a:double() - b:double()):abs():max():item()
+end
+local function errmsg(fn, ...)
+  local ok, e = pcall(fn, ...)
+  assert(not ok, "expected an error")
+  return tostring(e)
+end
+-- collectives and bytes issued by fn
+local function traffic(fn)
+  dist.reset_comm_counts()
+  local r = fn()
+  return dist.comm_counts(), dist.comm_bytes(), r
+end
+
+local mesh = dist.init_device_mesh("cpu", { W })
+local SHAPE = { 4 * W, 6 }  -- even: every shard [4, 6]
+local LOCAL_NUMEL = 24
+
+local function input(pl)
+  engine.manual_seed(5)
+  local full = engine.randn(SHAPE)
+  local d = dist.distribute_tensor(full:clone(), mesh, pl, { src_data_rank = false })
+  d.requires_grad = true
+  return d, full
+end
+
+local dtypes = { "bf16", "f32", false }
+
+describe("redistribute forward_dtype / backward_dtype", function()
+  for _, fwd in ipairs(dtypes) do
+    for _, bwd in ipairs(dtypes) do
+      local name = string.format("forward_dtype %s, backward_dtype %s", tostring(fwd or "nil"), tostring(bwd or "nil"))
+      it("Shard -> Replicate, " .. name, function()
+        local d, full = input({ S(1) })
+        local opts = { forward_dtype = fwd or nil, backward_dtype = bwd or nil }
+        local c, bytes, out = traffic(function() return d:redistribute(mesh, { Rep() }, opts) end)
+        assert.are.equal(fwd or "f32", out.dtype)
+        assert.are.equal(0, diff(out:to_local(), full:to(fwd or "f32")))
+        if W > 1 then
+          assert.are.same({ all_gather = 1 }, c)
+          assert.are.equal(LOCAL_NUMEL * (fwd == "bf16" and 2 or 4), bytes.all_gather)
+        end
+        -- backward of S -> R: no communication, grad in the input's dtype
+        local bc = dist.count_collectives(function() out:to_local():sum():backward() end)
+        assert.are.same({}, bc)
+        assert.are.equal("f32", d.grad.dtype)
+        assert.is_true(dist.is_dtensor(d.grad))
+        assert.are.equal(0, diff(d.grad:full_tensor(), engine.ones(SHAPE)))
+      end)
+
+      it("Replicate -> Shard (backward all_gather), " .. name, function()
+        local d, full = input({ Rep() })
+        local out = d:redistribute({ S(1) }, { forward_dtype = fwd or nil, backward_dtype = bwd or nil })
+        assert.are.equal(fwd or "f32", out.dtype)
+        local size, off = dist.local_shard_size_and_offset(SHAPE[1], W, R)
+        assert.are.equal(0, diff(out:to_local(), full:narrow(1, off + 1, size):to(fwd or "f32")))
+        engine.manual_seed(9)
+        local g = engine.randn({ size, 6 }):to(fwd or "f32")
+        local c, bytes = traffic(function() (out:to_local() * g):sum():backward() end)
+        if W > 1 then
+          assert.are.same({ all_gather = 1 }, c)
+          assert.are.equal(LOCAL_NUMEL * (bwd == "bf16" and 2 or 4), bytes.all_gather)
+        end
+        assert.are.equal("f32", d.grad.dtype)
+        -- the gradient went through backward_dtype (default f32) before the all_gather
+        local gathered = dist.DTensor.from_local(g:to(bwd or "f32"):float(), mesh, { S(1) }):full_tensor()
+        assert.are.equal(0, diff(d.grad:to_local(), gathered))
+      end)
+    end
+  end
+
+  it("Replicate -> Replicate with forward_dtype casts without communication", function()
+    local d, full = input({ Rep() })
+    local c, _, out = traffic(function() return d:redistribute({ Rep() }, { forward_dtype = "bf16" }) end)
+    assert.are.same({}, c)
+    assert.are.equal("bf16", out.dtype)
+    assert.are.equal(0, diff(out:to_local(), full:to("bf16")))
+    out:to_local():float():sum():backward()
+    assert.are.equal("f32", d.grad.dtype)
+    assert.are.equal(0, diff(d.grad:to_local(), engine.ones(SHAPE)))
+  end)
+
+  it("bf16 values equal the f32 redistribute up to bf16 rounding", function()
+    local d = input({ S(2) })
+    local a = d:redistribute({ Rep() }, { forward_dtype = "bf16" }):to_local():float()
+    local b = d:redistribute({ Rep() }):to_local()
+    local rel = ((a - b):abs() / (b:abs() + 1e-30)):max():item()
+    assert.is_true(rel <= 2 ^ -8, "relative error " .. rel)
+  end)
+
+  it("rejects a non-floating dtype", function()
+    local d = input({ S(1) })
+    local e = errmsg(function() d:redistribute({ Rep() }, { forward_dtype = "i32" }) end)
+    assert.is_truthy(e:find("forward_dtype i32 is invalid", 1, true), e)
+    e = errmsg(function() d:redistribute({ Rep() }, { backward_dtype = "i64" }) end)
+    assert.is_truthy(e:find("backward_dtype i64 is invalid", 1, true), e)
+  end)
+end)
