@@ -423,7 +423,7 @@ static int prepare(const char* name, eng_op_call* c, eng_tensor** conv) {
     eng_tensor* t = c->in[i];
     if (!t) continue;
     if (!t->dist) {
-      if (is_scalar_plain(t)) continue;
+      if (is_scalar_plain(t) || eng_dtensor_implicit_replication()) continue; /* R3: implicit_replication */
       char s[600];
       snprintf(a, sizeof a, "DTensor(%s)", eng_dist_spec_describe(first->dist, first->dtype, s, sizeof s));
       snprintf(b, sizeof b, "%s", eng_desc(t));

@@ -106,4 +106,12 @@ int eng_threads(void);
  * returns the first offset and stores the generator's seed in *seed. */
 uint64_t eng_rng_reserve_seeded(uint64_t n, uint64_t* seed);
 
+/* Sharded random ops (local mode; the box of the shard is spec->offset +
+ * x->shape of spec->shape; the generator advances by the global count):
+ * ops_dropout.c, ops_attention.c (pshape/pstart: the global attention
+ * weights' shape and the shard's start in it). */
+eng_tensor* eng_dropout_shard(eng_tensor* x, double p, const eng_dist_spec* spec);
+eng_tensor* eng_sdpa_shard(eng_tensor* q, eng_tensor* k, eng_tensor* v, eng_tensor* mask, double dropout_p,
+                           int is_causal, double scale, const int64_t* pshape, const int64_t* pstart);
+
 #endif

@@ -68,6 +68,21 @@ static eng_tensor* dropout_keep(const at_plan* p, double dp, uint64_t seed, uint
                           offset);
 }
 
+/* A shard's attention weights (eng_sdpa_shard): the box pstart + pshape of
+ * the global weights gshape; the mask is that slice of the global mask. */
+typedef struct { int nd; int64_t gshape[ENG_MAX_DIMS], start[ENG_MAX_DIMS]; } at_box;
+
+static eng_tensor* dropout_keep_box(const at_plan* p, const at_box* b, double dp, uint64_t seed, uint64_t offset) {
+  if (!b) return dropout_keep(p, dp, seed, offset);
+  if (b->nd != p->nb + 2)
+    return eng_errp("scaled_dot_product_attention: internal error: shard box of %d dims for %d-d weights", b->nd,
+                    p->nb + 2);
+  return eng_random_slice(ENG_RNG_BERNOULLI, b->nd, b->gshape, b->start, p->pshape, 1.0 - dp, 0.0, ENG_U8, seed,
+                          offset);
+}
+
+static void box_free(eng_node* n) { free(n->ctx); n->ctx = NULL; }
+
 /* A new tensor of the given shape (ref's dim count) laid out in memory in
  * the dim order of ref's strides, as torch.empty_like keeps a dense layout:
  * q, k, v are usually [B, H, L, E] views of [B, L, H, E] projections, and
@@ -314,7 +329,7 @@ static int sdpa_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
     goto done;
   c.P = eng_ptr(P);
   if (dp > 0.0) {
-    if (!(U = dropout_keep(&p, dp, (uint64_t)n->ints[0], (uint64_t)n->ints[1]))) goto done;
+    if (!(U = dropout_keep_box(&p, n->ctx, dp, (uint64_t)n->ints[0], (uint64_t)n->ints[1]))) goto done;
     if (!(Pd = eng_new(P->ndim, P->shape, cdt, P->device))) goto done;
     c.keep = (const uint8_t*)eng_ptr(U);
     c.Pd = eng_ptr(Pd);
@@ -397,12 +412,11 @@ static eng_tensor* sdpa_cuda(eng_tensor* q, eng_tensor* k, eng_tensor* v, int ca
   return out;
 }
 
-eng_tensor* eng_scaled_dot_product_attention(eng_tensor* q, eng_tensor* k, eng_tensor* v,
-                                             eng_tensor* mask, double dropout_p, int is_causal,
-                                             double scale) {
+static eng_tensor* sdpa_op(eng_tensor* q, eng_tensor* k, eng_tensor* v, eng_tensor* mask, double dropout_p,
+                           int is_causal, double scale, const at_box* box) {
   const char* op = "scaled_dot_product_attention";
   ENG_CHECK(q, op); ENG_CHECK(k, op); ENG_CHECK(v, op);
-  if (ENG_DT_ACTIVE(q->dist || k->dist || v->dist || (mask && mask->dist))) return eng_no_rule("scaled_dot_product_attention", &(eng_op_call){.n_in = 4, .in = {q, k, v, mask}});
+  if (ENG_DT_ACTIVE(q->dist || k->dist || v->dist || (mask && mask->dist))) return eng_dispatch(&eng_opdef_sdpa, &(eng_op_call){.name = op, .n_in = 4, .in = {q, k, v, mask}, .ints = {is_causal ? 1 : 0}, .scalars = {dropout_p, scale}});
   if (q->dtype != k->dtype || q->dtype != v->dtype)
     return eng_errp("%s: q %s, k %s and v %s must have the same dtype", op, eng_desc(q), eng_desc(k), eng_desc(v));
   if (!eng_dtype_is_floating(q->dtype))
@@ -481,8 +495,8 @@ eng_tensor* eng_scaled_dot_product_attention(eng_tensor* q, eng_tensor* k, eng_t
   if (dropout_p > 0.0) {
     uint64_t cur;
     eng_rng_get_state(&seed, &cur);
-    offset = eng_rng_reserve((uint64_t)P->numel);
-    if (!(U = dropout_keep(&p, dropout_p, seed, offset))) goto fail;
+    offset = eng_rng_reserve((uint64_t)(box ? eng_shape_numel(box->nd, box->gshape) : P->numel));
+    if (!(U = dropout_keep_box(&p, box, dropout_p, seed, offset))) goto fail;
     if (!(Pd = eng_new(pnd, p.pshape, cdt, q->device))) goto fail;
     c.keep = (const uint8_t*)eng_ptr(U);
     c.Pd = eng_ptr(Pd);
@@ -506,6 +520,13 @@ eng_tensor* eng_scaled_dot_product_attention(eng_tensor* q, eng_tensor* k, eng_t
       goto fail;
     nd->scalars[0] = scale; nd->scalars[1] = dropout_p;
     nd->ints[0] = (int64_t)seed; nd->ints[1] = (int64_t)offset; nd->ints[2] = is_causal ? 1 : 0;
+    if (box && dropout_p > 0.0) {
+      at_box* b = malloc(sizeof *b);
+      if (!b) { eng_err("%s: out of memory", op); goto fail; }
+      *b = *box;
+      nd->ctx = b;
+      nd->free_ctx = box_free;
+    }
   }
   eng_tensor_release(P);
   return out;
@@ -515,4 +536,24 @@ fail:
   eng_tensor_release(hq); eng_tensor_release(hk); eng_tensor_release(hv);
   eng_tensor_release(P); eng_tensor_release(U); eng_tensor_release(Pd); eng_tensor_release(out);
   return NULL;
+}
+
+eng_tensor* eng_scaled_dot_product_attention(eng_tensor* q, eng_tensor* k, eng_tensor* v, eng_tensor* mask,
+                                             double dropout_p, int is_causal, double scale) {
+  return sdpa_op(q, k, v, mask, dropout_p, is_causal, scale, NULL);
+}
+
+/* Attention on local shards (sharding_attention.c, local mode): the dropout
+ * mask is the slice pstart + (local weights' shape) of the mask of the global
+ * weights pshape ([batch..., L, S]) and the generator advances by the global
+ * count, so every layout draws what one process draws. */
+eng_tensor* eng_sdpa_shard(eng_tensor* q, eng_tensor* k, eng_tensor* v, eng_tensor* mask, double dropout_p,
+                           int is_causal, double scale, const int64_t* pshape, const int64_t* pstart) {
+  at_box b;
+  int nd = q->ndim;
+  if (k->ndim > nd) nd = k->ndim;
+  if (v->ndim > nd) nd = v->ndim;
+  b.nd = nd;
+  for (int d = 0; d < nd; d++) { b.gshape[d] = pshape[d]; b.start[d] = pstart[d]; }
+  return sdpa_op(q, k, v, mask, dropout_p, is_causal, scale, &b);
 }

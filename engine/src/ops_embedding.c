@@ -39,7 +39,9 @@ static int embedding_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
 eng_tensor* eng_embedding(eng_tensor* weight, eng_tensor* indices, int64_t padding_idx) {
   const char* op = "embedding";
   ENG_CHECK(weight, op); ENG_CHECK(indices, op);
-  if (ENG_DT_ACTIVE((weight && weight->dist) || indices->dist)) return eng_no_rule("embedding", &(eng_op_call){.n_in = 2, .in = {weight, indices}});
+  if (ENG_DT_ACTIVE(weight->dist || indices->dist))
+    return eng_dispatch(&eng_opdef_embedding, &(eng_op_call){.name = op, .n_in = 2, .in = {weight, indices},
+                                                             .ints = {padding_idx < 0 ? -1 : padding_idx}});
   if (weight->ndim != 2)
     return eng_errp("%s: weight must be 2-D [num_embeddings, embedding_dim], got %s", op, eng_desc(weight));
   if (indices->dtype != ENG_I32 && indices->dtype != ENG_I64)

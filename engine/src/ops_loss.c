@@ -172,7 +172,10 @@ fail:
 eng_tensor* eng_cross_entropy(eng_tensor* logits, eng_tensor* target, int64_t ignore_index,
                               int reduction, double label_smoothing) {
   ENG_CHECK(logits, "cross_entropy"); ENG_CHECK(target, "cross_entropy");
-  if (ENG_DT_ACTIVE(logits->dist || target->dist)) return eng_no_rule("cross_entropy", &(eng_op_call){.n_in = 2, .in = {logits, target}});
+  if (ENG_DT_ACTIVE(logits->dist || target->dist))
+    return eng_dispatch(&eng_opdef_cross_entropy,
+                        &(eng_op_call){.name = "cross_entropy", .n_in = 2, .in = {logits, target},
+                                       .ints = {ignore_index, reduction}, .scalars = {label_smoothing}});
   eng_tensor* x = logits;
   if (!eng_dtype_is_floating(x->dtype))
     return eng_errp("cross_entropy: logits %s must be floating point", eng_desc(x));

@@ -249,9 +249,32 @@ static int sum_to_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
   return 0;
 }
 
+/* DTensor form: a composition of ops that have sharding rules (sum over the
+ * broadcast dims with keepdim, then a view), checked on the GLOBAL shape. */
+static eng_tensor* sum_to_shape_dtensor(eng_tensor* t, int ndim, const int64_t* shape) {
+  const eng_dist_spec* sp = t->dist;
+  char desc[256];
+  eng_dtensor_describe(t, desc, sizeof desc);
+  if (ndim < 0 || ndim > sp->ndim || (ndim > 0 && !shape))
+    return eng_errp("sum_to_shape: %d dims requested for %s", ndim, desc);
+  int off = sp->ndim - ndim, dims[ENG_MAX_DIMS], nd = 0;
+  for (int i = 0; i < ndim; i++)
+    if (shape[i] != sp->shape[off + i] && shape[i] != 1)
+      return eng_errp("sum_to_shape: %s cannot be summed to shape %s (the shape must broadcast to the tensor's)",
+                      desc, eng_shape_str(ndim, shape));
+  for (int d = 0; d < sp->ndim; d++)
+    if (d < off || (shape[d - off] == 1 && sp->shape[d] != 1)) dims[nd++] = d;
+  if (nd == 0 && off == 0) return eng_tensor_retain(t);
+  eng_tensor* r = nd ? eng_sum(t, nd, dims, 1) : eng_tensor_retain(t);
+  if (!r) return NULL;
+  eng_tensor* v = eng_view(r, ndim, shape);
+  eng_tensor_release(r);
+  return v;
+}
+
 eng_tensor* eng_sum_to_shape(eng_tensor* t, int ndim, const int64_t* shape) {
   ENG_CHECK(t, "sum_to_shape");
-  if (ENG_DT_ACTIVE(t->dist)) return eng_no_rule("sum_to_shape", &(eng_op_call){.n_in = 1, .in = {t}});
+  if (ENG_DT_ACTIVE(t->dist)) return sum_to_shape_dtensor(t, ndim, shape);
   if (ndim < 0 || ndim > ENG_MAX_DIMS) return eng_errp("sum_to_shape: %d dims requested for %s", ndim, eng_desc(t));
   if (ndim > 0 && !shape) return eng_errp("sum_to_shape: shape is NULL");
   int ok = ndim <= t->ndim;

@@ -4,6 +4,7 @@
  * cat/stack/split/chunk/index_select live in ops_join.c. */
 #include "internal.h"
 #include "sharding.h"
+#include "sharding_shape.h"
 #include <stdio.h>
 
 /* "[1,3]" strides of t, for error messages. */
@@ -150,7 +151,7 @@ static int compute_stride(const eng_tensor* t, int nd, const int64_t* shape, int
 
 eng_tensor* eng_view(eng_tensor* t, int ndim, const int64_t* shape) {
   ENG_CHECK(t, "view");
-  if (ENG_DT_ACTIVE(t->dist)) return eng_no_rule("view", &(eng_op_call){.n_in = 1, .in = {t}});
+  if (ENG_DT_ACTIVE(t->dist)) return eng_dt_reshape(t, ndim, shape, 0, "view");
   int64_t sh[ENG_MAX_DIMS], st[ENG_MAX_DIMS];
   if (infer_shape("view", t, ndim, shape, sh)) return NULL;
   if (compute_stride(t, ndim, sh, st))
@@ -180,7 +181,7 @@ static eng_tensor* reshape_as(eng_tensor* t, int ndim, const int64_t* sh, const 
 
 eng_tensor* eng_reshape(eng_tensor* t, int ndim, const int64_t* shape) {
   ENG_CHECK(t, "reshape");
-  if (ENG_DT_ACTIVE(t->dist)) return eng_no_rule("reshape", &(eng_op_call){.n_in = 1, .in = {t}});
+  if (ENG_DT_ACTIVE(t->dist)) return eng_dt_reshape(t, ndim, shape, 1, "reshape");
   int64_t sh[ENG_MAX_DIMS];
   if (infer_shape("reshape", t, ndim, shape, sh)) return NULL;
   return reshape_as(t, ndim, sh, "ReshapeBackward");
@@ -189,7 +190,7 @@ eng_tensor* eng_reshape(eng_tensor* t, int ndim, const int64_t* shape) {
 /* ------------------------------------------------------------ transpose / permute */
 eng_tensor* eng_transpose(eng_tensor* t, int d0, int d1) {
   ENG_CHECK(t, "transpose");
-  if (ENG_DT_ACTIVE(t->dist)) return eng_no_rule("transpose", &(eng_op_call){.n_in = 1, .in = {t}});
+  if (ENG_DT_ACTIVE(t->dist)) return eng_dt_transpose(t, d0, d1);
   int a = wrap_dim(d0, t->ndim, "transpose", t), b = a < 0 ? -1 : wrap_dim(d1, t->ndim, "transpose", t);
   if (a < 0 || b < 0) return NULL;
   int64_t sh[ENG_MAX_DIMS], st[ENG_MAX_DIMS];
@@ -206,7 +207,7 @@ eng_tensor* eng_transpose(eng_tensor* t, int d0, int d1) {
 
 eng_tensor* eng_permute(eng_tensor* t, int ndim, const int* dims) {
   ENG_CHECK(t, "permute");
-  if (ENG_DT_ACTIVE(t->dist)) return eng_no_rule("permute", &(eng_op_call){.n_in = 1, .in = {t}});
+  if (ENG_DT_ACTIVE(t->dist)) return eng_dt_permute(t, ndim, dims);
   if (ndim != t->ndim)
     return eng_errp("permute: number of dims does not match: %d dims given for %s", ndim, eng_desc(t));
   if (ndim > 0 && !dims) return eng_errp("permute: dims is NULL");
@@ -231,7 +232,7 @@ eng_tensor* eng_permute(eng_tensor* t, int ndim, const int* dims) {
 /* ------------------------------------------------------------ narrow / select */
 eng_tensor* eng_narrow(eng_tensor* t, int dim, int64_t start, int64_t length) {
   ENG_CHECK(t, "narrow");
-  if (ENG_DT_ACTIVE(t->dist)) return eng_no_rule("narrow", &(eng_op_call){.n_in = 1, .in = {t}});
+  if (ENG_DT_ACTIVE(t->dist)) return eng_dt_narrow(t, dim, start, length);
   if (t->ndim == 0) return eng_errp("narrow: cannot be applied to a 0-d tensor (%s)", eng_desc(t));
   int d = wrap_dim(dim, t->ndim, "narrow", t);
   if (d < 0) return NULL;
@@ -256,7 +257,7 @@ eng_tensor* eng_narrow(eng_tensor* t, int dim, int64_t start, int64_t length) {
 
 eng_tensor* eng_select(eng_tensor* t, int dim, int64_t index) {
   ENG_CHECK(t, "select");
-  if (ENG_DT_ACTIVE(t->dist)) return eng_no_rule("select", &(eng_op_call){.n_in = 1, .in = {t}});
+  if (ENG_DT_ACTIVE(t->dist)) return eng_dt_select(t, dim, index);
   if (t->ndim == 0) return eng_errp("select: cannot be applied to a 0-d tensor (%s)", eng_desc(t));
   int d = wrap_dim(dim, t->ndim, "select", t);
   if (d < 0) return NULL;
@@ -278,7 +279,7 @@ eng_tensor* eng_select(eng_tensor* t, int dim, int64_t index) {
 /* ------------------------------------------------------------ expand */
 eng_tensor* eng_expand(eng_tensor* t, int ndim, const int64_t* shape) {
   ENG_CHECK(t, "expand");
-  if (ENG_DT_ACTIVE(t->dist)) return eng_no_rule("expand", &(eng_op_call){.n_in = 1, .in = {t}});
+  if (ENG_DT_ACTIVE(t->dist)) return eng_dt_expand(t, ndim, shape);
   if (ndim < t->ndim)
     return eng_errp("expand: %d sizes given for %s: the number of sizes must be at least the number of dims (%d)",
                     ndim, eng_desc(t), t->ndim);
@@ -313,7 +314,7 @@ eng_tensor* eng_expand(eng_tensor* t, int ndim, const int64_t* shape) {
 /* ------------------------------------------------------------ squeeze / unsqueeze / flatten */
 eng_tensor* eng_squeeze(eng_tensor* t, int dim) {
   ENG_CHECK(t, "squeeze");
-  if (ENG_DT_ACTIVE(t->dist)) return eng_no_rule("squeeze", &(eng_op_call){.n_in = 1, .in = {t}});
+  if (ENG_DT_ACTIVE(t->dist)) return eng_dt_squeeze(t, dim, 0);
   int d = wrap_dim(dim, t->ndim, "squeeze", t);
   if (d < 0) return NULL;
   int64_t sh[ENG_MAX_DIMS], st[ENG_MAX_DIMS];
@@ -325,7 +326,7 @@ eng_tensor* eng_squeeze(eng_tensor* t, int dim) {
 
 eng_tensor* eng_squeeze_all(eng_tensor* t) {
   ENG_CHECK(t, "squeeze");
-  if (ENG_DT_ACTIVE(t->dist)) return eng_no_rule("squeeze", &(eng_op_call){.n_in = 1, .in = {t}});
+  if (ENG_DT_ACTIVE(t->dist)) return eng_dt_squeeze(t, 0, 1);
   int64_t sh[ENG_MAX_DIMS], st[ENG_MAX_DIMS];
   int k = 0;
   for (int i = 0; i < t->ndim; i++)
@@ -335,7 +336,7 @@ eng_tensor* eng_squeeze_all(eng_tensor* t) {
 
 eng_tensor* eng_unsqueeze(eng_tensor* t, int dim) {
   ENG_CHECK(t, "unsqueeze");
-  if (ENG_DT_ACTIVE(t->dist)) return eng_no_rule("unsqueeze", &(eng_op_call){.n_in = 1, .in = {t}});
+  if (ENG_DT_ACTIVE(t->dist)) return eng_dt_unsqueeze(t, dim);
   if (t->ndim >= ENG_MAX_DIMS)
     return eng_errp("unsqueeze: %s already has %d dims, the maximum", eng_desc(t), ENG_MAX_DIMS);
   int d = wrap_dim(dim, t->ndim + 1, "unsqueeze", t);
@@ -354,7 +355,7 @@ eng_tensor* eng_unsqueeze(eng_tensor* t, int dim) {
 
 eng_tensor* eng_flatten(eng_tensor* t, int start_dim, int end_dim) {
   ENG_CHECK(t, "flatten");
-  if (ENG_DT_ACTIVE(t->dist)) return eng_no_rule("flatten", &(eng_op_call){.n_in = 1, .in = {t}});
+  if (ENG_DT_ACTIVE(t->dist)) return eng_dt_flatten(t, start_dim, end_dim);
   int s = wrap_dim(start_dim, t->ndim, "flatten", t), e = s < 0 ? -1 : wrap_dim(end_dim, t->ndim, "flatten", t);
   if (s < 0 || e < 0) return NULL;
   if (s > e)

@@ -1,4 +1,5 @@
 /* runtime.c: process-wide set-up, threads, clocks. */
+#include <stdlib.h>
 #include "internal.h"
 #include "../../kernels/cpu/kcpu.h"
 #include <malloc.h>
@@ -33,6 +34,18 @@ int eng_runtime_init(void) {
    * BLAS thread spins against the engine's parallel kernels. */
   g_threads = openblas_get_num_threads();
   if (g_threads < 1) g_threads = 1;
+  /* ENGINE_NUM_THREADS wins; otherwise, with several ranks on one node
+   * (mpirun's local size) and no explicit OPENBLAS_NUM_THREADS, each rank
+   * takes its share of the cores (as torchrun does) so that idle pool
+   * workers of one rank do not spin against another rank's work. */
+  const char* env = getenv("ENGINE_NUM_THREADS");
+  const char* local = getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
+  if (!local) local = getenv("MPI_LOCALNRANKS");
+  if (env && atoi(env) > 0) g_threads = atoi(env) > 64 ? 64 : atoi(env);
+  else if (local && atoi(local) > 1 && !getenv("OPENBLAS_NUM_THREADS")) {
+    g_threads /= atoi(local);
+    if (g_threads < 1) g_threads = 1;
+  }
   openblas_set_num_threads(1);
   kc_set_threads(g_threads);
   return 0;

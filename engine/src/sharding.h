@@ -157,6 +157,13 @@ extern const eng_op_def eng_opdef_extreme_all;    /* ints[0] = 1 max / 0 min */
 extern const eng_op_def eng_opdef_argext;         /* ints[0] = dim, ints[1] = keepdim, ints[2] = 1 argmax / 0 argmin */
 extern const eng_op_def eng_opdef_argmax_all;
 extern const eng_op_def eng_opdef_matmul, eng_opdef_linear;
+/* sharding_embedding.c: ints[0] = padding_idx (-1 none); sharding_loss.c: cross_entropy ints[0] = ignore_index,
+ * ints[1] = reduction (0 none, 1 mean, 2 sum), scalars[0] = label_smoothing (R3) */
+extern const eng_op_def eng_opdef_embedding, eng_opdef_cross_entropy;
+/* R1: softmax ints[0] = dim, ints[1] = log; norm (layer_norm/rms_norm, inputs x, w, b) ints[0] = n_norm,
+ * ints[1] = rms, scalars[0] = eps; dropout scalars[0] = p; sdpa (q, k, v, mask) ints[0] = is_causal,
+ * scalars[0] = dropout_p, scalars[1] = scale */
+extern const eng_op_def eng_opdef_softmax, eng_opdef_norm, eng_opdef_dropout, eng_opdef_sdpa;
 
 /* op codes for the generic defs */
 enum { ENG_SC_ADD, ENG_SC_SUB, ENG_SC_MUL, ENG_SC_DIV, ENG_SC_POW, ENG_SC_RSUB, ENG_SC_RDIV, ENG_SC_RPOW };

@@ -32,14 +32,18 @@ describe("dispatcher errors", function()
     local e = errmsg(function() return a * b end)
     assert.truthy(e:find("mul: DTensor arguments on different device meshes: mesh(" .. W .. ") and mesh(" .. W .. ": other)", 1, true), e)
   end)
-  it("an op without a sharding rule raises instead of computing on locals", function()
-    local d = dist.distribute_tensor(engine.ones(4, 6), mesh1, { S(1) })
-    local e = errmsg(function() return engine.nn.functional.dropout(d, 0.5, true) end)
-    assert.truthy(e:find("dropout: no sharding strategy registered for DTensor arguments (DTensor(f32[4,6] on mesh(" .. W .. ") [Shard(1)]))", 1, true), e)
-    local e2 = errmsg(function() return d:view(24) end)
-    assert.truthy(e2:find("view: no sharding strategy registered for DTensor arguments", 1, true), e2)
-    local e3 = errmsg(function() return engine.cat({ d, d }, 1) end)
-    assert.truthy(e3:find("cat: no sharding strategy registered for DTensor arguments (DTensor(f32[4,6]", 1, true), e3)
+  it("ops without a rule of their own (sum_to_size) compose ruled ops and match the single-process result", function()
+    local rows = {}
+    for i = 1, 4 do rows[i] = {} for j = 1, 6 do rows[i][j] = (i * 7 + j * 3) % 5 - 2 end end
+    local x = engine.tensor(rows)   -- small integers: sums are exact in any order
+    for _, pl in ipairs({ { S(1) }, { S(2) }, { Rep() } }) do
+      local d = dist.distribute_tensor(x, mesh1, pl)
+      local r = d:sum_to_size(1, 6)
+      assert.truthy(dist.is_dtensor(r))
+      assert.are.same(x:sum_to_size(1, 6):totable(), r:full_tensor():totable())
+    end
+    local e = errmsg(function() return dist.distribute_tensor(x, mesh1, { S(1) }):sum_to_size(3, 6) end)
+    assert.truthy(e:find("sum_to_size: DTensor(i64[4,6]", 1, true), e)
   end)
   it("in-place on a Partial target with an operand of another layout is refused", function()
     local p = dist.DTensor.from_local(engine.ones(3), mesh1, { Part() })

@@ -182,6 +182,10 @@ eng_tensor* eng_dtensor_random(int kind, int ndim, const int64_t* shape, double 
  * Returns the previous value. */
 int eng_dtensor_set_local_mode(int on);
 int eng_dtensor_local_mode(void);
+/* Thread-local (PyTorch's implicit_replication, C15): while on, a plain
+ * tensor mixed with DTensors is taken as Replicate.  Returns the previous value. */
+int eng_dtensor_set_implicit_replication(int on);
+int eng_dtensor_implicit_replication(void);
 /* Attaches spec (new reference taken) to an op output computed on local
  * tensors; checks the local shape on members. */
 int eng_dtensor_wrap_output(eng_tensor* out, eng_dist_spec* spec);

@@ -15,7 +15,7 @@ local C = core.C
 local dist = {}
 
 local modules = { "comm", "mesh", "placement", "placements", "dtensor", "redistribute", "sharding", "parallel", "fsdp",
-  "sharded_tensor", "checkpoint", "loss_parallel", "distribute_module" }
+  "sharded_tensor", "checkpoint", "loss_parallel", "distribute_module", "implicit_replication", "data_parallel" }
 for _, name in ipairs(modules) do
   local mod = "engine.distributed." .. name
   local ok, m = pcall(require, mod)

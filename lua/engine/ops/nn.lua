@@ -173,14 +173,15 @@ local function c2_norm_dims(op, cx, shape)
     error(op .. ": normalized_shape must be a number or a non-empty table of sizes", 3)
   end
   local n, nd = #list, cx.ndim
+  local gshape = cx.dist ~= nil and cx.dist.shape or cx.shape -- DTensor: the global shape
   local ok = n <= nd
   for i = 1, n do
     if type(list[i]) ~= "number" then error(op .. ": normalized_shape entries must be numbers", 3) end
-    if ok and list[i] ~= tonumber(cx.shape[nd - n + i - 1]) then ok = false end
+    if ok and list[i] ~= tonumber(gshape[nd - n + i - 1]) then ok = false end
   end
   if not ok then
     local sh = {}
-    for i = 0, nd - 1 do sh[#sh + 1] = tostring(tonumber(cx.shape[i])) end
+    for i = 0, nd - 1 do sh[#sh + 1] = tostring(tonumber(gshape[i])) end
     error(string.format("%s: normalized_shape {%s} does not match the last dims of input %s[%s]", op,
       table.concat(list, ","), core.dtype_names[cx.dtype], table.concat(sh, ",")), 3)
   end

@@ -20,6 +20,13 @@ end
 
 local function isint(v) return type(v) == "number" and v % 1 == 0 end
 
+-- Global geometry (ndim, shape array) of a tensor: a DTensor's own shape is its
+-- local shard; its spec holds the global shape that :shape() reports.
+local function gdims(c)
+  if c.dist ~= nil then return c.dist.ndim, c.dist.shape end
+  return c.ndim, c.shape
+end
+
 -- Shape from varargs or one table: f(2, 3) / f({2, 3}).
 local shape_buf = ffi.new("int64_t[8]")
 local function shape_of(op, ...)
@@ -51,8 +58,8 @@ function methods.view(t, ...)
 end
 
 function methods.view_as(t, o)
-  local oc = ct(o, "view_as", 2)
-  local r = wrap(C.eng_view(ct(t, "view_as"), oc.ndim, oc.shape))
+  local ond, osh = gdims(ct(o, "view_as", 2))
+  local r = wrap(C.eng_view(ct(t, "view_as"), ond, osh))
   return r
 end
 
@@ -63,8 +70,8 @@ function methods.reshape(t, ...)
 end
 
 function methods.reshape_as(t, o)
-  local oc = ct(o, "reshape_as", 2)
-  local r = wrap(C.eng_reshape(ct(t, "reshape_as"), oc.ndim, oc.shape))
+  local ond, osh = gdims(ct(o, "reshape_as", 2))
+  local r = wrap(C.eng_reshape(ct(t, "reshape_as"), ond, osh))
   return r
 end
 
@@ -128,8 +135,8 @@ function methods.expand(t, ...)
 end
 
 function methods.expand_as(t, o)
-  local oc = ct(o, "expand_as", 2)
-  local r = wrap(C.eng_expand(ct(t, "expand_as"), oc.ndim, oc.shape))
+  local ond, osh = gdims(ct(o, "expand_as", 2))
+  local r = wrap(C.eng_expand(ct(t, "expand_as"), ond, osh))
   return r
 end
 
@@ -172,8 +179,8 @@ function M.cat(list, d)
   local n, arr = tensor_list(list, "cat")
   local nd = 1
   for i = 0, n - 1 do
-    local c = arr[i]
-    if not (c.ndim == 1 and c.shape[0] == 0) then nd = c.ndim; break end
+    local cnd, csh = gdims(arr[i])
+    if not (cnd == 1 and csh[0] == 0) then nd = cnd; break end
   end
   local r = wrap(C.eng_cat(n, arr, cdim(d == nil and 1 or d, nd, "cat")))
   return r
@@ -213,7 +220,8 @@ function methods.split(t, size, d)
     return piece_list(out, k)
   end
   if not isint(size) then error("split: split size must be an integer or a table of sizes, got " .. tostring(size), 2) end
-  local dsz = c.ndim > 0 and tonumber(c.shape[cd]) or 0
+  local gnd, gsh = gdims(c)
+  local dsz = gnd > 0 and tonumber(gsh[cd]) or 0
   local cnt = size > 0 and math.max(math.ceil(dsz / size), 1) or 1
   local out = ffi.new("eng_tensor*[?]", cnt)
   local k = C.eng_split(c, size, cd, cnt, out)
@@ -227,7 +235,8 @@ function methods.chunk(t, chunks, d)
   local cd = cdim(d == nil and 1 or d, c.ndim, "chunk")
   if not isint(chunks) then error("chunk: number of chunks must be an integer, got " .. tostring(chunks), 2) end
   if chunks > 2147483647 then error("chunk: number of chunks " .. tostring(chunks) .. " is too large", 2) end
-  local dsz = c.ndim > 0 and tonumber(c.shape[cd]) or 0
+  local gnd, gsh = gdims(c)
+  local dsz = gnd > 0 and tonumber(gsh[cd]) or 0
   local room = chunks < 1 and 1 or (dsz > 0 and math.min(chunks, dsz) or chunks)
   local out = ffi.new("eng_tensor*[?]", room)
   local k = C.eng_chunk(c, chunks, cd, room, out)

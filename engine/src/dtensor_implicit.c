@@ -1,0 +1,16 @@
+/* dtensor_implicit.c: PyTorch's implicit_replication() (semantics C15): while
+ * the thread-local flag is on, a plain tensor mixed with DTensors in an op is
+ * taken as Replicate on the DTensors' mesh (the dispatcher's mixing check in
+ * dtensor_dispatch.c reads it) instead of raising "mixed DTensor and Tensor
+ * arguments".  Lua: dist.implicit_replication(fn, ...). */
+#include "internal.h"
+
+static __thread int g_implicit;
+
+int eng_dtensor_set_implicit_replication(int on) {
+  int prev = g_implicit;
+  g_implicit = on ? 1 : 0;
+  return prev;
+}
+
+int eng_dtensor_implicit_replication(void) { return g_implicit; }

@@ -1,0 +1,117 @@
+/* sharding_loss.c: sharding rule of cross_entropy(logits, target) (sharding.h).
+ * Logits [C], [N, C] or [N, C, d1, ...] (class dim cd = 1, or 0 for 1-d);
+ * target = logits' shape without the class dim.  Per mesh dim:
+ *   logits S(d), d != cd, target S(d') (the same dim of the target) ->
+ *     none: S(d'); sum: Partial(sum); mean: Partial(sum) of local sum / GLOBAL
+ *     count of non-ignored targets (one all_reduce of that count over each
+ *     mesh dim that shards the batch, inside the local function);
+ *   logits S(cd) with cd the LAST dim, target R, no label smoothing (loss
+ *     parallel) -> Replicate, via eng_cross_entropy_vocab_parallel over that
+ *     mesh dim's group (3 all_reduces forward, none backward; the logits
+ *     gradient stays Shard(cd): no all_gather of the logits).  Offered on the
+ *     first mesh dim that shards the class dim only (one group);
+ *   all R -> R.
+ * Partial logits are replicated first (the loss is not linear). */
+#include "dtensor_impl.h"
+#include "sharding.h"
+
+enum { RED_NONE = 0, RED_MEAN = 1, RED_SUM = 2 };
+
+static int class_dim(const eng_dist_spec* x) { return x->ndim == 1 ? 0 : 1; }
+static int target_dim(int cd, int d) { return d < cd ? d : d - 1; }
+
+static int ce_push(eng_strategy* out, int cap, int n, eng_placement x, eng_placement t, eng_placement o) {
+  eng_strategy st;
+  memset(&st, 0, sizeof st);
+  st.in[0] = x; st.in[1] = t; st.out[0] = o;
+  return sh_push(out, cap, n, &st);
+}
+
+static int ce_rule(const eng_op_call* c, const eng_dist_spec* const* s, int m, eng_strategy* out, int cap) {
+  const eng_dist_spec* x = s[0];
+  int cd = class_dim(x), red = (int)c->ints[1], n = 0;
+  for (int d = 0; d < x->ndim && n >= 0; d++) {
+    if (d == cd) continue;
+    int td = target_dim(cd, d);
+    n = ce_push(out, cap, n, sh_S(d), sh_S(td), red == RED_NONE ? sh_S(td) : sh_P(ENG_REDUCE_SUM));
+  }
+  int first = 1;
+  for (int j = 0; j < m; j++)
+    if (sh_is_S(&x->placements[j]) && x->placements[j].dim == cd) first = 0;
+  if (n >= 0 && first && cd == x->ndim - 1 && c->scalars[0] == 0.0)
+    n = ce_push(out, cap, n, sh_S(cd), sh_R(), sh_R());
+  if (n < 0) return n;
+  return sh_all_replicate(out, cap, n, 2, 1);
+}
+
+static int ce_shape(const eng_op_call* c, const eng_dist_spec* const* s, int* nd, int64_t (*shapes)[8]) {
+  const eng_dist_spec *x = s[0], *t = s[1];
+  if (x->ndim < 1) return eng_err("logits must be [C], [N, C] or [N, C, d1, ...], got a 0-d tensor");
+  int cd = class_dim(x), k = 0;
+  int64_t ts[8];
+  for (int d = 0; d < x->ndim; d++) if (d != cd) ts[k++] = x->shape[d];
+  int ok = t->ndim == k;
+  for (int d = 0; ok && d < k; d++) ok = t->shape[d] == ts[d];
+  if (!ok)
+    return eng_err("target %s does not match logits %s (expected target shape %s: the logits' shape without the "
+                   "class dim)", eng_shape_str(t->ndim, t->shape), eng_shape_str(x->ndim, x->shape),
+                   eng_shape_str(k, ts));
+  if (c->ints[1] == RED_NONE) {
+    nd[0] = k;
+    memcpy(shapes[0], ts, sizeof(int64_t) * (size_t)k);
+  } else nd[0] = 0;
+  return 0;
+}
+
+/* Non-ignored targets of this rank's (contiguous CPU) target shard. */
+static int local_count(eng_tensor* t, int64_t ignore, double* out) {
+  if (t->device != ENG_CPU)
+    return eng_err("mean over a sharded batch: targets on %s are not supported (CPU only)", eng_desc(t));
+  eng_tensor* T = eng_as_contig(t, ENG_I64);
+  if (!T) return -1;
+  const int64_t* p = (const int64_t*)eng_ptr(T);
+  int64_t n = 0;
+  for (int64_t i = 0; i < T->numel; i++) n += p[i] != ignore;
+  eng_tensor_release(T);
+  *out = (double)n;
+  return 0;
+}
+
+static int ce_local(const eng_op_call* c, const eng_dist_spec* const* is, const eng_dist_spec* const* os,
+                    eng_tensor** outs) {
+  (void)os;
+  const eng_dist_spec* x = is[0];
+  eng_tensor *logits = c->in[0], *target = c->in[1];
+  int cd = class_dim(x), red = (int)c->ints[1], vm = -1, batch[8], nb = 0;
+  int64_t ignore = c->ints[0];
+  for (int m = 0; m < x->mesh_ndim; m++) {
+    const eng_placement* p = &x->placements[m];
+    if (!sh_is_S(p)) continue;
+    if (p->dim != cd) batch[nb++] = m;
+    else if (vm < 0) vm = m;
+    else return eng_err("the class dim is sharded over two mesh dims (%d and %d)", vm + dt_base(), m + dt_base());
+  }
+  if (!x->member) return eng_err("not a member of the mesh");
+  int rd = red == RED_MEAN && nb > 0 ? RED_SUM : red;
+  eng_tensor* r;
+  if (vm >= 0)
+    r = eng_cross_entropy_vocab_parallel(logits, target, x->offset[cd], x->shape[cd], eng_mesh_get_group(x->mesh, vm),
+                                         ignore, rd);
+  else
+    r = eng_cross_entropy(logits, target, ignore, rd, c->scalars[0]);
+  if (!r) return -1;
+  if (rd == red) { outs[0] = r; return 0; }
+  /* mean over a sharded batch: local sum / global count of non-ignored targets */
+  double cnt;
+  eng_tensor* ct = NULL;
+  int rc = local_count(target, ignore, &cnt);
+  if (!rc) rc = (ct = eng_tensor_full(0, NULL, cnt, ENG_F64, ENG_CPU)) ? 0 : -1;
+  for (int i = 0; i < nb && !rc; i++) rc = eng_pg_all_reduce(eng_mesh_get_group(x->mesh, batch[i]), ct, ENG_REDUCE_SUM, NULL);
+  if (!rc) rc = eng_tensor_item(ct, &cnt);
+  eng_tensor_release(ct);
+  if (!rc) outs[0] = eng_mul_scalar(r, cnt > 0 ? 1.0 / cnt : (0.0 / 0.0));
+  eng_tensor_release(r);
+  return rc ? -1 : (outs[0] ? 0 : -1);
+}
+
+const eng_op_def eng_opdef_cross_entropy = {"cross_entropy", 1, ce_rule, ce_shape, NULL, ce_local, 1};
