@@ -5,15 +5,12 @@
 local engine = require("engine")
 local nn = engine.nn
 local dist = engine.distributed
+local util = require("spec.dist.helpers.util")
+local errmsg = util.errmsg
 
 local R, W = dist.rank(), dist.world_size()
 local S, Rep = dist.Shard, dist.Replicate
 
-local function errmsg(fn, ...)
-  local ok, e = pcall(fn, ...)
-  assert(not ok, "expected an error")
-  return tostring(e)
-end
 local function diff(a, b)
   if a:numel() == 0 then return 0 end
   return (a:double() - b:double()):abs():max():item()

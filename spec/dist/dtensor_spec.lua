@@ -5,6 +5,8 @@
 -- failing rank cannot leave the others waiting.
 local engine = require("engine")
 local dist = engine.distributed
+local util = require("spec.dist.helpers.util")
+local diff, errmsg = util.diff, util.errmsg
 
 local R, W = dist.rank(), dist.world_size()
 local S, Rep, Part = dist.Shard, dist.Replicate, dist.Partial
@@ -12,24 +14,12 @@ local S, Rep, Part = dist.Shard, dist.Replicate, dist.Partial
 local function range(n) local r = {} for i = 1, n do r[i] = i - 1 end return r end
 local function flat(t) return (t:contiguous():tolist_flat()) end
 -- max |a - b| (0 for two empty tensors; huge when the shapes differ)
-local function diff(a, b)
-  local sa, sb = a:shape(), b:shape()
-  if #sa ~= #sb then return math.huge end
-  for i = 1, #sa do if sa[i] ~= sb[i] then return math.huge end end
-  if a:numel() == 0 then return 0 end
-  return (a:double() - b:double()):abs():max():item()
-end
 -- comm counts of fn (kinds with zero omitted), then fn's results
 local function counts(fn, ...) return dist.count_collectives(fn, ...) end
 local function c(n) if W > 1 then return n end return nil end  -- expected count: none on a 1-rank mesh
 local function chunk_of(t, d, k, r)
   local size, off = dist.local_shard_size_and_offset(t:size(d), k, r)
   return t:narrow(d, off + 1, size)
-end
-local function errmsg(fn, ...)
-  local ok, e = pcall(fn, ...)
-  assert(not ok, "expected an error")
-  return tostring(e)
 end
 
 local mesh1 = dist.init_device_mesh("cpu", { W })

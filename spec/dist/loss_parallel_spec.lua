@@ -6,22 +6,12 @@
 -- reduction; exactly 3 all_reduces forward and no collective backward.
 local engine = require("engine")
 local dist = engine.distributed
+local util = require("spec.dist.helpers.util")
+local diff, errmsg = util.diff, util.errmsg
 
 local R, W = dist.rank(), dist.world_size()
 local S = dist.Shard
 
-local function diff(a, b)
-  local sa, sb = a:shape(), b:shape()
-  if #sa ~= #sb then return math.huge end
-  for i = 1, #sa do if sa[i] ~= sb[i] then return math.huge end end
-  if a:numel() == 0 then return 0 end
-  return (a:double() - b:double()):abs():max():item()
-end
-local function errmsg(fn, ...)
-  local ok, e = pcall(fn, ...)
-  assert(not ok, "expected an error")
-  return tostring(e)
-end
 
 local mesh = dist.init_device_mesh("cpu", { W })
 local group = mesh:get_group()

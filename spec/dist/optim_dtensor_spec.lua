@@ -7,23 +7,13 @@
 -- tensors) give the single-process norm on every rank and clip the shards.
 local engine = require("engine")
 local dist = engine.distributed
+local util = require("spec.dist.helpers.util")
+local diff, errmsg = util.diff, util.errmsg
 local optim = engine.optim
 
 local R, W = dist.rank(), dist.world_size()
 local S, Rep, Part = dist.Shard, dist.Replicate, dist.Partial
 
-local function diff(a, b)
-  local sa, sb = a:shape(), b:shape()
-  if #sa ~= #sb then return math.huge end
-  for i = 1, #sa do if sa[i] ~= sb[i] then return math.huge end end
-  if a:numel() == 0 then return 0 end
-  return (a:double() - b:double()):abs():max():item()
-end
-local function errmsg(fn, ...)
-  local ok, e = pcall(fn, ...)
-  assert(not ok, "expected an error")
-  return tostring(e)
-end
 
 local mesh1 = dist.init_device_mesh("cpu", { W })
 local mesh2 = W == 4 and dist.init_device_mesh("cpu", { 2, 2 }, { "dp", "tp" }) or nil

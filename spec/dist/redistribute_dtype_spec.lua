@@ -5,22 +5,12 @@
 -- communication, and the input's gradient comes back in its own dtype.
 local engine = require("engine")
 local dist = engine.distributed
+local util = require("spec.dist.helpers.util")
+local diff, errmsg = util.diff, util.errmsg
 
 local R, W = dist.rank(), dist.world_size()
 local S, Rep = dist.Shard, dist.Replicate
 
-local function diff(a, b)
-  local sa, sb = a:shape(), b:shape()
-  if #sa ~= #sb then return math.huge end
-  for i = 1, #sa do if sa[i] ~= sb[i] then return math.huge end end
-  if a:numel() == 0 then return 0 end
-  return (a:double() - b:double()):abs():max():item()
-end
-local function errmsg(fn, ...)
-  local ok, e = pcall(fn, ...)
-  assert(not ok, "expected an error")
-  return tostring(e)
-end
 -- collectives and bytes issued by fn
 local function traffic(fn)
   dist.reset_comm_counts()

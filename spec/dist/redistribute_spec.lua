@@ -5,28 +5,18 @@
 -- the same collectives in the same order and asserts afterwards.
 local engine = require("engine")
 local dist = engine.distributed
+local util = require("spec.dist.helpers.util")
+local diff, errmsg = util.diff, util.errmsg
 
 local R, W = dist.rank(), dist.world_size()
 local S, Rep, Part = dist.Shard, dist.Replicate, dist.Partial
 local describe_pl = dist.placements_describe
 
-local function diff(a, b)
-  local sa, sb = a:shape(), b:shape()
-  if #sa ~= #sb then return math.huge end
-  for i = 1, #sa do if sa[i] ~= sb[i] then return math.huge end end
-  if a:numel() == 0 then return 0 end
-  return (a:double() - b:double()):abs():max():item()
-end
 local function counts(fn, ...) return dist.count_collectives(fn, ...) end
 local function c(t) if W > 1 then return t end return {} end
 local function chunk_of(t, d, k, r)
   local size, off = dist.local_shard_size_and_offset(t:size(d), k, r)
   return t:narrow(d, off + 1, size)
-end
-local function errmsg(fn, ...)
-  local ok, e = pcall(fn, ...)
-  assert(not ok, "expected an error")
-  return tostring(e)
 end
 local function leaf(x, mesh, pl)
   local d = dist.distribute_tensor(x, mesh, pl, { src_data_rank = false })

@@ -3,17 +3,14 @@
 -- AccumulateGrad into DTensor leaves, local mode.
 local engine = require("engine")
 local dist = engine.distributed
+local util = require("spec.dist.helpers.util")
+local errmsg = util.errmsg
 
 local R, W = dist.rank(), dist.world_size()
 local S, Rep, Part = dist.Shard, dist.Replicate, dist.Partial
 local mesh1 = dist.init_device_mesh("cpu", { W })
 local mesh_sub = W >= 2 and dist.init_device_mesh("cpu", { 2 }, nil, { ranks = { 0, 1 } }) or nil
 
-local function errmsg(fn, ...)
-  local ok, e = pcall(fn, ...)
-  assert(not ok, "expected an error")
-  return tostring(e)
-end
 local function diff(a, b) return (a:double() - b:double()):abs():max():item() end
 
 describe("dispatcher errors", function()
