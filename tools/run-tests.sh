@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs the whole test suite: C-level tests, single-process busted specs under
-# the engine host, and multi-process specs under mpirun (2 and 4 ranks).
+# the engine host, and multi-process specs under mpirun (1, 2 and 4 ranks).
 # Ends with one line "N passed, N failed, N skipped" (skipped counted separately).
 #
 #   tools/run-tests.sh [BUILD] [--sanitize ASAN_BUILD]
@@ -37,7 +37,7 @@ add() { passed=$((passed + $1)); failed=$((failed + $2)); skipped=$((skipped + $
 suite() {
   local B=$1 sanitized=$2
   ENGINE="$B/engine"
-  LABEL=""; TAG=""; PRE=""; MPIX=""; NPS="2 4"
+  LABEL=""; TAG=""; PRE=""; MPIX=""; NPS="1 2 4"
   if [ ! -x "$ENGINE" ]; then echo "run-tests.sh: $ENGINE not found (build first)"; add 0 1; return; fi
   if [ "$sanitized" = 1 ]; then
     LABEL=" (ASan+UBSan)"; TAG=".asan"; NPS="2"
