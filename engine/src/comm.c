@@ -95,6 +95,20 @@ static void rec_end(int64_t id, int state) {
   r->t_end = eng_time();
 }
 
+int64_t comm_account_begin(eng_pg* pg, int kind, const eng_tensor* key) {
+  int64_t seq = pg->seq++;
+  g_counts[kind]++;
+  g_bytes[kind] += key ? key->numel * eng_dtype_size(key->dtype) : 0;
+  return rec_start(pg, seq, kind, key ? key->dtype : -1, 0, 0, key ? key->ndim : 0, key ? key->shape : NULL, 0);
+}
+
+void comm_account_end(int64_t rec, int state) { rec_end(rec, state); }
+
+void comm_account_undo(int kind, const eng_tensor* key) {
+  g_counts[kind]--;
+  g_bytes[kind] -= key ? key->numel * eng_dtype_size(key->dtype) : 0;
+}
+
 int eng_comm_history_len(void) { return (int)(g_hist_n < HIST ? g_hist_n : HIST); }
 
 static int hist_slot(int i) {

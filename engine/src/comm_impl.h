@@ -19,6 +19,7 @@ struct eng_pg {
   int* ranks;           /* world ranks of the members (size entries) */
   char name[96];
   void* nccl;           /* NCCL backend state, created on first use */
+  int cma;              /* single-copy exchanges (comm_cma.c): 0 not probed yet, 1 usable, -1 not */
 };
 
 /* One collective on raw contiguous buffers, as handed to a backend.
@@ -54,5 +55,27 @@ COMM_INTERNAL int comm_ensure_init(const char* op);
 /* Collective over the world: -1 on every rank (error naming op and what)
  * when `data` is not the same on all ranks. */
 COMM_INTERNAL int comm_world_agree(const void* data, size_t n, const char* op, const char* what);
+
+/* Collectives done outside run() (comm_cma.c) are accounted here as one
+ * collective of `kind`: sequence number, counters, flight recorder.  begin
+ * returns the record id for end (state 1 completed, 2 failed); undo takes the
+ * counters back when the caller redoes the collective another way. */
+COMM_INTERNAL int64_t comm_account_begin(eng_pg* pg, int kind, const eng_tensor* key);
+COMM_INTERNAL void comm_account_end(int64_t rec, int state);
+COMM_INTERNAL void comm_account_undo(int kind, const eng_tensor* key);
+
+/* Single-copy strided exchanges between the ranks of one node (comm_cma.c).
+ * usable: collective on a group's first call (every member must call it with
+ * the same device), then cached; 1 when the path may be taken.
+ * exchange: `in` (any strides) is split along `split` by torch.chunk rules
+ * (split < 0: not split, every rank gets all of it), piece r goes to group
+ * rank r, and `out` is the pieces received from ranks 0..k-1 concatenated
+ * along `cat`; counted as one collective of `kind`.  local_err: this rank
+ * already failed its own checks (message set; out may be NULL): every rank
+ * fails instead of waiting for it.  Returns 0 done, 1 declined (the same on
+ * every rank; the caller takes the MPI path), -1 error on every rank. */
+COMM_INTERNAL int comm_cma_usable(eng_pg* pg, int device);
+COMM_INTERNAL int comm_cma_exchange(eng_pg* pg, const char* op, int kind, eng_tensor* out, const eng_tensor* in,
+                                    int split, int cat, int local_err);
 
 #endif

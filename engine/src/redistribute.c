@@ -22,6 +22,7 @@
  * Replicate.  Async: the last collective of a plan may be left pending; its
  * result's storage is registered and eng_dtensor_wait finishes it. */
 #include "dtensor_impl.h"
+#include "comm_impl.h"
 #include <pthread.h>
 #include <stdio.h>
 
@@ -237,15 +238,46 @@ static int check_local_size(step_ctx* c, const eng_tensor* x, int d, int64_t L) 
   return 0;
 }
 
+/* Synchronous exchanges of at least this many logical bytes take the
+ * single-copy path (comm_cma.c) when the group allows it: no pack, no
+ * padding, no unpack.  Smaller ones are latency-bound and keep the one MPI
+ * collective.  The test depends only on the logical shape, so every rank of
+ * the group decides the same. */
+#define CMA_MIN_BYTES (256 << 10)
+
+/* 0 done (*out set), 1 not taken (take the MPI path), -1 error.  bad: this
+ * rank's local shard failed its checks (message set): on the single-copy
+ * path every rank of the group then fails with it instead of waiting. */
+static int try_cma(step_ctx* c, eng_tensor* x, int kind, int split, int cat, const int64_t* out_shape, int bad,
+                   eng_tensor** out) {
+  *out = NULL;
+  if (c->async || eng_shape_numel(x->ndim, c->ls) * eng_dtype_size(x->dtype) < CMA_MIN_BYTES ||
+      !comm_cma_usable(c->pg, x->device))
+    return bad ? -1 : 1;
+  eng_tensor* o = bad ? NULL : new_like_shape(x, x->ndim, out_shape);
+  int rc = comm_cma_exchange(c->pg, c->op, kind, o, x, split, cat, bad || !o);
+  if (rc) { eng_tensor_release(o); return rc; }
+  *out = o;
+  return 0;
+}
+
 /* S(d) -> R: all_gather along d. */
 static eng_tensor* apply_s2r(step_ctx* c, eng_tensor* x, const eng_placement* s, const eng_placement* t) {
   int d = s->dim, nd = x->ndim, k = c->k;
   int64_t L = c->ls[d], full = cdiv(L, k), m = x->shape[d];
-  if (check_local_size(c, x, d, L)) return NULL;
+  int bad = check_local_size(c, x, d, L);
   int64_t fs[ENG_MAX_DIMS] = {0}, fst[ENG_MAX_DIMS] = {0};
   front_geometry(x, d, fs, fst);
   int64_t rest = eng_shape_numel(nd - 1, fs + 1);
-  if (full == 0 || rest == 0) return empty_result(x, d, L, -1, 0);
+  if (!bad && (full == 0 || rest == 0)) return empty_result(x, d, L, -1, 0);
+  {
+    int64_t os[ENG_MAX_DIMS];
+    for (int j = 0; j < nd; j++) os[j] = x->shape[j];
+    os[d] = L;
+    eng_tensor* o;
+    int rc = try_cma(c, x, ENG_COLL_ALL_GATHER, -1, d, os, bad, &o);
+    if (rc <= 0) return o;
+  }
   eng_tensor* send;
   if (m == full) send = eng_view_of(x, nd, fs, fst, x->offset);
   else {
@@ -379,18 +411,26 @@ static eng_tensor* apply_p2s(step_ctx* c, eng_tensor* x, const eng_placement* s,
 static eng_tensor* apply_s2s(step_ctx* c, eng_tensor* x, const eng_placement* s, const eng_placement* t) {
   int a = s->dim, b = t->dim, nd = x->ndim, k = c->k;
   int64_t La = c->ls[a], nb = c->ls[b];
-  if (check_local_size(c, x, a, La)) return NULL;
-  if (x->shape[b] != nb)
-    return eng_errp("%s: the local shard %s has %lld entries on dim %d, expected %lld (the logical size before "
-                    "sharding it on mesh dim %d)", c->op, eng_desc(x), (long long)x->shape[b], b + dt_base(), (long long)nb,
-                    c->mesh_dim + dt_base());
+  int bad = check_local_size(c, x, a, La);
+  if (!bad && x->shape[b] != nb)
+    bad = eng_err("%s: the local shard %s has %lld entries on dim %d, expected %lld (the logical size before "
+                  "sharding it on mesh dim %d)", c->op, eng_desc(x), (long long)x->shape[b], b + dt_base(), (long long)nb,
+                  c->mesh_dim + dt_base());
   int64_t fa = cdiv(La, k), ma = x->shape[a], fb = cdiv(nb, k), mb;
   chunk_of(nb, k, c->coord, &mb, NULL);
   int64_t cs[ENG_MAX_DIMS], cst[ENG_MAX_DIMS];
   for (int j = 0; j < nd; j++) cs[j] = x->shape[j];
   cs[a] = fa; cs[b] = fb;
   int64_t cn = eng_shape_numel(nd, cs);
-  if (cn == 0) return empty_result(x, a, La, b, mb);
+  if (!bad && cn == 0) return empty_result(x, a, La, b, mb);
+  {
+    int64_t os[ENG_MAX_DIMS];
+    for (int j = 0; j < nd; j++) os[j] = x->shape[j];
+    os[a] = La; os[b] = mb;
+    eng_tensor* o;
+    int rc = try_cma(c, x, ENG_COLL_ALL_TO_ALL, b, a, os, bad, &o);
+    if (rc <= 0) return o;
+  }
   eng_contiguous_strides(nd, cs, cst);
   int64_t bs[2] = {k, cn};
   eng_tensor* send;

@@ -13,8 +13,15 @@
 --   P->R         all_reduce; the bare call out of place, as DTensor's (it keeps its input: MPI reads
 --                the local and writes the result), and once more against the bare in-place call
 --   P->S(1)      reduce_scatter
---   S(1)->S(2)   all_to_all (DTensor also packs the column blocks before it and
---                needs no unpacking after it: the received row blocks are the result)
+--   S(1)->S(2)   all_to_all.  The bare call exchanges the contiguous local as is, which is
+--                not the layout change: each peer needs a column block, strided in the
+--                local, so a correct S->S reads strided memory.  DTensor moves each
+--                block once between the ranks' memories (single-copy path, comm_cma.c);
+--                the two rows after it compare it with what the layout change costs
+--                through MPI: a hand-written pack + the bare all_to_all, and DTensor's
+--                own MPI path (dist.set_single_copy(false)).
+--   S(2)->R      all_gather along the column dim, against a bare all_gather of the
+--                local + the unpack into [rows, cols] (the MPI way to get that layout)
 local engine = require("engine")
 local dist = engine.distributed
 local C = engine.C
@@ -25,6 +32,7 @@ local reps = tonumber(arg and arg[2]) or 10
 local R, W = dist.rank(), dist.world_size()
 local mesh = dist.init_device_mesh("cpu", { W })
 local pg = mesh:get_group(1)
+local single_copy = pg:single_copy_usable() -- collective (every rank asks)
 
 local n = math.floor(mib * 1024 * 1024 / 4)
 local cols = 4096
@@ -69,9 +77,10 @@ local full_out = engine.zeros(rows, cols)
 local shard_out = engine.zeros(rows / W, cols)
 
 local results = {}
-local function row(name, bare, ours, check)
+local function row(name, bare, ours, check, base_name)
   local tb, to = time_pair(bare, ours)
-  results[#results + 1] = string.format("%-21s bare MPI %9.2f ms   DTensor %9.2f ms   ratio %.3f", name, tb, to, to / tb)
+  results[#results + 1] = string.format("%-23s %-15s %8.2f ms   DTensor %8.2f ms   ratio %.3f", name, base_name or "bare MPI", tb,
+    to, to / tb)
   if check then check() end
 end
 
@@ -98,8 +107,36 @@ row("S(1)->S(2)", function() raw(K.all_to_all, l_sh:data_ptr(), shard_out:data_p
   function() drop(); last = sharded:redistribute(nil, { S(2) }) end,
   function() assert(last:to_local():numel() == rows * cols / W, "S->S result") end)
 
+-- what S(1)->S(2) costs the MPI way: pack the column blocks, then the bare all_to_all
+local cw = cols / W
+local packed = engine.zeros(W, rows / W, cw)
+local function pack_a2a()
+  for j = 1, W do packed:select(1, j):copy_(l_sh:narrow(2, (j - 1) * cw + 1, cw)) end
+  raw(K.all_to_all, packed:data_ptr(), shard_out:data_ptr(), l_sh:numel() / W)
+end
+row("S(1)->S(2)", pack_a2a,
+  function() drop(); last = sharded:redistribute(nil, { S(2) }) end,
+  function() assert(last:to_local():numel() == rows * cols / W, "S->S result") end, "pack+all_to_all")
+row("S(1)->S(2)", function()
+    drop(); dist.set_single_copy(false); last = sharded:redistribute(nil, { S(2) }); dist.set_single_copy(true)
+  end,
+  function() drop(); last = sharded:redistribute(nil, { S(2) }) end, nil, "DTensor via MPI")
+-- S(2)->R: the bare all_gather of the column-sharded local, then the unpack
+local col_sharded = dist.ones({ rows, cols }, { mesh = mesh, placements = { S(2) } })
+local l_col = col_sharded:to_local()
+local gathered = engine.zeros(W, rows, cw)
+local full_cols = engine.zeros(rows, cols)
+local function gather_unpack()
+  raw(K.all_gather, l_col:data_ptr(), gathered:data_ptr(), l_col:numel())
+  for j = 1, W do full_cols:narrow(2, (j - 1) * cw + 1, cw):copy_(gathered:select(1, j)) end
+end
+row("S(2)->R", gather_unpack,
+  function() drop(); last = col_sharded:redistribute(nil, { Rep() }) end,
+  function() assert(last:to_local():sum():item() == n, "S(2)->R result") end, "ag+unpack")
+
 if R == 0 then
   print(string.format("redistribute benchmark: %d ranks, global f32[%d,%d] (%.0f MiB), median of %d runs, slowest rank",
     W, rows, cols, n * 4 / 1048576, reps))
   for _, l in ipairs(results) do print(l) end
+  print(string.format("single-copy path (cross-memory attach) %s on this group", single_copy and "used" or "NOT usable"))
 end

@@ -150,6 +150,22 @@ int64_t eng_comm_count(int kind);
 int64_t eng_comm_bytes(int kind);
 void eng_comm_reset_counts(void);
 
+/* ---- single-copy exchanges on one node (engine/src/comm_cma.c): DTensor's
+ * S(a)->S(b) all_to_all and S(d)->R all_gather of at least 256 KiB move each
+ * strided block once, straight between the ranks' memories (Linux
+ * cross-memory attach), instead of packing it for MPI, when every rank of
+ * the group is on this node.  On by default (env ENGINE_CMA=0 turns it off);
+ * set it the same way on every rank.  The count is of the exchanges done
+ * that way by this process (each also counts as its collective). */
+int eng_comm_set_single_copy(int on);
+int eng_comm_get_single_copy(void);
+int64_t eng_comm_single_copy_count(void);
+/* 1 when the single-copy path may be used on pg for CPU tensors (enabled,
+ * not in debug mode, 2 or more members, all on this node, and a probe read of
+ * a peer's memory worked).  Collective the first time it is asked on a group
+ * (every member must call it); cached after that. */
+int eng_pg_single_copy_usable(eng_pg* pg);
+
 /* ---- debug mode and the flight recorder. */
 int eng_comm_set_debug(int on);
 int eng_comm_get_debug(void);

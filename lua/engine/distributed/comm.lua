@@ -42,6 +42,9 @@ function ProcessGroup:size()
   return s
 end
 function ProcessGroup:is_member() return C.eng_pg_is_member(self._c) ~= 0 end
+-- true when large DTensor S->S / S->R exchanges on this group move each block once between the
+-- ranks' memories (see set_single_copy); collective the first time it is asked.
+function ProcessGroup:single_copy_usable() return C.eng_pg_single_copy_usable(self._c) ~= 0 end
 function ProcessGroup:name() return ffi.string(C.eng_pg_name(self._c)) end
 function ProcessGroup:id() return tonumber(C.eng_pg_id(self._c)) end
 -- Collectives issued on the group so far (the next sequence number).
@@ -458,6 +461,13 @@ function CommDebugMode:get_total_counts()
 end
 
 -- ---------------------------------------------------------------- debug mode, flight recorder
+-- set_single_copy(false): DTensor's large S->S and S->R exchanges go through MPI (with a pack)
+-- instead of moving each strided block once between the ranks of a node; set it the same way
+-- on every rank.  single_copy_count(): exchanges done the single-copy way by this process.
+function M.set_single_copy(on) C.eng_comm_set_single_copy(on and 1 or 0) end
+function M.get_single_copy() return C.eng_comm_get_single_copy() ~= 0 end
+function M.single_copy_count() return tonumber(C.eng_comm_single_copy_count()) end
+
 -- set_debug(true [, {timeout = seconds}]): must be set the same way on every rank.
 function M.set_debug(on, opts)
   C.eng_comm_set_debug(on and 1 or 0)

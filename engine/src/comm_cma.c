@@ -1,0 +1,352 @@
+/* comm_cma.c: single-copy strided exchanges between the ranks of one node,
+ * through Linux cross-memory attach (process_vm_readv).
+ *
+ * Why: DTensor's S(a)->S(b) all_to_all and S(d)->R all_gather along a dim
+ * other than the first move strided blocks.  Through MPI they need a pack
+ * into a contiguous send buffer (and, for the gather, an unpack after it):
+ * one extra pass over the data, which on a node with fewer cores than ranks
+ * costs as much as the collective itself (S(1)->S(2) of 64 MiB on 4 ranks:
+ * 2.5x the bare MPI_Alltoall).  Here every rank describes its input (pid,
+ * address, shape, strides) in one small all_gather; each rank then reads the
+ * blocks meant for it straight out of its peers' memory into its own output
+ * (iovecs of the strided runs, one copy per byte, as Open MPI's vader does
+ * for large contiguous messages), and a closing all_reduce of the status both
+ * keeps the inputs alive until everyone has read them and makes any failure
+ * a failure of every rank.
+ *
+ * Used only when every member of the group is on this node and a probe read
+ * works (checked collectively once per group), not in debug mode (whose
+ * fingerprint exchange belongs to the ordinary path), for CPU tensors, and
+ * when every strided run is at least CMA_MIN_RUN bytes.  Otherwise the caller
+ * takes the MPI path; the decision is the same on every rank.  ENGINE_CMA=0
+ * turns it off. */
+#define _GNU_SOURCE
+#include "comm_impl.h"
+#include <errno.h>
+#include <limits.h>
+#include <stdio.h>
+#include <sys/types.h>
+#include <unistd.h>
+#ifdef __linux__
+#include <sys/uio.h>
+#endif
+
+#define CMA_MIN_RUN 256 /* bytes: shorter runs cost more in iovec handling than a pack saves */
+#define CMA_IOV 1024    /* entries per process_vm_readv call (IOV_MAX on Linux) */
+
+typedef struct cma_desc {
+  int64_t pid;
+  uint64_t base, obase;               /* addresses of the input's and the output's element 0 */
+  int32_t dtype, ndim, split, cat, kind, err;
+  int64_t shape[8], stride[8];        /* the input */
+  int64_t oshape[8], ostride[8];      /* the output */
+  char msg[200];                      /* err: this rank's message */
+} cma_desc;
+
+static int64_t cdiv(int64_t a, int64_t b) { return b > 0 ? (a + b - 1) / b : 0; }
+
+static void chunk_of(int64_t n, int64_t k, int64_t idx, int64_t* size, int64_t* off) {
+  int64_t full = cdiv(n, k), o = idx * full;
+  if (o > n) o = n;
+  *size = n - o < full ? n - o : full;
+  *off = o;
+}
+
+static int g_enabled = -1; /* -1: not read from the environment yet */
+static int64_t g_count;
+
+static int enabled(void) {
+  if (g_enabled < 0) {
+    const char* e = getenv("ENGINE_CMA");
+    g_enabled = !(e && !strcmp(e, "0"));
+  }
+  return g_enabled;
+}
+
+int eng_comm_set_single_copy(int on) { g_enabled = on ? 1 : 0; return 0; }
+int eng_comm_get_single_copy(void) { return enabled(); }
+int64_t eng_comm_single_copy_count(void) { return g_count; }
+
+#ifdef __linux__
+static volatile uint64_t g_probe_word = 0x656e67696e65ull; /* "engine" */
+
+/* Collective on the members of pg, once per group: 1 when every member is on
+ * this node and can read its neighbour's memory. */
+static int probe(eng_pg* pg) {
+  int ok = 1;
+  MPI_Comm node = MPI_COMM_NULL;
+  int nsize = 0;
+  if (MPI_Comm_split_type(pg->comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node) != MPI_SUCCESS) ok = 0;
+  else {
+    MPI_Comm_size(node, &nsize);
+    MPI_Comm_free(&node);
+    if (nsize != pg->size) ok = 0;
+  }
+  struct { int64_t pid; uint64_t addr; } me = {(int64_t)getpid(), (uint64_t)(uintptr_t)&g_probe_word}, *all;
+  all = malloc(sizeof *all * (size_t)pg->size);
+  if (!all) ok = 0;
+  int rc = MPI_Allgather(&me, (int)sizeof me, MPI_BYTE, all ? (void*)all : (void*)&me, all ? (int)sizeof me : 0,
+                         MPI_BYTE, pg->comm);
+  if (rc != MPI_SUCCESS) ok = 0;
+  if (ok && all) {
+    int peer = (pg->rank + 1) % pg->size;
+    uint64_t v = 0;
+    struct iovec l = {&v, sizeof v}, r = {(void*)(uintptr_t)all[peer].addr, sizeof v};
+    ssize_t n = process_vm_readv((pid_t)all[peer].pid, &l, 1, &r, 1, 0);
+    if (n != (ssize_t)sizeof v || v != g_probe_word) ok = 0;
+  }
+  free(all);
+  int every = 0;
+  if (MPI_Allreduce(&ok, &every, 1, MPI_INT, MPI_MIN, pg->comm) != MPI_SUCCESS) every = 0;
+  return every;
+}
+#endif
+
+int comm_cma_usable(eng_pg* pg, int device) {
+  if (!pg || !pg->member || device != ENG_CPU || pg->size < 2 || !enabled() || eng_comm_get_debug()) return 0;
+#ifdef __linux__
+  if (pg->cma == 0) pg->cma = probe(pg) ? 1 : -1;
+  return pg->cma > 0;
+#else
+  return 0;
+#endif
+}
+
+int eng_pg_single_copy_usable(eng_pg* pg) { return comm_cma_usable(pg, ENG_CPU); }
+
+#ifdef __linux__
+/* The largest block of trailing dims that is contiguous in both geometries
+ * (in elements), and the number of outer dims left to walk. */
+static int64_t common_run(int nd, const int64_t* shape, const int64_t* sa, const int64_t* sb, int* outer) {
+  int64_t m = 1;
+  int d = nd - 1;
+  for (; d >= 0; d--) {
+    if (shape[d] == 1) continue;
+    if (sa[d] != m || sb[d] != m) break;
+    m *= shape[d];
+  }
+  *outer = d + 1;
+  return m;
+}
+
+/* The block that rank `src` sends to rank `dst`: shape, and the element
+ * offsets in src's input and dst's output. */
+static void block_of(const cma_desc* all, int k, int src, int dst, int64_t* shape, int64_t* in_off, int64_t* out_off) {
+  const cma_desc* s = &all[src];
+  const cma_desc* d = &all[dst];
+  int nd = s->ndim, cat = s->cat, split = s->split;
+  for (int j = 0; j < nd; j++) shape[j] = s->shape[j];
+  *in_off = 0;
+  if (split >= 0) {
+    int64_t sz, off;
+    chunk_of(s->shape[split], k, dst, &sz, &off);
+    shape[split] = sz;
+    *in_off = off * s->stride[split];
+  }
+  int64_t c = 0;
+  for (int q = 0; q < src; q++) c += all[q].shape[cat];
+  *out_off = c * d->ostride[cat];
+}
+
+/* Checks the descriptors (the same verdict on every rank): -1 error (message
+ * set), 1 declined, 0 go. */
+static int check_all(const cma_desc* all, int k, int me, const char* op, const char* what, const char* group) {
+  for (int i = 0; i < k; i++)
+    if (all[i].err) {
+      if (i != me) eng_err("%s: %s on group %s: group rank %d failed its checks: %s", op, what, group, i, all[i].msg);
+      return -1;
+    }
+  const cma_desc* z = &all[0];
+  for (int i = 1; i < k; i++) {
+    const cma_desc* d = &all[i];
+    int bad = d->dtype != z->dtype || d->ndim != z->ndim || d->split != z->split || d->cat != z->cat || d->kind != z->kind;
+    for (int j = 0; !bad && j < z->ndim; j++) if (j != z->cat && d->shape[j] != z->shape[j]) bad = 1;
+    if (bad) {
+      char a[128], b[128];
+      snprintf(a, sizeof a, "%s%s", eng_dtype_name(z->dtype) ? eng_dtype_name(z->dtype) : "?", eng_shape_str(z->ndim, z->shape));
+      snprintf(b, sizeof b, "%s%s", eng_dtype_name(d->dtype) ? eng_dtype_name(d->dtype) : "?", eng_shape_str(d->ndim, d->shape));
+      return eng_err("%s: %s on group %s: group rank 0 sends %s (split dim %d, concat dim %d) but group rank %d sends %s "
+                     "(split dim %d, concat dim %d): every rank must send the same layout except the size of the "
+                     "concat dim", op, what, group, a, z->split, z->cat, i, b, d->split, d->cat);
+    }
+  }
+  int64_t es = eng_dtype_size(z->dtype);
+  for (int dst = 0; dst < k; dst++) {
+    int64_t total = 0;
+    for (int i = 0; i < k; i++) total += all[i].shape[z->cat];
+    if (all[dst].oshape[z->cat] != total) {
+      return eng_err("%s: %s on group %s: group rank %d's output has %lld entries on the concat dim, the inputs "
+                     "add up to %lld", op, what, group, dst, (long long)all[dst].oshape[z->cat], (long long)total);
+    }
+    for (int src = 0; src < k; src++) {
+      if (src == dst) continue;
+      int64_t shape[8], io, oo;
+      block_of(all, k, src, dst, shape, &io, &oo);
+      if (eng_shape_numel(z->ndim, shape) == 0) continue;
+      int outer;
+      int64_t run = common_run(z->ndim, shape, all[src].stride, all[dst].ostride, &outer);
+      if (run * es < CMA_MIN_RUN) return 1;
+    }
+  }
+  return 0;
+}
+
+/* Number of contiguous segments of a box in one geometry. */
+static int64_t segments(int nd, const int64_t* shape, const int64_t* st) {
+  int64_t m = 1, n = eng_shape_numel(nd, shape);
+  for (int d = nd - 1; d >= 0; d--) {
+    if (shape[d] == 1) continue;
+    if (st[d] != m) break;
+    m *= shape[d];
+  }
+  return m ? n / m : 0;
+}
+
+/* Who moves the block src -> dst: the sender writes it (1) or the receiver
+ * reads it (0).  The kernel pins the pages of the REMOTE side one iovec at a
+ * time, so the side whose block is in fewer pieces should be the remote one:
+ * S(1)->S(2) reads 4 KiB rows out of each peer's rows but writes them into
+ * one contiguous range of the peer's output, so senders write.  Computed
+ * from the descriptors alone: both ranks of a pair agree. */
+static int sender_moves(const cma_desc* all, int k, int src, int dst) {
+  int64_t shape[8], io, oo;
+  block_of(all, k, src, dst, shape, &io, &oo);
+  int nd = all[src].ndim;
+  return segments(nd, shape, all[dst].ostride) < segments(nd, shape, all[src].stride);
+}
+
+/* Moves one block between this process and pid: write (process_vm_writev)
+ * from the local geometry into the remote one, or read the other way;
+ * iovecs of the runs, merged where a side is contiguous across runs. */
+static int xfer(pid_t pid, int write, char* rbase, const int64_t* rst, char* lbase, const int64_t* lst, int nd,
+                const int64_t* shape, int64_t es) {
+  int outer;
+  int64_t run = common_run(nd, shape, rst, lst, &outer);
+  int64_t nruns = eng_shape_numel(outer, shape), rb = run * es;
+  struct iovec liov[CMA_IOV], riov[CMA_IOV];
+  int nl = 0, nr = 0;
+  ssize_t want = 0;
+  int64_t idx[8] = {0};
+  for (int64_t u = 0; u < nruns; u++) {
+    int64_t ro = 0, lo = 0;
+    for (int j = 0; j < outer; j++) { ro += idx[j] * rst[j]; lo += idx[j] * lst[j]; }
+    char* rp = rbase + ro * es;
+    char* lp = lbase + lo * es;
+    if (nr && (char*)riov[nr - 1].iov_base + riov[nr - 1].iov_len == rp) riov[nr - 1].iov_len += (size_t)rb;
+    else { riov[nr].iov_base = rp; riov[nr].iov_len = (size_t)rb; nr++; }
+    if (nl && (char*)liov[nl - 1].iov_base + liov[nl - 1].iov_len == lp) liov[nl - 1].iov_len += (size_t)rb;
+    else { liov[nl].iov_base = lp; liov[nl].iov_len = (size_t)rb; nl++; }
+    want += (ssize_t)rb;
+    for (int j = outer - 1; j >= 0; j--) { if (++idx[j] < shape[j]) break; idx[j] = 0; }
+    if (nr == CMA_IOV || nl == CMA_IOV || u == nruns - 1 || want > (ssize_t)1 << 30) {
+      ssize_t got = write ? process_vm_writev(pid, liov, (unsigned long)nl, riov, (unsigned long)nr, 0)
+                          : process_vm_readv(pid, liov, (unsigned long)nl, riov, (unsigned long)nr, 0);
+      if (got != want) return got < 0 ? errno : EIO;
+      nl = nr = 0;
+      want = 0;
+    }
+  }
+  return 0;
+}
+#endif
+
+int comm_cma_exchange(eng_pg* pg, const char* op, int kind, eng_tensor* out, const eng_tensor* in, int split, int cat,
+                      int local_err) {
+#ifndef __linux__
+  (void)pg; (void)op; (void)kind; (void)out; (void)in; (void)split; (void)cat; (void)local_err;
+  return 1;
+#else
+  const char* what = eng_coll_kind_name(kind);
+  int k = pg->size, me = pg->rank, nd = in->ndim;
+  cma_desc mine;
+  memset(&mine, 0, sizeof mine);
+  mine.pid = (int64_t)getpid();
+  mine.base = (uint64_t)(uintptr_t)(in->numel ? eng_ptr(in) : NULL);
+  mine.obase = (uint64_t)(uintptr_t)(out && out->numel ? eng_ptr(out) : NULL);
+  mine.dtype = in->dtype; mine.ndim = nd; mine.split = split; mine.cat = cat; mine.kind = kind;
+  for (int j = 0; j < nd; j++) {
+    mine.shape[j] = in->shape[j]; mine.stride[j] = in->stride[j];
+    if (out) { mine.oshape[j] = out->shape[j]; mine.ostride[j] = out->stride[j]; }
+  }
+  /* local checks: the output must be this rank's block layout */
+  if (local_err) mine.err = 1; /* the caller's message stands */
+  else if (!out) {
+    mine.err = 1;
+    eng_err("%s: %s: no output tensor", op, what);
+  } else if (out->ndim != nd || out->dtype != in->dtype || in->device != ENG_CPU || out->device != ENG_CPU) {
+    mine.err = 1;
+    eng_err("%s: %s: output %s does not match input %s", op, what, eng_desc(out), eng_desc(in));
+  } else {
+    for (int j = 0; j < nd && !mine.err; j++) {
+      int64_t want = in->shape[j], off;
+      if (j == split) chunk_of(in->shape[j], k, me, &want, &off);
+      if (j != cat && out->shape[j] != want) {
+        mine.err = 1;
+        eng_err("%s: %s: output %s does not match input %s (dim %d: %lld entries expected)", op, what, eng_desc(out),
+                eng_desc(in), j + 1, (long long)want);
+      }
+    }
+  }
+  cma_desc* all = malloc(sizeof *all * (size_t)k);
+  if (!all) { mine.err = 1; eng_err("%s: %s: out of memory", op, what); }
+  if (mine.err) snprintf(mine.msg, sizeof mine.msg, "%s", eng_last_error());
+  int rc = MPI_Allgather(&mine, (int)sizeof mine, MPI_BYTE, all ? (void*)all : (void*)&mine,
+                         all ? (int)sizeof mine : 0, MPI_BYTE, pg->comm);
+  if (rc != MPI_SUCCESS) { free(all); return eng_err("%s: %s on group %s: %s", op, what, pg->name, comm_mpi_errstr(rc)); }
+  if (!all) return -1;
+  int verdict = check_all(all, k, me, op, what, pg->name);
+  if (verdict) { free(all); return verdict; }
+
+  int64_t rec = comm_account_begin(pg, kind, in);
+  int64_t es = eng_dtype_size(in->dtype);
+  int err = 0;
+  for (int step = 0; step < k && !err; step++) {
+    /* step 0: this rank's own block; step s: the block to (me + s) and the
+     * one from (me - s), so that at each step every rank works with a
+     * different peer */
+    int to = (me + step) % k, from = (me + k - step) % k;
+    int64_t shape[8], io, oo;
+    if (step == 0) {
+      block_of(all, k, me, me, shape, &io, &oo);
+      if (eng_shape_numel(nd, shape) == 0) continue;
+      eng_tensor* s = eng_view_of(in, nd, shape, in->stride, in->offset + io);
+      eng_tensor* d = eng_view_of(out, nd, shape, out->stride, out->offset + oo);
+      if (!s || !d || eng_copy_raw(d, s, s->stride)) err = ENOMEM;
+      eng_tensor_release(s);
+      eng_tensor_release(d);
+      continue;
+    }
+    if (sender_moves(all, k, me, to)) {
+      block_of(all, k, me, to, shape, &io, &oo);
+      if (eng_shape_numel(nd, shape) > 0)
+        err = xfer((pid_t)all[to].pid, 1, (char*)(uintptr_t)all[to].obase + oo * es, all[to].ostride,
+                   eng_ptr(in) + io * es, in->stride, nd, shape, es);
+    }
+    if (!err && !sender_moves(all, k, from, me)) {
+      block_of(all, k, from, me, shape, &io, &oo);
+      if (eng_shape_numel(nd, shape) > 0)
+        err = xfer((pid_t)all[from].pid, 0, (char*)(uintptr_t)all[from].base + io * es, all[from].stride,
+                   eng_ptr(out) + oo * es, out->stride, nd, shape, es);
+    }
+  }
+  free(all);
+  int any = 0;
+  rc = MPI_Allreduce(&err, &any, 1, MPI_INT, MPI_MAX, pg->comm);
+  if (rc != MPI_SUCCESS) {
+    comm_account_end(rec, 2);
+    return eng_err("%s: %s on group %s: %s", op, what, pg->name, comm_mpi_errstr(rc));
+  }
+  if (any) {
+    /* a read failed somewhere (e.g. a peer's memory became unreadable): stop
+     * using this path on the group; the caller redoes the exchange over MPI */
+    pg->cma = -1;
+    comm_account_end(rec, 2);
+    comm_account_undo(kind, in);
+    return 1;
+  }
+  eng_bump_version(out);
+  comm_account_end(rec, 1);
+  g_count++;
+  return 0;
+#endif
+}
