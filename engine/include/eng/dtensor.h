@@ -100,6 +100,17 @@ int eng_dtensor_set_display_base(int base);
 /* torch.chunk: size and offset of chunk idx when n elements go to k chunks
  * (chunk = ceil(n/k); chunks past the end are empty with offset n). */
 int eng_shard_size_and_offset(int64_t n, int k, int idx, int64_t* size, int64_t* offset);
+/* Resharding math (a saved chunk against the shard this rank holds now, as a
+ * distributed checkpoint loads into another layout).  A box is per-dim
+ * 0-based element offsets and sizes.  overlap: 1 when the boxes intersect
+ * (an empty box intersects nothing), 0 when not, -1 on bad input.  region:
+ * for each dim d, out[4d..4d+3] = (d, offset of the intersection in the saved
+ * chunk, offset in the current shard, length); -1 with an error when the
+ * boxes do not intersect. */
+int eng_shard_boxes_overlap(int ndim, const int64_t* off_a, const int64_t* size_a, const int64_t* off_b,
+                            const int64_t* size_b);
+int eng_shard_overlap_region(int ndim, const int64_t* saved_off, const int64_t* saved_size, const int64_t* cur_off,
+                             const int64_t* cur_size, int64_t* out);
 /* Local shape and global offset of the shard at mesh coordinate coord of a
  * global tensor, applying the placements left to right (PyTorch's
  * compute_local_shape_and_global_offset). */

@@ -270,6 +270,46 @@ function M.local_shard_size_and_offset(n, k, r)
   return tonumber(size[0]), tonumber(off[0])
 end
 
+-- Resharding math (a saved checkpoint chunk against the shard this rank holds now).  A box is
+-- {offsets = {...}, sizes = {...}} with 0-based element offsets, one entry per dim.
+local function box_arrays(box, op, what)
+  if type(box) ~= "table" or type(box.offsets) ~= "table" or type(box.sizes) ~= "table" then
+    core.fail(string.format("%s: the %s box must be a table {offsets = {...}, sizes = {...}}", op, what))
+  end
+  local o, n = int64_list(box.offsets, op, what .. " offsets")
+  local s, m = int64_list(box.sizes, op, what .. " sizes")
+  if n ~= m then core.fail(string.format("%s: the %s box has %d offsets and %d sizes", op, what, n, m)) end
+  return o, s, n
+end
+
+-- check_shard_metadata_pair_overlap(a, b) -> true when the boxes intersect.
+function M.check_shard_metadata_pair_overlap(a, b)
+  local op = "check_shard_metadata_pair_overlap"
+  local oa, sa, n = box_arrays(a, op, "first")
+  local ob, sb, m = box_arrays(b, op, "second")
+  if n ~= m then core.fail(string.format("%s: boxes of %d and %d dims", op, n, m)) end
+  local r = C.eng_shard_boxes_overlap(n, oa, sa, ob, sb)
+  if r < 0 then core.fail(core.last_error()) end
+  return r == 1
+end
+
+-- shards_get_overlap_region_wrt_saved_tensor(saved, current) -> list of
+-- {dim (1-based), offset in the saved chunk, offset in the current shard, length}, one per dim:
+-- copy saved:narrow(dim, saved_offset + 1, length) into current:narrow(dim, current_offset + 1, length).
+function M.shards_get_overlap_region_wrt_saved_tensor(saved, current)
+  local op = "shards_get_overlap_region_wrt_saved_tensor"
+  local so, ss, n = box_arrays(saved, op, "saved")
+  local co, cs, m = box_arrays(current, op, "current")
+  if n ~= m then core.fail(string.format("%s: boxes of %d and %d dims", op, n, m)) end
+  local out = ffi.new("int64_t[?]", 4 * math.max(n, 1))
+  if C.eng_shard_overlap_region(n, so, ss, co, cs, out) ~= 0 then core.fail(core.last_error()) end
+  local r = {}
+  for i = 0, n - 1 do
+    r[i + 1] = { tonumber(out[4 * i]) + 1, tonumber(out[4 * i + 1]), tonumber(out[4 * i + 2]), tonumber(out[4 * i + 3]) }
+  end
+  return r
+end
+
 -- compute_local_shape_and_global_offset(global_shape, mesh, placements [, coord])
 -- -> local shape, 0-based global offsets (lists).  coord (0-based list)
 -- defaults to this rank's; a rank outside the mesh gets zeros and nil.
