@@ -282,12 +282,17 @@ local function box_arrays(box, op, what)
   return o, s, n
 end
 
+-- both boxes as C arrays: offsets, sizes of a, offsets, sizes of b, ndim
+local function box_pair(a, b, op, na, nb)
+  local oa, sa, n = box_arrays(a, op, na)
+  local ob, sb, m = box_arrays(b, op, nb)
+  if n ~= m then core.fail(string.format("%s: boxes of %d and %d dims", op, n, m)) end
+  return oa, sa, ob, sb, n
+end
+
 -- check_shard_metadata_pair_overlap(a, b) -> true when the boxes intersect.
 function M.check_shard_metadata_pair_overlap(a, b)
-  local op = "check_shard_metadata_pair_overlap"
-  local oa, sa, n = box_arrays(a, op, "first")
-  local ob, sb, m = box_arrays(b, op, "second")
-  if n ~= m then core.fail(string.format("%s: boxes of %d and %d dims", op, n, m)) end
+  local oa, sa, ob, sb, n = box_pair(a, b, "check_shard_metadata_pair_overlap", "first", "second")
   local r = C.eng_shard_boxes_overlap(n, oa, sa, ob, sb)
   if r < 0 then core.fail(core.last_error()) end
   return r == 1
@@ -297,10 +302,7 @@ end
 -- {dim (1-based), offset in the saved chunk, offset in the current shard, length}, one per dim:
 -- copy saved:narrow(dim, saved_offset + 1, length) into current:narrow(dim, current_offset + 1, length).
 function M.shards_get_overlap_region_wrt_saved_tensor(saved, current)
-  local op = "shards_get_overlap_region_wrt_saved_tensor"
-  local so, ss, n = box_arrays(saved, op, "saved")
-  local co, cs, m = box_arrays(current, op, "current")
-  if n ~= m then core.fail(string.format("%s: boxes of %d and %d dims", op, n, m)) end
+  local so, ss, co, cs, n = box_pair(saved, current, "shards_get_overlap_region_wrt_saved_tensor", "saved", "current")
   local out = ffi.new("int64_t[?]", 4 * math.max(n, 1))
   if C.eng_shard_overlap_region(n, so, ss, co, cs, out) ~= 0 then core.fail(core.last_error()) end
   local r = {}
