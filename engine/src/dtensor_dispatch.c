@@ -156,6 +156,28 @@ static double move_cost(const eng_placement* cur, const eng_placement* req, doub
   return COST_INF;
 }
 
+/* The cost model as users see it (PyTorch's redistribute_cost, A9): the sum
+ * over mesh dims of moving t's placement to the target's on that dim, with
+ * the logical bytes of t's current layout; INFINITY for another mesh or a
+ * change that cannot be made (S->P, P(op1)->P(op2)). */
+int eng_dtensor_redistribute_cost(const eng_tensor* t, const eng_mesh* mesh, int n, const eng_placement* pl,
+                                  double* out) {
+  const char* op = "redistribute_cost";
+  ENG_CHECK_I(t, op);
+  if (!out) return eng_err("%s: output is NULL", op);
+  if (!t->dist) return eng_err("%s: %s is not a DTensor", op, eng_desc(t));
+  const eng_dist_spec* s = t->dist;
+  if (mesh && mesh != s->mesh && !eng_mesh_equal(mesh, s->mesh)) { *out = INFINITY; return 0; }
+  eng_placement norm[ENG_MAX_DIMS];
+  if (!pl) return eng_err("%s: placements is needed", op);
+  if (dt_check_placements(op, s->mesh, n, pl, s->ndim, norm)) return -1;
+  double cost = 0;
+  for (int m = 0; m < s->mesh_ndim && cost < COST_INF; m++)
+    cost += move_cost(&s->placements[m], &norm[m], logical_bytes(s, t->dtype, m), (int)s->mesh_shape[m]);
+  *out = cost >= COST_INF ? INFINITY : cost;
+  return 0;
+}
+
 /* ------------------------------------------------------------------ cache */
 typedef struct cache_entry {
   const eng_op_def* def;

@@ -154,6 +154,13 @@ eng_tensor* eng_dtensor_from_local(eng_tensor* local, eng_mesh* mesh, int n, con
 eng_tensor* eng_dtensor_to_local(eng_tensor* t, const eng_placement* grad_placements);
 /* redistribute to all Replicate, then to_local (differentiable). */
 eng_tensor* eng_dtensor_full_tensor(eng_tensor* t, const eng_placement* grad_placements);
+/* The cost the op dispatcher assigns to redistributing t to placements (mesh
+ * NULL or t's): per mesh dim, bytes moved on that dim's group (all_gather,
+ * all_to_all, reduce_scatter: (k-1)/k of the logical bytes; all_reduce twice
+ * that), a tiny cost for local re-sharding of a Replicate (R->S, R->P), 0 for
+ * no change; INFINITY for another mesh, S->P and P(op1)->P(op2). */
+int eng_dtensor_redistribute_cost(const eng_tensor* t, const eng_mesh* mesh, int n, const eng_placement* placements,
+                                  double* out);
 /* Public redistribute: mesh NULL or equal to t's; a Partial target is legal
  * only where t already has the identical Partial. */
 eng_tensor* eng_dtensor_redistribute(eng_tensor* t, eng_mesh* mesh, int n, const eng_placement* placements,

@@ -230,6 +230,21 @@ function methods.redistribute(t, mesh, placements, opts)
   return wrap(C.eng_dtensor_redistribute_dtype(c, mesh and mesh._c or nil, n, arr, opts.async_op and 1 or 0, fdt, bdt))
 end
 
+-- d:redistribute_cost([mesh,] placements) -> the cost the op dispatcher gives redistributing d to
+-- placements (PyTorch's redistribute_cost): bytes moved, summed over mesh dims; math.huge for
+-- another mesh or an impossible change (Shard -> Partial, Partial(op1) -> Partial(op2)).
+function methods.redistribute_cost(t, mesh, placements)
+  local op = "redistribute_cost"
+  local c = need_dtensor(t, op)
+  if placements == nil then mesh, placements = nil, mesh end
+  if mesh ~= nil then mesh = mesh_arg(mesh, op) end
+  if placements == nil then core.fail(op .. ": placements is needed") end
+  local arr, n = P._to_c(placements, op)
+  local out = ffi.new("double[1]")
+  check(C.eng_dtensor_redistribute_cost(c, mesh and mesh._c or nil, n, arr, out))
+  return tonumber(out[0])
+end
+
 -- Async results: wait for / query a pending redistribute.
 function methods.wait(t)
   check(C.eng_dtensor_wait(ct(t, "wait", "self")))
