@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs the whole test suite: C-level tests, single-process busted specs under
-# the engine host, and multi-process specs under mpirun (1, 2 and 4 ranks).
+# the engine host, and multi-process specs under mpirun (1, 2 and 4 ranks; spec/dist/mesh_spec.lua
+# also alone on 8 ranks).
 # Ends with one line "N passed, N failed, N skipped" (skipped counted separately).
 #
 #   tools/run-tests.sh [BUILD] [--sanitize ASAN_BUILD]
@@ -76,16 +77,22 @@ suite() {
   run_busted "single-process specs$LABEL" "$TMP/single$TAG" $PRE "$ENGINE" "$BUSTED" --ignore-lua -o tools/passfail.lua spec
 
   # 3. Multi-process specs (spec/dist/*_spec.lua) under mpirun, when present.
+  run_dist() { # ranks, summary dir name, label, spec path
+    local np=$1 dir=$2 what=$3 path=$4
+    export ENGINE_SUMMARY_DIR="$TMP/$dir$TAG"; mkdir -p "$ENGINE_SUMMARY_DIR"
+    echo "== $what, $np ranks$LABEL"
+    timeout 1800 $MPIRUN $MPIX -np $np $PRE "$ENGINE" "$BUSTED" --ignore-lua -o tools/passfail_dist.lua "$path"
+    rc=$?
+    if [ -f "$ENGINE_SUMMARY_DIR/merged" ]; then read -r p f s < "$ENGINE_SUMMARY_DIR/merged"; add "$p" "$f" "$s"
+    else echo "$what ($np ranks$LABEL): no merged summary (rc=$rc)"; add 0 1; fi
+    [ $rc -ne 0 ] && [ -f "$ENGINE_SUMMARY_DIR/merged" ] && read -r p f s < "$ENGINE_SUMMARY_DIR/merged" && [ "$f" = 0 ] && add 0 1
+  }
   if ls spec/dist/*_spec.lua >/dev/null 2>&1; then
-    for np in $NPS; do
-      export ENGINE_SUMMARY_DIR="$TMP/np$np$TAG"; mkdir -p "$ENGINE_SUMMARY_DIR"
-      echo "== multi-process specs, $np ranks$LABEL"
-      timeout 1800 $MPIRUN $MPIX -np $np $PRE "$ENGINE" "$BUSTED" --ignore-lua -o tools/passfail_dist.lua spec/dist
-      rc=$?
-      if [ -f "$ENGINE_SUMMARY_DIR/merged" ]; then read -r p f s < "$ENGINE_SUMMARY_DIR/merged"; add "$p" "$f" "$s"
-      else echo "multi-process specs ($np ranks$LABEL): no merged summary (rc=$rc)"; add 0 1; fi
-      [ $rc -ne 0 ] && [ -f "$ENGINE_SUMMARY_DIR/merged" ] && read -r p f s < "$ENGINE_SUMMARY_DIR/merged" && [ "$f" = 0 ] && add 0 1
-    done
+    for np in $NPS; do run_dist "$np" "np$np" "multi-process specs" spec/dist; done
+    # The DeviceMesh spec alone on 8 ranks, for its 2x2x2 cases (B2, B3, B6); main suite only (about 1 s).
+    if [ "$sanitized" = 0 ] && [ -f spec/dist/mesh_spec.lua ]; then
+      run_dist 8 np8mesh "multi-process spec/dist/mesh_spec.lua" spec/dist/mesh_spec.lua
+    fi
   fi
   if [ "$sanitized" = 1 ]; then unset ASAN_OPTIONS UBSAN_OPTIONS; fi
 }

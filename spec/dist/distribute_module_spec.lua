@@ -145,6 +145,40 @@ describe("distribute_module", function()
     assert.is_truthy(e:find("output_fn should take in 3 arguments, but got 4 arguments!", 1, true), e)
   end)
 
+  it("two-argument input_fn / output_fn give a FutureWarning \"Deprecating ...\" through the warning handler (C17)", function()
+    local Id = nn.Module:extend("IdModel3")
+    function Id:forward(x) return x end
+    local got = {}
+    local prev = dist.set_warning_handler(function(category, message) got[#got + 1] = { category, message } end)
+    local ok, err = pcall(function()
+      local model = dist.distribute_module(Id(), mesh, nil, function(inputs, m)
+        return dist.DTensor.from_local(inputs[1], m, { Rep() })
+      end, function(outputs, _) return outputs:to_local() end)
+      local n_two = #got
+      -- three-argument functions are not deprecated
+      dist.distribute_module(Id(), mesh, nil, function(_, inputs, _) return inputs end, function(_, outputs, _) return outputs end)
+      return { model(engine.ones({ 3 })), n_two, #got }
+    end)
+    local mine = dist.set_warning_handler(nil)
+    local restored = dist.set_warning_handler(prev)
+    assert.is_true(ok, tostring(err))
+    local y, n_two, n_all = err[1], err[2], err[3]
+    assert.is_false(dist.is_dtensor(y))
+    assert.are.equal(0, diff(y, engine.ones({ 3 })))
+    assert.are.equal(2, n_two)
+    assert.are.equal(2, n_all)
+    assert.are.equal("FutureWarning", got[1][1])
+    assert.are.equal("FutureWarning", got[2][1])
+    assert.is_truthy(got[1][2]:find("^Deprecating input_fn that takes two arguments"), got[1][2])
+    assert.is_truthy(got[1][2]:find("please use input_fn that takes in (module, inputs/outputs, device_mesh) instead!", 1, true), got[1][2])
+    assert.is_truthy(got[2][2]:find("^Deprecating output_fn that takes two arguments"), got[2][2])
+    assert.is_truthy(got[2][2]:find("please use output_fn that takes in (module, inputs/outputs, device_mesh) instead!", 1, true), got[2][2])
+    assert.are_not.equal(prev, mine)     -- the capturing handler was the one installed
+    assert.are.equal("function", type(restored))
+    local e = errmsg(dist.set_warning_handler, "stderr")
+    assert.is_truthy(e:find("set_warning_handler: expected a function(category, message) or nil, got string", 1, true), e)
+  end)
+
   it("a second call on the same module is an error; bad arguments are errors", function()
     local model = MyModel(4, 1)
     dist.distribute_module(model, mesh)

@@ -75,6 +75,30 @@ describe("redistribute forward_dtype / backward_dtype", function()
     end
   end
 
+  -- D10, Replicate -> Replicate: a cast only; no collective forward or backward.
+  for _, fwd in ipairs(dtypes) do
+    for _, bwd in ipairs(dtypes) do
+      local name = string.format("forward_dtype %s, backward_dtype %s", tostring(fwd or "nil"), tostring(bwd or "nil"))
+      it("Replicate -> Replicate (no communication forward or backward), " .. name, function()
+        local d, full = input({ Rep() })
+        local opts = { forward_dtype = fwd or nil, backward_dtype = bwd or nil }
+        local fc, out = dist.count_collectives(function() return d:redistribute({ Rep() }, opts) end)
+        local bc = dist.count_collectives(function() out:to_local():sum():backward() end)
+        assert.are.same({}, fc)
+        assert.are.same({}, bc)
+        assert.is_true(dist.is_dtensor(out))
+        assert.are.same({ Rep() }, out.placements)
+        assert.are.equal(fwd or "f32", out.dtype)
+        assert.are.same(SHAPE, out:shape())
+        assert.are.equal(0, diff(out:to_local(), full:to(fwd or "f32")))
+        assert.is_true(dist.is_dtensor(d.grad))
+        assert.are.same({ Rep() }, d.grad.placements)
+        assert.are.equal("f32", d.grad.dtype)
+        assert.are.equal(0, diff(d.grad:to_local(), engine.ones(SHAPE)))
+      end)
+    end
+  end
+
   it("Replicate -> Replicate with forward_dtype casts without communication", function()
     local d, full = input({ Rep() })
     local c, _, out = traffic(function() return d:redistribute({ Rep() }, { forward_dtype = "bf16" }) end)

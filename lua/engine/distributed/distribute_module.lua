@@ -14,7 +14,7 @@
 -- tensor arguments; return nil, a tensor or a list to replace them) and
 -- output_fn(module, outputs, mesh) a forward hook (outputs: the output tensor, or
 -- the list of outputs).  Two-argument functions (inputs, mesh) / (outputs, mesh)
--- are deprecated (a FutureWarning on stderr); other arities are errors.  A
+-- are deprecated (a FutureWarning, see set_warning_handler); other arities are errors.  A
 -- second call on the same module is an error.  Returns the module.
 local core = require("engine.core")
 local meshmod = require("engine.distributed.mesh")
@@ -29,12 +29,31 @@ local function nparams(fn)
   return info.nparams, info.isvararg
 end
 
+-- Warnings go through a replaceable handler(category, message).  The default
+-- writes "category: message" to stderr, once per message (as Python's default
+-- warnings filter does); dist.set_warning_handler(fn) installs fn (nil: the
+-- default again), which then sees every warning, and returns the previous one.
 local warned = {}
+local function default_warning_handler(category, message)
+  local line = category .. ": " .. message
+  if warned[line] then return end
+  warned[line] = true
+  io.stderr:write(line .. "\n")
+end
+local warning_handler = default_warning_handler
+
+function M.set_warning_handler(fn)
+  if fn ~= nil and type(fn) ~= "function" then
+    core.fail("set_warning_handler: expected a function(category, message) or nil, got " .. type(fn))
+  end
+  local prev = warning_handler
+  warning_handler = fn or default_warning_handler
+  return prev
+end
+
 local function deprecate(what)
-  if warned[what] then return end
-  warned[what] = true
-  io.stderr:write(string.format("FutureWarning: Deprecating %s that takes two arguments (inputs/outputs, device_mesh), "
-    .. "please use %s that takes in (module, inputs/outputs, device_mesh) instead!\n", what, what))
+  warning_handler("FutureWarning", string.format("Deprecating %s that takes two arguments (inputs/outputs, device_mesh), "
+    .. "please use %s that takes in (module, inputs/outputs, device_mesh) instead!", what, what))
 end
 
 local function replicate_params_buffers(m, mesh)
