@@ -1,16 +1,18 @@
 /* comm_cma.c: single-copy strided exchanges between the ranks of one node,
- * through Linux cross-memory attach (process_vm_readv).
+ * through Linux cross-memory attach (process_vm_writev / process_vm_readv).
  *
  * Why: DTensor's S(a)->S(b) all_to_all and S(d)->R all_gather along a dim
  * other than the first move strided blocks.  Through MPI they need a pack
  * into a contiguous send buffer (and, for the gather, an unpack after it):
  * one extra pass over the data, which on a node with fewer cores than ranks
  * costs as much as the collective itself (S(1)->S(2) of 64 MiB on 4 ranks:
- * 2.5x the bare MPI_Alltoall).  Here every rank describes its input (pid,
- * address, shape, strides) in one small all_gather; each rank then reads the
- * blocks meant for it straight out of its peers' memory into its own output
- * (iovecs of the strided runs, one copy per byte, as Open MPI's vader does
- * for large contiguous messages), and a closing all_reduce of the status both
+ * 2.5x the bare MPI_Alltoall).  Here every rank describes its input and
+ * output (pid, addresses, shapes, strides) in one small all_gather; each
+ * block then moves once, straight from the sender's input into the
+ * receiver's output, written by the sender or read by the receiver (see
+ * sender_moves), with iovecs of the strided runs (one copy per byte, as Open
+ * MPI's vader does for large contiguous messages); a closing all_reduce of
+ * the status both
  * keeps the inputs alive until everyone has read them and makes any failure
  * a failure of every rank.
  *
@@ -42,15 +44,6 @@ typedef struct cma_desc {
   int64_t oshape[8], ostride[8];      /* the output */
   char msg[200];                      /* err: this rank's message */
 } cma_desc;
-
-static int64_t cdiv(int64_t a, int64_t b) { return b > 0 ? (a + b - 1) / b : 0; }
-
-static void chunk_of(int64_t n, int64_t k, int64_t idx, int64_t* size, int64_t* off) {
-  int64_t full = cdiv(n, k), o = idx * full;
-  if (o > n) o = n;
-  *size = n - o < full ? n - o : full;
-  *off = o;
-}
 
 static int g_enabled = -1; /* -1: not read from the environment yet */
 static int64_t g_count;
@@ -139,7 +132,7 @@ static void block_of(const cma_desc* all, int k, int src, int dst, int64_t* shap
   *in_off = 0;
   if (split >= 0) {
     int64_t sz, off;
-    chunk_of(s->shape[split], k, dst, &sz, &off);
+    eng_shard_size_and_offset(s->shape[split], k, dst, &sz, &off);
     shape[split] = sz;
     *in_off = off * s->stride[split];
   }
@@ -170,10 +163,9 @@ static int check_all(const cma_desc* all, int k, int me, const char* op, const c
                      "concat dim", op, what, group, a, z->split, z->cat, i, b, d->split, d->cat);
     }
   }
-  int64_t es = eng_dtype_size(z->dtype);
+  int64_t es = eng_dtype_size(z->dtype), total = 0;
+  for (int i = 0; i < k; i++) total += all[i].shape[z->cat];
   for (int dst = 0; dst < k; dst++) {
-    int64_t total = 0;
-    for (int i = 0; i < k; i++) total += all[i].shape[z->cat];
     if (all[dst].oshape[z->cat] != total) {
       return eng_err("%s: %s on group %s: group rank %d's output has %lld entries on the concat dim, the inputs "
                      "add up to %lld", op, what, group, dst, (long long)all[dst].oshape[z->cat], (long long)total);
@@ -193,13 +185,9 @@ static int check_all(const cma_desc* all, int k, int me, const char* op, const c
 
 /* Number of contiguous segments of a box in one geometry. */
 static int64_t segments(int nd, const int64_t* shape, const int64_t* st) {
-  int64_t m = 1, n = eng_shape_numel(nd, shape);
-  for (int d = nd - 1; d >= 0; d--) {
-    if (shape[d] == 1) continue;
-    if (st[d] != m) break;
-    m *= shape[d];
-  }
-  return m ? n / m : 0;
+  int outer;
+  int64_t m = common_run(nd, shape, st, st, &outer);
+  return m ? eng_shape_numel(nd, shape) / m : 0;
 }
 
 /* Who moves the block src -> dst: the sender writes it (1) or the receiver
@@ -279,7 +267,7 @@ int comm_cma_exchange(eng_pg* pg, const char* op, int kind, eng_tensor* out, con
   } else {
     for (int j = 0; j < nd && !mine.err; j++) {
       int64_t want = in->shape[j], off;
-      if (j == split) chunk_of(in->shape[j], k, me, &want, &off);
+      if (j == split) eng_shard_size_and_offset(in->shape[j], k, me, &want, &off);
       if (j != cat && out->shape[j] != want) {
         mine.err = 1;
         eng_err("%s: %s: output %s does not match input %s (dim %d: %lld entries expected)", op, what, eng_desc(out),
