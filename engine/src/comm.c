@@ -1015,6 +1015,16 @@ int eng_pg_raw_collective(eng_pg* pg, int kind, const void* send, void* recv, in
   return comm_mpi_issue(pg, &a, NULL);
 }
 
+int eng_pg_raw_all_to_all_strided(eng_pg* pg, const void* send, void* recv, int64_t rows, int64_t block,
+                                  int64_t row_stride, int dtype) {
+  if (!pg) return eng_err("raw_all_to_all_strided: process group is NULL");
+  if (!pg->member) return 0;
+  if (dtype != ENG_F32 && dtype != ENG_F64 && dtype != ENG_I32 && dtype != ENG_I64 && dtype != ENG_U8)
+    return eng_err("raw_all_to_all_strided: dtype %s is not supported (f32, f64, i32, i64, u8)",
+                   eng_dtype_name(dtype) ? eng_dtype_name(dtype) : "?");
+  return comm_mpi_alltoall_vector(pg, send, recv, rows, block, row_stride, dtype);
+}
+
 /* ------------------------------------------------------------------ work handles */
 static int work_finish(eng_work* w, int ok) {
   w->done = 1;

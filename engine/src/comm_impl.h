@@ -37,6 +37,11 @@ typedef struct comm_args {
 
 /* Backend: MPI (comm_mpi.c).  req NULL: blocking. */
 COMM_INTERNAL int comm_mpi_issue(eng_pg* pg, const comm_args* a, MPI_Request* req);
+/* Bare MPI_Alltoall whose send side is a vector datatype: peer j gets rows
+ * blocks of `block` elements, block i at send + j*block + i*row_stride;
+ * received contiguous (rows*block per peer).  Benchmarks only. */
+COMM_INTERNAL int comm_mpi_alltoall_vector(eng_pg* pg, const void* send, void* recv, int64_t rows, int64_t block,
+                                           int64_t row_stride, int dtype);
 /* "MPI error N: text" for an MPI return code (thread-local buffer). */
 COMM_INTERNAL const char* comm_mpi_errstr(int rc);
 

@@ -144,3 +144,25 @@ int comm_mpi_issue(eng_pg* pg, const comm_args* a, MPI_Request* req) {
     return eng_err("%s: %s on group %s", eng_coll_kind_name(a->kind), comm_mpi_errstr(rc), pg->name);
   return 0;
 }
+
+int comm_mpi_alltoall_vector(eng_pg* pg, const void* send, void* recv, int64_t rows, int64_t block,
+                             int64_t row_stride, int dtype) {
+  if (ensure_types()) return -1;
+  if (rows <= 0 || block <= 0 || row_stride < block || rows > INT_MAX || row_stride > INT_MAX ||
+      rows * block > INT_MAX)
+    return eng_err("raw_all_to_all_strided: bad layout rows=%lld block=%lld row_stride=%lld", (long long)rows,
+                   (long long)block, (long long)row_stride);
+  MPI_Datatype dt = mpi_type(dtype), vec = MPI_DATATYPE_NULL, sized = MPI_DATATYPE_NULL;
+  MPI_Aint lb, extent;
+  int rc = MPI_Type_get_extent(dt, &lb, &extent);
+  if (rc == MPI_SUCCESS) rc = MPI_Type_vector((int)rows, (int)block, (int)row_stride, dt, &vec);
+  /* consecutive peers' blocks start `block` elements apart */
+  if (rc == MPI_SUCCESS) rc = MPI_Type_create_resized(vec, 0, (MPI_Aint)block * extent, &sized);
+  if (rc == MPI_SUCCESS) rc = MPI_Type_commit(&sized);
+  if (rc == MPI_SUCCESS) rc = MPI_Alltoall(send, 1, sized, recv, (int)(rows * block), dt, pg->comm);
+  if (sized != MPI_DATATYPE_NULL) MPI_Type_free(&sized);
+  if (vec != MPI_DATATYPE_NULL) MPI_Type_free(&vec);
+  if (rc != MPI_SUCCESS)
+    return eng_err("raw_all_to_all_strided: %s on group %s", comm_mpi_errstr(rc), pg->name);
+  return 0;
+}

@@ -17,9 +17,10 @@
 --                not the layout change: each peer needs a column block, strided in the
 --                local, so a correct S->S reads strided memory.  DTensor moves each
 --                block once between the ranks' memories (single-copy path, comm_cma.c);
---                the two rows after it compare it with what the layout change costs
---                through MPI: a hand-written pack + the bare all_to_all, and DTensor's
---                own MPI path (dist.set_single_copy(false)).
+--                the rows after it compare it with what the layout change costs
+--                through MPI: a hand-written pack + the bare all_to_all, the bare
+--                MPI_Alltoall with a vector send datatype (MPI reads the strided
+--                blocks itself), and DTensor's own MPI path (dist.set_single_copy(false)).
 --   S(2)->R      all_gather along the column dim, against a bare all_gather of the
 --                local + the unpack into [rows, cols] (the MPI way to get that layout)
 local engine = require("engine")
@@ -117,6 +118,13 @@ end
 row("S(1)->S(2)", pack_a2a,
   function() drop(); last = sharded:redistribute(nil, { S(2) }) end,
   function() assert(last:to_local():numel() == rows * cols / W, "S->S result") end, "pack+all_to_all")
+-- the same layout change done by MPI itself: MPI_Alltoall with a vector send datatype
+-- (peer j's column block read straight out of the strided local, no pack)
+row("S(1)->S(2)", function()
+    local rc = C.eng_pg_raw_all_to_all_strided(pg._c, l_sh:data_ptr(), shard_out:data_ptr(), rows / W, cw, cols, 0)
+    if rc ~= 0 then error(engine.ffi.string(C.eng_last_error())) end
+  end,
+  function() drop(); last = sharded:redistribute(nil, { S(2) }) end, nil, "MPI vector a2a")
 row("S(1)->S(2)", function()
     drop(); dist.set_single_copy(false); last = sharded:redistribute(nil, { S(2) }); dist.set_single_copy(true)
   end,

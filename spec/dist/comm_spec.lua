@@ -823,4 +823,25 @@ describe("bare MPI collective (benchmark baseline)", function()
     assert.equal(-1, C.eng_pg_raw_collective(g._c, 0, nil, buf, 4, 2, 0, 0))
     assert.matches("dtype bf16 is not supported", ffi.string(C.eng_last_error()))
   end)
+
+  it("all_to_all of strided column blocks on raw buffers (vector datatype)", function()
+    -- local [2, 3W] holding 100*R + 10*row + col; peer j gets columns 3j..3j+2 of both rows
+    local g = dist.world_group()
+    local rows, block = 2, 3
+    local src = ffi.new("double[?]", rows * block * W)
+    for i = 0, rows - 1 do
+      for c = 0, block * W - 1 do src[i * block * W + c] = 100 * R + 10 * i + c end
+    end
+    local dst = ffi.new("double[?]", rows * block * W)
+    assert.equal(0, C.eng_pg_raw_all_to_all_strided(g._c, src, dst, rows, block, block * W, 1))
+    for s = 0, W - 1 do
+      for i = 0, rows - 1 do
+        for k = 0, block - 1 do
+          assert.equal(100 * s + 10 * i + block * R + k, dst[s * rows * block + i * block + k])
+        end
+      end
+    end
+    assert.equal(-1, C.eng_pg_raw_all_to_all_strided(g._c, src, dst, rows, block, block - 1, 1))
+    assert.matches("bad layout", ffi.string(C.eng_last_error()))
+  end)
 end)

@@ -130,6 +130,12 @@ int eng_pg_report_error(eng_pg* pg, int kind, const char* msg);
  * dtype: f32, f64, i32, i64, u8 (sum/max/min/prod; no avg). */
 int eng_pg_raw_collective(eng_pg* pg, int kind, const void* send, void* recv, int64_t count,
                           int dtype, int op, int root);
+/* The bare MPI_Alltoall doing a layout change (benchmarks): the send side is
+ * an MPI vector datatype, so peer j receives the `block`-wide column block j
+ * of a [rows, row_stride] send buffer (block i of it at send + j*block +
+ * i*row_stride elements), contiguous: rows*block elements per peer. */
+int eng_pg_raw_all_to_all_strided(eng_pg* pg, const void* send, void* recv, int64_t rows, int64_t block,
+                                  int64_t row_stride, int dtype);
 
 /* ---- async handles. */
 /* Blocks until done; finishes the result (copies from staging buffers).
