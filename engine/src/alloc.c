@@ -113,9 +113,17 @@ void eng_alloc_empty_cache(void) {
 }
 
 eng_storage* eng_storage_new(int64_t nbytes, int device) {
-  if (device != ENG_CPU && device != ENG_CUDA) return eng_errp("storage: invalid device code %d", device);
+  if (device != ENG_CPU && device != ENG_CUDA && device != ENG_META)
+    return eng_errp("storage: invalid device code %d", device);
   eng_storage* s = calloc(1, sizeof *s);
   if (!s) return eng_errp("storage: out of memory");
+  if (device == ENG_META) { /* no data; nbytes is what it would hold */
+    s->nbytes = nbytes;
+    s->refcount = 1;
+    s->device = device;
+    s->external = 1;
+    return s;
+  }
   if (device == ENG_CUDA) { /* the runtime's caching stream-ordered allocator (cuda_runtime.c) */
     s->data = eng_cuda_malloc(nbytes);
     if (!s->data) { free(s); eng_err_prefix("storage"); return NULL; }

@@ -510,6 +510,9 @@ static int is_float(int dt) { return dt == ENG_F32 || dt == ENG_F64 || dt == ENG
 static int check_tensor(const coll* c, const eng_tensor* t, const char* what) {
   if (!t) return eng_err("%s: %s tensor is nil/NULL", c->name, what);
   if (t->dtype < 0 || t->dtype >= ENG_NUM_DTYPES) return eng_err("%s: invalid dtype code %d", c->name, t->dtype);
+  if (t->device == ENG_META)
+    return eng_err("%s: %s %s is a meta tensor (shape only, no data): collectives need materialised tensors", c->name,
+                   what, eng_desc(t));
   if (t->device == ENG_CUDA && !eng_comm_have_nccl())
     return eng_err("%s: %s %s is a CUDA tensor but this build has no NCCL backend", c->name, what, eng_desc(t));
   return 0;

@@ -55,6 +55,7 @@ const char* eng_desc(const eng_tensor* t) {
   int k = snprintf(b, 256, "%s", eng_dtype_name(t->dtype));
   put_shape(b + k, 256 - k, t->ndim, t->shape);
   if (t->device == ENG_CUDA) strncat(b, "@cuda", 255 - strlen(b));
+  if (t->device == ENG_META) strncat(b, "@meta", 255 - strlen(b));
   return b;
 }
 

@@ -59,6 +59,8 @@ int eng_copy_raw(eng_tensor* dst, const eng_tensor* src, const int64_t* src_stri
 eng_tensor* eng_as_contig(eng_tensor* t, int dtype);
 /* Bump the version counter of t's storage (in-place writes). */
 static inline void eng_bump_version(eng_tensor* t) { t->storage->version++; }
+/* -1 with "<op>: <t> is a meta tensor (...)" when t is on the meta device. */
+int eng_meta_check(const eng_tensor* t, const char* op);
 /* Error if t may not be written in place (leaf requiring grad in grad mode). */
 int eng_check_inplace(eng_tensor* t, const char* op);
 

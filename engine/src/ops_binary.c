@@ -156,6 +156,8 @@ static int maxmin_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
 }
 
 static eng_tensor* binary(int op, eng_tensor* a, eng_tensor* b) {
+  if (eng_meta_check(a, g_names[op])) return NULL;
+  if (eng_meta_check(b, g_names[op])) return NULL;
   eng_tensor* out = binary_fwd(op, a, b);
   if (!out) return NULL;
   eng_tensor* in[2] = {a, b};
@@ -244,6 +246,7 @@ static eng_tensor* scalar_op(int kind, eng_tensor* a, double s) {
   static const char* const names[] = {"AddBackward", "SubBackward", "MulBackward", "DivBackward",
                                       "PowBackward", "RsubBackward", "RdivBackward", "RpowBackward"};
   ENG_CHECK(a, g_names[ops[kind]]);
+  if (eng_meta_check(a, g_names[ops[kind]])) return NULL;
   eng_tensor* st = scalar_like(a, s);
   if (!st) return NULL;
   int rev = kind >= SC_RSUB;
@@ -345,6 +348,8 @@ static int inplace_cuda(int op, eng_tensor* a, eng_tensor* B, double alpha, cons
 
 static int inplace(int op, eng_tensor* a, eng_tensor* b, double alpha, const char* name) {
   ENG_CHECK_I(a, name); ENG_CHECK_I(b, name);
+  if (eng_meta_check(a, name)) return -1;
+  if (eng_meta_check(b, name)) return -1;
   if (eng_check_inplace(a, name)) return -1;
   if (a->device != b->device) return eng_err("%s: tensors on different devices: %s and %s", name, eng_desc(a), eng_desc(b));
   int64_t shape[ENG_MAX_DIMS];

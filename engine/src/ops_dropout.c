@@ -92,6 +92,7 @@ static int dropout_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
 
 eng_tensor* eng_dropout(eng_tensor* x, double p, int training) {
   ENG_CHECK(x, "dropout");
+  if (eng_meta_check(x, "dropout")) return NULL;
   if (!(p >= 0.0 && p <= 1.0))
     return eng_errp("dropout: probability has to be between 0 and 1, but got %g (input %s)", p, eng_desc(x));
   if (!training || p == 0.0) return eng_tensor_retain(x);
@@ -120,6 +121,7 @@ eng_tensor* eng_dropout(eng_tensor* x, double p, int training) {
  * mesh), so every layout draws the same mask as one process. */
 eng_tensor* eng_dropout_shard(eng_tensor* x, double p, const eng_dist_spec* spec) {
   ENG_CHECK(x, "dropout");
+  if (eng_meta_check(x, "dropout")) return NULL;
   if (!eng_dtype_is_floating(x->dtype))
     return eng_errp("dropout: expects a floating point input, got %s", eng_desc(x));
   uint64_t seed;

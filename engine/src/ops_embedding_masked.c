@@ -42,6 +42,8 @@ static int embm_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
 eng_tensor* eng_embedding_masked(eng_tensor* weight, eng_tensor* indices, int64_t row_offset) {
   const char* op = "embedding_masked";
   ENG_CHECK(weight, op); ENG_CHECK(indices, op);
+  if (eng_meta_check(weight, op)) return NULL;
+  if (eng_meta_check(indices, op)) return NULL;
   if (!eng_dtensor_local_mode() && (weight->dist || indices->dist))
     return eng_errp("%s: takes this rank's weight shard and the indices as plain tensors, got %s and %s (use "
                     "to_local(), or embedding on a DTensor weight sharded on dim 0)", op,

@@ -11,6 +11,7 @@
 
 /* The in-place target must keep its shape: x broadcast to a. */
 static int check_operand(eng_tensor* a, eng_tensor* x, const char* name) {
+  if (eng_meta_check(a, name) || eng_meta_check(x, name)) return -1;
   if (a->device != x->device)
     return eng_err("%s: tensors on different devices: %s and %s", name, eng_desc(a), eng_desc(x));
   int64_t shape[ENG_MAX_DIMS];

@@ -93,7 +93,7 @@ static eng_tensor* join(int n, eng_tensor** ts, int dim, int stack) {
   }
   eng_tensor* out = eng_new(ond, osh, dt, ref->device);
   if (!out) return NULL;
-  if (out->numel > 0) {
+  if (out->numel > 0 && out->device != ENG_META) { /* meta: the shape is the result */
     int es = eng_dtype_size(dt);
     int fast = out->device != ENG_CUDA; /* CUDA: one strided copy per input */
     for (int i = 0; i < n && fast; i++)
@@ -353,6 +353,7 @@ static int index_select_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
 
 eng_tensor* eng_index_select(eng_tensor* t, int dim, eng_tensor* index) {
   ENG_CHECK(t, "index_select"); ENG_CHECK(index, "index_select");
+  if (eng_meta_check(t, "index_select") || eng_meta_check(index, "index_select")) return NULL;
   if (ENG_DT_ACTIVE(t->dist || index->dist)) return eng_dt_index_select(t, dim, index);
   if (t->ndim == 0) return eng_errp("index_select: cannot index a 0-d tensor (%s)", eng_desc(t));
   if (index->ndim > 1)

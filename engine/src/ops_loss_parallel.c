@@ -80,6 +80,8 @@ eng_tensor* eng_cross_entropy_vocab_parallel(eng_tensor* logits, eng_tensor* tar
                                              int reduction) {
   const char* op = "cross_entropy_vocab_parallel";
   ENG_CHECK(logits, op); ENG_CHECK(target, op);
+  if (eng_meta_check(logits, op)) return NULL;
+  if (eng_meta_check(target, op)) return NULL;
   eng_tensor* x = logits;
   if (!eng_dtensor_local_mode() && (x->dist || target->dist))
     return eng_errp("%s: takes this rank's local logits and the (replicated) targets as plain tensors, got %s and "

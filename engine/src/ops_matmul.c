@@ -318,6 +318,8 @@ done:
 
 eng_tensor* eng_matmul(eng_tensor* a, eng_tensor* b) {
   ENG_CHECK(a, "matmul"); ENG_CHECK(b, "matmul");
+  if (eng_meta_check(a, "matmul")) return NULL;
+  if (eng_meta_check(b, "matmul")) return NULL;
   if (check_pair("matmul", a, b)) return NULL;
   if (ENG_DT_ACTIVE(a->dist || b->dist)) return eng_dispatch(&eng_opdef_matmul, &(eng_op_call){.n_in = 2, .in = {a, b}});
   mm_plan p;
@@ -443,6 +445,9 @@ done:
 
 eng_tensor* eng_linear(eng_tensor* x, eng_tensor* w, eng_tensor* bias) {
   ENG_CHECK(x, "linear"); ENG_CHECK(w, "linear");
+  if (eng_meta_check(x, "linear")) return NULL;
+  if (eng_meta_check(w, "linear")) return NULL;
+  if (eng_meta_check(bias, "linear")) return NULL;
   if (x->ndim < 1)
     return eng_errp("linear: input %s must have at least 1 dim ([..., in_features])", eng_desc(x));
   if (w->ndim != 2)

@@ -78,6 +78,9 @@ done:
 static eng_tensor* norm(const char* op, int rms, eng_tensor* x, int n_norm, eng_tensor* w, eng_tensor* b,
                         double eps) {
   ENG_CHECK(x, op);
+  if (eng_meta_check(x, op)) return NULL;
+  if (eng_meta_check(w, op)) return NULL;
+  if (eng_meta_check(b, op)) return NULL;
   if (!eng_dtype_is_floating(x->dtype)) return eng_errp("%s: expects a floating point input, got %s", op, eng_desc(x));
   if (n_norm < 1 || n_norm > x->ndim)
     return eng_errp("%s: cannot normalize over the last %d dims of input %s (need 1 to %d)", op, n_norm,

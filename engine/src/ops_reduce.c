@@ -201,6 +201,7 @@ static int sum_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
 static eng_tensor* sum_mean(eng_tensor* t, int n_dims, const int* dims, int keepdim, int is_mean) {
   const char* name = is_mean ? "mean" : "sum";
   ENG_CHECK(t, name);
+  if (eng_meta_check(t, name)) return NULL;
   if (is_mean && !eng_dtype_is_floating(t->dtype))
     return eng_errp("mean: input %s is not floating point (mean of integer or bool tensors is not "
                     "defined, as in PyTorch); convert it with :float() or :double() first", eng_desc(t));
@@ -274,6 +275,7 @@ static eng_tensor* sum_to_shape_dtensor(eng_tensor* t, int ndim, const int64_t* 
 
 eng_tensor* eng_sum_to_shape(eng_tensor* t, int ndim, const int64_t* shape) {
   ENG_CHECK(t, "sum_to_shape");
+  if (eng_meta_check(t, "sum_to_shape")) return NULL;
   if (ENG_DT_ACTIVE(t->dist)) return sum_to_shape_dtensor(t, ndim, shape);
   if (ndim < 0 || ndim > ENG_MAX_DIMS) return eng_errp("sum_to_shape: %d dims requested for %s", ndim, eng_desc(t));
   if (ndim > 0 && !shape) return eng_errp("sum_to_shape: shape is NULL");
@@ -433,6 +435,7 @@ static int check_dim_nonempty(eng_tensor* t, int d, const char* name) {
 static eng_tensor* extreme_dim(eng_tensor* t, int dim, int keepdim, eng_tensor** indices, int is_max) {
   const char* name = is_max ? "max" : "min";
   ENG_CHECK(t, name);
+  if (eng_meta_check(t, name)) return NULL;
   int d = eng_norm_dim(dim, t->ndim, name);
   if (d < 0) return NULL;
   if (ENG_DT_ACTIVE(t->dist)) {
@@ -465,6 +468,7 @@ eng_tensor* eng_min_dim(eng_tensor* t, int dim, int keepdim, eng_tensor** indice
 static eng_tensor* arg_dim(eng_tensor* t, int dim, int keepdim, int is_max) {
   const char* name = is_max ? "argmax" : "argmin";
   ENG_CHECK(t, name);
+  if (eng_meta_check(t, name)) return NULL;
   int d = eng_norm_dim(dim, t->ndim, name);
   if (d < 0) return NULL;
   if (ENG_DT_ACTIVE(t->dist))
@@ -510,6 +514,7 @@ static int extreme_all_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
 static eng_tensor* extreme_all(eng_tensor* t, int is_max) {
   const char* name = is_max ? "max" : "min";
   ENG_CHECK(t, name);
+  if (eng_meta_check(t, name)) return NULL;
   if (ENG_DT_ACTIVE(t->dist))
     return eng_dispatch(&eng_opdef_extreme_all, &(eng_op_call){.name = name, .n_in = 1, .in = {t}, .ints = {is_max}});
   if (t->numel == 0)
@@ -550,6 +555,7 @@ eng_tensor* eng_min_all(eng_tensor* t) { return extreme_all(t, 0); }
 
 eng_tensor* eng_argmax_all(eng_tensor* t) {
   ENG_CHECK(t, "argmax");
+  if (eng_meta_check(t, "argmax")) return NULL;
   if (ENG_DT_ACTIVE(t->dist)) return eng_dispatch(&eng_opdef_argmax_all, &(eng_op_call){.n_in = 1, .in = {t}});
   if (t->numel == 0) return eng_errp("argmax: %s is empty; argmax over all elements needs at least one element", eng_desc(t));
   if (t->device == ENG_CUDA) { /* the index stays on the device */

@@ -78,6 +78,7 @@ static int softmax_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
 static eng_tensor* softmax_op(eng_tensor* t, int dim, int log_) {
   const char* op = log_ ? "log_softmax" : "softmax";
   ENG_CHECK(t, op);
+  if (eng_meta_check(t, op)) return NULL;
   if (!eng_dtype_is_floating(t->dtype))
     return eng_errp("%s: %s: floating point input expected (convert with :float())", op, eng_desc(t));
   int d = eng_norm_dim(dim, t->ndim, op);

@@ -122,6 +122,7 @@ static int unary_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
 }
 
 static eng_tensor* unary(int op, eng_tensor* a, double p0, double p1) {
+  if (eng_meta_check(a, u_names[op])) return NULL;
   eng_tensor* out = unary_fwd(op, a, p0, p1);
   if (!out) return NULL;
   if (!eng_any_requires_grad(1, &a) || !eng_dtype_is_floating(out->dtype)) return out;

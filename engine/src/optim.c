@@ -43,6 +43,9 @@ static int check_param(const char* op, int i, eng_tensor* p) {
 static int check_list(const char* op, int n, void* list) {
   if (n < 0) return eng_err("%s: negative tensor count %d", op, n);
   if (n > 0 && !list) return eng_err("%s: tensor list is NULL", op);
+  eng_tensor** ts = list;
+  for (int i = 0; i < n; i++)
+    if (eng_meta_check(ts[i], op)) return -1;
   return 0;
 }
 
@@ -213,7 +216,9 @@ static int total_norm(const char* op, int n, eng_tensor** ts, double p, double* 
     if (t->dist) {
       uint32_t mask = 0;
       for (int d = 0; d < t->dist->mesh_ndim; d++)
-        if (t->dist->placements[d].kind == ENG_PLACEMENT_SHARD && t->dist->mesh_shape[d] > 1) mask |= 1u << d;
+        if ((t->dist->placements[d].kind == ENG_PLACEMENT_SHARD ||
+             t->dist->placements[d].kind == ENG_PLACEMENT_STRIDED_SHARD) && t->dist->mesh_shape[d] > 1)
+          mask |= 1u << d;
       if (mask) {
         for (g = 1; g < ng; g++)
           if (groups[g].mask == mask &&

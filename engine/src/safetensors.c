@@ -547,6 +547,7 @@ int eng_safetensors_save(const char* path, int n, const char** names, eng_tensor
   for (int i = 0; i < n; i++) {
     if (!names[i]) return eng_err("%s: %s: name %d is NULL", op, path, i + 1);
     if (!tensors[i]) return eng_err("%s: %s: tensor '%s' is NULL", op, path, names[i]);
+    if (eng_meta_check(tensors[i], op)) { eng_err_prefix("%s: tensor '%s'", path, names[i]); return -1; }
     if (!strcmp(names[i], "__metadata__")) return eng_err("%s: %s: '__metadata__' is reserved and cannot name a tensor", op, path);
     if (tensors[i]->device != ENG_CPU) return eng_err("%s: %s: tensor '%s' %s is not on the CPU", op, path, names[i], eng_desc(tensors[i]));
     for (int j = 0; j < i; j++)

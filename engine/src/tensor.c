@@ -47,8 +47,8 @@ static int check_geometry(int ndim, const int64_t* shape, int dtype, const char*
 }
 
 static int check_device(int device, const char* op) {
-  if (device == ENG_CPU) return 0;
-  if (device != ENG_CUDA) return eng_err("%s: invalid device code %d (0 = cpu, 1 = cuda)", op, device);
+  if (device == ENG_CPU || device == ENG_META) return 0;
+  if (device != ENG_CUDA) return eng_err("%s: invalid device code %d (0 = cpu, 1 = cuda, 2 = meta)", op, device);
   if (!eng_cuda_is_available()) return eng_err("%s: %s", op, eng_cuda_unavailable_reason());
   return 0;
 }
@@ -117,6 +117,7 @@ eng_tensor* eng_tensor_zeros(int ndim, const int64_t* shape, int dtype, int devi
 eng_tensor* eng_tensor_full(int ndim, const int64_t* shape, double value, int dtype, int device) {
   if (check_geometry(ndim, shape, dtype, "full") || check_device(device, "full")) return NULL;
   eng_tensor* t = eng_new(ndim, shape, dtype, device);
+  if (t && device == ENG_META) return t;
   if (t && device == ENG_CUDA) {
     if (eng_cu_fill(eng_ptr(t), dtype, t->numel, value, "full")) { eng_tensor_release(t); return NULL; }
   } else if (t) {
@@ -153,11 +154,18 @@ eng_tensor* eng_tensor_arange(double start, double end, double step, int dtype, 
   double cnt = ceil((end - start) / step);
   int64_t n = cnt > 0 ? (int64_t)cnt : 0;
   eng_tensor* t = eng_new(1, &n, dtype, device);
-  if (!t) return NULL;
+  if (!t || device == ENG_META) return t;
   char* p = eng_ptr(t);
   int es = eng_dtype_size(dtype);
   for (int64_t i = 0; i < n; i++) kc_store(p + i * es, dtype, start + (double)i * step);
   return t;
+}
+
+int eng_meta_check(const eng_tensor* t, const char* op) {
+  if (t && t->device == ENG_META)
+    return eng_err("%s: %s is a meta tensor (shape and dtype only, no data); materialise it first (module:to_empty, "
+                   "empty_like(t, {device = \"cpu\"}))", op, eng_desc(t));
+  return 0;
 }
 
 eng_tensor* eng_tensor_empty_like(const eng_tensor* t) {
@@ -198,6 +206,7 @@ static int64_t elem_offset(const eng_tensor* t, const int64_t* idx, const char* 
 /* Element at storage offset off (elements) as double; device tensors are
  * read back (a sync). */
 static int load_elem(const eng_tensor* t, int64_t off, double* out, const char* op) {
+  if (eng_meta_check(t, op)) return -1;
   int es = eng_dtype_size(t->dtype);
   const char* p = (const char*)t->storage->data + off * es;
   if (t->device == ENG_CUDA) {
@@ -232,6 +241,7 @@ int eng_tensor_set(eng_tensor* t, const int64_t* index, double value) {
   int err = 0;
   int64_t off = elem_offset(t, index, "set", &err);
   if (err) return -1;
+  if (eng_meta_check(t, "set")) return -1;
   char* p = (char*)t->storage->data + off * eng_dtype_size(t->dtype);
   if (t->device == ENG_CUDA) {
     _Alignas(8) char buf[8];
@@ -247,6 +257,7 @@ int eng_tensor_set(eng_tensor* t, const int64_t* index, double value) {
 int eng_copy_raw(eng_tensor* dst, const eng_tensor* src, const int64_t* src_stride) {
   if (dst->device != src->device) /* callers move data between devices with eng_tensor_to_device */
     return eng_err("copy: internal error: %s and %s are on different devices", eng_desc(dst), eng_desc(src));
+  if (dst->device == ENG_META) return 0; /* shapes only */
   if (dst->device == ENG_CUDA)
     return eng_cu_copy(dst->ndim, dst->shape, eng_ptr(dst), dst->dtype, dst->stride, eng_ptr(src), src->dtype,
                        src_stride, "copy");
@@ -256,6 +267,7 @@ int eng_copy_raw(eng_tensor* dst, const eng_tensor* src, const int64_t* src_stri
 
 int eng_tensor_read(const eng_tensor* t, void* out, int dtype, int64_t n) {
   ENG_CHECK_I(t, "read");
+  if (eng_meta_check(t, "read")) return -1;
   if (dtype < 0 || dtype >= ENG_NUM_DTYPES) return eng_err("read: invalid dtype code %d", dtype);
   if (n != t->numel) return eng_err("read: buffer of %lld elements for %s", (long long)n, eng_desc(t));
   int64_t st[ENG_MAX_DIMS];
@@ -319,6 +331,10 @@ int eng_check_inplace(eng_tensor* t, const char* op) {
  * host <-> device through the runtime's pinned staging buffers. */
 static eng_tensor* device_copy(eng_tensor* t, int device) {
   if (check_device(device, "to_device")) return NULL;
+  if (device == ENG_META) return eng_new(t->ndim, t->shape, t->dtype, ENG_META); /* shape only */
+  if (t->device == ENG_META)
+    return eng_errp("to_device: cannot copy out of meta tensor %s: it has no data (allocate with to_empty or "
+                    "empty_like, then initialise)", eng_desc(t));
   eng_tensor* src = eng_as_contig(t, t->dtype); /* on t's device */
   if (!src) return NULL;
   eng_tensor* r = eng_new(t->ndim, t->shape, t->dtype, device);
@@ -348,8 +364,8 @@ static int to_device_backward(eng_node* n, eng_tensor** go, eng_tensor** gi) {
 
 eng_tensor* eng_tensor_to_device(eng_tensor* t, int device) {
   ENG_CHECK(t, "to_device");
-  if (device != ENG_CPU && device != ENG_CUDA)
-    return eng_errp("to_device: invalid device code %d (0 = cpu, 1 = cuda)", device);
+  if (device != ENG_CPU && device != ENG_CUDA && device != ENG_META)
+    return eng_errp("to_device: invalid device code %d (0 = cpu, 1 = cuda, 2 = meta)", device);
   if (t->device == device) return eng_tensor_retain(t);
   if (t->dist) return eng_errp("to_device: %s is a DTensor; moving DTensors between devices is not supported", eng_desc(t));
   eng_tensor* r = device_copy(t, device);
@@ -364,8 +380,11 @@ eng_tensor* eng_tensor_to_device(eng_tensor* t, int device) {
 
 int eng_tensor_set_data(eng_tensor* t, eng_tensor* src) {
   ENG_CHECK_I(t, "set_data"); ENG_CHECK_I(src, "set_data");
-  if (t->dist || src->dist)
-    return eng_err("set_data: %s / %s: DTensors cannot swap their data", eng_desc(t), eng_desc(src));
+  if (src->dist)
+    return eng_err("set_data: %s: the new data must be a plain tensor, got a DTensor", eng_desc(t));
+  if (t->dist && !eng_same_shape(t, src)) /* a DTensor takes a new local shard of the same shape */
+    return eng_err("set_data: DTensor with local %s: the new local shard %s must have the same shape", eng_desc(t),
+                   eng_desc(src));
   if (t->grad_fn) return eng_err("set_data: %s is not a leaf (it has grad_fn %s)", eng_desc(t), t->grad_fn->name);
   if (t->requires_grad && !eng_dtype_is_floating(src->dtype))
     return eng_err("set_data: %s requires grad and %s is not floating point", eng_desc(t), eng_desc(src));
@@ -402,6 +421,9 @@ int eng_tensor_copy_(eng_tensor* dst, eng_tensor* src) {
     if (!ok) return eng_err("copy_: source %s cannot be broadcast to destination %s", eng_desc(src), eng_desc(dst));
   }
   eng_broadcast_strides(src, dst->ndim, dst->shape, bs);
+  if (dst->device == ENG_META) return 0; /* shapes only: nothing to write */
+  if (src->device == ENG_META)
+    return eng_err("copy_: cannot copy out of meta tensor %s into %s: it has no data", eng_desc(src), eng_desc(dst));
   int rc;
   if (dst->storage == src->storage || dst->device != src->device) {
     /* possible overlap, or another device: go through a temporary on dst's device */
@@ -427,6 +449,7 @@ static void fill_row(int64_t n, char** p, const int64_t* s, void* ctx) {
 int eng_tensor_fill_(eng_tensor* t, double value) {
   ENG_CHECK_I(t, "fill_");
   if (eng_check_inplace(t, "fill_")) return -1;
+  if (t->device == ENG_META) return 0; /* shapes only: nothing to write */
   if (t->device == ENG_CUDA) {
     int rc;
     if (eng_tensor_is_contiguous(t)) {

@@ -44,13 +44,45 @@ local function opts_dtype(opts, default, op)
 end
 
 -- ---------------------------------------------------------------- devices
--- "cpu" -> 0, "cuda" / "cuda:N" -> 1; nil for anything else.
+-- "cpu" -> 0, "cuda" / "cuda:N" -> 1, "meta" -> 2; nil for anything else.
+-- A meta tensor has a shape, dtype and strides but no data (PyTorch's meta
+-- device): build a large model or its parallel layout first, then
+-- materialise with module:to_empty{device = "cpu"} and initialise.
 local function device_code(dev)
   if dev == "cpu" then return 0 end
   if dev == "cuda" or (type(dev) == "string" and dev:match("^cuda:%d+$")) then return 1 end
+  if dev == "meta" then return 2 end
   return nil
 end
 Tensor.device_code = device_code
+local DEVICE_NAMES = { [0] = "cpu", "cuda", "meta" }
+Tensor.device_names = DEVICE_NAMES
+local BAD_DEVICE = "' (expected \"cpu\", \"cuda\" or \"meta\")"
+Tensor.bad_device = BAD_DEVICE
+
+-- The device of factories called without one (PyTorch's
+-- torch.set_default_device); engine.with_device(dev, fn) scopes it.
+local default_device = 0
+function M.set_default_device(dev)
+  local code = device_code(dev)
+  if not code then core.fail("set_default_device: unknown device '" .. tostring(dev) .. BAD_DEVICE) end
+  Tensor.require_device(code, "set_default_device", 3)
+  default_device = code
+end
+function M.get_default_device() return DEVICE_NAMES[default_device] end
+-- Runs fn(...) with dev as the default device (restored afterwards, also on
+-- error); returns fn's results.  with_device("meta", function() return nn.Linear(4096, 4096) end)
+function M.with_device(dev, fn, ...)
+  if type(fn) ~= "function" then core.fail("with_device: expected a function as the second argument, got " .. type(fn)) end
+  local prev = default_device
+  M.set_default_device(dev)
+  local function finish(ok, ...)
+    default_device = prev
+    if not ok then error((...), 0) end
+    return ...
+  end
+  return finish(pcall(fn, ...))
+end
 
 -- Fails with "<op>: CUDA is not available: <reason>" when CUDA is asked for
 -- and there is none (nothing is allocated or changed).
@@ -62,9 +94,9 @@ end
 Tensor.require_device = require_device
 
 local function opts_device(opts, op)
-  if type(opts) ~= "table" or opts.device == nil then return 0 end
+  if type(opts) ~= "table" or opts.device == nil then return default_device end
   local code = device_code(opts.device)
-  if not code then core.fail(op .. ": unknown device '" .. tostring(opts.device) .. "' (expected \"cpu\" or \"cuda\")", 4) end
+  if not code then core.fail(op .. ": unknown device '" .. tostring(opts.device) .. BAD_DEVICE, 4) end
   require_device(code, op, 5)
   return code
 end
@@ -187,29 +219,44 @@ function M.tensor(data, opts)
   return requires(placed(wrap(C.eng_tensor_from_data(nd, arr, dt, buf, 1, n)), opts, "tensor"), opts)
 end
 
-function M.rand(...)
-  local shape, opts = shape_and_opts("rand", ...)
-  local n, arr = core.shape_arg("rand", shape)
-  return requires(placed(wrap(C.eng_rand(n, arr, opts_dtype(opts, 0, "rand"))), opts, "rand"), opts)
+-- On the meta device nothing is drawn and the generator does not advance.
+local function random_factory(name, cfun)
+  return function(...)
+    local shape, opts = shape_and_opts(name, ...)
+    local n, arr = core.shape_arg(name, shape)
+    local dt = opts_dtype(opts, 0, name)
+    if opts_device(opts, name) == 2 then
+      if C.eng_dtype_is_floating(dt) == 0 then core.fail(name .. ": random numbers need a floating point dtype, got " .. core.dtype_names[dt]) end
+      return requires(wrap(C.eng_tensor_empty(n, arr, dt, 2)), opts)
+    end
+    return requires(placed(wrap(cfun(n, arr, dt)), opts, name), opts)
+  end
 end
-
-function M.randn(...)
-  local shape, opts = shape_and_opts("randn", ...)
-  local n, arr = core.shape_arg("randn", shape)
-  return requires(placed(wrap(C.eng_randn(n, arr, opts_dtype(opts, 0, "randn"))), opts, "randn"), opts)
-end
+M.rand = random_factory("rand", C.eng_rand)
+M.randn = random_factory("randn", C.eng_randn)
 
 -- *_like keep t's device (and dtype unless given).
 local function like_opts(t, opts, op)
-  local dev = type(opts) == "table" and opts.device or (t._c.device == 1 and "cuda" or "cpu")
+  local dev = type(opts) == "table" and opts.device or DEVICE_NAMES[t._c.device]
   return { dtype = opts_dtype(opts, t._c.dtype, op), device = dev }
 end
-function M.zeros_like(t, opts) return M.zeros(t:shape(), like_opts(t, opts, "zeros_like")) end
-function M.ones_like(t, opts) return M.ones(t:shape(), like_opts(t, opts, "ones_like")) end
-function M.full_like(t, v, opts) return M.full(t:shape(), v, like_opts(t, opts, "full_like")) end
-function M.empty_like(t, opts) return M.empty(t:shape(), like_opts(t, opts, "empty_like")) end
-function M.rand_like(t) return M.rand(t:shape(), like_opts(t, nil, "rand_like")) end
-function M.randn_like(t) return M.randn(t:shape(), like_opts(t, nil, "randn_like")) end
+-- For a DTensor t they give a DTensor with t's layout (engine.distributed
+-- installs Tensor.dtensor_like): e.g. empty_like(meta_dtensor, {device = "cpu"})
+-- materialises its local shard.
+local function like(name, make)
+  return function(t, a, b)
+    core.ct(t, name, 1)
+    if t._c.dist ~= nil and Tensor.dtensor_like then return Tensor.dtensor_like(name, t, a, b) end
+    return make(t, a, b)
+  end
+end
+M.zeros_like = like("zeros_like", function(t, opts) return M.zeros(t:shape(), like_opts(t, opts, "zeros_like")) end)
+M.ones_like = like("ones_like", function(t, opts) return M.ones(t:shape(), like_opts(t, opts, "ones_like")) end)
+M.full_like = like("full_like", function(t, v, opts) return M.full(t:shape(), v, like_opts(t, opts, "full_like")) end)
+M.empty_like = like("empty_like", function(t, opts) return M.empty(t:shape(), like_opts(t, opts, "empty_like")) end)
+M.rand_like = like("rand_like", function(t, opts) return M.rand(t:shape(), like_opts(t, opts, "rand_like")) end)
+M.randn_like = like("randn_like", function(t, opts) return M.randn(t:shape(), like_opts(t, opts, "randn_like")) end)
+Tensor.like_opts = like_opts
 
 function M.manual_seed(seed)
   if type(seed) ~= "number" or seed < 0 or seed % 1 ~= 0 then core.fail("manual_seed: seed must be a non-negative integer") end
@@ -220,7 +267,8 @@ M.is_tensor = core.is_tensor
 
 -- ---------------------------------------------------------------- properties
 props.dtype = function(t) return core.dtype_names[t._c.dtype] end
-props.device = function(t) return t._c.device == 0 and "cpu" or "cuda" end
+props.device = function(t) return DEVICE_NAMES[t._c.device] end
+props.is_meta = function(t) return t._c.device == 2 end
 props.ndim = function(t) return t._c.ndim end
 props.requires_grad = function(t) return t._c.requires_grad ~= 0 end
 props.is_leaf = function(t) return t._c.grad_fn == nil end
@@ -327,7 +375,7 @@ function methods.detach(t) return wrap(C.eng_tensor_detach(ct(t, "detach"))) end
 function methods._to_device(t, dev, op)
   op = op or "to"
   local code = device_code(dev)
-  if not code then core.fail(op .. ": unknown device '" .. tostring(dev) .. "' (expected \"cpu\" or \"cuda\")", 3) end
+  if not code then core.fail(op .. ": unknown device '" .. tostring(dev) .. BAD_DEVICE, 3) end
   if t._c.device == code then return t end
   require_device(code, op, 4)
   return wrap(C.eng_tensor_to_device(t._c, code))
@@ -407,6 +455,10 @@ function Tensor.__tostring(t)
   local c = t._c
   if c.dist ~= nil and Tensor.dtensor_tostring then return Tensor.dtensor_tostring(t) end
   local shape = t:shape()
+  if c.device == 2 then -- no data to print (PyTorch: tensor(..., device='meta', size=(2, 3)))
+    local extra = c.requires_grad ~= 0 and ", requires_grad=true" or ""
+    return string.format("tensor(..., %s[%s], device=meta%s)", core.dtype_names[c.dtype], table.concat(shape, ","), extra)
+  end
   local isfloat = C.eng_dtype_is_floating(c.dtype) ~= 0
   local isbool = c.dtype == 7
   local flat = t:tolist_flat()
@@ -432,7 +484,7 @@ function Tensor.__tostring(t)
   local extra = ""
   if c.grad_fn ~= nil then extra = ", grad_fn=" .. ffi.string(c.grad_fn.name)
   elseif c.requires_grad ~= 0 then extra = ", requires_grad=true" end
-  local dev = c.device == 0 and "" or ", device=cuda"
+  local dev = c.device == 0 and "" or (", device=" .. DEVICE_NAMES[c.device])
   return string.format("tensor(%s, %s%s%s%s)", body, core.dtype_names[c.dtype],
     "[" .. table.concat(shape, ",") .. "]", dev, extra)
 end

@@ -8,7 +8,12 @@ typedef enum eng_dtype {
   ENG_NUM_DTYPES = 8
 } eng_dtype;
 
-typedef enum eng_device { ENG_CPU = 0, ENG_CUDA = 1 } eng_device;
+/* ENG_META: shape, dtype and strides only, no data (PyTorch's meta device):
+ * for building large models and their parallel layouts before allocating
+ * (module:to_empty materialises).  Ops that read or write values fail on it
+ * with an error naming the op; views, dtype casts, fills and random
+ * initialisers (no-ops), redistribute and distribute_tensor keep it meta. */
+typedef enum eng_device { ENG_CPU = 0, ENG_CUDA = 1, ENG_META = 2 } eng_device;
 
 /* Version string of the library, e.g. "engine 0.1.0". Borrowed. */
 const char* eng_version(void);

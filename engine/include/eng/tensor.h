@@ -90,7 +90,9 @@ eng_tensor* eng_tensor_to_device(eng_tensor* t, int device);
 /* t takes src's data (storage, dtype, device, geometry) in place, keeping
  * its identity, flags, hooks and .grad (like PyTorch's `t.data = src`):
  * module.to() converts parameters with it.  t must be a leaf; a .grad must
- * already match src (dtype, device, shape). */
+ * already match src (dtype, device, shape).  A DTensor t keeps its layout and
+ * takes src (a plain tensor of its local shape) as its local shard
+ * (module:to_empty materialises meta DTensor parameters this way). */
 int eng_tensor_set_data(eng_tensor* t, eng_tensor* src);
 /* Shares storage, no autograd history, requires_grad = 0. */
 eng_tensor* eng_tensor_detach(eng_tensor* t);

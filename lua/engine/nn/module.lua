@@ -515,7 +515,7 @@ function Module:to(what)
   local code
   if dev ~= nil then
     code = Tensor.device_code(dev)
-    if not code then core.fail(op .. ": unknown device '" .. tostring(dev) .. "' (expected \"cpu\" or \"cuda\")") end
+    if not code then core.fail(op .. ": unknown device '" .. tostring(dev) .. Tensor.bad_device) end
     Tensor.require_device(code, op)
   end
   local dcode = dt ~= nil and core.dtype(dt, "to", 3) or nil
@@ -565,6 +565,52 @@ function Module:to(what)
   if not ok then error(err, 2) end
   return self
 end
+-- to_empty{device = "cpu"} (or to_empty("cpu")): PyTorch's module.to_empty.
+-- Every parameter and buffer gets new UNINITIALISED storage of its shape and
+-- dtype on device, in place (identities, flags, hooks and tied parameters
+-- kept; gradients are dropped); a DTensor parameter keeps its layout and gets
+-- an empty local shard.  The way out of the meta device: build on "meta"
+-- (engine.with_device), parallelise, to_empty, then initialise
+-- (reset_parameters, nn.init; a DTensor draws its shard of the global random
+-- tensor, so every layout gets the values a single process would).
+function Module:to_empty(opts)
+  local dev = type(opts) == "table" and opts.device or opts
+  local op = "module:to_empty"
+  local code = Tensor.device_code(dev)
+  if not code then core.fail(op .. ": unknown device '" .. tostring(dev) .. Tensor.bad_device) end
+  Tensor.require_device(code, op)
+  local function swap(c)
+    local shape = {}
+    for d = 0, c.ndim - 1 do shape[d + 1] = tonumber(c.shape[d]) end
+    local arr = ffi.new("int64_t[?]", #shape > 0 and #shape or 1, shape)
+    local r = C.eng_tensor_empty(#shape, arr, c.dtype, code)
+    if r == nil then core.raise() end
+    local rc = C.eng_tensor_set_data(c, r)
+    C.eng_tensor_release(r)
+    core.check(rc)
+  end
+  local seen = {}
+  local prev = C.eng_set_grad_enabled(0)
+  local ok, err = pcall(function()
+    for _, m in ipairs(self:modules()) do
+      for _, kind in ipairs({ { "_parameters", "_param_names" }, { "_buffers", "_buffer_names" } }) do
+        local tensors = rawget(m, kind[1])
+        for _, name in ipairs(rawget(m, kind[2])) do
+          local t = tensors[name]
+          if t ~= nil and not seen[ptr_key(t)] then
+            seen[ptr_key(t)] = true
+            if t._c.grad ~= nil then core.check(C.eng_tensor_set_grad(t._c, nil)) end
+            swap(t._c)
+          end
+        end
+      end
+    end
+  end)
+  C.eng_set_grad_enabled(prev)
+  if not ok then error(err, 2) end
+  return self
+end
+
 function Module:cuda() return self:to("cuda") end
 function Module:cpu() return self:to("cpu") end
 
