@@ -22,6 +22,10 @@ const char* eng_placement_describe(const eng_placement* p, char* buf, int cap) {
     case ENG_PLACEMENT_SHARD:
       snprintf(buf, cap, "Shard(%d)", p->dim >= 0 ? p->dim + g_display_base : p->dim);
       break;
+    case ENG_PLACEMENT_STRIDED_SHARD:
+      snprintf(buf, cap, "_StridedShard(dim=%d, sf=%d)", p->dim >= 0 ? p->dim + g_display_base : p->dim,
+               p->split_factor);
+      break;
     case ENG_PLACEMENT_REPLICATE: snprintf(buf, cap, "Replicate()"); break;
     case ENG_PLACEMENT_PARTIAL: {
       const char* op = eng_reduce_op_name(p->op);
@@ -70,7 +74,31 @@ int eng_placement_equal(const eng_placement* a, const eng_placement* b) {
   if (a->kind != b->kind) return 0;
   if (a->kind == ENG_PLACEMENT_SHARD) return a->dim == b->dim;
   if (a->kind == ENG_PLACEMENT_PARTIAL) return a->op == b->op;
+  /* unlike PyTorch 2.5, where _StridedShard(d, sf) == Shard(d) ignoring sf */
+  if (a->kind == ENG_PLACEMENT_STRIDED_SHARD) return a->dim == b->dim && a->split_factor == b->split_factor;
   return 1;
+}
+
+int dt_is_shard_like(const eng_placement* p) {
+  return p->kind == ENG_PLACEMENT_SHARD || p->kind == ENG_PLACEMENT_STRIDED_SHARD;
+}
+
+eng_placement dt_replicate(void) {
+  eng_placement p;
+  memset(&p, 0, sizeof p);
+  p.kind = ENG_PLACEMENT_REPLICATE;
+  return p;
+}
+
+/* Unused fields zeroed (placements compare and hash bytewise in specs and plans). */
+static eng_placement canonical(eng_placement p) {
+  switch (p.kind) {
+    case ENG_PLACEMENT_SHARD: p.op = 0; p.split_factor = 0; break;
+    case ENG_PLACEMENT_STRIDED_SHARD: p.op = 0; break;
+    case ENG_PLACEMENT_PARTIAL: p.dim = 0; p.split_factor = 0; break;
+    default: p.dim = 0; p.op = 0; p.split_factor = 0; break;
+  }
+  return p;
 }
 
 int dt_check_placements(const char* op, const eng_mesh* mesh, int n, const eng_placement* pl, int ndim,
@@ -84,7 +112,7 @@ int dt_check_placements(const char* op, const eng_mesh* mesh, int n, const eng_p
   for (int i = 0; i < n; i++) {
     eng_placement p = pl[i];
     switch (p.kind) {
-      case ENG_PLACEMENT_REPLICATE: p.dim = 0; p.op = 0; break;
+      case ENG_PLACEMENT_REPLICATE: p.dim = 0; p.op = 0; p.split_factor = 0; break;
       case ENG_PLACEMENT_SHARD:
         if (p.dim < -ndim || p.dim >= ndim) {
           int shown = p.dim >= 0 ? p.dim + g_display_base : p.dim;
@@ -95,15 +123,33 @@ int dt_check_placements(const char* op, const eng_mesh* mesh, int n, const eng_p
         }
         if (p.dim < 0) p.dim += ndim;
         p.op = 0;
+        p.split_factor = 0;
+        break;
+      case ENG_PLACEMENT_STRIDED_SHARD:
+        if (p.split_factor < 1)
+          return eng_err("%s: _StridedShard(dim=%d, sf=%d) (placement %d): split_factor must be >= 1", op,
+                         p.dim >= 0 ? p.dim + g_display_base : p.dim, p.split_factor, i + g_display_base);
+        if (p.dim < -ndim || p.dim >= ndim) {
+          int shown = p.dim >= 0 ? p.dim + g_display_base : p.dim;
+          if (ndim == 0)
+            return eng_err("%s: _StridedShard(dim=%d, sf=%d) (placement %d) cannot shard a 0-d tensor", op, shown,
+                           p.split_factor, i + g_display_base);
+          return eng_err("%s: _StridedShard(dim=%d, sf=%d) (placement %d) is out of range for a %d-d tensor (valid "
+                         "dims: %d..%d or -%d..-1)", op, shown, p.split_factor, i + g_display_base, ndim,
+                         g_display_base, ndim - 1 + g_display_base, ndim);
+        }
+        if (p.dim < 0) p.dim += ndim;
+        p.op = 0;
         break;
       case ENG_PLACEMENT_PARTIAL:
         if (p.op < 0 || p.op >= ENG_NUM_REDUCE_OPS)
           return eng_err("%s: Partial placement %d has an invalid reduce op code %d", op, i + g_display_base, p.op);
         p.dim = 0;
+        p.split_factor = 0;
         break;
       default:
-        return eng_err("%s: placement %d has an invalid kind %d (0 Replicate, 1 Shard, 2 Partial)", op,
-                       i + g_display_base, p.kind);
+        return eng_err("%s: placement %d has an invalid kind %d (0 Replicate, 1 Shard, 2 Partial, 3 _StridedShard)",
+                       op, i + g_display_base, p.kind);
     }
     out[i] = p;
   }
@@ -132,15 +178,138 @@ static void chunk(int64_t n, int64_t k, int64_t idx, int64_t* size, int64_t* off
   *offset = off;
 }
 
+int64_t dt_strided_size(int64_t n, int k, int sf, int idx) {
+  int64_t total = 0, sz, off;
+  for (int j = 0; j < sf; j++) {
+    chunk(n, (int64_t)k * sf, idx + (int64_t)j * k, &sz, &off);
+    total += sz;
+  }
+  return total;
+}
+
+/* Local position p of a shard held as runs (global start, length) -> global
+ * index; p == the local length maps to the end of the last run, an empty
+ * shard to its anchor. */
+static int64_t runs_map(const int64_t* st, const int64_t* len, int n, int64_t anchor, int64_t p) {
+  int64_t acc = 0;
+  for (int r = 0; r < n; r++) {
+    if (p < acc + len[r]) return st[r] + (p - acc);
+    acc += len[r];
+  }
+  return n > 0 ? st[n - 1] + len[n - 1] : anchor;
+}
+
+int dt_dim_runs(const int64_t* gshape, int ndim, int mesh_ndim, const int64_t* mesh_shape, const int* coord,
+                const eng_placement* pl, int d, int64_t** st_out, int64_t** len_out, int* nr, int64_t* total,
+                int64_t* anchor) {
+  int64_t n = gshape[d];
+  int cap = 1, cnt = 0;
+  int64_t* st = malloc(sizeof *st);
+  int64_t* len = malloc(sizeof *len);
+  if (!st || !len) { free(st); free(len); return eng_err("local_shard_runs: out of memory"); }
+  if (n > 0) { st[0] = 0; len[0] = n; cnt = 1; }
+  int64_t L = n, anc = 0;
+  for (int i = 0; i < mesh_ndim; i++) {
+    if (!dt_is_shard_like(&pl[i])) continue;
+    int pd = pl[i].dim < 0 ? pl[i].dim + ndim : pl[i].dim;
+    if (pd != d) continue;
+    int64_t k = mesh_shape[i];
+    int sf = pl[i].kind == ENG_PLACEMENT_STRIDED_SHARD ? pl[i].split_factor : 1;
+    if (sf < 1) { free(st); free(len); return eng_err("local_shard_runs: split_factor %d (need >= 1)", sf); }
+    int ncap = cnt + sf + 1;
+    int64_t* nst = malloc(sizeof *nst * (size_t)ncap);
+    int64_t* nlen = malloc(sizeof *nlen * (size_t)ncap);
+    if (!nst || !nlen) { free(st); free(len); free(nst); free(nlen); return eng_err("local_shard_runs: out of memory"); }
+    int nc = 0;
+    int64_t nL = 0;
+    for (int j = 0; j < sf; j++) {
+      int64_t sz, off;
+      chunk(L, k * sf, coord[i] + (int64_t)j * k, &sz, &off);
+      if (j == 0) anc = runs_map(st, len, cnt, anc, off);
+      nL += sz;
+      /* local range [off, off+sz) through the current runs */
+      int64_t acc = 0;
+      for (int r = 0; r < cnt && sz > 0; r++) {
+        int64_t lo = off > acc ? off : acc, hi = off + sz < acc + len[r] ? off + sz : acc + len[r];
+        if (lo < hi) {
+          int64_t g = st[r] + (lo - acc);
+          if (nc > 0 && nst[nc - 1] + nlen[nc - 1] == g) nlen[nc - 1] += hi - lo;
+          else { nst[nc] = g; nlen[nc] = hi - lo; nc++; }
+        }
+        acc += len[r];
+      }
+    }
+    free(st); free(len);
+    st = nst; len = nlen; cnt = nc; cap = ncap; L = nL;
+  }
+  (void)cap;
+  if (cnt > 0) anc = st[0];
+  *st_out = st; *len_out = len; *nr = cnt; *total = L; *anchor = anc;
+  return 0;
+}
+
+static int check_layout_args(const char* op, int ndim, int mesh_ndim, const int64_t* mesh_shape, const int* coord,
+                             const eng_placement* pl) {
+  if (ndim < 0 || ndim > ENG_MAX_DIMS) return eng_err("%s: invalid ndim %d", op, ndim);
+  if (mesh_ndim < 1 || mesh_ndim > ENG_MAX_DIMS) return eng_err("%s: invalid mesh ndim %d", op, mesh_ndim);
+  for (int i = 0; i < mesh_ndim; i++) {
+    if (!dt_is_shard_like(&pl[i])) continue;
+    int d = pl[i].dim < 0 ? pl[i].dim + ndim : pl[i].dim;
+    if (d < 0 || d >= ndim) return eng_err("%s: Shard dim %d out of range for %d dims", op, pl[i].dim, ndim);
+    if (pl[i].kind == ENG_PLACEMENT_STRIDED_SHARD && pl[i].split_factor < 1)
+      return eng_err("%s: _StridedShard split_factor %d on mesh dim %d (need >= 1)", op, pl[i].split_factor,
+                     i + g_display_base);
+    if (mesh_shape[i] < 1 || coord[i] < 0 || coord[i] >= mesh_shape[i])
+      return eng_err("%s: coordinate %d out of range for mesh dim %d of size %lld", op, coord[i], i + g_display_base,
+                     (long long)mesh_shape[i]);
+  }
+  return 0;
+}
+
+int eng_local_shard_runs(int ndim, const int64_t* gshape, int mesh_ndim, const int64_t* mesh_shape, const int* coord,
+                         const eng_placement* pl, int dim, int64_t* starts, int64_t* lengths, int cap) {
+  const char* op = "local_shard_runs";
+  if (!gshape || !mesh_shape || !coord || !pl) return eng_err("%s: NULL argument", op);
+  if (check_layout_args(op, ndim, mesh_ndim, mesh_shape, coord, pl)) return -1;
+  if (dim < 0 || dim >= ndim) return eng_err("%s: dim %d out of range for %d dims", op, dim + g_display_base, ndim);
+  int64_t *st, *len, total, anc;
+  int n;
+  if (dt_dim_runs(gshape, ndim, mesh_ndim, mesh_shape, coord, pl, dim, &st, &len, &n, &total, &anc)) return -1;
+  for (int r = 0; r < n && r < cap; r++) {
+    if (starts) starts[r] = st[r];
+    if (lengths) lengths[r] = len[r];
+  }
+  free(st); free(len);
+  return n;
+}
+
 int eng_local_shape_and_offset(int ndim, const int64_t* gshape, int mesh_ndim, const int64_t* mesh_shape,
                                const int* coord, const eng_placement* pl, int64_t* lshape, int64_t* offset) {
   if (ndim < 0 || ndim > ENG_MAX_DIMS) return eng_err("local_shape_and_offset: invalid ndim %d", ndim);
   if (mesh_ndim < 1 || mesh_ndim > ENG_MAX_DIMS) return eng_err("local_shape_and_offset: invalid mesh ndim %d", mesh_ndim);
   for (int d = 0; d < ndim; d++) { lshape[d] = gshape[d]; offset[d] = 0; }
+  unsigned strided_dims = 0;
+  for (int i = 0; i < mesh_ndim; i++) {
+    if (pl[i].kind != ENG_PLACEMENT_STRIDED_SHARD) continue;
+    int d = pl[i].dim < 0 ? pl[i].dim + ndim : pl[i].dim;
+    if (d >= 0 && d < ndim) strided_dims |= 1u << d;
+  }
+  if (strided_dims && check_layout_args("local_shape_and_offset", ndim, mesh_ndim, mesh_shape, coord, pl)) return -1;
+  for (int d = 0; d < ndim; d++) {
+    if (!(strided_dims >> d & 1u)) continue;
+    /* a _StridedShard on this dim: size and first run from the runs */
+    int64_t *st, *len, total, anc;
+    int n;
+    if (dt_dim_runs(gshape, ndim, mesh_ndim, mesh_shape, coord, pl, d, &st, &len, &n, &total, &anc)) return -1;
+    free(st); free(len);
+    lshape[d] = total;
+    offset[d] = anc;
+  }
   for (int i = 0; i < mesh_ndim; i++) {
     if (pl[i].kind != ENG_PLACEMENT_SHARD) continue;
     int d = pl[i].dim < 0 ? pl[i].dim + ndim : pl[i].dim;
     if (d < 0 || d >= ndim) return eng_err("local_shape_and_offset: Shard dim %d out of range for %d dims", pl[i].dim, ndim);
+    if (strided_dims >> d & 1u) continue; /* done above */
     if (mesh_shape[i] < 1 || coord[i] < 0 || coord[i] >= mesh_shape[i])
       return eng_err("local_shape_and_offset: coordinate %d out of range for mesh dim %d of size %lld", coord[i], i + g_display_base,
                      (long long)mesh_shape[i]);
@@ -168,10 +337,11 @@ eng_dist_spec* dt_spec_make(eng_mesh* mesh, const eng_placement* pl, int ndim, c
   s->mesh_ndim = eng_mesh_ndim(mesh);
   s->mesh = eng_mesh_retain(mesh);
   for (int i = 0; i < s->mesh_ndim; i++) {
-    s->placements[i] = pl[i];
+    s->placements[i] = canonical(pl[i]);
     s->mesh_shape[i] = eng_mesh_size(mesh, i);
     if (pl[i].kind == ENG_PLACEMENT_PARTIAL) s->has_partial = 1;
-    if (pl[i].kind == ENG_PLACEMENT_SHARD) s->has_shard = 1;
+    if (dt_is_shard_like(&pl[i])) s->has_shard = 1;
+    if (pl[i].kind == ENG_PLACEMENT_STRIDED_SHARD) s->has_strided = 1;
   }
   for (int d = 0; d < ndim; d++) s->shape[d] = shape[d];
   if (stride) for (int d = 0; d < ndim; d++) s->stride[d] = stride[d];
@@ -181,8 +351,12 @@ eng_dist_spec* dt_spec_make(eng_mesh* mesh, const eng_placement* pl, int ndim, c
   s->member = eng_mesh_get_coordinate(mesh, coord) ? 1 : 0;
   if (s->member) {
     for (int i = 0; i < s->mesh_ndim; i++) s->coord[i] = coord[i];
-    eng_local_shape_and_offset(ndim, s->shape, s->mesh_ndim, s->mesh_shape, coord, s->placements, s->local_shape,
-                               s->offset);
+    if (eng_local_shape_and_offset(ndim, s->shape, s->mesh_ndim, s->mesh_shape, coord, s->placements, s->local_shape,
+                                   s->offset)) {
+      eng_mesh_release(s->mesh);
+      free(s);
+      return NULL;
+    }
   } else {
     for (int d = 0; d < ndim; d++) { s->local_shape[d] = 0; s->offset[d] = 0; }
   }
@@ -244,14 +418,14 @@ eng_dist_spec* dt_spec_adjoint(eng_dist_spec* s) {
   eng_placement pl[ENG_MAX_DIMS];
   for (int i = 0; i < s->mesh_ndim; i++) {
     pl[i] = s->placements[i];
-    if (pl[i].kind == ENG_PLACEMENT_PARTIAL) { pl[i].kind = ENG_PLACEMENT_REPLICATE; pl[i].op = 0; }
+    if (pl[i].kind == ENG_PLACEMENT_PARTIAL) pl[i] = dt_replicate();
   }
   return dt_spec_make(s->mesh, pl, s->ndim, s->shape, s->stride);
 }
 
 /* ------------------------------------------------------------------ planner */
-static int emit(eng_transform_info* out, int cap, int* n, int mesh_dim, const eng_placement* src,
-                const eng_placement* dst, int ndim, const int64_t* ls) {
+static int emit1(eng_transform_info* out, int cap, int* n, int mesh_dim, const eng_placement* src,
+                 const eng_placement* dst, int ndim, const int64_t* ls) {
   if (*n >= cap) return eng_err("redistribute plan: more than %d steps", cap);
   eng_transform_info* t = &out[*n];
   memset(t, 0, sizeof *t);
@@ -263,6 +437,25 @@ static int emit(eng_transform_info* out, int cap, int* n, int mesh_dim, const en
   return 0;
 }
 
+/* A change involving a _StridedShard other than to or from Replicate (or to
+ * Partial, an error step): it goes through Replicate on that mesh dim. */
+static int via_replicate(const eng_placement* a, const eng_placement* b) {
+  if (eng_placement_equal(a, b)) return 0;
+  if (a->kind != ENG_PLACEMENT_STRIDED_SHARD && b->kind != ENG_PLACEMENT_STRIDED_SHARD) return 0;
+  if (a->kind == ENG_PLACEMENT_REPLICATE || b->kind == ENG_PLACEMENT_REPLICATE) return 0;
+  if (a->kind == ENG_PLACEMENT_STRIDED_SHARD && b->kind == ENG_PLACEMENT_PARTIAL) return 0;
+  return 1;
+}
+
+static int emit(eng_transform_info* out, int cap, int* n, int mesh_dim, const eng_placement* src,
+                const eng_placement* dst, int ndim, const int64_t* ls) {
+  if (via_replicate(src, dst)) {
+    eng_placement r = dt_replicate();
+    return emit1(out, cap, n, mesh_dim, src, &r, ndim, ls) || emit1(out, cap, n, mesh_dim, &r, dst, ndim, ls);
+  }
+  return emit1(out, cap, n, mesh_dim, src, dst, ndim, ls);
+}
+
 int eng_redistribute_plan(int mesh_ndim, const int64_t* mesh_shape, const int* coord, const eng_placement* src,
                           const eng_placement* dst, int ndim, const int64_t* gshape, eng_transform_info* out,
                           int cap) {
@@ -270,12 +463,15 @@ int eng_redistribute_plan(int mesh_ndim, const int64_t* mesh_shape, const int* c
   if (ndim < 0 || ndim > ENG_MAX_DIMS) return eng_err("redistribute plan: invalid tensor ndim %d", ndim);
   eng_placement s[ENG_MAX_DIMS], t[ENG_MAX_DIMS], cur[ENG_MAX_DIMS];
   for (int i = 0; i < mesh_ndim; i++) {
-    s[i] = src[i]; t[i] = dst[i];
-    if (s[i].kind == ENG_PLACEMENT_SHARD && s[i].dim < 0) s[i].dim += ndim;
-    if (t[i].kind == ENG_PLACEMENT_SHARD && t[i].dim < 0) t[i].dim += ndim;
-    if ((s[i].kind == ENG_PLACEMENT_SHARD && (s[i].dim < 0 || s[i].dim >= ndim)) ||
-        (t[i].kind == ENG_PLACEMENT_SHARD && (t[i].dim < 0 || t[i].dim >= ndim)))
+    s[i] = canonical(src[i]); t[i] = canonical(dst[i]);
+    if (dt_is_shard_like(&s[i]) && s[i].dim < 0) s[i].dim += ndim;
+    if (dt_is_shard_like(&t[i]) && t[i].dim < 0) t[i].dim += ndim;
+    if ((dt_is_shard_like(&s[i]) && (s[i].dim < 0 || s[i].dim >= ndim)) ||
+        (dt_is_shard_like(&t[i]) && (t[i].dim < 0 || t[i].dim >= ndim)))
       return eng_err("redistribute plan: Shard dim out of range for a %d-d tensor on mesh dim %d", ndim, i + g_display_base);
+    if ((s[i].kind == ENG_PLACEMENT_STRIDED_SHARD && s[i].split_factor < 1) ||
+        (t[i].kind == ENG_PLACEMENT_STRIDED_SHARD && t[i].split_factor < 1))
+      return eng_err("redistribute plan: _StridedShard split_factor < 1 on mesh dim %d", i + g_display_base);
     if (coord[i] < 0 || coord[i] >= mesh_shape[i])
       return eng_err("redistribute plan: coordinate %d out of range for mesh dim %d of size %lld", coord[i], i + g_display_base,
                      (long long)mesh_shape[i]);
@@ -291,11 +487,13 @@ int eng_redistribute_plan(int mesh_ndim, const int64_t* mesh_shape, const int* c
   int64_t num_shards = 1;
   for (int i = 0; i < mesh_ndim; i++) {
     for (int d = 0; d < ndim; d++) ls[i + 1][d] = ls[i][d];
-    if (s[i].kind == ENG_PLACEMENT_SHARD) {
+    if (dt_is_shard_like(&s[i])) {
       num_shards *= mesh_shape[i];
       if (i < mesh_ndim - 1) {
         int64_t sz, off;
-        chunk(ls[i][s[i].dim], mesh_shape[i], coord[i], &sz, &off);
+        if (s[i].kind == ENG_PLACEMENT_STRIDED_SHARD)
+          sz = dt_strided_size(ls[i][s[i].dim], (int)mesh_shape[i], s[i].split_factor, coord[i]);
+        else chunk(ls[i][s[i].dim], mesh_shape[i], coord[i], &sz, &off);
         ls[i + 1][s[i].dim] = sz;
       }
     }
@@ -304,18 +502,22 @@ int eng_redistribute_plan(int mesh_ndim, const int64_t* mesh_shape, const int* c
   if (num_shards > 1) {
     /* inner -> outer: gathers first; a target Shard whose tensor dim is sharded
      * differently by the outer mesh dims (now vs in the target) passes through
-     * Replicate */
+     * Replicate.  A _StridedShard counts as sharding its dim, and the outer
+     * placements on that dim must then be identical (split factors too).
+     * A change through Replicate (involving a _StridedShard) only gathers
+     * here; the re-sharding waits for the outer -> inner pass. */
     for (int i = mesh_ndim - 1; i >= 0; i--) {
       eng_placement tg = t[i];
-      if (tg.kind == ENG_PLACEMENT_SHARD) {
+      if (dt_is_shard_like(&tg)) {
         int same = 1;
         for (int j = 0; j < i; j++) {
-          int a = cur[j].kind == ENG_PLACEMENT_SHARD && cur[j].dim == tg.dim;
-          int b = t[j].kind == ENG_PLACEMENT_SHARD && t[j].dim == tg.dim;
-          if (a != b) { same = 0; break; }
+          int a = dt_is_shard_like(&cur[j]) && cur[j].dim == tg.dim;
+          int b = dt_is_shard_like(&t[j]) && t[j].dim == tg.dim;
+          if (a != b || (a && !eng_placement_equal(&cur[j], &t[j]))) { same = 0; break; }
         }
-        if (!same) { tg.kind = ENG_PLACEMENT_REPLICATE; tg.dim = 0; tg.op = 0; }
+        if (!same) tg = dt_replicate();
       }
+      if (via_replicate(&cur[i], &tg)) tg = dt_replicate();
       if (!eng_placement_equal(&cur[i], &tg)) {
         if (emit(out, cap, &n, i, &cur[i], &tg, ndim, ls[i])) return -1;
         cur[i] = tg;

@@ -192,7 +192,7 @@ eng_tensor* eng_dtensor_from_local(eng_tensor* local, eng_mesh* mesh, int n, con
     /* PyTorch's compute_global_tensor_info: even shards assumed */
     for (int d = 0; d < nd; d++) { gshape[d] = local->shape[d]; gstride[d] = local->stride[d]; }
     for (int i = 0; i < mnd; i++) {
-      if (norm[i].kind != ENG_PLACEMENT_SHARD) continue;
+      if (!dt_is_shard_like(&norm[i])) continue; /* Shard or _StridedShard */
       int sd = norm[i].dim;
       int64_t k = eng_mesh_size(mesh, i);
       int64_t ref = gstride[sd];
@@ -437,7 +437,9 @@ eng_tensor* eng_dtensor_distribute_tensor(eng_tensor* t, eng_mesh* mesh, int n, 
     for (int i = 0; cur && i < mnd; i++) {
       int k = eng_mesh_size(mesh, i);
       eng_tensor* next = NULL;
-      if (norm[i].kind == ENG_PLACEMENT_SHARD) {
+      if (norm[i].kind == ENG_PLACEMENT_STRIDED_SHARD) {
+        next = dt_strided_distribute_step(mesh, i, cur, &norm[i], spec->coord[i], src_data_rank);
+      } else if (norm[i].kind == ENG_PLACEMENT_SHARD) {
         int d = norm[i].dim;
         if (src_data_rank < 0 || k == 1) {
           int64_t sz, off;
@@ -546,7 +548,7 @@ eng_tensor* eng_dtensor_random(int kind, int ndim, const int64_t* shape, double 
   uint64_t off = eng_rng_reserve_seeded((uint64_t)spec->numel, &seed);
   eng_tensor* local;
   if (spec->member)
-    local = eng_random_slice(kind, ndim, shape, spec->offset, spec->local_shape, a, b, dtype, seed, off);
+    local = dt_random_local(kind, spec, a, b, dtype, seed, off); /* also _StridedShard (several runs) */
   else local = empty_local(ndim, dtype);
   if (!local) eng_err_prefix("%s", op);
   return finish_factory(local, spec);

@@ -131,12 +131,14 @@ int sh_shape_broadcast(const eng_op_call* c, const eng_dist_spec* const* s, int*
 static double logical_bytes(const eng_dist_spec* s, int dtype, int m) {
   double b = (double)s->numel * eng_dtype_size(dtype);
   for (int j = 0; j < s->mesh_ndim; j++)
-    if (j != m && s->placements[j].kind == ENG_PLACEMENT_SHARD) b /= (double)s->mesh_shape[j];
+    if (j != m && dt_is_shard_like(&s->placements[j])) b /= (double)s->mesh_shape[j];
   return b;
 }
 
 /* alpha-beta like PyTorch's redistribute_cost; R->S and R->P (local work, no
- * communication) get a tiny cost so that a candidate needing no change wins. */
+ * communication) get a tiny cost so that a candidate needing no change wins.
+ * A _StridedShard changes through Replicate: from it, an all_gather (then
+ * local work); to it, what reaching Replicate costs (P: an all_reduce). */
 static double move_cost(const eng_placement* cur, const eng_placement* req, double bytes, int k) {
   if (eng_placement_equal(cur, req)) return 0;
   if (req->kind == ENG_PLACEMENT_PARTIAL && cur->kind != ENG_PLACEMENT_REPLICATE) return COST_INF;
@@ -146,6 +148,7 @@ static double move_cost(const eng_placement* cur, const eng_placement* req, doub
   switch (cur->kind) {
     case ENG_PLACEMENT_REPLICATE: return local;                      /* R->S chunk, R->P internal */
     case ENG_PLACEMENT_SHARD:
+    case ENG_PLACEMENT_STRIDED_SHARD:
       if (req->kind == ENG_PLACEMENT_PARTIAL) return COST_INF;
       return f * bytes + 1e-6;                                      /* S->R all_gather, S->S all_to_all */
     case ENG_PLACEMENT_PARTIAL:
@@ -467,6 +470,54 @@ static int prepare(const char* name, eng_op_call* c, eng_tensor** conv) {
   return 0;
 }
 
+/* The rules know Shard, Replicate and Partial only: an argument with a
+ * _StridedShard is first redistributed (autograd-recorded) to Replicate on
+ * those mesh dims, one all_gather each (the same tensor passed twice is
+ * gathered once).  New references in conv[i]. */
+static int replicate_strided(const char* name, const eng_op_def* def, eng_op_call* c, eng_tensor** conv) {
+  eng_tensor* orig[ENG_OP_MAX_IN] = {0};
+  int any = 0;
+  for (int i = 0; i < c->n_in; i++) if (c->in[i] && c->in[i]->dist && c->in[i]->dist->has_strided) any = 1;
+  if (!any) return 0;
+  { /* shape errors before any communication (shape functions read global shapes only) */
+    eng_dist_spec* specs[ENG_OP_MAX_IN] = {0};
+    for (int i = 0; i < c->n_in; i++) specs[i] = c->in[i] ? c->in[i]->dist : NULL;
+    int ondim[ENG_OP_MAX_OUT] = {0};
+    int64_t oshape[ENG_OP_MAX_OUT][8];
+    if (def->shape(c, (const eng_dist_spec* const*)specs, ondim, oshape)) {
+      char b[2048];
+      eng_err_prefix("%s: (%s)", name, layouts(c, b, sizeof b));
+      return -1;
+    }
+  }
+  for (int i = 0; i < c->n_in; i++) {
+    eng_tensor* t = c->in[i];
+    orig[i] = t;
+    if (!t || !t->dist || !t->dist->has_strided) continue;
+    eng_tensor* r = NULL;
+    for (int j = 0; j < i && !r; j++) if (orig[j] == t && conv[j]) r = eng_tensor_retain(conv[j]);
+    if (!r) {
+      const eng_dist_spec* s = t->dist;
+      eng_placement pl[ENG_MAX_DIMS];
+      for (int m = 0; m < s->mesh_ndim; m++)
+        pl[m] = s->placements[m].kind == ENG_PLACEMENT_STRIDED_SHARD ? dt_replicate() : s->placements[m];
+      eng_dist_spec* to = dt_spec_make(s->mesh, pl, s->ndim, s->shape, s->stride);
+      r = to ? eng_dtensor_redistribute_spec(t, to, 0) : NULL;
+      eng_dist_spec_release(to);
+      if (!r) {
+        char b[2048];
+        eng_err_prefix("%s: replicating the _StridedShard mesh dims of argument %d (%s)", name, i + dt_base(),
+                       layouts(c, b, sizeof b));
+        return -1;
+      }
+    }
+    eng_tensor_release(conv[i]);
+    conv[i] = r;
+    c->in[i] = r;
+  }
+  return 0;
+}
+
 static int empty_outputs(const cache_entry* e, int n_out, int dtype, eng_tensor** outs) {
   int64_t z[ENG_MAX_DIMS] = {0};
   for (int j = 0; j < n_out; j++) {
@@ -485,7 +536,7 @@ int eng_dispatch_multi(const eng_op_def* def, eng_op_call* c, eng_tensor** outs)
   for (int j = 0; j < n_out; j++) outs[j] = NULL;
   int rc = -1;
   if (c->n_in > ENG_OP_MAX_IN) return eng_err("%s: too many tensor inputs for the dispatcher", name);
-  if (prepare(name, c, conv)) goto done;
+  if (prepare(name, c, conv) || replicate_strided(name, def, c, conv)) goto done;
   c->needs_grad = eng_any_requires_grad(c->n_in, c->in);
   eng_dist_spec* specs[ENG_OP_MAX_IN] = {0};
   for (int i = 0; i < c->n_in; i++) specs[i] = c->in[i] ? c->in[i]->dist : NULL;

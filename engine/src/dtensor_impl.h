@@ -23,6 +23,41 @@ eng_dist_spec* dt_spec_make(eng_mesh* mesh, const eng_placement* pl, int ndim, c
  * itself retained when it has no Partial). */
 eng_dist_spec* dt_spec_adjoint(eng_dist_spec* s);
 
+/* Shard or _StridedShard. */
+int dt_is_shard_like(const eng_placement* p);
+/* Replicate() with every other field 0. */
+eng_placement dt_replicate(void);
+/* Size of the local shard of a _StridedShard: n entries cut into k*sf
+ * torch.chunk pieces, coordinate idx holding pieces idx, idx+k, ... */
+int64_t dt_strided_size(int64_t n, int k, int sf, int idx);
+/* Runs (global start, length) of tensor dim d of the shard at coord, in
+ * local order, adjacent runs merged: malloc'd arrays in *st / *len (free
+ * both), count in *nr, local size in *total, start of the shard (also when
+ * empty) in *anchor.  0 or -1 (message set). */
+int dt_dim_runs(const int64_t* gshape, int ndim, int mesh_ndim, const int64_t* mesh_shape, const int* coord,
+                const eng_placement* pl, int d, int64_t** st, int64_t** len, int* nr, int64_t* total,
+                int64_t* anchor);
+
+/* _StridedShard data movement (strided_shard.c).  x is a plain tensor; d the
+ * tensor dim, k the mesh dim size, sf the split factor, coord this rank's
+ * coordinate on the mesh dim.  All return new contiguous plain tensors. */
+/* Replicate -> _StridedShard: this coordinate's chunks of x, no communication. */
+eng_tensor* dt_strided_select(const eng_tensor* x, int d, int k, int sf, int coord);
+/* _StridedShard -> Replicate: one all_gather over pg (the locals padded to
+ * coordinate 0's size), then the chunks put back in place; L is the size of
+ * dim d before this mesh dim's sharding.  op names the caller in messages. */
+eng_tensor* dt_strided_gather(const char* op, eng_pg* pg, const eng_tensor* x, int d, int k, int sf, int coord,
+                              int64_t L);
+/* distribute_tensor's step on a _StridedShard mesh dim i: a scatter from
+ * group rank src_data_rank (< 0 or a mesh dim of size 1: local selection). */
+eng_tensor* dt_strided_distribute_step(eng_mesh* mesh, int mesh_dim, eng_tensor* x, const eng_placement* p,
+                                       int coord, int src_data_rank);
+/* The local shard of spec s (a member) of a global random tensor drawn with
+ * (seed, offset): one slice when the shard is a box (eng_random_slice over
+ * s->offset and s->local_shape), else one slice per box of runs. */
+eng_tensor* dt_random_local(int kind, const eng_dist_spec* s, double a, double b, int dtype, uint64_t seed,
+                            uint64_t offset);
+
 /* Sets t->dist to s (new reference; replaces any previous spec). */
 void dt_attach(eng_tensor* t, eng_dist_spec* s);
 /* A plain view (no dist, no autograd) with t's geometry. */

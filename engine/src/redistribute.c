@@ -10,6 +10,12 @@
  *   S(a) -> S(b)  all_to_all (a padded to ceil(La/k), b to k*ceil(nb/k))
  *   R -> P        internal only: sum divides by k; avg/max/min keep the value;
  *                 in backward passes the value through (grads never become Partial)
+ *   SS -> R       _StridedShard: all_gather (locals padded to coordinate 0's
+ *                 size), then the chunks put back in place (strided_shard.c)
+ *   R -> SS       _StridedShard: local copy of this coordinate's chunks
+ * Every other change involving a _StridedShard is planned as two steps
+ * through Replicate on that mesh dim (dist_spec.c); _StridedShard -> Partial
+ * is an error like Shard -> Partial.
  *
  * The collectives of eng/comm.h work along dim 0; other dims go through a
  * view with the dim moved to the front.  Dim 0 needs no copies beyond the
@@ -490,6 +496,22 @@ static eng_tensor* apply_r2p(step_ctx* c, eng_tensor* x, const eng_placement* s,
   return out;
 }
 
+/* _StridedShard -> R: all_gather and reorder (synchronous even in an async
+ * redistribute: the result is complete when returned). */
+static eng_tensor* apply_ss2r(step_ctx* c, eng_tensor* x, const eng_placement* s, const eng_placement* t) {
+  return dt_strided_gather(c->op, c->pg, x, s->dim, c->k, s->split_factor, c->coord, c->ls[s->dim]);
+}
+
+/* R -> _StridedShard: this coordinate's chunks, copied. */
+static eng_tensor* apply_r2ss(step_ctx* c, eng_tensor* x, const eng_placement* s, const eng_placement* t) {
+  return dt_strided_select(x, t->dim, c->k, t->split_factor, c->coord);
+}
+
+static eng_tensor* apply_ss2p(step_ctx* c, eng_tensor* x, const eng_placement* s, const eng_placement* t) {
+  char a[48];
+  return eng_errp("%s: redistribute from %s to Partial is not supported", c->op, eng_placement_describe(s, a, sizeof a));
+}
+
 static eng_tensor* apply_noop(step_ctx* c, eng_tensor* x, const eng_placement* s, const eng_placement* t) {
   return eng_tensor_retain(x);
 }
@@ -516,6 +538,10 @@ static int chk_s2s(const eng_placement* s, const eng_placement* t) { return is_s
 static int chk_r2p(const eng_placement* s, const eng_placement* t) { return is_r(s) && is_p(t); }
 static int chk_p2p(const eng_placement* s, const eng_placement* t) { return is_p(s) && is_p(t) && s->op != t->op; }
 static int chk_s2p(const eng_placement* s, const eng_placement* t) { return is_s(s) && is_p(t); }
+static int is_ss(const eng_placement* p) { return p->kind == ENG_PLACEMENT_STRIDED_SHARD; }
+static int chk_ss2r(const eng_placement* s, const eng_placement* t) { return is_ss(s) && is_r(t); }
+static int chk_r2ss(const eng_placement* s, const eng_placement* t) { return is_r(s) && is_ss(t); }
+static int chk_ss2p(const eng_placement* s, const eng_placement* t) { return is_ss(s) && is_p(t); }
 
 /* Where a gradient that arrives with placement g goes back to on a mesh dim
  * whose forward source was s: s, except that a Partial source receives a
@@ -523,7 +549,7 @@ static int chk_s2p(const eng_placement* s, const eng_placement* t) { return is_s
  * Partial sums; PyTorch's Redistribute.backward). */
 static eng_placement bwd_source(const eng_placement* s, const eng_placement* g) {
   eng_placement r = *s;
-  if (is_p(s) && !is_p(g)) { r.kind = ENG_PLACEMENT_REPLICATE; r.dim = 0; r.op = 0; }
+  if (is_p(s) && !is_p(g)) r = dt_replicate();
   return r;
 }
 
@@ -546,6 +572,9 @@ static const transition g_transitions[] = {
     {"replicate_to_partial (internal)", 0, chk_r2p, apply_r2p, bwd_source},
     {"partial_to_partial", 0, chk_p2p, apply_p2p, bwd_source},
     {"shard_to_partial", 0, chk_s2p, apply_s2p, bwd_source},
+    {"strided_shard_to_replicate (all_gather)", 1, chk_ss2r, apply_ss2r, bwd_source},
+    {"replicate_to_strided_shard (local chunks)", 0, chk_r2ss, apply_r2ss, bwd_source},
+    {"strided_shard_to_partial", 0, chk_ss2p, apply_ss2p, bwd_source},
 };
 #define N_TRANSITIONS ((int)(sizeof g_transitions / sizeof g_transitions[0]))
 
@@ -681,7 +710,9 @@ eng_tensor* dt_redistribute_local(eng_tensor* local, const eng_dist_spec* src, c
   int owned = 0;
   for (int s = 0; s < n; s++) {
     int i = steps[s].mesh_dim;
-    if (src->mesh_shape[i] == 1 && tr[s]->apply != apply_p2p && tr[s]->apply != apply_s2p) continue;
+    if (src->mesh_shape[i] == 1 && tr[s]->apply != apply_p2p && tr[s]->apply != apply_s2p &&
+        tr[s]->apply != apply_ss2p)
+      continue;
     step_ctx c;
     memset(&c, 0, sizeof c);
     pending pend;

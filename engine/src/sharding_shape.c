@@ -100,6 +100,9 @@ static int reshape_plan(const eng_dist_spec* s, int ond, const int64_t* osh, eng
   for (int m = 0; m < mnd; m++) {
     eng_placement p = s->placements[m];
     ipl[m] = p; opl[m] = p;
+    /* (the dispatcher replicates _StridedShard inputs before any rule; were one
+     * to get here, it would be replicated: its shard is not one box) */
+    if (p.kind == ENG_PLACEMENT_STRIDED_SHARD) { ipl[m] = opl[m] = sh_R(); continue; }
     if (!sh_is_S(&p)) continue;
     int d = p.dim, j = -1;
     if (s->numel > 0)
@@ -630,7 +633,7 @@ int eng_dt_split(eng_tensor* t, int mode, int64_t arg, int n, const int64_t* siz
   int change = 0;
   for (int m = 0; m < s->mesh_ndim; m++) {
     pl[m] = s->placements[m];
-    if (sh_is_S(&pl[m]) && pl[m].dim == d) { pl[m] = sh_R(); change = 1; }
+    if ((sh_is_S(&pl[m]) && pl[m].dim == d) || pl[m].kind == ENG_PLACEMENT_STRIDED_SHARD) { pl[m] = sh_R(); change = 1; }
   }
   eng_tensor* src;
   if (change) {

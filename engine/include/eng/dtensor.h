@@ -14,6 +14,20 @@
  * prod) over the mesh dim.  Dims are 0-based here and negative dims count
  * from the end; specs store them normalized.
  *
+ * _StridedShard(dim, split_factor) (PyTorch's `_StridedShard`, the layout
+ * FSDP2 + TP produce when both shard one tensor dim): the dim, with the size
+ * n it has at that point of the left-to-right application of the placements,
+ * is cut with torch.chunk rules into k * split_factor chunks (chunk =
+ * ceil(n / (k*sf)), trailing chunks short or empty) and mesh coordinate i
+ * holds chunks i, i+k, ..., i+(sf-1)k concatenated in that order.  sf = 1 is
+ * the same layout as Shard(dim) but a different placement.  Its local shard
+ * is in general not one contiguous slice of the global tensor: see
+ * eng_local_shard_runs and the `offset` field of eng_dist_spec.  Op dispatch
+ * replicates _StridedShard inputs first; redistribute goes to and from it
+ * through Replicate on its mesh dim (_StridedShard -> Replicate: one
+ * all_gather and a local reorder; Replicate -> _StridedShard: local, no
+ * communication).
+ *
  * Ranks outside the mesh hold an empty local tensor (every size 0, same
  * number of dims as the global shape) and skip all communication.
  *
@@ -36,13 +50,16 @@
 #define ENG_DTENSOR_H
 
 typedef enum eng_placement_kind {
-  ENG_PLACEMENT_REPLICATE = 0, ENG_PLACEMENT_SHARD = 1, ENG_PLACEMENT_PARTIAL = 2
+  ENG_PLACEMENT_REPLICATE = 0, ENG_PLACEMENT_SHARD = 1, ENG_PLACEMENT_PARTIAL = 2, ENG_PLACEMENT_STRIDED_SHARD = 3
 } eng_placement_kind;
 
+/* Fields a kind does not use are 0 in every normalized placement (specs,
+ * plans), so placements compare and hash bytewise. */
 typedef struct eng_placement {
-  int32_t kind;  /* eng_placement_kind */
-  int32_t dim;   /* SHARD: tensor dim */
-  int32_t op;    /* PARTIAL: eng_reduce_op */
+  int32_t kind;          /* eng_placement_kind */
+  int32_t dim;           /* SHARD, STRIDED_SHARD: tensor dim */
+  int32_t op;            /* PARTIAL: eng_reduce_op */
+  int32_t split_factor;  /* STRIDED_SHARD: >= 1 */
 } eng_placement;
 
 /* Immutable once created; fields may be read (also from Lua). */
@@ -57,10 +74,16 @@ typedef struct eng_dist_spec {
   int64_t stride[8];           /* global stride */
   int64_t numel;               /* global numel */
   int64_t local_shape[8];      /* this rank's shard (all 0 for non-members) */
-  int64_t offset[8];           /* global offset of this rank's shard */
+  /* Global offset of this rank's shard.  On a dim split by a _StridedShard
+   * the shard may be several runs of the global dim (eng_local_shard_runs):
+   * offset is then the start of the first run, exact only when there is one
+   * run (as for FSDP2 + TP's [_StridedShard(d, sf=k2), Shard(d)] with even
+   * sizes); code that needs the box of the shard checks has_strided. */
+  int64_t offset[8];
   int64_t mesh_shape[8];
   int32_t coord[8];            /* this rank's mesh coordinate (members) */
-  int32_t has_partial, has_shard;
+  int32_t has_partial, has_shard; /* has_shard: a Shard or _StridedShard */
+  int32_t has_strided;         /* a _StridedShard placement */
   uint64_t hash;
 } eng_dist_spec;
 
@@ -89,7 +112,7 @@ int eng_placement_equal(const eng_placement* a, const eng_placement* b);
 /* "f32[12,3] on mesh(2x2: dp,tp) [Shard(1), Replicate()]" (dtype < 0: no
  * dtype).  Returns buf. */
 const char* eng_dist_spec_describe(const eng_dist_spec* s, int dtype, char* buf, int buflen);
-/* "Shard(1)", "Replicate()", "Partial(sum)". */
+/* "Shard(1)", "Replicate()", "Partial(sum)", "_StridedShard(dim=1, sf=2)". */
 const char* eng_placement_describe(const eng_placement* p, char* buf, int buflen);
 /* Base used when messages print Shard dims: 0 (C, default) or 1 (the Lua
  * library sets 1 so messages match what Lua users write).  Returns the
@@ -117,6 +140,15 @@ int eng_shard_overlap_region(int ndim, const int64_t* saved_off, const int64_t* 
 int eng_local_shape_and_offset(int ndim, const int64_t* global_shape, int mesh_ndim, const int64_t* mesh_shape,
                                const int* coord, const eng_placement* placements, int64_t* local_shape,
                                int64_t* offset);
+/* The shard at mesh coordinate coord on tensor dim `dim` as runs of the
+ * global dim, in the order the local tensor holds them (adjacent runs
+ * merged): writes min(count, cap) 0-based starts and lengths and returns the
+ * count (0 for an empty shard), or -1.  One run unless a _StridedShard with
+ * split_factor > 1 splits the dim.  On a dim that is not sharded the run is
+ * the whole dim. */
+int eng_local_shard_runs(int ndim, const int64_t* global_shape, int mesh_ndim, const int64_t* mesh_shape,
+                         const int* coord, const eng_placement* placements, int dim, int64_t* starts,
+                         int64_t* lengths, int cap);
 /* The greedy redistribute plan (PyTorch's generate_greedy_transform_infos)
  * for a rank at coord: writes up to cap steps, returns the number of steps
  * (or -1).  Pure: no mesh needed. */

@@ -23,7 +23,7 @@ local wrap, ct, check = core.wrap, core.ct, core.check
 local methods, props = Tensor.methods, Tensor.props
 
 local M = {}
-M.Shard, M.Replicate, M.Partial = P.Shard, P.Replicate, P.Partial
+M.Shard, M.Replicate, M.Partial, M._StridedShard = P.Shard, P.Replicate, P.Partial, P._StridedShard
 M.is_placement = P.is_placement
 
 local function is_dtensor(t) return core.is_tensor(t) and t._c.dist ~= nil end
@@ -327,12 +327,9 @@ function M.shards_get_overlap_region_wrt_saved_tensor(saved, current)
   return r
 end
 
--- compute_local_shape_and_global_offset(global_shape, mesh, placements [, coord])
--- -> local shape, 0-based global offsets (lists).  coord (0-based list)
--- defaults to this rank's; a rank outside the mesh gets zeros and nil.
--- mesh may also be a list of mesh sizes (then coord is required).
-function M.compute_local_shape_and_global_offset(shape, mesh, placements, coord)
-  local op = "compute_local_shape_and_global_offset"
+-- Arguments of the layout helpers below, as C arrays; member false on a rank
+-- outside the mesh (when coord is not given).
+local function layout_args(op, shape, mesh, placements, coord)
   local sarr, nd = int64_list(shape, op, "global shape")
   local mshape = ffi.new("int64_t[8]")
   local cbuf = ffi.new("int[8]")
@@ -354,9 +351,28 @@ function M.compute_local_shape_and_global_offset(shape, mesh, placements, coord)
   if n ~= mnd then
     core.fail(string.format("%s: `placements` must have the same length as `device_mesh.ndim`! Found placements length: %d, and device_mesh.ndim: %d.", op, n, mnd))
   end
+  local member = true
   if coord ~= nil then
     for i = 1, mnd do cbuf[i - 1] = coord[i] end
   elseif C.eng_mesh_get_coordinate(mesh._c, cbuf) == 0 then
+    member = false
+  end
+  return sarr, nd, mnd, mshape, cbuf, arr, member
+end
+
+-- compute_local_shape_and_global_offset(global_shape, mesh, placements [, coord])
+-- -> local shape, 0-based global offsets (lists).  coord (0-based list)
+-- defaults to this rank's; a rank outside the mesh gets zeros and nil.
+-- mesh may also be a list of mesh sizes (then coord is required).
+--
+-- On a dim split by a _StridedShard the shard may be several runs of the
+-- global dim (see local_shard_runs); the offset is then the start of the
+-- first run (exact when there is one run, as for [_StridedShard(d, sf = k2),
+-- Shard(d)] with even sizes).
+function M.compute_local_shape_and_global_offset(shape, mesh, placements, coord)
+  local sarr, nd, mnd, mshape, cbuf, arr, member =
+    layout_args("compute_local_shape_and_global_offset", shape, mesh, placements, coord)
+  if not member then
     local z = {}
     for i = 1, nd do z[i] = 0 end
     return z, nil
@@ -364,6 +380,28 @@ function M.compute_local_shape_and_global_offset(shape, mesh, placements, coord)
   local ls, off = ffi.new("int64_t[8]"), ffi.new("int64_t[8]")
   check(C.eng_local_shape_and_offset(nd, sarr, mnd, mshape, cbuf, arr, ls, off))
   return list_of(ls, nd), list_of(off, nd)
+end
+
+-- local_shard_runs(global_shape, mesh_or_shape, placements [, coord]) -> one
+-- list per tensor dim of the runs {start (0-based), length} of the global dim
+-- that the shard holds, in local order (adjacent runs merged; {} when empty).
+-- One run per dim unless a _StridedShard with split_factor > 1 splits it.
+-- nil on a rank outside the mesh.
+function M.local_shard_runs(shape, mesh, placements, coord)
+  local op = "local_shard_runs"
+  local sarr, nd, mnd, mshape, cbuf, arr, member = layout_args(op, shape, mesh, placements, coord)
+  if not member then return nil end
+  local r = {}
+  for d = 0, nd - 1 do
+    local n = C.eng_local_shard_runs(nd, sarr, mnd, mshape, cbuf, arr, d, nil, nil, 0)
+    if n < 0 then core.raise() end
+    local st, len = ffi.new("int64_t[?]", n + 1), ffi.new("int64_t[?]", n + 1)
+    if C.eng_local_shard_runs(nd, sarr, mnd, mshape, cbuf, arr, d, st, len, n) < 0 then core.raise() end
+    local runs = {}
+    for i = 0, n - 1 do runs[i + 1] = { tonumber(st[i]), tonumber(len[i]) } end
+    r[d + 1] = runs
+  end
+  return r
 end
 
 -- redistribute_plan(src_placements, dst_placements, global_shape, mesh_or_shape [, coord])
