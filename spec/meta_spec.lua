@@ -1,6 +1,6 @@
 -- The meta device (PyTorch's device="meta"): tensors with shape, dtype and
--- strides but no data.  Geometry and dtype work; ops that read or write values
--- fail naming the op; modules built on meta are materialised with to_empty and
+-- strides but no data.  Geometry works, ops compute output shapes and dtypes (as
+-- the CPU op would), reading values fails naming the op; modules built on meta are materialised with to_empty and
 -- initialised with reset_parameters, giving the values a CPU build would.
 local engine = require("engine")
 local nn = engine.nn
@@ -87,21 +87,113 @@ describe("meta tensors", function()
     assert.is_true(engine.empty_like(m).is_meta)
   end)
 
-  it("ops that compute values fail naming the op and the tensor", function()
-    local a, b = meta(2, 3), meta(3, 2)
+  -- every op with a DTensor op def computes its output shapes and dtypes on meta; the
+  -- results must be what the same op gives on CPU tensors of the same shapes and dtypes
+  local F = nn.functional
+  local function cpu_inputs()
+    engine.manual_seed(3)
+    return {
+      a = engine.randn(2, 3), b = engine.randn(3), c = engine.randn(3, 4), d = engine.randn(5, 2, 3),
+      v = engine.randn(3), i = engine.tensor({ { 1, 2, 3 }, { 4, 5, 6 } }), f64 = engine.randn(2, 3, { dtype = "f64" }),
+      bf = engine.randn(2, 3, { dtype = "bf16" }), m = engine.tensor({ { true, false, true }, { false, true, false } }),
+      w = engine.randn(4, 3), bias = engine.randn(4), emb = engine.randn(10, 4), idx = engine.tensor({ { 1, 2 }, { 3, 9 } }),
+      tgt = engine.tensor({ 0, 2 }), q = engine.randn(2, 2, 5, 4), k = engine.randn(2, 2, 6, 4), vv = engine.randn(2, 2, 6, 3),
+      ln_w = engine.randn(3), ln_b = engine.randn(3),
+    }
+  end
+  local ops = {
+    { "neg", function(x) return -x.a end }, { "exp", function(x) return x.a:exp() end },
+    { "exp of i64", function(x) return x.i:exp() end }, { "abs of i64", function(x) return x.i:abs() end },
+    { "gelu tanh", function(x) return x.a:gelu("tanh") end }, { "clamp", function(x) return x.a:clamp(-1, 1) end },
+    { "relu bf16", function(x) return x.bf:relu() end },
+    { "add broadcast", function(x) return x.a + x.b end }, { "mul 3-d broadcast", function(x) return x.d * x.a end },
+    { "f32 + f64", function(x) return x.a + x.f64 end }, { "i64 + f32", function(x) return x.i + x.a end },
+    { "i64 * i64", function(x) return x.i * x.i end }, { "i64 / 2", function(x) return x.i / 2 end },
+    { "i64 + 1.5", function(x) return x.i + 1.5 end }, { "2 ^ a", function(x) return 2 ^ x.a end },
+    { "bf16 * 3", function(x) return x.bf * 3 end }, { "maximum", function(x) return x.a:maximum(x.b) end },
+    { "eq", function(x) return x.a:eq(x.b) end }, { "lt scalar", function(x) return x.i:lt(3) end },
+    { "where", function(x) return engine.where(x.m, x.a, x.f64) end },
+    { "masked_fill", function(x) return x.a:masked_fill(x.m, 0) end },
+    { "sum", function(x) return x.a:sum() end }, { "sum dim", function(x) return x.d:sum(2) end },
+    { "sum keepdim", function(x) return x.d:sum(-1, true) end }, { "sum i64", function(x) return x.i:sum() end },
+    { "sum bool", function(x) return x.m:sum(1) end }, { "mean dim", function(x) return x.d:mean(1) end },
+    { "max", function(x) return x.a:max() end }, { "argmax", function(x) return x.a:argmax() end },
+    { "argmax dim", function(x) return x.d:argmax(3, true) end },
+    { "max dim (values, indices)", function(x) return x.d:max(2) end },
+    { "softmax", function(x) return x.d:softmax(-1) end }, { "log_softmax", function(x) return x.a:log_softmax(1) end },
+    { "layer_norm", function(x) return F.layer_norm(x.d, { 3 }, x.ln_w, x.ln_b) end },
+    { "rms_norm", function(x) return F.rms_norm(x.d, { 3 }, x.ln_w) end },
+    { "matmul 2-d", function(x) return x.a:matmul(x.c) end }, { "matmul 1-d . 1-d", function(x) return x.v:matmul(x.b) end },
+    { "matmul 2-d x 1-d", function(x) return x.a:matmul(x.b) end },
+    { "matmul batched", function(x) return x.d:matmul(x.c) end },
+    { "linear", function(x) return F.linear(x.d, x.w, x.bias) end }, { "linear no bias", function(x) return F.linear(x.a, x.w) end },
+    { "embedding", function(x) return F.embedding(x.idx, x.emb) end },
+    { "cross_entropy", function(x) return F.cross_entropy(x.a, x.tgt) end },
+    { "cross_entropy none", function(x) return F.cross_entropy(x.a, x.tgt, { reduction = "none" }) end },
+    { "dropout", function(x) return F.dropout(x.a, 0.5, true) end },
+    { "sdpa causal", function(x) return F.scaled_dot_product_attention(x.q, x.k, x.vv, nil, 0, true) end },
+    { "clone", function(x) return x.a:clone() end }, { "to f64", function(x) return x.a:to("f64") end },
+  }
+  local function as_meta(x)
+    local r = {}
+    for k, v in pairs(x) do r[k] = v:to("meta") end
+    return r
+  end
+
+  it("ops compute the output shapes and dtypes the CPU op gives", function()
+    local x = cpu_inputs()
+    local mx = as_meta(x)
+    for _, op in ipairs(ops) do
+      local want = { op[2](x) }
+      local got = { op[2](mx) }
+      assert.equal(#want, #got, op[1])
+      for j = 1, #want do
+        assert.is_true(got[j].is_meta, op[1])
+        assert.is_false(want[j].is_meta, op[1])
+        assert.same(want[j]:shape(), got[j]:shape(), op[1])
+        assert.equal(want[j].dtype, got[j].dtype, op[1])
+        assert.is_nil(got[j].grad_fn, op[1])
+      end
+    end
+  end)
+
+  it("meta ops raise the errors the CPU op raises (shapes and dtypes)", function()
+    local x = as_meta(cpu_inputs())
     local cases = {
-      { "add", function() return a + a end },
-      { "mul", function() return a * 2 end },
-      { "exp", function() return a:exp() end },
-      { "sum", function() return a:sum() end },
-      { "max", function() return a:max() end },
-      { "matmul", function() return a:matmul(b) end },
-      { "softmax", function() return a:softmax(2) end },
-      { "eq", function() return a:eq(a) end },
-      { "linear", function() return nn.functional.linear(engine.ones(4, 3), a) end },
-      { "layer_norm", function() return nn.functional.layer_norm(a, { 3 }) end },
-      { "cross_entropy", function() return nn.functional.cross_entropy(a, engine.tensor({ 0, 1 })) end },
-      { "add_", function() a:add_(engine.ones(2, 3)) end },
+      { "matmul", function() return x.a:matmul(x.a) end, "cannot be multiplied" },
+      { "add", function() return x.a + x.c end, "broadcast" },
+      { "softmax", function() return x.i:softmax(1) end, "floating point" },
+      { "mean", function() return x.i:mean() end, "floating point" },
+      { "linear", function() return F.linear(x.c, x.w) end, "do not match" },
+      { "cross_entropy", function() return F.cross_entropy(x.a, x.idx) end, "target" },
+    }
+    for _, c in ipairs(cases) do
+      local e = errmsg(c[2])
+      assert.is_truthy(e and e:find(c[1], 1, true) and e:find(c[3], 1, true), c[1] .. ": " .. tostring(e))
+    end
+  end)
+
+  it("meta ops do not advance the generator (dropout draws nothing)", function()
+    engine.manual_seed(9)
+    local _ = F.dropout(meta(100), 0.5, true)
+    local r = engine.rand(4)
+    engine.manual_seed(9)
+    assert.equal(0, (engine.rand(4) - r):abs():max():item())
+  end)
+
+  it("in-place arithmetic into a meta tensor checks broadcasting and writes nothing", function()
+    local t = meta(2, 3)
+    t:add_(meta(3))
+    t:mul_(2)
+    local e = errmsg(function() t:add_(meta(4)) end)
+    assert.is_truthy(e and e:find("add_", 1, true), e)
+  end)
+
+  it("ops without meta support, and reading values, fail naming the op", function()
+    local a = meta(2, 3)
+    local cases = {
+      { "index_select", function() return a:index_select(1, engine.tensor({ 0 }):to("meta")) end },
+      { "addcmul_", function() a:addcmul_(a, a, 1) end },
       { "item", function() return meta(1):item() end },
       { "get", function() return a:get(1, 1) end },
     }
@@ -111,9 +203,9 @@ describe("meta tensors", function()
     end
   end)
 
-  it("mixing a meta and a CPU tensor is an error naming the meta operand", function()
+  it("mixing a meta and a CPU tensor is a device error naming both", function()
     local e = errmsg(function() return engine.ones(2) + meta(2) end)
-    assert.is_truthy(e and e:find("add:", 1, true) and e:find("f32[2]@meta is a meta tensor", 1, true), e)
+    assert.is_truthy(e and e:find("add: tensors on different devices", 1, true) and e:find("f32[2]@meta", 1, true), e)
   end)
 
   it("random initialisers are no-ops on meta and do not advance the generator", function()
@@ -193,10 +285,13 @@ describe("modules on the meta device", function()
     end
   end)
 
-  it("a meta module can be used after to_empty (forward and backward)", function()
+  it("a meta module runs on meta inputs (shapes), and after to_empty on CPU (forward and backward)", function()
     local m = engine.with_device("meta", function() return nn.Linear(4, 3) end)
+    local ym = m(engine.empty({ 2, 4 }, { device = "meta" }))
+    assert.is_true(ym.is_meta)
+    assert.same({ 2, 3 }, ym:shape())
     local e = errmsg(function() return m(engine.ones(2, 4)) end)
-    assert.is_truthy(e and e:find("meta tensor", 1, true), e)
+    assert.is_truthy(e and e:find("different devices", 1, true), e)
     m:to_empty("cpu")
     m:reset_parameters()
     local y = m(engine.ones(2, 4))

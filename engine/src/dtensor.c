@@ -87,7 +87,7 @@ static eng_tensor* empty_local(int ndim, int dtype) {
 }
 
 static int check_cpu(const char* op, const eng_tensor* t) {
-  if (t->device != ENG_CPU)
+  if (t->device != ENG_CPU && t->device != ENG_META)
     return eng_err("%s: %s is not a CPU tensor; DTensors on CUDA meshes are not supported yet", op, eng_desc(t));
   return 0;
 }
@@ -230,6 +230,7 @@ eng_tensor* eng_dtensor_from_local(eng_tensor* local, eng_mesh* mesh, int n, con
     if (shape && check_local_shape(op, local, spec)) { eng_dist_spec_release(spec); return NULL; }
     int bcast = 0;
     for (int i = 0; i < mnd; i++) if (run_check && norm[i].kind == ENG_PLACEMENT_REPLICATE) bcast = 1;
+    if (local->device == ENG_META) bcast = 0; /* no data to broadcast */
     if (bcast) {
       if (check_cpu(op, local)) { eng_dist_spec_release(spec); return NULL; }
       out = eng_new(nd, local->shape, local->dtype, local->device);
@@ -427,6 +428,7 @@ eng_tensor* eng_dtensor_distribute_tensor(eng_tensor* t, eng_mesh* mesh, int n, 
         return eng_errp("%s: src_data_rank %d is out of range for mesh dim %d of size %d", op, src_data_rank, i + dt_base(),
                         eng_mesh_size(mesh, i));
   if (eng_dtensor_wait(t)) return NULL;
+  if (t->device == ENG_META) src_data_rank = -1; /* shapes only: every rank takes its chunk, no communication */
   eng_dist_spec* spec = dt_spec_make(mesh, norm, t->ndim, t->shape, t->stride);
   if (!spec) return NULL;
   eng_tensor* cur;

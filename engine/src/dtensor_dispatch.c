@@ -536,6 +536,12 @@ int eng_dispatch_multi(const eng_op_def* def, eng_op_call* c, eng_tensor** outs)
   for (int j = 0; j < n_out; j++) outs[j] = NULL;
   int rc = -1;
   if (c->n_in > ENG_OP_MAX_IN) return eng_err("%s: too many tensor inputs for the dispatcher", name);
+  int meta = eng_meta_any(c);
+  if (meta) { /* plain meta operands: shapes and dtypes only (meta_ops.c) */
+    int any_dist = 0;
+    for (int i = 0; i < c->n_in; i++) if (c->in[i] && c->in[i]->dist) any_dist = 1;
+    if (!any_dist) return eng_meta_outputs(def, c, NULL, outs);
+  }
   if (prepare(name, c, conv) || replicate_strided(name, def, c, conv)) goto done;
   c->needs_grad = eng_any_requires_grad(c->n_in, c->in);
   eng_dist_spec* specs[ENG_OP_MAX_IN] = {0};
@@ -568,7 +574,8 @@ int eng_dispatch_multi(const eng_op_def* def, eng_op_call* c, eng_tensor** outs)
   t_region = &r;
   int prev_mode = eng_dtensor_set_local_mode(1);
   int lrc;
-  if (def->local) lrc = def->local(&lc, (const eng_dist_spec* const*)e->req, (const eng_dist_spec* const*)e->out, outs);
+  if (meta) lrc = eng_meta_outputs(def, &lc, e->out, outs); /* meta DTensors: the chosen layout's local shapes */
+  else if (def->local) lrc = def->local(&lc, (const eng_dist_spec* const*)e->req, (const eng_dist_spec* const*)e->out, outs);
   else { outs[0] = def->fn(&lc); lrc = outs[0] ? 0 : -1; }
   eng_dtensor_set_local_mode(prev_mode);
   t_region = prev_region;
@@ -614,6 +621,15 @@ int eng_dispatch_inplace(const char* name, int mode, eng_op_call* c, int (*fn)(e
   eng_tensor* a = c->in[0];
   char b[2048];
   eng_tensor* tmp[ENG_OP_MAX_IN] = {0};
+  if (eng_meta_any(c)) { /* in place into meta: nothing to write */
+    int any_dist = 0;
+    for (int i = 0; i < c->n_in; i++) if (c->in[i] && c->in[i]->dist) any_dist = 1;
+    if (!any_dist) return eng_meta_inplace(name, c);
+    for (int i = 0; i < c->n_in; i++)
+      if (c->in[i] && c->in[i]->device != ENG_META && c->in[i]->ndim > 0)
+        return eng_err("%s: tensors on different devices: %s and %s", name, eng_desc(a), eng_desc(c->in[i]));
+    return 0;
+  }
   if (!a->dist) {
     for (int i = 1; i < c->n_in; i++)
       if (c->in[i] && c->in[i]->dist) {

@@ -61,6 +61,9 @@ eng_tensor* eng_as_contig(eng_tensor* t, int dtype);
 static inline void eng_bump_version(eng_tensor* t) { t->storage->version++; }
 /* -1 with "<op>: <t> is a meta tensor (...)" when t is on the meta device. */
 int eng_meta_check(const eng_tensor* t, const char* op);
+/* The same, only in DTensor local mode: for checks placed before an op's
+ * dispatcher guard, which sends meta operands to the dispatcher otherwise. */
+int eng_meta_check_local(const eng_tensor* t, const char* op);
 /* Error if t may not be written in place (leaf requiring grad in grad mode). */
 int eng_check_inplace(eng_tensor* t, const char* op);
 

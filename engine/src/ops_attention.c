@@ -416,8 +416,8 @@ static eng_tensor* sdpa_op(eng_tensor* q, eng_tensor* k, eng_tensor* v, eng_tens
                            int is_causal, double scale, const at_box* box) {
   const char* op = "scaled_dot_product_attention";
   ENG_CHECK(q, op); ENG_CHECK(k, op); ENG_CHECK(v, op);
-  if (eng_meta_check(q, op) || eng_meta_check(k, op) || eng_meta_check(v, op) || eng_meta_check(mask, op)) return NULL;
-  if (ENG_DT_ACTIVE(q->dist || k->dist || v->dist || (mask && mask->dist))) return eng_dispatch(&eng_opdef_sdpa, &(eng_op_call){.name = op, .n_in = 4, .in = {q, k, v, mask}, .ints = {is_causal ? 1 : 0}, .scalars = {dropout_p, scale}});
+  if (eng_meta_check_local(q, op) || eng_meta_check_local(k, op) || eng_meta_check_local(v, op) || eng_meta_check_local(mask, op)) return NULL;
+  if (ENG_DT_ACTIVE(q->dist || ENG_META_T(q) || k->dist || ENG_META_T(k) || v->dist || ENG_META_T(v) || ((mask && mask->dist) || ENG_META_T(mask)))) return eng_dispatch(&eng_opdef_sdpa, &(eng_op_call){.name = op, .n_in = 4, .in = {q, k, v, mask}, .ints = {is_causal ? 1 : 0}, .scalars = {dropout_p, scale}});
   if (q->dtype != k->dtype || q->dtype != v->dtype)
     return eng_errp("%s: q %s, k %s and v %s must have the same dtype", op, eng_desc(q), eng_desc(k), eng_desc(v));
   if (!eng_dtype_is_floating(q->dtype))

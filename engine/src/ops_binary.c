@@ -178,7 +178,7 @@ static eng_tensor* binary(int op, eng_tensor* a, eng_tensor* b) {
 
 /* DTensor arguments go through the dispatcher (sharding_pointwise.c). */
 #define BIN_GUARD(which, a, b)                                                                     \
-  if (a && b && ENG_DT_ACTIVE(a->dist || b->dist))                                                 \
+  if (a && b && ENG_DT_ACTIVE(a->dist || ENG_META_T(a) || b->dist || ENG_META_T(b)))                                                 \
     return eng_dispatch(&eng_opdef_binary, &(eng_op_call){.name = g_names[which], .n_in = 2, .in = {a, b}, .ints = {which}})
 
 eng_tensor* eng_add(eng_tensor* a, eng_tensor* b) { BIN_GUARD(ENG_BIN_ADD, a, b); return binary(KB_ADD, a, b); }
@@ -266,7 +266,7 @@ static eng_tensor* scalar_op(int kind, eng_tensor* a, double s) {
 }
 
 #define SC_GUARD(which, nm, a, s)                                                                \
-  if (a && ENG_DT_ACTIVE(a->dist))                                                                 \
+  if (a && ENG_DT_ACTIVE(a->dist || ENG_META_T(a)))                                                                 \
     return eng_dispatch(&eng_opdef_scalar, &(eng_op_call){.name = nm, .n_in = 1, .in = {a}, .ints = {which}, .scalars = {s}})
 
 eng_tensor* eng_add_scalar(eng_tensor* a, double s) { SC_GUARD(ENG_SC_ADD, "add", a, s); return scalar_op(SC_ADD, a, s); }
@@ -390,7 +390,7 @@ static int ip_local(eng_op_call* c) {
   return inplace((int)c->ints[0], c->in[0], c->in[1], c->scalars[0], c->name);
 }
 #define IP_GUARD(op, nm, mode, a, b, alpha)                                                      \
-  if (a && b && ENG_DT_ACTIVE(a->dist || b->dist))                                                 \
+  if (a && b && ENG_DT_ACTIVE(a->dist || ENG_META_T(a) || b->dist || ENG_META_T(b)))                                                 \
     return eng_dispatch_inplace(nm, mode, &(eng_op_call){.name = nm, .n_in = 2, .in = {a, b}, .ints = {op}, .scalars = {alpha}}, ip_local)
 
 int eng_add_(eng_tensor* a, eng_tensor* b, double alpha) { IP_GUARD(KB_ADD, "add_", 1, a, b, alpha); return inplace(KB_ADD, a, b, alpha, "add_"); }
@@ -410,12 +410,12 @@ static int inplace_scalar(int op, eng_tensor* a, double s, const char* name) {
 static int ips_local(eng_op_call* c) { return inplace_scalar((int)c->ints[0], c->in[0], c->scalars[0], c->name); }
 
 int eng_add_scalar_(eng_tensor* a, double s) {
-  if (a && ENG_DT_ACTIVE(a->dist))
+  if (a && ENG_DT_ACTIVE(a->dist || ENG_META_T(a)))
     return eng_dispatch_inplace("add_", 0, &(eng_op_call){.name = "add_", .n_in = 1, .in = {a}, .ints = {KB_ADD}, .scalars = {s}}, ips_local);
   return inplace_scalar(KB_ADD, a, s, "add_");
 }
 int eng_mul_scalar_(eng_tensor* a, double s) {
-  if (a && ENG_DT_ACTIVE(a->dist))
+  if (a && ENG_DT_ACTIVE(a->dist || ENG_META_T(a)))
     return eng_dispatch_inplace("mul_", 2, &(eng_op_call){.name = "mul_", .n_in = 1, .in = {a}, .ints = {KB_MUL}, .scalars = {s}}, ips_local);
   return inplace_scalar(KB_MUL, a, s, "mul_");
 }

@@ -54,9 +54,9 @@ eng_tensor* eng_compare(eng_tensor* a, eng_tensor* b, int op) {
   if (op < 0 || op > ENG_GE) return eng_errp("compare: invalid comparison code %d (0..5: eq ne lt le gt ge)", op);
   const char* name = cmp_names[op];
   ENG_CHECK(a, name); ENG_CHECK(b, name);
-  if (eng_meta_check(a, name)) return NULL;
-  if (eng_meta_check(b, name)) return NULL;
-  if (ENG_DT_ACTIVE(a->dist || b->dist))
+  if (eng_meta_check_local(a, name)) return NULL;
+  if (eng_meta_check_local(b, name)) return NULL;
+  if (ENG_DT_ACTIVE(a->dist || ENG_META_T(a) || b->dist || ENG_META_T(b)))
     return eng_dispatch(&eng_opdef_compare, &(eng_op_call){.name = name, .n_in = 2, .in = {a, b}, .ints = {op}});
   if (a->device != b->device)
     return eng_errp("%s: tensors on different devices: %s and %s", name, eng_desc(a), eng_desc(b));
@@ -67,8 +67,8 @@ eng_tensor* eng_compare_scalar(eng_tensor* a, double s, int op) {
   if (op < 0 || op > ENG_GE) return eng_errp("compare: invalid comparison code %d (0..5: eq ne lt le gt ge)", op);
   const char* name = cmp_names[op];
   ENG_CHECK(a, name);
-  if (eng_meta_check(a, name)) return NULL;
-  if (ENG_DT_ACTIVE(a->dist))
+  if (eng_meta_check_local(a, name)) return NULL;
+  if (ENG_DT_ACTIVE(a->dist || ENG_META_T(a)))
     return eng_dispatch(&eng_opdef_compare_scalar, &(eng_op_call){.name = name, .n_in = 1, .in = {a}, .ints = {op}, .scalars = {s}});
   /* The scalar takes a's dtype if a is floating (so bf16(x) == x holds as in
    * PyTorch); with an integer tensor, an integral scalar compares as i64,
@@ -158,10 +158,10 @@ static int check_mask(eng_tensor* m, const char* op, const char* what) {
 
 eng_tensor* eng_where(eng_tensor* cond, eng_tensor* a, eng_tensor* b) {
   ENG_CHECK(cond, "where"); ENG_CHECK(a, "where"); ENG_CHECK(b, "where");
-  if (eng_meta_check(cond, "where")) return NULL;
-  if (eng_meta_check(a, "where")) return NULL;
-  if (eng_meta_check(b, "where")) return NULL;
-  if (ENG_DT_ACTIVE(cond->dist || a->dist || b->dist))
+  if (eng_meta_check_local(cond, "where")) return NULL;
+  if (eng_meta_check_local(a, "where")) return NULL;
+  if (eng_meta_check_local(b, "where")) return NULL;
+  if (ENG_DT_ACTIVE(cond->dist || ENG_META_T(cond) || a->dist || ENG_META_T(a) || b->dist || ENG_META_T(b)))
     return eng_dispatch(&eng_opdef_where, &(eng_op_call){.n_in = 3, .in = {cond, a, b}});
   if (check_mask(cond, "where", "condition")) return NULL;
   if (a->device != b->device || cond->device != a->device)
@@ -225,9 +225,9 @@ static int masked_fill_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
 
 eng_tensor* eng_masked_fill(eng_tensor* t, eng_tensor* mask, double value) {
   ENG_CHECK(t, "masked_fill"); ENG_CHECK(mask, "masked_fill");
-  if (eng_meta_check(t, "masked_fill")) return NULL;
-  if (eng_meta_check(mask, "masked_fill")) return NULL;
-  if (ENG_DT_ACTIVE(t->dist || mask->dist))
+  if (eng_meta_check_local(t, "masked_fill")) return NULL;
+  if (eng_meta_check_local(mask, "masked_fill")) return NULL;
+  if (ENG_DT_ACTIVE(t->dist || ENG_META_T(t) || mask->dist || ENG_META_T(mask)))
     return eng_dispatch(&eng_opdef_masked_fill, &(eng_op_call){.n_in = 2, .in = {t, mask}, .scalars = {value}});
   if (check_mask(mask, "masked_fill", "mask")) return NULL;
   if (t->device != mask->device)

@@ -92,11 +92,11 @@ static int dropout_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
 
 eng_tensor* eng_dropout(eng_tensor* x, double p, int training) {
   ENG_CHECK(x, "dropout");
-  if (eng_meta_check(x, "dropout")) return NULL;
+  if (eng_meta_check_local(x, "dropout")) return NULL;
   if (!(p >= 0.0 && p <= 1.0))
     return eng_errp("dropout: probability has to be between 0 and 1, but got %g (input %s)", p, eng_desc(x));
   if (!training || p == 0.0) return eng_tensor_retain(x);
-  if (ENG_DT_ACTIVE(x->dist)) return eng_dispatch(&eng_opdef_dropout, &(eng_op_call){.name = "dropout", .n_in = 1, .in = {x}, .scalars = {p}});
+  if (ENG_DT_ACTIVE(x->dist || ENG_META_T(x))) return eng_dispatch(&eng_opdef_dropout, &(eng_op_call){.name = "dropout", .n_in = 1, .in = {x}, .scalars = {p}});
   if (x->numel == 0) return eng_tensor_retain(x);
   if (!eng_dtype_is_floating(x->dtype))
     return eng_errp("dropout: expects a floating point input, got %s", eng_desc(x));

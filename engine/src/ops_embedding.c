@@ -39,9 +39,9 @@ static int embedding_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
 eng_tensor* eng_embedding(eng_tensor* weight, eng_tensor* indices, int64_t padding_idx) {
   const char* op = "embedding";
   ENG_CHECK(weight, op); ENG_CHECK(indices, op);
-  if (eng_meta_check(weight, op)) return NULL;
-  if (eng_meta_check(indices, op)) return NULL;
-  if (ENG_DT_ACTIVE(weight->dist || indices->dist))
+  if (eng_meta_check_local(weight, op)) return NULL;
+  if (eng_meta_check_local(indices, op)) return NULL;
+  if (ENG_DT_ACTIVE(weight->dist || ENG_META_T(weight) || indices->dist || ENG_META_T(indices)))
     return eng_dispatch(&eng_opdef_embedding, &(eng_op_call){.name = op, .n_in = 2, .in = {weight, indices},
                                                              .ints = {padding_idx < 0 ? -1 : padding_idx}});
   if (weight->ndim != 2)

@@ -172,9 +172,9 @@ fail:
 eng_tensor* eng_cross_entropy(eng_tensor* logits, eng_tensor* target, int64_t ignore_index,
                               int reduction, double label_smoothing) {
   ENG_CHECK(logits, "cross_entropy"); ENG_CHECK(target, "cross_entropy");
-  if (eng_meta_check(logits, "cross_entropy")) return NULL;
-  if (eng_meta_check(target, "cross_entropy")) return NULL;
-  if (ENG_DT_ACTIVE(logits->dist || target->dist))
+  if (eng_meta_check_local(logits, "cross_entropy")) return NULL;
+  if (eng_meta_check_local(target, "cross_entropy")) return NULL;
+  if (ENG_DT_ACTIVE(logits->dist || ENG_META_T(logits) || target->dist || ENG_META_T(target)))
     return eng_dispatch(&eng_opdef_cross_entropy,
                         &(eng_op_call){.name = "cross_entropy", .n_in = 2, .in = {logits, target},
                                        .ints = {ignore_index, reduction}, .scalars = {label_smoothing}});

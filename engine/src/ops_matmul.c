@@ -318,10 +318,10 @@ done:
 
 eng_tensor* eng_matmul(eng_tensor* a, eng_tensor* b) {
   ENG_CHECK(a, "matmul"); ENG_CHECK(b, "matmul");
-  if (eng_meta_check(a, "matmul")) return NULL;
-  if (eng_meta_check(b, "matmul")) return NULL;
+  if (eng_meta_check_local(a, "matmul")) return NULL;
+  if (eng_meta_check_local(b, "matmul")) return NULL;
   if (check_pair("matmul", a, b)) return NULL;
-  if (ENG_DT_ACTIVE(a->dist || b->dist)) return eng_dispatch(&eng_opdef_matmul, &(eng_op_call){.n_in = 2, .in = {a, b}});
+  if (ENG_DT_ACTIVE(a->dist || ENG_META_T(a) || b->dist || ENG_META_T(b))) return eng_dispatch(&eng_opdef_matmul, &(eng_op_call){.n_in = 2, .in = {a, b}});
   mm_plan p;
   if (mm_plan_make(a, b, &p)) return NULL;
   int rdt = a->dtype, cdt = mm_cdt(a);
@@ -445,15 +445,15 @@ done:
 
 eng_tensor* eng_linear(eng_tensor* x, eng_tensor* w, eng_tensor* bias) {
   ENG_CHECK(x, "linear"); ENG_CHECK(w, "linear");
-  if (eng_meta_check(x, "linear")) return NULL;
-  if (eng_meta_check(w, "linear")) return NULL;
-  if (eng_meta_check(bias, "linear")) return NULL;
+  if (eng_meta_check_local(x, "linear")) return NULL;
+  if (eng_meta_check_local(w, "linear")) return NULL;
+  if (eng_meta_check_local(bias, "linear")) return NULL;
   if (x->ndim < 1)
     return eng_errp("linear: input %s must have at least 1 dim ([..., in_features])", eng_desc(x));
   if (w->ndim != 2)
     return eng_errp("linear: weight %s must be 2-D [out_features, in_features]", eng_desc(w));
   if (check_pair("linear", x, w)) return NULL;
-  if (ENG_DT_ACTIVE(x->dist || w->dist || (bias && bias->dist)))
+  if (ENG_DT_ACTIVE(x->dist || ENG_META_T(x) || w->dist || ENG_META_T(w) || (bias && bias->dist || ENG_META_T(bias))))
     return eng_dispatch(&eng_opdef_linear, &(eng_op_call){.n_in = 3, .in = {x, w, bias}});
   if (!eng_dtype_is_floating(x->dtype))
     return eng_errp("linear: %s x %s: floating point tensors expected", eng_desc(x), eng_desc(w));

@@ -78,15 +78,15 @@ done:
 static eng_tensor* norm(const char* op, int rms, eng_tensor* x, int n_norm, eng_tensor* w, eng_tensor* b,
                         double eps) {
   ENG_CHECK(x, op);
-  if (eng_meta_check(x, op)) return NULL;
-  if (eng_meta_check(w, op)) return NULL;
-  if (eng_meta_check(b, op)) return NULL;
+  if (eng_meta_check_local(x, op)) return NULL;
+  if (eng_meta_check_local(w, op)) return NULL;
+  if (eng_meta_check_local(b, op)) return NULL;
   if (!eng_dtype_is_floating(x->dtype)) return eng_errp("%s: expects a floating point input, got %s", op, eng_desc(x));
   if (n_norm < 1 || n_norm > x->ndim)
     return eng_errp("%s: cannot normalize over the last %d dims of input %s (need 1 to %d)", op, n_norm,
                     eng_desc(x), x->ndim);
   if (!(eps >= 0.0) || !isfinite(eps)) return eng_errp("%s: eps must be finite and >= 0, got %g", op, eps);
-  if (ENG_DT_ACTIVE(x->dist || (w && w->dist) || (b && b->dist)))
+  if (ENG_DT_ACTIVE(x->dist || ENG_META_T(x) || (w && w->dist || ENG_META_T(w)) || (b && b->dist || ENG_META_T(b))))
     return eng_dispatch(&eng_opdef_norm, &(eng_op_call){.name = op, .n_in = 3, .in = {x, w, b}, .ints = {n_norm, rms}, .scalars = {eps}});
   if (check_param(op, "weight", x, n_norm, w) || check_param(op, "bias", x, n_norm, b)) return NULL;
   int cdt = x->dtype == ENG_F64 ? ENG_F64 : ENG_F32;

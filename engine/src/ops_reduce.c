@@ -201,11 +201,11 @@ static int sum_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
 static eng_tensor* sum_mean(eng_tensor* t, int n_dims, const int* dims, int keepdim, int is_mean) {
   const char* name = is_mean ? "mean" : "sum";
   ENG_CHECK(t, name);
-  if (eng_meta_check(t, name)) return NULL;
+  if (eng_meta_check_local(t, name)) return NULL;
   if (is_mean && !eng_dtype_is_floating(t->dtype))
     return eng_errp("mean: input %s is not floating point (mean of integer or bool tensors is not "
                     "defined, as in PyTorch); convert it with :float() or :double() first", eng_desc(t));
-  if (ENG_DT_ACTIVE(t->dist)) {
+  if (ENG_DT_ACTIVE(t->dist || ENG_META_T(t))) {
     int64_t m = eng_dims_mask(t->ndim, n_dims, dims, name);
     if (m < 0) return NULL;
     return eng_dispatch(is_mean ? &eng_opdef_mean : &eng_opdef_sum,
@@ -435,10 +435,10 @@ static int check_dim_nonempty(eng_tensor* t, int d, const char* name) {
 static eng_tensor* extreme_dim(eng_tensor* t, int dim, int keepdim, eng_tensor** indices, int is_max) {
   const char* name = is_max ? "max" : "min";
   ENG_CHECK(t, name);
-  if (eng_meta_check(t, name)) return NULL;
+  if (eng_meta_check_local(t, name)) return NULL;
   int d = eng_norm_dim(dim, t->ndim, name);
   if (d < 0) return NULL;
-  if (ENG_DT_ACTIVE(t->dist)) {
+  if (ENG_DT_ACTIVE(t->dist || ENG_META_T(t))) {
     eng_op_call c = {.name = name, .n_in = 1, .in = {t}, .ints = {d, keepdim ? 1 : 0, is_max}};
     if (!indices) return eng_dispatch(&eng_opdef_max_dim_values, &c);
     eng_tensor* o[2];
@@ -468,10 +468,10 @@ eng_tensor* eng_min_dim(eng_tensor* t, int dim, int keepdim, eng_tensor** indice
 static eng_tensor* arg_dim(eng_tensor* t, int dim, int keepdim, int is_max) {
   const char* name = is_max ? "argmax" : "argmin";
   ENG_CHECK(t, name);
-  if (eng_meta_check(t, name)) return NULL;
+  if (eng_meta_check_local(t, name)) return NULL;
   int d = eng_norm_dim(dim, t->ndim, name);
   if (d < 0) return NULL;
-  if (ENG_DT_ACTIVE(t->dist))
+  if (ENG_DT_ACTIVE(t->dist || ENG_META_T(t)))
     return eng_dispatch(&eng_opdef_argext, &(eng_op_call){.name = name, .n_in = 1, .in = {t}, .ints = {d, keepdim ? 1 : 0, is_max}});
   if (check_dim_nonempty(t, d, name)) return NULL;
   eng_tensor* ix = NULL;
@@ -514,8 +514,8 @@ static int extreme_all_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
 static eng_tensor* extreme_all(eng_tensor* t, int is_max) {
   const char* name = is_max ? "max" : "min";
   ENG_CHECK(t, name);
-  if (eng_meta_check(t, name)) return NULL;
-  if (ENG_DT_ACTIVE(t->dist))
+  if (eng_meta_check_local(t, name)) return NULL;
+  if (ENG_DT_ACTIVE(t->dist || ENG_META_T(t)))
     return eng_dispatch(&eng_opdef_extreme_all, &(eng_op_call){.name = name, .n_in = 1, .in = {t}, .ints = {is_max}});
   if (t->numel == 0)
     return eng_errp("%s: %s is empty; the %s over all elements needs at least one element", name,
@@ -555,8 +555,8 @@ eng_tensor* eng_min_all(eng_tensor* t) { return extreme_all(t, 0); }
 
 eng_tensor* eng_argmax_all(eng_tensor* t) {
   ENG_CHECK(t, "argmax");
-  if (eng_meta_check(t, "argmax")) return NULL;
-  if (ENG_DT_ACTIVE(t->dist)) return eng_dispatch(&eng_opdef_argmax_all, &(eng_op_call){.n_in = 1, .in = {t}});
+  if (eng_meta_check_local(t, "argmax")) return NULL;
+  if (ENG_DT_ACTIVE(t->dist || ENG_META_T(t))) return eng_dispatch(&eng_opdef_argmax_all, &(eng_op_call){.n_in = 1, .in = {t}});
   if (t->numel == 0) return eng_errp("argmax: %s is empty; argmax over all elements needs at least one element", eng_desc(t));
   if (t->device == ENG_CUDA) { /* the index stays on the device */
     eng_tensor* X = eng_as_contig(t, t->dtype);

@@ -78,12 +78,12 @@ static int softmax_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
 static eng_tensor* softmax_op(eng_tensor* t, int dim, int log_) {
   const char* op = log_ ? "log_softmax" : "softmax";
   ENG_CHECK(t, op);
-  if (eng_meta_check(t, op)) return NULL;
+  if (eng_meta_check_local(t, op)) return NULL;
   if (!eng_dtype_is_floating(t->dtype))
     return eng_errp("%s: %s: floating point input expected (convert with :float())", op, eng_desc(t));
   int d = eng_norm_dim(dim, t->ndim, op);
   if (d < 0) return NULL;
-  if (ENG_DT_ACTIVE(t->dist)) return eng_dispatch(&eng_opdef_softmax, &(eng_op_call){.name = op, .n_in = 1, .in = {t}, .ints = {d, log_}});
+  if (ENG_DT_ACTIVE(t->dist || ENG_META_T(t))) return eng_dispatch(&eng_opdef_softmax, &(eng_op_call){.name = op, .n_in = 1, .in = {t}, .ints = {d, log_}});
   int rdt = t->dtype, cdt = compute_dtype(rdt);
   eng_tensor* X = eng_as_contig(t, cdt);
   eng_tensor* out = X ? eng_new(t->ndim, t->shape, cdt, t->device) : NULL;

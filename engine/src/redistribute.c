@@ -690,6 +690,7 @@ eng_tensor* dt_redistribute_local(eng_tensor* local, const eng_dist_spec* src, c
       return eng_errp("%s: global shapes differ: %s vs %s", op, eng_shape_str(src->ndim, src->shape),
                       eng_shape_str(dst->ndim, dst->shape));
   if (!src->member) return dt_plain(local); /* not in the mesh: nothing to do */
+  if (local->device == ENG_META) return eng_new(dst->ndim, dst->local_shape, local->dtype, ENG_META); /* shapes only */
   eng_transform_info steps[2 * ENG_MAX_DIMS];
   int n = get_plan(src, dst, steps, 2 * ENG_MAX_DIMS);
   if (n < 0) return NULL;

@@ -115,6 +115,19 @@ int eng_no_rule_i(const char* name, const eng_op_call* c);
  * Partial(sum/avg); no tensor others). */
 int eng_dispatch_inplace(const char* name, int mode, eng_op_call* c, int (*fn)(eng_op_call* c));
 
+/* ---- meta tensors (meta_ops.c) */
+/* The guards send an op to the dispatcher when an operand is meta too. */
+#define ENG_META_T(t) ((t) && (t)->device == ENG_META)
+/* 1 when some tensor operand of c is on the meta device. */
+int eng_meta_any(const eng_op_call* c);
+/* New meta outputs of def for call c: shapes from def->shape (out_specs NULL:
+ * plain meta operands) or the local shapes of out_specs (meta DTensors);
+ * dtypes from the op run on tiny CPU stand-ins.  0 or -1. */
+int eng_meta_outputs(const eng_op_def* def, eng_op_call* c, eng_dist_spec* const* out_specs, eng_tensor** outs);
+/* An in-place op into a plain meta tensor: checks devices and broadcasting,
+ * writes nothing.  0 or -1. */
+int eng_meta_inplace(const char* name, eng_op_call* c);
+
 /* Dim list -> bit mask (n_dims 0: all dims); -1 on a bad dim. */
 int64_t eng_dims_mask(int ndim, int n_dims, const int* dims, const char* op);
 

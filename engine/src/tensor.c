@@ -168,6 +168,10 @@ int eng_meta_check(const eng_tensor* t, const char* op) {
   return 0;
 }
 
+int eng_meta_check_local(const eng_tensor* t, const char* op) {
+  return eng_dtensor_local_mode() ? eng_meta_check(t, op) : 0;
+}
+
 eng_tensor* eng_tensor_empty_like(const eng_tensor* t) {
   ENG_CHECK(t, "empty_like");
   return eng_new(t->ndim, t->shape, t->dtype, t->device);

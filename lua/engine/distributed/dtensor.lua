@@ -182,6 +182,37 @@ function M.randn(shape, opts)
   return requires(wrap(C.eng_dtensor_random(1, nd, sarr, 0, 1, dt, mesh._c, n, arr)), opts)
 end
 
+-- engine.empty_like / zeros_like / ones_like / full_like / rand_like /
+-- randn_like of a DTensor: a DTensor with the same mesh, placements and
+-- global shape and stride; the local shard is made with the options (dtype,
+-- device: empty_like(meta_dt, {device = "cpu"}) materialises a meta DTensor).
+-- rand/randn draw the shard's slice of the global random tensor (CPU).
+function Tensor.dtensor_like(name, t, a, b)
+  local c = t._c
+  local s = c.dist
+  local opts = name == "full_like" and b or a
+  local lo = Tensor.like_opts(t, opts, name)
+  if type(opts) == "table" and opts.requires_grad ~= nil then lo.requires_grad = opts.requires_grad end
+  local mesh = mesh_of(s.mesh)
+  local pl = P._from_c(s.placements, s.mesh_ndim)
+  local shape, stride = {}, {}
+  for i = 0, s.ndim - 1 do shape[i + 1] = tonumber(s.shape[i]); stride[i + 1] = tonumber(s.stride[i]) end
+  if name == "rand_like" or name == "randn_like" then
+    if lo.device ~= "cpu" then core.fail(name .. ": random DTensors are made on the CPU, got device " .. tostring(lo.device)) end
+    return (name == "rand_like" and M.rand or M.randn)(shape, { mesh = mesh, placements = pl, dtype = lo.dtype,
+      requires_grad = lo.requires_grad })
+  end
+  local lshape = {}
+  for i = 0, c.ndim - 1 do lshape[i + 1] = tonumber(c.shape[i]) end
+  local E = require("engine")
+  local loc
+  if name == "full_like" then loc = E.full(lshape, a, lo)
+  else loc = E[name:gsub("_like$", "")](lshape, lo) end
+  local r = DTensor.from_local(loc:detach(), mesh, pl, { shape = shape, stride = stride })
+  if lo.requires_grad then check(C.eng_tensor_set_requires_grad(r._c, 1)) end
+  return r
+end
+
 -- ---------------------------------------------------------------- methods
 local function need_dtensor(t, op)
   local c = ct(t, op, "self")
