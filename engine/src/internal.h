@@ -45,6 +45,9 @@ int eng_same_shape(const eng_tensor* a, const eng_tensor* b);
 /* Broadcast shapes; returns ndim of the result or -1 with an error naming op. */
 int eng_broadcast_shapes(int na, const int64_t* sa, int nb, const int64_t* sb,
                          int64_t* out, const char* op, const eng_tensor* a, const eng_tensor* b);
+/* 0 when x broadcasts to a's shape exactly (an in-place operand), else -1
+ * with "<op>: x cannot be broadcast to the in-place target a". */
+int eng_check_broadcast_to(const eng_tensor* a, const eng_tensor* x, const char* op);
 /* Strides of t seen as shape (ndim >= t->ndim, broadcast dims get 0). */
 void eng_broadcast_strides(const eng_tensor* t, int ndim, const int64_t* shape, int64_t* stride);
 /* Element pointer helper. */

@@ -140,13 +140,7 @@ int eng_meta_inplace(const char* name, eng_op_call* c) {
   if (eng_check_inplace(a, name)) return -1;
   for (int i = 1; i < c->n_in; i++) {
     const eng_tensor* t = c->in[i];
-    if (!t) continue;
-    int64_t out[ENG_MAX_DIMS];
-    int n = eng_broadcast_shapes(a->ndim, a->shape, t->ndim, t->shape, out, name, a, t);
-    if (n < 0) return -1;
-    int ok = n == a->ndim;
-    for (int d = 0; ok && d < n; d++) ok = out[d] == a->shape[d];
-    if (!ok) return eng_err("%s: %s cannot be broadcast to %s (in place)", name, eng_desc(t), eng_desc(a));
+    if (t && eng_check_broadcast_to(a, t, name)) return -1;
   }
   return 0; /* nothing to write */
 }

@@ -352,12 +352,7 @@ static int inplace(int op, eng_tensor* a, eng_tensor* b, double alpha, const cha
   if (eng_meta_check(b, name)) return -1;
   if (eng_check_inplace(a, name)) return -1;
   if (a->device != b->device) return eng_err("%s: tensors on different devices: %s and %s", name, eng_desc(a), eng_desc(b));
-  int64_t shape[ENG_MAX_DIMS];
-  int nd = eng_broadcast_shapes(a->ndim, a->shape, b->ndim, b->shape, shape, name, a, b);
-  if (nd < 0) return -1;
-  int ok = nd == a->ndim;
-  for (int d = 0; ok && d < nd; d++) ok = shape[d] == a->shape[d];
-  if (!ok) return eng_err("%s: %s cannot be broadcast to the in-place target %s", name, eng_desc(b), eng_desc(a));
+  if (eng_check_broadcast_to(a, b, name)) return -1;
   eng_tensor* B = b;
   if (b->storage == a->storage) { B = eng_as_contig(b, b->dtype); if (!B) return -1; }
   else eng_tensor_retain(B);

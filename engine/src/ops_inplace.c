@@ -14,13 +14,7 @@ static int check_operand(eng_tensor* a, eng_tensor* x, const char* name) {
   if (eng_meta_check(a, name) || eng_meta_check(x, name)) return -1;
   if (a->device != x->device)
     return eng_err("%s: tensors on different devices: %s and %s", name, eng_desc(a), eng_desc(x));
-  int64_t shape[ENG_MAX_DIMS];
-  int nd = eng_broadcast_shapes(a->ndim, a->shape, x->ndim, x->shape, shape, name, a, x);
-  if (nd < 0) return -1;
-  int ok = nd == a->ndim;
-  for (int d = 0; ok && d < nd; d++) ok = shape[d] == a->shape[d];
-  if (!ok) return eng_err("%s: %s cannot be broadcast to the in-place target %s", name, eng_desc(x), eng_desc(a));
-  return 0;
+  return eng_check_broadcast_to(a, x, name);
 }
 
 /* x as an operand of dtype dt that does not overlap a's memory (a copy when

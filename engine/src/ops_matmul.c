@@ -453,7 +453,7 @@ eng_tensor* eng_linear(eng_tensor* x, eng_tensor* w, eng_tensor* bias) {
   if (w->ndim != 2)
     return eng_errp("linear: weight %s must be 2-D [out_features, in_features]", eng_desc(w));
   if (check_pair("linear", x, w)) return NULL;
-  if (ENG_DT_ACTIVE(x->dist || ENG_META_T(x) || w->dist || ENG_META_T(w) || (bias && bias->dist || ENG_META_T(bias))))
+  if (ENG_DT_ACTIVE(x->dist || ENG_META_T(x) || w->dist || ENG_META_T(w) || ((bias && bias->dist) || ENG_META_T(bias))))
     return eng_dispatch(&eng_opdef_linear, &(eng_op_call){.n_in = 3, .in = {x, w, bias}});
   if (!eng_dtype_is_floating(x->dtype))
     return eng_errp("linear: %s x %s: floating point tensors expected", eng_desc(x), eng_desc(w));

@@ -86,7 +86,7 @@ static eng_tensor* norm(const char* op, int rms, eng_tensor* x, int n_norm, eng_
     return eng_errp("%s: cannot normalize over the last %d dims of input %s (need 1 to %d)", op, n_norm,
                     eng_desc(x), x->ndim);
   if (!(eps >= 0.0) || !isfinite(eps)) return eng_errp("%s: eps must be finite and >= 0, got %g", op, eps);
-  if (ENG_DT_ACTIVE(x->dist || ENG_META_T(x) || (w && w->dist || ENG_META_T(w)) || (b && b->dist || ENG_META_T(b))))
+  if (ENG_DT_ACTIVE(x->dist || ENG_META_T(x) || ((w && w->dist) || ENG_META_T(w)) || ((b && b->dist) || ENG_META_T(b))))
     return eng_dispatch(&eng_opdef_norm, &(eng_op_call){.name = op, .n_in = 3, .in = {x, w, b}, .ints = {n_norm, rms}, .scalars = {eps}});
   if (check_param(op, "weight", x, n_norm, w) || check_param(op, "bias", x, n_norm, b)) return NULL;
   int cdt = x->dtype == ENG_F64 ? ENG_F64 : ENG_F32;

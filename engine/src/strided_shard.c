@@ -61,6 +61,30 @@ static void zero_rows(eng_tensor* B, int64_t row, int64_t len) {
   memset(eng_ptr(B) + row * B->stride[0] * es, 0, (size_t)(len * B->stride[0] * es));
 }
 
+/* Between the full tensor (dim d of length L) and a front-order buffer in
+ * which coordinate r's pieces r, r+k, ... follow each other from row r*M:
+ * to_packed copies full -> packed (the scatter's send buffer), else
+ * packed -> full (the gathered buffer).  0 or -1. */
+static int move_pieces(const eng_tensor* packed, const eng_tensor* full, const eng_tensor* like, int d, int64_t L, int k, int sf,
+                       int64_t M, int to_packed) {
+  int rc = 0;
+  for (int r = 0; r < k && !rc; r++) {
+    int64_t at = (int64_t)r * M;
+    for (int j = 0; j < sf && !rc; j++) {
+      int64_t sz, off;
+      piece(L, (int64_t)k * sf, r + (int64_t)j * k, &sz, &off);
+      if (sz <= 0) continue;
+      eng_tensor* p = front_rows(packed, like, d, at, sz);
+      eng_tensor* f = narrow_of(full, d, off, sz);
+      rc = to_packed ? copy_view(p, f) : copy_view(f, p);
+      eng_tensor_release(p);
+      eng_tensor_release(f);
+      at += sz;
+    }
+  }
+  return rc;
+}
+
 eng_tensor* dt_strided_select(const eng_tensor* x, int d, int k, int sf, int coord) {
   int64_t n = x->shape[d];
   int64_t m = dt_strided_size(n, k, sf, coord);
@@ -111,20 +135,7 @@ eng_tensor* dt_strided_gather(const char* op, eng_pg* pg, const eng_tensor* x, i
   if (!rc) rc = eng_pg_all_gather_into(pg, R, send, NULL);
   eng_tensor_release(send);
   /* coordinate r's rows start at r*M: its pieces r, r+k, ... in order */
-  for (int r = 0; r < k && !rc; r++) {
-    int64_t at = (int64_t)r * M;
-    for (int j = 0; j < sf && !rc; j++) {
-      int64_t sz, off;
-      piece(L, (int64_t)k * sf, r + (int64_t)j * k, &sz, &off);
-      if (sz <= 0) continue;
-      eng_tensor* s = front_rows(R, x, d, at, sz);
-      eng_tensor* t = narrow_of(out, d, off, sz);
-      rc = copy_view(t, s);
-      eng_tensor_release(s);
-      eng_tensor_release(t);
-      at += sz;
-    }
-  }
+  if (!rc) rc = move_pieces(R, out, x, d, L, k, sf, M, 0);
   eng_tensor_release(R);
   if (rc) { eng_tensor_release(out); return NULL; }
   return out;
@@ -150,21 +161,8 @@ static eng_tensor* strided_scatter(eng_pg* pg, const eng_tensor* x, int d, int k
     front_shape(x, d, (int64_t)k * M, fs);
     send = eng_new(nd, fs, x->dtype, x->device);
     if (!send) return NULL;
-    for (int r = 0; r < k && !rc; r++) {
-      int64_t at = (int64_t)r * M;
-      for (int j = 0; j < sf && !rc; j++) {
-        int64_t sz, off;
-        piece(L, (int64_t)k * sf, r + (int64_t)j * k, &sz, &off);
-        if (sz <= 0) continue;
-        eng_tensor* s = narrow_of(x, d, off, sz);
-        eng_tensor* t = front_rows(send, x, d, at, sz);
-        rc = copy_view(t, s);
-        eng_tensor_release(s);
-        eng_tensor_release(t);
-        at += sz;
-      }
-      zero_rows(send, at, (int64_t)(r + 1) * M - at);
-    }
+    zero_rows(send, 0, (int64_t)k * M); /* the padding of short coordinates */
+    rc = move_pieces(send, x, x, d, L, k, sf, M, 1);
     if (rc) { eng_tensor_release(send); return NULL; }
   }
   front_shape(x, d, M, fs);

@@ -305,6 +305,16 @@ int eng_broadcast_shapes(int na, const int64_t* sa, int nb, const int64_t* sb, i
   return n;
 }
 
+int eng_check_broadcast_to(const eng_tensor* a, const eng_tensor* x, const char* op) {
+  int64_t shape[ENG_MAX_DIMS];
+  int nd = eng_broadcast_shapes(a->ndim, a->shape, x->ndim, x->shape, shape, op, a, x);
+  if (nd < 0) return -1;
+  int ok = nd == a->ndim;
+  for (int d = 0; ok && d < nd; d++) ok = shape[d] == a->shape[d];
+  if (!ok) return eng_err("%s: %s cannot be broadcast to the in-place target %s", op, eng_desc(x), eng_desc(a));
+  return 0;
+}
+
 void eng_broadcast_strides(const eng_tensor* t, int ndim, const int64_t* shape, int64_t* stride) {
   for (int i = 0; i < ndim; i++) {
     int it = t->ndim - ndim + i;

@@ -499,6 +499,30 @@ function Module:requires_grad_(flag)
 end
 
 -- ---------------------------------------------------------------- conversion
+-- fn(t, is_param) for every parameter, then every buffer, of every module,
+-- each tensor once (tied ones too), under no_grad; errors propagate (level 3:
+-- the caller of the Module method).
+local function each_state_tensor(self, fn)
+  local seen = {}
+  local prev = C.eng_set_grad_enabled(0)
+  local ok, err = pcall(function()
+    for _, m in ipairs(self:modules()) do
+      for _, kind in ipairs({ { "_parameters", "_param_names", true }, { "_buffers", "_buffer_names", false } }) do
+        local tensors = rawget(m, kind[1])
+        for _, name in ipairs(rawget(m, kind[2])) do
+          local t = tensors[name]
+          if t ~= nil and not seen[ptr_key(t)] then
+            seen[ptr_key(t)] = true
+            fn(t, kind[3])
+          end
+        end
+      end
+    end
+  end)
+  C.eng_set_grad_enabled(prev)
+  if not ok then error(err, 3) end
+end
+
 -- to(dtype) / to("cuda") / to("cpu") / to{dtype=, device=}: converts the
 -- parameters (floating ones only for a dtype change) and buffers IN PLACE, as
 -- PyTorch's module.to: every Parameter keeps its identity (the same Lua
@@ -538,31 +562,10 @@ function Module:to(what)
     C.eng_tensor_release(r)
     core.check(rc)
   end
-  local seen = {}
-  local prev = C.eng_set_grad_enabled(0)
-  local ok, err = pcall(function()
-    for _, m in ipairs(self:modules()) do
-      local params = rawget(m, "_parameters")
-      for _, name in ipairs(rawget(m, "_param_names")) do
-        local p = params[name]
-        if p ~= nil and not seen[ptr_key(p)] then
-          seen[ptr_key(p)] = true
-          if p._c.grad ~= nil then swap(p._c.grad, true) end
-          swap(p._c, true)
-        end
-      end
-      local bufs = rawget(m, "_buffers")
-      for _, name in ipairs(rawget(m, "_buffer_names")) do
-        local b = bufs[name]
-        if b ~= nil and not seen[ptr_key(b)] then
-          seen[ptr_key(b)] = true
-          swap(b._c, true)
-        end
-      end
-    end
+  each_state_tensor(self, function(t, is_param)
+    if is_param and t._c.grad ~= nil then swap(t._c.grad, true) end
+    swap(t._c, true)
   end)
-  C.eng_set_grad_enabled(prev)
-  if not ok then error(err, 2) end
   return self
 end
 -- to_empty{device = "cpu"} (or to_empty("cpu")): PyTorch's module.to_empty.
@@ -589,25 +592,10 @@ function Module:to_empty(opts)
     C.eng_tensor_release(r)
     core.check(rc)
   end
-  local seen = {}
-  local prev = C.eng_set_grad_enabled(0)
-  local ok, err = pcall(function()
-    for _, m in ipairs(self:modules()) do
-      for _, kind in ipairs({ { "_parameters", "_param_names" }, { "_buffers", "_buffer_names" } }) do
-        local tensors = rawget(m, kind[1])
-        for _, name in ipairs(rawget(m, kind[2])) do
-          local t = tensors[name]
-          if t ~= nil and not seen[ptr_key(t)] then
-            seen[ptr_key(t)] = true
-            if t._c.grad ~= nil then core.check(C.eng_tensor_set_grad(t._c, nil)) end
-            swap(t._c)
-          end
-        end
-      end
-    end
+  each_state_tensor(self, function(t)
+    if t._c.grad ~= nil then core.check(C.eng_tensor_set_grad(t._c, nil)) end
+    swap(t._c)
   end)
-  C.eng_set_grad_enabled(prev)
-  if not ok then error(err, 2) end
   return self
 end
 
