@@ -8,7 +8,9 @@
  *   - output DTYPES (and the op's dtype checks: softmax of an integer tensor,
  *     ...) come from running the op itself on tiny CPU stand-ins: zeros of the
  *     operands' dtypes with every dim clamped to at most 1, under no_grad and
- *     with the generator state restored (a meta dropout draws nothing).
+ *     with the generator state restored (a meta dropout draws nothing); shape
+ *     ops (def->keeps_dtype: view/reshape, permute, expand, narrow, select,
+ *     whose ints name sizes the stand-ins lack) keep their input's dtype.
  * Meta results record no autograd history. */
 #include "sharding.h"
 
@@ -51,7 +53,9 @@ static int probe_dtypes(const eng_op_def* def, const eng_op_call* c, int* dts) {
   int prev_mode = eng_dtensor_set_local_mode(1);
   eng_tensor* outs[ENG_OP_MAX_OUT] = {0};
   int n_out = def->n_out, prc = 0;
-  if (def == &eng_opdef_sdpa) {
+  if (def->keeps_dtype) {
+    for (int j = 0; j < n_out; j++) outs[j] = eng_tensor_retain(pc.in[0]);
+  } else if (def == &eng_opdef_sdpa) {
     outs[0] = eng_scaled_dot_product_attention(pc.in[0], pc.in[1], pc.in[2], pc.in[3], pc.scalars[0], (int)pc.ints[0],
                                                pc.scalars[1]);
   } else if (def == &eng_opdef_dropout) {

@@ -353,8 +353,9 @@ static int index_select_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
 
 eng_tensor* eng_index_select(eng_tensor* t, int dim, eng_tensor* index) {
   ENG_CHECK(t, "index_select"); ENG_CHECK(index, "index_select");
-  if (eng_meta_check(t, "index_select") || eng_meta_check(index, "index_select")) return NULL;
-  if (ENG_DT_ACTIVE(t->dist || index->dist)) return eng_dt_index_select(t, dim, index);
+  if (eng_meta_check_local(t, "index_select") || eng_meta_check_local(index, "index_select")) return NULL;
+  if (ENG_DT_ACTIVE(t->dist || index->dist || ENG_META_T(t) || ENG_META_T(index)))
+    return eng_dt_index_select(t, dim, index);
   if (t->ndim == 0) return eng_errp("index_select: cannot index a 0-d tensor (%s)", eng_desc(t));
   if (index->ndim > 1)
     return eng_errp("index_select: index must be a 1-D tensor (a vector), got %s for %s", eng_desc(index), eng_desc(t));

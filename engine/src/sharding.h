@@ -96,6 +96,7 @@ typedef struct eng_op_def {
   eng_op_fn fn;          /* default local function (one output) */
   eng_local_fn local;    /* rule-specific local function, or NULL */
   int scalars_in_key;
+  int keeps_dtype;       /* the output has in[0]'s dtype (shape ops; meta_ops.c uses it) */
 } eng_op_def;
 
 /* ---- guard */

@@ -150,7 +150,7 @@ static int reshape_local(const eng_op_call* c, const eng_dist_spec* const* in_sp
   return outs[0] ? 0 : -1;
 }
 
-static const eng_op_def eng_opdef_reshape = {"reshape", 1, reshape_rule, shape_from_ints, NULL, reshape_local, 1};
+static const eng_op_def eng_opdef_reshape = {"reshape", 1, reshape_rule, shape_from_ints, NULL, reshape_local, 1, 1};
 
 static eng_tensor* dispatch_reshape(eng_tensor* t, int ndim, const int64_t* sh, int kind, const char* op) {
   eng_op_call c = {.name = op, .n_in = 1, .in = {t}};
@@ -262,7 +262,7 @@ static eng_tensor* permute_fn(const eng_op_call* c) {
   return eng_permute(c->in[0], nd, p);
 }
 
-static const eng_op_def eng_opdef_permute = {"permute", 1, permute_rule, permute_shape, permute_fn, NULL, 0};
+static const eng_op_def eng_opdef_permute = {"permute", 1, permute_rule, permute_shape, permute_fn, NULL, 0, 1};
 
 eng_tensor* eng_dt_transpose(eng_tensor* t, int d0, int d1) {
   int nd = t->dist->ndim;
@@ -312,7 +312,7 @@ static int expand_local(const eng_op_call* c, const eng_dist_spec* const* in_spe
   return outs[0] ? 0 : -1;
 }
 
-static const eng_op_def eng_opdef_expand = {"expand", 1, expand_rule, shape_from_ints, NULL, expand_local, 1};
+static const eng_op_def eng_opdef_expand = {"expand", 1, expand_rule, shape_from_ints, NULL, expand_local, 1, 1};
 
 eng_tensor* eng_dt_expand(eng_tensor* t, int ndim, const int64_t* shape) {
   const eng_dist_spec* s = t->dist;
@@ -376,7 +376,7 @@ static int narrow_shape(const eng_op_call* c, const eng_dist_spec* const* s, int
 static eng_tensor* narrow_fn(const eng_op_call* c) {
   return eng_narrow(c->in[0], (int)c->ints[0], c->ints[1], c->ints[2]);
 }
-static const eng_op_def eng_opdef_narrow = {"narrow", 1, narrow_rule, narrow_shape, narrow_fn, NULL, 0};
+static const eng_op_def eng_opdef_narrow = {"narrow", 1, narrow_rule, narrow_shape, narrow_fn, NULL, 0, 1};
 
 eng_tensor* eng_dt_narrow(eng_tensor* t, int dim, int64_t start, int64_t length) {
   const eng_dist_spec* s = t->dist;
@@ -406,7 +406,7 @@ static int select_shape(const eng_op_call* c, const eng_dist_spec* const* s, int
   return 0;
 }
 static eng_tensor* select_fn(const eng_op_call* c) { return eng_select(c->in[0], (int)c->ints[0], c->ints[1]); }
-static const eng_op_def eng_opdef_select = {"select", 1, select_rule, select_shape, select_fn, NULL, 0};
+static const eng_op_def eng_opdef_select = {"select", 1, select_rule, select_shape, select_fn, NULL, 0, 1};
 
 eng_tensor* eng_dt_select(eng_tensor* t, int dim, int64_t index) {
   const eng_dist_spec* s = t->dist;

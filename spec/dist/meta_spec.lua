@@ -90,6 +90,32 @@ describe("C14: meta DTensors", function()
     assert.same({ dist.Partial() }, s.placements)
     assert.same({}, p:shape())
     assert.is_true(p.is_meta)
+    -- a 2-d mesh: linear, views, reshape, softmax (a Replicate redistribution, shape only), layer_norm,
+    -- embedding with a column-sharded weight, split, cat, sum: all meta, no collectives
+    if W == 4 then
+      local m2 = dist.init_device_mesh("cpu", { 2, 2 }, { "dp", "tp" })
+      local function M(...) return engine.empty({ ... }, { device = "meta" }) end
+      local x = dist.distribute_tensor(M(8, 6, 16), m2, { S(1), R() })
+      local w2 = dist.distribute_tensor(M(32, 16), m2, { R(), S(1) })
+      local c2, outs = dist.count_collectives(function()
+        local h = nn.functional.linear(x, w2)
+        local ids = dist.distribute_tensor(engine.empty({ 8, 6 }, { device = "meta", dtype = "i64" }), m2, { S(1), R() })
+        return { h, h:view(8, 6, 4, 8):transpose(2, 3), h:reshape(48, 32), h:softmax(-1),
+          nn.functional.layer_norm(h, { 32 }), nn.functional.embedding(ids, dist.distribute_tensor(M(100, 16), m2, { R(), S(2) })),
+          h:split(8, 3)[1], engine.cat({ h, h }, 3), h:sum() }
+      end)
+      assert.equal(0, total(c2))
+      local want = { { 8, 6, 32 }, { 8, 4, 6, 8 }, { 48, 32 }, { 8, 6, 32 }, { 8, 6, 32 }, { 8, 6, 16 }, { 8, 6, 8 },
+        { 8, 6, 64 }, {} }
+      for i, t in ipairs(outs) do
+        assert.is_true(t.is_meta, i)
+        assert.same(want[i], t:shape(), i)
+        assert.equal("f32", t.dtype)
+      end
+      assert.same({ S(1), S(3) }, outs[1].placements)
+      assert.same({ S(1), R() }, outs[4].placements)
+      assert.same({ 4, 6, 16 }, outs[1]:to_local():shape())
+    end
     -- a meta DTensor and a materialised one: a device error
     local real = dist.distribute_tensor(engine.ones(8, 4), mesh, { S(1) })
     local e = errmsg(function() return d + real end)
