@@ -518,6 +518,11 @@ static int replicate_strided(const char* name, const eng_op_def* def, eng_op_cal
   return 0;
 }
 
+static int any_dtensor(const eng_op_call* c) {
+  for (int i = 0; i < c->n_in; i++) if (c->in[i] && c->in[i]->dist) return 1;
+  return 0;
+}
+
 static int empty_outputs(const cache_entry* e, int n_out, int dtype, eng_tensor** outs) {
   int64_t z[ENG_MAX_DIMS] = {0};
   for (int j = 0; j < n_out; j++) {
@@ -537,11 +542,7 @@ int eng_dispatch_multi(const eng_op_def* def, eng_op_call* c, eng_tensor** outs)
   int rc = -1;
   if (c->n_in > ENG_OP_MAX_IN) return eng_err("%s: too many tensor inputs for the dispatcher", name);
   int meta = eng_meta_any(c);
-  if (meta) { /* plain meta operands: shapes and dtypes only (meta_ops.c) */
-    int any_dist = 0;
-    for (int i = 0; i < c->n_in; i++) if (c->in[i] && c->in[i]->dist) any_dist = 1;
-    if (!any_dist) return eng_meta_outputs(def, c, NULL, outs);
-  }
+  if (meta && !any_dtensor(c)) return eng_meta_outputs(def, c, NULL, outs); /* shapes and dtypes only */
   if (prepare(name, c, conv) || replicate_strided(name, def, c, conv)) goto done;
   c->needs_grad = eng_any_requires_grad(c->n_in, c->in);
   eng_dist_spec* specs[ENG_OP_MAX_IN] = {0};
@@ -622,9 +623,7 @@ int eng_dispatch_inplace(const char* name, int mode, eng_op_call* c, int (*fn)(e
   char b[2048];
   eng_tensor* tmp[ENG_OP_MAX_IN] = {0};
   if (eng_meta_any(c)) { /* in place into meta: nothing to write */
-    int any_dist = 0;
-    for (int i = 0; i < c->n_in; i++) if (c->in[i] && c->in[i]->dist) any_dist = 1;
-    if (!any_dist) return eng_meta_inplace(name, c);
+    if (!any_dtensor(c)) return eng_meta_inplace(name, c);
     for (int i = 0; i < c->n_in; i++)
       if (c->in[i] && c->in[i]->device != ENG_META && c->in[i]->ndim > 0)
         return eng_err("%s: tensors on different devices: %s and %s", name, eng_desc(a), eng_desc(c->in[i]));

@@ -58,6 +58,8 @@ eng_tensor* dt_strided_distribute_step(eng_mesh* mesh, int mesh_dim, eng_tensor*
 eng_tensor* dt_random_local(int kind, const eng_dist_spec* s, double a, double b, int dtype, uint64_t seed,
                             uint64_t offset);
 
+/* A plain view of x with dim d narrowed to [start, start+len) (redistribute.c). */
+eng_tensor* dt_narrow_view(const eng_tensor* x, int d, int64_t start, int64_t len);
 /* Sets t->dist to s (new reference; replaces any previous spec). */
 void dt_attach(eng_tensor* t, eng_dist_spec* s);
 /* A plain view (no dist, no autograd) with t's geometry. */

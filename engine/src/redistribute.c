@@ -69,7 +69,7 @@ static void back_strides(int ndim, int d, const int64_t* front_stride, int64_t* 
   for (int j = 0; j < ndim; j++) stride[j] = j == d ? front_stride[0] : front_stride[k++];
 }
 
-static eng_tensor* narrow_view(const eng_tensor* x, int d, int64_t start, int64_t len) {
+eng_tensor* dt_narrow_view(const eng_tensor* x, int d, int64_t start, int64_t len) {
   int64_t shape[ENG_MAX_DIMS];
   for (int j = 0; j < x->ndim; j++) shape[j] = x->shape[j];
   shape[d] = len;
@@ -337,7 +337,7 @@ static eng_tensor* apply_r2s(step_ctx* c, eng_tensor* x, const eng_placement* s,
   int d = t->dim;
   int64_t sz, off;
   chunk_of(x->shape[d], c->k, c->coord, &sz, &off);
-  eng_tensor* v = narrow_view(x, d, off, sz);
+  eng_tensor* v = dt_narrow_view(x, d, off, sz);
   if (!v) return NULL;
   eng_tensor* out = new_like_shape(x, x->ndim, v->shape);
   if (out) copy_into(out, v);

@@ -22,14 +22,6 @@ static void piece(int64_t n, int64_t chunks, int64_t idx, int64_t* size, int64_t
   *off = o;
 }
 
-/* View of x with dim d narrowed to [start, start+len). */
-static eng_tensor* narrow_of(const eng_tensor* x, int d, int64_t start, int64_t len) {
-  int64_t shape[ENG_MAX_DIMS];
-  for (int j = 0; j < x->ndim; j++) shape[j] = x->shape[j];
-  shape[d] = len;
-  return eng_view_of(x, x->ndim, shape, x->stride, x->offset + start * x->stride[d]);
-}
-
 static int copy_view(eng_tensor* dst, const eng_tensor* src) {
   if (!dst || !src) return -1;
   return dst->numel > 0 ? eng_copy_raw(dst, src, src->stride) : 0;
@@ -75,7 +67,7 @@ static int move_pieces(const eng_tensor* packed, const eng_tensor* full, const e
       piece(L, (int64_t)k * sf, r + (int64_t)j * k, &sz, &off);
       if (sz <= 0) continue;
       eng_tensor* p = front_rows(packed, like, d, at, sz);
-      eng_tensor* f = narrow_of(full, d, off, sz);
+      eng_tensor* f = dt_narrow_view(full, d, off, sz);
       rc = to_packed ? copy_view(p, f) : copy_view(f, p);
       eng_tensor_release(p);
       eng_tensor_release(f);
@@ -98,8 +90,8 @@ eng_tensor* dt_strided_select(const eng_tensor* x, int d, int k, int sf, int coo
     int64_t sz, off;
     piece(n, (int64_t)k * sf, coord + (int64_t)j * k, &sz, &off);
     if (sz <= 0) continue;
-    eng_tensor* s = narrow_of(x, d, off, sz);
-    eng_tensor* t = narrow_of(out, d, at, sz);
+    eng_tensor* s = dt_narrow_view(x, d, off, sz);
+    eng_tensor* t = dt_narrow_view(out, d, at, sz);
     int rc = copy_view(t, s);
     eng_tensor_release(s);
     eng_tensor_release(t);

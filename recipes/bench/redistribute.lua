@@ -6,7 +6,10 @@
 -- rank's median is reported.
 --
 --   mpirun --allow-run-as-root --oversubscribe --bind-to none --mca btl self,vader --mca pml ob1 \
---     -np 4 build/engine recipes/bench/redistribute.lua [MiB=64] [reps=10]
+--     -np 4 build/engine recipes/bench/redistribute.lua [MiB=64] [reps=10] [only]
+--
+-- only: run just the rows whose case name contains this text (e.g. "P->S"), to
+-- time a case without the memory the earlier rows leave behind.
 --
 -- Cases (Lua dims are 1-based: Shard(1) is PyTorch's Shard(0)):
 --   S(1)->R      all_gather of the local shard into the full matrix
@@ -30,6 +33,7 @@ local S, Rep, Part = dist.Shard, dist.Replicate, dist.Partial
 
 local mib = tonumber(arg and arg[1]) or 64
 local reps = tonumber(arg and arg[2]) or 10
+local only = arg and arg[3]
 local R, W = dist.rank(), dist.world_size()
 local mesh = dist.init_device_mesh("cpu", { W })
 local pg = mesh:get_group(1)
@@ -79,6 +83,7 @@ local shard_out = engine.zeros(rows / W, cols)
 
 local results = {}
 local function row(name, bare, ours, check, base_name)
+  if only and not name:find(only, 1, true) then return end
   local tb, to = time_pair(bare, ours)
   results[#results + 1] = string.format("%-23s %-15s %8.2f ms   DTensor %8.2f ms   ratio %.3f", name, base_name or "bare MPI", tb,
     to, to / tb)

@@ -583,10 +583,7 @@ function Module:to_empty(opts)
   if not code then core.fail(op .. ": unknown device '" .. tostring(dev) .. Tensor.bad_device) end
   Tensor.require_device(code, op)
   local function swap(c)
-    local shape = {}
-    for d = 0, c.ndim - 1 do shape[d + 1] = tonumber(c.shape[d]) end
-    local arr = ffi.new("int64_t[?]", #shape > 0 and #shape or 1, shape)
-    local r = C.eng_tensor_empty(#shape, arr, c.dtype, code)
+    local r = C.eng_tensor_empty(c.ndim, c.shape, c.dtype, code) -- the local shape for a DTensor
     if r == nil then core.raise() end
     local rc = C.eng_tensor_set_data(c, r)
     C.eng_tensor_release(r)
