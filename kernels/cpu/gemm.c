@@ -8,7 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* One BLAS call; OpenBLAS itself always runs single-threaded (runtime.c):
+/* One BLAS call; OpenBLAS itself always runs single-threaded (engine/src/core/runtime.c):
  * the engine splits big products over its own pool instead (kc_gemm), so
  * BLAS threads never spin against the engine's threads. */
 static void gemm_blas(int dt, int ta, int tb, int64_t M, int64_t N, int64_t K, double alpha, const void* A,

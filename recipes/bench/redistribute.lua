@@ -19,7 +19,7 @@
 --   S(1)->S(2)   all_to_all.  The bare call exchanges the contiguous local as is, which is
 --                not the layout change: each peer needs a column block, strided in the
 --                local, so a correct S->S reads strided memory.  DTensor moves each
---                block once between the ranks' memories (single-copy path, comm_cma.c);
+--                block once between the ranks' memories (single-copy path, comm/cma.c);
 --                the rows after it compare it with what the layout change costs
 --                through MPI: a hand-written pack + the bare all_to_all, the bare
 --                MPI_Alltoall with a vector send datatype (MPI reads the strided

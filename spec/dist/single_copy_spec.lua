@@ -1,4 +1,4 @@
--- Single-copy exchanges (engine/src/comm_cma.c): DTensor's S(a)->S(b) all_to_all
+-- Single-copy exchanges (engine/src/comm/cma.c): DTensor's S(a)->S(b) all_to_all
 -- and S(d)->R all_gather of 256 KiB or more move each strided block once between
 -- the ranks' memories when the group is on one node.  Every case is checked
 -- against the single-process truth (distribute_tensor of the full tensor) and

@@ -156,7 +156,7 @@ int64_t eng_comm_count(int kind);
 int64_t eng_comm_bytes(int kind);
 void eng_comm_reset_counts(void);
 
-/* ---- single-copy exchanges on one node (engine/src/comm_cma.c): DTensor's
+/* ---- single-copy exchanges on one node (engine/src/comm/cma.c): DTensor's
  * S(a)->S(b) all_to_all and S(d)->R all_gather of at least 256 KiB move each
  * strided block once, straight between the ranks' memories (Linux
  * cross-memory attach), instead of packing it for MPI, when every rank of

@@ -1,4 +1,4 @@
-/* cuda.h: the CUDA device runtime (engine/src/cuda_runtime.c).
+/* cuda.h: the CUDA device runtime (engine/src/cuda/runtime.c).
  *
  * Availability never fails: eng_cuda_is_available() is 0 on a machine
  * without a GPU or a driver, and in a build without the CUDA backend; then

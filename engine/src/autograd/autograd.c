@@ -1,5 +1,11 @@
+/* Subsystem autograd/: grad mode, graph nodes, saved tensors, tensor and
+ * node hooks, custom (Lua) functions and the backward pass.
+ * May call: core/ (and ops' add / sum_to_shape to accumulate gradients).
+ * The DTensor layer takes part only through the table it installs
+ * (dist_hooks.h); autograd never names dtensor/. */
 /* autograd.c: graph nodes, saved tensors, hooks and the backward pass. */
-#include "internal.h"
+#include "core/internal.h"
+#include "autograd/dist_hooks.h"
 #include <pthread.h>
 #include <stdint.h>
 
@@ -27,6 +33,13 @@ struct eng_hook_list { eng_hook* head; };
 
 static int64_t g_handle;
 static int64_t next_handle(void) { return __atomic_add_fetch(&g_handle, 1, __ATOMIC_RELAXED); }
+
+/* ---------------------------------------------------------------- DTensor layer */
+static eng_autograd_dist_hooks g_dist;
+void eng_autograd_set_dist_hooks(const eng_autograd_dist_hooks* hooks) {
+  if (hooks) g_dist = *hooks;
+  else memset(&g_dist, 0, sizeof g_dist);
+}
 
 static eng_lua_dispatch_fn g_lua;
 void eng_set_lua_dispatcher(eng_lua_dispatch_fn fn) { g_lua = fn; }
@@ -160,7 +173,7 @@ void eng_node_release(eng_node* n) {
   release_saved(n);
   if (n->free_ctx) n->free_ctx(n);
   eng_hook_list_free(n->pre_hooks);
-  if (n->dist) eng_dist_node_free(n->dist);
+  if (n->dist && g_dist.node_free) g_dist.node_free(n->dist);
   if (n->leaf) {
     if (n->leaf->grad_acc == n) n->leaf->grad_acc = NULL;
     eng_tensor_release(n->leaf);
@@ -188,7 +201,7 @@ eng_node* eng_node_new(const char* name, eng_backward_fn fn, int n_inputs, eng_t
       if (!n->next[i].node) { eng_node_release(n); return NULL; }
     }
   }
-  eng_dist_mark_node(n, n_inputs, inputs); /* no-op outside a DTensor dispatch local region */
+  if (g_dist.mark_node) g_dist.mark_node(n, n_inputs, inputs); /* no-op outside a DTensor dispatch local region */
   return n;
 }
 
@@ -509,7 +522,7 @@ static int accumulate_backward(eng_node* n, eng_tensor** go, eng_tensor** gi) {
   (void)gi;
   eng_tensor* leaf = n->leaf;
   /* a DTensor leaf takes its gradient in its own layout (Partial grads are reduced here) */
-  eng_tensor* g = leaf->dist ? eng_dist_grad_for_leaf(leaf, go[0]) : eng_tensor_retain(go[0]);
+  eng_tensor* g = leaf->dist && g_dist.grad_for_leaf ? g_dist.grad_for_leaf(leaf, go[0]) : eng_tensor_retain(go[0]);
   if (!g) return -1;
   if (leaf->hooks)
     for (eng_hook* k = leaf->hooks->head; k; k = k->next)
@@ -525,12 +538,13 @@ static int accumulate_backward(eng_node* n, eng_tensor** go, eng_tensor** gi) {
     else {
       leaf->grad = eng_new(leaf->ndim, leaf->shape, leaf->dtype, leaf->device);
       if (leaf->grad) eng_copy_raw(leaf->grad, g, g->stride);
-      if (leaf->grad && g->dist) leaf->grad->dist = eng_dist_spec_retain(g->dist); /* DTensor grads stay DTensors */
+      if (leaf->grad && g->dist) leaf->grad->dist = g_dist.spec_retain(g->dist); /* DTensor grads stay DTensors */
       eng_tensor_release(g);
       if (!leaf->grad) return -1;
     }
     /* a plain local gradient of a DTensor leaf is in the leaf's layout */
-    if (leaf->dist && !leaf->grad->dist) leaf->grad->dist = eng_dist_spec_retain(leaf->dist);
+    if (leaf->dist && !leaf->grad->dist && g_dist.spec_retain)
+      leaf->grad->dist = g_dist.spec_retain(leaf->dist);
   } else {
     int rc = eng_add_(leaf->grad, g, 1.0);
     eng_tensor_release(g);
@@ -580,13 +594,13 @@ int eng_backward(int n, eng_tensor** tensors, eng_tensor** grads, int retain_gra
     }
     eng_tensor* gr = grads ? grads[i] : NULL;
     if (!gr) {
-      if ((t->dist ? eng_dtensor_numel(t) : t->numel) != 1) {
+      if ((t->dist && g_dist.numel ? g_dist.numel(t) : t->numel) != 1) {
         eng_err("backward: grad can be implicitly created only for one-element outputs, got %s "
                 "(pass a gradient)", eng_desc(t));
         goto done;
       }
       /* a DTensor root gets a DTensor of ones with the adjoint spec (Partial -> Replicate) */
-      roots_grad[i] = t->dist ? eng_dtensor_ones_grad(t) : eng_tensor_full(t->ndim, t->shape, 1.0, t->dtype, t->device);
+      roots_grad[i] = t->dist && g_dist.ones_grad ? g_dist.ones_grad(t) : eng_tensor_full(t->ndim, t->shape, 1.0, t->dtype, t->device);
     } else {
       if (!eng_same_shape(gr, t)) {
         eng_err("backward: gradient %s does not match output %s", eng_desc(gr), eng_desc(t));
@@ -678,7 +692,7 @@ int eng_backward(int n, eng_tensor** tensors, eng_tensor** grads, int retain_gra
         graph* prev_graph = t_graph;
         eng_node* prev_node = t_node;
         t_graph = &g; t_node = nd;
-        int brc = nd->dist ? eng_dist_node_backward(nd, s->buf, gi) : nd->backward(nd, s->buf, gi);
+        int brc = nd->dist && g_dist.node_backward ? g_dist.node_backward(nd, s->buf, gi) : nd->backward(nd, s->buf, gi);
         t_graph = prev_graph; t_node = prev_node;
         if (brc) {
           if (!eng_last_error()[0]) eng_err("failed");

@@ -1,4 +1,4 @@
-/* comm_cma.c: single-copy strided exchanges between the ranks of one node,
+/* cma.c: single-copy strided exchanges between the ranks of one node,
  * through Linux cross-memory attach (process_vm_writev / process_vm_readv).
  *
  * Why: DTensor's S(a)->S(b) all_to_all and S(d)->R all_gather along a dim
@@ -23,7 +23,7 @@
  * takes the MPI path; the decision is the same on every rank.  ENGINE_CMA=0
  * turns it off. */
 #define _GNU_SOURCE
-#include "comm_impl.h"
+#include "comm/comm_impl.h"
 #include <errno.h>
 #include <limits.h>
 #include <stdio.h>

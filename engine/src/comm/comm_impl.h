@@ -1,9 +1,9 @@
-/* comm_impl.h: process-group internals shared by comm.c (groups, dispatch,
- * counters, debug checks, flight recorder), the backends comm_mpi.c and
- * comm_nccl.c, and mesh.c.  Not public. */
+/* comm_impl.h: process-group internals shared by comm/process_group.c (groups, dispatch,
+ * counters, debug checks, flight recorder), the backends comm/mpi.c and
+ * comm/nccl.c, and comm/mesh.c.  Not public. */
 #ifndef ENG_COMM_IMPL_H
 #define ENG_COMM_IMPL_H
-#include "internal.h"
+#include "core/internal.h"
 #include <mpi.h>
 
 /* The comm_* functions below are internal to libengine (not exported). */
@@ -19,7 +19,7 @@ struct eng_pg {
   int* ranks;           /* world ranks of the members (size entries) */
   char name[96];
   void* nccl;           /* NCCL backend state, created on first use */
-  int cma;              /* single-copy exchanges (comm_cma.c): 0 not probed yet, 1 usable, -1 not */
+  int cma;              /* single-copy exchanges (comm/cma.c): 0 not probed yet, 1 usable, -1 not */
 };
 
 /* One collective on raw contiguous buffers, as handed to a backend.
@@ -27,7 +27,7 @@ struct eng_pg {
  * reduce_scatter/scatter: elements received per rank; all_to_all: elements
  * per peer.  send == recv (or send NULL) means in place.  op is already
  * mapped for bool (sum -> max, prod -> min); avg reaches the MPI backend as
- * sum (comm.c scales afterwards) and NCCL as avg. */
+ * sum (comm/process_group.c scales afterwards) and NCCL as avg. */
 typedef struct comm_args {
   int kind, op, root, dtype;
   const void* send;
@@ -35,7 +35,7 @@ typedef struct comm_args {
   int64_t count;
 } comm_args;
 
-/* Backend: MPI (comm_mpi.c).  req NULL: blocking. */
+/* Backend: MPI (comm/mpi.c).  req NULL: blocking. */
 COMM_INTERNAL int comm_mpi_issue(eng_pg* pg, const comm_args* a, MPI_Request* req);
 /* Bare MPI_Alltoall whose send side is a vector datatype: peer j gets rows
  * blocks of `block` elements, block i at send + j*block + i*row_stride;
@@ -45,14 +45,14 @@ COMM_INTERNAL int comm_mpi_alltoall_vector(eng_pg* pg, const void* send, void* r
 /* "MPI error N: text" for an MPI return code (thread-local buffer). */
 COMM_INTERNAL const char* comm_mpi_errstr(int rc);
 
-/* Backend: NCCL (comm_nccl.c, CUDA builds).  event NULL: blocking. */
+/* Backend: NCCL (comm/nccl.c, CUDA builds).  event NULL: blocking. */
 COMM_INTERNAL int comm_nccl_issue(eng_pg* pg, const comm_args* a, void** event);
 COMM_INTERNAL int comm_nccl_wait(void* event);
 COMM_INTERNAL int comm_nccl_test(void* event); /* 1 done, 0 running, -1 error */
 COMM_INTERNAL void comm_nccl_event_free(void* event);
 COMM_INTERNAL void comm_nccl_pg_free(void* state);
 
-/* Groups (comm.c): a group over an MPI communicator (taken over; may be
+/* Groups (comm/process_group.c): a group over an MPI communicator (taken over; may be
  * MPI_COMM_NULL for a non-member). */
 COMM_INTERNAL eng_pg* comm_pg_from_mpi(MPI_Comm c, const char* name);
 /* Starts MPI if needed and creates the world group; 0 or -1. */
@@ -61,7 +61,7 @@ COMM_INTERNAL int comm_ensure_init(const char* op);
  * when `data` is not the same on all ranks. */
 COMM_INTERNAL int comm_world_agree(const void* data, size_t n, const char* op, const char* what);
 
-/* Collectives done outside run() (comm_cma.c) are accounted here as one
+/* Collectives done outside run() (comm/cma.c) are accounted here as one
  * collective of `kind`: sequence number, counters, flight recorder.  begin
  * returns the record id for end (state 1 completed, 2 failed); undo takes the
  * counters back when the caller redoes the collective another way. */
@@ -69,7 +69,7 @@ COMM_INTERNAL int64_t comm_account_begin(eng_pg* pg, int kind, const eng_tensor*
 COMM_INTERNAL void comm_account_end(int64_t rec, int state);
 COMM_INTERNAL void comm_account_undo(int kind, const eng_tensor* key);
 
-/* Single-copy strided exchanges between the ranks of one node (comm_cma.c).
+/* Single-copy strided exchanges between the ranks of one node (comm/cma.c).
  * usable: collective on a group's first call (every member must call it with
  * the same device), then cached; 1 when the path may be taken.
  * exchange: `in` (any strides) is split along `split` by torch.chunk rules

@@ -1,6 +1,6 @@
 /* mesh.c: DeviceMesh: an N-d array of world ranks, optional dim names, one
  * process group per mesh dim (this rank's row), slicing and flattening. */
-#include "comm_impl.h"
+#include "comm/comm_impl.h"
 #include <stdio.h>
 
 #define NAME_MAX_LEN 63

@@ -1,13 +1,13 @@
-/* comm_mpi.c: the MPI backend of the process groups: one collective on raw
+/* mpi.c: the MPI backend of the process groups: one collective on raw
  * contiguous CPU buffers, blocking (MPI_Allreduce, ...) or nonblocking
  * (MPI_Iallreduce, ...).  bf16 and f16 travel as 2-byte MPI datatypes of
  * their own, reduced by custom MPI ops that compute each pairwise step in f32
  * and round the result to the 16-bit type.  For max/min that is exact; for
  * sum/prod it is exact only when every element is combined once (2 ranks):
- * comm.c widens sums and products to f32 for larger groups, so they are
+ * comm/process_group.c widens sums and products to f32 for larger groups, so they are
  * rounded only once. */
-#include "comm_impl.h"
-#include "../../kernels/cpu/kcpu.h"
+#include "comm/comm_impl.h"
+#include "kernels/cpu/kcpu.h"
 #include <limits.h>
 #include <math.h>
 #include <stdio.h>

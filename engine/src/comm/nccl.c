@@ -1,4 +1,4 @@
-/* comm_nccl.c: the NCCL backend of the process groups (CUDA builds).
+/* nccl.c: the NCCL backend of the process groups (CUDA builds).
  *
  * One NCCL communicator per process group, created on the group's first CUDA
  * collective: group rank 0 makes the unique id, MPI_Bcast hands it to the
@@ -18,7 +18,7 @@
  * work released without a wait makes it wait too).  Without ENG_HAVE_CUDA
  * (and ENG_HAVE_NCCL) only the two capability queries are compiled, and
  * they report no GPU / no NCCL. */
-#include "comm_impl.h"
+#include "comm/comm_impl.h"
 
 #if defined(ENG_HAVE_CUDA)
 #include <cuda_runtime.h>

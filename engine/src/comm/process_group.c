@@ -1,8 +1,12 @@
-/* comm.c: process groups, collective dispatch, staging buffers, counters,
+/* Subsystem comm/: process groups and their collectives (MPI, NCCL,
+ * single-copy exchanges on one node), the distributed runtime (MPI start-up,
+ * watchdog) and DeviceMesh.  May call: core/, cuda/ (NCCL streams).
+ * Knows nothing of DTensor placements. */
+/* process_group.c: process groups, collective dispatch, staging buffers, counters,
  * sequence numbers, debug-mode consistency checks and the flight recorder.
- * The backends (comm_mpi.c, comm_nccl.c) only see raw contiguous buffers. */
-#include "comm_impl.h"
-#include "../../kernels/cpu/kcpu.h"
+ * The backends (comm/mpi.c, comm/nccl.c) only see raw contiguous buffers. */
+#include "comm/comm_impl.h"
+#include "kernels/cpu/kcpu.h"
 #include <limits.h>
 #include <sched.h>
 #include <stdio.h>

@@ -9,7 +9,7 @@
  * faulted in as 4 KiB pages (freed by MPI or an earlier malloc), and a buffer
  * in 4 KiB pages is copied ~1.3x slower (TLB misses).  Nothing is returned to
  * the system unless eng_alloc_empty_cache() is called. */
-#include "internal.h"
+#include "core/internal.h"
 #include <pthread.h>
 #include <sys/mman.h>
 
@@ -124,7 +124,7 @@ eng_storage* eng_storage_new(int64_t nbytes, int device) {
     s->external = 1;
     return s;
   }
-  if (device == ENG_CUDA) { /* the runtime's caching stream-ordered allocator (cuda_runtime.c) */
+  if (device == ENG_CUDA) { /* the runtime's caching stream-ordered allocator (cuda/runtime.c) */
     s->data = eng_cuda_malloc(nbytes);
     if (!s->data) { free(s); eng_err_prefix("storage"); return NULL; }
     s->nbytes = nbytes;

@@ -1,5 +1,5 @@
 /* dtype.c: dtype names, sizes and promotion. */
-#include "internal.h"
+#include "core/internal.h"
 #include <strings.h>
 
 static const struct { const char* name; int size; int floating; } g_dt[ENG_NUM_DTYPES] = {

@@ -1,5 +1,5 @@
 /* error.c: the thread-local error message and formatting helpers. */
-#include "internal.h"
+#include "core/internal.h"
 #include <stdio.h>
 
 static __thread char g_msg[2048];

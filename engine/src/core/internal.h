@@ -91,35 +91,15 @@ eng_node* eng_record(const char* name, eng_backward_fn fn, int n_inputs, eng_ten
 eng_node* eng_record_multi(const char* name, eng_backward_fn fn, int n_inputs,
                            eng_tensor** inputs, int n_outputs, eng_tensor** outputs);
 
-/* DTensor dispatch glue for autograd.c (dtensor_dispatch.c). */
-struct eng_node_dist;
-/* Marks n when a dispatcher local region is active (eng_node_new calls it). */
-void eng_dist_mark_node(eng_node* n, int n_inputs, eng_tensor** inputs);
-/* Backward of a marked node: grads to the output adjoint specs, the node's
- * backward in local mode, input grads wrapped with their adjoint specs. */
-int eng_dist_node_backward(eng_node* n, eng_tensor** go, eng_tensor** gi);
-void eng_dist_node_free(struct eng_node_dist* d);
-/* The gradient g of DTensor leaf redistributed to the leaf's spec (new
- * reference; a plain g is taken as the leaf's local shard). */
-eng_tensor* eng_dist_grad_for_leaf(eng_tensor* leaf, eng_tensor* g);
-
-/* Lua closures behind hooks (autograd.c). */
+/* Lua closures behind hooks (autograd/autograd.c). */
 void eng_lua_queue_release(int64_t id);
 int eng_lua_dispatch_module(int64_t id, eng_tensor** ts, int n, eng_tensor** unused);
 
 /* Threads. */
 int eng_threads(void);
 
-/* RNG (rng.c): reserve n stream positions of the global generator atomically;
+/* RNG (core/rng.c): reserve n stream positions of the global generator atomically;
  * returns the first offset and stores the generator's seed in *seed. */
 uint64_t eng_rng_reserve_seeded(uint64_t n, uint64_t* seed);
-
-/* Sharded random ops (local mode; the box of the shard is spec->offset +
- * x->shape of spec->shape; the generator advances by the global count):
- * ops_dropout.c, ops_attention.c (pshape/pstart: the global attention
- * weights' shape and the shard's start in it). */
-eng_tensor* eng_dropout_shard(eng_tensor* x, double p, const eng_dist_spec* spec);
-eng_tensor* eng_sdpa_shard(eng_tensor* q, eng_tensor* k, eng_tensor* v, eng_tensor* mask, double dropout_p,
-                           int is_causal, double scale, const int64_t* pshape, const int64_t* pstart);
 
 #endif

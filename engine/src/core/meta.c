@@ -1,4 +1,4 @@
-/* meta_ops.c: ops on meta tensors (ENG_META: shape, dtype and strides, no
+/* meta.c: ops on meta tensors (ENG_META: shape, dtype and strides, no
  * data).  An op with a DTensor op def reaches here through its dispatcher
  * guard when an operand is meta:
  *   - output SHAPES come from the op def's shape function, the one the
@@ -12,7 +12,7 @@
  *     ops (def->keeps_dtype: view/reshape, permute, expand, narrow, select,
  *     whose ints name sizes the stand-ins lack) keep their input's dtype.
  * Meta results record no autograd history. */
-#include "sharding.h"
+#include "sharding/sharding.h"
 
 static int meta_t(const eng_tensor* t) { return t && t->device == ENG_META; }
 

@@ -1,5 +1,5 @@
 /* module.c: module objects owning forward-pre / forward-post hooks. */
-#include "internal.h"
+#include "core/internal.h"
 
 typedef struct mhook {
   struct mhook* next;

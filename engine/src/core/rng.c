@@ -2,10 +2,10 @@
  * tensors.  Element i of a tensor drawn with (seed, offset) is a function of
  * (seed, offset + i) only (i = row-major index in the global tensor); the
  * transforms and the Philox addressing are in kernels/cpu/philox.h. */
-#include "internal.h"
-#include "dtensor_impl.h"
-#include "cuda_ops.h"
-#include "../../kernels/cpu/kcpu.h"
+#include "core/internal.h"
+#include "dtensor/dtensor_impl.h"
+#include "cuda/cuda_ops.h"
+#include "kernels/cpu/kcpu.h"
 #include <math.h>
 #include <pthread.h>
 

@@ -1,7 +1,7 @@
 /* runtime.c: process-wide set-up, threads, clocks. */
 #include <stdlib.h>
-#include "internal.h"
-#include "../../kernels/cpu/kcpu.h"
+#include "core/internal.h"
+#include "kernels/cpu/kcpu.h"
 #include <malloc.h>
 #include <time.h>
 #include <stdio.h>

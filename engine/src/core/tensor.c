@@ -1,8 +1,14 @@
+/* Subsystem core/: tensors and storage, the caching allocator, dtypes,
+ * errors, the counter-based RNG, the process runtime (threads, clocks),
+ * module objects with their hooks, the Lua closure bridge and the meta device.
+ * May call: kernels/, cuda/ (device memory and copies).  Known upward calls,
+ * each listed in spec/layering_spec.lua: the op guard of tensor.c and meta.c
+ * into sharding/ (op defs), rng.c into dtensor/ (sharded random fills). */
 /* tensor.c: tensor objects, creation, element access, copies, casts. */
-#include "internal.h"
-#include "sharding.h"
-#include "../../kernels/cpu/kcpu.h"
-#include "cuda_ops.h"
+#include "core/internal.h"
+#include "sharding/sharding.h"
+#include "kernels/cpu/kcpu.h"
+#include "cuda/cuda_ops.h"
 #include <math.h>
 #include <stdio.h>
 
@@ -85,8 +91,8 @@ eng_tensor* eng_tensor_retain(eng_tensor* t) {
 
 int32_t eng_tensor_refcount(const eng_tensor* t) { return t ? t->refcount : 0; }
 
-void eng_hook_list_free(struct eng_hook_list* h);    /* autograd.c */
-void eng_tensor_drop_retain_hook(eng_tensor* t);     /* autograd.c */
+void eng_hook_list_free(struct eng_hook_list* h);    /* autograd/autograd.c */
+void eng_tensor_drop_retain_hook(eng_tensor* t);     /* autograd/autograd.c */
 void eng_dist_spec_release(struct eng_dist_spec* s); /* weak default below */
 
 __attribute__((weak)) void eng_dist_spec_release(struct eng_dist_spec* s) { (void)s; }

@@ -1,4 +1,4 @@
-/* cuda_ops.h: the device side of the engine's ops (cuda_ops.c), not public.
+/* cuda_ops.h: the device side of the engine's ops (cuda/ops.c), not public.
  *
  * Each op's compute part calls these when its tensors live on ENG_CUDA
  * (t->device == ENG_CUDA) instead of the CPU kernels; everything else about
@@ -14,8 +14,8 @@
  * allocated on ENG_CUDA. */
 #ifndef ENG_CUDA_OPS_H
 #define ENG_CUDA_OPS_H
-#include "internal.h"
-#include "bmm.h"
+#include "core/internal.h"
+#include "ops/bmm.h"
 
 /* "<op>: not implemented for cuda tensors (<t>)": -1 / NULL. */
 int eng_cu_unsupported(const char* op, const eng_tensor* t);

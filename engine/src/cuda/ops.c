@@ -1,10 +1,10 @@
-/* cuda_ops.c: the device side of the engine's ops (see cuda_ops.h): thin
+/* ops.c: the device side of the engine's ops (see cuda/cuda_ops.h): thin
  * wrappers over the kernels of kernels/cuda (kcuda.h) that take the compute
- * stream and workspaces from the runtime (cuda_runtime.c) and turn kernel
+ * stream and workspaces from the runtime (cuda/runtime.c) and turn kernel
  * statuses into engine errors, plus the pieces with more logic: batched
  * GEMM planning over cuBLASLt, flash attention, multi-tensor optimizer
  * launches grouped by dtype. */
-#include "cuda_ops.h"
+#include "cuda/cuda_ops.h"
 #include <math.h>
 #include <stdio.h>
 
@@ -25,7 +25,7 @@ int eng_cu_same_device(const char* op, const eng_tensor* a, const eng_tensor* b)
 }
 
 #ifdef ENG_HAVE_CUDA
-#include "../../kernels/cuda/kcuda.h"
+#include "kernels/cuda/kcuda.h"
 
 static cudaStream_t S(void) { return (cudaStream_t)eng_cuda_stream(ENG_CUDA_STREAM_COMPUTE); }
 /* Kernel status -> engine error (also when the stream could not be had). */
@@ -469,7 +469,7 @@ static int view_gemm(int abdt, int cdt, const eng_mview* A, const eng_mview* B, 
 }
 
 /* Do the batch dims (strides bs) and one matrix dim (size n, stride s) fold
- * into one dim?  (as ops_matmul.c's fold) */
+ * into one dim?  (as ops/matmul.c's fold) */
 static int fold(int nb, const int64_t* bshape, const int64_t* bs, int64_t n, int64_t s, int64_t* fs) {
   int64_t expect = 0;
   int have = 0;

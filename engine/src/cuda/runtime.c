@@ -1,4 +1,7 @@
-/* cuda_runtime.c: the CUDA device runtime of the engine (public API in
+/* Subsystem cuda/: the CUDA device runtime and the device side of the ops
+ * (cuda_ops.h).  May call: core/, ops/ (bmm.h), kernels/cuda/.  Built without
+ * nvcc too (every function then reports that there is no CUDA backend). */
+/* runtime.c: the CUDA device runtime of the engine (public API in
  * eng/cuda.h): availability, device selection, the compute and
  * communication streams, the caching stream-ordered device allocator,
  * pinned staging buffers and host <-> device copies.
@@ -9,7 +12,7 @@
  * every device function reports "CUDA is not available: <reason>".  A build
  * without the CUDA backend (no ENG_HAVE_CUDA) has the same functions, which
  * report that this build has no CUDA backend. */
-#include "internal.h"
+#include "core/internal.h"
 #include <stdio.h>
 #include <pthread.h>
 
@@ -32,7 +35,7 @@ int eng_cuda_local_rank(void) {
 
 #ifdef ENG_HAVE_CUDA
 #include <cuda_runtime_api.h>
-#include "../../kernels/cuda/kcuda.h"
+#include "kernels/cuda/kcuda.h"
 
 /* ---------------------------------------------------------------- probe */
 static pthread_once_t g_probe_once = PTHREAD_ONCE_INIT;

@@ -1,5 +1,5 @@
-/* dtensor_dispatch.c: the DTensor op dispatcher (sharding propagation, as
- * PyTorch's _dispatch.py + _sharding_prop.py).  See sharding.h for how rules
+/* dispatch.c: the DTensor op dispatcher (sharding propagation, as
+ * PyTorch's _dispatch.py + _sharding_prop.py).  See sharding/sharding.h for how rules
  * are written.  Flow of eng_dispatch:
  *   1. check the arguments (mixed DTensor/Tensor, meshes), take plain 0-d
  *      one-element tensors as Replicate, wait for pending async results;
@@ -15,13 +15,14 @@
  *      op's DTensor inputs it consumes, and the nodes producing the outputs with
  *      the adjoint specs of the outputs' gradients;
  *   5. wrap the outputs with the output specs.
- * A marked node's backward (eng_dist_node_backward) redistributes incoming
+ * A marked node's backward (dist_node_backward) redistributes incoming
  * DTensor grads to the output adjoint specs, runs the node's backward in local
  * mode on plain views and wraps the grads of the op's inputs with their
  * adjoint specs.  AccumulateGrad of a DTensor leaf redistributes the gradient
- * to the leaf's spec (eng_dist_grad_for_leaf). */
-#include "dtensor_impl.h"
-#include "sharding.h"
+ * to the leaf's spec (dist_grad_for_leaf). */
+#include "dtensor/dtensor_impl.h"
+#include "autograd/dist_hooks.h"
+#include "sharding/sharding.h"
 #include <math.h>
 #include <stdio.h>
 
@@ -363,7 +364,7 @@ struct eng_node_dist {
   eng_dist_spec** out_adj;
 };
 
-void eng_dist_mark_node(eng_node* n, int n_inputs, eng_tensor** inputs) {
+static void dist_mark_node(eng_node* n, int n_inputs, eng_tensor** inputs) {
   region* r = t_region;
   if (!r || !n || n->dist) return;
   struct eng_node_dist* d = calloc(1, sizeof *d + sizeof(eng_dist_spec*) * (size_t)(n_inputs + n->n_outputs));
@@ -378,13 +379,13 @@ void eng_dist_mark_node(eng_node* n, int n_inputs, eng_tensor** inputs) {
   n->dist = d;
 }
 
-void eng_dist_node_free(struct eng_node_dist* d) {
+static void dist_node_free(struct eng_node_dist* d) {
   if (!d) return;
   for (int i = 0; i < d->n_in + d->n_out; i++) eng_dist_spec_release(d->in_adj[i]);
   free(d);
 }
 
-int eng_dist_node_backward(eng_node* n, eng_tensor** go, eng_tensor** gi) {
+static int dist_node_backward(eng_node* n, eng_tensor** go, eng_tensor** gi) {
   struct eng_node_dist* d = n->dist;
   eng_tensor* lg[64] = {0};
   eng_tensor** lgp = n->n_outputs <= 64 ? lg : calloc((size_t)n->n_outputs, sizeof *lgp);
@@ -419,7 +420,7 @@ int eng_dist_node_backward(eng_node* n, eng_tensor** go, eng_tensor** gi) {
   return 0;
 }
 
-eng_tensor* eng_dist_grad_for_leaf(eng_tensor* leaf, eng_tensor* g) {
+static eng_tensor* dist_grad_for_leaf(eng_tensor* leaf, eng_tensor* g) {
   if (!g) return NULL;
   eng_dist_spec* want = leaf->dist;
   if (!want) return eng_tensor_retain(g);
@@ -682,4 +683,13 @@ int eng_dispatch_inplace(const char* name, int mode, eng_op_call* c, int (*fn)(e
 done:
   for (int i = 0; i < ENG_OP_MAX_IN; i++) { eng_tensor_release(tmp[i]); eng_tensor_release(conv[i]); }
   return rc;
+}
+
+/* The DTensor layer's part in autograd (autograd/dist_hooks.h), installed when
+ * the library is loaded. */
+__attribute__((constructor)) static void install_autograd_hooks(void) {
+  eng_autograd_set_dist_hooks(&(eng_autograd_dist_hooks){
+      .mark_node = dist_mark_node, .node_backward = dist_node_backward, .node_free = dist_node_free,
+      .grad_for_leaf = dist_grad_for_leaf, .spec_retain = eng_dist_spec_retain,
+      .numel = eng_dtensor_numel, .ones_grad = eng_dtensor_ones_grad});
 }

@@ -1,9 +1,15 @@
+/* Subsystem dtensor/: DTensor specs and placements (Shard, Replicate,
+ * Partial, _StridedShard), torch.chunk layout math, redistribute with its
+ * planner and cost model, resharding math, implicit replication and the op
+ * dispatcher (sharding propagation), which installs itself into autograd.
+ * May call: core/, autograd/, comm/, ops/ (local compute), sharding/ (the
+ * per-op rules it dispatches to). */
 /* dtensor.c: the DTensor API: from_local / to_local / full_tensor (with
  * their autograd nodes), distribute_tensor, factories, the building blocks
  * for op dispatch (local mode, wrap_output) and descriptions.
- * Redistribution itself is in redistribute.c; specs and layout math in
- * dist_spec.c. */
-#include "dtensor_impl.h"
+ * Redistribution itself is in dtensor/redistribute.c; specs and layout math in
+ * dtensor/spec.c. */
+#include "dtensor/dtensor_impl.h"
 #include <stdio.h>
 
 /* ------------------------------------------------------------------ queries */

@@ -1,10 +1,10 @@
-/* dtensor_impl.h: internals shared by dist_spec.c (placements, specs, layout
- * math, the greedy planner), redistribute.c (transitions, plan cache, async
- * results, the redistribute autograd node) and dtensor.c (the DTensor API).
+/* dtensor_impl.h: internals shared by dtensor/spec.c (placements, specs, layout
+ * math, the greedy planner), dtensor/redistribute.c (transitions, plan cache, async
+ * results, the redistribute autograd node) and dtensor/dtensor.c (the DTensor API).
  * Not public. */
 #ifndef ENG_DTENSOR_IMPL_H
 #define ENG_DTENSOR_IMPL_H
-#include "internal.h"
+#include "core/internal.h"
 
 /* Base (0 or 1) for dims printed in messages (eng_dtensor_set_display_base). */
 int dt_base(void);
@@ -38,7 +38,7 @@ int dt_dim_runs(const int64_t* gshape, int ndim, int mesh_ndim, const int64_t* m
                 const eng_placement* pl, int d, int64_t** st, int64_t** len, int* nr, int64_t* total,
                 int64_t* anchor);
 
-/* _StridedShard data movement (strided_shard.c).  x is a plain tensor; d the
+/* _StridedShard data movement (dtensor/strided_shard.c).  x is a plain tensor; d the
  * tensor dim, k the mesh dim size, sf the split factor, coord this rank's
  * coordinate on the mesh dim.  All return new contiguous plain tensors. */
 /* Replicate -> _StridedShard: this coordinate's chunks of x, no communication. */
@@ -58,7 +58,7 @@ eng_tensor* dt_strided_distribute_step(eng_mesh* mesh, int mesh_dim, eng_tensor*
 eng_tensor* dt_random_local(int kind, const eng_dist_spec* s, double a, double b, int dtype, uint64_t seed,
                             uint64_t offset);
 
-/* A plain view of x with dim d narrowed to [start, start+len) (redistribute.c). */
+/* A plain view of x with dim d narrowed to [start, start+len) (dtensor/redistribute.c). */
 eng_tensor* dt_narrow_view(const eng_tensor* x, int d, int64_t start, int64_t len);
 /* Sets t->dist to s (new reference; replaces any previous spec). */
 void dt_attach(eng_tensor* t, eng_dist_spec* s);

@@ -1,9 +1,9 @@
-/* dtensor_implicit.c: PyTorch's implicit_replication() (semantics C15): while
+/* implicit_replication.c: PyTorch's implicit_replication() (semantics C15): while
  * the thread-local flag is on, a plain tensor mixed with DTensors in an op is
  * taken as Replicate on the DTensors' mesh (the dispatcher's mixing check in
- * dtensor_dispatch.c reads it) instead of raising "mixed DTensor and Tensor
+ * dtensor/dispatch.c reads it) instead of raising "mixed DTensor and Tensor
  * arguments".  Lua: dist.implicit_replication(fn, ...). */
-#include "internal.h"
+#include "core/internal.h"
 
 static __thread int g_implicit;
 

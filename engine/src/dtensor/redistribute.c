@@ -1,6 +1,6 @@
 /* redistribute.c: redistribute a DTensor between placements, as planned by
  * PyTorch's _redistribute.py (greedy plan: gathers inner to outer, then
- * shards outer to inner; dist_spec.c builds the plan).  Each per-mesh-dim
+ * shards outer to inner; dtensor/spec.c builds the plan).  Each per-mesh-dim
  * transition is an entry of a table {check, apply, backward}:
  *
  *   S(d) -> R     all_gather along d (local padded to ceil(L/k), result narrowed to L)
@@ -11,10 +11,10 @@
  *   R -> P        internal only: sum divides by k; avg/max/min keep the value;
  *                 in backward passes the value through (grads never become Partial)
  *   SS -> R       _StridedShard: all_gather (locals padded to coordinate 0's
- *                 size), then the chunks put back in place (strided_shard.c)
+ *                 size), then the chunks put back in place (dtensor/strided_shard.c)
  *   R -> SS       _StridedShard: local copy of this coordinate's chunks
  * Every other change involving a _StridedShard is planned as two steps
- * through Replicate on that mesh dim (dist_spec.c); _StridedShard -> Partial
+ * through Replicate on that mesh dim (dtensor/spec.c); _StridedShard -> Partial
  * is an error like Shard -> Partial.
  *
  * The collectives of eng/comm.h work along dim 0; other dims go through a
@@ -27,8 +27,8 @@
  * gradient to the source placements with every Partial replaced by
  * Replicate.  Async: the last collective of a plan may be left pending; its
  * result's storage is registered and eng_dtensor_wait finishes it. */
-#include "dtensor_impl.h"
-#include "comm_impl.h"
+#include "dtensor/dtensor_impl.h"
+#include "comm/comm_impl.h"
 #include <pthread.h>
 #include <stdio.h>
 
@@ -245,7 +245,7 @@ static int check_local_size(step_ctx* c, const eng_tensor* x, int d, int64_t L) 
 }
 
 /* Synchronous exchanges of at least this many logical bytes take the
- * single-copy path (comm_cma.c) when the group allows it: no pack, no
+ * single-copy path (comm/cma.c) when the group allows it: no pack, no
  * padding, no unpack.  Smaller ones are latency-bound and keep the one MPI
  * collective.  The test depends only on the logical shape, so every rank of
  * the group decides the same. */

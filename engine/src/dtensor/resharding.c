@@ -4,7 +4,7 @@
  * checkpoint into any layout copies, for every saved chunk that overlaps
  * this rank's shard, saved.narrow(d, saved_off, len) into
  * current.narrow(d, cur_off, len) over every dim d. */
-#include "internal.h"
+#include "core/internal.h"
 #include <stdio.h>
 
 static int check_box(const char* op, const char* what, int ndim, const int64_t* off, const int64_t* size) {

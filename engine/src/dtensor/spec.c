@@ -1,7 +1,7 @@
-/* dist_spec.c: placements, DTensor specs (mesh + placements + global shape
+/* spec.c: placements, DTensor specs (mesh + placements + global shape
  * and stride), torch.chunk layout math and the greedy redistribute planner
  * (PyTorch's generate_greedy_transform_infos).  No communication here. */
-#include "dtensor_impl.h"
+#include "dtensor/dtensor_impl.h"
 #include <stdio.h>
 
 static int g_display_base;
@@ -395,7 +395,7 @@ eng_dist_spec* eng_dist_spec_retain(eng_dist_spec* s) {
   return s;
 }
 
-/* Strong definition of the hook tensor.c calls when a DTensor dies. */
+/* Strong definition of the hook core/tensor.c calls when a DTensor dies. */
 void eng_dist_spec_release(eng_dist_spec* s) {
   if (!s) return;
   if (__atomic_sub_fetch(&s->refcount, 1, __ATOMIC_ACQ_REL) != 0) return;

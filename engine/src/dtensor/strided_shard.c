@@ -4,7 +4,7 @@
  * the placements) is cut into k*sf torch.chunk pieces (chunk = ceil(n/(k*sf)),
  * trailing pieces short or empty) and coordinate i holds pieces i, i+k, ...,
  * i+(sf-1)k concatenated.  Layout math (sizes, runs of the global dim) is in
- * dist_spec.c; the redistribute transitions in redistribute.c call the
+ * dtensor/spec.c; the redistribute transitions in dtensor/redistribute.c call the
  * gather and the selection here, distribute_tensor the scatter, the random
  * factories and fills dt_random_local.
  *
@@ -12,7 +12,7 @@
  * is moved to the front of a contiguous buffer ("front order"), every
  * coordinate's local padded to coordinate 0's size (the largest: piece sizes
  * never grow with the index). */
-#include "dtensor_impl.h"
+#include "dtensor/dtensor_impl.h"
 
 static void piece(int64_t n, int64_t chunks, int64_t idx, int64_t* size, int64_t* off) {
   int64_t full = chunks > 0 ? (n + chunks - 1) / chunks : 0;

@@ -1,3 +1,4 @@
+/* Subsystem io/: tensor file formats (safetensors).  May call: core/. */
 /* safetensors.c: reading and writing safetensors files.
  *
  * Layout: 8-byte little-endian header length N, N bytes of JSON
@@ -8,7 +9,7 @@
  * order given.  Loading reads and validates the whole file (header syntax,
  * dtypes, shapes against byte ranges, ranges inside the buffer and not
  * overlapping, duplicate names) with errors naming the file. */
-#include "internal.h"
+#include "core/internal.h"
 #include <errno.h>
 #include <stdio.h>
 #include <unistd.h>

@@ -1,4 +1,4 @@
-/* ops_attention.c: scaled_dot_product_attention as one op with its own
+/* attention.c: scaled_dot_product_attention as one op with its own
  * backward: batched GEMM (q k^T * scale) -> fused masked softmax (bool,
  * additive or causal mask) -> optional inverted dropout -> batched GEMM (@ v).
  * The attention probabilities are saved for backward; the dropout mask is
@@ -9,10 +9,11 @@
  * parallel on the engine's threads, each doing its small GEMMs on one BLAS
  * thread; backward runs serially when an input is broadcast over the batch
  * (its gradient is a sum over batches). */
-#include "bmm.h"
-#include "sharding.h"
-#include "../../kernels/cpu/kcpu.h"
-#include "cuda_ops.h"
+#include "ops/bmm.h"
+#include "sharding/sharding.h"
+#include "kernels/cpu/kcpu.h"
+#include "cuda/cuda_ops.h"
+#include "ops/ops.h"
 #include <math.h>
 
 static int compute_dtype(int dt) { return dt == ENG_F64 ? ENG_F64 : ENG_F32; }
@@ -544,7 +545,7 @@ eng_tensor* eng_scaled_dot_product_attention(eng_tensor* q, eng_tensor* k, eng_t
   return sdpa_op(q, k, v, mask, dropout_p, is_causal, scale, NULL);
 }
 
-/* Attention on local shards (sharding_attention.c, local mode): the dropout
+/* Attention on local shards (sharding/attention.c, local mode): the dropout
  * mask is the slice pstart + (local weights' shape) of the mask of the global
  * weights pshape ([batch..., L, S]) and the generator advances by the global
  * count, so every layout draws what one process draws. */

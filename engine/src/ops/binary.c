@@ -1,9 +1,9 @@
-/* ops_binary.c: broadcasting binary ops (add, sub, mul, div, pow, maximum,
+/* binary.c: broadcasting binary ops (add, sub, mul, div, pow, maximum,
  * minimum), their scalar forms, autograd, and in-place arithmetic. */
-#include "internal.h"
-#include "sharding.h"
-#include "../../kernels/cpu/kcpu.h"
-#include "cuda_ops.h"
+#include "core/internal.h"
+#include "sharding/sharding.h"
+#include "kernels/cpu/kcpu.h"
+#include "cuda/cuda_ops.h"
 #include <math.h>
 
 static int compute_dtype(int rdt) {
@@ -176,7 +176,7 @@ static eng_tensor* binary(int op, eng_tensor* a, eng_tensor* b) {
   return out;
 }
 
-/* DTensor arguments go through the dispatcher (sharding_pointwise.c). */
+/* DTensor arguments go through the dispatcher (sharding/pointwise.c). */
 #define BIN_GUARD(which, a, b)                                                                     \
   if (a && b && ENG_DT_ACTIVE(a->dist || ENG_META_T(a) || b->dist || ENG_META_T(b)))                                                 \
     return eng_dispatch(&eng_opdef_binary, &(eng_op_call){.name = g_names[which], .n_in = 2, .in = {a, b}, .ints = {which}})

@@ -1,8 +1,8 @@
-/* bmm.h: batched strided matrix products over BLAS (ops_matmul.c), shared by
+/* bmm.h: batched strided matrix products over BLAS (ops/matmul.c), shared by
  * the ops built on GEMM (matmul, linear, attention).  Not public. */
 #ifndef ENG_BMM_H
 #define ENG_BMM_H
-#include "internal.h"
+#include "core/internal.h"
 
 /* An operand seen as a batch of strided matrices: element (b..., i, j) lies at
  * p + sum_d bs[d] * b[d] + i * rs + j * cs (in elements), batch dims aligned

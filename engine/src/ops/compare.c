@@ -1,9 +1,9 @@
-/* ops_compare.c: comparisons (bool results, no gradient), where and
+/* compare.c: comparisons (bool results, no gradient), where and
  * masked_fill (differentiable in their tensor arguments). */
-#include "internal.h"
-#include "sharding.h"
-#include "../../kernels/cpu/kcpu.h"
-#include "cuda_ops.h"
+#include "core/internal.h"
+#include "sharding/sharding.h"
+#include "kernels/cpu/kcpu.h"
+#include "cuda/cuda_ops.h"
 #include <math.h>
 
 static const char* const cmp_names[] = {"eq", "ne", "lt", "le", "gt", "ge"};

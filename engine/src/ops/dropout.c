@@ -1,13 +1,14 @@
-/* ops_dropout.c: inverted dropout with the counter-based generator.
+/* dropout.c: inverted dropout with the counter-based generator.
  * Element i (row-major) is kept iff the uniform of stream position
  * offset + i is < 1 - p, i.e. the mask equals
  * eng_random_slice(ENG_RNG_BERNOULLI, ..., a = 1 - p, seed, offset), so any
  * shard can rebuild its part of the mask.  Backward regenerates the mask from
  * the (seed, offset) saved in the node: no mask is stored. */
-#include "internal.h"
-#include "sharding.h"
-#include "../../kernels/cpu/kcpu.h"
-#include "cuda_ops.h"
+#include "core/internal.h"
+#include "sharding/sharding.h"
+#include "kernels/cpu/kcpu.h"
+#include "cuda/cuda_ops.h"
+#include "ops/ops.h"
 #include <math.h>
 
 typedef struct { uint64_t seed, j; double keep, scale; int dt; } drop_ctx;
@@ -115,7 +116,7 @@ eng_tensor* eng_dropout(eng_tensor* x, double p, int training) {
   return out;
 }
 
-/* Dropout of a DTensor's local shard x (local mode; sharding_dropout.c): the
+/* Dropout of a DTensor's local shard x (local mode; sharding/dropout.c): the
  * shard is the box spec->offset + x->shape of the global tensor spec->shape;
  * the generator advances by the GLOBAL numel on every rank (also outside the
  * mesh), so every layout draws the same mask as one process. */

@@ -1,9 +1,9 @@
-/* ops_embedding.c: embedding lookup (row gather) with a dense scatter-add
+/* embedding.c: embedding lookup (row gather) with a dense scatter-add
  * backward; padding_idx rows get no gradient. */
-#include "internal.h"
-#include "sharding.h"
-#include "../../kernels/cpu/kcpu.h"
-#include "cuda_ops.h"
+#include "core/internal.h"
+#include "sharding/sharding.h"
+#include "kernels/cpu/kcpu.h"
+#include "cuda/cuda_ops.h"
 
 static int embedding_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
   eng_tensor* idx = eng_node_saved(n, 0);

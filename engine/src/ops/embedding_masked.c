@@ -1,9 +1,9 @@
-/* ops_embedding_masked.c: the local op of a row-sharded embedding (PyTorch's
+/* embedding_masked.c: the local op of a row-sharded embedding (PyTorch's
  * _MaskPartial): the shard owns rows [row_offset, row_offset + rows) of the
  * full table; indices outside give zero rows, and the backward scatter-adds
  * only into owned rows.  The sum over the shards of the outputs is the full
  * embedding (a Partial(sum) output for the dispatcher). */
-#include "internal.h"
+#include "core/internal.h"
 
 /* saved: 0 indices (contiguous i64).  ints: 0 row_offset, 1 compute dtype. */
 static int embm_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {

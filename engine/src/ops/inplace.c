@@ -1,12 +1,12 @@
-/* ops_inplace.c: fused in-place updates for optimizers and initialisation:
+/* inplace.c: fused in-place updates for optimizers and initialisation:
  * addcmul_ (a += v*b*c), addcdiv_ (a += v*b/c), lerp_ (a += w*(b-a)) and
  * clamp_.  Not recorded by autograd (eng_check_inplace refuses leaves that
  * require grad in grad mode); b and c broadcast to a; the version counter
  * of a's storage is bumped. */
-#include "internal.h"
-#include "sharding.h"
-#include "../../kernels/cpu/kcpu.h"
-#include "cuda_ops.h"
+#include "core/internal.h"
+#include "sharding/sharding.h"
+#include "kernels/cpu/kcpu.h"
+#include "cuda/cuda_ops.h"
 #include <math.h>
 
 /* The in-place target must keep its shape: x broadcast to a. */

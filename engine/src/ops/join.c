@@ -1,11 +1,11 @@
-/* ops_join.c: ops that join or split tensors along a dim (cat, stack,
+/* join.c: ops that join or split tensors along a dim (cat, stack,
  * split, split_sizes, chunk) and index_select, with their autograd.
  * Pieces of split/chunk are views of the input; cat/stack/index_select copy. */
-#include "internal.h"
-#include "sharding.h"
-#include "sharding_shape.h"
-#include "../../kernels/cpu/kcpu.h"
-#include "cuda_ops.h"
+#include "core/internal.h"
+#include "sharding/sharding.h"
+#include "sharding/sharding_shape.h"
+#include "kernels/cpu/kcpu.h"
+#include "cuda/cuda_ops.h"
 #include <stdio.h>
 
 static int wrap_dim(int dim, int ndim, const char* op, const eng_tensor* t) {

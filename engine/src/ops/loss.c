@@ -1,11 +1,11 @@
-/* ops_loss.c: cross_entropy with class-index targets (PyTorch semantics:
+/* loss.c: cross_entropy with class-index targets (PyTorch semantics:
  * ignore_index, reduction none/mean/sum, label_smoothing), as one fused
  * log-softmax + NLL kernel.  Backward is softmax - smoothed one-hot, scaled,
  * computed from the saved logits and per-position logsumexp only. */
-#include "internal.h"
-#include "sharding.h"
-#include "../../kernels/cpu/kcpu.h"
-#include "cuda_ops.h"
+#include "core/internal.h"
+#include "sharding/sharding.h"
+#include "kernels/cpu/kcpu.h"
+#include "cuda/cuda_ops.h"
 #include <math.h>
 
 enum { RED_NONE = 0, RED_MEAN = 1, RED_SUM = 2 };

@@ -1,4 +1,4 @@
-/* ops_loss_parallel.c: vocab-parallel cross entropy (Megatron's "parallel
+/* loss_parallel.c: vocab-parallel cross entropy (Megatron's "parallel
  * cross entropy", PyTorch's loss_parallel).  Each rank of a process group
  * holds a contiguous slice [vocab_offset, vocab_offset + V_local) of the class
  * (last) dim of the logits.  Forward: three all_reduces over the group (row
@@ -11,7 +11,7 @@
  * argument errors that could differ between ranks (the vocab slice, targets
  * out of range) are exchanged inside the first all_reduce, so every rank
  * fails with the same message instead of some waiting in a collective. */
-#include "internal.h"
+#include "core/internal.h"
 #include <math.h>
 
 enum { RED_NONE = 0, RED_MEAN = 1, RED_SUM = 2 };

@@ -1,4 +1,4 @@
-/* ops_matmul.c: matmul (torch.matmul semantics: dot, mv, mm and batched
+/* matmul.c: matmul (torch.matmul semantics: dot, mv, mm and batched
  * products with broadcast batch dims) and linear, over BLAS, with autograd.
  *
  * Every product goes through eng_bmm_run(), which sees each operand as a batch
@@ -6,10 +6,10 @@
  * copies wherever the strides allow.  Batched products whose batch dims fold
  * into the rows (x[B, T, K] @ w[K, N]) or into the contraction (the weight
  * gradient of the same product) become a single GEMM. */
-#include "bmm.h"
-#include "sharding.h"
-#include "../../kernels/cpu/kcpu.h"
-#include "cuda_ops.h"
+#include "ops/bmm.h"
+#include "sharding/sharding.h"
+#include "kernels/cpu/kcpu.h"
+#include "cuda/cuda_ops.h"
 #include <limits.h>
 #include <stdio.h>
 

@@ -1,11 +1,11 @@
-/* ops_norm.c: layer_norm and rms_norm over the last n_norm dims, with fused
+/* norm.c: layer_norm and rms_norm over the last n_norm dims, with fused
  * forward (saves per-row mean and rstd, in f64) and fused backward for x, weight and
  * bias.  f64 inputs compute in f64, everything else in f32 (weight and bias
  * are converted to the compute type; the output has x's dtype). */
-#include "internal.h"
-#include "sharding.h"
-#include "../../kernels/cpu/kcpu.h"
-#include "cuda_ops.h"
+#include "core/internal.h"
+#include "sharding/sharding.h"
+#include "kernels/cpu/kcpu.h"
+#include "cuda/cuda_ops.h"
 #include <math.h>
 
 static int check_param(const char* op, const char* what, eng_tensor* x, int n_norm, eng_tensor* p) {

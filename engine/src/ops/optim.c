@@ -1,9 +1,9 @@
 /* optim.c: fused multi-tensor optimizer steps (AdamW, SGD), global gradient
  * norms and clip_grad_norm_.  Everything is validated before any tensor is
  * touched, so an error leaves all parameters and states unchanged. */
-#include "internal.h"
-#include "../../kernels/cpu/kcpu.h"
-#include "cuda_ops.h"
+#include "core/internal.h"
+#include "kernels/cpu/kcpu.h"
+#include "cuda/cuda_ops.h"
 #include <math.h>
 
 static int is_half(int dt) { return dt == ENG_BF16 || dt == ENG_F16; }

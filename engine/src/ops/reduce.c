@@ -1,12 +1,12 @@
-/* ops_reduce.c: sum, mean, max/min (over a dim or all elements), argmax,
+/* reduce.c: sum, mean, max/min (over a dim or all elements), argmax,
  * argmin and sum_to_shape, with autograd.
  * Floating sums accumulate in double (f32 inputs lose nothing to the
  * accumulation); integer and bool sums give i64; mean of integers is an
  * error as in PyTorch. */
-#include "internal.h"
-#include "sharding.h"
-#include "../../kernels/cpu/kcpu.h"
-#include "cuda_ops.h"
+#include "core/internal.h"
+#include "sharding/sharding.h"
+#include "kernels/cpu/kcpu.h"
+#include "cuda/cuda_ops.h"
 #include <math.h>
 
 /* ------------------------------------------------------------ helpers */

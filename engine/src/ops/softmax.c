@@ -1,10 +1,10 @@
-/* ops_softmax.c: softmax and log_softmax over any dim, with autograd.
+/* softmax.c: softmax and log_softmax over any dim, with autograd.
  * The input is seen as a contiguous [outer, D, inner] block (the last dim
  * contiguous is the fast path, inner == 1); bf16/f16 compute in f32. */
-#include "internal.h"
-#include "sharding.h"
-#include "../../kernels/cpu/kcpu.h"
-#include "cuda_ops.h"
+#include "core/internal.h"
+#include "sharding/sharding.h"
+#include "kernels/cpu/kcpu.h"
+#include "cuda/cuda_ops.h"
 
 static int compute_dtype(int dt) { return dt == ENG_F64 ? ENG_F64 : ENG_F32; }
 

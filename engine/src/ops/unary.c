@@ -1,12 +1,12 @@
-/* ops_unary.c: elementwise unary ops (neg, exp, log, sqrt, rsqrt, abs, tanh,
+/* unary.c: elementwise unary ops (neg, exp, log, sqrt, rsqrt, abs, tanh,
  * sigmoid, relu, gelu, silu, clamp) with autograd.
  * Floating inputs keep their dtype (bf16/f16 compute in f32); integer inputs
  * of the float-only functions are promoted to f32 as in PyTorch; neg, abs,
  * relu and clamp with integral bounds keep integer dtypes. */
-#include "internal.h"
-#include "sharding.h"
-#include "../../kernels/cpu/kcpu.h"
-#include "cuda_ops.h"
+#include "core/internal.h"
+#include "sharding/sharding.h"
+#include "kernels/cpu/kcpu.h"
+#include "cuda/cuda_ops.h"
 #include <math.h>
 
 static const char* const u_names[KU_COUNT] = {"neg", "exp", "log", "sqrt", "rsqrt", "abs", "tanh",
@@ -135,7 +135,7 @@ static eng_tensor* unary(int op, eng_tensor* a, double p0, double p1) {
   return out;
 }
 
-/* DTensor arguments go through the dispatcher (sharding_pointwise.c). */
+/* DTensor arguments go through the dispatcher (sharding/pointwise.c). */
 #define UN_GUARD(which, nm, a, i1, p0, p1)                                                       \
   if (a && ENG_DT_ACTIVE(a->dist || ENG_META_T(a)))                                                                 \
     return eng_dispatch(&eng_opdef_unary, &(eng_op_call){.name = nm, .n_in = 1, .in = {a}, .ints = {which, i1}, .scalars = {p0, p1}})

@@ -1,10 +1,10 @@
-/* ops_view.c: views that share storage with their input (view, reshape,
+/* view.c: views that share storage with their input (view, reshape,
  * transpose, permute, narrow, select, expand, squeeze, unsqueeze, flatten)
  * and their autograd.  reshape copies when the strides do not allow a view.
- * cat/stack/split/chunk/index_select live in ops_join.c. */
-#include "internal.h"
-#include "sharding.h"
-#include "sharding_shape.h"
+ * cat/stack/split/chunk/index_select live in ops/join.c. */
+#include "core/internal.h"
+#include "sharding/sharding.h"
+#include "sharding/sharding_shape.h"
 #include <stdio.h>
 
 /* "[1,3]" strides of t, for error messages. */

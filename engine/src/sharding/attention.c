@@ -1,13 +1,14 @@
-/* sharding_attention.c: sharding rule of scaled_dot_product_attention(q, k, v
+/* attention.c: sharding rule of scaled_dot_product_attention(q, k, v
  * [, mask]) with q [..., L, E], k [..., S, E], v [..., S, Ev] and batch dims
- * broadcast (sharding.h).  Per mesh dim: a batch dim d (B or H of [B, H, T, D])
+ * broadcast (sharding/sharding.h).  Per mesh dim: a batch dim d (B or H of [B, H, T, D])
  * sharded -> q, k, v (and the mask) Shard on their dim aligned with d (an input
  * broadcast over d, size 1 or missing, stays Replicate) -> output S(d); the
  * sequence and embedding dims (T, D) sharded and Partial inputs are replicated
  * first; all R -> R.  With dropout_p > 0 the local function draws each shard's
  * slice of the global dropout mask (eng_sdpa_shard), so every layout gives what
  * one process gives. */
-#include "sharding.h"
+#include "sharding/sharding.h"
+#include "ops/ops.h"
 
 /* out: the attention weights' dim count (batch dims + 2), or -1 */
 static int weights_ndim(const eng_dist_spec* const* s) {

@@ -1,12 +1,13 @@
-/* sharding_dropout.c: sharding rule of dropout (sharding.h).  Per mesh dim:
+/* dropout.c: sharding rule of dropout (sharding/sharding.h).  Per mesh dim:
  * the output has the input's placement (Shard and Replicate); Partial inputs
  * are replicated first (design: P -> R, as PyTorch's random ops).  The local
  * function draws each shard's slice of the
  * mask one process would draw with the same seed (counter RNG addressed by the
  * global index of every element of the shard's box) and advances the
  * generator by the GLOBAL numel, so the full result and later random calls
- * agree across layouts (eng_dropout_shard in ops_dropout.c). */
-#include "sharding.h"
+ * agree across layouts (eng_dropout_shard in ops/dropout.c). */
+#include "sharding/sharding.h"
+#include "ops/ops.h"
 
 static int dropout_rule(const eng_op_call* c, const eng_dist_spec* const* s, int m, eng_strategy* out, int cap) {
   int n = 0;

@@ -1,5 +1,5 @@
-/* sharding_embedding.c: sharding rule of embedding(weight [num, dim], idx)
- * (sharding.h).  Per mesh dim:
+/* embedding.c: sharding rule of embedding(weight [num, dim], idx)
+ * (sharding/sharding.h).  Per mesh dim:
  *   weight S(1), idx R    -> out S(last)   (each rank looks up its columns)
  *   weight S(0), idx R    -> out Partial(sum) via eng_embedding_masked (rows
  *     outside the shard give zeros; backward adds only into owned rows; not
@@ -8,8 +8,8 @@
  *   weight P(sum/avg), idx R -> out P (the lookup is linear in the weight)
  *   all R                 -> R
  * ints[0] = padding_idx (-1: none). */
-#include "dtensor_impl.h"
-#include "sharding.h"
+#include "dtensor/dtensor_impl.h"
+#include "sharding/sharding.h"
 
 static int emb_push(eng_strategy* out, int cap, int n, eng_placement w, eng_placement i, eng_placement o) {
   eng_strategy st;

@@ -1,4 +1,4 @@
-/* sharding_loss.c: sharding rule of cross_entropy(logits, target) (sharding.h).
+/* loss.c: sharding rule of cross_entropy(logits, target) (sharding/sharding.h).
  * Logits [C], [N, C] or [N, C, d1, ...] (class dim cd = 1, or 0 for 1-d);
  * target = logits' shape without the class dim.  Per mesh dim:
  *   logits S(d), d != cd, target S(d') (the same dim of the target) ->
@@ -12,8 +12,8 @@
  *     first mesh dim that shards the class dim only (one group);
  *   all R -> R.
  * Partial logits are replicated first (the loss is not linear). */
-#include "dtensor_impl.h"
-#include "sharding.h"
+#include "dtensor/dtensor_impl.h"
+#include "sharding/sharding.h"
 
 enum { RED_NONE = 0, RED_MEAN = 1, RED_SUM = 2 };
 

@@ -1,13 +1,13 @@
-/* sharding_matmul.c: sharding rules of matmul (1-d, 2-d, batched with
- * broadcast) and linear (sharding.h).  Per mesh dim:
+/* matmul.c: sharding rules of matmul (1-d, 2-d, batched with
+ * broadcast) and linear (sharding/sharding.h).  Per mesh dim:
  *   matmul: S(batch)·S(batch) -> S(batch) (a broadcast batch dim stays R);
  *     S(m)·R -> S(m); R·S(n) -> S(n); S(k)·S(k) -> Partial(sum);
  *     P·R -> P, R·P -> P (sum/avg); R·R -> R.
  *   linear(x [..., in], W [out, in], b [out]): x S(batch), W R, b R -> S(batch);
  *     x S(in), W S(1), b Partial (R -> P internally: b/k) -> Partial(sum);
  *     x R, W S(0), b S(0) -> S(last); x P, W R, b P -> P; all R -> R. */
-#include "dtensor_impl.h"
-#include "sharding.h"
+#include "dtensor/dtensor_impl.h"
+#include "sharding/sharding.h"
 
 typedef struct mm_dims {
   int nb;          /* output batch dims */

@@ -1,10 +1,10 @@
-/* sharding_norm.c: sharding rule of layer_norm / rms_norm (inputs x, weight,
- * bias; weight and bias may be NULL; sharding.h).  Per mesh dim: x S(d) with
+/* norm.c: sharding rule of layer_norm / rms_norm (inputs x, weight,
+ * bias; weight and bias may be NULL; sharding/sharding.h).  Per mesh dim: x S(d) with
  * d before the normalized dims -> output S(d), weight and bias Replicate (their
  * gradients come out Partial(sum) by the adjoint rule and AccumulateGrad
  * all-reduces them into .grad); x sharded on a normalized dim, Partial x
  * (not linear) and sharded weight/bias are replicated first; all R -> R. */
-#include "sharding.h"
+#include "sharding/sharding.h"
 
 static int norm_rule(const eng_op_call* c, const eng_dist_spec* const* s, int m, eng_strategy* out, int cap) {
   int n = 0, n_batch = s[0]->ndim - (int)c->ints[0];

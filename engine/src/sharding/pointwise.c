@@ -1,6 +1,6 @@
-/* sharding_pointwise.c: sharding rules of the pointwise ops (unary, casts,
+/* pointwise.c: sharding rules of the pointwise ops (unary, casts,
  * clone, scalar forms, broadcasting binary ops, comparisons, where,
- * masked_fill).  Rules are per mesh dim (sharding.h).
+ * masked_fill).  Rules are per mesh dim (sharding/sharding.h).
  *   unary/scalar: output = input placement; Partial(sum/avg) kept only by
  *     linear ops (neg, mul/div by a scalar, float casts, clone), else P -> R.
  *   binary with broadcasting: follow a sharded input (the others shard the
@@ -10,8 +10,8 @@
  *     others Replicate (div: numerator only); maximum/minimum Partial(max/min)
  *     on every operand, only without grad; comparisons/where/masked_fill no
  *     Partial. */
-#include "dtensor_impl.h"
-#include "sharding.h"
+#include "dtensor/dtensor_impl.h"
+#include "sharding/sharding.h"
 
 /* ------------------------------------------------------------------ unary */
 static int unary_like(const eng_dist_spec* s, int m, int keep_linear_partial, int keep_any_partial,

@@ -1,4 +1,4 @@
-/* sharding_reduce.c: sharding rules of the reductions (sharding.h).
+/* reduce.c: sharding rules of the reductions (sharding/sharding.h).
  *   sum/mean over dims (keepdim or not, or all): a reduced sharded dim gives
  *     Partial(sum) (mean = local sum * 1/N_global: exact for uneven shards);
  *     unreduced sharded dims stay Shard (index shifted without keepdim);
@@ -6,8 +6,8 @@
  *   max/min values over a sharded dim: Partial(max/min) when no gradient is
  *     needed and the indices are not asked for, else replicate that dim.
  *   argmax/argmin over a sharded dim: replicate that dim first. */
-#include "dtensor_impl.h"
-#include "sharding.h"
+#include "dtensor/dtensor_impl.h"
+#include "sharding/sharding.h"
 
 static int popcount_below(int64_t mask, int d) {
   return __builtin_popcountll((unsigned long long)mask & ((1ull << d) - 1));

@@ -1,6 +1,6 @@
-/* sharding_shape.c: sharding rules of the shape ops (PyTorch's _view_ops.py
+/* shape.c: sharding rules of the shape ops (PyTorch's _view_ops.py
  * dim mapping, made exact for uneven shards) and their DTensor entry points
- * (sharding_shape.h), which validate against the GLOBAL shape.
+ * (sharding/sharding_shape.h), which validate against the GLOBAL shape.
  *
  *   view/reshape/squeeze/unsqueeze/flatten (one "reshape" def): each Shard(d)
  *     maps to the output dim that starts at the same place in row-major order
@@ -24,9 +24,9 @@
  *     communication).
  *   Partial passes through every shape op (each output element is a copy of
  *   one input element, so any reduce op commutes with it).  */
-#include "dtensor_impl.h"
-#include "sharding.h"
-#include "sharding_shape.h"
+#include "dtensor/dtensor_impl.h"
+#include "sharding/sharding.h"
+#include "sharding/sharding_shape.h"
 #include <stdio.h>
 
 static const char* dt_desc(const eng_tensor* t) {

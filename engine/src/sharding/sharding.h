@@ -1,5 +1,9 @@
 /* sharding.h: DTensor op dispatch (sharding propagation).  Internal.
  *
+ * Subsystem sharding/: the per-op sharding rules (strategies per mesh dim)
+ * and the op defs that ops' guards hand to the dispatcher.  May call: core/,
+ * autograd/, comm/, dtensor/ (strategy building blocks), ops/ (local compute).
+ *
  * Every public op that takes tensors starts with a one-line guard:
  *
  *   if (ENG_DT_ACTIVE(a->dist || b->dist))
@@ -60,7 +64,7 @@
  */
 #ifndef ENG_SHARDING_H
 #define ENG_SHARDING_H
-#include "internal.h"
+#include "core/internal.h"
 
 #define ENG_OP_MAX_IN 8
 #define ENG_OP_MAX_OUT 4
@@ -96,7 +100,7 @@ typedef struct eng_op_def {
   eng_op_fn fn;          /* default local function (one output) */
   eng_local_fn local;    /* rule-specific local function, or NULL */
   int scalars_in_key;
-  int keeps_dtype;       /* the output has in[0]'s dtype (shape ops; meta_ops.c uses it) */
+  int keeps_dtype;       /* the output has in[0]'s dtype (shape ops; core/meta.c uses it) */
 } eng_op_def;
 
 /* ---- guard */
@@ -116,7 +120,7 @@ int eng_no_rule_i(const char* name, const eng_op_call* c);
  * Partial(sum/avg); no tensor others). */
 int eng_dispatch_inplace(const char* name, int mode, eng_op_call* c, int (*fn)(eng_op_call* c));
 
-/* ---- meta tensors (meta_ops.c) */
+/* ---- meta tensors (core/meta.c) */
 /* The guards send an op to the dispatcher when an operand is meta too. */
 #define ENG_META_T(t) ((t) && (t)->device == ENG_META)
 /* 1 when some tensor operand of c is on the meta device. */
@@ -150,8 +154,8 @@ int sh_all_replicate(eng_strategy* out, int cap, int n, int n_in, int n_out);
 int sh_shape_same0(const eng_op_call* c, const eng_dist_spec* const* s, int* ndims, int64_t (*shapes)[8]);
 int sh_shape_broadcast(const eng_op_call* c, const eng_dist_spec* const* s, int* ndims, int64_t (*shapes)[8]);
 
-/* ---- op defs (sharding_pointwise.c, sharding_reduce.c, sharding_matmul.c) */
-/* unary: ints[0] = unary op code (sharding_pointwise.c), scalars = params */
+/* ---- op defs (sharding/pointwise.c, sharding/reduce.c, sharding/matmul.c) */
+/* unary: ints[0] = unary op code (sharding/pointwise.c), scalars = params */
 extern const eng_op_def eng_opdef_unary;
 extern const eng_op_def eng_opdef_cast;           /* ints[0] = dtype */
 extern const eng_op_def eng_opdef_clone;            /* ints[0]: 0 clone, 1 contiguous */
@@ -171,7 +175,7 @@ extern const eng_op_def eng_opdef_extreme_all;    /* ints[0] = 1 max / 0 min */
 extern const eng_op_def eng_opdef_argext;         /* ints[0] = dim, ints[1] = keepdim, ints[2] = 1 argmax / 0 argmin */
 extern const eng_op_def eng_opdef_argmax_all;
 extern const eng_op_def eng_opdef_matmul, eng_opdef_linear;
-/* sharding_embedding.c: ints[0] = padding_idx (-1 none); sharding_loss.c: cross_entropy ints[0] = ignore_index,
+/* sharding/embedding.c: ints[0] = padding_idx (-1 none); sharding/loss.c: cross_entropy ints[0] = ignore_index,
  * ints[1] = reduction (0 none, 1 mean, 2 sum), scalars[0] = label_smoothing (R3) */
 extern const eng_op_def eng_opdef_embedding, eng_opdef_cross_entropy;
 /* R1: softmax ints[0] = dim, ints[1] = log; norm (layer_norm/rms_norm, inputs x, w, b) ints[0] = n_norm,
@@ -185,8 +189,7 @@ enum { ENG_BIN_ADD, ENG_BIN_SUB, ENG_BIN_MUL, ENG_BIN_DIV, ENG_BIN_POW, ENG_BIN_
 enum { ENG_UN_NEG, ENG_UN_EXP, ENG_UN_LOG, ENG_UN_SQRT, ENG_UN_RSQRT, ENG_UN_ABS, ENG_UN_TANH, ENG_UN_SIGMOID,
        ENG_UN_RELU, ENG_UN_SILU, ENG_UN_GELU, ENG_UN_CLAMP };
 
-/* ---- autograd glue (dtensor_dispatch.c; called by autograd.c) */
-/* (declared in internal.h: eng_dist_mark_node, eng_dist_node_backward,
- * eng_dist_node_free, eng_dist_grad_for_leaf) */
+/* ---- autograd glue: dtensor/dispatch.c installs its node marking and
+ * backward into autograd through autograd/dist_hooks.h */
 
 #endif

@@ -1,12 +1,12 @@
-/* sharding_shape.h: DTensor paths of the shape ops (ops_view.c, ops_join.c).
+/* sharding_shape.h: DTensor paths of the shape ops (ops/view.c, ops/join.c).
  * Internal.  Each validates its arguments against the GLOBAL shape (a
  * DTensor's own shape is its local shard), resolves -1 sizes and negative
- * positions, and dispatches to the rules in sharding_shape.c.  The ops call
+ * positions, and dispatches to the rules in sharding/shape.c.  The ops call
  * them from their one-line guard:
  *   if (ENG_DT_ACTIVE(t->dist)) return eng_dt_reshape(t, ndim, shape, 0, "view"); */
 #ifndef ENG_SHARDING_SHAPE_H
 #define ENG_SHARDING_SHAPE_H
-#include "internal.h"
+#include "core/internal.h"
 
 /* view (kind 0) and reshape (kind 1: copies when the local cannot be viewed). */
 eng_tensor* eng_dt_reshape(eng_tensor* t, int ndim, const int64_t* shape, int kind, const char* op);

@@ -1,8 +1,8 @@
-/* sharding_softmax.c: sharding rule of softmax / log_softmax (sharding.h).
+/* softmax.c: sharding rule of softmax / log_softmax (sharding/sharding.h).
  * Per mesh dim: input S(d) with d != the softmax dim -> output S(d) (rows are
  * independent); S(softmax dim) and Partial inputs are replicated first (the
  * op is not linear); R -> R. */
-#include "sharding.h"
+#include "sharding/sharding.h"
 
 static int softmax_rule(const eng_op_call* c, const eng_dist_spec* const* s, int m, eng_strategy* out, int cap) {
   int n = 0;

@@ -6,22 +6,33 @@
 --   dist.all_reduce(t, "sum", {group = g, async = false})
 --   local mesh = dist.init_device_mesh("cpu", {2, 2}, {"dp", "tp"})
 --
--- The sub-modules (comm.lua: process groups and collectives; mesh.lua:
--- DeviceMesh; later ones such as placements and DTensor) each return a table
--- of functions merged into this one.  Add new sub-modules to `modules`.
+-- The sub-modules each return a table of functions merged into this one
+-- (a name defined twice is an error).  `modules` lists exactly the ones that
+-- exist; a new subsystem adds its line when it lands, and a missing or broken
+-- module fails loudly here.
 local core = require("engine.core")
 local C = core.C
 
 local dist = {}
 
-local modules = { "comm", "mesh", "placement", "placements", "dtensor", "redistribute", "sharding", "parallel", "fsdp",
-  "sharded_tensor", "checkpoint", "loss_parallel", "distribute_module", "implicit_replication", "data_parallel" }
+local modules = {
+  "comm",                 -- process groups and collectives
+  "mesh",                 -- DeviceMesh
+  "placements",           -- Shard / Replicate / Partial / _StridedShard
+  "dtensor",              -- DTensor, distribute_tensor, redistribute, factories
+  "loss_parallel",        -- vocab-parallel cross entropy
+  "distribute_module",    -- distribute_module
+  "implicit_replication", -- implicit_replication
+  "data_parallel",        -- DTensor data parallelism helpers
+}
 for _, name in ipairs(modules) do
-  local mod = "engine.distributed." .. name
-  local ok, m = pcall(require, mod)
-  if not ok and not tostring(m):match("module '" .. mod:gsub("%.", "%%.") .. "' not found") then error(m, 0) end
-  if ok and type(m) == "table" then
-    for k, v in pairs(m) do if dist[k] == nil then dist[k] = v end end
+  local m = require("engine.distributed." .. name)
+  assert(type(m) == "table", "engine.distributed." .. name .. " must return a table")
+  for k, v in pairs(m) do
+    if dist[k] ~= nil and dist[k] ~= v then
+      error("engine.distributed: '" .. k .. "' is defined by two sub-modules (second: " .. name .. ")", 0)
+    end
+    dist[k] = v
   end
 end
 
