@@ -234,4 +234,88 @@ function Transformer:forward(tokens)
   return self.output(h):float()
 end
 
+-- ---------------------------------------------------------------- tensor-parallel plans
+-- Transformer.parallelize(model, tp_mesh, {use_seq_parallel = false, local_output_for_attn = false})
+-- (or Transformer.parallelize(model, tp_mesh, use_seq_parallel)): the plan of seed 003's test model.
+-- Embeddings RowwiseParallel (input Replicate; output Replicate, or Shard(seq) with sequence
+-- parallelism: Shard(2) for the [B, T, D] token embeddings, Shard(1) for the [T, D] positions);
+-- per block wq/wk/wv ColwiseParallel, wo RowwiseParallel, w1 ColwiseParallel, w2 RowwiseParallel;
+-- with sequence parallelism the norms are SequenceParallel, attention gets PrepareModuleInput
+-- (Shard(2) -> Replicate), w1 takes Shard(2) input, wo and w2 give Shard(2) output, the final norm is
+-- SequenceParallel and the output projection takes Shard(2); the output projection gathers the
+-- logits (output Replicate).  local_output_for_attn: wq/wk/wv return local tensors and attention
+-- runs on its n_heads / tp local heads.  The tied output weight is the token embedding's DTensor.
+-- n_heads must be divisible by the tp size.  Returns the model.
+function Transformer.parallelize(model, mesh, opts)
+  local dist = require("engine.distributed")
+  if type(opts) == "boolean" then opts = { use_seq_parallel = opts } end
+  opts = opts or {}
+  for k in pairs(opts) do
+    if k ~= "use_seq_parallel" and k ~= "local_output_for_attn" then
+      error("Transformer.parallelize: unknown option '" .. tostring(k) .. "' (use_seq_parallel, local_output_for_attn)", 2)
+    end
+  end
+  if type(model) ~= "table" or not require("engine.distributed.parallel_style")._has_class(model, "Transformer") then
+    error("Transformer.parallelize: requires a Transformer, got " .. tostring(model and model.__name or type(model)), 2)
+  end
+  if not dist.is_mesh(mesh) then
+    error("Transformer.parallelize: expected a 1-D DeviceMesh (e.g. mesh[\"tp\"]), got " .. type(mesh), 2)
+  end
+  local tp = mesh:size()
+  local args = model.model_args
+  if args.n_heads % tp ~= 0 then
+    error(string.format("Transformer.parallelize: n_heads (%d) must be divisible by the tensor-parallel size (%d)",
+      args.n_heads, tp), 2)
+  end
+  local sp, local_attn = opts.use_seq_parallel == true, opts.local_output_for_attn == true
+  local S, R = dist.Shard, dist.Replicate
+  local root
+  if sp then
+    root = {
+      tok_embeddings = dist.RowwiseParallel{ input_layouts = R(), output_layouts = S(2) },
+      pos_embeddings = dist.RowwiseParallel{ input_layouts = R(), output_layouts = S(1) },
+      norm = dist.SequenceParallel(),
+    }
+  else
+    root = {
+      tok_embeddings = dist.RowwiseParallel{ input_layouts = R(), output_layouts = R() },
+      pos_embeddings = dist.RowwiseParallel{ input_layouts = R(), output_layouts = R() },
+    }
+  end
+  root["layers.*.attention.wq"] = dist.ColwiseParallel{ use_local_output = local_attn }
+  root["layers.*.attention.wk"] = dist.ColwiseParallel{ use_local_output = local_attn }
+  root["layers.*.attention.wv"] = dist.ColwiseParallel{ use_local_output = local_attn }
+  if sp then
+    root["layers.*.attention"] = dist.PrepareModuleInput{ input_layouts = S(2), desired_input_layouts = R() }
+    root["layers.*.attention_norm"] = dist.SequenceParallel()
+    root["layers.*.ffn_norm"] = dist.SequenceParallel()
+    root["layers.*.attention.wo"] = dist.RowwiseParallel{ output_layouts = S(2) }
+    root["layers.*.feed_forward.w1"] = dist.ColwiseParallel{ input_layouts = S(2) }
+    root["layers.*.feed_forward.w2"] = dist.RowwiseParallel{ output_layouts = S(2) }
+    root.output = dist.ColwiseParallel{ input_layouts = S(2), output_layouts = R() }
+  else
+    root["layers.*.attention.wo"] = dist.RowwiseParallel()
+    root["layers.*.feed_forward.w1"] = dist.ColwiseParallel()
+    root["layers.*.feed_forward.w2"] = dist.RowwiseParallel()
+    root.output = dist.ColwiseParallel{ output_layouts = R() }
+  end
+  dist.parallelize_module(model, mesh, root)
+  if local_attn then
+    for _, layer in ipairs(model.layers) do layer.attention.n_heads = math.floor(args.n_heads / tp) end
+  end
+  if args.weight_tying then model.output.weight = model.tok_embeddings.weight end
+  return model
+end
+
+-- The plans seed 003's tests give its MLPs: MLPModule.tp_plan() = {net1 = Colwise, net2 = Rowwise};
+-- MLPStacked.tp_plan(n_layers) the same for layers.<i>.net1/net2 (here as one "layers.*" pattern).
+function MLPModule.tp_plan()
+  local dist = require("engine.distributed")
+  return { net1 = dist.ColwiseParallel(), net2 = dist.RowwiseParallel() }
+end
+function MLPStacked.tp_plan()
+  local dist = require("engine.distributed")
+  return { ["layers.*.net1"] = dist.ColwiseParallel(), ["layers.*.net2"] = dist.RowwiseParallel() }
+end
+
 return M

@@ -52,4 +52,30 @@ function M.replicate_parameters(module, mesh)
   return module
 end
 
+-- all_reduce_gradients(model, group_or_mesh [, {op = "avg"}]): data parallelism over a mesh dim the
+-- parameters are not laid out on (e.g. "dp" of a 2-D mesh whose "tp" dim holds tensor-parallel
+-- DTensors): every parameter's local gradient is reduced over the group in place (one all_reduce
+-- per gradient, in named_parameters order; parameters without a gradient are skipped the same way
+-- on every rank when every rank ran the same model).  A DeviceMesh must be 1-D (mesh["dp"]).
+function M.all_reduce_gradients(module, group, opts)
+  local op = "all_reduce_gradients"
+  local nn = require("engine.nn")
+  local comm = require("engine.distributed.comm")
+  if not nn.is_module(module) then core.fail(op .. ": expected an nn.Module, got " .. type(module)) end
+  if meshmod.is_mesh(group) then
+    if group:ndim() ~= 1 then core.fail(op .. ": a DeviceMesh of one dim is needed (mesh[\"dp\"]), got " .. tostring(group)) end
+    group = group:get_group()
+  end
+  opts = opts or {}
+  local rop = opts.op or "avg"
+  for _, p in module:named_parameters() do
+    local g = p.grad
+    if g ~= nil then
+      local l = dtensor.is_dtensor(g) and g:to_local() or g
+      comm.all_reduce(l, rop, { group = group })
+    end
+  end
+  return module
+end
+
 return M

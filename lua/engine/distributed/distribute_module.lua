@@ -51,6 +51,9 @@ function M.set_warning_handler(fn)
   return prev
 end
 
+-- Issues a warning through the handler (used by parallelize_module too).
+function M._warn(category, message) warning_handler(category, message) end
+
 local function deprecate(what)
   warning_handler("FutureWarning", string.format("Deprecating %s that takes two arguments (inputs/outputs, device_mesh), "
     .. "please use %s that takes in (module, inputs/outputs, device_mesh) instead!", what, what))

@@ -24,6 +24,8 @@ local modules = {
   "distribute_module",    -- distribute_module
   "implicit_replication", -- implicit_replication
   "data_parallel",        -- DTensor data parallelism helpers
+  "parallel_style",       -- tensor parallel styles (ColwiseParallel, ...), loss_parallel
+  "parallelize",          -- parallelize_module
 }
 for _, name in ipairs(modules) do
   local m = require("engine.distributed." .. name)
