@@ -138,7 +138,7 @@ describe("nn.Module names and traversal", function()
     local has_output = false
     for _, n in ipairs(names) do if n == "output.weight" then has_output = true end end
     assert.is_false(has_output)
-    local sd, keys = m:state_dict()
+    local sd, keys = m:state_dict(), m:state_dict_keys()
     assert.is_truthy(sd["output.weight"])
     assert.is_truthy(sd["tok_embeddings.weight"])
     assert.are.equal(#names + 1, #keys)
@@ -170,7 +170,7 @@ describe("nn.Module state dicts", function()
     local b = Toy()
     local x = engine.randn(4, 2)
     assert.is_true((a(x) - b(x)):abs():max():item() > 1e-3)
-    local sd, keys = a:state_dict()
+    local sd, keys = a:state_dict(), a:state_dict_keys()
     assert.are.same({ "zeta", "alpha", "running", "second.weight", "second.bias", "first.weight" }, keys)
     assert.is_nil(sd.scratch)  -- non-persistent buffer
     assert.is_true(same_storage(sd.zeta, a.zeta))

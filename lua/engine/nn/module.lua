@@ -624,9 +624,10 @@ local function state_entries(self, prefix, names, vals, kinds)
   for i = 1, #cn do state_entries(cm[i], prefix .. cn[i] .. ".", names, vals, kinds) end
 end
 
--- state_dict([{prefix = "", keep_vars = false}]) -> table name -> tensor, and
--- the list of names in order.  Values share storage with the parameters
--- (detached unless keep_vars).
+-- state_dict([{prefix = "", keep_vars = false}]) -> table name -> tensor (one
+-- value, so engine.save(path, m:state_dict()) works; the ordered names are
+-- state_dict_keys()).  Values share storage with the parameters (detached
+-- unless keep_vars).
 function Module:state_dict(opts)
   opts = opts or {}
   local names, vals, kinds = {}, {}, {}
@@ -636,7 +637,7 @@ function Module:state_dict(opts)
     local v = vals[i]
     sd[names[i]] = opts.keep_vars and v or v:detach()
   end
-  return sd, names
+  return sd
 end
 
 -- Ordered state-dict names.
