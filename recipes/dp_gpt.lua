@@ -87,6 +87,9 @@ local function main(argv)
     opt:step()
     opt:zero_grad()
     local l = loss:full_tensor():item()             -- collective: every rank calls it
+    if l ~= l or l == math.huge then                -- the same on every rank: all stop together
+      error(string.format("dp_gpt: the loss is %s at step %d: training diverged (lower --lr)", tostring(l), step), 0)
+    end
     if step % o.log_every == 0 or step == 1 or step == o.steps then
       log("step %5d | loss %.6f | grad norm %.4f | %.1f ms/step", step, l, gnorm, (engine.time() - t0) * 1e3)
     end

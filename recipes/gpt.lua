@@ -203,6 +203,10 @@ local function main(argv)
     opt:step()
     opt:zero_grad()
     local l = all_avg(loss:item())
+    if l ~= l or l == math.huge then -- the same on every rank (averaged): all stop together
+      error(string.format("gpt: the loss is %s at step %d (lr %.3e): training diverged; lower --lr, raise " ..
+        "--warmup or --grad_clip, or resume from an earlier checkpoint", tostring(l), step + 1, lr), 0)
+    end
     loss = nil
     step = step + 1
     times[#times + 1] = engine.time() - t0

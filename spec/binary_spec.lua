@@ -167,9 +167,9 @@ describe("binary ops", function()
   it("raise clear errors", function()
     local a = engine.ones(2, 3)
     assert.has_error(function() return a + engine.ones(4) end,
-      "add: f32[2,3] and f32[4] do not broadcast: size 3 vs 4 at dim 1 (0-based, aligned from the right)")
+      "add: f32[2,3] and f32[4] do not broadcast: size 3 vs 4 at dim 2 of the result (aligned from the right)")
     assert.has_error(function() return a * engine.ones(3, 3) end,
-      "mul: f32[2,3] and f32[3,3] do not broadcast: size 2 vs 3 at dim 0 (0-based, aligned from the right)")
+      "mul: f32[2,3] and f32[3,3] do not broadcast: size 2 vs 3 at dim 1 of the result (aligned from the right)")
     assert.has_error(function() return a - "x" end, "sub: unsupported operand types table and string")
     assert.has_error(function() return a:maximum(3) end, "maximum: argument 2 must be a tensor, got number")
     assert.has_error(function() return a:div(engine.ones(5)) end)

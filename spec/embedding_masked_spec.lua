@@ -112,7 +112,7 @@ describe("embedding_masked", function()
   it("rejects bad arguments with clear errors", function()
     local w = engine.randn({ 4, 3 })
     errmatch(function() engine.embedding_masked(w, engine.tensor({ 1, -1 }), 0) end,
-      "embedding_masked: index -1 at flat position 1")
+      "embedding_masked: index -1 at flat position 2")
     errmatch(function() engine.embedding_masked(engine.randn({ 4 }), engine.tensor({ 1 }), 0) end,
       "embedding_masked: weight shard must be 2-D")
     errmatch(function() engine.embedding_masked(w, engine.tensor({ 1.5 }), 0) end,

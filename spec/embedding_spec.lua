@@ -85,7 +85,7 @@ describe("embedding", function()
   it("reports bad indices, shapes and dtypes", function()
     local w = table5x3()
     errmatch(function() engine.embedding(w, engine.tensor({ 0, 7, 1 })) end,
-      "embedding: index 7 out of range for weight f32[5,3] (valid 0..4), at flat position 1 of indices i64[3]")
+      "embedding: index 7 out of range for weight f32[5,3] (valid 0..4), at flat position 2 of indices i64[3]")
     errmatch(function() engine.embedding(w, engine.tensor({ -1 })) end, "index -1 out of range")
     errmatch(function() engine.embedding(w, engine.tensor({ 5 }, "i32")) end, "index 5 out of range")
     errmatch(function() engine.embedding(w, engine.tensor({ 1.0, 2.0 }, "f32")) end, "indices must be i32 or i64, got f32[2]")

@@ -306,7 +306,7 @@ describe("comparisons", function()
   it("raise clear errors", function()
     local a = engine.tensor({ 1, 2, 3 }, "f32")
     assert.has_error(function() a:eq(engine.tensor({ 1, 2 }, "f32")) end,
-      "eq: f32[3] and f32[2] do not broadcast: size 3 vs 2 at dim 0 (0-based, aligned from the right)")
+      "eq: f32[3] and f32[2] do not broadcast: size 3 vs 2 at dim 1 of the result (aligned from the right)")
     assert.has_error(function() a:lt("x") end, "lt: argument 2 must be a tensor, got string")
     assert.is_true(engine.C.eng_compare(a._c, a._c, 9) == nil)
     assert.matches("invalid comparison code 9", engine.ffi.string(engine.C.eng_last_error()))
@@ -365,7 +365,7 @@ describe("where", function()
     assert.has_error(function() engine.where(engine.tensor({ true, false, true }), a, a) end,
       "where: condition bool[3], f32[2] and f32[2] do not broadcast together")
     assert.has_error(function() engine.where(engine.tensor({ true }), a, engine.tensor({ 1, 2, 3 }, "f32")) end,
-      "where: f32[2] and f32[3] do not broadcast: size 2 vs 3 at dim 0 (0-based, aligned from the right)")
+      "where: f32[2] and f32[3] do not broadcast: size 2 vs 3 at dim 1 of the result (aligned from the right)")
     assert.has_error(function() engine.where(nil, a, a) end, "where: argument 1 must be a tensor, got nil")
     assert.has_error(function() engine.where(engine.tensor({ true }), a, "x") end, "where: argument 3 must be a tensor, got string")
   end)
@@ -401,11 +401,11 @@ describe("masked_fill", function()
     local t = engine.tensor({ 1, 2, 3 }, "f32")
     assert.has_error(function() t:masked_fill(t, 0) end, "masked_fill: mask must be a bool tensor, got f32[3]")
     assert.has_error(function() t:masked_fill(engine.tensor({ true, false }), 0) end,
-      "masked_fill: f32[3] and bool[2] do not broadcast: size 3 vs 2 at dim 0 (0-based, aligned from the right)")
+      "masked_fill: f32[3] and bool[2] do not broadcast: size 3 vs 2 at dim 1 of the result (aligned from the right)")
     assert.has_error(function() t:masked_fill(engine.tensor({ true, false, true }), "x") end,
       "masked_fill: value must be a number, got string")
     assert.has_error(function() engine.tensor({ 1, 2 }):masked_fill(engine.tensor({ true, false }), 0 / 0) end,
-      "masked_fill: value nan cannot be stored in i64[2]")
+      "masked_fill: cannot convert nan to i64")
   end)
 end)
 
@@ -482,7 +482,7 @@ describe("in-place updates", function()
     assert.has_error(function() o:addcdiv_(engine.ones(2, 3), o) end,
       "addcdiv_: f32[2,3] cannot be broadcast to the in-place target f32[3]")
     assert.has_error(function() o:lerp_(engine.ones(4), 0.5) end,
-      "lerp_: f32[3] and f32[4] do not broadcast: size 3 vs 4 at dim 0 (0-based, aligned from the right)")
+      "lerp_: f32[3] and f32[4] do not broadcast: size 3 vs 4 at dim 1 of the result (aligned from the right)")
     assert.has_error(function() o:lerp_(o) end, "lerp_: weight must be a number, got nil")
     assert.has_error(function() engine.tensor({ 1, 2 }):addcmul_(engine.tensor({ 1, 2 }), engine.tensor({ 1, 2 })) end,
       "addcmul_: the in-place target must be floating point, got i64[2]")

@@ -21,6 +21,12 @@
 --            "sampler.<k>"             numbers from sampler:state() (e.g. position, seed)
 --            "scheduler.<k>"           numbers from scheduler:state_dict() (e.g. last_epoch)
 --            "extra.<k>"               caller's values (strings; numbers are written with %.17g)
+--            "checksum.<tensor name>"  engine.tensor_checksum of each tensor (16 hex digits), verified by
+--                                      load: a corrupt tensor is an error naming it (files without
+--                                      checksums still load)
+-- DTensors are refused: this format holds whole tensors, and a DTensor's local shard stored under the
+-- full name could not be loaded back.  Save model:state_dict() after full_tensor() (e.g. a plain copy
+-- of the model), or use the sharded (distributed) checkpoint format for sharded models.
 -- engine.save writes under a temporary name and renames, so an interrupted save never leaves a
 -- half-written checkpoint.  Numbers are written with 17 significant digits, so they read back exactly.
 local engine = require("engine")
@@ -94,6 +100,18 @@ function M.save(path, state)
     for k, v in pairs(ot) do tensors[k] = v end
     for k, v in pairs(om) do meta[k] = v end
   end
+  local names = {}
+  for name in pairs(tensors) do names[#names + 1] = name end
+  table.sort(names)
+  for _, name in ipairs(names) do
+    local t = tensors[name]
+    if t._c.dist ~= nil then
+      error(string.format("checkpoint.save: %s: '%s' is a DTensor (%s); this format stores whole tensors and " ..
+        "cannot hold a sharded one: save a plain copy of the model made with full_tensor() (on every rank), " ..
+        "or use the sharded (distributed) checkpoint format", path, name:gsub("^model%.", ""), tostring(t)), 2)
+    end
+    meta["checksum." .. name] = engine.tensor_checksum(t)
+  end
   if state.rng ~= false then
     local r = engine.get_rng_state()
     meta["rng.seed"], meta["rng.offset"] = int_string(r.seed), int_string(r.offset)
@@ -121,6 +139,19 @@ function M.load(path, state)
   end
   local ok, tensors, meta = pcall(engine.load, path)
   if not ok then error("checkpoint.load: " .. tostring(tensors), 2) end
+  local names = {}
+  for name in pairs(tensors) do names[#names + 1] = name end
+  table.sort(names)
+  for _, name in ipairs(names) do
+    local want = meta["checksum." .. name]
+    if want ~= nil then
+      local got = engine.tensor_checksum(tensors[name])
+      if got ~= want then
+        error(string.format("checkpoint.load: %s: tensor '%s' fails its checksum (stored %s, computed %s): the " ..
+          "file is corrupt", path, name, want, got), 2)
+      end
+    end
+  end
   if meta.format ~= M.FORMAT then
     error(string.format("checkpoint.load: %s is not a training-state checkpoint (format %s, expected %s)", path,
       tostring(meta.format), M.FORMAT), 2)

@@ -34,6 +34,29 @@ function M.fail(msg)
 end
 local fail = M.fail
 
+-- "op: msg" with one op name: msg from C may already start with "op: " or
+-- with the name of a lower-level helper that the caller names better
+-- ("dtype: unknown dtype 'x'" under "to" reads "to: unknown dtype 'x'").
+function M.prefixed(op, msg, inner)
+  if not op then return msg end
+  local head = msg:match("^([%w_%.:]-): ")
+  if head == op or (inner and head == inner) then msg = msg:sub(#head + 3) end
+  return op .. ": " .. msg
+end
+
+-- A Lua number that becomes a C int64 (sizes, indices, offsets): an integer
+-- in [-2^63, 2^63), else an error naming op and what (no silent wrap).
+local TWO63 = 2 ^ 63
+function M.int64(v, op, what)
+  if type(v) ~= "number" or v % 1 ~= 0 then
+    fail(string.format("%s: %s must be an integer, got %s", op, what, tostring(v)))
+  end
+  if v < -TWO63 or v >= TWO63 then
+    fail(string.format("%s: %s %.17g is out of range (a 64-bit signed integer: -2^63..2^63-1)", op, what, v))
+  end
+  return v
+end
+
 function M.raise()
   error(M.last_error(), user_level())
 end
@@ -86,7 +109,7 @@ function M.dtype(d, op, level)
     fail(string.format("%s: dtype must be a name such as \"f32\", got %s", op or "dtype", type(d)))
   end
   c = C.eng_dtype_from_name(d)
-  if c < 0 then fail((op and (op .. ": ") or "") .. M.last_error()) end
+  if c < 0 then fail(M.prefixed(op, M.last_error(), "dtype")) end
   dtype_cache[d] = c
   return c
 end
@@ -124,13 +147,7 @@ function M.shape_arg(op, a, ...)
   local n = #t
   if n > 8 then fail(string.format("%s: %d dims given; at most 8 are supported", op, n)) end
   local arr = ffi.new("int64_t[8]")
-  for i = 1, n do
-    local v = t[i]
-    if type(v) ~= "number" or v % 1 ~= 0 then
-      fail(string.format("%s: size %d of the shape must be an integer, got %s", op, i, tostring(v)))
-    end
-    arr[i - 1] = v
-  end
+  for i = 1, n do arr[i - 1] = M.int64(t[i], op, "size " .. i .. " of the shape") end
   return n, arr
 end
 

@@ -216,7 +216,9 @@ function M.tensor(data, opts)
   local buf = ffi.new("double[?]", n > 0 and n or 1)
   for i = 1, n do buf[i - 1] = flat[i] end
   local nd, arr = core.shape_arg("tensor", shape)
-  return requires(placed(wrap(C.eng_tensor_from_data(nd, arr, dt, buf, 1, n)), opts, "tensor"), opts)
+  local p = C.eng_tensor_from_data(nd, arr, dt, buf, 1, n)
+  if p == nil then core.fail(core.prefixed("tensor", core.last_error(), "from_data")) end
+  return requires(placed(wrap(p), opts, "tensor"), opts)
 end
 
 -- On the meta device nothing is drawn and the generator does not advance.
@@ -259,7 +261,9 @@ M.randn_like = like("randn_like", function(t, opts) return M.randn(t:shape(), li
 Tensor.like_opts = like_opts
 
 function M.manual_seed(seed)
-  if type(seed) ~= "number" or seed < 0 or seed % 1 ~= 0 then core.fail("manual_seed: seed must be a non-negative integer") end
+  if type(seed) ~= "number" or not (seed >= 0 and seed < 2 ^ 64) or seed % 1 ~= 0 then
+    core.fail("manual_seed: seed must be an integer in [0, 2^64), got " .. tostring(seed))
+  end
   C.eng_manual_seed(seed)
 end
 
@@ -389,6 +393,9 @@ function methods.to(t, what)
   local dt, dev
   if type(what) == "table" then dt, dev = what.dtype, what.device
   elseif device_code(what) then dev = what
+  elseif type(what) == "string" and C.eng_dtype_from_name(what) < 0 then
+    core.fail("to: unknown device or dtype '" .. what .. "' (devices: \"cpu\", \"cuda\", \"meta\"; dtypes: f32, f64, "
+      .. "bf16, f16, i32, i64, u8, bool)")
   else dt = what end
   local r = t
   if dev ~= nil then r = methods._to_device(r, dev, "x:to(\"" .. tostring(dev) .. "\")") end

@@ -189,7 +189,7 @@ describe("placements", function()
   it("placements lists are checked against the mesh and tensor", function()
     local x = engine.ones(3, 3)
     assert.has_error(function() dist.DTensor.from_local(x, mesh1, { S(1), Rep() }) end,
-      "from_local: f32[3,3]: from_local: `placements` must have the same length as `device_mesh.ndim`! Found placements length: 2, and device_mesh.ndim: 1.")
+      "from_local: f32[3,3]: `placements` must have the same length as `device_mesh.ndim`! Found placements length: 2, and device_mesh.ndim: 1.")
     assert.matches("Shard%(3%) %(placement 1%) is out of range for a 2%-d tensor %(valid: 1%.%.2 or %-2%.%.%-1%)",
       errmsg(dist.DTensor.from_local, x, mesh1, { S(3) }))
     assert.matches("placements must be a list", errmsg(dist.DTensor.from_local, x, mesh1, S(1)))

@@ -20,4 +20,10 @@ int eng_safetensors_meta_count(const eng_safetensors* f);
 const char* eng_safetensors_meta_key(const eng_safetensors* f, int i);
 const char* eng_safetensors_meta_value(const eng_safetensors* f, int i);
 
+/* A 64-bit checksum of t's values: its elements in row-major order, as the
+ * bytes of its dtype (the bytes a safetensors file stores), so any strides
+ * or device give the same value for the same data.  Checkpoints store one per
+ * tensor and verify it on load (engine.checkpoint). */
+int eng_tensor_checksum(const eng_tensor* t, uint64_t* out);
+
 #endif

@@ -61,6 +61,11 @@ eng_tensor* eng_tensor_zeros_like(const eng_tensor* t);
 /* Pointer to the first element (storage data + offset). Borrowed. */
 void* eng_tensor_data(const eng_tensor* t);
 int eng_tensor_is_contiguous(const eng_tensor* t);
+/* Element reads for Lua (item, get, read into f32/f64): every NaN comes back
+ * as the canonical quiet NaN, since LuaJIT reads NaNs with some payloads as
+ * tagged objects.  Values written from Lua numbers (full, fill_, set,
+ * from_data with f32/f64 source, arange, masked_fill) into an integer dtype
+ * must fit it: NaN or out of range is an error naming the op. */
 /* Value of a one-element tensor as double. */
 int eng_tensor_item(const eng_tensor* t, double* out);
 /* Element at a 0-based multi-index (ndim entries) as double. */

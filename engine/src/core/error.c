@@ -30,7 +30,13 @@ void eng_err_prefix(const char* fmt, ...) {
   char pre[512], old[sizeof g_msg];
   va_list ap; va_start(ap, fmt); vsnprintf(pre, sizeof pre, fmt, ap); va_end(ap);
   memcpy(old, g_msg, sizeof old);
-  snprintf(g_msg, sizeof g_msg, "%s: %s", pre, old);
+  /* One op name per message: when the message already starts with the
+   * prefix's leading name ("cross_entropy: target ..." under the prefix
+   * "cross_entropy" or "cross_entropy: (layouts)"), that name is not repeated. */
+  size_t k = strcspn(pre, ":");
+  const char* rest = old;
+  if (k > 0 && strncmp(old, pre, k) == 0 && old[k] == ':' && old[k + 1] == ' ') rest = old + k + 2;
+  snprintf(g_msg, sizeof g_msg, "%s: %s", pre, rest);
 }
 
 static char* ring(void) { char* b = g_ring[g_ring_i]; g_ring_i = (g_ring_i + 1) & 7; return b; }
@@ -67,7 +73,7 @@ const char* eng_tensor_describe(const eng_tensor* t, char* buf, int buflen) {
 int eng_norm_dim(int dim, int ndim, const char* op) {
   int n = ndim > 0 ? ndim : 1;
   if (dim < -n || dim >= n)
-    return eng_err("%s: dim %d out of range for a %d-d tensor (valid: %d..%d, 0-based in C)",
-                   op, dim, ndim, -n, n - 1);
+    return eng_err("%s: dim %lld out of range for a %d-d tensor (dims are 1-based; valid: 1..%d or %d..-1)",
+                   op, ENG_U(dim), ndim, n, -n);
   return dim < 0 ? dim + n : dim;
 }

@@ -13,10 +13,29 @@ int eng_err(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
 void* eng_errp(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
 /* Prefix the current error message with "prefix: ". */
 void eng_err_prefix(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
+/* Every double handed to Lua (out-parameters, buffers Lua reads through the
+ * FFI) goes through eng_lua_double / eng_lua_doubles.  LuaJIT tags values in
+ * the NaN space: a NaN with some payloads (e.g. the f32 0xFFD00000 widened to
+ * 0xFFFA000000000000) is read as a GC object and crashes it, so every NaN
+ * becomes the one canonical quiet NaN. */
+static inline double eng_lua_double(double v) {
+  uint64_t u;
+  memcpy(&u, &v, sizeof u);
+  if ((u & 0x7fffffffffffffffULL) > 0x7ff0000000000000ULL) { u = 0x7ff8000000000000ULL; memcpy(&v, &u, sizeof v); }
+  return v;
+}
+/* In place over n elements of a host buffer of dtype (f32 and f64; other
+ * dtypes hold no NaN that LuaJIT sees as a number). */
+void eng_lua_doubles(void* buf, int dtype, int64_t n);
 /* "f32[2,3]" in a thread-local ring of 8 buffers (valid until 8 more calls). */
 const char* eng_desc(const eng_tensor* t);
 /* "[2,3]" in the same ring. */
 const char* eng_shape_str(int ndim, const int64_t* shape);
+
+/* Numbers in error messages follow the Lua convention (dims, indices and
+ * positions in lists are 1-based; negative ones count from the end as in
+ * Lua): a 0-based C position d is printed as ENG_U(d). */
+#define ENG_U(d) ((d) >= 0 ? (long long)(d) + 1 : (long long)(d))
 
 /* Normalizes dim (negative counts from the end) for a tensor of ndim dims;
  * returns -1 with an error naming op otherwise. */
@@ -41,6 +60,18 @@ eng_tensor* eng_view_of(const eng_tensor* base, int ndim, const int64_t* shape,
                         const int64_t* stride, int64_t offset);
 void eng_contiguous_strides(int ndim, const int64_t* shape, int64_t* stride);
 int64_t eng_shape_numel(int ndim, const int64_t* shape);
+/* Checked shape arithmetic: every product of sizes, strides and element
+ * sizes that makes a tensor goes through eng_mul_ok.  eng_numel_checked
+ * computes the number of elements of a shape whose sizes are >= 0 and
+ * verifies that it, and its size in bytes for dtype (dtype < 0: no byte
+ * check), fit in an int64; else -1 with "<op>: shape [..] is too large". */
+static inline int eng_mul_ok(int64_t a, int64_t b, int64_t* out) { return !__builtin_mul_overflow(a, b, out); }
+int eng_numel_checked(int ndim, const int64_t* shape, int dtype, int64_t* numel, const char* op);
+/* A Lua number v stored into an element of dtype: an integer dtype takes
+ * values in its range (truncated toward zero); NaN and out-of-range values
+ * are an error naming op (PyTorch: "value cannot be converted to type
+ * uint8_t without overflow").  Floating and bool dtypes take any value. */
+int eng_check_value(double v, int dtype, const char* op);
 int eng_same_shape(const eng_tensor* a, const eng_tensor* b);
 /* Broadcast shapes; returns ndim of the result or -1 with an error naming op. */
 int eng_broadcast_shapes(int na, const int64_t* sa, int nb, const int64_t* sb,

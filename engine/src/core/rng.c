@@ -125,7 +125,7 @@ static eng_tensor* draw(const char* op, int kind, int ndim, const int64_t* shape
   if (ndim > 0 && !shape) return eng_errp("%s: shape is NULL", op);
   for (int d = 0; d < ndim; d++)
     if (shape[d] < 0) return eng_errp("%s: negative size in shape %s", op, eng_shape_str(ndim, shape));
-  if (check_out_dtype(op, kind, dtype)) return NULL;
+  if (check_out_dtype(op, kind, dtype) || eng_numel_checked(ndim, shape, dtype, NULL, op)) return NULL;
   uint64_t seed;
   uint64_t off = eng_rng_reserve_seeded((uint64_t)eng_shape_numel(ndim, shape), &seed);
   eng_tensor* r = eng_random_slice(kind, ndim, shape, NULL, NULL, a, b, dtype, seed, off);

@@ -27,6 +27,36 @@ int64_t eng_shape_numel(int ndim, const int64_t* shape) {
   return n;
 }
 
+int eng_numel_checked(int ndim, const int64_t* shape, int dtype, int64_t* numel, const char* op) {
+  int64_t n = 1, nb;
+  int zero = 0, ok = 1;
+  for (int d = 0; d < ndim; d++) zero |= shape[d] == 0;
+  if (!zero) {
+    for (int d = 0; d < ndim && ok; d++) ok = eng_mul_ok(n, shape[d], &n);
+    if (ok && dtype >= 0) ok = eng_mul_ok(n, eng_dtype_size(dtype), &nb);
+  } else n = 0;
+  if (!ok)
+    return eng_err("%s: shape %s is too large: its number of elements%s overflows a 64-bit integer", op,
+                   eng_shape_str(ndim, shape), dtype >= 0 ? " (or of bytes)" : "");
+  if (numel) *numel = n;
+  return 0;
+}
+
+int eng_check_value(double v, int dtype, const char* op) {
+  double lo, hi; /* v must satisfy lo < v < hi (truncation toward zero) */
+  switch (dtype) {
+    case ENG_I64: lo = -9223372036854775809.0; hi = 9223372036854775808.0; break; /* lo rounds to -2^63 */
+    case ENG_I32: lo = -2147483649.0; hi = 2147483648.0; break;
+    case ENG_U8: lo = -1.0; hi = 256.0; break;
+    default: return 0;
+  }
+  if (isnan(v)) return eng_err("%s: cannot convert nan to %s", op, eng_dtype_name(dtype));
+  if (dtype == ENG_I64 ? !(v >= lo && v < hi) : !(v > lo && v < hi))
+    return eng_err("%s: value %.17g is out of range for %s (%s)", op, v, eng_dtype_name(dtype),
+                   dtype == ENG_I64 ? "-2^63..2^63-1" : dtype == ENG_I32 ? "-2^31..2^31-1" : "0..255");
+  return 0;
+}
+
 int eng_same_shape(const eng_tensor* a, const eng_tensor* b) {
   if (a->ndim != b->ndim) return 0;
   for (int d = 0; d < a->ndim; d++) if (a->shape[d] != b->shape[d]) return 0;
@@ -49,7 +79,7 @@ static int check_geometry(int ndim, const int64_t* shape, int dtype, const char*
     if (shape[d] < 0)
       return eng_err("%s: negative size %lld in shape %s", op, (long long)shape[d], eng_shape_str(ndim, shape));
   if (dtype < 0 || dtype >= ENG_NUM_DTYPES) return eng_err("%s: invalid dtype code %d", op, dtype);
-  return 0;
+  return eng_numel_checked(ndim, shape, dtype, NULL, op);
 }
 
 static int check_device(int device, const char* op) {
@@ -60,6 +90,7 @@ static int check_device(int device, const char* op) {
 }
 
 eng_tensor* eng_new(int ndim, const int64_t* shape, int dtype, int device) {
+  if (eng_numel_checked(ndim, shape, dtype, NULL, "tensor")) return NULL;
   eng_tensor* t = alloc_struct();
   if (!t) return NULL;
   t->dtype = dtype; t->device = device; t->ndim = ndim;
@@ -73,6 +104,7 @@ eng_tensor* eng_new(int ndim, const int64_t* shape, int dtype, int device) {
 
 eng_tensor* eng_view_of(const eng_tensor* base, int ndim, const int64_t* shape,
                         const int64_t* stride, int64_t offset) {
+  if (eng_numel_checked(ndim, shape, base->dtype, NULL, "view")) return NULL;
   eng_tensor* t = alloc_struct();
   if (!t) return NULL;
   t->dtype = base->dtype; t->device = base->device; t->ndim = ndim;
@@ -116,20 +148,25 @@ eng_tensor* eng_tensor_empty(int ndim, const int64_t* shape, int dtype, int devi
   return eng_new(ndim, shape, dtype, device);
 }
 
-eng_tensor* eng_tensor_zeros(int ndim, const int64_t* shape, int dtype, int device) {
-  return eng_tensor_full(ndim, shape, 0.0, dtype, device);
-}
-
-eng_tensor* eng_tensor_full(int ndim, const int64_t* shape, double value, int dtype, int device) {
-  if (check_geometry(ndim, shape, dtype, "full") || check_device(device, "full")) return NULL;
+static eng_tensor* full_op(int ndim, const int64_t* shape, double value, int dtype, int device, const char* op) {
+  if (check_geometry(ndim, shape, dtype, op) || check_device(device, op) || eng_check_value(value, dtype, op))
+    return NULL;
   eng_tensor* t = eng_new(ndim, shape, dtype, device);
   if (t && device == ENG_META) return t;
   if (t && device == ENG_CUDA) {
-    if (eng_cu_fill(eng_ptr(t), dtype, t->numel, value, "full")) { eng_tensor_release(t); return NULL; }
+    if (eng_cu_fill(eng_ptr(t), dtype, t->numel, value, op)) { eng_tensor_release(t); return NULL; }
   } else if (t) {
     kc_fill(t->numel, eng_ptr(t), dtype, value);
   }
   return t;
+}
+
+eng_tensor* eng_tensor_zeros(int ndim, const int64_t* shape, int dtype, int device) {
+  return full_op(ndim, shape, 0.0, dtype, device, "zeros");
+}
+
+eng_tensor* eng_tensor_full(int ndim, const int64_t* shape, double value, int dtype, int device) {
+  return full_op(ndim, shape, value, dtype, device, "full");
 }
 
 eng_tensor* eng_tensor_from_data(int ndim, const int64_t* shape, int dtype, const void* data,
@@ -141,6 +178,14 @@ eng_tensor* eng_tensor_from_data(int ndim, const int64_t* shape, int dtype, cons
     return eng_errp("from_data: %lld values given for shape %s (%lld elements)", (long long)n,
                     eng_shape_str(ndim, shape), (long long)numel);
   if (numel > 0 && !data) return eng_errp("from_data: data pointer is NULL");
+  if (src_dtype == ENG_F64 || src_dtype == ENG_F32) /* numbers from Lua into an integer dtype must fit */
+    for (int64_t i = 0; i < numel; i++) {
+      double v = src_dtype == ENG_F64 ? ((const double*)data)[i] : ((const float*)data)[i];
+      if (eng_check_value(v, dtype, "from_data")) {
+        if (numel > 1) eng_err_prefix("from_data: element %lld", (long long)i + 1);
+        return NULL;
+      }
+    }
   eng_tensor* t = eng_new(ndim, shape, dtype, ENG_CPU);
   if (t && numel) kc_convert(numel, eng_ptr(t), dtype, data, src_dtype);
   return t;
@@ -158,7 +203,11 @@ eng_tensor* eng_tensor_arange(double start, double end, double step, int dtype, 
     return r;
   }
   double cnt = ceil((end - start) / step);
+  if (!(cnt < 4611686018427387904.0))
+    return eng_errp("arange: %.17g..%.17g by %.17g is too large (%.3g elements)", start, end, step, cnt);
   int64_t n = cnt > 0 ? (int64_t)cnt : 0;
+  if (n > 0 && (eng_check_value(start, dtype, "arange") || eng_check_value(start + (double)(n - 1) * step, dtype, "arange")))
+    return NULL;
   eng_tensor* t = eng_new(1, &n, dtype, device);
   if (!t || device == ENG_META) return t;
   char* p = eng_ptr(t);
@@ -204,8 +253,8 @@ static int64_t elem_offset(const eng_tensor* t, const int64_t* idx, const char* 
   int64_t off = t->offset;
   for (int d = 0; d < t->ndim; d++) {
     if (idx[d] < 0 || idx[d] >= t->shape[d]) {
-      *err = eng_err("%s: index %lld out of range for dim %d of size %lld in %s", op, (long long)idx[d], d,
-                     (long long)t->shape[d], eng_desc(t));
+      *err = eng_err("%s: index %lld out of range for dim %d of size %lld in %s (indices are 1-based)", op,
+                     ENG_U(idx[d]), d + 1, (long long)t->shape[d], eng_desc(t));
       return 0;
     }
     off += idx[d] * t->stride[d];
@@ -222,11 +271,22 @@ static int load_elem(const eng_tensor* t, int64_t off, double* out, const char* 
   if (t->device == ENG_CUDA) {
     _Alignas(8) char buf[8];
     if (eng_cuda_memcpy_d2h(buf, p, es)) { eng_err_prefix("%s", op); return -1; }
-    *out = kc_load(buf, t->dtype);
+    *out = eng_lua_double(kc_load(buf, t->dtype));
     return 0;
   }
-  *out = kc_load(p, t->dtype);
+  *out = eng_lua_double(kc_load(p, t->dtype));
   return 0;
+}
+
+void eng_lua_doubles(void* buf, int dtype, int64_t n) {
+  if (dtype == ENG_F64) {
+    double* d = buf;
+    for (int64_t i = 0; i < n; i++) d[i] = eng_lua_double(d[i]);
+  } else if (dtype == ENG_F32) { /* widened by LuaJIT: NaNs become the canonical f32 quiet NaN */
+    uint32_t* u = buf;
+    for (int64_t i = 0; i < n; i++)
+      if ((u[i] & 0x7fffffffu) > 0x7f800000u) u[i] = 0x7fc00000u;
+  }
 }
 
 int eng_tensor_item(const eng_tensor* t, double* out) {
@@ -247,7 +307,7 @@ int eng_tensor_get(const eng_tensor* t, const int64_t* index, double* out) {
 
 int eng_tensor_set(eng_tensor* t, const int64_t* index, double value) {
   ENG_CHECK_I(t, "set");
-  if (eng_check_inplace(t, "set")) return -1;
+  if (eng_check_inplace(t, "set") || eng_check_value(value, t->dtype, "set")) return -1;
   int err = 0;
   int64_t off = elem_offset(t, index, "set", &err);
   if (err) return -1;
@@ -288,9 +348,11 @@ int eng_tensor_read(const eng_tensor* t, void* out, int dtype, int64_t n) {
     if (rc == 0 && n > 0) rc = eng_cuda_memcpy_d2h(out, eng_ptr(c), n * eng_dtype_size(dtype));
     eng_tensor_release(c);
     if (rc) eng_err_prefix("read");
+    else eng_lua_doubles(out, dtype, n);
     return rc;
   }
   kc_copy(t->ndim, t->shape, out, dtype, st, eng_ptr(t), t->dtype, t->stride);
+  eng_lua_doubles(out, dtype, n);
   return 0;
 }
 
@@ -302,8 +364,8 @@ int eng_broadcast_shapes(int na, const int64_t* sa, int nb, const int64_t* sb, i
     int64_t x = ia >= 0 ? sa[ia] : 1, y = ib >= 0 ? sb[ib] : 1;
     if (x != y && x != 1 && y != 1) {
       if (a && b)
-        return eng_err("%s: %s and %s do not broadcast: size %lld vs %lld at dim %d (0-based, aligned from the right)",
-                       op, eng_desc(a), eng_desc(b), (long long)x, (long long)y, i);
+        return eng_err("%s: %s and %s do not broadcast: size %lld vs %lld at dim %d of the result (aligned from the "
+                       "right)", op, eng_desc(a), eng_desc(b), (long long)x, (long long)y, i + 1);
       return eng_err("%s: shapes %s and %s do not broadcast", op, eng_shape_str(na, sa), eng_shape_str(nb, sb));
     }
     out[i] = x == 1 ? y : x;
@@ -468,7 +530,7 @@ static void fill_row(int64_t n, char** p, const int64_t* s, void* ctx) {
 
 int eng_tensor_fill_(eng_tensor* t, double value) {
   ENG_CHECK_I(t, "fill_");
-  if (eng_check_inplace(t, "fill_")) return -1;
+  if (eng_check_inplace(t, "fill_") || eng_check_value(value, t->dtype, "fill_")) return -1;
   if (t->device == ENG_META) return 0; /* shapes only: nothing to write */
   if (t->device == ENG_CUDA) {
     int rc;

@@ -232,9 +232,7 @@ eng_tensor* eng_masked_fill(eng_tensor* t, eng_tensor* mask, double value) {
   if (check_mask(mask, "masked_fill", "mask")) return NULL;
   if (t->device != mask->device)
     return eng_errp("masked_fill: tensors on different devices: %s and %s", eng_desc(t), eng_desc(mask));
-  if (!eng_dtype_is_floating(t->dtype) && !isfinite(value))
-    return eng_errp("masked_fill: value %s cannot be stored in %s", isnan(value) ? "nan" : (value > 0 ? "inf" : "-inf"),
-                    eng_desc(t));
+  if (eng_check_value(value, t->dtype, "masked_fill")) return NULL;
   eng_tensor* out = masked_fill_fwd(t, mask, value);
   if (!out) return NULL;
   if (!eng_any_requires_grad(1, &t) || !eng_dtype_is_floating(out->dtype)) return out;

@@ -64,7 +64,7 @@ eng_tensor* eng_embedding(eng_tensor* weight, eng_tensor* indices, int64_t paddi
     if (k < 0 || k >= num) {
       eng_tensor_release(I);
       return eng_errp("%s: index %lld out of range for weight %s (valid 0..%lld), at flat position %lld of "
-                      "indices %s", op, (long long)k, eng_desc(weight), (long long)num - 1, (long long)i,
+                      "indices %s", op, (long long)k, eng_desc(weight), (long long)num - 1, (long long)i + 1,
                       eng_desc(indices));
     }
   }

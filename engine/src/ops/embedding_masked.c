@@ -66,7 +66,7 @@ eng_tensor* eng_embedding_masked(eng_tensor* weight, eng_tensor* indices, int64_
     if (ip[i] < 0) {
       eng_tensor_release(I);
       return eng_errp("%s: index %lld at flat position %lld of indices %s is negative", op, (long long)ip[i],
-                      (long long)i, eng_desc(indices));
+                      (long long)i + 1, eng_desc(indices));
     }
   int64_t shape[ENG_MAX_DIMS];
   for (int d = 0; d < indices->ndim; d++) shape[d] = indices->shape[d];

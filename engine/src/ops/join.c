@@ -11,7 +11,8 @@
 static int wrap_dim(int dim, int ndim, const char* op, const eng_tensor* t) {
   int n = ndim > 0 ? ndim : 1;
   if (dim < -n || dim >= n)
-    return eng_err("%s: dim %d out of range for %s (valid: %d..%d, 0-based in C)", op, dim, eng_desc(t), -n, n - 1);
+    return eng_err("%s: dim %lld out of range for %s (dims are 1-based; valid: 1..%d or %d..-1)", op, ENG_U(dim),
+                   eng_desc(t), n, -n);
   return dim < 0 ? dim + n : dim;
 }
 
@@ -53,12 +54,12 @@ static eng_tensor* join(int n, eng_tensor** ts, int dim, int stack) {
   int dt = -1;
   const eng_tensor* ref = NULL;
   for (int i = 0; i < n; i++) {
-    if (!ts[i]) return eng_errp("%s: tensor %d of the list is nil/NULL", op, i);
+    if (!ts[i]) return eng_errp("%s: tensor %d of the list is nil/NULL", op, i + 1);
     if (!stack && ts[i]->ndim == 0)
-      return eng_errp("cat: zero-dimensional tensor %s (at position %d) cannot be concatenated", eng_desc(ts[i]), i);
+      return eng_errp("cat: zero-dimensional tensor %s (at position %d) cannot be concatenated", eng_desc(ts[i]), i + 1);
     if (ts[i]->device != ts[0]->device)
-      return eng_errp("%s: tensors on different devices: %s at position 0 and %s at position %d", op,
-                      eng_desc(ts[0]), eng_desc(ts[i]), i);
+      return eng_errp("%s: tensors on different devices: %s at position 1 and %s at position %d", op,
+                      eng_desc(ts[0]), eng_desc(ts[i]), i + 1);
     dt = i == 0 ? ts[i]->dtype : eng_promote_types(dt, ts[i]->dtype);
     if (!ref && (stack || !legacy_empty(ts[i]))) ref = ts[i];
   }
@@ -77,19 +78,21 @@ static eng_tensor* join(int n, eng_tensor** ts, int dim, int stack) {
     if (stack) {
       if (!eng_same_shape(t, ref))
         return eng_errp("stack: expects each tensor to be equal size, but got %s at entry %d and %s at entry %d",
-                        eng_desc(ref), ri, eng_desc(t), i);
+                        eng_desc(ref), ri + 1, eng_desc(t), i + 1);
       continue;
     }
     if (legacy_empty(t) && t != ref) continue;
     if (t->ndim != rnd)
       return eng_errp("cat: tensors must have the same number of dims: got %s at position %d and %s at position %d",
-                      eng_desc(ref), ri, eng_desc(t), i);
+                      eng_desc(ref), ri + 1, eng_desc(t), i + 1);
     for (int k = 0; k < rnd; k++)
       if (k != d && t->shape[k] != ref->shape[k])
         return eng_errp("cat: sizes of tensors must match except in dim %d: expected size %lld but got size %lld "
-                        "at dim %d for tensor %d in the list (%s vs %s)", d, (long long)ref->shape[k],
-                        (long long)t->shape[k], k, i, eng_desc(t), eng_desc(ref));
-    osh[d] += t->shape[d];
+                        "at dim %d for tensor %d in the list (%s vs %s)", d + 1, (long long)ref->shape[k],
+                        (long long)t->shape[k], k + 1, i + 1, eng_desc(t), eng_desc(ref));
+    if (__builtin_add_overflow(osh[d], t->shape[d], &osh[d]))
+      return eng_errp("cat: the concatenated size along dim %d overflows a 64-bit integer (tensor %d: %s)", d + 1,
+                      i + 1, eng_desc(t));
   }
   eng_tensor* out = eng_new(ond, osh, dt, ref->device);
   if (!out) return NULL;
@@ -209,7 +212,7 @@ static int split_even(eng_tensor* t, int64_t split_size, int d, int max_out, eng
   if (cnt < min_pieces) cnt = min_pieces;
   if (cnt > max_out)
     return eng_err("%s: %s along dim %d gives %lld pieces but there is room for only %d outputs", op, eng_desc(t),
-                   d, (long long)cnt, max_out);
+                   d + 1, (long long)cnt, max_out);
   int64_t sz_s[64];
   int64_t* sz = cnt <= 64 ? sz_s : malloc((size_t)cnt * sizeof *sz);
   if (!sz) return eng_err("%s: out of memory", op);
@@ -231,7 +234,7 @@ int eng_split(eng_tensor* t, int64_t split_size, int dim, int max_out, eng_tenso
   if (d < 0) return -1;
   if (split_size < 0) return eng_err("split: split_size must be non-negative, got %lld for %s", (long long)split_size, eng_desc(t));
   if (split_size == 0 && t->shape[d] != 0)
-    return eng_err("split: split_size can only be 0 if the dim's size is 0, but dim %d of %s has size %lld", d,
+    return eng_err("split: split_size can only be 0 if the dim's size is 0, but dim %d of %s has size %lld", d + 1,
                    eng_desc(t), (long long)t->shape[d]);
   return split_even(t, split_size, d, max_out, out, "split", 1);
 }
@@ -246,15 +249,16 @@ int eng_split_sizes(eng_tensor* t, int n, const int64_t* sizes, int dim, eng_ten
   int64_t sum = 0;
   for (int k = 0; k < n; k++) {
     if (sizes[k] < 0)
-      return eng_err("split_sizes: size %d is negative (%lld) for %s", k, (long long)sizes[k], eng_desc(t));
-    sum += sizes[k];
+      return eng_err("split_sizes: size %d is negative (%lld) for %s", k + 1, (long long)sizes[k], eng_desc(t));
+    if (__builtin_add_overflow(sum, sizes[k], &sum))
+      return eng_err("split_sizes: sizes overflow a 64-bit integer for %s", eng_desc(t));
   }
   if (sum != t->shape[d]) {
     char buf[200]; int k = 0;
     for (int i = 0; i < n && k < 180; i++) k += snprintf(buf + k, sizeof buf - k, i ? ",%lld" : "%lld", (long long)sizes[i]);
     if (k >= 180) snprintf(buf + 180, sizeof buf - 180, ",...");
     return eng_err("split_sizes: sizes [%s] must sum exactly to %lld (the size of dim %d of %s), but sum to %lld",
-                   buf, (long long)t->shape[d], d, eng_desc(t), (long long)sum);
+                   buf, (long long)t->shape[d], d + 1, eng_desc(t), (long long)sum);
   }
   return split_core(t, n, sizes, d, out, "split_sizes");
 }
@@ -283,7 +287,7 @@ static int64_t* read_index(const eng_tensor* index, int64_t size, const eng_tens
   for (int64_t j = 0; j < n; j++)
     if (idx[j] < 0 || idx[j] >= size) {
       eng_errp("index_select: index %lld (at position %lld) is out of range for dim %d of size %lld in %s "
-               "(indices are 0-based)", (long long)idx[j], (long long)j, d, (long long)size, eng_desc(t));
+               "(indices are 0-based)", (long long)idx[j], (long long)j + 1, d + 1, (long long)size, eng_desc(t));
       free(idx);
       return NULL;
     }

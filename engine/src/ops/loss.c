@@ -202,7 +202,7 @@ eng_tensor* eng_cross_entropy(eng_tensor* logits, eng_tensor* target, int64_t ig
   if (!ok)
     return eng_errp("cross_entropy: target %s does not match logits %s (expected target shape %s: the "
                     "logits' shape without the class dim %d)", eng_desc(target), eng_desc(x),
-                    eng_shape_str(tnd, tshape), cdim);
+                    eng_shape_str(tnd, tshape), cdim + 1);
   int64_t C = x->shape[cdim], N = x->ndim == 1 ? 1 : x->shape[0], inner = 1;
   for (int d = 2; d < x->ndim; d++) inner *= x->shape[d];
   if (x->device == ENG_CUDA) {
@@ -217,8 +217,9 @@ eng_tensor* eng_cross_entropy(eng_tensor* logits, eng_tensor* target, int64_t ig
   for (int64_t i = 0; i < npos; i++) {
     if (tg[i] == ignore_index) continue;
     if (tg[i] < 0 || tg[i] >= C) {
-      eng_errp("cross_entropy: target %lld at (0-based, flat) position %lld is out of range for %lld classes "
-               "(valid: 0..%lld, or ignore_index %lld); logits %s", (long long)tg[i], (long long)i, (long long)C,
+      eng_errp("cross_entropy: target %lld at flat position %lld is out of range for %lld classes "
+               "(class ids are 0-based: valid 0..%lld, or ignore_index %lld); logits %s", (long long)tg[i],
+               (long long)i + 1, (long long)C,
                (long long)C - 1, (long long)ignore_index, eng_desc(x));
       goto fail;
     }

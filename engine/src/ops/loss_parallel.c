@@ -143,8 +143,8 @@ eng_tensor* eng_cross_entropy_vocab_parallel(eng_tensor* logits, eng_tensor* tar
       eng_errp("%s: this rank's vocab slice [%lld, %lld) (logits %s) is not inside [0, vocab_total = %lld)", op,
                (long long)vocab_offset, (long long)(vocab_offset + V), eng_desc(x), (long long)vocab_total);
     else if (err == 2.0)
-      eng_errp("%s: target %lld at (0-based, flat) position %lld is out of range for %lld classes (valid: 0..%lld, "
-               "or ignore_index %lld)", op, (long long)bad_t, (long long)bad_pos, (long long)vocab_total,
+      eng_errp("%s: target %lld at flat position %lld is out of range for %lld classes (class ids are 0-based: valid "
+               "0..%lld, or ignore_index %lld)", op, (long long)bad_t, (long long)bad_pos + 1, (long long)vocab_total,
                (long long)vocab_total - 1, (long long)ignore_index);
     else
       eng_errp("%s: invalid arguments on another rank of the group %s (vocab slice or targets out of range)", op,

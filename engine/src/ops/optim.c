@@ -266,7 +266,9 @@ static int total_norm(const char* op, int n, eng_tensor** ts, double p, double* 
 int eng_global_norm(int n, eng_tensor** ts, double p, double* out) {
   if (check_list("global_norm", n, ts)) return -1;
   if (!out) return eng_err("global_norm: output pointer is NULL");
-  return total_norm("global_norm", n, ts, p, out, 0);
+  int rc = total_norm("global_norm", n, ts, p, out, 0);
+  if (rc == 0) *out = eng_lua_double(*out); /* read by Lua */
+  return rc;
 }
 
 typedef struct { int dt; double s; } scale_ctx;
@@ -281,7 +283,7 @@ int eng_clip_grad_norm_(int n, eng_tensor** params, double max_norm, double p, d
   if (!(max_norm >= 0)) return eng_err("%s: max_norm must be >= 0, got %g", op, max_norm);
   double tn;
   if (total_norm(op, n, params, p, &tn, 1)) return -1;
-  if (total) *total = tn;
+  if (total) *total = eng_lua_double(tn); /* read by Lua */
   double coef = max_norm / (tn + 1e-6);
   if (coef >= 1.0) return 0; /* NaN coefficients scale (to NaN), as clamp(max=1) does in PyTorch */
   int any_cuda = 0;

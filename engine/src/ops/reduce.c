@@ -20,9 +20,9 @@ static int dims_mask(const eng_tensor* t, int n_dims, const int* dims, const cha
   if (!dims) return eng_err("%s: dims list is NULL", op);
   for (int i = 0; i < n_dims; i++) {
     int d = eng_norm_dim(dims[i], t->ndim, op);
-    if (d < 0) return eng_err("%s: dim %d out of range for %s (valid: %d..%d, 0-based in C)", op, dims[i],
-                              eng_desc(t), t->ndim > 0 ? -t->ndim : -1, t->ndim > 0 ? t->ndim - 1 : 0);
-    if (mask[d]) return eng_err("%s: dim %d appears more than once in the dims list for %s", op, d, eng_desc(t));
+    if (d < 0) return eng_err("%s: dim %lld out of range for %s (dims are 1-based; valid: 1..%d or %d..-1)", op,
+                              ENG_U(dims[i]), eng_desc(t), t->ndim > 0 ? t->ndim : 1, t->ndim > 0 ? -t->ndim : -1);
+    if (mask[d]) return eng_err("%s: dim %d appears more than once in the dims list for %s", op, d + 1, eng_desc(t));
     mask[d] = 1;
   }
   return 0;
@@ -427,7 +427,7 @@ static int extreme_dim_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
 
 static int check_dim_nonempty(eng_tensor* t, int d, const char* name) {
   if (t->ndim > 0 && t->shape[d] == 0)
-    return eng_err("%s: cannot reduce over dim %d of size 0 in %s (the reduction has no identity)", name, d,
+    return eng_err("%s: cannot reduce over dim %d of size 0 in %s (the reduction has no identity)", name, d + 1,
                    eng_desc(t));
   return 0;
 }

@@ -15,7 +15,8 @@ static const char* stride_str(const eng_tensor* t) { return eng_shape_str(t->ndi
 static int wrap_dim(int dim, int ndim, const char* op, const eng_tensor* t) {
   int n = ndim > 0 ? ndim : 1;
   if (dim < -n || dim >= n)
-    return eng_err("%s: dim %d out of range for %s (valid: %d..%d, 0-based in C)", op, dim, eng_desc(t), -n, n - 1);
+    return eng_err("%s: dim %lld out of range for %s (dims are 1-based; valid: 1..%d or %d..-1)", op, ENG_U(dim),
+                   eng_desc(t), n, -n);
   return dim < 0 ? dim + n : dim;
 }
 
@@ -94,7 +95,7 @@ static int infer_shape(const char* op, const eng_tensor* t, int ndim, const int6
                        eng_shape_str(ndim, shape), eng_desc(t));
       infer = d;
     } else if (shape[d] < 0) {
-      return eng_err("%s: invalid size %lld at dim %d of shape %s for %s", op, (long long)shape[d], d,
+      return eng_err("%s: invalid size %lld at dim %d of shape %s for %s", op, (long long)shape[d], d + 1,
                      eng_shape_str(ndim, shape), eng_desc(t));
     } else {
       if (shape[d] > 0 && prod > INT64_MAX / shape[d])
@@ -217,8 +218,8 @@ eng_tensor* eng_permute(eng_tensor* t, int ndim, const int* dims) {
     if (p[d] < 0) return NULL;
     if (seen[p[d]]++) {
       char buf[128]; int k = 0;
-      for (int i = 0; i < ndim && k < 120; i++) k += snprintf(buf + k, sizeof buf - k, i ? ",%d" : "%d", dims[i]);
-      return eng_errp("permute: dim %d is repeated in dims [%s] for %s", dims[d], buf, eng_desc(t));
+      for (int i = 0; i < ndim && k < 120; i++) k += snprintf(buf + k, sizeof buf - k, i ? ",%lld" : "%lld", ENG_U(dims[i]));
+      return eng_errp("permute: dim %lld is repeated in dims [%s] for %s", ENG_U(dims[d]), buf, eng_desc(t));
     }
   }
   int64_t sh[ENG_MAX_DIMS], st[ENG_MAX_DIMS];
@@ -238,13 +239,14 @@ eng_tensor* eng_narrow(eng_tensor* t, int dim, int64_t start, int64_t length) {
   if (d < 0) return NULL;
   int64_t size = t->shape[d];
   if (start < -size || start > size)
-    return eng_errp("narrow: start %lld out of range for dim %d of size %lld in %s (expected %lld..%lld)",
-                    (long long)start, d, (long long)size, eng_desc(t), (long long)-size, (long long)size);
+    return eng_errp("narrow: start %lld out of range for dim %d of size %lld in %s (positions are 1-based; expected "
+                    "1..%lld or %lld..-1)", ENG_U(start), d + 1, (long long)size, eng_desc(t), (long long)size + 1,
+                    (long long)-size);
   if (start < 0) start += size;
   if (length < 0) return eng_errp("narrow: length must be non-negative, got %lld for %s", (long long)length, eng_desc(t));
   if (start + length > size)
-    return eng_errp("narrow: start (%lld) + length (%lld) exceeds size %lld of dim %d in %s", (long long)start,
-                    (long long)length, (long long)size, d, eng_desc(t));
+    return eng_errp("narrow: start %lld with length %lld runs past the end of dim %d (size %lld) in %s",
+                    (long long)start + 1, (long long)length, d + 1, (long long)size, eng_desc(t));
   int64_t sh[ENG_MAX_DIMS];
   for (int i = 0; i < t->ndim; i++) sh[i] = t->shape[i];
   sh[d] = length;
@@ -263,8 +265,8 @@ eng_tensor* eng_select(eng_tensor* t, int dim, int64_t index) {
   if (d < 0) return NULL;
   int64_t size = t->shape[d];
   if (index < -size || index >= size)
-    return eng_errp("select: index %lld out of range for dim %d of size %lld in %s", (long long)index, d,
-                    (long long)size, eng_desc(t));
+    return eng_errp("select: index %lld out of range for dim %d of size %lld in %s (indices are 1-based)",
+                    ENG_U(index), d + 1, (long long)size, eng_desc(t));
   if (index < 0) index += size;
   int64_t sh[ENG_MAX_DIMS], st[ENG_MAX_DIMS];
   int k = 0;
@@ -292,22 +294,23 @@ eng_tensor* eng_expand(eng_tensor* t, int ndim, const int64_t* shape) {
     if (d < lead) {
       if (s < 0)
         return eng_errp("expand: size %lld is not allowed in the new leading dim %d (target %s, tensor %s)",
-                        (long long)s, d, eng_shape_str(ndim, shape), eng_desc(t));
+                        (long long)s, d + 1, eng_shape_str(ndim, shape), eng_desc(t));
       sh[d] = s; st[d] = 0;
       continue;
     }
     int64_t cur = t->shape[d - lead];
     if (s == -1) s = cur;
     if (s < 0)
-      return eng_errp("expand: invalid size %lld at dim %d (target %s, tensor %s)", (long long)s, d,
+      return eng_errp("expand: invalid size %lld at dim %d (target %s, tensor %s)", (long long)s, d + 1,
                       eng_shape_str(ndim, shape), eng_desc(t));
     if (s == cur) { sh[d] = s; st[d] = t->stride[d - lead]; }
     else if (cur == 1) { sh[d] = s; st[d] = 0; }
     else
       return eng_errp("expand: the expanded size %lld must match the existing size %lld at non-singleton dim %d "
-                      "(target %s, tensor %s)", (long long)s, (long long)cur, d, eng_shape_str(ndim, shape),
+                      "(target %s, tensor %s)", (long long)s, (long long)cur, d + 1, eng_shape_str(ndim, shape),
                       eng_desc(t));
   }
+  if (eng_numel_checked(ndim, sh, t->dtype, NULL, "expand")) return NULL;
   return view_rec(t, ndim, sh, st, t->offset, "ExpandBackward", expand_bw, NULL);
 }
 
@@ -359,7 +362,7 @@ eng_tensor* eng_flatten(eng_tensor* t, int start_dim, int end_dim) {
   int s = wrap_dim(start_dim, t->ndim, "flatten", t), e = s < 0 ? -1 : wrap_dim(end_dim, t->ndim, "flatten", t);
   if (s < 0 || e < 0) return NULL;
   if (s > e)
-    return eng_errp("flatten: start_dim %d comes after end_dim %d (%s)", start_dim, end_dim, eng_desc(t));
+    return eng_errp("flatten: start_dim %lld comes after end_dim %lld (%s)", ENG_U(start_dim), ENG_U(end_dim), eng_desc(t));
   int64_t one = 1;
   if (t->ndim == 0) return reshape_as(t, 1, &one, "FlattenBackward");
   if (s == e) return eng_tensor_retain(t);

@@ -175,7 +175,7 @@ eng_tensor* eng_dt_reshape(eng_tensor* t, int ndim, const int64_t* shape, int ki
                         eng_shape_str(ndim, shape), dt_desc(t));
       infer = d;
     } else if (shape[d] < 0) {
-      return eng_errp("%s: invalid size %lld at dim %d of shape %s for %s", op, (long long)shape[d], d,
+      return eng_errp("%s: invalid size %lld at dim %d of shape %s for %s", op, (long long)shape[d], d + 1,
                       eng_shape_str(ndim, shape), dt_desc(t));
     } else {
       if (shape[d] > 0 && prod > INT64_MAX / shape[d]) return eng_errp("%s: shape %s is too large", op, eng_shape_str(ndim, shape));
@@ -224,7 +224,8 @@ eng_tensor* eng_dt_flatten(eng_tensor* t, int start_dim, int end_dim) {
   const eng_dist_spec* s = t->dist;
   int a = eng_norm_dim(start_dim, s->ndim, "flatten"), e = a < 0 ? -1 : eng_norm_dim(end_dim, s->ndim, "flatten");
   if (a < 0 || e < 0) return NULL;
-  if (a > e) return eng_errp("flatten: start_dim %d comes after end_dim %d (%s)", start_dim, end_dim, dt_desc(t));
+  if (a > e)
+    return eng_errp("flatten: start_dim %lld comes after end_dim %lld (%s)", ENG_U(start_dim), ENG_U(end_dim), dt_desc(t));
   int64_t one = 1;
   if (s->ndim == 0) return dispatch_reshape(t, 1, &one, 1, "flatten");
   if (a == e) return eng_tensor_retain(t);
@@ -283,7 +284,7 @@ eng_tensor* eng_dt_permute(eng_tensor* t, int ndim, const int* dims) {
   for (int j = 0; j < nd; j++) {
     int p = eng_norm_dim(dims[j], nd, "permute");
     if (p < 0) return NULL;
-    if (seen[p]++) return eng_errp("permute: dim %d is repeated in dims for %s", dims[j], dt_desc(t));
+    if (seen[p]++) return eng_errp("permute: dim %lld is repeated in dims for %s", ENG_U(dims[j]), dt_desc(t));
     c.ints[j] = p;
   }
   return eng_dispatch(&eng_opdef_permute, &c);
@@ -328,18 +329,18 @@ eng_tensor* eng_dt_expand(eng_tensor* t, int ndim, const int64_t* shape) {
     if (d < lead) {
       if (v < 0)
         return eng_errp("expand: size %lld is not allowed in the new leading dim %d (target %s, tensor %s)",
-                        (long long)v, d, eng_shape_str(ndim, shape), dt_desc(t));
+                        (long long)v, d + 1, eng_shape_str(ndim, shape), dt_desc(t));
       c.ints[d] = v;
       continue;
     }
     int64_t cur = s->shape[d - lead];
     if (v == -1) v = cur;
     if (v < 0)
-      return eng_errp("expand: invalid size %lld at dim %d (target %s, tensor %s)", (long long)v, d,
+      return eng_errp("expand: invalid size %lld at dim %d (target %s, tensor %s)", (long long)v, d + 1,
                       eng_shape_str(ndim, shape), dt_desc(t));
     if (v != cur && cur != 1)
       return eng_errp("expand: the expanded size %lld must match the existing size %lld at non-singleton dim %d "
-                      "(target %s, tensor %s)", (long long)v, (long long)cur, d, eng_shape_str(ndim, shape), dt_desc(t));
+                      "(target %s, tensor %s)", (long long)v, (long long)cur, d + 1, eng_shape_str(ndim, shape), dt_desc(t));
     c.ints[d] = v;
   }
   c.scalars[0] = ndim;
@@ -385,13 +386,14 @@ eng_tensor* eng_dt_narrow(eng_tensor* t, int dim, int64_t start, int64_t length)
   if (d < 0) return NULL;
   int64_t size = s->shape[d];
   if (start < -size || start > size)
-    return eng_errp("narrow: start %lld out of range for dim %d of size %lld in %s (expected %lld..%lld)",
-                    (long long)start, d, (long long)size, dt_desc(t), (long long)-size, (long long)size);
+    return eng_errp("narrow: start %lld out of range for dim %d of size %lld in %s (positions are 1-based; expected "
+                    "1..%lld or %lld..-1)", ENG_U(start), d + 1, (long long)size, dt_desc(t), (long long)size + 1,
+                    (long long)-size);
   if (start < 0) start += size;
   if (length < 0) return eng_errp("narrow: length must be non-negative, got %lld for %s", (long long)length, dt_desc(t));
   if (start + length > size)
-    return eng_errp("narrow: start (%lld) + length (%lld) exceeds size %lld of dim %d in %s", (long long)start,
-                    (long long)length, (long long)size, d, dt_desc(t));
+    return eng_errp("narrow: start %lld with length %lld runs past the end of dim %d (size %lld) in %s",
+                    (long long)start + 1, (long long)length, d + 1, (long long)size, dt_desc(t));
   return eng_dispatch(&eng_opdef_narrow, &(eng_op_call){.name = "narrow", .n_in = 1, .in = {t}, .ints = {d, start, length}});
 }
 
@@ -415,8 +417,8 @@ eng_tensor* eng_dt_select(eng_tensor* t, int dim, int64_t index) {
   if (d < 0) return NULL;
   int64_t size = s->shape[d];
   if (index < -size || index >= size)
-    return eng_errp("select: index %lld out of range for dim %d of size %lld in %s", (long long)index, d,
-                    (long long)size, dt_desc(t));
+    return eng_errp("select: index %lld out of range for dim %d of size %lld in %s (indices are 1-based)",
+                    ENG_U(index), d + 1, (long long)size, dt_desc(t));
   if (index < 0) index += size;
   return eng_dispatch(&eng_opdef_select, &(eng_op_call){.name = "select", .n_in = 1, .in = {t}, .ints = {d, index}});
 }
@@ -526,13 +528,13 @@ eng_tensor* eng_dt_join(int n, eng_tensor** ts, int dim, int stack) {
   const int64_t *rsh = NULL, *sh;
   int rnd = 0, ri = -1, nd;
   for (int i = 0; i < n; i++) {
-    if (!ts[i]) return eng_errp("%s: tensor %d of the list is nil/NULL", op, i);
+    if (!ts[i]) return eng_errp("%s: tensor %d of the list is nil/NULL", op, i + 1);
     gshape(ts[i], &nd, &sh);
     if (!stack && nd == 0)
-      return eng_errp("cat: zero-dimensional tensor %s (at position %d) cannot be concatenated", dt_desc(ts[i]), i);
+      return eng_errp("cat: zero-dimensional tensor %s (at position %d) cannot be concatenated", dt_desc(ts[i]), i + 1);
     if (ts[i]->device != ts[0]->device)
-      return eng_errp("%s: tensors on different devices: %s at position 0 and %s at position %d", op,
-                      dt_desc(ts[0]), dt_desc(ts[i]), i);
+      return eng_errp("%s: tensors on different devices: %s at position 1 and %s at position %d", op,
+                      dt_desc(ts[0]), dt_desc(ts[i]), i + 1);
     if (ri < 0 && (stack || !(nd == 1 && sh[0] == 0))) { ri = i; rnd = nd; rsh = sh; }
   }
   if (ri < 0) { ri = 0; gshape(ts[0], &rnd, &rsh); }
@@ -547,17 +549,17 @@ eng_tensor* eng_dt_join(int n, eng_tensor** ts, int dim, int stack) {
       for (int k = 0; same && k < nd; k++) same = sh[k] == rsh[k];
       if (!same)
         return eng_errp("stack: expects each tensor to be equal size, but got %s at entry %d and %s at entry %d",
-                        dt_desc(ts[ri]), ri, dt_desc(ts[i]), i);
+                        dt_desc(ts[ri]), ri + 1, dt_desc(ts[i]), i + 1);
       continue;
     }
     if (nd == 1 && sh[0] == 0 && i != ri) continue;
     if (nd != rnd)
       return eng_errp("cat: tensors must have the same number of dims: got %s at position %d and %s at position %d",
-                      dt_desc(ts[ri]), ri, dt_desc(ts[i]), i);
+                      dt_desc(ts[ri]), ri + 1, dt_desc(ts[i]), i + 1);
     for (int k = 0; k < rnd; k++)
       if (k != d && sh[k] != rsh[k])
         return eng_errp("cat: sizes of tensors must match except in dim %d: expected size %lld but got size %lld "
-                        "at dim %d for tensor %d in the list (%s vs %s)", d, (long long)rsh[k], (long long)sh[k], k, i,
+                        "at dim %d for tensor %d in the list (%s vs %s)", d + 1, (long long)rsh[k], (long long)sh[k], k + 1, i + 1,
                         dt_desc(ts[i]), dt_desc(ts[ri]));
   }
   if (n > ENG_OP_MAX_IN) {
@@ -601,12 +603,13 @@ int eng_dt_split(eng_tensor* t, int mode, int64_t arg, int n, const int64_t* siz
     if (n < 0 || (n > 0 && (!sizes || !out))) return eng_err("split_sizes: invalid sizes list (n = %d)", n);
     int64_t sum = 0;
     for (int k = 0; k < n; k++) {
-      if (sizes[k] < 0) return eng_err("split_sizes: size %d is negative (%lld) for %s", k, (long long)sizes[k], dt_desc(t));
-      sum += sizes[k];
+      if (sizes[k] < 0) return eng_err("split_sizes: size %d is negative (%lld) for %s", k + 1, (long long)sizes[k], dt_desc(t));
+      if (__builtin_add_overflow(sum, sizes[k], &sum))
+        return eng_err("split_sizes: sizes overflow a 64-bit integer for %s", dt_desc(t));
     }
     if (sum != size)
       return eng_err("split_sizes: sizes must sum exactly to %lld (the size of dim %d of %s), but sum to %lld",
-                     (long long)size, d, dt_desc(t), (long long)sum);
+                     (long long)size, d + 1, dt_desc(t), (long long)sum);
     cnt = n;
   } else {
     if (!out || max_out < 1) return eng_err("%s: no room for outputs (max_out %d)", op, max_out);
@@ -614,7 +617,7 @@ int eng_dt_split(eng_tensor* t, int mode, int64_t arg, int n, const int64_t* siz
     if (mode == 0) {
       if (arg < 0) return eng_err("split: split_size must be non-negative, got %lld for %s", (long long)arg, dt_desc(t));
       if (arg == 0 && size != 0)
-        return eng_err("split: split_size can only be 0 if the dim's size is 0, but dim %d of %s has size %lld", d,
+        return eng_err("split: split_size can only be 0 if the dim's size is 0, but dim %d of %s has size %lld", d + 1,
                        dt_desc(t), (long long)size);
       step = arg;
     } else {
@@ -625,7 +628,7 @@ int eng_dt_split(eng_tensor* t, int mode, int64_t arg, int n, const int64_t* siz
     cnt = step > 0 ? (size + step - 1) / step : 1;
     if (cnt < min_pieces) cnt = min_pieces;
     if (cnt > max_out)
-      return eng_err("%s: %s along dim %d gives %lld pieces but there is room for only %d outputs", op, dt_desc(t), d,
+      return eng_err("%s: %s along dim %d gives %lld pieces but there is room for only %d outputs", op, dt_desc(t), d + 1,
                      (long long)cnt, max_out);
   }
   /* replicate the split dim once (every piece then is a narrow without communication) */

@@ -51,7 +51,10 @@ function M.save(path, tensors, metadata)
   if metadata ~= nil then
     if type(metadata) ~= "table" then error("save: metadata must be a table of strings", 2) end
     for k in pairs(metadata) do
-      if type(k) ~= "string" then error("save: metadata keys must be strings, got " .. type(k), 2) end
+      if type(k) ~= "string" then
+        error("save: metadata keys must be strings, got " .. type(k) .. " (the third argument is the metadata, " ..
+          "a table string -> string, e.g. {format = \"x\"})", 2)
+      end
       keys[#keys + 1] = k
     end
     table.sort(keys)
@@ -69,6 +72,16 @@ function M.save(path, tensors, metadata)
   -- keep (the Lua strings behind the const char* arrays) must stay alive
   -- until the call returns: reference it afterwards.
   return keep and nil
+end
+
+-- tensor_checksum(t) -> 16 hex digits: a checksum of t's values (row-major, the bytes of its
+-- dtype; any strides or device give the same string for the same data).
+local sum_buf = ffi.new("uint64_t[1]")
+function M.tensor_checksum(t)
+  core.check(C.eng_tensor_checksum(core.ct(t, "tensor_checksum", 1), sum_buf))
+  local hi = tonumber(sum_buf[0] / 0x100000000ULL)
+  local lo = tonumber(sum_buf[0] % 0x100000000ULL)
+  return string.format("%08x%08x", hi, lo)
 end
 
 function M.load(path)

@@ -71,8 +71,8 @@ local function int_array(list, nd, what, op, base)
   local arr = ffi.new("int64_t[8]")
   for i = 1, nd do
     local v = list[i]
-    if type(v) ~= "number" or v % 1 ~= 0 then
-      error(string.format("%s: %s[%d] must be an integer, got %s", op, what, i, tostring(v)), 3)
+    if type(v) ~= "number" or v % 1 ~= 0 or v < -2 ^ 63 or v >= 2 ^ 63 then
+      error(string.format("%s: %s[%d] must be an integer in -2^63..2^63-1, got %s", op, what, i, tostring(v)), 3)
     end
     if base == 1 and v < 1 then
       error(string.format("%s: %s[%d] = %d is invalid: positions are 1-based", op, what, i, v), 3)

@@ -40,13 +40,7 @@ local function shape_of(op, ...)
   end
   local n = #t
   if n > 8 then error(string.format("%s: %d sizes given; at most 8 dims are supported", op, n), 3) end
-  for i = 1, n do
-    local v = t[i]
-    if not isint(v) then
-      error(string.format("%s: size %d must be an integer, got %s", op, i, tostring(v)), 3)
-    end
-    shape_buf[i - 1] = v
-  end
+  for i = 1, n do shape_buf[i - 1] = core.int64(t[i], op, "size " .. i) end
   return n, shape_buf
 end
 
@@ -110,8 +104,8 @@ end
 function methods.narrow(t, d, start, length)
   local c = ct(t, "narrow")
   local cd = cdim(d, c.ndim, "narrow")
-  if not isint(start) then error("narrow: start must be an integer, got " .. tostring(start), 2) end
-  if not isint(length) then error("narrow: length must be an integer, got " .. tostring(length), 2) end
+  core.int64(start, "narrow", "start")
+  core.int64(length, "narrow", "length")
   if start == 0 then error("narrow: start 0 is invalid: positions are 1-based (use 1 for the first element)", 2) end
   local s = start > 0 and start - 1 or start
   local r = wrap(C.eng_narrow(c, cd, s, length))
@@ -122,7 +116,7 @@ end
 function methods.select(t, d, i)
   local c = ct(t, "select")
   local cd = cdim(d, c.ndim, "select")
-  if not isint(i) then error("select: index must be an integer, got " .. tostring(i), 2) end
+  core.int64(i, "select", "index")
   if i == 0 then error("select: index 0 is invalid: indices are 1-based (use 1 for the first element)", 2) end
   local r = wrap(C.eng_select(c, cd, i > 0 and i - 1 or i))
   return r
@@ -209,10 +203,7 @@ function methods.split(t, size, d)
     local n = #size
     local sizes = ffi.new("int64_t[?]", n > 0 and n or 1)
     for i = 1, n do
-      if not isint(size[i]) then
-        error(string.format("split: size %d must be an integer, got %s", i, tostring(size[i])), 2)
-      end
-      sizes[i - 1] = size[i]
+      sizes[i - 1] = core.int64(size[i], "split", "size " .. i)
     end
     local out = ffi.new("eng_tensor*[?]", n > 0 and n or 1)
     local k = C.eng_split_sizes(c, n, sizes, cd, out)
@@ -220,6 +211,7 @@ function methods.split(t, size, d)
     return piece_list(out, k)
   end
   if not isint(size) then error("split: split size must be an integer or a table of sizes, got " .. tostring(size), 2) end
+  core.int64(size, "split", "split size")
   local gnd, gsh = gdims(c)
   local dsz = gnd > 0 and tonumber(gsh[cd]) or 0
   local cnt = size > 0 and math.max(math.ceil(dsz / size), 1) or 1
