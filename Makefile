@@ -6,6 +6,9 @@ BUILD ?= build
 ASAN_BUILD ?= build-asan
 NP ?= 1
 ARGS ?=
+# RECIPE=gpt (default), tp (recipes/tp_gpt.lua), dp (recipes/dp_gpt.lua), or any recipes/<name>.lua
+RECIPE ?= gpt
+RECIPE_FILE = $(firstword $(wildcard recipes/$(RECIPE).lua recipes/$(RECIPE)_gpt.lua) recipes/$(RECIPE).lua)
 MPIRUN = mpirun --allow-run-as-root --oversubscribe --bind-to none --mca btl self,vader --mca pml ob1 \
          -x MALLOC_MMAP_MAX_=0 -x MALLOC_TRIM_THRESHOLD_=1073741824
 
@@ -28,7 +31,7 @@ data: build
 	@$(BUILD)/engine tools/prepare_data.lua
 
 run: build data
-	$(MPIRUN) -np $(NP) $(BUILD)/engine recipes/gpt.lua $(ARGS)
+	$(MPIRUN) -np $(NP) $(BUILD)/engine $(RECIPE_FILE) $(ARGS)
 
 test: build asan-build
 	@tools/run-tests.sh $(BUILD) --sanitize $(ASAN_BUILD)

@@ -18,6 +18,9 @@
 --              "latest" for the newest one in ckpt_dir)
 --   sampling   --sample_len (bytes generated at the end; 0: none) --temperature (0: greedy)
 --              --prompt
+--   parallel   --tp (tensor-parallel size: 1 none (default), 0 all ranks, N: N ranks per group, the
+--              rest data parallel on a {dp, tp} mesh) --sp (1: sequence parallelism with TP)
+--   (recipes/tp_gpt.lua runs this recipe with --tp=0 as its default)
 --
 -- Defaults: `make run` trains the reference model (3.25M parameters) for 600 steps of 1024 tokens at a
 -- peak lr of 2e-3; measured on the 2-core project VM: validation loss 5.63 -> 1.87 in about 3 minutes
@@ -48,8 +51,10 @@ local defaults = {
   train = HOME .. "/data/kjv_train.bin", val = HOME .. "/data/kjv_val.bin",
   log_every = 10, eval_every = 100, eval_batches = 20,
   ckpt_dir = HOME .. "/checkpoints", ckpt_every = 0, resume = "",
-  sample_len = 300, temperature = 0.8, prompt = "And God said",
+  sample_len = 300, temperature = 0.8, prompt = "And God said", tp = 1, sp = 0,
 }
+-- recipes/tp_gpt.lua sets GPT_DEFAULTS (e.g. {tp = 0}) before running this file
+for k, v in pairs(rawget(_G, "GPT_DEFAULTS") or {}) do defaults[k] = v end
 
 local function parse_args(argv)
   local o = {}
@@ -74,6 +79,8 @@ local function parse_args(argv)
     if o[k] < 1 or o[k] % 1 ~= 0 then error("gpt: --" .. k .. " must be a positive integer", 0) end
   end
   if o.warmup < 0 then error("gpt: --warmup must be >= 0", 0) end
+  if o.tp < 0 or o.tp % 1 ~= 0 then error("gpt: --tp must be 0 (all ranks) or a positive integer", 0) end
+  if o.sp ~= 0 and o.sp ~= 1 then error("gpt: --sp must be 0 or 1", 0) end
   o.warmup = math.min(o.warmup, o.steps)
   return o
 end
@@ -113,11 +120,30 @@ local function main(argv)
     engine.set_num_threads(math.max(1, math.floor(cores / world)))
   end
 
+  -- layout: tp ranks per tensor-parallel group, dp = world / tp groups of data parallelism
+  local tp = o.tp == 0 and world or o.tp
+  if world % tp ~= 0 then error(string.format("gpt: --tp=%d does not divide the %d ranks", tp, world), 0) end
+  local dp = math.floor(world / tp)
+  if o.sp == 1 and tp == 1 then error("gpt: --sp=1 needs tensor parallelism (--tp=0 or --tp=N > 1)", 0) end
+  if o.sp == 1 and o.seq % tp ~= 0 then
+    error(string.format("gpt: --sp=1 shards the sequence: --seq=%d must be divisible by the tp size %d", o.seq, tp), 0)
+  end
+  local mesh, dp_rank = nil, rank
+  if tp > 1 then
+    mesh = dist.init_device_mesh("cpu", { dp, tp }, { "dp", "tp" })
+    dp_rank = mesh:get_local_rank("dp")
+  end
+
   -- model
+  local function build()
+    local m = nn.Transformer{ n_layers = o.n_layers, dim = o.dim, n_heads = o.n_heads, vocab_size = 256,
+      max_seq_len = o.seq, dropout_p = o.dropout }
+    init_weights(m, o.n_layers)
+    return m
+  end
   engine.manual_seed(o.seed)
-  local model = nn.Transformer{ n_layers = o.n_layers, dim = o.dim, n_heads = o.n_heads, vocab_size = 256,
-    max_seq_len = o.seq, dropout_p = o.dropout }
-  init_weights(model, o.n_layers)
+  local model = build()
+  if tp > 1 then nn.Transformer.parallelize(model, mesh["tp"], { use_seq_parallel = o.sp == 1 }) end
   model:train()
   local params = model:parameters()
   local opt = optim.AdamW(params, { lr = o.lr, betas = { o.beta1, o.beta2 }, eps = 1e-8,
@@ -126,19 +152,82 @@ local function main(argv)
     min_lr_ratio = o.min_lr_ratio })
 
   -- data
+  -- (the ranks of one tp group read the same batches)
   local train = data.BatchSampler(data.read_shard(o.train), { batch_size = o.batch, seq_len = o.seq,
-    seed = o.seed, rank = rank, world_size = world })
+    seed = o.seed, rank = dp_rank, world_size = dp })
   local val_shard = data.read_shard(o.val)
-  local val = data.ValLoader(val_shard, { batch_size = o.batch, seq_len = o.seq, rank = rank,
-    world_size = world, max_batches = o.eval_batches })
+  local val = data.ValLoader(val_shard, { batch_size = o.batch, seq_len = o.seq, rank = dp_rank,
+    world_size = dp, max_batches = o.eval_batches })
 
   log("gpt: %d params (%d layers, dim %d, %d heads, seq %d, vocab 256), %d rank(s) x batch %d = %d tokens/step, "
     .. "%d steps, lr %g (warmup %d, cosine to %g), wd %g, clip %g, seed %d, threads %d, BLAS %s",
-    model:num_parameters(), o.n_layers, o.dim, o.n_heads, o.seq, world, o.batch, world * o.batch * o.seq,
+    model:num_parameters(), o.n_layers, o.dim, o.n_heads, o.seq, dp, o.batch, dp * o.batch * o.seq,
     o.steps, o.lr, o.warmup, o.min_lr_ratio * o.lr, o.weight_decay, o.grad_clip, o.seed,
     engine.get_num_threads(), engine.blas_corename())
+  if tp > 1 then
+    log("gpt: tensor parallel over %d ranks%s, data parallel over %d (mesh %s)", tp,
+      o.sp == 1 and " with sequence parallelism" or "", dp, tostring(mesh))
+  end
   log("gpt: train %s (%d tokens), val %s (%d tokens, %d batches per evaluation)", o.train, train.total + o.seq,
     o.val, val_shard.n, val:num_batches())
+
+  -- Checkpoints hold full tensors.  With TP they pass through a plain copy of the model and its
+  -- optimizer: full_tensor() of every parameter and state on save (rank 0 writes), and on resume each
+  -- rank reads the file and keeps its shards.
+  local ck_model, ck_opt = model, opt
+  local to_full, from_full = function() end, function() end
+  if tp > 1 then
+    local rng = engine.get_rng_state()
+    ck_model = build()
+    engine.set_rng_state(rng)
+    ck_opt = optim.AdamW(ck_model:parameters(), { lr = o.lr, betas = { o.beta1, o.beta2 }, eps = 1e-8,
+      weight_decay = o.weight_decay })
+    local function map_state(sd, fn)
+      local out = { param_groups = sd.param_groups, state = {} }
+      local plist = {}
+      for _, g in ipairs(opt.param_groups) do for _, p in ipairs(g.params) do plist[#plist + 1] = p end end
+      for i = 0, #plist - 1 do               -- a fixed order: full_tensor is a collective
+        local st = sd.state[i]
+        if st then
+          local keys, r = {}, {}
+          for k in pairs(st) do keys[#keys + 1] = k end
+          table.sort(keys)
+          for _, k in ipairs(keys) do
+            local v = st[k]
+            r[k] = engine.is_tensor(v) and fn(v, plist[i + 1], k) or v
+          end
+          out.state[i] = r
+        end
+      end
+      return out
+    end
+    to_full = function()
+      engine.no_grad(function()
+        for name, p in model:named_parameters() do
+          ck_model:get_parameter(name):copy_(dist.is_dtensor(p) and p:full_tensor() or p)
+        end
+      end)
+      ck_opt:load_state_dict(map_state(opt:state_dict(), function(v)
+        return dist.is_dtensor(v) and v:full_tensor() or v
+      end))
+    end
+    from_full = function()
+      local function shard_like(full, p)
+        if not dist.is_dtensor(p) then return full end
+        return dist.distribute_tensor(full:detach(), p.device_mesh, p.placements, { src_data_rank = false })
+      end
+      engine.no_grad(function()
+        for name, p in model:named_parameters() do
+          local f = shard_like(ck_model:get_parameter(name), p)
+          if dist.is_dtensor(p) then p:to_local():copy_(f:to_local()) else p:copy_(f) end
+        end
+      end)
+      opt:load_state_dict(map_state(ck_opt:state_dict(), function(v, p, k)
+        if k == "step" then return v end
+        return shard_like(v, p)
+      end))
+    end
+  end
 
   local step = 0
   if o.resume ~= "" then
@@ -147,12 +236,13 @@ local function main(argv)
       path = checkpoint.latest(o.ckpt_dir)
       if not path then error("gpt: --resume=latest: no checkpoint in " .. o.ckpt_dir, 0) end
     end
-    local info = checkpoint.load(path, { model = model, optimizer = opt, sampler = train })
+    local info = checkpoint.load(path, { model = ck_model, optimizer = ck_opt, sampler = train })
+    from_full()
     step = info.step
     log("gpt: resumed from %s at step %d", path, step)
   end
 
-  local function all_avg(x)
+  local function all_avg(x)   -- (the ranks of one tp group hold the same value)
     if world == 1 then return x end
     local t = engine.tensor({ x }, "f64")
     dist.all_reduce(t, "avg")
@@ -175,10 +265,11 @@ local function main(argv)
 
   local function save(at_step)
     if o.ckpt_every < 0 then return end
+    to_full()
     if rank == 0 then
       os.execute("mkdir -p '" .. o.ckpt_dir:gsub("'", "'\\''") .. "'")
       local path = checkpoint.save(checkpoint.path(o.ckpt_dir, at_step),
-        { model = model, optimizer = opt, sampler = train, step = at_step })
+        { model = ck_model, optimizer = ck_opt, sampler = train, step = at_step })
       log("gpt: saved %s", path)
     end
     if world > 1 then dist.barrier() end
@@ -196,7 +287,9 @@ local function main(argv)
     local x, y = train:next()
     local loss = F.cross_entropy(model(x), y)
     loss:backward()
-    if world > 1 then
+    if tp > 1 then
+      if dp > 1 then dist.all_reduce_gradients(model, mesh["dp"]) end
+    elseif world > 1 then
       for _, p in ipairs(params) do dist.all_reduce(p.grad, "avg") end
     end
     local gnorm = o.grad_clip > 0 and optim.clip_grad_norm_(params, o.grad_clip) or optim.grad_norm(params)
@@ -214,7 +307,7 @@ local function main(argv)
     if step % o.log_every == 0 or step == o.steps then
       local dt = (engine.time() - t_log) / n_log
       log("step %5d | loss %.6f | lr %.3e | grad norm %.4f | %.1f ms/step | %.0f tok/s | peak %.1f MiB",
-        step, l, lr, gnorm, dt * 1e3, world * o.batch * o.seq / dt,
+        step, l, lr, gnorm, dt * 1e3, dp * o.batch * o.seq / dt,
         engine.memory_stats().peak_allocated / 2 ^ 20)
       t_log, n_log = engine.time(), 0
     end
@@ -228,12 +321,13 @@ local function main(argv)
   if #times > 0 then
     log("step %5d | val loss %.4f", step, evaluate())
     log("gpt: median %.1f ms/step over %d steps (%.0f tok/s)", median(times) * 1e3, #times,
-      world * o.batch * o.seq / median(times))
+      dp * o.batch * o.seq / median(times))
     if o.ckpt_every >= 0 then save(step) end
   end
 
-  -- a sample from rank 0 (seeded: the same run prints the same text)
-  if o.sample_len > 0 and rank == 0 then
+  -- a sample from rank 0 (seeded: the same run prints the same text); with TP every rank runs the
+  -- forward (it is collective), with SP on a context padded on the right to a multiple of tp
+  if o.sample_len > 0 and (rank == 0 or tp > 1) then
     model:eval()
     engine.manual_seed(o.seed + 1)
     local ids = data.encode(o.prompt)
@@ -242,8 +336,10 @@ local function main(argv)
       for _ = 1, o.sample_len do
         local ctx = {}
         for i = math.max(1, #ids - o.seq + 1), #ids do ctx[#ctx + 1] = ids[i] end
+        local n = #ctx
+        if o.sp == 1 then while #ctx % tp ~= 0 do ctx[#ctx + 1] = 10 end end  -- causal: later tokens do not matter
         local logits = model(engine.tensor({ ctx })) -- [1, t, 256]
-        local last = logits:narrow(2, #ctx, 1):tolist_flat()
+        local last = logits:narrow(2, n, 1):tolist_flat()
         local nxt
         if o.temperature <= 0 then
           nxt = 0
