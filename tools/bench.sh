@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs the benchmarks (recipes/bench/*.lua) and prints their figures with the machine and BLAS setup:
 # dispatch.lua and step.lua in one process, comm.lua and redistribute.lua under mpirun with 4 ranks
-# (BENCH_NP), and gpu_step.lua when a CUDA device is usable.  `make bench` runs it.
+# (BENCH_NP), tp_step.lua (tensor parallelism against one process and PyTorch) on 2 ranks, and
+# gpu_step.lua when a CUDA device is usable.  `make bench` runs it.
 #   tools/bench.sh [BUILD_DIR] [-- extra args for recipes/bench/step.lua]
 # Example: tools/bench.sh build -- --steps=30 --threads=2
 # Nothing else should run on the machine meanwhile (2 cores: any other load shows up in the timings).
@@ -27,6 +28,8 @@ for b in comm redistribute; do
   echo "== recipes/bench/$b.lua ($NP ranks)"
   $MPIRUN -np "$NP" "$ENGINE" "recipes/bench/$b.lua" || rc=1
 done
+echo "== recipes/bench/tp_step.lua (2 ranks; PyTorch from tools/.venv when tools/install-torch.sh put it there)"
+$MPIRUN -np 2 "$ENGINE" recipes/bench/tp_step.lua || rc=1
 ngpu=$("$ENGINE" -e 'io.write(tonumber(require("engine").C.eng_comm_cuda_device_count()))' 2>/dev/null)
 if [ "${ngpu:-0}" -gt 0 ] 2>/dev/null; then
   echo "== recipes/bench/gpu_step.lua"

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs the Debian packages the engine needs, only those missing.
-# Usage: tools/install-deps.sh [--torch]   (--torch adds PyTorch for fixtures/baselines)
+# Usage: tools/install-deps.sh [--torch]   (--torch adds PyTorch for fixtures/baselines: Debian's python3-torch;
+#   tools/install-torch.sh puts PyTorch 2.x from PyPI into tools/.venv for recipes/bench/tp_step.lua)
 set -euo pipefail
 pkgs=(build-essential cmake pkg-config luajit libluajit-5.1-dev lua-busted openmpi-bin libopenmpi-dev
       libopenblas-dev bible-kjv bible-kjv-text)
