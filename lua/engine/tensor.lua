@@ -324,8 +324,13 @@ function methods.element_size(t) return C.eng_dtype_size(t._c.dtype) end
 function methods.is_floating_point(t) return C.eng_dtype_is_floating(t._c.dtype) ~= 0 end
 function methods.data_ptr(t) return C.eng_tensor_data(t._c) end
 
+-- Element reads and writes of a DTensor follow the global tensor: engine.distributed installs
+-- Tensor.dtensor_values, an error unless the local tensor is the global one (all Replicate).
+local function global_values(t, op) if t._c.dist ~= nil and Tensor.dtensor_values then Tensor.dtensor_values(t, op) end end
+
 local item_buf = ffi.new("double[1]")
 function methods.item(t)
+  global_values(t, "item")
   check(C.eng_tensor_item(t._c, item_buf))
   local v = item_buf[0]
   if t._c.dtype == 7 then return v ~= 0 end
@@ -334,6 +339,7 @@ end
 
 -- Values as a flat Lua array (row-major).
 function methods.tolist_flat(t)
+  global_values(t, "totable")
   local n = tonumber(t._c.numel)
   local buf = ffi.new("double[?]", n > 0 and n or 1)
   check(C.eng_tensor_read(t._c, buf, 1, n))
@@ -344,6 +350,7 @@ end
 
 -- Nested Lua tables (a number for a 0-d tensor).
 function methods.totable(t)
+  global_values(t, "totable")
   local flat = t:tolist_flat()
   local shape = t:shape()
   local isbool = t._c.dtype == 7
@@ -418,6 +425,9 @@ function methods.fill_(t, v)
   check(C.eng_tensor_fill_(t._c, v)); return t
 end
 function methods.copy_(t, src)
+  if (t._c.dist ~= nil or (core.is_tensor(src) and src._c.dist ~= nil)) and Tensor.dtensor_copy_check then
+    Tensor.dtensor_copy_check(t, src)
+  end
   check(C.eng_tensor_copy_(t._c, ct(src, "copy_", 1)))
   return t
 end
@@ -440,11 +450,13 @@ local function fill_index(t, op, ...)
   end
 end
 function methods.get(t, ...)
+  global_values(t, "get")
   fill_index(t, "get", ...)
   check(C.eng_tensor_get(t._c, idx_buf, item_buf))
   return item_buf[0]
 end
 function methods.set(t, v, ...)
+  global_values(t, "set")
   fill_index(t, "set", ...)
   check(C.eng_tensor_set(t._c, idx_buf, v))
   return t

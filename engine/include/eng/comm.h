@@ -26,14 +26,21 @@
  * out-of-place call) is valid after eng_work_wait.  With work == NULL the call
  * blocks until the collective is done.
  *
- * Reliability: each group numbers its collectives (sequence numbers).  In
- * debug mode (env ENGINE_COMM_DEBUG=1 or eng_comm_set_debug(1) on every rank)
- * the ranks of a group first exchange (seq, kind, dtype, shape, op, root) and
- * all fail with an error naming what each rank issued if they differ; a rank
- * that waits longer than the debug timeout (env ENGINE_COMM_TIMEOUT, seconds,
- * default 300) for its peers prints the flight recorder and aborts the job.
- * The flight recorder keeps the last 64 collectives of this process; error
- * messages from collectives end with the most recent entries. */
+ * Reliability (always on): each group numbers its collectives (sequence
+ * numbers), and before every collective its members compare its signature
+ * (seq, kind, op, root, dtype, shape) with one small all_reduce of a hash on
+ * a control communicator of the group.  When they differ, or a member failed
+ * its argument checks, every member fails with an error naming what each rank
+ * issued and each rank's last collectives, and the group stays usable.  A
+ * member that waits finds out within a second when a peer of the group has
+ * ended (finalized MPI: eng_dist_finalize tells every rank) and fails naming
+ * it; one that waits longer than the timeout (env ENGINE_COMM_TIMEOUT,
+ * seconds, default 300) prints the flight recorder and aborts the job.  Env
+ * ENGINE_COMM_CHECK=0 (or eng_comm_set_check(0) on every rank) turns the
+ * signature check off (benchmarks); debug mode (env ENGINE_COMM_DEBUG=1 or
+ * eng_comm_set_debug(1)) keeps it on and also logs every collective to
+ * stderr.  The flight recorder keeps the last 64 collectives of this
+ * process; error messages from collectives end with the most recent entries. */
 #ifndef ENG_COMM_H
 #define ENG_COMM_H
 
@@ -116,12 +123,22 @@ int eng_pg_broadcast(eng_pg* pg, eng_tensor* t, int root, eng_work** work);
  * in [size*c, d1, ...]; in is ignored (may be NULL) on the other ranks. */
 int eng_pg_scatter(eng_pg* pg, eng_tensor* out, eng_tensor* in, int root, eng_work** work);
 int eng_pg_barrier(eng_pg* pg, eng_work** work);
-/* For checks made outside C (e.g. by the Lua layer) on a collective of kind
- * `kind` about to be issued on pg: sets msg as the error and returns -1.  In
- * debug mode a member first takes part in the consistency exchange with the
- * failure, so the other ranks fail too (naming this rank) instead of
- * waiting. */
+/* For checks made outside C (e.g. by the Lua layer) on a collective of
+ * kind `kind` about to be issued on pg: sets msg as the error and returns -1.
+ * A member first takes part in the signature check with the failure, so the
+ * other ranks fail too (naming this rank) instead of waiting. */
 int eng_pg_report_error(eng_pg* pg, int kind, const char* msg);
+/* Agreement before a collective whose arguments were validated locally (data
+ * a rank alone sees, e.g. targets out of range): collective over pg (every
+ * member calls it at the same point).  local_err: 0 this rank is fine; 1 it
+ * failed (message set); 2 it failed because an earlier agreement failed (the
+ * message, naming the origin, is passed on unchanged).  key: a value every
+ * member must have computed alike (0 if none).  Returns 0 when every member
+ * is fine and the keys agree, else -1 on every member with an error naming
+ * op and the failing rank and its message.  One small all_reduce; not
+ * counted or numbered as a collective.  Non-members and groups of one
+ * return at once (-1 when local_err). */
+int eng_pg_agree(eng_pg* pg, int local_err, uint64_t key, const char* op);
 /* The bare MPI collective on raw contiguous CPU buffers, for benchmarks that
  * compare against the checked path above: no staging, no counters, no
  * recorder, no debug checks; blocking.  count: elements (all_reduce,
@@ -175,8 +192,14 @@ int eng_pg_single_copy_usable(eng_pg* pg);
 /* ---- debug mode and the flight recorder. */
 int eng_comm_set_debug(int on);
 int eng_comm_get_debug(void);
-/* Seconds a debug-mode rank waits for its peers before aborting the job. */
+/* The signature check before every collective (on by default). */
+int eng_comm_set_check(int on);
+int eng_comm_get_check(void);
+/* Seconds a rank waits for its peers in the signature check before it
+ * prints the flight recorder and aborts the job (default 300, env
+ * ENGINE_COMM_TIMEOUT). */
 int eng_comm_set_timeout(double seconds);
+double eng_comm_get_timeout(void);
 typedef struct eng_coll_record {
   int64_t id;        /* position in this process's history (0, 1, ...) */
   int64_t seq;       /* sequence number within its group */

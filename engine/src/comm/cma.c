@@ -245,6 +245,7 @@ int comm_cma_exchange(eng_pg* pg, const char* op, int kind, eng_tensor* out, con
   return 1;
 #else
   const char* what = eng_coll_kind_name(kind);
+  if (comm_check(pg, what, kind, in, local_err)) return -1; /* every rank issued this exchange */
   int k = pg->size, me = pg->rank, nd = in->ndim;
   cma_desc mine;
   memset(&mine, 0, sizeof mine);

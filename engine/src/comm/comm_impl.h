@@ -16,6 +16,8 @@ struct eng_pg {
   int64_t id;
   int64_t seq;          /* collectives issued on this group */
   MPI_Comm comm;        /* MPI_COMM_NULL on a non-member */
+  MPI_Comm ctl;         /* control traffic (signature checks, agreements): a dup of comm */
+  int broken;           /* a member has ended while this rank waited on the group: collectives fail */
   int* ranks;           /* world ranks of the members (size entries) */
   char name[96];
   void* nccl;           /* NCCL backend state, created on first use */
@@ -60,6 +62,16 @@ COMM_INTERNAL int comm_ensure_init(const char* op);
 /* Collective over the world: -1 on every rank (error naming op and what)
  * when `data` is not the same on all ranks. */
 COMM_INTERNAL int comm_world_agree(const void* data, size_t n, const char* op, const char* what);
+
+/* The signature check of one collective about to be issued on pg (a member)
+ * outside run() (comm/cma.c): kind, the tensor whose dtype identifies it
+ * (its shape may differ between ranks), this rank's own failure (message set).  0 when every member
+ * issued the same valid collective, else -1 on every member. */
+COMM_INTERNAL int comm_check(eng_pg* pg, const char* name, int kind, const eng_tensor* key, int local_err);
+/* At MPI finalize: tells every other world rank that this one has ended
+ * (with its last collectives), so that a rank waiting for it fails instead
+ * of hanging; then stops listening. */
+COMM_INTERNAL void comm_say_goodbye(void);
 
 /* Collectives done outside run() (comm/cma.c) are accounted here as one
  * collective of `kind`: sequence number, counters, flight recorder.  begin

@@ -33,6 +33,7 @@ int eng_dist_is_initialized(void) {
 
 int eng_dist_finalize(void) {
   if (!g_owned || !eng_dist_is_initialized()) return 0;
+  comm_say_goodbye(); /* a rank still waiting for this one in a collective fails instead of hanging */
   MPI_Finalize();
   g_owned = 0;
   return 0;

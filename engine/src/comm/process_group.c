@@ -36,6 +36,7 @@ static int g_my_rank; /* world rank, cached so other threads can print it */
 static int64_t g_next_id = 1;
 static int g_debug = -1;       /* -1: not read from the environment yet */
 static double g_timeout = -1;  /* seconds; -1: not read yet */
+static int g_check = -1;       /* signature checks; -1: not read from the environment yet */
 static int64_t g_counts[ENG_NUM_COLL_KINDS], g_bytes[ENG_NUM_COLL_KINDS];
 
 static int debug_on(void) {
@@ -55,6 +56,18 @@ static double timeout_s(void) {
   return g_timeout;
 }
 
+/* The signature check: on unless ENGINE_COMM_CHECK=0 (debug mode keeps it on). */
+static int check_on(void) {
+  if (g_check < 0) {
+    const char* e = getenv("ENGINE_COMM_CHECK");
+    g_check = !(e && !strcmp(e, "0"));
+  }
+  return g_check || debug_on();
+}
+
+int eng_comm_set_check(int on) { g_check = on ? 1 : 0; return 0; }
+int eng_comm_get_check(void) { return check_on(); }
+double eng_comm_get_timeout(void) { return timeout_s(); }
 int eng_comm_set_debug(int on) { g_debug = on ? 1 : 0; return 0; }
 int eng_comm_get_debug(void) { return debug_on(); }
 int eng_comm_set_timeout(double seconds) {
@@ -177,6 +190,8 @@ static void err_append_history(void) {
 }
 
 /* ------------------------------------------------------------------ groups */
+static void bye_init(void);
+
 int comm_ensure_init(const char* op) {
   if (!eng_dist_is_initialized()) {
     int inited = 0;
@@ -193,6 +208,7 @@ int comm_ensure_init(const char* op) {
     g_world->id = 0;
     g_next_id--;
     g_my_rank = g_world->rank;
+    bye_init();
   }
   return 0;
 }
@@ -210,9 +226,12 @@ eng_pg* comm_pg_from_mpi(MPI_Comm c, const char* name) {
   pg->refcount = 1;
   pg->id = g_next_id++;
   pg->comm = c;
+  pg->ctl = MPI_COMM_NULL;
   pg->rank = pg->size = -1;
   if (c != MPI_COMM_NULL) {
     MPI_Comm_set_errhandler(c, MPI_ERRORS_RETURN);
+    if (MPI_Comm_dup(c, &pg->ctl) != MPI_SUCCESS) { free(pg); return eng_errp("process group: MPI_Comm_dup failed"); }
+    MPI_Comm_set_errhandler(pg->ctl, MPI_ERRORS_RETURN);
     pg->member = 1;
     MPI_Comm_rank(c, &pg->rank);
     MPI_Comm_size(c, &pg->size);
@@ -251,6 +270,7 @@ void eng_pg_release(eng_pg* pg) {
   if (pg->nccl) comm_nccl_pg_free(pg->nccl);
 #endif
   if (pg->comm != MPI_COMM_NULL && eng_dist_is_initialized()) MPI_Comm_free(&pg->comm);
+  if (pg->ctl != MPI_COMM_NULL && eng_dist_is_initialized() && !pg->broken) MPI_Comm_free(&pg->ctl);
   free(pg->ranks);
   free(pg);
 }
@@ -610,96 +630,303 @@ static const eng_tensor* key_tensor(const coll* c) {
   return c->in;
 }
 
-/* ------------------------------------------------------------------ debug-mode exchange */
+/* ------------------------------------------------------------------ signature check */
+/* Before every collective the members of its group compare its signature
+ * (seq, kind, op, root, dtype, shape): one MPI_Iallreduce(MAX) of {h, -h,
+ * err} on the group's control communicator, h a hash of the signature.
+ * Equal hashes and no error: go on (the fast path).  Otherwise every member
+ * knows, and they exchange their full signatures, messages and last
+ * collectives (an allgather) to build the same error on every rank.  While
+ * waiting, a rank watches for peers that have ended (comm_say_goodbye) and
+ * for the timeout. */
+#define KIND_AGREE ENG_NUM_COLL_KINDS /* eng_pg_agree: not a collective of its own */
+#define HIST_TXT 400                  /* a rank's last collectives in a mismatch report */
+
 typedef struct fprint {
   int64_t seq;
   int32_t kind, dtype, op, root, ndim, err;
   int64_t shape[8];
+  uint64_t key;
   char msg[232];
 } fprint;
 
-static void fp_fill(fprint* f, const coll* c, int err) {
+typedef struct report {
+  fprint f;
+  char hist[HIST_TXT];
+} report;
+
+static void fp_make(fprint* f, eng_pg* pg, int kind, int op, int root, const eng_tensor* t, int err) {
   memset(f, 0, sizeof *f);
-  f->seq = c->pg->seq; f->kind = c->kind; f->err = err;
-  f->op = (c->kind == ENG_COLL_ALL_REDUCE || c->kind == ENG_COLL_REDUCE_SCATTER) ? c->op : -1;
-  f->root = (c->kind == ENG_COLL_BROADCAST || c->kind == ENG_COLL_SCATTER) ? c->root : -1;
-  const eng_tensor* t = key_tensor(c);
+  f->seq = pg->seq; f->kind = kind; f->err = err ? (err == 2 ? 2 : 1) : 0; /* 1 failed here, 2 relayed */
+  f->op = (kind == ENG_COLL_ALL_REDUCE || kind == ENG_COLL_REDUCE_SCATTER) ? op : -1;
+  f->root = (kind == ENG_COLL_BROADCAST || kind == ENG_COLL_SCATTER) ? root : -1;
   f->dtype = t ? t->dtype : -1;
-  if (t) { f->ndim = t->ndim; for (int d = 0; d < t->ndim; d++) f->shape[d] = t->shape[d]; }
-  if (err) snprintf(f->msg, sizeof f->msg, "%s", eng_last_error());
+  if (t) { f->ndim = t->ndim; for (int d = 0; d < t->ndim && d < 8; d++) f->shape[d] = t->shape[d]; }
 }
 
 static int fp_same(const fprint* a, const fprint* b) {
   if (a->seq != b->seq || a->kind != b->kind || a->dtype != b->dtype || a->op != b->op || a->root != b->root ||
-      a->ndim != b->ndim)
+      a->ndim != b->ndim || a->key != b->key)
     return 0;
   for (int d = 0; d < a->ndim; d++) if (a->shape[d] != b->shape[d]) return 0;
   return 1;
 }
 
+static uint64_t fp_hash(const fprint* f) {
+  int64_t v[16] = {f->seq, f->kind, f->dtype, f->op, f->root, f->ndim, (int64_t)f->key};
+  for (int d = 0; d < f->ndim && d < 8; d++) v[7 + d] = f->shape[d];
+  return fnv(v, sizeof v, 1469598103934665603ull);
+}
+
+static const char* kind_name_any(int kind) { return kind == KIND_AGREE ? "agreement" : eng_coll_kind_name(kind); }
+
 static int fp_desc(char* b, int cap, const fprint* f) {
-  int k = snprintf(b, cap, "#%lld %s", (long long)f->seq, eng_coll_kind_name(f->kind) ? eng_coll_kind_name(f->kind) : "?");
+  int k = snprintf(b, cap, "#%lld %s", (long long)f->seq, kind_name_any(f->kind) ? kind_name_any(f->kind) : "?");
   if (k < cap && f->dtype >= 0) k += snprintf(b + k, cap - k, " %s%s", eng_dtype_name(f->dtype), eng_shape_str(f->ndim, f->shape));
   if (k < cap && f->op >= 0) k += snprintf(b + k, cap - k, " op=%s", eng_reduce_op_name(f->op));
   if (k < cap && f->root >= 0) k += snprintf(b + k, cap - k, " root=%d", f->root);
   return k < cap ? k : cap;
 }
 
-static void timeout_abort(const coll* c, double waited) {
+/* This rank's last n collectives, one line each (oldest first). */
+static void recent_text(char* b, int cap, int n) {
+  int len = eng_comm_history_len(), k = 0;
+  b[0] = 0;
+  if (len == 0) { snprintf(b, cap, "  (none)\n"); return; }
+  for (int i = len > n ? len - n : 0; i < len && k < cap - 1; i++) {
+    int s = hist_slot(i);
+    k += format_record(b + k, cap - k, &g_hist[s], g_hist_group[s]);
+  }
+}
+
+/* ---- peers that have ended: every rank listens on a dup of the world for a
+ * goodbye (its last collectives as text) sent at MPI finalize. */
+#define BYE_TAG 7
+#define BYE_LEN 1024
+static MPI_Comm g_bye_comm = MPI_COMM_NULL;
+static MPI_Request g_bye_req = MPI_REQUEST_NULL;
+static char g_bye_buf[BYE_LEN];
+static char** g_ended; /* per world rank: its goodbye text, NULL while running */
+static int g_world_n;
+
+static void bye_listen(void) {
+  if (g_bye_comm == MPI_COMM_NULL) return;
+  if (MPI_Irecv(g_bye_buf, BYE_LEN, MPI_CHAR, MPI_ANY_SOURCE, BYE_TAG, g_bye_comm, &g_bye_req) != MPI_SUCCESS)
+    g_bye_req = MPI_REQUEST_NULL;
+}
+
+static void bye_init(void) {
+  if (g_bye_comm != MPI_COMM_NULL) return;
+  MPI_Comm_size(MPI_COMM_WORLD, &g_world_n);
+  if (g_world_n < 2) return;
+  if (MPI_Comm_dup(MPI_COMM_WORLD, &g_bye_comm) != MPI_SUCCESS) { g_bye_comm = MPI_COMM_NULL; return; }
+  MPI_Comm_set_errhandler(g_bye_comm, MPI_ERRORS_RETURN);
+  g_ended = calloc((size_t)g_world_n, sizeof *g_ended);
+  bye_listen();
+}
+
+static void bye_poll(void) {
+  while (g_bye_req != MPI_REQUEST_NULL) {
+    int flag = 0;
+    MPI_Status st;
+    if (MPI_Test(&g_bye_req, &flag, &st) != MPI_SUCCESS || !flag) return;
+    int src = st.MPI_SOURCE;
+    g_bye_buf[BYE_LEN - 1] = 0;
+    if (g_ended && src >= 0 && src < g_world_n && !g_ended[src]) g_ended[src] = strdup(g_bye_buf);
+    bye_listen();
+  }
+}
+
+void comm_say_goodbye(void) {
+  if (g_bye_comm == MPI_COMM_NULL) return;
+  char text[BYE_LEN];
+  int k = snprintf(text, sizeof text, "last collectives of rank %d (%lld in all):\n", g_my_rank, (long long)g_hist_n);
+  if (k < (int)sizeof text) recent_text(text + k, (int)sizeof text - k, 4);
+  MPI_Request* rq = malloc(sizeof(MPI_Request) * (size_t)g_world_n);
+  int n = 0;
+  for (int r = 0; rq && r < g_world_n; r++)
+    if (r != g_my_rank && MPI_Isend(text, (int)strlen(text) + 1, MPI_CHAR, r, BYE_TAG, g_bye_comm, &rq[n]) == MPI_SUCCESS) n++;
+  if (rq) MPI_Waitall(n, rq, MPI_STATUSES_IGNORE); /* small: sent eagerly, no receiver needed */
+  free(rq);
+  if (g_bye_req != MPI_REQUEST_NULL) {
+    MPI_Cancel(&g_bye_req);
+    MPI_Wait(&g_bye_req, MPI_STATUS_IGNORE);
+  }
+  g_bye_comm = MPI_COMM_NULL; /* not freed: goodbyes from the others may still arrive */
+}
+
+/* A member of pg that has ended, or -1. */
+static int ended_member(const eng_pg* pg) {
+  if (!g_ended) return -1;
+  for (int i = 0; i < pg->size; i++)
+    if (pg->ranks[i] >= 0 && pg->ranks[i] < g_world_n && g_ended[pg->ranks[i]]) return pg->ranks[i];
+  return -1;
+}
+
+static int ended_error(eng_pg* pg, const char* name, const fprint* f, int who) {
+  char mine[HIST_TXT], d[200];
+  fp_desc(d, sizeof d, f);
+  recent_text(mine, sizeof mine, 3);
+  pg->broken = 1;
+  return eng_err("%s: rank %d has ended (finalized MPI: its script returned or called os.exit) while this rank "
+                 "(%d) waits for it in %s on group %s; group %s is unusable from now on.\n%s"
+                 "last collectives of rank %d:\n%s",
+                 name, who, g_my_rank, d, pg->name, pg->name, g_ended[who], g_my_rank, mine);
+}
+
+static void timeout_abort(eng_pg* pg, const char* name, const fprint* f, double waited) {
+  char d[200];
+  fp_desc(d, sizeof d, f);
   fprintf(stderr,
-          "[rank %d] %s on group %s (seq %lld): the other ranks of the group did not join within %.0f s (debug "
-          "mode): a rank is stuck, has failed, or issued a different collective on another group. Aborting the "
-          "job.\n%s",
-          eng_dist_rank(), c->name, c->pg->name, (long long)c->pg->seq, waited, eng_comm_history_format(0));
+          "[rank %d] %s: the other ranks of group %s did not join %s within %.0f s (ENGINE_COMM_TIMEOUT; "
+          "dist.set_comm_timeout): a rank is stuck (computing, or waiting in a collective on another group) or "
+          "has failed. Aborting the job.\n%s",
+          g_my_rank, name, pg->name, d, waited, eng_comm_history_format(16));
   fflush(stderr);
   MPI_Abort(MPI_COMM_WORLD, 3);
   exit(3);
 }
 
-/* Exchanges fingerprints; returns 0 when every rank issued the same valid
- * collective, else -1 with an error naming each rank's call. */
-static int debug_exchange(const coll* c, int local_err) {
-  int W = c->pg->size;
-  fprint mine;
-  fp_fill(&mine, c, local_err);
-  fprint* all = malloc(sizeof(fprint) * (size_t)W);
-  if (!all) return eng_err("%s: out of memory (debug check)", c->name);
-  MPI_Request r;
-  int rc = MPI_Iallgather(&mine, (int)sizeof mine, MPI_BYTE, all, (int)sizeof mine, MPI_BYTE, c->pg->comm, &r);
-  if (rc != MPI_SUCCESS) { free(all); return eng_err("%s: debug check failed: %s", c->name, comm_mpi_errstr(rc)); }
-  double t0 = eng_time(), lim = timeout_s();
+/* Waits for the check's all_reduce; -1 (error set) when a member has ended. */
+static int check_wait(eng_pg* pg, MPI_Request* r, const char* name, const fprint* f) {
   int flag = 0;
-  for (long spin = 0; !flag; spin++) {
-    if (MPI_Test(&r, &flag, MPI_STATUS_IGNORE) != MPI_SUCCESS) break;
-    if (flag) break;
-    if (spin > 64) sched_yield();
-    if ((spin & 255) == 0 && eng_time() - t0 > lim) timeout_abort(c, eng_time() - t0);
-  }
-  int bad = local_err ? 1 : 0, first_err = -1;
-  for (int i = 0; i < W; i++) {
-    if (all[i].err && first_err < 0) first_err = i;
-    if (all[i].err || !fp_same(&all[i], &all[0])) bad = 1;
-  }
-  if (!bad) { free(all); return 0; }
-  if (local_err) { free(all); return -1; } /* our own message is already set */
-  char msg[2048];
-  int k;
-  if (first_err >= 0) {
-    k = snprintf(msg, sizeof msg, "%s: rank %d (group rank %d of %s) failed its checks: %s", c->name,
-                 c->pg->ranks[first_err], first_err, c->pg->name, all[first_err].msg);
-  } else {
-    k = snprintf(msg, sizeof msg, "%s: collective mismatch on group %s (debug mode): ", c->name, c->pg->name);
-    for (int i = 0; i < W && k < (int)sizeof msg - 64; i++) {
-      k += snprintf(msg + k, sizeof msg - k, "%srank %d: ", i ? "; " : "", c->pg->ranks[i]);
-      k += fp_desc(msg + k, (int)sizeof msg - k, &all[i]);
+  double t0 = 0;
+  for (long spin = 0;; spin++) {
+    if (MPI_Test(r, &flag, MPI_STATUS_IGNORE) != MPI_SUCCESS) return eng_err("%s: signature check failed on group %s", name, pg->name);
+    if (flag) return 0;
+    if (spin < 32) continue;
+    sched_yield();
+    if ((spin & 31) != 0) continue;
+    double now = eng_time();
+    if (t0 == 0) t0 = now;
+    if (now - t0 > 0.02) {
+      bye_poll();
+      int who = ended_member(pg);
+      if (who >= 0) return ended_error(pg, name, f, who); /* *r stays pending: the peer is gone */
+      struct timespec ts = {0, 200000};
+      nanosleep(&ts, NULL);
     }
+    if (now - t0 > timeout_s()) timeout_abort(pg, name, f, now - t0);
+  }
+}
+
+/* Builds the error every member reports after a failed check (all members
+ * take part: each knows the check failed). */
+static int check_report(eng_pg* pg, const char* name, const fprint* mine_f, int local_err) {
+  int W = pg->size;
+  report* me = calloc(1, sizeof *me);
+  report* all = calloc((size_t)W, sizeof *all);
+  if (!me || !all) { free(me); free(all); return eng_err("%s: out of memory (signature check)", name); }
+  me->f = *mine_f;
+  if (local_err) snprintf(me->f.msg, sizeof me->f.msg, "%s", eng_last_error());
+  recent_text(me->hist, sizeof me->hist, 3);
+  int rc = MPI_Allgather(me, (int)sizeof *me, MPI_BYTE, all, (int)sizeof *me, MPI_BYTE, pg->ctl);
+  free(me);
+  if (rc != MPI_SUCCESS) { free(all); return eng_err("%s: signature check failed: %s", name, comm_mpi_errstr(rc)); }
+  if (local_err == 1) { free(all); return -1; } /* our own message stands */
+  char msg[2048];
+  int k = 0, first_err = -1, relayed = -1;
+  for (int i = 0; i < W; i++) {
+    if (all[i].f.err == 1 && first_err < 0) first_err = i;
+    if (all[i].f.err == 2 && relayed < 0) relayed = i;
+  }
+  if (first_err < 0 && relayed >= 0) { /* the origin failed in an earlier agreement: pass its message on */
+    if (local_err != 2) eng_set_error_message(all[relayed].f.msg);
+    free(all);
+    return -1;
+  }
+  if (local_err) { free(all); return -1; }
+  if (first_err >= 0) {
+    snprintf(msg, sizeof msg, "%s: rank %d (group rank %d of %s) failed its checks: %s", name, pg->ranks[first_err],
+             first_err, pg->name, all[first_err].f.msg);
+  } else {
+    int agreements = 1;
+    for (int i = 0; i < W; i++) agreements &= all[i].f.kind == KIND_AGREE;
+    if (agreements) {
+      free(all);
+      return eng_err("%s: the ranks of group %s reached it with different arguments", name, pg->name);
+    }
+    k = snprintf(msg, sizeof msg, "%s: collective mismatch on group %s: ", name, pg->name);
+    /* ranks grouped by what they issued */
+    char* done = calloc((size_t)W, 1);
+    for (int i = 0; i < W && done && k < (int)sizeof msg - 64; i++) {
+      if (done[i]) continue;
+      int cnt = 0;
+      for (int j = i; j < W; j++) if (!done[j] && fp_same(&all[j].f, &all[i].f)) cnt++;
+      k += snprintf(msg + k, sizeof msg - k, "%s%s ", i ? "; " : "", cnt > 1 ? "ranks" : "rank");
+      int first = 1;
+      for (int j = i; j < W && k < (int)sizeof msg - 64; j++)
+        if (!done[j] && fp_same(&all[j].f, &all[i].f)) {
+          done[j] = 1;
+          k += snprintf(msg + k, sizeof msg - k, first ? "%d" : ",%d", pg->ranks[j]);
+          first = 0;
+        }
+      k += snprintf(msg + k, sizeof msg - k, ": ");
+      k += fp_desc(msg + k, (int)sizeof msg - k, &all[i].f);
+    }
+    free(done);
     if (k < (int)sizeof msg)
-      snprintf(msg + k, sizeof msg - k, " (every rank of a group must issue the same collectives in the same order, "
-               "with the same shapes, dtypes, ops and roots)");
+      k += snprintf(msg + k, sizeof msg - k, " (every rank of a group must issue the same collectives in the same "
+                    "order, with the same shapes, dtypes, ops and roots)");
+    for (int i = 0; i < W && i < 4 && k < (int)sizeof msg; i++)
+      k += snprintf(msg + k, sizeof msg - k, "\nlast collectives of rank %d:\n%s", pg->ranks[i], all[i].hist);
+    if (W > 4 && k < (int)sizeof msg) snprintf(msg + k, sizeof msg - k, "(%d more ranks)", W - 4);
+    k = (int)strlen(msg);
+    if (k && msg[k - 1] == '\n') msg[k - 1] = 0;
   }
   free(all);
   eng_set_error_message(msg);
   return -1;
+}
+
+/* The check itself; f describes this rank's call. */
+static int check_run(eng_pg* pg, const char* name, const fprint* f, int local_err) {
+  local_err = f->err;
+  if (pg->broken) {
+    int who = ended_member(pg);
+    if (local_err) return -1;
+    return eng_err("%s: group %s is unusable: rank %d has ended while this rank waited for it", name, pg->name, who);
+  }
+  if (pg->size < 2) return local_err ? -1 : 0;
+  int64_t* v = malloc(6 * sizeof(int64_t)); /* leaked when a peer has ended (the request stays pending) */
+  if (!v) return eng_err("%s: out of memory (signature check)", name);
+  int64_t h = (int64_t)(fp_hash(f) >> 1);
+  v[0] = h; v[1] = -h; v[2] = local_err ? 1 : 0;
+  MPI_Request r;
+  int rc = MPI_Iallreduce(v, v + 3, 3, MPI_INT64_T, MPI_MAX, pg->ctl, &r);
+  if (rc != MPI_SUCCESS) { free(v); return eng_err("%s: signature check failed: %s", name, comm_mpi_errstr(rc)); }
+  if (check_wait(pg, &r, name, f)) return -1;
+  int ok = v[3] == -v[4] && v[5] == 0;
+  free(v);
+  if (ok) return 0;
+  return check_report(pg, name, f, local_err);
+}
+
+static void debug_log(const eng_pg* pg, const char* name, const fprint* f) {
+  char d[200];
+  fp_desc(d, sizeof d, f);
+  fprintf(stderr, "[rank %d] comm: %s on group %s: %s\n", g_my_rank, name, pg->name, d);
+}
+
+int comm_check(eng_pg* pg, const char* name, int kind, const eng_tensor* key, int local_err) {
+  if (!check_on()) return 0; /* the caller's own exchange handles local_err */
+  fprint f;
+  /* the shards exchanged may differ in shape between ranks (uneven torch.chunk pieces): the exchange
+   * checks them itself; the signature carries kind and dtype */
+  fp_make(&f, pg, kind, 0, 0, NULL, local_err);
+  f.dtype = key ? key->dtype : -1;
+  if (debug_on()) debug_log(pg, name, &f);
+  return check_run(pg, name, &f, local_err);
+}
+
+int eng_pg_agree(eng_pg* pg, int local_err, uint64_t key, const char* op) {
+  if (!op) op = "agreement";
+  if (!pg) return eng_err("%s: process group is NULL", op);
+  if (!pg->member || pg->size < 2 || !eng_dist_is_initialized()) return local_err ? -1 : 0;
+  fprint f;
+  fp_make(&f, pg, KIND_AGREE, 0, 0, NULL, local_err ? (local_err == 2 ? 2 : 1) : 0);
+  f.key = key;
+  return check_run(pg, op, &f, f.err);
 }
 
 /* ------------------------------------------------------------------ dispatch */
@@ -843,16 +1070,18 @@ static int run(const coll* c, eng_work** work) {
   int err = validate(c);
   int64_t seq = c->pg->seq;
   const eng_tensor* kt = key_tensor(c);
-  if (debug_on()) {
-    /* every rank took part in the exchange, so every rank counts it */
-    int rc = debug_exchange(c, err);
+  if (check_on()) {
+    fprint f;
+    fp_make(&f, c->pg, c->kind, c->op, c->root, kt, err);
+    if (debug_on()) debug_log(c->pg, c->name, &f);
+    int rc = check_run(c->pg, c->name, &f, err);
+    /* every rank took part in the check, so every rank counts it */
     c->pg->seq++;
     if (rc) {
       if (!err) {
         int64_t id = rec_start(c->pg, seq, c->kind, kt ? kt->dtype : -1, c->op, c->root, kt ? kt->ndim : 0,
                                kt ? kt->shape : NULL, work != NULL);
         rec_end(id, 2);
-        err_append_history();
       }
       return -1;
     }
@@ -956,10 +1185,12 @@ int eng_pg_scatter(eng_pg* pg, eng_tensor* out, eng_tensor* in, int root, eng_wo
 
 int eng_pg_report_error(eng_pg* pg, int kind, const char* msg) {
   eng_set_error_message(msg ? msg : "collective: invalid arguments");
-  if (!pg || !pg->member || !debug_on() || !eng_dist_is_initialized()) return -1;
+  if (!pg || !pg->member || !check_on() || !eng_dist_is_initialized()) return -1;
   if (kind < 0 || kind >= ENG_NUM_COLL_KINDS) kind = ENG_COLL_BARRIER;
-  coll c = {eng_coll_kind_name(kind), kind, 0, 0, pg, NULL, NULL};
-  debug_exchange(&c, 1);
+  fprint f;
+  fp_make(&f, pg, kind, 0, 0, NULL, 1);
+  check_run(pg, eng_coll_kind_name(kind), &f, 1);
+  eng_set_error_message(msg ? msg : "collective: invalid arguments");
   pg->seq++;
   return -1;
 }

@@ -179,29 +179,38 @@ static double combine(int kind, double a, double b) {
   return a + b;
 }
 
+/* The tensor whose layout decides the all_reduces for entry i: the
+ * parameter itself when norming gradients (its layout is the same on every
+ * rank, even where a rank has no gradient), else the tensor. */
+static eng_tensor* layout_of(eng_tensor* x, int from_grads) {
+  if (!x) return NULL;
+  if (from_grads && !x->dist && x->grad) return x->grad;
+  return x;
+}
+
 static int total_norm(const char* op, int n, eng_tensor** ts, double p, double* out, int from_grads) {
   int kind = norm_kind(op, p);
   if (kind < 0) return -1;
-  int first_dev = -1;
-  for (int i = 0; i < n; i++) {
+  int first_dev = -1, err = 0;
+  for (int i = 0; i < n && !err; i++) {
     eng_tensor* t = ts[i] ? (from_grads ? ts[i]->grad : ts[i]) : NULL;
     if (!t) continue;
     if (!eng_dtype_is_floating(t->dtype))
-      return eng_err("%s: %s %d %s is not floating point", op, from_grads ? "grad of param" : "tensor", i + 1, eng_desc(t));
-    if (t->device != ENG_CPU && t->dist) return eng_cu_unsupported(op, t);
-    if (first_dev >= 0 && t->device != first_dev)
-      return eng_err("%s: %s %d %s is on %s, the first one on %s (all on one device)", op,
-                     from_grads ? "grad of param" : "tensor", i + 1, eng_desc(t), t->device == ENG_CUDA ? "cuda" : "cpu",
-                     first_dev == ENG_CUDA ? "cuda" : "cpu");
-    first_dev = t->device;
-    if (t->dist && t->dist->has_partial) {
+      err = eng_err("%s: %s %d %s is not floating point", op, from_grads ? "grad of param" : "tensor", i + 1, eng_desc(t));
+    else if (t->device != ENG_CPU && t->dist) err = eng_cu_unsupported(op, t);
+    else if (first_dev >= 0 && t->device != first_dev)
+      err = eng_err("%s: %s %d %s is on %s, the first one on %s (all on one device)", op,
+                    from_grads ? "grad of param" : "tensor", i + 1, eng_desc(t), t->device == ENG_CUDA ? "cuda" : "cpu",
+                    first_dev == ENG_CUDA ? "cuda" : "cpu");
+    else if (t->dist && t->dist->has_partial) {
       char a[768];
-      return eng_err("%s: %s %d is %s: a Partial placement has no norm (redistribute it to Replicate or Shard first)",
-                     op, from_grads ? "grad of param" : "tensor", i + 1, eng_dtensor_describe(t, a, sizeof a));
-    }
-    if (eng_dtensor_wait(t)) return -1;
+      err = eng_err("%s: %s %d is %s: a Partial placement has no norm (redistribute it to Replicate or Shard first)",
+                    op, from_grads ? "grad of param" : "tensor", i + 1, eng_dtensor_describe(t, a, sizeof a));
+    } else if (eng_dtensor_wait(t)) err = -1;
+    if (!err) first_dev = t->device;
   }
-  if (first_dev == ENG_CUDA) return eng_cu_global_norm(n, ts, from_grads, p, out, op);
+  err = err ? 1 : 0;
+  if (first_dev == ENG_CUDA && !err) return eng_cu_global_norm(n, ts, from_grads, p, out, op);
   double init = kind == KN_MIN ? INFINITY : 0.0;
   norm_group* groups = calloc((size_t)n + 1, sizeof *groups);
   if (!groups) return eng_err("%s: out of memory", op);
@@ -209,28 +218,31 @@ static int total_norm(const char* op, int n, eng_tensor** ts, double p, double* 
   groups[0].c = (norm_ctx){kind, 0, p, init};
   int64_t count = 0;
   for (int i = 0; i < n; i++) {
+    eng_tensor* L = layout_of(ts[i], from_grads);
     eng_tensor* t = ts[i] ? (from_grads ? ts[i]->grad : ts[i]) : NULL;
-    if (!t) continue;
-    count += eng_dtensor_numel(t);
+    if (!L) continue;
     int g = 0;
-    if (t->dist) {
+    if (L->dist) {
       uint32_t mask = 0;
-      for (int d = 0; d < t->dist->mesh_ndim; d++)
-        if ((t->dist->placements[d].kind == ENG_PLACEMENT_SHARD ||
-             t->dist->placements[d].kind == ENG_PLACEMENT_STRIDED_SHARD) && t->dist->mesh_shape[d] > 1)
+      for (int d = 0; d < L->dist->mesh_ndim; d++)
+        if ((L->dist->placements[d].kind == ENG_PLACEMENT_SHARD ||
+             L->dist->placements[d].kind == ENG_PLACEMENT_STRIDED_SHARD) && L->dist->mesh_shape[d] > 1)
           mask |= 1u << d;
       if (mask) {
         for (g = 1; g < ng; g++)
           if (groups[g].mask == mask &&
-              (groups[g].mesh == t->dist->mesh || eng_mesh_equal(groups[g].mesh, t->dist->mesh)))
+              (groups[g].mesh == L->dist->mesh || eng_mesh_equal(groups[g].mesh, L->dist->mesh)))
             break;
         if (g == ng) {
-          groups[g].mesh = t->dist->mesh; groups[g].mask = mask;
+          groups[g].mesh = L->dist->mesh; groups[g].mask = mask;
           groups[g].c = (norm_ctx){kind, 0, p, init};
           ng++;
         }
       }
     }
+    if (g > 0) count += eng_dtensor_numel(L); /* its shards elsewhere count, with or without a local gradient */
+    if (!t || err) continue;
+    if (g == 0) count += eng_dtensor_numel(t);
     if (t->numel == 0) continue;
     norm_ctx* c = &groups[g].c;
     c->dt = t->dtype;
@@ -239,6 +251,16 @@ static int total_norm(const char* op, int n, eng_tensor** ts, double p, double* 
     int esz[1] = {eng_dtype_size(t->dtype)};
     kc_foreach(t->ndim, t->shape, 1, base, st, esz, norm_rows, c);
   }
+  /* The checks above may fail on some ranks only (their own gradients): the
+   * ranks of every mesh the all_reduces below run on agree first. */
+  for (int g = 1; g < ng; g++)
+    for (int d = 0; d < eng_mesh_ndim(groups[g].mesh); d++) {
+      if (!(groups[g].mask & (1u << d))) continue;
+      eng_pg* pg = eng_mesh_get_group(groups[g].mesh, d);
+      if (pg && eng_pg_agree(pg, err, 0, op) && !err) err = 2;
+      eng_pg_release(pg);
+    }
+  if (err) { free(groups); return -1; }
   double r = groups[0].c.acc;
   int rc = 0;
   for (int g = 1; g < ng && rc == 0; g++) {

@@ -94,19 +94,33 @@ static int ce_local(const eng_op_call* c, const eng_dist_spec* const* is, const 
   if (!x->member) return eng_err("not a member of the mesh");
   int rd = red == RED_MEAN && nb > 0 ? RED_SUM : red;
   eng_tensor* r;
-  if (vm >= 0)
-    r = eng_cross_entropy_vocab_parallel(logits, target, x->offset[cd], x->shape[cd], eng_mesh_get_group(x->mesh, vm),
-                                         ignore, rd);
-  else
+  if (vm >= 0) {
+    eng_pg* g = eng_mesh_get_group(x->mesh, vm);
+    r = eng_cross_entropy_vocab_parallel(logits, target, x->offset[cd], x->shape[cd], g, ignore, rd);
+    eng_pg_release(g);
+  } else
     r = eng_cross_entropy(logits, target, ignore, rd, c->scalars[0]);
-  if (!r) return -1;
-  if (rd == red) { outs[0] = r; return 0; }
-  /* mean over a sharded batch: local sum / global count of non-ignored targets */
+  if (rd == red) { outs[0] = r; return r ? 0 : -1; }
+  /* mean over a sharded batch: local sum / global count of non-ignored
+   * targets.  The local loss may fail on some ranks only (their targets out
+   * of range): agree over the batch groups first, so that every rank fails
+   * (naming the rank) instead of the others waiting in the count all_reduce. */
   double cnt;
   eng_tensor* ct = NULL;
-  int rc = local_count(target, ignore, &cnt);
+  int rc = r ? local_count(target, ignore, &cnt) : -1;
+  int agreed = rc ? 1 : 0;
+  for (int i = 0; i < nb; i++) {
+    eng_pg* g = eng_mesh_get_group(x->mesh, batch[i]);
+    if (eng_pg_agree(g, agreed, 0, "mean over the sharded batch") && !agreed) agreed = 2;
+    eng_pg_release(g);
+  }
+  if (agreed && !rc) rc = -1;
   if (!rc) rc = (ct = eng_tensor_full(0, NULL, cnt, ENG_F64, ENG_CPU)) ? 0 : -1;
-  for (int i = 0; i < nb && !rc; i++) rc = eng_pg_all_reduce(eng_mesh_get_group(x->mesh, batch[i]), ct, ENG_REDUCE_SUM, NULL);
+  for (int i = 0; i < nb && !rc; i++) {
+    eng_pg* g = eng_mesh_get_group(x->mesh, batch[i]);
+    rc = eng_pg_all_reduce(g, ct, ENG_REDUCE_SUM, NULL);
+    eng_pg_release(g);
+  }
   if (!rc) rc = eng_tensor_item(ct, &cnt);
   eng_tensor_release(ct);
   if (!rc) outs[0] = eng_mul_scalar(r, cnt > 0 ? 1.0 / cnt : (0.0 / 0.0));

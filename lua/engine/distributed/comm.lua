@@ -142,7 +142,14 @@ local function reduce_op(op, name)
 end
 
 local function tensor_arg(x, name, pos)
-  if type(x) == "table" and x._c then return x._c end
+  if type(x) == "table" and x._c then
+    if x._c.dist ~= nil then
+      return nil, string.format("%s: argument %s is a DTensor (%s): collectives work on plain tensors; change a "
+        .. "DTensor's layout with d:redistribute(mesh, placements) (e.g. {Replicate()} to sum a Partial), or pass "
+        .. "d:to_local() / d:full_tensor()", name, tostring(pos), x:_layout_str())
+    end
+    return x._c
+  end
   return nil, string.format("%s: argument %s must be a tensor, got %s", name, tostring(pos), type(x))
 end
 
@@ -468,16 +475,23 @@ function M.set_single_copy(on) C.eng_comm_set_single_copy(on and 1 or 0) end
 function M.get_single_copy() return C.eng_comm_get_single_copy() ~= 0 end
 function M.single_copy_count() return tonumber(C.eng_comm_single_copy_count()) end
 
--- set_debug(true [, {timeout = seconds}]): must be set the same way on every rank.
+-- Every collective's signature (seq, kind, op, root, dtype, shape) is checked across its group
+-- first (always on; set_comm_check(false) or ENGINE_COMM_CHECK=0 turns it off, on every rank).
+-- set_debug(true [, {timeout = seconds}]): also logs every collective to stderr (ENGINE_COMM_DEBUG=1);
+-- set it the same way on every rank.  set_comm_timeout(s): how long a rank waits for its peers in
+-- the check before it prints the flight recorder and aborts the job (ENGINE_COMM_TIMEOUT, default 300).
 function M.set_debug(on, opts)
   C.eng_comm_set_debug(on and 1 or 0)
   if type(opts) == "table" and opts.timeout ~= nil then M.set_comm_timeout(opts.timeout) end
 end
 function M.get_debug() return C.eng_comm_get_debug() ~= 0 end
+function M.set_comm_check(on) C.eng_comm_set_check(on and 1 or 0) end
+function M.get_comm_check() return C.eng_comm_get_check() ~= 0 end
 function M.set_comm_timeout(seconds)
   if type(seconds) ~= "number" then error("set_comm_timeout: seconds must be a number", 2) end
   if C.eng_comm_set_timeout(seconds) ~= 0 then cerr(2) end
 end
+function M.get_comm_timeout() return tonumber(C.eng_comm_get_timeout()) end
 
 local state_names = { [0] = "issued", "completed", "failed" }
 

@@ -296,6 +296,37 @@ props.device_mesh = function(t)
 end
 
 local desc_buf = ffi.new("char[?]", 2048)
+-- "f32[4,2] on mesh(2) [Shard(2)]": a DTensor's global layout, for messages.
+function methods._layout_str(t)
+  return ffi.string(C.eng_dist_spec_describe(t._c.dist, t._c.dtype, desc_buf, 2048))
+end
+
+-- get/set/item/totable on a DTensor (tensor.lua): the local tensor is the global one only when every
+-- placement is Replicate (on a rank of the mesh); otherwise reading it would mix local and global views.
+function Tensor.dtensor_values(t, op)
+  local s = t._c.dist
+  if s.member ~= 0 and s.has_shard == 0 and s.has_partial == 0 then return end
+  local why = s.member == 0 and "this rank is not in its mesh and holds none of it"
+    or "this rank holds only its part of the global tensor"
+  error(string.format("%s: DTensor %s: %s; call full_tensor() for the global values or to_local() for this "
+    .. "rank's local tensor", op, t:_layout_str(), why), 4)
+end
+
+-- copy_ between a DTensor and a plain tensor: the plain one would be taken as the local shard.
+function Tensor.dtensor_copy_check(t, src)
+  if not core.is_tensor(src) then return end
+  local td, sd = t._c.dist ~= nil, src._c.dist ~= nil
+  if td and sd then return end
+  if td then
+    if src._c.ndim == 0 then return end -- a scalar fills every element
+    error(string.format("copy_: the destination is DTensor %s and the source plain tensor %s: distribute the "
+      .. "source first (dist.distribute_tensor(src, mesh, placements)), or copy into d:to_local()",
+      t:_layout_str(), ffi.string(C.eng_tensor_describe(src._c, desc_buf, 2048))), 3)
+  end
+  error(string.format("copy_: the source is DTensor %s and the destination plain tensor %s: copy from "
+    .. "src:full_tensor() (the global values) or src:to_local() (this rank's local tensor)", src:_layout_str(),
+    ffi.string(C.eng_tensor_describe(t._c, desc_buf, 2048))), 3)
+end
 function Tensor.dtensor_tostring(t)
   local c = t._c
   C.eng_dtensor_wait(c)

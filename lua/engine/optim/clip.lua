@@ -40,9 +40,9 @@ function M.clip_grad_norm_(params, max_norm, p, opts)
   p = norm_type(p, op)
   local arr = ffi.new("eng_tensor*[?]", #list > 0 and #list or 1)
   local n = 0
-  for _, t in ipairs(list) do
-    if t._c.grad ~= nil then arr[n] = t._c; n = n + 1 end
-  end
+  -- every parameter goes to C, with or without a gradient: the all_reduces over DTensor shards follow
+  -- the parameters' layouts, the same on every rank even where one rank has no gradient
+  for _, t in ipairs(list) do arr[n] = t._c; n = n + 1 end
   if n == 0 then return 0 end
   local prev = C.eng_set_grad_enabled(0)
   local rc = C.eng_clip_grad_norm_(n, arr, max_norm, p, out)

@@ -1,0 +1,100 @@
+-- Whole-job failure modes of collectives (issue 11.3), each in a child 2-rank job started with mpirun
+-- from this single-process spec (the environment of the outer MPI singleton removed), under `timeout`,
+-- so that a regression fails the spec instead of hanging it:
+--  * a rank that ends while another waits for it in a collective: the waiting rank fails within seconds
+--    naming the rank that ended and both ranks' last collectives;
+--  * a collective mismatch outside pcall: both ranks fail with the mismatch, the job ends;
+--  * a rank stuck in compute: the others give up after ENGINE_COMM_TIMEOUT seconds, print their flight
+--    recorder and abort the job.
+local engine = require("engine")
+local dist = engine.distributed
+
+local function self_exe()
+  local p = io.popen("readlink /proc/$PPID/exe")
+  local s = p:read("*l")
+  p:close()
+  return s
+end
+
+local function have_mpirun()
+  local p = io.popen("command -v mpirun")
+  local s = p:read("*l")
+  p:close()
+  return s ~= nil and s ~= ""
+end
+
+-- Runs `code` on 2 ranks (env: extra variables); returns the output (both ranks, stdout and stderr), the
+-- exit code and the wall time.
+local function job(code, env)
+  local exe = self_exe()
+  local home = rawget(_G, "ENGINE_HOME") or os.getenv("ENGINE_HOME") or "."
+  local f = os.tmpname()
+  local h = io.open(f, "w")
+  h:write(code)
+  h:close()
+  local cmd = string.format(
+    "env $(env | grep -o '^\\(OMPI\\|PMIX\\|OPAL\\|ORTE\\)[A-Za-z0-9_]*' | sed 's/^/-u /') ENGINE_HOME='%s' %s " ..
+    "timeout 60 mpirun --allow-run-as-root --oversubscribe --bind-to none --mca btl self,vader --mca pml ob1 " ..
+    "-np 2 '%s' '%s' 2>&1; echo \"rc=$?\"", home, env or "", exe, f)
+  local t0 = engine.time()
+  local p = io.popen(cmd)
+  local out = p:read("*a")
+  p:close()
+  os.remove(f)
+  return out, tonumber(out:match("rc=(%d+)%s*$")), engine.time() - t0
+end
+
+local function skip()
+  if dist.world_size() ~= 1 then pending("single-process spec (starts its own 2-rank jobs)") end
+  if not have_mpirun() then pending("needs mpirun") end
+end
+
+describe("collective failures end the job instead of hanging", function()
+  it("a rank that ends while another waits for it: the waiting rank fails naming it", function()
+    skip()
+    local out, rc, secs = job([[
+      local engine = require("engine"); local dist = engine.distributed
+      dist.all_reduce(engine.ones(3))
+      if dist.rank() == 1 then return end          -- rank 1's script ends (MPI finalized)
+      local ok, err = pcall(dist.all_reduce, engine.ones(2))
+      print("rank 0 caught: " .. tostring(err))
+      os.exit(ok and 0 or 7)
+    ]])
+    assert.is_true(secs < 30, "took " .. secs .. " s")
+    assert.are_not.equal(0, rc)
+    assert.are_not.equal(124, rc) -- not the timeout
+    assert.matches("rank 0 caught: all_reduce: rank 1 has ended", out)
+    assert.matches("last collectives of rank 1 %(1 in all%):\n  #0 world seq 0 all_reduce f32%[3%] op=sum completed", out)
+    assert.matches("last collectives of rank 0:\n  #0 world seq 0 all_reduce f32%[3%]", out)
+  end)
+
+  it("a collective mismatch outside pcall ends the job with the mismatch on both ranks", function()
+    skip()
+    local out, rc, secs = job([[
+      local engine = require("engine"); local dist = engine.distributed
+      if dist.rank() == 0 then dist.all_reduce(engine.ones(2)) else dist.all_gather(engine.ones(2)) end
+      print("not reached")
+    ]])
+    assert.is_true(secs < 30, "took " .. secs .. " s")
+    assert.are_not.equal(0, rc)
+    assert.are_not.equal(124, rc)
+    assert.is_nil(out:find("not reached", 1, true))
+    assert.matches("collective mismatch on group world: rank 0: #0 all_reduce f32%[2%] op=sum; rank 1: #0 all_gather", out)
+  end)
+
+  it("a rank stuck in compute: the others abort after ENGINE_COMM_TIMEOUT with their flight recorder", function()
+    skip()
+    local out, rc, secs = job([[
+      local engine = require("engine"); local dist = engine.distributed
+      dist.barrier()
+      if dist.rank() == 1 then local t = engine.time(); while engine.time() - t < 20 do end end
+      dist.all_reduce(engine.ones(2))
+    ]], "ENGINE_COMM_TIMEOUT=2")
+    assert.is_true(secs < 18, "took " .. secs .. " s")
+    assert.are_not.equal(0, rc)
+    assert.are_not.equal(124, rc)
+    assert.matches("%[rank 0%] all_reduce: the other ranks of group world did not join #1 all_reduce f32%[2%] op=sum " ..
+      "within 2 s %(ENGINE_COMM_TIMEOUT", out)
+    assert.matches("collective flight recorder, rank 0: last 1 of 1 collectives, oldest first:\n  #0 world seq 0 barrier", out)
+  end)
+end)
