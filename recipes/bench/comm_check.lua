@@ -6,10 +6,10 @@
 -- Trains the reference GPT data-parallel with DTensors as recipes/dp_gpt.lua does (Replicate
 -- parameters, batch Shard(1), cross_entropy mean over the sharded batch, gradients all_reduced by
 -- AccumulateGrad, clip_grad_norm_, AdamW), on a fixed random batch, and times the step with the
--- signature check off and on in the same run: `rounds` rounds, each running `steps` steps with the
--- check off then `steps` with it on (interleaved, so drift of the machine hits both alike), after
--- `warmup` steps.  Prints the median ms/step of each mode, the overhead in percent, and the
--- collectives (and agreements) per step.  Rank 0 prints; every rank runs the same steps.
+-- signature check off and on in the same run: rounds x steps steps in each mode, alternating step by
+-- step (so drift of the machine and other load hit both alike), after `warmup` steps.  Prints the median ms/step of each mode, the overhead in percent, the collectives
+-- per step, and the check's own cost per collective (500 tiny all_reduces with it off and on) times the
+-- collectives of a step: the overhead without the step's run-to-run noise.  Rank 0 prints; every rank runs the same steps.
 local engine = require("engine")
 local nn, optim, dist = engine.nn, engine.optim, engine.distributed
 local F = nn.functional
@@ -44,7 +44,7 @@ local params = model:parameters()
 local opt = optim.AdamW(params, { lr = 1e-4, betas = { 0.9, 0.95 }, weight_decay = 0.1 })
 
 engine.manual_seed(100 + rank) -- this rank's rows of the global batch
-local ids = (engine.rand(o.batch, o.seq + 1) * 256):floor():clamp(0, 255):long()
+local ids = (engine.rand(o.batch, o.seq + 1) * 255.99):long()   -- truncates: byte ids 0..255
 local x, y = ids:narrow(2, 1, o.seq):contiguous(), ids:narrow(2, 2, o.seq):contiguous()
 local S = dist.Shard
 
@@ -79,10 +79,21 @@ local counts = dist.count_collectives(step)
 local ncoll = 0
 for _, v in pairs(counts) do ncoll = ncoll + v end
 local off, on = {}, {}
-for _ = 1, o.rounds do
-  timed(false, o.steps, off)
-  timed(true, o.steps, on)
+for _ = 1, o.rounds * o.steps do -- alternate step by step: drift and other load hit both modes alike
+  timed(false, 1, off)
+  timed(true, 1, on)
 end
+-- the check's own cost per collective: a tiny all_reduce with the check off and on
+local function tiny(check)
+  dist.set_comm_check(check)
+  local t = engine.ones(1)
+  dist.barrier()
+  local t0 = engine.time()
+  for _ = 1, 500 do dist.all_reduce(t) end
+  return (engine.time() - t0) / 500 * 1e6
+end
+local us_off, us_on = {}, {}
+for _ = 1, 3 do us_off[#us_off + 1] = tiny(false); us_on[#us_on + 1] = tiny(true) end
 dist.set_comm_check(true)
 local m_off, m_on = median(off), median(on)
 log("collectives per step: %d (%s)", ncoll, (function()
@@ -93,4 +104,7 @@ log("collectives per step: %d (%s)", ncoll, (function()
 end)())
 log("check off: %.1f ms/step (median of %d)", m_off, #off)
 log("check on:  %.1f ms/step (median of %d)", m_on, #on)
-log("overhead:  %+.2f%%", 100 * (m_on - m_off) / m_off)
+log("overhead:  %+.2f%% (step medians, on vs off)", 100 * (m_on - m_off) / m_off)
+local per = median(us_on) - median(us_off)
+log("check cost per collective: %.1f us (all_reduce f32[1]: %.1f us off, %.1f us on); x %d collectives = %.2f ms " ..
+  "= %.3f%% of the step", per, median(us_off), median(us_on), ncoll, per * ncoll / 1e3, 100 * per * ncoll / 1e3 / m_off)
