@@ -1,9 +1,12 @@
 # The two commands of the README:
 #   make run   installs what is missing, builds, prepares data, runs the default recipe
-#   make test  installs and builds (the Release build and an ASan+UBSan build), then the whole test
-#              suite, then its sanitizer stage (last line: N passed, N failed, N skipped)
+#   make test  installs and builds (the Release build, an ASan+UBSan build and the fuzz targets), then the
+#              whole test suite, its sanitizer stage and a few seconds of each fuzz target
+#              (last line: N passed, N failed, N skipped)
 BUILD ?= build
 ASAN_BUILD ?= build-asan
+FUZZ_BUILD ?= build-fuzz
+FUZZ_SECONDS ?= 60
 NP ?= 1
 ARGS ?=
 # RECIPE=gpt (default), tp (recipes/tp_gpt.lua), dp (recipes/dp_gpt.lua), or any recipes/<name>.lua
@@ -12,7 +15,7 @@ RECIPE_FILE = $(firstword $(wildcard recipes/$(RECIPE).lua recipes/$(RECIPE)_gpt
 MPIRUN = mpirun --allow-run-as-root --oversubscribe --bind-to none --mca btl self,vader --mca pml ob1 \
          -x MALLOC_MMAP_MAX_=0 -x MALLOC_TRIM_THRESHOLD_=1073741824
 
-.PHONY: all deps build asan-build run test data clean sanitize bench
+.PHONY: all deps build asan-build fuzz-build fuzz run test data clean sanitize bench
 
 all: build
 
@@ -33,8 +36,8 @@ data: build
 run: build data
 	$(MPIRUN) -np $(NP) $(BUILD)/engine $(RECIPE_FILE) $(ARGS)
 
-test: build asan-build
-	@tools/run-tests.sh $(BUILD) --sanitize $(ASAN_BUILD)
+test: build asan-build fuzz-build
+	@tools/run-tests.sh $(BUILD) --sanitize $(ASAN_BUILD) --fuzz $(FUZZ_BUILD)
 
 # ASan+UBSan build of the library, host and C tests (CPU only)
 $(ASAN_BUILD)/Makefile: CMakeLists.txt
@@ -46,6 +49,22 @@ asan-build: deps $(ASAN_BUILD)/Makefile
 	@cmake --build $(ASAN_BUILD) -j 2 2>&1 | grep -E "error:|Error [0-9]" || true
 	@test -x $(ASAN_BUILD)/engine || (cmake --build $(ASAN_BUILD) -j 2; exit 1)
 
+# libFuzzer targets (spec/fuzz): clang, coverage + ASan + UBSan, CPU only.  Without clang or its libFuzzer
+# runtime this says so and builds nothing (the test suite then counts the fuzz targets as skipped).
+$(FUZZ_BUILD)/Makefile: CMakeLists.txt
+	@mkdir -p $(FUZZ_BUILD)
+	@CC=clang cmake -S . -B $(FUZZ_BUILD) -DCMAKE_BUILD_TYPE=Debug -DENGINE_FUZZ=ON -DENABLE_CUDA=OFF -DENGINE_NATIVE=OFF \
+	  > $(FUZZ_BUILD)/configure.log 2>&1 || (cat $(FUZZ_BUILD)/configure.log; rm -f $(FUZZ_BUILD)/Makefile; exit 1)
+
+fuzz-build: deps
+	@if ! command -v clang >/dev/null 2>&1; then echo "fuzz-build: clang not found, fuzz targets not built"; \
+	else $(MAKE) --no-print-directory $(FUZZ_BUILD)/Makefile && \
+	  (cmake --build $(FUZZ_BUILD) -j 2 2>&1 | grep -E "error:|Error [0-9]" || true); fi
+
+# Each fuzz target for FUZZ_SECONDS (default 60), one after the other, its corpus kept in $(FUZZ_BUILD)/corpus
+fuzz: fuzz-build
+	@tools/fuzz.sh $(FUZZ_BUILD) $(FUZZ_SECONDS)
+
 sanitize: asan-build
 	@tools/run-sanitized.sh $(ASAN_BUILD)
 
@@ -53,4 +72,4 @@ bench: build
 	@tools/bench.sh $(BUILD)
 
 clean:
-	rm -rf $(BUILD) $(ASAN_BUILD)
+	rm -rf $(BUILD) $(ASAN_BUILD) $(FUZZ_BUILD)

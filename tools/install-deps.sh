@@ -4,7 +4,8 @@
 #   tools/install-torch.sh puts PyTorch 2.x from PyPI into tools/.venv for recipes/bench/tp_step.lua)
 set -euo pipefail
 pkgs=(build-essential cmake pkg-config luajit libluajit-5.1-dev lua-busted openmpi-bin libopenmpi-dev
-      libopenblas-dev bible-kjv bible-kjv-text)
+      libopenblas-dev bible-kjv bible-kjv-text
+      clang libclang-rt-dev)  # clang + libFuzzer: the fuzz targets of spec/fuzz (make fuzz-build)
 if [ "${1:-}" = "--torch" ]; then pkgs+=(python3-torch python3-numpy); fi
 missing=()
 for p in "${pkgs[@]}"; do

@@ -4,7 +4,7 @@
 # also alone on 8 ranks).
 # Ends with one line "N passed, N failed, N skipped" (skipped counted separately).
 #
-#   tools/run-tests.sh [BUILD] [--sanitize ASAN_BUILD]
+#   tools/run-tests.sh [BUILD] [--sanitize ASAN_BUILD] [--fuzz FUZZ_BUILD]
 #   tools/run-tests.sh --sanitize-only ASAN_BUILD          (tools/run-sanitized.sh, make sanitize)
 #
 # --sanitize adds a second stage on an ASan+UBSan build (cmake -DENGINE_SANITIZE=ON): the C tests, the
@@ -12,14 +12,20 @@
 # into the host (LuaJIT itself is not instrumented).  A sanitizer report stops that process (halt_on_error,
 # abort_on_error) and counts as a failure.  Its counts are added to the final line.  The environment
 # variable ENGINE_TEST_SANITIZE=ASAN_BUILD does the same as --sanitize.
+#
+# --fuzz (make test; or ENGINE_TEST_FUZZ=FUZZ_BUILD) adds a last stage: each libFuzzer target of spec/fuzz
+# (built by make fuzz-build) for ENGINE_TEST_FUZZ_SECONDS (default 3) from its committed corpus
+# (tools/fuzz.sh --test), one pass or failure per target; skipped, with the reason, without clang/libFuzzer.
 set -u
 BUILD=build
 ASAN_BUILD=${ENGINE_TEST_SANITIZE:-}
+FUZZ_BUILD=${ENGINE_TEST_FUZZ:-}
 MAIN=1
 while [ $# -gt 0 ]; do
   case "$1" in
     --sanitize) ASAN_BUILD=${2:?--sanitize needs the build dir}; shift 2 ;;
     --sanitize-only) ASAN_BUILD=${2:?--sanitize-only needs the build dir}; MAIN=0; shift 2 ;;
+    --fuzz) FUZZ_BUILD=${2:?--fuzz needs the fuzz build dir}; shift 2 ;;
     -*) echo "run-tests.sh: unknown option $1" >&2; exit 2 ;;
     *) BUILD=$1; shift ;;
   esac
@@ -99,6 +105,17 @@ suite() {
 
 [ "$MAIN" = 1 ] && suite "$BUILD" 0
 [ -n "$ASAN_BUILD" ] && suite "$ASAN_BUILD" 1
+
+# 4. Fuzz targets: a few seconds each on the committed corpus (crash reproducers included).
+if [ -n "$FUZZ_BUILD" ]; then
+  echo
+  echo "== fuzz targets: $FUZZ_BUILD"
+  out=$(tools/fuzz.sh "$FUZZ_BUILD" "${ENGINE_TEST_FUZZ_SECONDS:-3}" --test 2>&1)
+  echo "$out" | sed '$d'
+  line=$(echo "$out" | grep -E '^[0-9]+ passed, [0-9]+ failed, [0-9]+ skipped$' | tail -1)
+  if [ -n "$line" ]; then read -r p _ f _ s _ <<< "$line"; add "$p" "$f" "$s"
+  else echo "fuzz targets: no summary"; add 0 1; fi
+fi
 
 echo
 echo "$passed passed, $failed failed, $skipped skipped"

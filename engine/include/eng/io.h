@@ -10,6 +10,10 @@ int eng_safetensors_save(const char* path, int n, const char** names, eng_tensor
 typedef struct eng_safetensors eng_safetensors;
 /* Reads and validates the whole file; NULL with an error on a bad file. */
 eng_safetensors* eng_safetensors_load(const char* path);
+/* The same from the n bytes of a whole file image in memory (copied; the
+ * buffer may be freed after the call); name stands for the path in error
+ * messages (NULL: "(memory)"). */
+eng_safetensors* eng_safetensors_load_memory(const void* bytes, size_t n, const char* name);
 void eng_safetensors_free(eng_safetensors* f);
 int eng_safetensors_count(const eng_safetensors* f);
 /* Borrowed names, in file order. */
@@ -25,5 +29,14 @@ const char* eng_safetensors_meta_value(const eng_safetensors* f, int i);
  * or device give the same value for the same data.  Checkpoints store one per
  * tensor and verify it on load (engine.checkpoint). */
 int eng_tensor_checksum(const eng_tensor* t, uint64_t* out);
+
+/* llm.c token shards (engine.data.read_shard): a header of 256 little-endian
+ * int32 (magic 20240520, version 1, token count), then the tokens as
+ * little-endian uint16.  Checks the first header_bytes bytes of a file of
+ * file_size bytes (header_bytes may be short: the file is then too short)
+ * and writes the token count; -1 with an error naming path (NULL: "(memory)")
+ * on a bad magic, version or count, or a size that does not match the count. */
+int eng_token_shard_parse_header(const char* path, const void* header, int64_t header_bytes, int64_t file_size,
+                                 int64_t* n_tokens);
 
 #endif

@@ -18,7 +18,7 @@ int64_t eng_tensor_live_count(void) { return __atomic_load_n(&g_live, __ATOMIC_R
 
 void eng_contiguous_strides(int ndim, const int64_t* shape, int64_t* stride) {
   int64_t s = 1;
-  for (int d = ndim - 1; d >= 0; d--) { stride[d] = s; s *= shape[d] > 0 ? shape[d] : 1; }
+  for (int d = ndim - 1; d >= 0; d--) { stride[d] = s; if (d > 0) s *= shape[d] > 0 ? shape[d] : 1; }
 }
 
 int64_t eng_shape_numel(int ndim, const int64_t* shape) {
@@ -34,7 +34,16 @@ int eng_numel_checked(int ndim, const int64_t* shape, int dtype, int64_t* numel,
   if (!zero) {
     for (int d = 0; d < ndim && ok; d++) ok = eng_mul_ok(n, shape[d], &n);
     if (ok && dtype >= 0) ok = eng_mul_ok(n, eng_dtype_size(dtype), &nb);
-  } else n = 0;
+  } else {
+    /* no elements, but the contiguous strides (products of the sizes, a 0 taken as 1) must exist:
+     * [0, 2^62, 2^62] is refused (spec/fuzz_regressions_spec.lua) */
+    int64_t s = 1;
+    for (int d = ndim - 1; d >= 1 && ok; d--) ok = eng_mul_ok(s, shape[d] > 0 ? shape[d] : 1, &s);
+    n = 0;
+    if (!ok)
+      return eng_err("%s: shape %s is too large: its strides overflow a 64-bit integer", op,
+                     eng_shape_str(ndim, shape));
+  }
   if (!ok)
     return eng_err("%s: shape %s is too large: its number of elements%s overflows a 64-bit integer", op,
                    eng_shape_str(ndim, shape), dtype >= 0 ? " (or of bytes)" : "");

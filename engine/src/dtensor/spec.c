@@ -178,10 +178,14 @@ static void chunk(int64_t n, int64_t k, int64_t idx, int64_t* size, int64_t* off
   *offset = off;
 }
 
+/* Pieces past the end of the dim are empty (offsets grow with the index), so
+ * the loops over a _StridedShard's pieces stop at the first empty one after
+ * the first: O(min(sf, n)) work and memory, whatever the split factor. */
 int64_t dt_strided_size(int64_t n, int k, int sf, int idx) {
   int64_t total = 0, sz, off;
   for (int j = 0; j < sf; j++) {
     chunk(n, (int64_t)k * sf, idx + (int64_t)j * k, &sz, &off);
+    if (sz == 0) break;
     total += sz;
   }
   return total;
@@ -216,7 +220,9 @@ int dt_dim_runs(const int64_t* gshape, int ndim, int mesh_ndim, const int64_t* m
     int64_t k = mesh_shape[i];
     int sf = pl[i].kind == ENG_PLACEMENT_STRIDED_SHARD ? pl[i].split_factor : 1;
     if (sf < 1) { free(st); free(len); return eng_err("local_shard_runs: split_factor %d (need >= 1)", sf); }
-    int ncap = cnt + sf + 1;
+    int64_t npieces = sf < L ? sf : L; /* non-empty pieces */
+    if (npieces > INT32_MAX - 2 - cnt) { free(st); free(len); return eng_err("local_shard_runs: too many runs"); }
+    int ncap = cnt + (int)npieces + 1;
     int64_t* nst = malloc(sizeof *nst * (size_t)ncap);
     int64_t* nlen = malloc(sizeof *nlen * (size_t)ncap);
     if (!nst || !nlen) { free(st); free(len); free(nst); free(nlen); return eng_err("local_shard_runs: out of memory"); }
@@ -226,6 +232,7 @@ int dt_dim_runs(const int64_t* gshape, int ndim, int mesh_ndim, const int64_t* m
       int64_t sz, off;
       chunk(L, k * sf, coord[i] + (int64_t)j * k, &sz, &off);
       if (j == 0) anc = runs_map(st, len, cnt, anc, off);
+      else if (sz == 0) break; /* and every later piece */
       nL += sz;
       /* local range [off, off+sz) through the current runs */
       int64_t acc = 0;

@@ -65,7 +65,7 @@ static int move_pieces(const eng_tensor* packed, const eng_tensor* full, const e
     for (int j = 0; j < sf && !rc; j++) {
       int64_t sz, off;
       piece(L, (int64_t)k * sf, r + (int64_t)j * k, &sz, &off);
-      if (sz <= 0) continue;
+      if (sz <= 0) break; /* later pieces are empty too */
       eng_tensor* p = front_rows(packed, like, d, at, sz);
       eng_tensor* f = dt_narrow_view(full, d, off, sz);
       rc = to_packed ? copy_view(p, f) : copy_view(f, p);
@@ -89,7 +89,7 @@ eng_tensor* dt_strided_select(const eng_tensor* x, int d, int k, int sf, int coo
   for (int j = 0; j < sf; j++) {
     int64_t sz, off;
     piece(n, (int64_t)k * sf, coord + (int64_t)j * k, &sz, &off);
-    if (sz <= 0) continue;
+    if (sz <= 0) break; /* later pieces are empty too */
     eng_tensor* s = dt_narrow_view(x, d, off, sz);
     eng_tensor* t = dt_narrow_view(out, d, at, sz);
     int rc = copy_view(t, s);

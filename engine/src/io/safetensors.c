@@ -361,13 +361,6 @@ static int parse_header(jp* p, eng_safetensors* f) {
       free(k);
       if (parse_metadata(p, f)) return -1;
     } else {
-      for (int i = 0; i < f->n; i++)
-        if (!strcmp(f->e[i].name, k)) {
-          eng_err("safetensors_load: %s: duplicate tensor name '%s'", p->path, k);
-          p->failed = 1;
-          free(k);
-          return -1;
-        }
       if (f->n == f->cap) {
         int c = f->cap ? 2 * f->cap : 16;
         st_entry* a = realloc(f->e, (size_t)c * sizeof *a);
@@ -389,6 +382,31 @@ static int parse_header(jp* p, eng_safetensors* f) {
   return 0;
 }
 
+static int cmp_str(const void* a, const void* b) { return strcmp(*(const char* const*)a, *(const char* const*)b); }
+
+/* Duplicate tensor names, and duplicate __metadata__ keys (a reader keeping
+ * the first or the last would silently differ from another reader): sorted,
+ * so a header of millions of names is checked in n log n, not n^2. */
+static int check_duplicates(eng_safetensors* f) {
+  for (int pass = 0; pass < 2; pass++) {
+    int n = pass ? f->n_meta : f->n;
+    if (n < 2) continue;
+    const char** s = malloc((size_t)n * sizeof *s);
+    if (!s) return eng_err("safetensors_load: out of memory");
+    for (int i = 0; i < n; i++) s[i] = pass ? f->mkeys[i] : f->e[i].name;
+    qsort(s, (size_t)n, sizeof *s, cmp_str);
+    for (int i = 1; i < n; i++)
+      if (!strcmp(s[i - 1], s[i])) {
+        int rc = pass ? eng_err("safetensors_load: %s: duplicate __metadata__ key '%s'", f->path, s[i])
+                      : eng_err("safetensors_load: %s: duplicate tensor name '%s'", f->path, s[i]);
+        free(s);
+        return rc;
+      }
+    free(s);
+  }
+  return 0;
+}
+
 static int cmp_begin(const void* a, const void* b) {
   const st_entry *x = *(const st_entry* const*)a, *y = *(const st_entry* const*)b;
   if (x->begin != y->begin) return x->begin < y->begin ? -1 : 1;
@@ -407,6 +425,10 @@ static int validate(eng_safetensors* f) {
                        eng_shape_str(e->ndim, e->shape));
       bytes *= s;
     }
+    /* a 0 in the shape makes the byte count 0, but the tensor's strides must still exist */
+    if (eng_numel_checked(e->ndim, e->shape, e->dtype, NULL, "safetensors_load"))
+      return eng_err("safetensors_load: %s: tensor '%s' shape %s is too large (its strides overflow)", path, e->name,
+                     eng_shape_str(e->ndim, e->shape));
     if (e->begin > e->end)
       return eng_err("safetensors_load: %s: tensor '%s' has data_offsets [%llu, %llu] with begin > end", path,
                      e->name, (unsigned long long)e->begin, (unsigned long long)e->end);
@@ -442,27 +464,43 @@ static int validate(eng_safetensors* f) {
   return 0;
 }
 
-eng_safetensors* eng_safetensors_load(const char* path) {
-  if (!path) return eng_errp("safetensors_load: path is NULL");
-  FILE* fp = fopen(path, "rb");
-  if (!fp) return eng_errp("safetensors_load: cannot open '%s': %s", path, strerror(errno));
+/* Where the bytes come from: a file (path) or a caller's buffer (name); both
+ * loaders share everything else, so fuzzing the buffer covers the parser,
+ * the validation and the data ranges of the file loader. */
+typedef struct {
+  FILE* fp;
+  const unsigned char* mem;
+  uint64_t size, pos;
+} st_src;
+
+static int src_read(st_src* s, void* dst, uint64_t n) {
+  if (n == 0) return 0;
+  if (s->fp) return fread(dst, 1, (size_t)n, s->fp) == n ? 0 : -1;
+  if (n > s->size - s->pos) return -1;
+  memcpy(dst, s->mem + s->pos, (size_t)n);
+  s->pos += n;
+  return 0;
+}
+
+/* Reads and validates the header and the data of src (size bytes); path
+ * names the file in messages. */
+static eng_safetensors* st_load(st_src* src, const char* path) {
   eng_safetensors* f = calloc(1, sizeof *f);
   char* header = NULL;
+  uint64_t size = src->size;
   if (!f || !(f->path = strdup(path))) { eng_err("safetensors_load: out of memory"); goto fail; }
-  if (fseeko(fp, 0, SEEK_END) != 0) { eng_err("safetensors_load: %s: cannot seek: %s", path, strerror(errno)); goto fail; }
-  off_t size = ftello(fp);
-  rewind(fp);
   if (size < 8) {
-    eng_err("safetensors_load: %s: file too short (%lld bytes) to hold the 8-byte header length", path, (long long)size);
+    eng_err("safetensors_load: %s: file too short (%llu bytes) to hold the 8-byte header length", path,
+            (unsigned long long)size);
     goto fail;
   }
   unsigned char lenb[8];
-  if (fread(lenb, 1, 8, fp) != 8) { eng_err("safetensors_load: %s: read error", path); goto fail; }
+  if (src_read(src, lenb, 8)) { eng_err("safetensors_load: %s: read error", path); goto fail; }
   uint64_t hlen = 0;
   for (int k = 7; k >= 0; k--) hlen = (hlen << 8) | lenb[k];
-  if (hlen > (uint64_t)size - 8) {
-    eng_err("safetensors_load: %s: header length %llu exceeds the file size %lld (truncated or not a safetensors "
-            "file)", path, (unsigned long long)hlen, (long long)size);
+  if (hlen > size - 8) {
+    eng_err("safetensors_load: %s: header length %llu exceeds the file size %llu (truncated or not a safetensors "
+            "file)", path, (unsigned long long)hlen, (unsigned long long)size);
     goto fail;
   }
   if (hlen > ST_MAX_HEADER) {
@@ -471,25 +509,47 @@ eng_safetensors* eng_safetensors_load(const char* path) {
     goto fail;
   }
   header = malloc((size_t)hlen + 1);
-  f->data_len = (uint64_t)size - 8 - hlen;
+  f->data_len = size - 8 - hlen;
   f->data = malloc(f->data_len ? (size_t)f->data_len : 1);
-  if (!header || !f->data) { eng_err("safetensors_load: %s: out of memory reading %lld bytes", path, (long long)size); goto fail; }
-  if (fread(header, 1, (size_t)hlen, fp) != hlen ||
-      (f->data_len && fread(f->data, 1, (size_t)f->data_len, fp) != f->data_len)) {
+  if (!header || !f->data) {
+    eng_err("safetensors_load: %s: out of memory reading %llu bytes", path, (unsigned long long)size);
+    goto fail;
+  }
+  if (src_read(src, header, hlen) || src_read(src, f->data, f->data_len)) {
     eng_err("safetensors_load: %s: read error", path);
     goto fail;
   }
   header[hlen] = 0;
   jp p = {header, (size_t)hlen, 0, path, 0};
-  if (parse_header(&p, f) || validate(f)) goto fail;
+  if (parse_header(&p, f) || check_duplicates(f) || validate(f)) goto fail;
   free(header);
-  fclose(fp);
   return f;
 fail:
   free(header);
-  fclose(fp);
   eng_safetensors_free(f);
   return NULL;
+}
+
+eng_safetensors* eng_safetensors_load(const char* path) {
+  if (!path) return eng_errp("safetensors_load: path is NULL");
+  FILE* fp = fopen(path, "rb");
+  if (!fp) return eng_errp("safetensors_load: cannot open '%s': %s", path, strerror(errno));
+  eng_safetensors* f = NULL;
+  off_t size;
+  if (fseeko(fp, 0, SEEK_END) != 0 || (size = ftello(fp)) < 0 || fseeko(fp, 0, SEEK_SET) != 0)
+    eng_err("safetensors_load: %s: cannot seek: %s", path, strerror(errno));
+  else {
+    st_src src = {fp, NULL, (uint64_t)size, 0};
+    f = st_load(&src, path);
+  }
+  fclose(fp);
+  return f;
+}
+
+eng_safetensors* eng_safetensors_load_memory(const void* bytes, size_t n, const char* name) {
+  if (!bytes && n > 0) return eng_errp("safetensors_load: buffer is NULL");
+  st_src src = {NULL, (const unsigned char*)bytes, (uint64_t)n, 0};
+  return st_load(&src, name ? name : "(memory)");
 }
 
 int eng_safetensors_count(const eng_safetensors* f) {

@@ -69,31 +69,14 @@ function M.read_shard(path)
   if not f then error("read_shard: cannot open " .. path .. ": " .. tostring(err), 2) end
   local size = f:seek("end")
   f:seek("set", 0)
-  local head = f:read(HEADER_BYTES)
-  if head == nil or #head < HEADER_BYTES then
+  local head = f:read(HEADER_BYTES) or ""
+  -- the header check is C (engine/src/io/token_shard.c, fuzzed by spec/fuzz/fuzz_token_shard.c)
+  local nt = ffi.new("int64_t[1]")
+  if C.eng_token_shard_parse_header(path, head, #head, size, nt) ~= 0 then
     f:close()
-    error(string.format("read_shard: %s: file has %d bytes, less than the %d-byte header of an llm.c token shard",
-      path, size, HEADER_BYTES), 2)
+    error(ffi.string(C.eng_last_error()), 2)
   end
-  local h = ffi.new("int32_t[?]", M.HEADER_INTS)
-  ffi.copy(h, head, HEADER_BYTES)
-  if h[0] ~= M.MAGIC then
-    f:close()
-    error(string.format("read_shard: %s: bad magic number %d (expected %d): not an llm.c token shard", path,
-      h[0], M.MAGIC), 2)
-  end
-  if h[1] ~= M.VERSION then
-    f:close()
-    error(string.format("read_shard: %s: unsupported version %d (expected %d: uint16 tokens)", path, h[1],
-      M.VERSION), 2)
-  end
-  local n = tonumber(h[2])
-  local expect = HEADER_BYTES + 2 * n
-  if n < 0 or size ~= expect then
-    f:close()
-    error(string.format("read_shard: %s: the header says %d tokens (%d bytes expected) but the file has %d bytes: "
-      .. "truncated or corrupt", path, n, expect, size), 2)
-  end
+  local n = tonumber(nt[0])
   local tokens = ffi.new("uint16_t[?]", n > 0 and n or 1)
   local dst = ffi.cast("char*", tokens)
   local pos = 0
