@@ -93,7 +93,6 @@ local function main(argv)
     if step % o.log_every == 0 or step == 1 or step == o.steps then
       log("step %5d | loss %.6f | grad norm %.4f | %.1f ms/step", step, l, gnorm, (engine.time() - t0) * 1e3)
     end
-    collectgarbage()
   end
 end
 

@@ -256,7 +256,6 @@ local function main(argv)
       for x, y in val:batches() do
         sum = sum + F.cross_entropy(model(x), y):item()
         n = n + 1
-        collectgarbage()  -- frees this batch's activations now (Lua does not see their C memory)
       end
     end)
     model:train()

@@ -61,10 +61,95 @@ function M.raise()
   error(M.last_error(), user_level())
 end
 
+-- Collector pressure (docs/design.md "Allocator").  A Tensor is a small
+-- table whose storage Lua's collector does not see, so a loop that drops
+-- megabytes of activations per iteration would grow until the Lua heap alone
+-- triggered a collection.  The allocator counts the bytes of live storages
+-- (CPU and CUDA) and raises a flag when they pass a threshold; wrap() reads
+-- it (one load) and runs a full collection, then the next threshold is
+--   max(ratio * live, live + floor)     (live: bytes still held after it)
+-- where floor starts at min_bytes and is paced: doubled (up to 16 x
+-- min_bytes) while collections take more than max_fraction of the time
+-- between them, halved back while they take under a quarter of it.
+-- engine.set_gc_threshold{ratio =, min_bytes =, max_fraction =} or
+-- ENGINE_GC_RATIO / ENGINE_GC_MIN_MB / ENGINE_GC_MAX_FRACTION set it;
+-- ratio 0 turns it off.
+local gc_flag = C.eng_alloc_gc_flag()
+local gc = { ratio = 2, min_bytes = 64 * 2 ^ 20, max_fraction = 0.01, floor = 64 * 2 ^ 20,
+  last = 0, collections = 0, seconds = 0 }
+M.gc = gc
+
+local function gc_arm()
+  if gc.ratio <= 0 then C.eng_alloc_set_gc_threshold(-1); return end
+  local live = tonumber(C.eng_alloc_gc_bytes())
+  C.eng_alloc_set_gc_threshold(math.max(gc.ratio * live, live + gc.floor))
+end
+
+-- Runs the collection the allocator asked for and re-arms the threshold.
+function M.gc_collect()
+  local t0 = C.eng_time()
+  collectgarbage("collect")
+  local t1 = C.eng_time()
+  local took = t1 - t0
+  if gc.max_fraction > 0 and gc.last > 0 then   -- moving averages of the cost and of the period
+    gc.avg_took = gc.avg_took and 0.75 * gc.avg_took + 0.25 * took or took
+    gc.avg_period = gc.avg_period and 0.75 * gc.avg_period + 0.25 * (t1 - gc.last) or t1 - gc.last
+    local frac = gc.avg_took / math.max(gc.avg_period, 1e-9)
+    if frac > gc.max_fraction and gc.floor < 16 * gc.min_bytes then
+      gc.floor = math.min(gc.floor * 2, 16 * gc.min_bytes); gc.avg_period = nil
+    elseif frac < 0.25 * gc.max_fraction and gc.floor > gc.min_bytes then
+      gc.floor = math.max(gc.floor / 2, gc.min_bytes); gc.avg_period = nil
+    end
+  end
+  gc.last = t1
+  gc.collections = gc.collections + 1
+  gc.seconds = gc.seconds + took
+  gc_arm()
+end
+local gc_collect = M.gc_collect
+
+-- Sets the policy above (fields left out keep their values); returns the
+-- previous settings.
+function M.set_gc_threshold(o)
+  local prev = { ratio = gc.ratio, min_bytes = gc.min_bytes, max_fraction = gc.max_fraction }
+  if type(o) ~= "table" then
+    fail("set_gc_threshold: expected a table {ratio =, min_bytes =, max_fraction =}, got " .. type(o))
+  end
+  for k, v in pairs(o) do
+    if prev[k] == nil then
+      fail("set_gc_threshold: unknown field '" .. tostring(k) .. "' (known: ratio, min_bytes, max_fraction)")
+    end
+    if type(v) ~= "number" or v ~= v or v < 0 or v == math.huge or (k == "ratio" and v > 0 and v < 1) then
+      fail(string.format("set_gc_threshold: %s must be a finite number >= 0%s, got %s", k,
+        k == "ratio" and " (0: off, else >= 1)" or "", tostring(v)))
+    end
+  end
+  for k, v in pairs(o) do gc[k] = v end
+  gc.floor, gc.avg_took, gc.avg_period = gc.min_bytes, nil, nil
+  gc_arm()
+  return prev
+end
+
+do
+  local env = { ratio = "ENGINE_GC_RATIO", min_bytes = "ENGINE_GC_MIN_MB", max_fraction = "ENGINE_GC_MAX_FRACTION" }
+  local o = {}
+  for k, name in pairs(env) do
+    local v = os.getenv(name)
+    if v and v ~= "" then
+      local n = tonumber(v)
+      if not n then error(string.format("%s=%s: expected a number", name, v), 0) end
+      o[k] = k == "min_bytes" and n * 2 ^ 20 or n
+    end
+  end
+  local ok, err = pcall(M.set_gc_threshold, o)
+  if not ok then error("engine: ENGINE_GC_*: " .. tostring(err), 0) end
+end
+
 -- Wraps a new eng_tensor* reference in a Tensor, or raises the C error.
 -- level: stack level of the user's call (3 = caller of the API function).
 function M.wrap(p, level)
   if p == nil then fail(M.last_error()) end
+  if gc_flag[0] ~= 0 then gc_collect() end
   return setmetatable({ _c = ffi.gc(p, tensor_release) }, M.Tensor)
 end
 

@@ -39,8 +39,15 @@ function engine.memory_stats()
   C.eng_alloc_get_stats(s)
   return { allocated = tonumber(s.allocated), peak_allocated = tonumber(s.peak_allocated),
     reserved = tonumber(s.reserved), n_system_allocs = tonumber(s.n_system_allocs),
-    n_allocs = tonumber(s.n_allocs) }
+    n_allocs = tonumber(s.n_allocs),
+    -- collector pressure (engine.set_gc_threshold): bytes of live tensor storages (CPU and CUDA), the
+    -- threshold past which the next tensor wrapped runs a collection, collections so far and their seconds
+    gc_bytes = tonumber(C.eng_alloc_gc_bytes()), gc_threshold = tonumber(C.eng_alloc_get_gc_threshold()),
+    gc_collections = core.gc.collections, gc_seconds = core.gc.seconds }
 end
+-- Collections driven by tensor memory: engine.set_gc_threshold{ratio = 2, min_bytes = 64 MiB,
+-- max_fraction = 0.01} (see lua/engine/core.lua); returns the previous settings.
+engine.set_gc_threshold = core.set_gc_threshold
 function engine.reset_peak_memory() C.eng_alloc_reset_peak() end
 function engine.empty_cache() collectgarbage(); collectgarbage(); C.eng_alloc_empty_cache() end
 function engine.live_tensors() return tonumber(C.eng_tensor_live_count()) end

@@ -50,6 +50,17 @@ void eng_alloc_reset_peak(void);
 /* Return every cached (free) block to the system. */
 void eng_alloc_empty_cache(void);
 
+/* Collector pressure (docs/design.md "Allocator"): the bytes in use (the CPU allocator's live blocks: tensor
+ * storages and communication buffers; plus live CUDA storages), and a flag raised when an allocation takes
+ * them past the threshold (default 64 MiB).  The
+ * Lua layer reads the flag each time it wraps a new tensor, runs a collection and sets the next threshold.
+ * eng_alloc_set_gc_threshold clears the flag, or raises it at once if the bytes are already past; a negative
+ * threshold never raises it. */
+volatile int32_t* eng_alloc_gc_flag(void);
+int64_t eng_alloc_gc_bytes(void);
+void eng_alloc_set_gc_threshold(int64_t bytes);
+int64_t eng_alloc_get_gc_threshold(void);
+
 /* Threads used by the CPU kernels and BLAS. */
 int eng_set_num_threads(int n);
 int eng_get_num_threads(void);

@@ -8,7 +8,18 @@
  * touches them: taken from the malloc heap they could reuse memory already
  * faulted in as 4 KiB pages (freed by MPI or an earlier malloc), and a buffer
  * in 4 KiB pages is copied ~1.3x slower (TLB misses).  Nothing is returned to
- * the system unless eng_alloc_empty_cache() is called. */
+ * the system unless eng_alloc_empty_cache() is called.
+ *
+ * Collector pressure: Lua owns tensors through small wrappers whose storage
+ * it does not see, so nothing would make it collect while a loop drops
+ * megabytes of activations per iteration.  So the bytes in use (this
+ * allocator's live blocks: tensor storages and communication buffers; plus
+ * live CUDA storages) are compared with g_gc_threshold on every allocation,
+ * and one that takes them past it raises g_gc_flag.  Nothing here calls Lua
+ * (a C->Lua call from a JIT trace panics LuaJIT): the Lua layer reads the
+ * flag (one load through the FFI) each time it wraps a new tensor, runs a
+ * collection and sets the next threshold from the bytes still in use
+ * (lua/engine/core.lua, docs/design.md "Allocator"). */
 #include "core/internal.h"
 #include <pthread.h>
 #include <sys/mman.h>
@@ -20,6 +31,30 @@ static blk* g_free[NCLASS];          /* hashed by class size */
 static int64_t g_class_size[NCLASS];
 static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
 static eng_alloc_stats g_st;
+
+/* Collector pressure: the CPU allocator's live bytes (g_st.allocated, under
+ * g_mu) plus the bytes of live CUDA storages. */
+static int64_t g_gc_dev;
+static int64_t g_gc_threshold = (int64_t)64 << 20;
+static volatile int32_t g_gc_flag;
+
+static void gc_check(int64_t bytes) {
+  int64_t th = __atomic_load_n(&g_gc_threshold, __ATOMIC_RELAXED);
+  if (th >= 0 && bytes > th && !g_gc_flag) g_gc_flag = 1;
+}
+
+volatile int32_t* eng_alloc_gc_flag(void) { return &g_gc_flag; }
+
+int64_t eng_alloc_gc_bytes(void) {
+  return __atomic_load_n(&g_st.allocated, __ATOMIC_RELAXED) + __atomic_load_n(&g_gc_dev, __ATOMIC_RELAXED);
+}
+
+void eng_alloc_set_gc_threshold(int64_t bytes) {
+  __atomic_store_n(&g_gc_threshold, bytes, __ATOMIC_RELAXED);
+  g_gc_flag = bytes >= 0 && eng_alloc_gc_bytes() > bytes;
+}
+
+int64_t eng_alloc_get_gc_threshold(void) { return __atomic_load_n(&g_gc_threshold, __ATOMIC_RELAXED); }
 
 /* Size classes: 64-byte granules up to 4 KiB, then 1/8-octave steps
  * (at most 12.5% waste), page-rounded. */
@@ -70,6 +105,7 @@ void* eng_alloc_raw(int64_t nbytes, int64_t* got) {
   if (p) {
     g_st.allocated += size;
     if (g_st.allocated > g_st.peak_allocated) g_st.peak_allocated = g_st.allocated;
+    gc_check(g_st.allocated + __atomic_load_n(&g_gc_dev, __ATOMIC_RELAXED));
   }
   pthread_mutex_unlock(&g_mu);
   if (!p) {
@@ -80,6 +116,7 @@ void* eng_alloc_raw(int64_t nbytes, int64_t* got) {
     g_st.reserved += size;
     g_st.allocated += size;
     if (g_st.allocated > g_st.peak_allocated) g_st.peak_allocated = g_st.allocated;
+    gc_check(g_st.allocated + __atomic_load_n(&g_gc_dev, __ATOMIC_RELAXED));
     pthread_mutex_unlock(&g_mu);
   }
   *got = size;
@@ -130,6 +167,8 @@ eng_storage* eng_storage_new(int64_t nbytes, int device) {
     s->nbytes = nbytes;
     s->refcount = 1;
     s->device = device;
+    int64_t dev = __atomic_add_fetch(&g_gc_dev, nbytes, __ATOMIC_RELAXED);
+    gc_check(__atomic_load_n(&g_st.allocated, __ATOMIC_RELAXED) + dev);
     return s;
   }
   int64_t got = 0;
@@ -147,8 +186,12 @@ void eng_storage_release(eng_storage* s) {
   if (!s) return;
   if (__atomic_sub_fetch(&s->refcount, 1, __ATOMIC_ACQ_REL) != 0) return;
   if (!s->external) {
-    if (s->device == ENG_CUDA) eng_cuda_free(s->data);
-    else eng_free_raw(s->data, s->nbytes);
+    if (s->device == ENG_CUDA) {
+      __atomic_sub_fetch(&g_gc_dev, s->nbytes, __ATOMIC_RELAXED);
+      eng_cuda_free(s->data);
+    } else {
+      eng_free_raw(s->data, s->nbytes);
+    }
   }
   free(s);
 }

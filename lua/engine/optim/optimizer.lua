@@ -261,15 +261,10 @@ function Optimizer:load_flat_state_dict(tensors, meta, prefix)
   self:load_state_dict(sd)
 end
 
--- Lua tensors are small tables whose C memory the Lua GC does not see, so it
--- collects them rarely: measured on a 4-layer d=256 Transformer (B=8, T=128),
--- allocated tensor memory grew by 84 MB per training step without collection
--- (1.3 GB after 15 steps), and by the same amount with collectgarbage("step");
--- a full collection after each optimizer step keeps it flat at the parameters
--- plus optimizer state (39 MB) for about 0.6 ms per step (the Lua heap is
--- under 1 MB; the step itself takes ~250 ms).  So step() ends with a full collection; set
--- opt.collect_garbage = false (or Optimizer.collect_garbage) to turn it off.
-Optimizer.collect_garbage = true
+-- The allocator's live bytes drive Lua's collector (lua/engine/core.lua, docs/design.md "Allocator"), so
+-- a training loop stays bounded without a collection per step; opt.collect_garbage = true (or
+-- Optimizer.collect_garbage) still asks for a full collection at the end of every step.
+Optimizer.collect_garbage = false
 
 function Optimizer:_after_step()
   if self.collect_garbage then collectgarbage() end
