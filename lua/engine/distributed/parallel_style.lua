@@ -96,7 +96,6 @@ local function norm(p, ndim)
 end
 
 local function pl_str(p) return p == M.NONE and "None" or tostring(p) end
-
 -- t laid out as `from` (plain: this rank's shard, from_local) then redistributed to `to`.
 -- what: names the input in errors.
 local function prepare(t, mesh, from, to, ctxname)
@@ -112,12 +111,10 @@ local function prepare(t, mesh, from, to, ctxname)
   elseif from ~= nil then
     local have = t.placements[1]
     if #t.placements ~= 1 or have ~= norm(from, nd) then
+      local have_s = {}
+      for i, q in ipairs(t.placements) do have_s[i] = tostring(q) end
       fail(string.format("%s: expected a DTensor input laid out as %s, got [%s] (a DTensor input must match "
-        .. "input_layouts)", ctxname, tostring(norm(from, nd)), table.concat((function()
-          local s = {}
-          for i, q in ipairs(t.placements) do s[i] = tostring(q) end
-          return s
-        end)(), ", ")))
+        .. "input_layouts)", ctxname, tostring(norm(from, nd)), table.concat(have_s, ", ")))
     end
   end
   if to ~= nil then

@@ -94,7 +94,7 @@ end
 -- one) gets the same DTensor.  Weak keys: nothing is kept alive.
 local converted = setmetatable({}, { __mode = "k" })
 
-local function make_ctx(mesh, src, root_path)
+local function make_ctx(mesh, src)
   local ctx = {}
   -- Replaces module.<name> by a DTensor Parameter laid out as placements; local_only: from_local
   -- (every rank's own values, no communication), as SequenceParallel's replicated parameters.
@@ -120,20 +120,13 @@ local function make_ctx(mesh, src, root_path)
     end
     local rg = p._c.requires_grad ~= 0
     local d
-    local src_t = p:detach()
-    if local_only or src == false then
-      if local_only then d = dtensor.from_local(src_t, mesh, placements)
-      else d = dtensor.distribute_tensor(src_t, mesh, placements, { src_data_rank = false }) end
-    else
-      d = dtensor.distribute_tensor(src_t, mesh, placements, { src_data_rank = src })
-    end
-    if d == src_t then d = dtensor.from_local(src_t, mesh, placements) end
+    if local_only then d = dtensor.from_local(p:detach(), mesh, placements)
+    else d = dtensor.distribute_tensor(p:detach(), mesh, placements, { src_data_rank = src }) end
     d._c.is_param = 1
     if rg then core.check(C.eng_tensor_set_requires_grad(d._c, 1), 3) end
     params[name] = d
     converted[p] = { dt = d, mesh = mesh, placements = placements }
   end
-  ctx.root_path = root_path
   return ctx
 end
 
