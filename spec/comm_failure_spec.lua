@@ -9,12 +9,7 @@
 local engine = require("engine")
 local dist = engine.distributed
 
-local function self_exe()
-  local p = io.popen("readlink /proc/$PPID/exe")
-  local s = p:read("*l")
-  p:close()
-  return s
-end
+local self_exe = require("spec.helpers.proc").self_exe
 
 local function have_mpirun()
   local p = io.popen("command -v mpirun")

@@ -11,12 +11,7 @@ local function flat(t) return (t:tolist_flat()) end
 local function single() if W ~= 1 then pending("single-process spec (world size 1)") end end
 local function err() return ffi.string(C.eng_last_error()) end
 
-local function self_exe()
-  local p = io.popen("readlink /proc/$PPID/exe")
-  local s = p:read("*l")
-  p:close()
-  return s
-end
+local self_exe = require("spec.helpers.proc").self_exe
 
 -- Runs `engine -e code` in a child process: output (stdout+stderr), exit code.
 local function child(code)

@@ -114,12 +114,7 @@ describe("CUDA tensors without a GPU", function()
 
   it("the GPU benchmark exits cleanly and says why", function()
     need_no_gpu()
-    local f = assert(io.open("/proc/self/stat", "r")) -- the engine binary running this spec
-    local pid = f:read("*l"):match("^(%d+)")
-    f:close()
-    local q = io.popen("readlink /proc/" .. pid .. "/exe")
-    local exe = q:read("*l")
-    q:close()
+    local exe = require("spec.helpers.proc").self_exe()
     local p = io.popen("'" .. exe .. "' recipes/bench/gpu_step.lua --torch=0 2>&1; echo rc=$?")
     local out = p:read("*a")
     p:close()

@@ -23,15 +23,7 @@ local reason = ffi.string(C.eng_cuda_unavailable_reason())
 local built = C.eng_cuda_built() == 1
 
 -- The engine binary running this spec (see recipe_spec.lua).
-local function engine_binary()
-  local f = assert(io.open("/proc/self/stat", "r"))
-  local pid = f:read("*l"):match("^(%d+)")
-  f:close()
-  local q = io.popen("readlink /proc/" .. pid .. "/exe")
-  local exe = q:read("*l")
-  q:close()
-  return exe
-end
+local engine_binary = require("spec.helpers.proc").self_exe
 
 local function run(cmd)
   local p = io.popen(cmd .. " 2>&1; echo \"__rc=$?\"")

@@ -9,15 +9,7 @@ local nn, F, optim = engine.nn, engine.nn.functional, engine.optim
 
 local MiB = 2 ^ 20
 
-local function self_exe()
-  local f = assert(io.open("/proc/self/stat", "r"))
-  local pid = f:read("*l"):match("^(%d+)")
-  f:close()
-  local q = io.popen("readlink /proc/" .. pid .. "/exe")
-  local exe = q:read("*l")
-  q:close()
-  return exe
-end
+local self_exe = require("spec.helpers.proc").self_exe
 
 -- The reference model of recipes/gpt.lua (3.25M parameters).
 local function reference_model()

@@ -6,15 +6,7 @@ local checkpoint = require("engine.checkpoint")
 
 -- The engine binary running this spec (/proc/self/exe of this process, read through its pid:
 -- a popen'ed shell would see its own /proc/self).
-local function engine_binary()
-  local f = assert(io.open("/proc/self/stat", "r"))
-  local pid = f:read("*l"):match("^(%d+)")
-  f:close()
-  local q = io.popen("readlink /proc/" .. pid .. "/exe")
-  local exe = q:read("*l")
-  q:close()
-  return exe
-end
+local engine_binary = require("spec.helpers.proc").self_exe
 
 local ENGINE = engine_binary()
 local TMP = os.tmpname()

@@ -5,15 +5,7 @@ local engine = require("engine")
 local ffi = engine.ffi
 local nn, F = engine.nn, engine.nn.functional
 
-local function self_exe()
-  local f = assert(io.open("/proc/self/stat", "r"))
-  local pid = f:read("*l"):match("^(%d+)")
-  f:close()
-  local q = io.popen("readlink /proc/" .. pid .. "/exe")
-  local exe = q:read("*l")
-  q:close()
-  return exe
-end
+local self_exe = require("spec.helpers.proc").self_exe
 local EXE = self_exe()
 local HOME = rawget(_G, "ENGINE_HOME") or os.getenv("ENGINE_HOME") or "."
 

@@ -141,12 +141,7 @@ describe("DTensor data parallelism: reference GPT", function()
     if W ~= 1 or os.getenv("OMPI_COMM_WORLD_SIZE") or not io.open((ENGINE_HOME or ".") .. "/data/kjv_train.bin") then
       return pending("single-process suite (not under mpirun) with data/kjv_train.bin only")
     end
-    local f = assert(io.open("/proc/self/stat", "r"))
-    local pid = f:read("*l"):match("^(%d+)")
-    f:close()
-    local q = io.popen("readlink /proc/" .. pid .. "/exe")
-    local exe = q:read("*l")
-    q:close()
+    local exe = require("spec.helpers.proc").self_exe()
     local p = io.popen(string.format("cd '%s' && '%s' recipes/dp_gpt.lua --steps=3 --log_every=1 --dim=16 --seq=16 "
       .. "--batch=2 2>&1; echo __rc=$?", ENGINE_HOME or ".", exe))
     local out = p:read("*a")
