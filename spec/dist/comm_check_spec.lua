@@ -130,6 +130,50 @@ describe("validations before a collective are agreed (one-rank faults)", functio
     assert.is_true(loss:full_tensor():item() > 0)
   end)
 
+  it("ops whose local function checks per-rank data (embedding, index_select, cross_entropy with reduction none) "
+    .. "fail on every rank when one rank's indices are bad", function()
+    multi()
+    local mesh = dist.init_device_mesh("cpu", { W })
+    local sub = W >= 4 and dist.init_device_mesh("cpu", { 2, math.floor(W / 2) }, { "a", "b" })["b"] or nil
+    engine.manual_seed(4)
+    local w = dist.distribute_tensor(engine.randn(10, 3), mesh, { dist.Replicate() })
+    local function ids(bad) return engine.tensor({ { 1, 2 }, { 3, (R == LAST and bad) and 50 or 4 } }, "i64") end
+    -- weight Replicate, ids sharded on the batch: the lookup fails on the last rank only
+    local err = fails(function()
+      return engine.nn.functional.embedding(dist.DTensor.from_local(ids(true), mesh, { dist.Shard(1) }), w):full_tensor()
+    end)
+    assert.matches("out of range", err)
+    if R ~= LAST then assert.matches("rank " .. LAST .. " %(group rank " .. LAST .. " of", err) end
+    still_usable()
+    local y = engine.nn.functional.embedding(dist.DTensor.from_local(ids(false), mesh, { dist.Shard(1) }), w)
+    assert.are.same({ 2 * W, 2, 3 }, y:full_tensor():shape())
+    -- index_select with a sharded index
+    err = fails(function()
+      local idx = dist.DTensor.from_local(engine.tensor({ 0, (R == LAST) and 99 or 1 }, "i64"), mesh, { dist.Shard(1) })
+      return w:index_select(1, idx):full_tensor()
+    end)
+    assert.matches("out of range", err)
+    still_usable()
+    -- cross_entropy, reduction none, batch sharded: no collective of its own, still agreed
+    local logits = dist.distribute_tensor(engine.randn(2 * W, 5), mesh, { dist.Shard(1) })
+    err = fails(function()
+      local t = dist.DTensor.from_local(engine.tensor({ 1, (R == LAST) and 9 or 2 }, "i64"), mesh, { dist.Shard(1) })
+      return engine.cross_entropy(logits, t, { reduction = "none" }):full_tensor()
+    end)
+    assert.matches("out of range", err)
+    still_usable()
+    if sub then -- on a sub-mesh group: only its members agree, the other rows are unaffected
+      local ws = dist.distribute_tensor(engine.randn(10, 3), sub, { dist.Replicate() })
+      local function lookup()
+        local i = engine.tensor({ { 1 }, { (R == LAST) and 50 or 2 } }, "i64")
+        return engine.nn.functional.embedding(dist.DTensor.from_local(i, sub, { dist.Shard(1) }), ws):full_tensor()
+      end
+      if R >= W / 2 then assert.matches("out of range", fails(lookup))   -- the last rank's row
+      else assert.are.same({ 4, 1, 3 }, lookup():shape()) end             -- the other row is unaffected
+      still_usable()
+    end
+  end)
+
   it("clip_grad_norm_ over DTensor shards: a bad gradient on one rank fails on every rank", function()
     multi()
     local mesh = dist.init_device_mesh("cpu", { W })

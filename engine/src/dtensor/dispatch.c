@@ -524,6 +524,28 @@ static int any_dtensor(const eng_op_call* c) {
   return 0;
 }
 
+/* An op whose local function checks per-rank data (def->agree_local): every
+ * mesh dim where an input is not Replicate agrees on the local result, in
+ * mesh-dim order (the same on every rank, as the layouts are).  Returns -1
+ * (error set, naming the failing rank) when any rank of those groups failed. */
+static int agree_local_result(const eng_op_def* def, int n_in, eng_dist_spec* const* req, int lrc) {
+  const eng_dist_spec* any = NULL;
+  for (int i = 0; i < n_in && !any; i++) if (req[i]) any = req[i];
+  if (!any) return lrc ? -1 : 0;
+  int state = lrc ? 1 : 0;
+  for (int m = 0; m < any->mesh_ndim; m++) {
+    int differs = 0;
+    for (int i = 0; i < n_in; i++)
+      if (req[i] && req[i]->placements[m].kind != ENG_PLACEMENT_REPLICATE) differs = 1;
+    if (!differs) continue;
+    eng_pg* g = eng_mesh_get_group(any->mesh, m);
+    if (!g) return -1;
+    if (eng_pg_agree(g, state, 0, def->name) && !state) state = 2;
+    eng_pg_release(g);
+  }
+  return state ? -1 : 0;
+}
+
 static int empty_outputs(const cache_entry* e, int n_out, int dtype, eng_tensor** outs) {
   int64_t z[ENG_MAX_DIMS] = {0};
   for (int j = 0; j < n_out; j++) {
@@ -588,6 +610,7 @@ int eng_dispatch_multi(const eng_op_def* def, eng_op_call* c, eng_tensor** outs)
     for (int i = 0; i < c->n_in; i++) if (c->in[i]) { dt = c->in[i]->dtype; break; }
     lrc = empty_outputs(e, n_out, dt, outs);
   }
+  if (def->agree_local && member && !meta && agree_local_result(def, c->n_in, e->req, lrc)) lrc = -1;
   if (lrc) { eng_err_prefix("%s", name); goto done; }
   for (int j = 0; j < n_out; j++) {
     eng_tensor* o = outs[j];

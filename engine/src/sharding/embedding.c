@@ -73,4 +73,4 @@ static int emb_local(const eng_op_call* c, const eng_dist_spec* const* is, const
   return outs[0] ? 0 : -1;
 }
 
-const eng_op_def eng_opdef_embedding = {"embedding", 1, emb_rule, emb_shape, NULL, emb_local, 0};
+const eng_op_def eng_opdef_embedding = {"embedding", 1, emb_rule, emb_shape, NULL, emb_local, 0, 0, 1};

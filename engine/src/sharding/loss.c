@@ -128,4 +128,4 @@ static int ce_local(const eng_op_call* c, const eng_dist_spec* const* is, const 
   return rc ? -1 : (outs[0] ? 0 : -1);
 }
 
-const eng_op_def eng_opdef_cross_entropy = {"cross_entropy", 1, ce_rule, ce_shape, NULL, ce_local, 1};
+const eng_op_def eng_opdef_cross_entropy = {"cross_entropy", 1, ce_rule, ce_shape, NULL, ce_local, 1, 0, 1};

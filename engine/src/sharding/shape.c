@@ -449,7 +449,7 @@ static eng_tensor* index_select_fn(const eng_op_call* c) {
   return eng_index_select(c->in[0], (int)c->ints[0], c->in[1]);
 }
 static const eng_op_def eng_opdef_index_select = {"index_select", 1, index_select_rule, index_select_shape, index_select_fn,
-                                           NULL, 0};
+                                           NULL, 0, 0, 1};
 
 eng_tensor* eng_dt_index_select(eng_tensor* t, int dim, eng_tensor* index) {
   int tnd = t->dist ? t->dist->ndim : t->ndim, ind = index->dist ? index->dist->ndim : index->ndim;
