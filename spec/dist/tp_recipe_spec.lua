@@ -42,11 +42,25 @@ local dir = os.getenv("TMPDIR") or "/tmp"
 local stamp = engine.tensor({ math.floor(engine.time() * 1000) % 100000000 }, "f64")
 dist.broadcast(stamp, 0)                          -- one directory name on every rank
 local ck = string.format("%s/tp_recipe_%d", dir, stamp:item())
-if R == 0 then os.execute("rm -rf '" .. ck .. "'") end
+-- its own small token shards (the suite does not need data/): a pseudo-random word text, written by rank 0
+local train_bin, val_bin = ck .. "_train.bin", ck .. "_val.bin"
+if R == 0 then
+  os.execute("rm -rf '" .. ck .. "'")
+  local words = { "In", "the", "beginning", "God", "created", "heaven", "and", "earth.", "And", "was", "without",
+    "form,", "void;", "darkness", "upon", "face", "of", "deep." }
+  local text, x = {}, 11
+  for i = 1, 4000 do
+    x = (x * 1103515245 + 12345) % 2147483648
+    text[i] = words[x % #words + 1]
+  end
+  local s = table.concat(text, " ")
+  engine.data.write_shard(train_bin, engine.data.encode(s:sub(1, 20000)))
+  engine.data.write_shard(val_bin, engine.data.encode(s:sub(20001, 24000)))
+end
 dist.barrier()
 
 local base = { "--n_layers=1", "--dim=32", "--n_heads=4", "--seq=16", "--batch=2", "--log_every=1", "--eval_every=0",
-  "--eval_batches=1", "--warmup=2", "--lr=3e-3" }
+  "--eval_batches=1", "--warmup=2", "--lr=3e-3", "--train=" .. train_bin, "--val=" .. val_bin }
 local function argv(extra)
   local a = {}
   for _, v in ipairs(base) do a[#a + 1] = v end
@@ -55,6 +69,11 @@ local function argv(extra)
 end
 
 describe("recipes/tp_gpt.lua", function()
+  teardown(function()
+    dist.barrier()
+    if R == 0 then os.execute("rm -rf '" .. ck .. "'* 2>/dev/null") end
+  end)
+
   for _, cfg in ipairs({ { name = "TP", args = {} }, { name = "TP+SP", args = { "--sp=1" } },
                           { name = "TP x DP (2x2)", args = { "--tp=2" }, ranks = 4 } }) do
     it(cfg.name .. ": resumes from its checkpoint with the uninterrupted run's losses", function()
