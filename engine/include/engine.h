@@ -33,6 +33,7 @@ extern "C" {
 #include "eng/comm.h"
 #include "eng/mesh.h"
 #include "eng/dtensor.h"
+#include "eng/sharded_tensor.h"
 #include "eng/cuda.h"
 #ifdef __cplusplus
 }

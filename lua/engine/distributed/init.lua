@@ -26,6 +26,7 @@ local modules = {
   "data_parallel",        -- DTensor data parallelism helpers
   "parallel_style",       -- tensor parallel styles (ColwiseParallel, ...), loss_parallel
   "parallelize",          -- parallelize_module
+  "sharding_spec",        -- ShardMetadata, ChunkShardingSpec, EnumerableShardingSpec (ShardedTensor metadata)
 }
 for _, name in ipairs(modules) do
   local m = require("engine.distributed." .. name)
