@@ -27,6 +27,7 @@ local modules = {
   "parallel_style",       -- tensor parallel styles (ColwiseParallel, ...), loss_parallel
   "parallelize",          -- parallelize_module
   "sharding_spec",        -- ShardMetadata, ChunkShardingSpec, EnumerableShardingSpec (ShardedTensor metadata)
+  "sharded_tensor",       -- ShardedTensor, dist.sharded_tensor.empty/zeros/ones/full
 }
 for _, name in ipairs(modules) do
   local m = require("engine.distributed." .. name)

@@ -1,0 +1,104 @@
+-- ShardedTensor (seed 002), first part: factories over chunk and enumerable specs, local shards exactly as
+-- torch.chunk places them (uneven, subsets of ranks, several shards per rank), local_tensor, gather.
+local engine = require("engine")
+local dist = engine.distributed
+local util = require("spec.dist.helpers.util")
+local W, R = dist.world_size(), dist.rank()
+
+local function ranks(list)
+  local r = {}
+  for i, k in ipairs(list) do r[i] = "rank:" .. k .. "/cpu" end
+  return r
+end
+local function all_ranks(times)
+  local l = {}
+  for t = 1, times or 1 do for k = 0, W - 1 do l[#l + 1] = k end end
+  return l
+end
+
+describe("ShardedTensor", function()
+  it("chunk spec on dim 1, 10x20 over the ranks: local shards as torch.chunk, gather to the last rank", function()
+    local spec = dist.ChunkShardingSpec{ dim = 1, placements = ranks(all_ranks()) }
+    local st = dist.sharded_tensor.zeros(spec, { 10, 20 })
+    local md = st:metadata()
+    local split = math.ceil(10 / W)
+    local mine = st:local_shards()
+    local want_rows = math.max(0, math.min(split, 10 - split * R))
+    assert.are.equal(1, #mine)
+    assert.are.same({ want_rows, 20 }, mine[1].tensor:shape())
+    assert.are.same({ math.min(split * R, 10), 0 }, mine[1].metadata.shard_offsets)
+    assert.are.equal(R, mine[1].metadata.placement.rank)
+    assert.are.equal(W, #md.shards_metadata)
+    -- fill each shard with its global values, gather to the last rank
+    engine.manual_seed(1)
+    local full = engine.randn(10, 20)
+    local s = mine[1]
+    if want_rows > 0 then s.tensor:copy_(full:narrow(1, s.metadata.shard_offsets[1] + 1, want_rows)) end
+    local g = st:gather(W - 1)
+    if R == W - 1 then assert.are.equal(0, util.diff(g, full)) else assert.is_nil(g) end
+    assert.are.same({ 10, 20 }, st:size())
+    assert.are.equal(20, st:size(-1))
+    assert.are.equal(s.tensor, st:local_tensor())
+  end)
+
+  it("chunk spec on dim -2 over a subset of ranks: ranks outside hold no shards", function()
+    local spec = dist.ChunkShardingSpec{ dim = -2, placements = ranks({ 0 }) }
+    local st = dist.sharded_tensor.ones(spec, { 3, 4 }, { dtype = "f64" })
+    if R == 0 then
+      assert.are.same({ 3, 4 }, st:local_tensor():shape())
+      assert.are.equal("f64", st:local_tensor().dtype)
+    else
+      assert.are.equal(0, #st:local_shards())
+      local e = util.errmsg(st.local_tensor, st)
+      assert.is_truthy(e:find("Only single local shard is supported", 1, true), e)
+    end
+    local g = st:gather(0)
+    if R == 0 then assert.are.equal(0, util.diff(g, engine.ones(3, 4, { dtype = "f64" }))) end
+  end)
+
+  it("several shards per rank (2 placements per rank on dim 2) and an enumerable spec gather back", function()
+    local spec = dist.ChunkShardingSpec{ dim = 2, placements = ranks(all_ranks(2)) }
+    local st = dist.sharded_tensor.full(spec, { 2, 4 * W + 1 }, 7)
+    assert.are.equal(2, #st:local_shards())
+    local e = util.errmsg(st.local_tensor, st)
+    assert.is_truthy(e:find("Only single local shard is supported (this rank holds 2 shards)", 1, true), e)
+    for _, s in ipairs(st:local_shards()) do s.tensor:fill_(s.metadata.shard_offsets[2]) end
+    local g = st:gather(0)
+    if R == 0 then
+      local flat = g:totable()
+      for j = 1, 4 * W + 1 do
+        local split = math.ceil((4 * W + 1) / (2 * W))
+        assert.are.equal(math.floor((j - 1) / split) * split, flat[1][j])
+      end
+    end
+    -- a 2x2 grid of enumerable shards, round-robin over the ranks
+    local sm = function(o, s, r) return dist.ShardMetadata{ shard_offsets = o, shard_sizes = s, placement = "rank:" .. r .. "/cpu" } end
+    local es = dist.EnumerableShardingSpec{ sm({ 0, 0 }, { 2, 3 }, 0), sm({ 0, 3 }, { 2, 2 }, 1 % W),
+      sm({ 2, 0 }, { 1, 3 }, 2 % W), sm({ 2, 3 }, { 1, 2 }, 3 % W) }
+    local est = dist.sharded_tensor.zeros(es, { 3, 5 })
+    for _, s in ipairs(est:local_shards()) do s.tensor:fill_(10 * s.metadata.shard_offsets[1] + s.metadata.shard_offsets[2]) end
+    local out = engine.empty(3, 5)
+    local eg = est:gather(0, out)
+    if R == 0 then
+      assert.are.equal(out, eg)
+      assert.are.same({ { 0, 0, 0, 3, 3 }, { 0, 0, 0, 3, 3 }, { 20, 20, 20, 23, 23 } }, out:totable())
+    end
+  end)
+
+  it("bad input: placements outside the group, bad dst, out of the wrong shape: the same error on every rank", function()
+    local e = util.errmsg(dist.sharded_tensor.zeros, dist.ChunkShardingSpec{ dim = 1, placements = ranks({ 0, W }) }, { 4, 4 })
+    assert.is_truthy(e:find("shard 2 is placed on rank " .. W .. ", but the process group has " .. W .. " ranks", 1, true), e)
+    e = util.errmsg(dist.sharded_tensor.zeros, "spec", { 4 })
+    assert.is_truthy(e:find("must be a ChunkShardingSpec or an EnumerableShardingSpec", 1, true), e)
+    local st = dist.sharded_tensor.zeros(dist.ChunkShardingSpec{ dim = 1, placements = ranks(all_ranks()) }, { 4, 2 })
+    e = util.errmsg(st.gather, st, W)
+    assert.is_truthy(e:find("dst must be a rank of the process group", 1, true), e)
+    if R == 0 then
+      e = util.errmsg(st.gather, st, 0, engine.empty(2, 2))
+      assert.is_truthy(e:find("out has shape [2,2], the ShardedTensor [4,2]", 1, true), e)
+    else
+      st:gather(0)
+    end
+    assert.is_truthy(tostring(st):find("ShardedTensor(f32[4,2], ChunkShardingSpec(dim=1", 1, true))
+  end)
+end)
