@@ -85,6 +85,57 @@ describe("ShardedTensor", function()
     end
   end)
 
+  it("rand / randn give engine.rand / randn of the full size for every spec, and advance the generator alike", function()
+    engine.manual_seed(42)
+    local want = engine.rand(7, 5)
+    local after = engine.rand(3)
+    engine.manual_seed(42)
+    local wantn = engine.randn(7, 5)
+    for _, spec in ipairs({ dist.ChunkShardingSpec{ dim = 1, placements = ranks(all_ranks()) },
+                            dist.ChunkShardingSpec{ dim = -1, placements = ranks(all_ranks(2)) },
+                            dist.ChunkShardingSpec{ dim = 1, placements = ranks({ W - 1 }) } }) do
+      engine.manual_seed(42)
+      local st = dist.sharded_tensor.rand(spec, { 7, 5 })
+      local nxt = engine.rand(3)                       -- the generator moved on by 35 on every rank
+      assert.are.equal(0, util.diff(nxt, after), tostring(spec))
+      local g = st:gather(0)
+      if R == 0 then assert.are.equal(0, util.diff(g, want), tostring(spec)) end
+      engine.manual_seed(42)
+      local gn = dist.sharded_tensor.randn(spec, { 7, 5 }):gather(0)
+      if R == 0 then assert.are.equal(0, util.diff(gn, wantn), tostring(spec)) end
+    end
+  end)
+
+  it("init_from_local_shards builds from each rank's shards and fails on every rank for bad ones", function()
+    local function md(o, z, r) return dist.ShardMetadata{ shard_offsets = o, shard_sizes = z, placement = "rank:" .. r .. "/cpu" } end
+    -- rows of a [2W, 3] tensor: rank r holds rows 2r, 2r+1
+    local t = engine.full({ 2, 3 }, R)
+    local st = dist.ShardedTensor.init_from_local_shards({ { tensor = t, metadata = md({ 2 * R, 0 }, { 2, 3 }, R) } }, { 2 * W, 3 })
+    assert.are.equal(W, #st:metadata().shards_metadata)
+    local g = st:gather(0)
+    if R == 0 then for r = 0, W - 1 do assert.are.same({ { r, r, r }, { r, r, r } }, g:narrow(1, 2 * r + 1, 2):totable()) end end
+    local function bad(list, size, pat)
+      local e = util.errmsg(dist.ShardedTensor.init_from_local_shards, list, size)
+      assert.is_truthy(e:find(pat, 1, true), e)
+    end
+    -- a gap (the last rank holds nothing)
+    bad(R == W - 1 and {} or { { tensor = t, metadata = md({ 2 * R, 0 }, { 2, 3 }, R) } }, { 2 * W, 3 },
+      "the shards cover " .. (6 * (W - 1)) .. " of the " .. (6 * W) .. " elements")
+    -- an overlap (every rank claims rows 0..1 at W > 1)
+    if W > 1 then bad({ { tensor = t, metadata = md({ 0, 0 }, { 2, 3 }, R) } }, { 2 * W, 3 }, "overlap") end
+    -- the last rank's tensor does not match its shard_sizes: every rank names it
+    local tl = R == W - 1 and engine.zeros(1, 3) or t
+    bad({ { tensor = tl, metadata = md({ 2 * R, 0 }, { 2, 3 }, R) } }, { 2 * W, 3 },
+      "rank " .. (W - 1) .. "'s local shard 1 has a tensor whose shape differs from its shard_sizes")
+    -- a shard placed on another rank
+    bad({ { tensor = t, metadata = md({ 2 * R, 0 }, { 2, 3 }, (R + 1) % (W + 1)) } }, { 2 * W, 3 }, "is placed on another rank")
+    -- dtypes that disagree
+    if W > 1 then
+      local td = R == W - 1 and t:double() or t
+      bad({ { tensor = td, metadata = md({ 2 * R, 0 }, { 2, 3 }, R) } }, { 2 * W, 3 }, "disagree on the dtype")
+    end
+  end)
+
   it("bad input: placements outside the group, bad dst, out of the wrong shape: the same error on every rank", function()
     local e = util.errmsg(dist.sharded_tensor.zeros, dist.ChunkShardingSpec{ dim = 1, placements = ranks({ 0, W }) }, { 4, 4 })
     assert.is_truthy(e:find("shard 2 is placed on rank " .. W .. ", but the process group has " .. W .. " ranks", 1, true), e)

@@ -7,7 +7,9 @@
 --   local full = st:gather(0)            -- the full tensor on rank 0, nil elsewhere (collective)
 --
 -- Each rank holds one local tensor per shard whose placement names its rank (in the process group:
--- placements use group ranks).  Not built yet (issue 14): random factories, init_from_local_shards,
+-- placements use group ranks).  Also: dist.sharded_tensor.rand/randn (each shard is its box of the
+-- global random tensor: equal to engine.rand(size) for every spec) and
+-- dist.ShardedTensor.init_from_local_shards (checked across ranks).  Not built yet (issue 14): *_like,
 -- reshard, elementwise ops, the DTensor bridge, shard_tensor / shard_parameter / shard_module, state
 -- dicts.
 local core = require("engine.core")
@@ -59,7 +61,7 @@ local function build(op, spec, size, opts, make)
         s.placement.device))
     end
     if s.placement.rank == me then
-      local t = make(s.shard_sizes, dtype)
+      local t = make(s.shard_sizes, dtype, s)
       if opts.requires_grad then t.requires_grad = true end
       shards[#shards + 1] = { tensor = t, metadata = s }
     end
@@ -83,6 +85,113 @@ M.ones = factory("sharded_tensor.ones", function(shape, dt) return E().ones(shap
 function M.full(spec, size, value, opts)
   if type(value) ~= "number" then fail("sharded_tensor.full: fill value must be a number, got " .. type(value)) end
   return build("sharded_tensor.full", spec, size, opts, function(shape, dt) return E().full(shape, value, { dtype = dt }) end)
+end
+
+-- rand / randn(spec, size, opts): every shard is its box of the global random tensor that
+-- engine.rand / engine.randn(size) would draw from the global generator (the engine's offset RNG), and
+-- the generator advances by the global numel on every rank, so the full tensor is the same for every
+-- spec and equal to engine.rand(size) after the same seed.
+local function random_factory(op, kind)
+  return function(spec, size, opts)
+    local C = core.C
+    local ffi = core.ffi
+    local numel = 1
+    if type(size) == "table" then for _, x in ipairs(size) do numel = numel * (tonumber(x) or 0) end end
+    local st = ffi.new("uint64_t[2]")
+    C.eng_rng_get_state(st, st + 1)
+    local seed = st[0]
+    local first = true
+    local offset
+    local t = build(op, spec, size, opts, function(shape, dt, box)
+      if first then offset = C.eng_rng_reserve(numel); first = false end
+      local start = {}
+      for d = 1, #shape do start[d] = box.shard_offsets[d] + 1 end
+      return E().random_slice(kind, size, start, shape, { dtype = dt, seed = seed, offset = offset })
+    end)
+    if first then C.eng_rng_reserve(numel) end   -- no local shard: advance the generator all the same
+    return t
+  end
+end
+M.rand = random_factory("sharded_tensor.rand", "uniform")
+M.randn = random_factory("sharded_tensor.randn", "normal")
+
+-- init_from_local_shards(local_shards, size, {process_group}): a ShardedTensor from each rank's own
+-- shards ({tensor = t, metadata = ShardMetadata}, or the list dist.Shard-like pairs {t, md}).  Collective:
+-- every rank's shard boxes, dtypes and local checks are all-gathered first and the same checks run on
+-- every rank (a shard placed on another rank, a tensor whose shape is not its shard_sizes, dtypes that
+-- disagree, overlaps, gaps, boxes out of bounds), so all ranks raise the same error, naming the rank.
+local FIELDS = 4 -- per shard: rank, dtype code, local error code, ndim; then offsets, sizes
+function M.init_from_local_shards(shards, size, opts)
+  local op = "init_from_local_shards"
+  local C, ffi = core.C, core.ffi
+  local dist = require("engine.distributed")
+  opts = opts or {}
+  local pg = opts.process_group
+  local world = pg and pg:size() or dist.world_size()
+  local me = group_rank(pg)
+  if type(shards) ~= "table" then fail(op .. ": local_shards must be a list of {tensor = t, metadata = ShardMetadata}") end
+  if type(size) ~= "table" then fail(op .. ": size must be a list of sizes") end
+  local nd = #size
+  -- local rows: rank, dtype, err (0 ok, 1 wrong placement, 2 shape mismatch, 3 bad entry), ndim, offsets, sizes
+  local rows, list = {}, {}
+  for i, e in ipairs(shards) do
+    local t = type(e) == "table" and (e.tensor or e[1]) or nil
+    local md = type(e) == "table" and (e.metadata or e[2]) or nil
+    local err, dt = 0, -1
+    if not core.is_tensor(t) or getmetatable(md) ~= specs.ShardMetadataClass then err = 3
+    else
+      dt = core.dtype(t.dtype, op)
+      if md.placement == nil or md.placement.rank ~= me then err = 1 end
+      local sh = t:shape()
+      if err == 0 and (#sh ~= #md.shard_sizes) then err = 2 end
+      for d = 1, #sh do if err == 0 and sh[d] ~= md.shard_sizes[d] then err = 2 end end
+      if #md.shard_offsets ~= nd then err = 2 end
+    end
+    local row = { me, dt, err, nd }
+    for d = 1, nd do row[FIELDS + d] = md and md.shard_offsets[d] or 0; row[FIELDS + nd + d] = md and md.shard_sizes[d] or 0 end
+    rows[i] = row
+    list[i] = { tensor = t, metadata = md }
+  end
+  local width = FIELDS + 2 * nd
+  -- how many shards each rank has, then everyone's rows (padded to the largest count)
+  local counts = E().zeros({ world }, { dtype = "i64" })
+  counts:narrow(1, me + 1, 1):fill_(#rows)
+  comm.all_reduce(counts, "sum", pg and { group = pg } or nil)
+  local cnt, maxc = counts:totable(), 1
+  for r = 1, world do maxc = math.max(maxc, cnt[r]) end
+  local mine = E().zeros({ maxc * width }, { dtype = "i64" })
+  local flat = {}
+  for _, row in ipairs(rows) do for k = 1, width do flat[#flat + 1] = row[k] end end
+  if #flat > 0 then mine:narrow(1, 1, #flat):copy_(E().tensor(flat, "i64")) end
+  local all = E().empty({ world * maxc * width }, { dtype = "i64" })
+  comm.all_gather_into(all, mine, pg and { group = pg } or nil)
+  local A = all:totable()
+  -- the same checks on every rank
+  local metas, dtype = {}, nil
+  local why = { "is placed on another rank", "has a tensor whose shape differs from its shard_sizes (or dims from the size)",
+    "is not a {tensor = t, metadata = ShardMetadata} pair" }
+  for r = 0, world - 1 do
+    for j = 1, cnt[r + 1] do
+      local base = (r * maxc + (j - 1)) * width
+      local rr, dt, err = A[base + 1], A[base + 2], A[base + 3]
+      if err ~= 0 then fail(string.format("%s: rank %d's local shard %d %s", op, rr, j, why[err])) end
+      if dtype == nil then dtype = dt
+      elseif dt ~= dtype then
+        fail(string.format("%s: the local shards disagree on the dtype (rank %d's shard %d is %s, an earlier one %s)", op, rr,
+          j, core.ffi.string(C.eng_dtype_name(dt)), core.ffi.string(C.eng_dtype_name(dtype))))
+      end
+      local o, z = {}, {}
+      for d = 1, nd do o[d] = A[base + FIELDS + d]; z[d] = A[base + FIELDS + nd + d] end
+      metas[#metas + 1] = specs.ShardMetadata{ shard_offsets = o, shard_sizes = z, placement = "rank:" .. rr .. "/cpu" }
+    end
+  end
+  specs._validate(op, metas, size, true)   -- bounds, overlaps, the exact cover: the same on every rank
+  if #metas == 0 then fail(op .. ": no rank holds a shard") end
+  local md = specs.ShardedTensorMetadata{ shards_metadata = metas, size = size,
+    tensor_properties = specs.TensorProperties{ dtype = core.ffi.string(C.eng_dtype_name(dtype)) } }
+  local spec = specs.EnumerableShardingSpec(metas)
+  return setmetatable({ _spec = spec, _metadata = md, _shards = list, _pg = pg, dtype = md.tensor_properties.dtype },
+    ShardedTensor)
 end
 
 -- ---------------------------------------------------------------- accessors
@@ -172,4 +281,5 @@ end
 
 -- engine.distributed merges this table: the factories live under dist.sharded_tensor (PyTorch's
 -- torch.distributed._shard.sharded_tensor), next to dist.ShardedTensor.
+ShardedTensor.init_from_local_shards = M.init_from_local_shards
 return { sharded_tensor = M, ShardedTensor = ShardedTensor, is_sharded_tensor = is_sharded_tensor }

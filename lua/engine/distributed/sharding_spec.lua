@@ -127,6 +127,8 @@ local function validate(op, shards, size, cover)
   if C.eng_shards_validate(op, n, nd, offs, szs, shape, cover and 1 or 0) ~= 0 then fail(core.last_error()) end
 end
 
+M._validate = validate
+
 -- ---------------------------------------------------------------- TensorProperties, ShardedTensorMetadata
 local TensorProperties = { __name = "TensorProperties" }
 TensorProperties.__index = TensorProperties
