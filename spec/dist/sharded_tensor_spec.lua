@@ -136,6 +136,34 @@ describe("ShardedTensor", function()
     end
   end)
 
+  it("shard_tensor takes src_rank's data, checks src_rank and spec across ranks with the seed's messages", function()
+    engine.manual_seed(100 + R)                       -- every rank has different values
+    local t = engine.randn(12, 12)
+    local src = W - 1
+    local want = t:clone()
+    dist.broadcast(want, src)
+    local spec = dist.ChunkShardingSpec{ dim = 1, placements = ranks(all_ranks()) }
+    local st = dist.shard_tensor(t, spec, { src_rank = src })
+    local s = st:local_shards()[1]
+    if s.metadata.shard_sizes[1] > 0 then
+      assert.are.equal(0, util.diff(s.tensor, want:narrow(1, s.metadata.shard_offsets[1] + 1, s.metadata.shard_sizes[1])))
+    end
+    local g = st:gather(0)
+    if R == 0 then assert.are.equal(0, util.diff(g, want)) end
+    if W > 1 then
+      local e = util.errmsg(dist.shard_tensor, t, spec, { src_rank = R == 0 and 1 or 0 })
+      assert.is_truthy(e:find("does not match with src_rank=", 1, true), e)
+      local other = dist.ChunkShardingSpec{ dim = R == 0 and 2 or 1, placements = ranks(all_ranks()) }
+      e = util.errmsg(dist.shard_tensor, t, other)
+      assert.is_truthy(e:find("does not match with sharding_spec=ChunkShardingSpec(dim=", 1, true), e)
+    end
+    local e = util.errmsg(dist.shard_tensor, t:t(), spec)
+    assert.is_truthy(e:find("input tensor is not a contiguous Tensor", 1, true), e)
+    e = util.errmsg(dist.shard_tensor, t, dist.EnumerableShardingSpec{ dist.ShardMetadata{ shard_offsets = { 0, 0 },
+      shard_sizes = { 12, 12 }, placement = "rank:0/cpu" } })
+    assert.is_truthy(e:find("not implemented yet!", 1, true), e)
+  end)
+
   it("bad input: placements outside the group, bad dst, out of the wrong shape: the same error on every rank", function()
     local e = util.errmsg(dist.sharded_tensor.zeros, dist.ChunkShardingSpec{ dim = 1, placements = ranks({ 0, W }) }, { 4, 4 })
     assert.is_truthy(e:find("shard 2 is placed on rank " .. W .. ", but the process group has " .. W .. " ranks", 1, true), e)

@@ -194,6 +194,84 @@ function M.init_from_local_shards(shards, size, opts)
     ShardedTensor)
 end
 
+-- shard_tensor(tensor, spec, {src_rank = 0, process_group}): seed 002's _shard_tensor.  Every rank
+-- checks that all ranks passed the same src_rank and spec (the seed's messages), then the data of
+-- src_rank's tensor is broadcast and every rank keeps its shards.  Collective.
+local function agree_strings(op, mine, pg, world, me)
+  -- all ranks' strings: lengths (one all_reduce), then the bytes (one all_gather)
+  local lens = E().zeros({ world }, { dtype = "i64" })
+  lens:narrow(1, me + 1, 1):fill_(#mine)
+  comm.all_reduce(lens, "sum", pg and { group = pg } or nil)
+  local l = lens:totable()
+  local maxl = 1
+  for r = 1, world do maxl = math.max(maxl, l[r]) end
+  local buf = E().zeros({ maxl }, { dtype = "u8" })
+  local bytes = {}
+  for i = 1, #mine do bytes[i] = mine:byte(i) end
+  if #bytes > 0 then buf:narrow(1, 1, #bytes):copy_(E().tensor(bytes, "u8")) end
+  local all = E().empty({ world * maxl }, { dtype = "u8" })
+  comm.all_gather_into(all, buf, pg and { group = pg } or nil)
+  local a = all:totable()
+  local out = {}
+  for r = 0, world - 1 do
+    local chars = {}
+    for i = 1, l[r + 1] do chars[i] = string.char(a[r * maxl + i]) end
+    out[r] = table.concat(chars)
+  end
+  return out
+end
+
+function M.shard_tensor(tensor, spec, opts)
+  local op = "shard_tensor"
+  local dist = require("engine.distributed")
+  opts = opts or {}
+  if type(opts) ~= "table" then fail(op .. ": options must be a table") end
+  for k in pairs(opts) do
+    if k ~= "src_rank" and k ~= "process_group" then
+      fail(string.format("%s: unknown option '%s' (src_rank, process_group)", op, tostring(k)))
+    end
+  end
+  local pg = opts.process_group
+  local world = pg and pg:size() or dist.world_size()
+  local me = group_rank(pg)
+  local src = opts.src_rank or 0
+  if not core.is_tensor(tensor) then fail(op .. ": expected a tensor, got " .. type(tensor)) end
+  if dist.is_dtensor(tensor) then fail(op .. ": expected a plain tensor, got a DTensor (use redistribute)") end
+  if not tensor:is_contiguous() then fail("input tensor is not a contiguous Tensor") end
+  if not specs.is_sharding_spec(spec) then fail(op .. ": sharding_spec must be a ChunkShardingSpec or an EnumerableShardingSpec") end
+  -- (src_rank, spec, shape) of every rank
+  local mine = string.format("%s\n%s\n%s", tostring(src), tostring(spec), table.concat(tensor:shape(), ","))
+  local all = agree_strings(op, mine, pg, world, me)
+  for idx = 0, world - 1 do
+    local osrc, ospec, oshape = all[idx]:match("^(.-)\n(.*)\n(.-)$")
+    if osrc ~= tostring(src) then
+      fail(string.format("src_rank=%s on rank: %d does not match with src_rank=%s on rank: %d", tostring(src), me,
+        tostring(osrc), idx))
+    end
+    if ospec ~= tostring(spec) then
+      fail(string.format("sharding_spec=%s on rank: %d does not match with sharding_spec=%s on rank: %d", tostring(spec),
+        me, tostring(ospec), idx))
+    end
+    if oshape ~= table.concat(tensor:shape(), ",") then
+      fail(string.format("%s: the tensor on rank %d has shape [%s], on rank %d [%s]", op, me,
+        table.concat(tensor:shape(), ","), idx, tostring(oshape)))
+    end
+  end
+  if type(src) ~= "number" or src % 1 ~= 0 or src < 0 or src >= world then
+    fail(string.format("%s: src_rank must be a rank of the process group (0..%d), got %s", op, world - 1, tostring(src)))
+  end
+  if getmetatable(spec) ~= specs.ChunkShardingSpecClass then
+    fail(op .. ": EnumerableShardingSpec.shard not implemented yet!")
+  end
+  local full = tensor:detach():clone()
+  comm.broadcast(full, src, pg and { group = pg } or nil)
+  return build(op, spec, tensor:shape(), { dtype = tensor.dtype, process_group = pg }, function(shape, dt, box)
+    local t = full
+    for d = 1, #shape do t = t:narrow(d, box.shard_offsets[d] + 1, shape[d]) end
+    return t:contiguous():clone()
+  end)
+end
+
 -- ---------------------------------------------------------------- accessors
 function ShardedTensor:local_shards()
   local r = {}
@@ -282,4 +360,5 @@ end
 -- engine.distributed merges this table: the factories live under dist.sharded_tensor (PyTorch's
 -- torch.distributed._shard.sharded_tensor), next to dist.ShardedTensor.
 ShardedTensor.init_from_local_shards = M.init_from_local_shards
-return { sharded_tensor = M, ShardedTensor = ShardedTensor, is_sharded_tensor = is_sharded_tensor }
+return { sharded_tensor = M, ShardedTensor = ShardedTensor, is_sharded_tensor = is_sharded_tensor,
+  shard_tensor = M.shard_tensor }
