@@ -98,14 +98,15 @@ end
 local function pl_str(p) return p == M.NONE and "None" or tostring(p) end
 -- t laid out as `from` (plain: this rank's shard, from_local) then redistributed to `to`.
 -- what: names the input in errors.
-local function prepare(t, mesh, from, to, ctxname)
+local function prepare(t, mesh, from, to, ctxname, role)
+  role = role or "input"
   if not core.is_tensor(t) then return t end
   local nd = #t:shape()
   if not is_dtensor(t) then
     if from == nil then return t end
     from = norm(from, nd)
     if from:is_shard() and from.dim > nd then
-      fail(string.format("%s: input layout %s does not fit a %d-d input", ctxname, tostring(from), nd))
+      fail(string.format("%s: %s layout %s does not fit a %d-d %s", ctxname, role, tostring(from), nd, role))
     end
     t = dtensor.from_local(t, mesh, { from })
   elseif from ~= nil then
@@ -113,8 +114,8 @@ local function prepare(t, mesh, from, to, ctxname)
     if #t.placements ~= 1 or have ~= norm(from, nd) then
       local have_s = {}
       for i, q in ipairs(t.placements) do have_s[i] = tostring(q) end
-      fail(string.format("%s: expected a DTensor input laid out as %s, got [%s] (a DTensor input must match "
-        .. "input_layouts)", ctxname, tostring(norm(from, nd)), table.concat(have_s, ", ")))
+      fail(string.format("%s: expected a DTensor %s laid out as %s, got [%s] (a DTensor %s must match %s_layouts)",
+        ctxname, role, tostring(norm(from, nd)), table.concat(have_s, ", "), role, role))
     end
   end
   if to ~= nil then
@@ -390,9 +391,9 @@ local function make_output_spec(name, opts, use_local_key)
   return s
 end
 
-local function prep_one(t, mesh, from, to, use_local, name)
+local function prep_one(t, mesh, from, to, use_local, name, role)
   if from == M.NONE or from == nil then return t end
-  t = prepare(t, mesh, from, to ~= M.NONE and to or nil, name)
+  t = prepare(t, mesh, from, to ~= M.NONE and to or nil, name, role)
   if use_local and is_dtensor(t) then t = t:to_local() end
   return t
 end
@@ -449,17 +450,8 @@ local function install_outputs(spec, module, mesh, name)
     end
     local r = {}
     for i = 1, n do
-      local t, from, to = outs[i], spec.output_layouts[i], spec.desired_output_layouts[i]
-      if from ~= M.NONE and core.is_tensor(t) then
-        if not is_dtensor(t) then t = dtensor.from_local(t, mesh, { norm(from, #t:shape()) })
-        elseif t.placements[1] ~= norm(from, #t:shape()) then
-          fail(string.format("%s: output %d is laid out as %s, but output_layouts says %s", name, i,
-            tostring(t.placements[1]), tostring(from)))
-        end
-        if to ~= M.NONE and t.placements[1] ~= norm(to, #t:shape()) then t = t:redistribute(mesh, { norm(to, #t:shape()) }) end
-        if spec.use_local_output then t = t:to_local() end
-      end
-      r[i] = t
+      r[i] = prep_one(outs[i], mesh, spec.output_layouts[i], spec.desired_output_layouts[i], spec.use_local_output,
+        name .. " (output " .. i .. ")", "output")
     end
     if n == 1 then return r[1] end
     return r

@@ -141,19 +141,19 @@ local function retie(module)
   end
 end
 
+-- The plan as a list of {path, style}: the list form's pairs in their order, then the keyed entries
+-- sorted by path (Lua tables have no order).
 local function plan_entries(plan)
-  local list = {}
   if styles.is_parallel_style(plan) then return { { "", plan } } end
   if type(plan) ~= "table" then
     fail("parallelize_module: parallelize_plan must be a ParallelStyle or a table {path = style}, got " .. type(plan))
   end
-  if #plan > 0 then
-    for i, e in ipairs(plan) do
-      if type(e) ~= "table" or type(e[1]) ~= "string" or not styles.is_parallel_style(e[2]) then
-        fail(string.format("parallelize_module: plan entry %d must be {path, style}", i))
-      end
-      list[#list + 1] = { e[1], e[2] }
+  local list, keyed = {}, {}
+  for i, e in ipairs(plan) do
+    if type(e) ~= "table" or type(e[1]) ~= "string" or not styles.is_parallel_style(e[2]) then
+      fail(string.format("parallelize_module: plan entry %d must be {path, style}", i))
     end
+    list[i] = { e[1], e[2] }
   end
   for k, v in pairs(plan) do
     if type(k) ~= "number" then
@@ -162,16 +162,13 @@ local function plan_entries(plan)
         fail(string.format("parallelize_module: plan['%s'] must be a ParallelStyle (ColwiseParallel(), ...), got %s", k,
           type(v) == "table" and "a table" or type(v)))
       end
-      list[#list + 1] = { k, v, sorted = true }
+      keyed[#keyed + 1] = { k, v }
     elseif k > #plan or k < 1 or k % 1 ~= 0 then
       fail("parallelize_module: plan has a stray numeric key " .. tostring(k))
     end
   end
-  table.sort(list, function(a, b)
-    if (a.sorted ~= nil) ~= (b.sorted ~= nil) then return b.sorted ~= nil end
-    if a.sorted then return a[1] < b[1] end
-    return false
-  end)
+  table.sort(keyed, function(a, b) return a[1] < b[1] end)
+  for _, e in ipairs(keyed) do list[#list + 1] = e end
   return list
 end
 

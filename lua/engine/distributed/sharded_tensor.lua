@@ -115,6 +115,28 @@ end
 M.rand = random_factory("sharded_tensor.rand", "uniform")
 M.randn = random_factory("sharded_tensor.randn", "normal")
 
+-- Every rank's Lua list of integers (any length), indexed by group rank: one all_reduce of the
+-- lengths, one all_gather of the lists padded to the longest.  Collective.
+local function all_gather_lists(list, dtype, pg, world, me)
+  local opts = pg and { group = pg } or nil
+  local lens = E().zeros({ world }, { dtype = "i64" })
+  lens:narrow(1, me + 1, 1):fill_(#list)
+  comm.all_reduce(lens, "sum", opts)
+  local l, maxl = lens:totable(), 1
+  for r = 1, world do maxl = math.max(maxl, l[r]) end
+  local buf = E().zeros({ maxl }, { dtype = dtype })
+  if #list > 0 then buf:narrow(1, 1, #list):copy_(E().tensor(list, dtype)) end
+  local all = E().empty({ world * maxl }, { dtype = dtype })
+  comm.all_gather_into(all, buf, opts)
+  local a, out = all:totable(), {}
+  for r = 0, world - 1 do
+    local t = {}
+    for i = 1, l[r + 1] do t[i] = a[r * maxl + i] end
+    out[r] = t
+  end
+  return out
+end
+
 -- init_from_local_shards(local_shards, size, {process_group}): a ShardedTensor from each rank's own
 -- shards ({tensor = t, metadata = ShardMetadata}, or the list dist.Shard-like pairs {t, md}).  Collective:
 -- every rank's shard boxes, dtypes and local checks are all-gathered first and the same checks run on
@@ -153,26 +175,17 @@ function M.init_from_local_shards(shards, size, opts)
     list[i] = { tensor = t, metadata = md }
   end
   local width = FIELDS + 2 * nd
-  -- how many shards each rank has, then everyone's rows (padded to the largest count)
-  local counts = E().zeros({ world }, { dtype = "i64" })
-  counts:narrow(1, me + 1, 1):fill_(#rows)
-  comm.all_reduce(counts, "sum", pg and { group = pg } or nil)
-  local cnt, maxc = counts:totable(), 1
-  for r = 1, world do maxc = math.max(maxc, cnt[r]) end
-  local mine = E().zeros({ maxc * width }, { dtype = "i64" })
   local flat = {}
   for _, row in ipairs(rows) do for k = 1, width do flat[#flat + 1] = row[k] end end
-  if #flat > 0 then mine:narrow(1, 1, #flat):copy_(E().tensor(flat, "i64")) end
-  local all = E().empty({ world * maxc * width }, { dtype = "i64" })
-  comm.all_gather_into(all, mine, pg and { group = pg } or nil)
-  local A = all:totable()
+  local per_rank = all_gather_lists(flat, "i64", pg, world, me)
   -- the same checks on every rank
   local metas, dtype = {}, nil
   local why = { "is placed on another rank", "has a tensor whose shape differs from its shard_sizes (or dims from the size)",
     "is not a {tensor = t, metadata = ShardMetadata} pair" }
   for r = 0, world - 1 do
-    for j = 1, cnt[r + 1] do
-      local base = (r * maxc + (j - 1)) * width
+    local A = per_rank[r]
+    for j = 1, #A / width do
+      local base = (j - 1) * width
       local rr, dt, err = A[base + 1], A[base + 2], A[base + 3]
       if err ~= 0 then fail(string.format("%s: rank %d's local shard %d %s", op, rr, j, why[err])) end
       if dtype == nil then dtype = dt
@@ -197,25 +210,13 @@ end
 -- shard_tensor(tensor, spec, {src_rank = 0, process_group}): seed 002's _shard_tensor.  Every rank
 -- checks that all ranks passed the same src_rank and spec (the seed's messages), then the data of
 -- src_rank's tensor is broadcast and every rank keeps its shards.  Collective.
-local function agree_strings(op, mine, pg, world, me)
-  -- all ranks' strings: lengths (one all_reduce), then the bytes (one all_gather)
-  local lens = E().zeros({ world }, { dtype = "i64" })
-  lens:narrow(1, me + 1, 1):fill_(#mine)
-  comm.all_reduce(lens, "sum", pg and { group = pg } or nil)
-  local l = lens:totable()
-  local maxl = 1
-  for r = 1, world do maxl = math.max(maxl, l[r]) end
-  local buf = E().zeros({ maxl }, { dtype = "u8" })
+local function agree_strings(mine, pg, world, me)
   local bytes = {}
   for i = 1, #mine do bytes[i] = mine:byte(i) end
-  if #bytes > 0 then buf:narrow(1, 1, #bytes):copy_(E().tensor(bytes, "u8")) end
-  local all = E().empty({ world * maxl }, { dtype = "u8" })
-  comm.all_gather_into(all, buf, pg and { group = pg } or nil)
-  local a = all:totable()
-  local out = {}
+  local per_rank, out = all_gather_lists(bytes, "u8", pg, world, me), {}
   for r = 0, world - 1 do
     local chars = {}
-    for i = 1, l[r + 1] do chars[i] = string.char(a[r * maxl + i]) end
+    for i, b in ipairs(per_rank[r]) do chars[i] = string.char(b) end
     out[r] = table.concat(chars)
   end
   return out
@@ -241,7 +242,7 @@ function M.shard_tensor(tensor, spec, opts)
   if not specs.is_sharding_spec(spec) then fail(op .. ": sharding_spec must be a ChunkShardingSpec or an EnumerableShardingSpec") end
   -- (src_rank, spec, shape) of every rank
   local mine = string.format("%s\n%s\n%s", tostring(src), tostring(spec), table.concat(tensor:shape(), ","))
-  local all = agree_strings(op, mine, pg, world, me)
+  local all = agree_strings(mine, pg, world, me)
   for idx = 0, world - 1 do
     local osrc, ospec, oshape = all[idx]:match("^(.-)\n(.*)\n(.-)$")
     if osrc ~= tostring(src) then

@@ -87,6 +87,7 @@ function M.ShardMetadata(opts)
     placement = opts.placement ~= nil and placement(opts.placement, op) or nil }, ShardMetadata)
 end
 
+-- Element-wise == of two lists (numbers, or objects with __eq).
 local function list_eq(a, b)
   if #a ~= #b then return false end
   for i = 1, #a do if a[i] ~= b[i] then return false end end
@@ -162,9 +163,8 @@ function M.ShardedTensorMetadata(opts)
     tensor_properties = opts.tensor_properties or M.TensorProperties() }, STMeta)
 end
 STMeta.__eq = function(a, b)
-  if not list_eq(a.size, b.size) or #a.shards_metadata ~= #b.shards_metadata then return false end
-  for i = 1, #a.shards_metadata do if a.shards_metadata[i] ~= b.shards_metadata[i] then return false end end
-  return a.tensor_properties == b.tensor_properties
+  return list_eq(a.size, b.size) and list_eq(a.shards_metadata, b.shards_metadata)
+    and a.tensor_properties == b.tensor_properties
 end
 STMeta.__tostring = function(m)
   local s = {}
@@ -220,11 +220,7 @@ function Chunk:build_metadata(size, props)
   return M.ShardedTensorMetadata{ shards_metadata = shards, size = size, tensor_properties = props }
 end
 
-Chunk.__eq = function(a, b)
-  if a.dim ~= b.dim or #a.placements ~= #b.placements then return false end
-  for i = 1, #a.placements do if a.placements[i] ~= b.placements[i] then return false end end
-  return true
-end
+Chunk.__eq = function(a, b) return a.dim == b.dim and list_eq(a.placements, b.placements) end
 Chunk.__tostring = function(s)
   local p = {}
   for i, x in ipairs(s.placements) do p[i] = tostring(x) end
@@ -263,11 +259,7 @@ function Enum:build_metadata(size, props)
   return M.ShardedTensorMetadata{ shards_metadata = self.shards, size = size, tensor_properties = props }
 end
 
-Enum.__eq = function(a, b)
-  if #a.shards ~= #b.shards then return false end
-  for i = 1, #a.shards do if a.shards[i] ~= b.shards[i] then return false end end
-  return true
-end
+Enum.__eq = function(a, b) return list_eq(a.shards, b.shards) end
 Enum.__tostring = function(s)
   local p = {}
   for i, x in ipairs(s.shards) do p[i] = "  " .. tostring(x) end
