@@ -1,7 +1,7 @@
 -- engine.models: the test models of seed 003 (PyTorch's common_dtensor.py),
 -- ported with their defaults: ModelArgs, RMSNormPython, MLPModule,
--- MLPStacked, Attention, FeedForward, TransformerBlock, Transformer.
--- Also exported as nn.Transformer etc.
+-- MLPStacked, Attention, FeedForward, TransformerBlock, Transformer; and a Llama-style model
+-- (torchtitan's Llama: LlamaArgs, Llama, Llama.parallelize).  Also exported as nn.Transformer, nn.Llama etc.
 --
 --   local model = nn.Transformer{n_layers = 2, dim = 256, n_heads = 4, vocab_size = 256, max_seq_len = 128}
 --   local logits = model(tokens)           -- tokens i64 [B, T] (0-based ids) -> f32 [B, T, vocab_size]
@@ -304,6 +304,294 @@ function Transformer.parallelize(model, mesh, opts)
     for _, layer in ipairs(model.layers) do layer.attention.n_heads = math.floor(args.n_heads / tp) end
   end
   if args.weight_tying then model.output.weight = model.tok_embeddings.weight end
+  return model
+end
+
+-- ================================================================ Llama
+-- A Llama-style decoder as torchtitan writes it (torchtitan/models/llama/model.py): RMSNorm before
+-- attention and feed-forward, rotary position embeddings on q and k (interleaved pairs, the
+-- view_as_complex convention), grouped-query attention (n_kv_heads k/v heads, each repeated
+-- n_heads / n_kv_heads times), SwiGLU feed-forward w2(silu(w1 x) * w3 x), no biases, untied output.
+--
+--   local model = nn.Llama{dim = 256, n_layers = 4, n_heads = 4, n_kv_heads = 2, vocab_size = 256,
+--     max_seq_len = 128}
+--   local logits = model(tokens)           -- tokens i64 [B, T] (0-based ids) -> f32 [B, T, vocab_size]
+--
+-- Parameter names are torchtitan's (tok_embeddings.weight, layers.0.attention.wq.weight, ...,
+-- layers.0.feed_forward.w1/w2/w3.weight, layers.0.attention_norm.weight, layers.0.ffn_norm.weight,
+-- norm.weight, output.weight).  The rotary tables are non-persistent buffers rope_cos / rope_sin
+-- [2 max_seq_len, head_dim / 2] computed in double precision with Lua's math (torchtitan keeps a
+-- complex64 freqs_cis computed in float32; the angles agree to ~1e-6 for these lengths).
+local llama_defaults = {
+  dim = 256, n_layers = 4, n_heads = 4, n_kv_heads = false, vocab_size = 256, multiple_of = 256,
+  ffn_dim_multiplier = false, norm_eps = 1e-5, rope_theta = 10000, max_seq_len = 2048, depth_init = true,
+}
+M.LlamaArgs_defaults = llama_defaults
+
+-- LlamaArgs{...}: torchtitan's ModelArgs (n_kv_heads nil: n_heads; ffn_dim_multiplier nil: none).
+function M.LlamaArgs(t)
+  if t ~= nil and type(t) ~= "table" then error("LlamaArgs: expected a table of fields, got " .. type(t), 2) end
+  local a = {}
+  for k, v in pairs(llama_defaults) do a[k] = v end
+  for k, v in pairs(t or {}) do
+    if llama_defaults[k] == nil then
+      local names = {}
+      for n in pairs(llama_defaults) do names[#names + 1] = n end
+      table.sort(names)
+      error(string.format("Llama: unknown field '%s' (fields: %s)", tostring(k), table.concat(names, ", ")), 2)
+    end
+    a[k] = v
+  end
+  for _, k in ipairs({ "dim", "n_layers", "n_heads", "vocab_size", "multiple_of", "max_seq_len" }) do
+    local v = a[k]
+    if type(v) ~= "number" or v % 1 ~= 0 or v < (k == "n_layers" and 0 or 1) then
+      error(string.format("Llama: %s must be a positive integer, got %s", k, tostring(v)), 2)
+    end
+  end
+  if not a.n_kv_heads then a.n_kv_heads = a.n_heads end
+  local kv = a.n_kv_heads
+  if type(kv) ~= "number" or kv % 1 ~= 0 or kv < 1 then
+    error(string.format("Llama: n_kv_heads must be a positive integer, got %s", tostring(kv)), 2)
+  end
+  if a.dim % a.n_heads ~= 0 then
+    error(string.format("Llama: dim (%d) must be divisible by n_heads (%d)", a.dim, a.n_heads), 2)
+  end
+  if a.n_heads % kv ~= 0 then
+    error(string.format("Llama: n_heads (%d) must be divisible by n_kv_heads (%d)", a.n_heads, kv), 2)
+  end
+  if (a.dim / a.n_heads) % 2 ~= 0 then
+    error(string.format("Llama: the head dim (dim / n_heads = %d) must be even for rotary embeddings",
+      a.dim / a.n_heads), 2)
+  end
+  for _, k in ipairs({ "norm_eps", "rope_theta" }) do
+    if type(a[k]) ~= "number" or not (a[k] > 0) then
+      error(string.format("Llama: %s must be a positive number, got %s", k, tostring(a[k])), 2)
+    end
+  end
+  if a.ffn_dim_multiplier and (type(a.ffn_dim_multiplier) ~= "number" or not (a.ffn_dim_multiplier > 0)) then
+    error("Llama: ffn_dim_multiplier must be a positive number or nil, got " .. tostring(a.ffn_dim_multiplier), 2)
+  end
+  if type(a.depth_init) ~= "boolean" then error("Llama: depth_init must be a boolean", 2) end
+  return a
+end
+
+-- SwiGLU hidden size (torchtitan: int(2 * 4 dim / 3), times ffn_dim_multiplier, rounded up to multiple_of).
+function M.llama_ffn_dim(a)
+  local hidden = math.floor(2 * (4 * a.dim) / 3)
+  if a.ffn_dim_multiplier then hidden = math.floor(a.ffn_dim_multiplier * hidden) end
+  return a.multiple_of * math.floor((hidden + a.multiple_of - 1) / a.multiple_of)
+end
+
+-- cos and sin of the rotary angles t * theta^(-2i / head_dim), t = 0 .. n-1, i = 0 .. head_dim/2 - 1:
+-- two f64 tensors [n, head_dim / 2] (torchtitan's precompute_freqs_cis, as real tables).
+function M.rope_tables(head_dim, n, theta)
+  local half = head_dim / 2
+  local c, s = {}, {}
+  for t = 0, n - 1 do
+    local rc, rs = {}, {}
+    for i = 0, half - 1 do
+      local ang = t * (1 / theta ^ ((2 * i) / head_dim))
+      rc[i + 1], rs[i + 1] = math.cos(ang), math.sin(ang)
+    end
+    c[t + 1], s[t + 1] = rc, rs
+  end
+  return engine.tensor(c, "f64"), engine.tensor(s, "f64")
+end
+
+-- x [B, T, H, D] with pairs (x[2i], x[2i+1]) rotated by the angle of (t, i):
+-- (x0 cos - x1 sin, x0 sin + x1 cos).  cos / sin are [T, D/2]; H may be the local heads of a rank.
+function M.apply_rotary_emb(x, cos, sin)
+  local s = x:shape()
+  local B, T, H, D = s[1], s[2], s[3], s[4]
+  local xr = x:reshape(B, T, H, D / 2, 2)
+  local x0, x1 = xr:narrow(5, 1, 1), xr:narrow(5, 2, 1)
+  local c, sn = cos:view(T, 1, D / 2, 1), sin:view(T, 1, D / 2, 1)
+  return engine.cat({ x0 * c - x1 * sn, x0 * sn + x1 * c }, 5):reshape(B, T, H, D)
+end
+
+-- x [B, T, Hkv, D] -> [B, T, Hkv * n_rep, D], each k/v head repeated n_rep times in place
+-- (torchtitan's repeat_kv: unsqueeze, expand, reshape).
+function M.repeat_kv(x, n_rep)
+  if n_rep == 1 then return x end
+  local s = x:shape()
+  return x:unsqueeze(4):expand(s[1], s[2], s[3], n_rep, s[4]):reshape(s[1], s[2], s[3] * n_rep, s[4])
+end
+
+local LlamaAttention = nn.Module:extend("LlamaAttention")
+M.LlamaAttention = LlamaAttention
+
+function LlamaAttention:__init(a)
+  self.n_heads, self.n_kv_heads = a.n_heads, a.n_kv_heads
+  self.n_rep = a.n_heads / a.n_kv_heads
+  self.head_dim = a.dim / a.n_heads
+  self.wq = nn.Linear(a.dim, a.n_heads * self.head_dim, { bias = false })
+  self.wk = nn.Linear(a.dim, a.n_kv_heads * self.head_dim, { bias = false })
+  self.wv = nn.Linear(a.dim, a.n_kv_heads * self.head_dim, { bias = false })
+  self.wo = nn.Linear(a.n_heads * self.head_dim, a.dim, { bias = false })
+end
+
+-- x [B, T, dim], cos / sin [T, head_dim / 2] -> [B, T, dim].  The head counts come from the
+-- projections' sizes (-1), so under tensor parallelism each rank runs its local q and k/v heads.
+function LlamaAttention:forward(x, cos, sin)
+  local s = x:shape()
+  local B, T, hd = s[1], s[2], self.head_dim
+  local xq = self.wq(x):view(B, T, -1, hd)
+  local xk = self.wk(x):view(B, T, -1, hd)
+  local xv = self.wv(x):view(B, T, -1, hd)
+  xq, xk = M.apply_rotary_emb(xq, cos, sin), M.apply_rotary_emb(xk, cos, sin)
+  local keys, values = M.repeat_kv(xk, self.n_rep), M.repeat_kv(xv, self.n_rep)
+  local out = F.scaled_dot_product_attention(xq:transpose(2, 3), keys:transpose(2, 3), values:transpose(2, 3),
+    nil, 0, true)
+  return self.wo(out:transpose(2, 3):contiguous():view(B, T, -1))
+end
+
+local LlamaFeedForward = nn.Module:extend("LlamaFeedForward")
+M.LlamaFeedForward = LlamaFeedForward
+
+function LlamaFeedForward:__init(dim, hidden_dim)
+  self.w1 = nn.Linear(dim, hidden_dim, { bias = false })
+  self.w2 = nn.Linear(hidden_dim, dim, { bias = false })
+  self.w3 = nn.Linear(dim, hidden_dim, { bias = false })
+end
+
+function LlamaFeedForward:forward(x)
+  return self.w2(F.silu(self.w1(x)) * self.w3(x))
+end
+
+local LlamaBlock = nn.Module:extend("LlamaBlock")
+M.LlamaBlock = LlamaBlock
+
+function LlamaBlock:__init(layer_id, a)
+  self.layer_id = layer_id
+  self.attention = LlamaAttention(a)
+  self.feed_forward = LlamaFeedForward(a.dim, M.llama_ffn_dim(a))
+  self.attention_norm = nn.RMSNorm(a.dim, { eps = a.norm_eps })
+  self.ffn_norm = nn.RMSNorm(a.dim, { eps = a.norm_eps })
+  -- torchtitan: depth_init scales the output projections by the layer's depth
+  self.weight_init_std = a.depth_init and 0.02 / math.sqrt(2 * (layer_id + 1)) or 0.02 / math.sqrt(2 * a.n_layers)
+end
+
+function LlamaBlock:forward(x, cos, sin)
+  local h = x + self.attention(self.attention_norm(x), cos, sin)
+  return h + self.feed_forward(self.ffn_norm(h))
+end
+
+local Llama = nn.Module:extend("Llama")
+M.Llama = Llama
+
+-- Llama{dim, n_layers, n_heads, n_kv_heads, vocab_size, multiple_of, ffn_dim_multiplier, norm_eps,
+-- rope_theta, max_seq_len, depth_init} (torchtitan's ModelArgs and defaults, vocab_size 256 and dim 256
+-- here).  Initialised as torchtitan's init_weights: embeddings N(0, 1); wq/wk/wv/w1 N(0, 0.02);
+-- wo/w2/w3 N(0, weight_init_std); norms 1; output N(0, dim^-0.5).  (torchtitan draws the output weight
+-- from a normal truncated at 3 std; the others' truncation at +-2 is > 60 std: a plain normal.)
+function Llama:__init(args)
+  local a = M.LlamaArgs(args)
+  self.model_args = a
+  self.max_seq_len = a.max_seq_len
+  self.tok_embeddings = nn.Embedding(a.vocab_size, a.dim)
+  self.layers = nn.ModuleList()
+  for i = 0, a.n_layers - 1 do self.layers:append(LlamaBlock(i, a)) end
+  self.norm = nn.RMSNorm(a.dim, { eps = a.norm_eps })
+  self.output = nn.Linear(a.dim, a.vocab_size, { bias = false })
+  local c, s = M.rope_tables(a.dim / a.n_heads, 2 * a.max_seq_len, a.rope_theta)
+  self:register_buffer("rope_cos", c:float(), false)
+  self:register_buffer("rope_sin", s:float(), false)
+  self._rope_dtype = "f32"
+  self:init_weights()
+end
+
+-- After a dtype change (model:double()) the tables are recomputed from the f64 values rather than
+-- widened from their f32 rounding.
+function Llama:_rope()
+  local c, s = self.rope_cos, self.rope_sin
+  if c.dtype ~= self._rope_dtype and not c.is_meta then
+    local a = self.model_args
+    local c64, s64 = M.rope_tables(a.dim / a.n_heads, 2 * a.max_seq_len, a.rope_theta)
+    engine.no_grad(function() c:copy_(c64); s:copy_(s64) end)
+    self._rope_dtype = c.dtype
+  end
+  return c, s
+end
+
+-- init_weights([{generator = g}]): torchtitan's initialisation (see Llama{...}).
+function Llama:init_weights(opts)
+  local init = require("engine.nn.initializers")
+  local g = type(opts) == "table" and opts.generator or nil
+  local a = self.model_args
+  init.normal_(self.tok_embeddings.weight, 0, 1, g)
+  for _, layer in ipairs(self.layers) do
+    local std = layer.weight_init_std
+    local at, ff = layer.attention, layer.feed_forward
+    for _, lin in ipairs({ at.wq, at.wk, at.wv, ff.w1 }) do init.normal_(lin.weight, 0, 0.02, g) end
+    for _, lin in ipairs({ at.wo, ff.w2, ff.w3 }) do init.normal_(lin.weight, 0, std, g) end
+    init.ones_(layer.attention_norm.weight)
+    init.ones_(layer.ffn_norm.weight)
+  end
+  init.ones_(self.norm.weight)
+  init.normal_(self.output.weight, 0, a.dim ^ -0.5, g)
+end
+
+-- tokens i64 [B, T] (0-based ids) -> logits f32 [B, T, vocab_size] (opts.float == false keeps the
+-- model's dtype, e.g. f64 for gradient checks)
+function Llama:forward(tokens, opts)
+  if not engine.is_tensor(tokens) then
+    error("Llama: expected a tensor of token ids [batch, seq_len], got " .. type(tokens), 2)
+  end
+  local s = tokens:shape()
+  if #s ~= 2 then
+    error(string.format("Llama: expected token ids of shape [batch, seq_len], got %s[%s]", tokens.dtype,
+      table.concat(s, ",")), 2)
+  end
+  local T = s[2]
+  if T > self.max_seq_len then
+    error(string.format("Llama: sequence length %d exceeds max_seq_len %d", T, self.max_seq_len), 2)
+  end
+  local cos, sin = self:_rope()
+  cos, sin = cos:narrow(1, 1, T), sin:narrow(1, 1, T)
+  local h = self.tok_embeddings(tokens)
+  for _, layer in ipairs(self.layers) do h = layer(h, cos, sin) end
+  local out = self.output(self.norm(h))
+  if type(opts) == "table" and opts.float == false then return out end
+  return out:float()
+end
+
+-- Llama.parallelize(model, tp_mesh [, {loss_parallel = false}]): torchtitan's apply_tp for Llama (without
+-- sequence parallelism): tok_embeddings RowwiseParallel (input Replicate, output Replicate); per block
+-- wq/wk/wv/w1/w3 ColwiseParallel, wo/w2 RowwiseParallel (local outputs: attention runs on its
+-- n_heads / tp local q heads and n_kv_heads / tp local k/v heads, rotary applied per local head); the
+-- output projection ColwiseParallel with Replicate output (Shard(-1) with loss_parallel).  The norms
+-- stay plain (replicated by the same seed).  n_heads and n_kv_heads must be divisible by the tp size.
+function Llama.parallelize(model, mesh, opts)
+  local dist = require("engine.distributed")
+  opts = opts or {}
+  for k in pairs(opts) do
+    if k ~= "loss_parallel" then error("Llama.parallelize: unknown option '" .. tostring(k) .. "' (loss_parallel)", 2) end
+  end
+  if type(model) ~= "table" or not require("engine.distributed.parallel_style")._has_class(model, "Llama") then
+    error("Llama.parallelize: requires a Llama, got " .. tostring(model and model.__name or type(model)), 2)
+  end
+  if not dist.is_mesh(mesh) then
+    error("Llama.parallelize: expected a 1-D DeviceMesh (e.g. mesh[\"tp\"]), got " .. type(mesh), 2)
+  end
+  local tp, a = mesh:size(), model.model_args
+  for _, k in ipairs({ "n_heads", "n_kv_heads" }) do
+    if a[k] % tp ~= 0 then
+      error(string.format("Llama.parallelize: %s (%d) must be divisible by the tensor-parallel size (%d)", k, a[k], tp), 2)
+    end
+  end
+  local R, S = dist.Replicate, dist.Shard
+  dist.parallelize_module(model, mesh, {
+    tok_embeddings = dist.RowwiseParallel{ input_layouts = R(), output_layouts = R() },
+    output = dist.ColwiseParallel{ output_layouts = opts.loss_parallel and S(-1) or R(),
+      use_local_output = not opts.loss_parallel },
+    ["layers.*.attention.wq"] = dist.ColwiseParallel(),
+    ["layers.*.attention.wk"] = dist.ColwiseParallel(),
+    ["layers.*.attention.wv"] = dist.ColwiseParallel(),
+    ["layers.*.attention.wo"] = dist.RowwiseParallel(),
+    ["layers.*.feed_forward.w1"] = dist.ColwiseParallel(),
+    ["layers.*.feed_forward.w2"] = dist.RowwiseParallel(),
+    ["layers.*.feed_forward.w3"] = dist.ColwiseParallel(),
+  })
   return model
 end
 

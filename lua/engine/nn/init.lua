@@ -29,7 +29,7 @@ nn.utils = {
 
 -- seed 003's models, loaded on first use (engine.models requires engine.nn)
 local model_names = { ModelArgs = true, MLPModule = true, MLPStacked = true, Attention = true,
-  FeedForward = true, TransformerBlock = true, Transformer = true, RMSNormPython = true }
+  FeedForward = true, TransformerBlock = true, Transformer = true, RMSNormPython = true, Llama = true, LlamaArgs = true }
 setmetatable(nn, { __index = function(t, k)
   if model_names[k] then
     local v = require("engine.models")[k]
