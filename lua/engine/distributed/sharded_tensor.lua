@@ -1,17 +1,26 @@
--- engine.distributed.sharded_tensor: the ShardedTensor of seed 002 (PyTorch's torch.distributed._shard),
--- first part: construction from a sharding spec, local shards, metadata and gather.
+-- engine.distributed.sharded_tensor: the ShardedTensor of seed 002 (PyTorch's torch.distributed._shard).
 --
 --   local spec = dist.ChunkShardingSpec{dim = 1, placements = {"rank:0/cpu", "rank:1/cpu"}}
 --   local st = dist.sharded_tensor.zeros(spec, {10, 20}, {dtype = "f32"})
 --   for _, s in ipairs(st:local_shards()) do print(s.tensor:shape(), s.metadata) end
 --   local full = st:gather(0)            -- the full tensor on rank 0, nil elsewhere (collective)
+--   local st2 = st:reshard(dist.ChunkShardingSpec{dim = 2, placements = ...})   -- one all_to_all
+--   local dt = st:to_dtensor()           -- Shard(1) on a 1-D mesh, sharing the local shard's storage
+--   local y = (st * 2 + st):relu()       -- elementwise ops: a ShardedTensor of the same spec
 --
 -- Each rank holds one local tensor per shard whose placement names its rank (in the process group:
--- placements use group ranks).  Also: dist.sharded_tensor.rand/randn (each shard is its box of the
--- global random tensor: equal to engine.rand(size) for every spec) and
--- dist.ShardedTensor.init_from_local_shards (checked across ranks).  Not built yet (issue 14): *_like,
--- reshard, elementwise ops, the DTensor bridge, shard_tensor / shard_parameter / shard_module, state
--- dicts.
+-- placements use group ranks).  Factories empty/zeros/ones/full/rand/randn and their *_like
+-- (rand/randn: each shard is its box of the global random tensor, equal to engine.rand(size) for
+-- every spec); dist.ShardedTensor.init_from_local_shards (checked across ranks); dist.shard_tensor.
+--
+-- DTensor bridge: a ChunkShardingSpec whose placements name distinct ranks is the DTensor Shard(dim)
+-- on the 1-D mesh of those ranks in placement order (each rank once in order: the whole group).
+-- st:to_dtensor() and dist.ShardedTensor.from_dtensor(dt) convert without copying (the DTensor's
+-- local tensor is the shard's tensor).  A DTensor-backed ShardedTensor (made by to_dtensor /
+-- from_dtensor / shard_parameter, or once its mesh exists) runs its ops through the DTensor
+-- dispatcher; otherwise ops run shard by shard on the local shards.  The mesh of a group is made
+-- once (collective over the world: to_dtensor on a ShardedTensor of the world group; a subgroup's
+-- mesh must be passed in or come from from_dtensor).
 local core = require("engine.core")
 local specs = require("engine.distributed.sharding_spec")
 local comm = require("engine.distributed.comm")
@@ -33,6 +42,8 @@ local function group_rank(pg)
   if pg == nil then return require("engine.distributed").rank() end
   return pg:rank()
 end
+
+local function world_of(pg) return pg and pg:size() or require("engine.distributed").world_size() end
 
 -- Builds a ShardedTensor of `size` laid out by `spec`, each local shard made by make(shape, dtype).
 local function build(op, spec, size, opts, make)
@@ -66,7 +77,8 @@ local function build(op, spec, size, opts, make)
       shards[#shards + 1] = { tensor = t, metadata = s }
     end
   end
-  return setmetatable({ _spec = spec, _metadata = md, _shards = shards, _pg = pg, dtype = props.dtype }, ShardedTensor)
+  return setmetatable({ _spec = spec, _metadata = md, _size = md.size, _shards = shards, _pg = pg, dtype = props.dtype },
+    ShardedTensor)
 end
 
 local function factory(op, make)
@@ -203,7 +215,8 @@ function M.init_from_local_shards(shards, size, opts)
   local md = specs.ShardedTensorMetadata{ shards_metadata = metas, size = size,
     tensor_properties = specs.TensorProperties{ dtype = core.ffi.string(C.eng_dtype_name(dtype)) } }
   local spec = specs.EnumerableShardingSpec(metas)
-  return setmetatable({ _spec = spec, _metadata = md, _shards = list, _pg = pg, dtype = md.tensor_properties.dtype },
+  return setmetatable({ _spec = spec, _metadata = md, _size = md.size, _shards = list, _pg = pg,
+    dtype = md.tensor_properties.dtype },
     ShardedTensor)
 end
 
@@ -274,35 +287,382 @@ function M.shard_tensor(tensor, spec, opts)
 end
 
 -- ---------------------------------------------------------------- accessors
+-- A ShardedTensor: _spec, _size, dtype, _pg (nil: the world), and its local shards (_shards, a list
+-- of {tensor, metadata}) and/or its DTensor (_dt on the 1-D mesh _mesh).  _metadata and _shards of a
+-- DTensor-backed one are made on first use (an op's result carries neither).
+function ShardedTensor:metadata()
+  local md = self._metadata
+  if md == nil then
+    md = self._spec:build_metadata(self._size, specs.TensorProperties{ dtype = self.dtype })
+    self._metadata = md
+  end
+  return md
+end
+
+local function shards_of(self)
+  local l = self._shards
+  if l == nil then
+    local me = group_rank(self._pg)
+    l = {}
+    local loc
+    for _, s in ipairs(self:metadata().shards_metadata) do
+      if s.placement.rank == me then
+        loc = loc or self._dt:to_local()
+        l[#l + 1] = { tensor = loc, metadata = s }
+      end
+    end
+    self._shards = l
+  end
+  return l
+end
+
 function ShardedTensor:local_shards()
   local r = {}
-  for i, s in ipairs(self._shards) do r[i] = { tensor = s.tensor, metadata = s.metadata } end
+  for i, s in ipairs(shards_of(self)) do r[i] = { tensor = s.tensor, metadata = s.metadata } end
   return r
 end
 
 function ShardedTensor:local_tensor()
-  if #self._shards ~= 1 then
-    fail("local_tensor: Only single local shard is supported (this rank holds " .. #self._shards .. " shards)")
+  local l = shards_of(self)
+  if #l ~= 1 then
+    fail("local_tensor: Only single local shard is supported (this rank holds " .. #l .. " shards)")
   end
-  return self._shards[1].tensor
+  return l[1].tensor
 end
 
-function ShardedTensor:metadata() return self._metadata end
 function ShardedTensor:sharding_spec() return self._spec end
+function ShardedTensor:process_group() return self._pg end
 function ShardedTensor:size(d)
-  local s = self._metadata.size
+  local s = self._size
   if d == nil then return { unpack(s) } end
   local i = d < 0 and #s + 1 + d or d
   if i < 1 or i > #s then fail(string.format("size: dim %d out of range for a %d-d ShardedTensor", d, #s)) end
   return s[i]
 end
 ShardedTensor.shape = ShardedTensor.size
+function ShardedTensor:dim() return #self._size end
+function ShardedTensor:numel()
+  local n = 1
+  for _, x in ipairs(self._size) do n = n * x end
+  return n
+end
+function ShardedTensor:is_dtensor_backed() return self._dt ~= nil end
 
 ShardedTensor.__tostring = function(st)
-  return string.format("ShardedTensor(%s[%s], %s, %d local shard(s))", st.dtype, table.concat(st._metadata.size, ","),
-    tostring(st._spec), #st._shards)
+  local n = st._shards and #st._shards or nil
+  return string.format("ShardedTensor(%s[%s], %s, %s%s)", st.dtype, table.concat(st._size, ","), tostring(st._spec),
+    n and (n .. " local shard(s)") or "local shards in its DTensor", st._dt and ", DTensor-backed" or "")
 end
 
+local function contiguous_stride(size)
+  local st, acc = {}, 1
+  for d = #size, 1, -1 do st[d] = acc; acc = acc * math.max(size[d], 1) end
+  return st
+end
+
+local function same_list(a, b)
+  if #a ~= #b then return false end
+  for i = 1, #a do if a[i] ~= b[i] then return false end end
+  return true
+end
+
+-- ---------------------------------------------------------------- the DTensor bridge
+-- 1-D meshes by their global ranks ("0,1,2,3"): made once, collective over the world.
+local meshes = {}
+
+-- The ChunkShardingSpec an EnumerableShardingSpec is equal to (its shards sorted along one dim,
+-- full on the others, sized as torch.chunk), or nil.
+local function as_chunk(spec, size)
+  if getmetatable(spec) == specs.ChunkShardingSpecClass then return spec end
+  local shards = spec.shards
+  for d = 1, #size do
+    local full = true
+    for _, s in ipairs(shards) do
+      for k = 1, #size do
+        if k ~= d and (s.shard_offsets[k] ~= 0 or s.shard_sizes[k] ~= size[k]) then full = false end
+      end
+    end
+    if full then
+      local sorted = {}
+      for i, s in ipairs(shards) do sorted[i] = s end
+      table.sort(sorted, function(a, b)
+        if a.shard_offsets[d] ~= b.shard_offsets[d] then return a.shard_offsets[d] < b.shard_offsets[d] end
+        return a.shard_sizes[d] < b.shard_sizes[d]
+      end)
+      local pls = {}
+      for i, s in ipairs(sorted) do pls[i] = s.placement end
+      local ok, c = pcall(specs.ChunkShardingSpec, { dim = d, placements = pls })
+      if ok then
+        local md = c:build_metadata(size, specs.TensorProperties())
+        local same = true
+        for i, s in ipairs(md.shards_metadata) do if s ~= sorted[i] then same = false end end
+        if same then return c end
+      end
+    end
+  end
+  return nil
+end
+
+-- (global ranks of the mesh, 1-based shard dim) for st's spec, or nil and why not.
+local function dt_layout(st)
+  local c = as_chunk(st._spec, st._size)
+  if c == nil then
+    return nil, "its shards are not the torch.chunk pieces of one dim (a DTensor on a 1-D mesh holds Shard(d) chunks)"
+  end
+  local pg = st._pg
+  local seen, ranks = {}, {}
+  for i, p in ipairs(c.placements) do
+    if seen[p.rank] then
+      return nil, string.format("rank %d holds several shards (placements %d and %d), a DTensor one shard per rank",
+        p.rank, seen[p.rank], i)
+    end
+    if p.device ~= "cpu" then return nil, "placement " .. tostring(p) .. " is not on the CPU" end
+    seen[p.rank] = i
+    ranks[i] = pg and pg:global_rank(p.rank) or p.rank
+  end
+  return ranks, c:shard_dim(#st._size)
+end
+
+local function mesh_for(ranks, pg, given, op)
+  local key = table.concat(ranks, ",")
+  local dist = require("engine.distributed")
+  if given ~= nil then
+    if not require("engine.distributed.mesh").is_mesh(given) or given:ndim() ~= 1 or not same_list(given:flat_ranks(), ranks) then
+      fail(string.format("%s: mesh must be a 1-D DeviceMesh over the ranks [%s] (the placements' ranks in order)", op, key))
+    end
+    meshes[key] = meshes[key] or given
+    return given
+  end
+  local m = meshes[key]
+  if m then return m end
+  if pg ~= nil and pg:size() ~= dist.world_size() then
+    fail(string.format("%s: no DeviceMesh over the ranks [%s] yet; making one is collective over the world, so for a "
+      .. "ShardedTensor of a subgroup pass {mesh = dist.DeviceMesh(\"cpu\", {%s})} made on every rank", op, key, key))
+  end
+  m = dist.DeviceMesh("cpu", ranks)   -- collective over the world: every rank of the world group is here
+  meshes[key] = m
+  return m
+end
+
+-- st:to_dtensor([{mesh = m}]) -> the DTensor Shard(dim) on the 1-D mesh of the placements' ranks,
+-- whose local tensor IS this rank's shard tensor (no copy).  Errors naming the spec when it has no
+-- DTensor equivalent (several shards on one rank, shards that are not chunks of one dim).
+function ShardedTensor:to_dtensor(opts)
+  if self._dt then return self._dt end
+  local op = "to_dtensor"
+  local ranks, d = dt_layout(self)
+  if ranks == nil then fail(string.format("%s: %s has no DTensor equivalent: %s", op, tostring(self._spec), d)) end
+  local mesh = mesh_for(ranks, self._pg, opts and opts.mesh, op)
+  local l = shards_of(self)
+  local t = l[1] and l[1].tensor
+  if t == nil then
+    local z = { unpack(self._size) }
+    z[d] = 0
+    t = E().empty(z, { dtype = self.dtype })
+  end
+  local dt = require("engine.distributed.dtensor").DTensor.from_local(t, mesh, { require("engine.distributed.placements").Shard(d) },
+    { shape = self._size, stride = contiguous_stride(self._size) })
+  self._dt, self._mesh = dt, mesh
+  return dt
+end
+
+local SHARD = 1   -- ENG_PLACEMENT_SHARD
+
+-- ShardedTensor.from_dtensor(dt) -> the ShardedTensor of a Shard(d) DTensor on a 1-D mesh: a
+-- ChunkShardingSpec{dim = d, placements = the mesh's ranks in order} over the world group, whose
+-- local shard IS dt's local tensor (no copy).
+function M.from_dtensor(dt)
+  local op = "ShardedTensor.from_dtensor"
+  local dist = require("engine.distributed")
+  if not dist.is_dtensor(dt) then fail(op .. ": expected a DTensor, got " .. (core.is_tensor(dt) and "a plain tensor" or type(dt))) end
+  local s = dt._c.dist
+  if s.mesh_ndim ~= 1 or s.placements[0].kind ~= SHARD then
+    fail(string.format("%s: DTensor %s has no ShardedTensor equivalent: a ChunkShardingSpec is Shard(d) on a 1-D mesh",
+      op, dt:_layout_str()))
+  end
+  local mesh = dt.device_mesh
+  local ranks = mesh:flat_ranks()
+  local key = table.concat(ranks, ",")
+  meshes[key] = meshes[key] or mesh
+  local pls = {}
+  for i, r in ipairs(ranks) do pls[i] = "rank:" .. r .. "/cpu" end
+  local size = {}
+  for i = 0, s.ndim - 1 do size[i + 1] = tonumber(s.shape[i]) end
+  local spec = specs.ChunkShardingSpec{ dim = s.placements[0].dim + 1, placements = pls }
+  return setmetatable({ _spec = spec, _size = size, dtype = dt.dtype, _dt = dt, _mesh = mesh }, ShardedTensor)
+end
+ShardedTensor.from_dtensor = M.from_dtensor
+
+-- The DTensor of st when it has one or its mesh exists already (no communication), else nil.
+local function dt_ready(st)
+  local dt = st._dt
+  if dt then return dt end
+  if st._nodt then return nil end
+  local ranks = dt_layout(st)
+  if ranks and meshes[table.concat(ranks, ",")] then return st:to_dtensor() end
+  return nil
+end
+
+-- A DTensor result r of an op on src's DTensor -> a ShardedTensor of src's spec when r is laid out
+-- as src (same mesh, Shard dim and shape), else r itself.
+local function wrap_like(src, r)
+  local s = r._c.dist
+  if s == nil then return r end
+  local sd = src._dt._c.dist
+  if s.mesh ~= sd.mesh or s.mesh_ndim ~= 1 or s.placements[0].kind ~= SHARD or s.placements[0].dim ~= sd.placements[0].dim
+    or s.ndim ~= sd.ndim then return r end
+  for i = 0, s.ndim - 1 do if s.shape[i] ~= sd.shape[i] then return r end end
+  local same = r._c.dtype == src._dt._c.dtype
+  return setmetatable({ _spec = src._spec, _size = src._size, dtype = same and src.dtype or r.dtype, _pg = src._pg,
+    _dt = r, _mesh = src._mesh }, ShardedTensor)
+end
+
+-- A ShardedTensor of st's layout with the given local shard tensors (one per local shard).
+local function with_locals(st, list, dtype)
+  local shards = {}
+  local ls = shards_of(st)
+  for i, s in ipairs(ls) do shards[i] = { tensor = list[i], metadata = s.metadata } end
+  dtype = list[1] and list[1].dtype or dtype or st.dtype
+  return setmetatable({ _spec = st._spec, _size = st._size, dtype = dtype, _pg = st._pg, _shards = shards }, ShardedTensor)
+end
+
+-- ---------------------------------------------------------------- elementwise ops
+local methods = require("engine.tensor").methods
+
+-- Fails (the same on every rank: layouts are global) unless a and b are laid out alike.
+local function check_layout(op, a, b)
+  if same_list(a._size, b._size) then
+    if rawequal(a._spec, b._spec) or a._spec == b._spec then return end
+    local x, y = a:metadata().shards_metadata, b:metadata().shards_metadata
+    local ok = #x == #y
+    for i = 1, #x do ok = ok and x[i] == y[i] end
+    if ok then return end
+  end
+  fail(string.format("%s: ShardedTensors of different layouts: [%s] %s and [%s] %s (reshard one first)", op,
+    table.concat(a._size, ","), tostring(a._spec), table.concat(b._size, ","), tostring(b._spec)))
+end
+
+local function unary(name)
+  return function(self, ...)
+    local dt = dt_ready(self)
+    if dt then return wrap_like(self, methods[name](dt, ...)) end
+    local out = {}
+    for i, s in ipairs(shards_of(self)) do out[i] = methods[name](s.tensor, ...) end
+    local dtype = #out == 0 and methods[name](E().empty({ 0 }, { dtype = self.dtype }), ...).dtype or nil
+    return with_locals(self, out, dtype)
+  end
+end
+
+local arith = {
+  add = function(x, y) return x + y end, sub = function(x, y) return x - y end,
+  mul = function(x, y) return x * y end, div = function(x, y) return x / y end,
+  pow = function(x, y) return x ^ y end,
+}
+
+local function binary(name)
+  local f = arith[name] or methods[name]
+  return function(a, b)
+    local st, other, swap = a, b, false
+    if not is_sharded_tensor(a) then st, other, swap = b, a, true end
+    local ost = is_sharded_tensor(other)
+    if ost then check_layout(name, st, other)
+    elseif core.is_tensor(other) and other._c.dist == nil and other._c.ndim > 0 then
+      fail(string.format("%s: a ShardedTensor and a plain tensor of shape [%s]: use a number, a ShardedTensor of the same "
+        .. "layout, or a DTensor", name, table.concat(other:shape(), ",")))
+    end
+    local dt = dt_ready(st)
+    local odt = ost and dt and dt_ready(other) or nil
+    if dt and (not ost or odt) then
+      local y = odt or other
+      return wrap_like(st, swap and f(y, dt) or f(dt, y))
+    end
+    if core.is_tensor(other) and other._c.dist ~= nil then
+      fail(string.format("%s: a ShardedTensor without a DTensor (%s) and DTensor %s: call to_dtensor() first", name,
+        tostring(st._spec), other:_layout_str()))
+    end
+    local ol = ost and shards_of(other) or nil
+    local out = {}
+    for i, s in ipairs(shards_of(st)) do
+      local y = ol and ol[i].tensor or other
+      out[i] = swap and f(y, s.tensor) or f(s.tensor, y)
+    end
+    local dtype = nil
+    if #out == 0 then
+      local z = E().empty({ 0 }, { dtype = st.dtype })
+      local y = ost and E().empty({ 0 }, { dtype = other.dtype }) or other
+      dtype = (swap and f(y, z) or f(z, y)).dtype
+    end
+    return with_locals(st, out, dtype)
+  end
+end
+
+for _, n in ipairs({ "neg", "abs", "relu", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "gelu", "silu", "detach",
+  "clone", "contiguous", "float", "double", "clamp" }) do
+  ShardedTensor[n] = unary(n)
+end
+for _, n in ipairs({ "add", "sub", "mul", "div", "pow", "maximum", "minimum", "eq", "ne", "lt", "le", "gt", "ge" }) do
+  ShardedTensor[n] = binary(n)
+end
+ShardedTensor.__add, ShardedTensor.__sub, ShardedTensor.__mul = ShardedTensor.add, ShardedTensor.sub, ShardedTensor.mul
+ShardedTensor.__div, ShardedTensor.__pow = ShardedTensor.div, ShardedTensor.pow
+ShardedTensor.__unm = function(a) return a:neg() end
+
+-- In-place fills keep the shards (and a DTensor's local tensor) in place.
+function ShardedTensor:fill_(v)
+  for _, s in ipairs(shards_of(self)) do s.tensor:fill_(v) end
+  if self._dt and #shards_of(self) == 0 then self._dt:to_local():fill_(v) end
+  return self
+end
+function ShardedTensor:zero_() return self:fill_(0) end
+
+-- ---------------------------------------------------------------- comparisons (collective)
+-- equal(other) / allclose(other [, rtol = 1e-5 [, atol = 1e-8]]): true on every rank when both are
+-- laid out alike and every shard agrees (one all_reduce over the group; PyTorch's torch.equal /
+-- torch.allclose on ShardedTensors).  Different layouts: false on every rank, no communication.
+local function compare(op, a, b, close)
+  if not is_sharded_tensor(b) then fail(op .. ": expected a ShardedTensor, got " .. (core.is_tensor(b) and "a tensor" or type(b))) end
+  if not same_list(a._size, b._size) or a.dtype ~= b.dtype then return false end
+  local ok = pcall(check_layout, op, a, b)
+  if not ok then return false end
+  local good = 1
+  local la, lb = shards_of(a), shards_of(b)
+  for i, s in ipairs(la) do
+    local x, y = s.tensor:detach(), lb[i].tensor:detach()
+    if x:numel() > 0 then
+      local bad
+      if close then bad = ((x - y):abs():gt(y:abs() * close[1] + close[2])):sum():item()
+      else bad = x:ne(y):sum():item() end
+      if bad ~= 0 then good = 0 end
+    end
+  end
+  local flag = E().full({ 1 }, good, { dtype = "i64" })
+  comm.all_reduce(flag, "min", a._pg and { group = a._pg } or nil)
+  return flag:item() == 1
+end
+function ShardedTensor:equal(other) return compare("equal", self, other, nil) end
+function ShardedTensor:allclose(other, rtol, atol) return compare("allclose", self, other, { rtol or 1e-5, atol or 1e-8 }) end
+
+-- ---------------------------------------------------------------- *_like
+local function like_opts(st, opts, op)
+  opts = opts or {}
+  if type(opts) ~= "table" then fail(op .. ": options must be a table") end
+  return { dtype = opts.dtype or st.dtype, requires_grad = opts.requires_grad, process_group = st._pg }
+end
+local function need_st(x, op)
+  if not is_sharded_tensor(x) then fail(op .. ": expected a ShardedTensor, got " .. type(x)) end
+end
+for _, n in ipairs({ "empty", "zeros", "ones", "rand", "randn" }) do
+  M[n .. "_like"] = function(st, opts)
+    need_st(st, "sharded_tensor." .. n .. "_like")
+    return M[n](st._spec, st._size, like_opts(st, opts, "sharded_tensor." .. n .. "_like"))
+  end
+end
+function M.full_like(st, value, opts)
+  need_st(st, "sharded_tensor.full_like")
+  return M.full(st._spec, st._size, value, like_opts(st, opts, "sharded_tensor.full_like"))
+end
+
+-- ---------------------------------------------------------------- gather
 -- gather(dst [, out]): the full tensor on group rank dst (written into out when given), nil on the
 -- other ranks.  Collective over the process group: every rank packs its shards into one buffer,
 -- padded to the largest rank's, and one all_gather brings them together.
@@ -310,24 +670,23 @@ function ShardedTensor:gather(dst, out)
   dst = dst or 0
   local op = "gather"
   local pg = self._pg
-  local dist = require("engine.distributed")
-  local world = pg and pg:size() or dist.world_size()
+  local world = world_of(pg)
   local me = group_rank(pg)
   if type(dst) ~= "number" or dst % 1 ~= 0 or dst < 0 or dst >= world then
     fail(string.format("%s: dst must be a rank of the process group (0..%d), got %s", op, world - 1, tostring(dst)))
   end
-  local md = self._metadata
+  local md = self:metadata()
   -- elements each rank holds, from the metadata (the same on every rank)
   local per_rank = {}
   for r = 0, world - 1 do per_rank[r] = 0 end
   for _, s in ipairs(md.shards_metadata) do per_rank[s.placement.rank] = per_rank[s.placement.rank] + s:numel() end
   local maxn = 1
   for r = 0, world - 1 do maxn = math.max(maxn, per_rank[r]) end
-  local send = E().zeros({ maxn }, { dtype = self.dtype })
+  local send = E().empty({ maxn }, { dtype = self.dtype })
   local pos = 0
-  for _, s in ipairs(self._shards) do
+  for _, s in ipairs(shards_of(self)) do
     local n = s.metadata:numel()
-    if n > 0 then send:narrow(1, pos + 1, n):copy_(s.tensor:detach():reshape(-1)); pos = pos + n end
+    if n > 0 then send:narrow(1, pos + 1, n):view(unpack(s.metadata.shard_sizes)):copy_(s.tensor:detach()); pos = pos + n end
   end
   local recv = E().empty({ world * maxn }, { dtype = self.dtype })
   comm.all_gather_into(recv, send, pg and { group = pg } or nil)
@@ -335,9 +694,7 @@ function ShardedTensor:gather(dst, out)
   if out == nil then out = E().empty(md.size, { dtype = self.dtype })
   else
     local os_ = out:shape()
-    local same = #os_ == #md.size
-    for i = 1, #os_ do same = same and os_[i] == md.size[i] end
-    if not same then
+    if not same_list(os_, md.size) then
       fail(string.format("%s: out has shape [%s], the ShardedTensor [%s]", op, table.concat(os_, ","),
         table.concat(md.size, ",")))
     end
@@ -356,6 +713,78 @@ function ShardedTensor:gather(dst, out)
     cursor[r] = cursor[r] + n
   end
   return out
+end
+
+-- ---------------------------------------------------------------- reshard
+-- reshard(spec) -> a ShardedTensor of the same values laid out by spec (same process group).
+-- Collective, one all_to_all: through the DTensor (Shard(a) -> Shard(b) on the same mesh) when both
+-- layouts are DTensor layouts on one mesh, else every rank sends each rank the overlaps of its
+-- shards with that rank's new shards, in blocks padded to the largest (any specs: chunk specs on
+-- other dims or placements, several shards per rank, enumerable specs).
+function ShardedTensor:reshard(spec)
+  local op = "reshard"
+  if not specs.is_sharding_spec(spec) then
+    fail(op .. ": resharding_spec must be a ChunkShardingSpec or an EnumerableShardingSpec, got " .. type(spec))
+  end
+  if rawequal(spec, self._spec) or spec == self._spec then return self end
+  local pg = self._pg
+  local world, me = world_of(pg), group_rank(pg)
+  local target = build(op, spec, self._size, { dtype = self.dtype, process_group = pg }, function(shape, dt)
+    return E().empty(shape, { dtype = dt })
+  end)
+  -- the DTensor path
+  local dt = dt_ready(self)
+  if dt then
+    local ranks, d = dt_layout(target)
+    if ranks and same_list(ranks, self._mesh:flat_ranks()) then
+      local r = dt:redistribute({ require("engine.distributed.placements").Shard(d) })
+      return setmetatable({ _spec = spec, _size = self._size, dtype = self.dtype, _pg = pg, _dt = r, _mesh = self._mesh },
+        ShardedTensor)
+    end
+  end
+  local src, dst = self:metadata().shards_metadata, target._metadata.shards_metadata
+  local nd = #self._size
+  -- overlap boxes and block sizes (the same on every rank)
+  local pairs_, block = {}, {}
+  for r = 0, world - 1 do block[r] = {} for q = 0, world - 1 do block[r][q] = 0 end end
+  for i, s in ipairs(src) do
+    for j, t in ipairs(dst) do
+      local off, len, n = {}, {}, 1
+      for d = 1, nd do
+        local lo = math.max(s.shard_offsets[d], t.shard_offsets[d])
+        local hi = math.min(s.shard_offsets[d] + s.shard_sizes[d], t.shard_offsets[d] + t.shard_sizes[d])
+        off[d], len[d] = lo, math.max(0, hi - lo)
+        n = n * len[d]
+      end
+      if n > 0 then
+        local a, b = s.placement.rank, t.placement.rank
+        pairs_[#pairs_ + 1] = { i = i, j = j, off = off, len = len, n = n, from = a, to = b, pos = block[a][b] }
+        block[a][b] = block[a][b] + n
+      end
+    end
+  end
+  local maxb = 1
+  for r = 0, world - 1 do for q = 0, world - 1 do maxb = math.max(maxb, block[r][q]) end end
+  local function box(t, md, p)
+    for d = 1, nd do t = t:narrow(d, p.off[d] - md.shard_offsets[d] + 1, p.len[d]) end
+    return t
+  end
+  local mine_src, mine_dst = {}, {}
+  for _, s in ipairs(shards_of(self)) do mine_src[s.metadata] = s.tensor:detach() end
+  for _, s in ipairs(target._shards) do mine_dst[s.metadata] = s.tensor end
+  local send = E().empty({ world * maxb }, { dtype = self.dtype })
+  for _, p in ipairs(pairs_) do
+    if p.from == me then
+      send:narrow(1, p.to * maxb + p.pos + 1, p.n):view(unpack(p.len)):copy_(box(mine_src[src[p.i]], src[p.i], p))
+    end
+  end
+  local recv = comm.all_to_all(send, pg and { group = pg } or nil)
+  for _, p in ipairs(pairs_) do
+    if p.to == me then
+      box(mine_dst[dst[p.j]], dst[p.j], p):copy_(recv:narrow(1, p.from * maxb + p.pos + 1, p.n):view(unpack(p.len)))
+    end
+  end
+  return target
 end
 
 -- engine.distributed merges this table: the factories live under dist.sharded_tensor (PyTorch's

@@ -1,6 +1,6 @@
 -- engine.distributed.sharding_spec: ShardedTensor metadata (seed 002, PyTorch's torch.distributed._shard):
 -- shard placements, ShardMetadata, ChunkShardingSpec, EnumerableShardingSpec, TensorProperties and
--- ShardedTensorMetadata.  (The ShardedTensor itself is not built yet: issue 14.)
+-- ShardedTensorMetadata (the ShardedTensor is engine.distributed.sharded_tensor).
 --
 --   local spec = dist.ChunkShardingSpec{dim = 1, placements = {"rank:0/cpu", "rank:1/cpu"}}
 --   local md = spec:build_metadata({10, 20}, dist.TensorProperties{dtype = "f32"})
