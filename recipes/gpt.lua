@@ -20,7 +20,10 @@
 --              --prompt
 --   parallel   --tp (tensor-parallel size: 1 none (default), 0 all ranks, N: N ranks per group, the
 --              rest data parallel on a {dp, tp} mesh) --sp (1: sequence parallelism with TP)
---   (recipes/tp_gpt.lua runs this recipe with --tp=0 as its default)
+--              --dtensor_dp (1: without TP, data parallelism through DTensors as recipes/dp_gpt.lua:
+--              Replicate parameters on a "dp" mesh, Shard(1) batches, gradients reduced by autograd)
+--   (recipes/tp_gpt.lua runs this recipe with --tp=0 as its default; recipes/llama.lua runs it with
+--   the Llama model)
 --
 -- Defaults: `make run` trains the reference model (3.25M parameters) for 600 steps of 1024 tokens at a
 -- peak lr of 2e-3; measured on the 2-core project VM: validation loss 5.63 -> 1.87 in about 3 minutes
@@ -44,6 +47,12 @@ local F = nn.functional
 
 local HOME = (ENGINE_HOME and ENGINE_HOME ~= "") and ENGINE_HOME or "."
 
+-- Another model through this recipe (recipes/llama.lua): GPT_MODEL = {name = "llama", defaults = {extra
+-- options}, build = function(o) -> model (initialised), parallelize = function(model, tp_mesh, o),
+-- describe = function(o) -> the model part of the first log line}.
+local MODEL = rawget(_G, "GPT_MODEL")
+local NAME = MODEL and MODEL.name or "gpt"
+
 local defaults = {
   n_layers = 4, dim = 256, n_heads = 4, seq = 128, dropout = 0.0,
   batch = 8, steps = 600, lr = 2e-3, warmup = 30, min_lr_ratio = 0.1, weight_decay = 0.1,
@@ -51,8 +60,9 @@ local defaults = {
   train = HOME .. "/data/kjv_train.bin", val = HOME .. "/data/kjv_val.bin",
   log_every = 10, eval_every = 100, eval_batches = 20,
   ckpt_dir = HOME .. "/checkpoints", ckpt_every = 0, resume = "",
-  sample_len = 300, temperature = 0.8, prompt = "And God said", tp = 1, sp = 0,
+  sample_len = 300, temperature = 0.8, prompt = "And God said", tp = 1, sp = 0, dtensor_dp = 0,
 }
+for k, v in pairs(MODEL and MODEL.defaults or {}) do defaults[k] = v end
 -- recipes/tp_gpt.lua sets GPT_DEFAULTS (e.g. {tp = 0}) before running this file
 for k, v in pairs(rawget(_G, "GPT_DEFAULTS") or {}) do defaults[k] = v end
 
@@ -61,26 +71,27 @@ local function parse_args(argv)
   for k, v in pairs(defaults) do o[k] = v end
   for _, a in ipairs(argv) do
     local k, v = a:match("^%-%-([%w_]+)=(.*)$")
-    if not k then error("gpt: bad argument '" .. a .. "' (expected --key=value)", 0) end
+    if not k then error(NAME .. ": bad argument '" .. a .. "' (expected --key=value)", 0) end
     local d = defaults[k]
     if d == nil then
       local names = {}
       for n in pairs(defaults) do names[#names + 1] = n end
       table.sort(names)
-      error("gpt: unknown option --" .. k .. " (options: " .. table.concat(names, ", ") .. ")", 0)
+      error(NAME .. ": unknown option --" .. k .. " (options: " .. table.concat(names, ", ") .. ")", 0)
     end
     if type(d) == "number" then
-      o[k] = tonumber(v) or error("gpt: --" .. k .. " must be a number, got '" .. v .. "'", 0)
+      o[k] = tonumber(v) or error(NAME .. ": --" .. k .. " must be a number, got '" .. v .. "'", 0)
     else
       o[k] = v
     end
   end
   for _, k in ipairs({ "n_layers", "dim", "n_heads", "seq", "batch", "steps", "log_every", "eval_batches" }) do
-    if o[k] < 1 or o[k] % 1 ~= 0 then error("gpt: --" .. k .. " must be a positive integer", 0) end
+    if o[k] < 1 or o[k] % 1 ~= 0 then error(NAME .. ": --" .. k .. " must be a positive integer", 0) end
   end
-  if o.warmup < 0 then error("gpt: --warmup must be >= 0", 0) end
-  if o.tp < 0 or o.tp % 1 ~= 0 then error("gpt: --tp must be 0 (all ranks) or a positive integer", 0) end
-  if o.sp ~= 0 and o.sp ~= 1 then error("gpt: --sp must be 0 or 1", 0) end
+  if o.warmup < 0 then error(NAME .. ": --warmup must be >= 0", 0) end
+  if o.tp < 0 or o.tp % 1 ~= 0 then error(NAME .. ": --tp must be 0 (all ranks) or a positive integer", 0) end
+  if o.sp ~= 0 and o.sp ~= 1 then error(NAME .. ": --sp must be 0 or 1", 0) end
+  if o.dtensor_dp ~= 0 and o.dtensor_dp ~= 1 then error(NAME .. ": --dtensor_dp must be 0 or 1", 0) end
   o.warmup = math.min(o.warmup, o.steps)
   return o
 end
@@ -122,20 +133,25 @@ local function main(argv)
 
   -- layout: tp ranks per tensor-parallel group, dp = world / tp groups of data parallelism
   local tp = o.tp == 0 and world or o.tp
-  if world % tp ~= 0 then error(string.format("gpt: --tp=%d does not divide the %d ranks", tp, world), 0) end
+  if world % tp ~= 0 then error(string.format(NAME .. ": --tp=%d does not divide the %d ranks", tp, world), 0) end
   local dp = math.floor(world / tp)
-  if o.sp == 1 and tp == 1 then error("gpt: --sp=1 needs tensor parallelism (--tp=0 or --tp=N > 1)", 0) end
+  if o.sp == 1 and tp == 1 then error(NAME .. ": --sp=1 needs tensor parallelism (--tp=0 or --tp=N > 1)", 0) end
   if o.sp == 1 and o.seq % tp ~= 0 then
-    error(string.format("gpt: --sp=1 shards the sequence: --seq=%d must be divisible by the tp size %d", o.seq, tp), 0)
+    error(string.format(NAME .. ": --sp=1 shards the sequence: --seq=%d must be divisible by the tp size %d", o.seq, tp), 0)
   end
   local mesh, dp_rank = nil, rank
   if tp > 1 then
     mesh = dist.init_device_mesh("cpu", { dp, tp }, { "dp", "tp" })
     dp_rank = mesh:get_local_rank("dp")
   end
+  -- --dtensor_dp=1 without TP: Replicate DTensor parameters on a 1-D "dp" mesh, each rank's batch its
+  -- Shard(1) rows of the global batch, gradients all-reduced by the DTensor autograd (recipes/dp_gpt.lua)
+  local ddp = o.dtensor_dp == 1 and tp == 1 and world > 1
+  if ddp then mesh = dist.init_device_mesh("cpu", { world }, { "dp" }) end
 
   -- model
   local function build()
+    if MODEL then return MODEL.build(o) end
     local m = nn.Transformer{ n_layers = o.n_layers, dim = o.dim, n_heads = o.n_heads, vocab_size = 256,
       max_seq_len = o.seq, dropout_p = o.dropout }
     init_weights(m, o.n_layers)
@@ -143,7 +159,11 @@ local function main(argv)
   end
   engine.manual_seed(o.seed)
   local model = build()
-  if tp > 1 then nn.Transformer.parallelize(model, mesh["tp"], { use_seq_parallel = o.sp == 1 }) end
+  if tp > 1 then
+    if MODEL then MODEL.parallelize(model, mesh["tp"], o)
+    else nn.Transformer.parallelize(model, mesh["tp"], { use_seq_parallel = o.sp == 1 }) end
+  end
+  if ddp then dist.replicate_parameters(model, mesh) end
   model:train()
   local params = model:parameters()
   local opt = optim.AdamW(params, { lr = o.lr, betas = { o.beta1, o.beta2 }, eps = 1e-8,
@@ -159,16 +179,20 @@ local function main(argv)
   local val = data.ValLoader(val_shard, { batch_size = o.batch, seq_len = o.seq, rank = dp_rank,
     world_size = dp, max_batches = o.eval_batches })
 
-  log("gpt: %d params (%d layers, dim %d, %d heads, seq %d, vocab 256), %d rank(s) x batch %d = %d tokens/step, "
+  log(NAME .. ": %d params (%s), %d rank(s) x batch %d = %d tokens/step, "
     .. "%d steps, lr %g (warmup %d, cosine to %g), wd %g, clip %g, seed %d, threads %d, BLAS %s",
-    model:num_parameters(), o.n_layers, o.dim, o.n_heads, o.seq, dp, o.batch, dp * o.batch * o.seq,
+    model:num_parameters(), MODEL and MODEL.describe(o) or string.format("%d layers, dim %d, %d heads, seq %d, vocab 256",
+    o.n_layers, o.dim, o.n_heads, o.seq), dp, o.batch, dp * o.batch * o.seq,
     o.steps, o.lr, o.warmup, o.min_lr_ratio * o.lr, o.weight_decay, o.grad_clip, o.seed,
     engine.get_num_threads(), engine.blas_corename())
   if tp > 1 then
-    log("gpt: tensor parallel over %d ranks%s, data parallel over %d (mesh %s)", tp,
+    log(NAME .. ": tensor parallel over %d ranks%s, data parallel over %d (mesh %s)", tp,
       o.sp == 1 and " with sequence parallelism" or "", dp, tostring(mesh))
+  elseif ddp then
+    log(NAME .. ": DTensor data parallel over %d rank(s) (Replicate parameters, Shard(1) batches, mesh %s)", world,
+      tostring(mesh))
   end
-  log("gpt: train %s (%d tokens), val %s (%d tokens, %d batches per evaluation)", o.train, train.total + o.seq,
+  log(NAME .. ": train %s (%d tokens), val %s (%d tokens, %d batches per evaluation)", o.train, train.total + o.seq,
     o.val, val_shard.n, val:num_batches())
 
   -- Checkpoints hold full tensors.  With TP they pass through a plain copy of the model and its
@@ -176,7 +200,7 @@ local function main(argv)
   -- rank reads the file and keeps its shards.
   local ck_model, ck_opt = model, opt
   local to_full, from_full = function() end, function() end
-  if tp > 1 then
+  if mesh then
     local rng = engine.get_rng_state()
     ck_model = build()
     engine.set_rng_state(rng)
@@ -234,12 +258,26 @@ local function main(argv)
     local path = o.resume
     if path == "latest" then
       path = checkpoint.latest(o.ckpt_dir)
-      if not path then error("gpt: --resume=latest: no checkpoint in " .. o.ckpt_dir, 0) end
+      if not path then error(NAME .. ": --resume=latest: no checkpoint in " .. o.ckpt_dir, 0) end
     end
     local info = checkpoint.load(path, { model = ck_model, optimizer = ck_opt, sampler = train })
     from_full()
     step = info.step
-    log("gpt: resumed from %s at step %d", path, step)
+    log(NAME .. ": resumed from %s at step %d", path, step)
+  end
+
+  -- the model on this rank's batch: with --dtensor_dp a plain batch is this rank's Shard(1) rows of the
+  -- global one (shard = true) or the same on every rank (evaluation and sampling: Replicate, no
+  -- collective); the model's own plain tensors (positions, rotary tables) count as Replicate
+  local function forward(x, shard)
+    if not ddp then return model(x) end
+    if shard then x = dist.from_local(x, mesh, { dist.Shard(1) }) end
+    return dist.implicit_replication(function() return model(x) end)
+  end
+  local function local_value(t) return dist.is_dtensor(t) and t:to_local() or t end
+  local function eval_loss(x, y)
+    if not ddp then return F.cross_entropy(model(x), y):item() end
+    return dist.implicit_replication(function() return F.cross_entropy(model(x), y) end):to_local():item()
   end
 
   local function all_avg(x)   -- (the ranks of one tp group hold the same value)
@@ -254,7 +292,7 @@ local function main(argv)
     local sum, n = 0, 0
     engine.no_grad(function()
       for x, y in val:batches() do
-        sum = sum + F.cross_entropy(model(x), y):item()
+        sum = sum + eval_loss(x, y)
         n = n + 1
       end
     end)
@@ -269,7 +307,7 @@ local function main(argv)
       os.execute("mkdir -p '" .. o.ckpt_dir:gsub("'", "'\\''") .. "'")
       local path = checkpoint.save(checkpoint.path(o.ckpt_dir, at_step),
         { model = ck_model, optimizer = ck_opt, sampler = train, step = at_step })
-      log("gpt: saved %s", path)
+      log(NAME .. ": saved %s", path)
     end
     if world > 1 then dist.barrier() end
   end
@@ -284,9 +322,15 @@ local function main(argv)
     local lr = o.lr * lr_at(step)
     for _, g in ipairs(opt.param_groups) do g.lr = lr end
     local x, y = train:next()
-    local loss = F.cross_entropy(model(x), y)
+    local loss
+    if ddp then
+      loss = F.cross_entropy(forward(x, true), dist.from_local(y, mesh, { dist.Shard(1) }))  -- Partial: global mean
+    else
+      loss = F.cross_entropy(model(x), y)
+    end
     loss:backward()
-    if tp > 1 then
+    if ddp then -- the gradients are already all-reduced (AccumulateGrad of Replicate parameters)
+    elseif tp > 1 then
       if dp > 1 then dist.all_reduce_gradients(model, mesh["dp"]) end
     elseif world > 1 then
       for _, p in ipairs(params) do dist.all_reduce(p.grad, "avg") end
@@ -294,9 +338,9 @@ local function main(argv)
     local gnorm = o.grad_clip > 0 and optim.clip_grad_norm_(params, o.grad_clip) or optim.grad_norm(params)
     opt:step()
     opt:zero_grad()
-    local l = all_avg(loss:item())
+    local l = ddp and loss:full_tensor():item() or all_avg(loss:item())
     if l ~= l or l == math.huge then -- the same on every rank (averaged): all stop together
-      error(string.format("gpt: the loss is %s at step %d (lr %.3e): training diverged; lower --lr, raise " ..
+      error(string.format(NAME .. ": the loss is %s at step %d (lr %.3e): training diverged; lower --lr, raise " ..
         "--warmup or --grad_clip, or resume from an earlier checkpoint", tostring(l), step + 1, lr), 0)
     end
     loss = nil
@@ -319,7 +363,7 @@ local function main(argv)
   end
   if #times > 0 then
     log("step %5d | val loss %.4f", step, evaluate())
-    log("gpt: median %.1f ms/step over %d steps (%.0f tok/s)", median(times) * 1e3, #times,
+    log(NAME .. ": median %.1f ms/step over %d steps (%.0f tok/s)", median(times) * 1e3, #times,
       dp * o.batch * o.seq / median(times))
     if o.ckpt_every >= 0 then save(step) end
   end
@@ -337,7 +381,7 @@ local function main(argv)
         for i = math.max(1, #ids - o.seq + 1), #ids do ctx[#ctx + 1] = ids[i] end
         local n = #ctx
         if o.sp == 1 then while #ctx % tp ~= 0 do ctx[#ctx + 1] = 10 end end  -- causal: later tokens do not matter
-        local logits = model(engine.tensor({ ctx })) -- [1, t, 256]
+        local logits = local_value(forward(engine.tensor({ ctx }))) -- [1, t, 256]
         local last = logits:narrow(2, n, 1):tolist_flat()
         local nxt
         if o.temperature <= 0 then
@@ -358,7 +402,7 @@ local function main(argv)
         ids[#ids + 1] = nxt
       end
     end)
-    log("gpt: sample (temperature %g):\n%s\n", o.temperature, data.decode(ids))
+    log(NAME .. ": sample (temperature %g):\n%s\n", o.temperature, data.decode(ids))
   end
 end
 

@@ -1,0 +1,43 @@
+-- recipes/llama.lua: a byte-level Llama (torchtitan's model: RMSNorm, rotary embeddings, grouped-query
+-- attention, SwiGLU; nn.Llama in lua/engine/models.lua) trained on the King James Bible.  It is
+-- recipes/gpt.lua with another model: the same options, logging, validation, checkpoints (full tensors)
+-- and sample, plus the Llama's own options.
+--
+--   build/engine tools/prepare_data.lua                          # data/kjv_{train,val}.bin (make data)
+--   build/engine recipes/llama.lua [--key=value ...]             # one process
+--   mpirun -np 2 build/engine recipes/llama.lua                  # DTensor data parallelism over 2 ranks
+--   mpirun -np 2 build/engine recipes/llama.lua --tp=0           # tensor parallel (torchtitan's plan)
+--   mpirun -np 4 build/engine recipes/llama.lua --tp=2           # 2 x 2: TP pairs, data parallel across
+--
+-- Llama options: --n_kv_heads (k/v heads of grouped-query attention) --multiple_of --ffn_dim_multiplier
+-- (0: none) --norm_eps --rope_theta; --n_layers --dim --n_heads --seq as in recipes/gpt.lua.
+-- Defaults: the issue's reference size (4 layers, dim 256, 4 heads, 2 kv heads, seq 128, batch 8, vocab
+-- 256); --dtensor_dp=1 (with several ranks and no --tp, the batch is sharded over a "dp" mesh of
+-- Replicate DTensor parameters).  --dropout and --sp do not apply (torchtitan's Llama has no dropout;
+-- its sequence-parallel plan is not implemented here).
+local engine = require("engine")
+local nn = engine.nn
+
+GPT_MODEL = {
+  name = "llama",
+  defaults = { n_kv_heads = 2, multiple_of = 256, ffn_dim_multiplier = 0, norm_eps = 1e-5, rope_theta = 10000,
+    dtensor_dp = 1 },
+  build = function(o)
+    if o.dropout ~= 0 then error("llama: --dropout does not apply (the Llama has no dropout)", 0) end
+    if o.sp ~= 0 then error("llama: --sp=1 is not supported for the Llama (tensor parallelism without it: --tp)", 0) end
+    return nn.Llama{ dim = o.dim, n_layers = o.n_layers, n_heads = o.n_heads, n_kv_heads = o.n_kv_heads,
+      vocab_size = 256, multiple_of = o.multiple_of,
+      ffn_dim_multiplier = o.ffn_dim_multiplier > 0 and o.ffn_dim_multiplier or nil,
+      norm_eps = o.norm_eps, rope_theta = o.rope_theta, max_seq_len = o.seq }
+  end,
+  parallelize = function(model, tp_mesh) nn.Llama.parallelize(model, tp_mesh) end,
+  describe = function(o)
+    return string.format("%d layers, dim %d, %d heads, %d kv heads, ffn %d, seq %d, vocab 256", o.n_layers, o.dim,
+      o.n_heads, o.n_kv_heads, require("engine.models").llama_ffn_dim({ dim = o.dim, multiple_of = o.multiple_of,
+        ffn_dim_multiplier = o.ffn_dim_multiplier > 0 and o.ffn_dim_multiplier or nil }), o.seq)
+  end,
+}
+local here = (arg and arg[0] or "recipes/llama.lua"):match("^(.*)/[^/]*$") or "."
+local ok, err = pcall(dofile, here .. "/gpt.lua")
+GPT_MODEL = nil   -- (a spec may run recipes/gpt.lua next in the same process)
+if not ok then error(err, 0) end

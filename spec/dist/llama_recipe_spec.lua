@@ -1,0 +1,119 @@
+-- recipes/llama.lua (recipes/gpt.lua with the Llama model): trains, evaluates, samples and resumes from
+-- its full-tensor checkpoint with the losses of an uninterrupted run, with DTensor data parallelism
+-- (the default: Replicate parameters, Shard(1) batches; plain tensors at 1 rank), with TP (torchtitan's
+-- plan) and TP x DP; DTensor data parallelism prints the losses of the plain all_reduce path.
+local engine = require("engine")
+local dist = engine.distributed
+local W, R = dist.world_size(), dist.rank()
+
+-- Runs the recipe in this process with argv; returns the training losses rank 0 printed (on every
+-- rank: summed over ranks with rank 0's values only) and the printed lines.
+local function run(argv, nsteps)
+  local lines = {}
+  local G = _G              -- the recipe runs in the global environment, not this spec's
+  local real_print = G.print
+  G.print = function(...)
+    local t = {}
+    for i = 1, select("#", ...) do t[i] = tostring(select(i, ...)) end
+    lines[#lines + 1] = table.concat(t, "\t")
+  end
+  local saved_arg = G.arg
+  G.arg = argv
+  argv[0] = "recipes/llama.lua"
+  local ok, err = pcall(dofile, "recipes/llama.lua")
+  G.print, G.arg = real_print, saved_arg
+  G.GPT_MODEL = nil
+  assert(ok, tostring(err))
+  local losses = {}
+  for _, l in ipairs(lines) do
+    local step, loss = l:match("^step%s+(%d+) | loss ([%d.]+)")
+    if step then losses[tonumber(step)] = tonumber(loss) end
+  end
+  local vals = {}
+  for k = 1, nsteps do vals[k] = (R == 0 and losses[k]) or 0 end
+  local t = engine.tensor(vals, "f64")
+  dist.all_reduce(t, "sum")
+  return t:totable(), lines
+end
+
+local dir = os.getenv("TMPDIR") or "/tmp"
+local stamp = engine.tensor({ math.floor(engine.time() * 1000) % 100000000 }, "f64")
+dist.broadcast(stamp, 0)
+local ck = string.format("%s/llama_recipe_%d", dir, stamp:item())
+local train_bin, val_bin = ck .. "_train.bin", ck .. "_val.bin"
+if R == 0 then   -- its own small token shards (the suite does not need data/)
+  local words = { "In", "the", "beginning", "God", "created", "heaven", "and", "earth.", "And", "was", "without",
+    "form,", "void;", "darkness", "upon", "face", "of", "deep." }
+  local text, x = {}, 13
+  for i = 1, 4000 do
+    x = (x * 1103515245 + 12345) % 2147483648
+    text[i] = words[x % #words + 1]
+  end
+  local s = table.concat(text, " ")
+  engine.data.write_shard(train_bin, engine.data.encode(s:sub(1, 20000)))
+  engine.data.write_shard(val_bin, engine.data.encode(s:sub(20001, 24000)))
+end
+dist.barrier()
+
+local base = { "--n_layers=1", "--dim=32", "--n_heads=4", "--n_kv_heads=2", "--multiple_of=16", "--seq=16", "--batch=2",
+  "--log_every=1", "--eval_every=0", "--eval_batches=1", "--warmup=2", "--lr=3e-3", "--train=" .. train_bin,
+  "--val=" .. val_bin }
+local function argv(extra)
+  local a = {}
+  for _, v in ipairs(base) do a[#a + 1] = v end
+  for _, v in ipairs(extra) do a[#a + 1] = v end
+  return a
+end
+
+describe("recipes/llama.lua", function()
+  teardown(function()
+    dist.barrier()
+    if R == 0 then os.execute("rm -rf '" .. ck .. "'* 2>/dev/null") end
+  end)
+
+  for _, cfg in ipairs({ { name = "DTensor DP", args = {}, ranks = 1 }, { name = "TP", args = { "--tp=0", "--n_heads=8", "--n_kv_heads=4" }, ranks = 2 },
+                          { name = "TP x DP (2x2)", args = { "--tp=2" }, ranks = 4, exact = true } }) do
+    it(cfg.name .. ": trains, samples, resumes from its checkpoint with the uninterrupted run's losses", function()
+      if W < cfg.ranks or (cfg.exact and W ~= cfg.ranks) then return end
+      local d = ck .. "_" .. cfg.name:gsub("%W", "")
+      local a = argv({ "--steps=6", "--ckpt_every=3", "--sample_len=8", "--ckpt_dir=" .. d })
+      for _, x in ipairs(cfg.args) do a[#a + 1] = x end
+      local full_run, lines = run(a, 6)
+      if R == 0 then
+        local sampled, described = false, false
+        for _, l in ipairs(lines) do
+          if l:match("^llama: sample") then sampled = true end
+          if l:match("^llama: %d+ params %(1 layers, dim 32, %d heads, %d kv heads") then described = true end
+        end
+        assert.is_true(sampled, "no sample printed")
+        assert.is_true(described, "no model line printed")
+      end
+      assert.is_true(full_run[6] < full_run[1], "the loss does not fall")
+      local b = argv({ "--steps=6", "--ckpt_every=-1", "--sample_len=0", "--ckpt_dir=" .. d,
+        "--resume=" .. d .. "/step_00000003.safetensors" })
+      for _, x in ipairs(cfg.args) do b[#b + 1] = x end
+      local resumed = run(b, 6)
+      for s = 4, 6 do
+        assert.is_true(math.abs(resumed[s] - full_run[s]) <= 1e-6 * math.max(1, full_run[s]),
+          string.format("%s step %d: %.7f resumed vs %.7f", cfg.name, s, resumed[s], full_run[s]))
+      end
+    end)
+  end
+
+  it("DTensor data parallelism prints the losses of plain all_reduce data parallelism", function()
+    local a = run(argv({ "--steps=4", "--ckpt_every=-1", "--sample_len=0" }), 4)
+    local b = run(argv({ "--steps=4", "--ckpt_every=-1", "--sample_len=0", "--dtensor_dp=0" }), 4)
+    for s = 1, 4 do
+      assert.is_true(math.abs(a[s] - b[s]) <= 1e-5, string.format("step %d: %.7f DTensor vs %.7f plain", s, a[s], b[s]))
+    end
+  end)
+
+  it("refuses --dropout and --sp for the Llama, and kv heads that do not divide the heads", function()
+    local ok, e = pcall(run, argv({ "--steps=1", "--dropout=0.1", "--ckpt_every=-1", "--sample_len=0" }), 1)
+    assert.is_false(ok)
+    assert.is_truthy(tostring(e):find("--dropout does not apply", 1, true), tostring(e))
+    ok, e = pcall(run, argv({ "--steps=1", "--n_kv_heads=3", "--ckpt_every=-1", "--sample_len=0" }), 1)
+    assert.is_false(ok)
+    assert.is_truthy(tostring(e):find("n_heads (4) must be divisible by n_kv_heads (3)", 1, true), tostring(e))
+  end)
+end)
