@@ -28,6 +28,7 @@ local modules = {
   "parallelize",          -- parallelize_module
   "sharding_spec",        -- ShardMetadata, ChunkShardingSpec, EnumerableShardingSpec (ShardedTensor metadata)
   "sharded_tensor",       -- ShardedTensor, dist.sharded_tensor.empty/zeros/ones/full
+  "shard_api",            -- shard_parameter, shard_module, ShardingPlan, Sharder, load_with_process_group
 }
 for _, name in ipairs(modules) do
   local m = require("engine.distributed." .. name)

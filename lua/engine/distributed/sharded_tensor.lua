@@ -235,29 +235,43 @@ local function agree_strings(mine, pg, world, me)
   return out
 end
 
-function M.shard_tensor(tensor, spec, opts)
-  local op = "shard_tensor"
+M._agree_strings = agree_strings
+
+-- Local checks (which may fail on one rank only) are agreed with the (src_rank, spec, shape) of every
+-- rank in one all_gather, so a bad argument on any rank fails every rank (naming that rank) before
+-- the broadcast.  local_err: a message from the caller's own local checks (shard_parameter).
+function M.shard_tensor(tensor, spec, opts, local_err, op)
+  op = op or "shard_tensor"
   local dist = require("engine.distributed")
+  local err = local_err
+  if type(opts) ~= "table" and opts ~= nil then err = err or (op .. ": options must be a table"); opts = {} end
   opts = opts or {}
-  if type(opts) ~= "table" then fail(op .. ": options must be a table") end
   for k in pairs(opts) do
     if k ~= "src_rank" and k ~= "process_group" then
-      fail(string.format("%s: unknown option '%s' (src_rank, process_group)", op, tostring(k)))
+      err = err or string.format("%s: unknown option '%s' (src_rank, process_group)", op, tostring(k))
     end
   end
   local pg = opts.process_group
-  local world = pg and pg:size() or dist.world_size()
+  local world = world_of(pg)
   local me = group_rank(pg)
   local src = opts.src_rank or 0
-  if not core.is_tensor(tensor) then fail(op .. ": expected a tensor, got " .. type(tensor)) end
-  if dist.is_dtensor(tensor) then fail(op .. ": expected a plain tensor, got a DTensor (use redistribute)") end
-  if not tensor:is_contiguous() then fail("input tensor is not a contiguous Tensor") end
-  if not specs.is_sharding_spec(spec) then fail(op .. ": sharding_spec must be a ChunkShardingSpec or an EnumerableShardingSpec") end
-  -- (src_rank, spec, shape) of every rank
-  local mine = string.format("%s\n%s\n%s", tostring(src), tostring(spec), table.concat(tensor:shape(), ","))
+  if not err then
+    if not core.is_tensor(tensor) then err = op .. ": expected a tensor, got " .. type(tensor)
+    elseif dist.is_dtensor(tensor) then err = op .. ": expected a plain tensor, got a DTensor (use redistribute)"
+    elseif not tensor:is_contiguous() then err = "input tensor is not a contiguous Tensor"
+    elseif not specs.is_sharding_spec(spec) then
+      err = op .. ": sharding_spec must be a ChunkShardingSpec or an EnumerableShardingSpec"
+    end
+  end
+  local shape = (not err) and table.concat(tensor:shape(), ",") or ""
+  local mine = err and ("E" .. err) or string.format("O%s\n%s\n%s", tostring(src), tostring(spec), shape)
   local all = agree_strings(mine, pg, world, me)
+  if err then fail(err) end
   for idx = 0, world - 1 do
-    local osrc, ospec, oshape = all[idx]:match("^(.-)\n(.*)\n(.-)$")
+    if all[idx]:sub(1, 1) == "E" then fail(string.format("%s: rank %d: %s", op, idx, all[idx]:sub(2))) end
+  end
+  for idx = 0, world - 1 do
+    local osrc, ospec, oshape = all[idx]:sub(2):match("^(.-)\n(.*)\n(.-)$")
     if osrc ~= tostring(src) then
       fail(string.format("src_rank=%s on rank: %d does not match with src_rank=%s on rank: %d", tostring(src), me,
         tostring(osrc), idx))
@@ -266,9 +280,8 @@ function M.shard_tensor(tensor, spec, opts)
       fail(string.format("sharding_spec=%s on rank: %d does not match with sharding_spec=%s on rank: %d", tostring(spec),
         me, tostring(ospec), idx))
     end
-    if oshape ~= table.concat(tensor:shape(), ",") then
-      fail(string.format("%s: the tensor on rank %d has shape [%s], on rank %d [%s]", op, me,
-        table.concat(tensor:shape(), ","), idx, tostring(oshape)))
+    if oshape ~= shape then
+      fail(string.format("%s: the tensor on rank %d has shape [%s], on rank %d [%s]", op, me, shape, idx, tostring(oshape)))
     end
   end
   if type(src) ~= "number" or src % 1 ~= 0 or src < 0 or src >= world then
@@ -279,9 +292,9 @@ function M.shard_tensor(tensor, spec, opts)
   end
   local full = tensor:detach():clone()
   comm.broadcast(full, src, pg and { group = pg } or nil)
-  return build(op, spec, tensor:shape(), { dtype = tensor.dtype, process_group = pg }, function(shape, dt, box)
+  return build(op, spec, tensor:shape(), { dtype = tensor.dtype, process_group = pg }, function(shp, dt, box)
     local t = full
-    for d = 1, #shape do t = t:narrow(d, box.shard_offsets[d] + 1, shape[d]) end
+    for d = 1, #shp do t = t:narrow(d, box.shard_offsets[d] + 1, shp[d]) end
     return t:contiguous():clone()
   end)
 end
@@ -786,6 +799,9 @@ function ShardedTensor:reshard(spec)
   end
   return target
 end
+
+M._dt_layout, M._mesh_for, M._dt_ready = dt_layout, mesh_for, dt_ready
+M._world_of, M._group_rank = world_of, group_rank
 
 -- engine.distributed merges this table: the factories live under dist.sharded_tensor (PyTorch's
 -- torch.distributed._shard.sharded_tensor), next to dist.ShardedTensor.

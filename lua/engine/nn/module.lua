@@ -624,6 +624,27 @@ local function state_entries(self, prefix, names, vals, kinds)
   for i = 1, #cn do state_entries(cm[i], prefix .. cn[i] .. ".", names, vals, kinds) end
 end
 
+-- _register_state_dict_hook(fn) / _register_load_state_dict_pre_hook(fn) (PyTorch's): fn(module, sd,
+-- prefix) runs for this module (prefix: its dotted path and ".") after state_dict collected the
+-- entries (it may replace or add values, e.g. ShardedTensors for sharded parameters), or before
+-- load_state_dict checks the keys (on a shallow copy of sd: it may replace or consume values).
+local function run_state_hooks(self, field, sd, prefix)
+  for name, m in self:named_modules() do
+    local hooks = rawget(m, field)
+    if hooks then for _, fn in ipairs(hooks) do fn(m, sd, prefix .. (name == "" and "" or (name .. "."))) end end
+  end
+end
+local function add_state_hook(self, field, fn, op)
+  if type(fn) ~= "function" then error(op .. ": expected a function", 3) end
+  local l = rawget(self, field)
+  if not l then l = {}; rawset(self, field, l) end
+  l[#l + 1] = fn
+end
+function Module:_register_state_dict_hook(fn) add_state_hook(self, "_state_dict_hooks", fn, "_register_state_dict_hook") end
+function Module:_register_load_state_dict_pre_hook(fn)
+  add_state_hook(self, "_load_state_dict_pre_hooks", fn, "_register_load_state_dict_pre_hook")
+end
+
 -- state_dict([{prefix = "", keep_vars = false}]) -> table name -> tensor (one
 -- value, so engine.save(path, m:state_dict()) works; the ordered names are
 -- state_dict_keys()).  Values share storage with the parameters (detached
@@ -637,6 +658,7 @@ function Module:state_dict(opts)
     local v = vals[i]
     sd[names[i]] = opts.keep_vars and v or v:detach()
   end
+  run_state_hooks(self, "_state_dict_hooks", sd, opts.prefix or "")
   return sd
 end
 
@@ -655,6 +677,10 @@ end
 function Module:load_state_dict(sd, opts)
   if type(sd) ~= "table" then error("load_state_dict: expected a table name -> tensor, got " .. type(sd), 2) end
   local strict = not (opts and opts.strict == false)
+  local copy = {}
+  for k, v in pairs(sd) do copy[k] = v end
+  sd = copy
+  run_state_hooks(self, "_load_state_dict_pre_hooks", sd, "")
   local names, vals, kinds = {}, {}, {}
   state_entries(self, "", names, vals, kinds)
   local known, missing, unexpected, bad = {}, {}, {}, {}

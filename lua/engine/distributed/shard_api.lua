@@ -1,0 +1,364 @@
+-- engine.distributed.shard_api: seed 002's module API (PyTorch's torch.distributed._shard.api):
+-- shard_parameter, load_with_process_group, shard_module with ShardingPlan and Sharder,
+-- _reshard_output, _collect_local_shard, and the state-dict hooks of sharded parameters.
+--
+--   dist.shard_parameter(model.fc1, "weight", dist.ChunkShardingSpec{dim = 1, placements = ...})
+--   dist.shard_module(model, dist.ShardingPlan{
+--     plan = {["fc1.weight"] = colwise, ["fc2.weight"] = rowwise, ["emb"] = MySharder{...}},
+--     output_plan = {fc2 = dist.ChunkShardingSpec{dim = 1, placements = ...}},
+--     return_local_tensor = {"fc2"}}, {src_rank = 0, process_group = nil})
+--
+-- A sharded parameter whose spec is a DTensor layout (a ChunkShardingSpec naming distinct ranks:
+-- Shard(dim) on the 1-D mesh of those ranks) becomes a DTensor Parameter (module.weight is the
+-- DTensor, dist.ShardedTensor.from_dtensor(module.weight) its ShardedTensor, sharing storage), and
+-- the module's forward runs under dist.implicit_replication (plain inputs and parameters count as
+-- Replicate, as PyTorch's sharded ops take a plain input as replicated), so ops go through the
+-- DTensor dispatcher and autograd/optimizers work unchanged.  Other specs (several shards on one
+-- rank) leave the ShardedTensor itself in module.<name> (the parameter slot is emptied).  Either way
+-- module:state_dict() holds the ShardedTensor under the parameter's name and load_state_dict takes
+-- one back (same layout, else an error naming both).  Module outputs are tensors here, so
+-- output_plan reshards a DTensor output (Partial, Shard, Replicate) into the spec's layout and
+-- return_local_tensor returns a DTensor output's local tensor.
+local core = require("engine.core")
+local specs = require("engine.distributed.sharding_spec")
+local stmod = require("engine.distributed.sharded_tensor")
+local ST = stmod.sharded_tensor
+
+local M = {}
+
+local function fail(msg) core.fail(msg) end
+
+local function nn() return require("engine.nn") end
+local function dist() return require("engine.distributed") end
+
+local function tname(v)
+  if type(v) == "table" and rawget(v, "_cmod") ~= nil then return v.__name end
+  if stmod.is_sharded_tensor(v) then return "ShardedTensor" end
+  return type(v)
+end
+
+-- ---------------------------------------------------------------- state-dict hooks
+-- The ShardedTensor of a module's sharded parameter `name` (from its DTensor, or the stored one).
+local function sharded_value(module, name, info)
+  local v = module[name]
+  if stmod.is_sharded_tensor(v) then return v end
+  if v == nil or not dist().is_dtensor(v) then return nil end
+  local d = v:detach()
+  return setmetatable({ _spec = info.spec, _size = d:shape(), dtype = d.dtype, _pg = info.pg, _dt = d, _mesh = d.device_mesh },
+    stmod.ShardedTensor)
+end
+
+local function same_layout(a, b)
+  local x, y = a:metadata().shards_metadata, b:metadata().shards_metadata
+  if #x ~= #y or #a._size ~= #b._size then return false end
+  for i = 1, #a._size do if a._size[i] ~= b._size[i] then return false end end
+  for i = 1, #x do if x[i] ~= y[i] then return false end end
+  return true
+end
+
+local function state_dict_hook(module, sd, prefix)
+  for name, info in pairs(rawget(module, "_sharded_params")) do
+    local st = sharded_value(module, name, info)
+    if st then sd[prefix .. name] = st end
+  end
+end
+
+local function load_pre_hook(module, sd, prefix)
+  for name, info in pairs(rawget(module, "_sharded_params")) do
+    local key = prefix .. name
+    local src = sd[key]
+    if stmod.is_sharded_tensor(src) then
+      local cur = sharded_value(module, name, info)
+      if not same_layout(src, cur) then
+        fail(string.format("load_state_dict: %s: the ShardedTensor in the state dict is [%s] %s, the parameter [%s] %s "
+          .. "(reshard it first)", key, table.concat(src._size, ","), tostring(src._spec), table.concat(cur._size, ","),
+          tostring(cur._spec)))
+      end
+      local target = module[name]
+      if dist().is_dtensor(target) then
+        -- the saved local shard as a DTensor of the parameter's layout (no copy here)
+        local l = src:local_shards()
+        local t = l[1] and l[1].tensor or target:to_local():detach()
+        sd[key] = require("engine.distributed.dtensor").DTensor.from_local(t:detach(), target.device_mesh,
+          target.placements, { shape = target:shape(), stride = target:stride() })
+      else
+        local prev = core.C.eng_set_grad_enabled(0)
+        local ls, ld = src:local_shards(), target:local_shards()
+        for i = 1, #ld do ld[i].tensor:copy_(ls[i].tensor) end
+        core.C.eng_set_grad_enabled(prev)
+        sd[key] = nil   -- consumed: not a registered parameter, so neither missing nor unexpected
+      end
+    end
+  end
+end
+
+-- Records module.<name> as sharded by spec (once per module: the hooks and the forward wrapper).
+local function remember(module, name, spec, pg, on_dtensor)
+  local reg = rawget(module, "_sharded_params")
+  if not reg then
+    reg = {}
+    rawset(module, "_sharded_params", reg)
+    module:_register_state_dict_hook(state_dict_hook)
+    module:_register_load_state_dict_pre_hook(load_pre_hook)
+  end
+  reg[name] = { spec = spec, pg = pg }
+  if on_dtensor and not rawget(module, "_sharded_forward") then
+    local forward = module.forward
+    rawset(module, "_sharded_forward", forward)
+    rawset(module, "forward", function(self, ...) return dist().implicit_replication(forward, self, ...) end)
+  end
+end
+
+-- ---------------------------------------------------------------- shard_parameter
+-- shard_parameter(module, param_name, spec, {src_rank = 0, process_group}): seed 002's.  Collective
+-- over the group: the local checks (no such attribute, not a tensor, not contiguous) are agreed with
+-- shard_tensor's src_rank/spec checks, so they fail every rank.  Returns the ShardedTensor.
+function M.shard_parameter(module, param_name, spec, opts)
+  local op = "shard_parameter"
+  if not nn().is_module(module) then fail(op .. ": expected a module, got " .. type(module)) end
+  if type(param_name) ~= "string" then fail(op .. ": param_name must be a string, got " .. type(param_name)) end
+  local err
+  local tensor = module[param_name]
+  if tensor == nil then err = string.format("%s has no attribute `%s`", module.__name, param_name)
+  elseif not core.is_tensor(tensor) then
+    err = string.format("Expected %s.%s to be a Tensor, but found %s", module.__name, param_name, tname(tensor))
+  elseif not dist().is_dtensor(tensor) and not tensor:is_contiguous() then
+    err = string.format("param: %s is not a contiguous Tensor", param_name)
+  end
+  local st = ST.shard_tensor(tensor, spec, opts, err, op)
+  local rg = tensor.requires_grad
+  local pg = st._pg
+  local ranks = ST._dt_layout(st)
+  local dt_ok = ranks ~= nil and (pg == nil or pg:size() == dist().world_size()
+    or ST._dt_ready(st) ~= nil)
+  if dt_ok then
+    local dt = st:to_dtensor()
+    dt._c.is_param = 1
+    if rg then core.check(core.C.eng_tensor_set_requires_grad(dt._c, 1)) end
+    module[param_name] = dt
+    st._dt = dt
+  else
+    module[param_name] = nil
+    for _, s in ipairs(st:local_shards()) do s.tensor.requires_grad = rg end
+    rawset(module, param_name, st)
+  end
+  remember(module, param_name, spec, pg, dt_ok)
+  return st
+end
+
+-- ---------------------------------------------------------------- load_with_process_group
+local current_active, current_pg = false, nil
+
+-- load_with_process_group(pg, fn, ...): runs fn(pg, ...) with pg as the group ShardedTensors are
+-- loaded into (dist.sharded_tensor.load); nesting is an error.  Returns fn's results.
+function M.load_with_process_group(pg, fn, ...)
+  if type(fn) ~= "function" then fail("load_with_process_group: expected a function to run, got " .. type(fn)) end
+  if current_active then
+    fail('ProcessGroup already set by previous "load_with_process_group" context manager')
+  end
+  current_active, current_pg = true, pg
+  local res = { pcall(fn, pg, ...) }
+  current_active, current_pg = false, nil
+  if not res[1] then error(res[2], 0) end
+  return unpack(res, 2, table.maxn(res))
+end
+
+-- The group set by load_with_process_group, nil for the default (world) group.
+function M._get_current_process_group() return current_pg end
+
+-- ---------------------------------------------------------------- output hooks
+-- The DTensor layout of a spec on a DTensor's mesh: the Shard dim, or an error naming the spec.
+local function shard_dim_on(op, spec, t)
+  local probe = setmetatable({ _spec = spec, _size = t:shape(), dtype = t.dtype }, stmod.ShardedTensor)
+  local ranks, d = ST._dt_layout(probe)
+  local mesh = t.device_mesh
+  local mr = mesh:ndim() == 1 and mesh:flat_ranks() or nil
+  local same = ranks ~= nil and mr ~= nil and #ranks == #mr
+  if same then for i = 1, #ranks do same = same and ranks[i] == mr[i] end end
+  if not same then
+    fail(string.format("%s: %s is not a layout of the output DTensor %s's mesh (a ChunkShardingSpec over its ranks in order)",
+      op, tostring(spec), t:_layout_str()))
+  end
+  return d
+end
+
+-- _reshard_output(module, spec): a forward hook that lays a DTensor output out as spec (Shard(dim)
+-- on its 1-D mesh: a Partial output is reduce-scattered, a Shard one all-to-all'd).
+function M._reshard_output(module, spec)
+  if not specs.is_sharding_spec(spec) then fail("_reshard_output: resharding_spec must be a ShardingSpec, got " .. type(spec)) end
+  module:register_forward_hook(function(_, _, out)
+    if core.is_tensor(out) and dist().is_dtensor(out) then
+      local d = shard_dim_on("_reshard_output", spec, out)
+      return out:redistribute({ dist().Shard(d) })
+    end
+    return nil
+  end)
+  return module
+end
+
+-- _collect_local_shard(module): a forward hook returning a sharded output's local tensor, squeezed on
+-- the chunk dim when that dim has size 1 there (a [4, 16] output over 4 ranks gives [16] each).
+function M._collect_local_shard(module)
+  module:register_forward_hook(function(_, _, out)
+    if core.is_tensor(out) and dist().is_dtensor(out) then
+      local s = out._c.dist
+      local loc = out:to_local()
+      if s.mesh_ndim == 1 and s.placements[0].kind == 1 then
+        local d = s.placements[0].dim + 1
+        if loc:size(d) == 1 then loc = loc:squeeze(d) end
+      end
+      return loc
+    end
+    return nil
+  end)
+  return module
+end
+
+-- ---------------------------------------------------------------- Sharder, ShardingPlan
+local Sharder = { __name = "Sharder" }
+Sharder.__index = Sharder
+M.Sharder = Sharder
+local function instantiate(cls, fields) return setmetatable(fields or {}, cls) end
+setmetatable(Sharder, { __call = instantiate })
+
+-- Sharder:extend(name) -> a subclass; instances MySharder{...} implement :shard(module) returning
+-- the module that replaces `module` in its parent.
+function Sharder.extend(parent, name)
+  local cls = { __name = name or "Sharder", __parent = parent }
+  cls.__index = cls
+  return setmetatable(cls, { __index = parent, __call = instantiate })
+end
+function Sharder:shard(module)
+  fail(string.format("%s:shard(module) is not implemented (a Sharder subclass must define it)", self.__name))
+end
+
+local function is_sharder(x)
+  if type(x) ~= "table" then return false end
+  local mt = getmetatable(x)
+  while type(mt) == "table" do
+    if mt == Sharder then return true end
+    mt = rawget(mt, "__parent")
+  end
+  return false
+end
+M.is_sharder = is_sharder
+
+local Plan = { __name = "ShardingPlan" }
+Plan.__index = Plan
+M.ShardingPlanClass = Plan
+
+-- Ordered entries of a plan table: a list of {path, value} pairs in its order, keyed entries sorted
+-- by path (Lua tables have no order; every rank must shard in the same order).
+local function entries(t, what)
+  local list, keyed = {}, {}
+  for k, v in pairs(t) do
+    if type(k) == "number" then
+      if type(v) ~= "table" or type(v[1]) ~= "string" then
+        fail(string.format("ShardingPlan: %s entry %d must be a {path, value} pair", what, k))
+      end
+    elseif type(k) == "string" then keyed[#keyed + 1] = k
+    else fail(string.format("ShardingPlan: %s keys must be module paths (strings), got %s", what, type(k))) end
+  end
+  for i = 1, #t do list[#list + 1] = { t[i][1], t[i][2] } end
+  table.sort(keyed)
+  for _, k in ipairs(keyed) do list[#list + 1] = { k, t[k] } end
+  return list
+end
+
+-- ShardingPlan{plan = {path = spec or Sharder}, output_plan = {path = spec}, return_local_tensor = {paths}}
+function M.ShardingPlan(opts)
+  if type(opts) ~= "table" then fail("ShardingPlan: expected {plan = {...}, output_plan = {...}, return_local_tensor = {...}}") end
+  for k in pairs(opts) do
+    if k ~= "plan" and k ~= "output_plan" and k ~= "return_local_tensor" then
+      fail(string.format("ShardingPlan: unknown field '%s' (plan, output_plan, return_local_tensor)", tostring(k)))
+    end
+  end
+  if type(opts.plan) ~= "table" then fail("ShardingPlan: plan must be a table of module paths to ShardingSpecs or Sharders") end
+  if opts.output_plan ~= nil and type(opts.output_plan) ~= "table" then fail("ShardingPlan: output_plan must be a table") end
+  local rlt = opts.return_local_tensor
+  if rlt ~= nil then
+    if type(rlt) ~= "table" then fail("ShardingPlan: return_local_tensor must be a list of module paths") end
+    for i, p in ipairs(rlt) do
+      if type(p) ~= "string" then fail(string.format("ShardingPlan: return_local_tensor[%d] must be a string", i)) end
+    end
+  end
+  return setmetatable({ plan = entries(opts.plan, "plan"),
+    output_plan = opts.output_plan and entries(opts.output_plan, "output_plan") or nil,
+    return_local_tensor = rlt }, Plan)
+end
+
+local function rpartition(name)
+  local a, b = name:match("^(.*)%.([^.]*)$")
+  if a then return a, b end
+  return "", name
+end
+
+-- shard_module(module, plan, {src_rank = 0, process_group}): seed 002's.  Parameters named by a
+-- ShardingSpec are shard_parameter'd, modules named by a Sharder replaced by sharder:shard(mod) in
+-- their parent, output_plan and return_local_tensor hooks installed.  Collective over the group.
+function M.shard_module(module, plan, opts)
+  local op = "shard_module"
+  if not nn().is_module(module) then fail(op .. ": expected a module, got " .. type(module)) end
+  if getmetatable(plan) ~= Plan then fail(op .. ": plan must be a ShardingPlan (dist.ShardingPlan{plan = ...})") end
+  opts = opts or {}
+  if type(opts) ~= "table" then fail(op .. ": options must be a table") end
+  for k in pairs(opts) do
+    if k ~= "src_rank" and k ~= "process_group" then
+      fail(string.format("%s: unknown option '%s' (src_rank, process_group)", op, tostring(k)))
+    end
+  end
+  local sopts = { src_rank = opts.src_rank or 0, process_group = opts.process_group }
+  local sharder_paths = {}
+  for _, e in ipairs(plan.plan) do
+    if is_sharder(e[2]) then sharder_paths[#sharder_paths + 1] = e[1] end
+  end
+  for _, e in ipairs(plan.plan) do
+    local name, spec = e[1], e[2]
+    if specs.is_sharding_spec(spec) then
+      local module_path, param_name = rpartition(name)
+      for _, sp in ipairs(sharder_paths) do
+        -- the seed compares with startswith; a path prefix is what it means ("fc" is not "fc1"'s parent)
+        if module_path == sp or module_path:sub(1, #sp + 1) == sp .. "." then
+          fail(string.format("ShardingPlan is in-valid, trying to shard a parameter: %s, but there's already a Sharder "
+            .. "entry for module %s, parameter sharding should not conflict with the submodule tree that a Sharder is "
+            .. "working with!", name, sp))
+        end
+      end
+      local mod = module:get_submodule(module_path)
+      M.shard_parameter(mod, param_name, spec, { src_rank = sopts.src_rank, process_group = sopts.process_group })
+    elseif is_sharder(spec) then
+      local parent_path, mod_name = rpartition(name)
+      if name == "" then fail("Module path must not be empty for custom sharder!") end
+      local mod = module:get_submodule(name)
+      local parent = module:get_submodule(parent_path)
+      local sharded = spec:shard(mod)
+      if not nn().is_module(sharded) then
+        fail(string.format("%s: %s:shard('%s') must return a module, got %s", op, spec.__name or "Sharder", name, type(sharded)))
+      end
+      -- the seed's `parent_mod.mod_name = ...` means the child named mod_name (Sequential / ModuleList
+      -- children "0", "1", ... live in the array part)
+      local k = tonumber(mod_name)
+      if k and rawget(parent, k + 1) == mod then parent[k + 1] = sharded else parent[mod_name] = sharded end
+    else
+      fail(string.format("Only `ShardingSpec` and `Sharder` are supported to shard '%s'", name))
+    end
+  end
+  if plan.output_plan ~= nil then
+    for _, e in ipairs(plan.output_plan) do
+      local module_path, output_spec = e[1], e[2]
+      if specs.is_sharding_spec(output_spec) then
+        M._reshard_output(module:get_submodule(module_path), output_spec)
+      else
+        fail(string.format("Only `ShardingSpec` is supported as output_plan for '%s'", module_path))
+      end
+    end
+  end
+  if plan.return_local_tensor ~= nil then
+    for _, module_path in ipairs(plan.return_local_tensor) do
+      M._collect_local_shard(module:get_submodule(module_path))
+    end
+  end
+  return module
+end
+
+return M
