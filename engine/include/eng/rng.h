@@ -11,10 +11,17 @@
 
 enum { ENG_RNG_UNIFORM = 0, ENG_RNG_NORMAL = 1, ENG_RNG_BERNOULLI = 2 };
 
+/* A generator is its state: (seed, offset).  Besides the global one, user generators (Lua's
+ * engine.Generator) are structs owned by the caller.  eng_rng_use(g) makes g the generator of this
+ * thread's draws (NULL: the global one again) and returns the previous one; the functions below
+ * (seed, state, reserve, and every random op) act on that current generator. */
+typedef struct eng_generator { uint64_t seed; uint64_t offset; } eng_generator;
+eng_generator* eng_rng_use(eng_generator* g);
+
 void eng_manual_seed(uint64_t seed);
 void eng_rng_get_state(uint64_t* seed, uint64_t* offset);
 void eng_rng_set_state(uint64_t seed, uint64_t offset);
-/* Reserve n draws from the global generator: returns the offset to use. */
+/* Reserve n draws from the current generator: returns the offset to use. */
 uint64_t eng_rng_reserve(uint64_t n);
 
 /* The slice [start, start+size) of a global random tensor of global_shape,

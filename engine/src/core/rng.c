@@ -1,5 +1,5 @@
-/* rng.c: the global counter-based generator (seed, offset) and random
- * tensors.  Element i of a tensor drawn with (seed, offset) is a function of
+/* rng.c: the counter-based generators (seed, offset: the global one and
+ * user generators, eng_rng_use) and random tensors.  Element i of a tensor drawn with (seed, offset) is a function of
  * (seed, offset + i) only (i = row-major index in the global tensor); the
  * transforms and the Philox addressing are in kernels/cpu/philox.h. */
 #include "core/internal.h"
@@ -13,42 +13,57 @@
 #define ENG_DEFAULT_SEED 67280421310721ULL
 
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
-static uint64_t g_seed = ENG_DEFAULT_SEED;
-static uint64_t g_offset = 0;
+static eng_generator g_default = {ENG_DEFAULT_SEED, 0};
+/* The generator this thread's draws use (PyTorch's generator= argument: the Lua layer routes one call
+ * to a user generator with eng_rng_use and restores the previous one); NULL: the global one. */
+static __thread eng_generator* t_current = NULL;
+
+static inline eng_generator* cur(void) { return t_current ? t_current : &g_default; }
+
+eng_generator* eng_rng_use(eng_generator* g) {
+  eng_generator* prev = t_current;
+  t_current = g;
+  return prev;
+}
 
 void eng_manual_seed(uint64_t seed) {
   pthread_mutex_lock(&g_lock);
-  g_seed = seed; g_offset = 0;
+  eng_generator* g = cur();
+  g->seed = seed; g->offset = 0;
   pthread_mutex_unlock(&g_lock);
 }
 
 void eng_rng_get_state(uint64_t* seed, uint64_t* offset) {
   pthread_mutex_lock(&g_lock);
-  if (seed) *seed = g_seed;
-  if (offset) *offset = g_offset;
+  eng_generator* g = cur();
+  if (seed) *seed = g->seed;
+  if (offset) *offset = g->offset;
   pthread_mutex_unlock(&g_lock);
 }
 
 void eng_rng_set_state(uint64_t seed, uint64_t offset) {
   pthread_mutex_lock(&g_lock);
-  g_seed = seed; g_offset = offset;
+  eng_generator* g = cur();
+  g->seed = seed; g->offset = offset;
   pthread_mutex_unlock(&g_lock);
 }
 
 uint64_t eng_rng_reserve(uint64_t n) {
   pthread_mutex_lock(&g_lock);
-  uint64_t off = g_offset;
-  g_offset += (n + 3) & ~(uint64_t)3;
+  eng_generator* g = cur();
+  uint64_t off = g->offset;
+  g->offset += (n + 3) & ~(uint64_t)3;
   pthread_mutex_unlock(&g_lock);
   return off;
 }
 
-/* Seed and first offset of a draw of n elements from the global generator. */
+/* Seed and first offset of a draw of n elements from the current generator. */
 uint64_t eng_rng_reserve_seeded(uint64_t n, uint64_t* seed) {
   pthread_mutex_lock(&g_lock);
-  uint64_t off = g_offset;
-  *seed = g_seed;
-  g_offset += (n + 3) & ~(uint64_t)3;
+  eng_generator* g = cur();
+  uint64_t off = g->offset;
+  *seed = g->seed;
+  g->offset += (n + 3) & ~(uint64_t)3;
   pthread_mutex_unlock(&g_lock);
   return off;
 }

@@ -1,8 +1,13 @@
 -- engine.nn.initializers (exported as nn.init): in-place parameter
 -- initialisation, PyTorch's torch.nn.init.  All run without autograd and draw
--- from the global counter-based generator (engine.manual_seed).
+-- from the global counter-based generator (engine.manual_seed), or from a
+-- user generator (engine.Generator) passed as PyTorch's `generator` argument:
+--   init.uniform_(t, a, b, g)   init.normal_(t, mean, std, g)   init.xavier_uniform_(t, gain, g)
+--   init.kaiming_uniform_(t, {a =, mode =, nonlinearity =, generator = g})
+-- (a trailing {generator = g} table is accepted wherever g is).
 local core = require("engine.core")
 local C = core.C
+local gen = require("engine.ops.random")._generator
 
 local M = {}
 
@@ -18,6 +23,11 @@ local function run(rc_fn, ...)
   local rc = rc_fn(...)
   C.eng_set_grad_enabled(prev)
   core.check(rc, 4)
+end
+
+-- A random fill from g (nil: the global generator).
+local function run_random(cfun, t, a, b, g)
+  run(gen.fill, cfun, t, a, b, g)
 end
 
 -- fan_in, fan_out of a weight (PyTorch's _calculate_fan_in_and_fan_out):
@@ -45,13 +55,15 @@ function M.calculate_gain(nonlinearity, param)
   error("calculate_gain: unsupported nonlinearity '" .. tostring(nonlinearity) .. "'", 2)
 end
 
-function M.uniform_(t, a, b)
-  run(C.eng_uniform_, ct(t, "uniform_"), a or 0, b or 1)
+function M.uniform_(t, a, b, generator)
+  local g = gen.trailing(generator, "uniform_")
+  run_random(C.eng_uniform_, ct(t, "uniform_"), a or 0, b or 1, g)
   return t
 end
 
-function M.normal_(t, mean, std)
-  run(C.eng_normal_, ct(t, "normal_"), mean or 0, std or 1)
+function M.normal_(t, mean, std, generator)
+  local g = gen.trailing(generator, "normal_")
+  run_random(C.eng_normal_, ct(t, "normal_"), mean or 0, std or 1, g)
   return t
 end
 
@@ -63,33 +75,40 @@ end
 function M.zeros_(t) run(C.eng_tensor_zero_, ct(t, "zeros_")); return t end
 function M.ones_(t) run(C.eng_tensor_fill_, ct(t, "ones_"), 1); return t end
 
--- kaiming_uniform_(t, {a = 0, mode = "fan_in", nonlinearity = "leaky_relu"})
+-- kaiming_uniform_(t, {a = 0, mode = "fan_in", nonlinearity = "leaky_relu", generator = nil})
 function M.kaiming_uniform_(t, opts)
   opts = opts or {}
+  local g = gen.check(opts.generator, "kaiming_uniform_")
   local fan_in, fan_out = M.calculate_fan_in_and_fan_out(t)
   local fan = (opts.mode == "fan_out") and fan_out or fan_in
   local gain = M.calculate_gain(opts.nonlinearity or "leaky_relu", opts.a or 0)
   local bound = fan > 0 and math.sqrt(3) * gain / math.sqrt(fan) or 0
-  return M.uniform_(t, -bound, bound)
+  return M.uniform_(t, -bound, bound, g)
 end
 
 function M.kaiming_normal_(t, opts)
   opts = opts or {}
+  local g = gen.check(opts.generator, "kaiming_normal_")
   local fan_in, fan_out = M.calculate_fan_in_and_fan_out(t)
   local fan = (opts.mode == "fan_out") and fan_out or fan_in
   local gain = M.calculate_gain(opts.nonlinearity or "leaky_relu", opts.a or 0)
-  return M.normal_(t, 0, fan > 0 and gain / math.sqrt(fan) or 0)
+  return M.normal_(t, 0, fan > 0 and gain / math.sqrt(fan) or 0, g)
 end
 
-function M.xavier_uniform_(t, gain)
+-- xavier_uniform_(t [, gain = 1 [, generator]]); gain may also be {gain =, generator =}
+function M.xavier_uniform_(t, gain, generator)
+  if type(gain) == "table" then gain, generator = gain.gain, gain.generator end
+  local g = gen.trailing(generator, "xavier_uniform_")
   local fan_in, fan_out = M.calculate_fan_in_and_fan_out(t)
   local a = (gain or 1) * math.sqrt(6 / (fan_in + fan_out))
-  return M.uniform_(t, -a, a)
+  return M.uniform_(t, -a, a, g)
 end
 
-function M.xavier_normal_(t, gain)
+function M.xavier_normal_(t, gain, generator)
+  if type(gain) == "table" then gain, generator = gain.gain, gain.generator end
+  local g = gen.trailing(generator, "xavier_normal_")
   local fan_in, fan_out = M.calculate_fan_in_and_fan_out(t)
-  return M.normal_(t, 0, (gain or 1) * math.sqrt(2 / (fan_in + fan_out)))
+  return M.normal_(t, 0, (gain or 1) * math.sqrt(2 / (fan_in + fan_out)), g)
 end
 
 return M

@@ -7,6 +7,14 @@
 --   t:uniform_(a, b)   U[a, b) in place (default 0, 1)
 --   t:normal_(mean, std) in place (default 0, 1)
 --   engine.random_slice(kind, global_shape, start, size, opts)
+--   local g = engine.Generator():manual_seed(42)           a user generator (PyTorch's torch.Generator)
+--   engine.rand(2, 3, {generator = g}); t:normal_(0, 1, {generator = g}); nn.init.normal_(w, 0, 0.02, g)
+--
+-- A generator is a (seed, offset) pair like the global one: its draws are the numbers the global
+-- generator gives after manual_seed with the same seed, and it advances by the same counts.  The
+-- random ops take it as `generator =` in their option table (or, where PyTorch passes it
+-- positionally, as the trailing argument); the C layer draws from it through eng_rng_use for the
+-- duration of the call (the global generator is untouched).
 --
 -- Element i (row-major index in the GLOBAL tensor) of a tensor drawn with
 -- (seed, offset) depends only on (seed, offset + i).  random_slice(kind,
@@ -60,6 +68,95 @@ function M.set_rng_state(s)
   C.eng_rng_set_state(to_u64(s.seed, "seed", "set_rng_state"), to_u64(s.offset, "offset", "set_rng_state"))
 end
 
+-- ---------------------------------------------------------------- Generator
+local DEFAULT_SEED = 67280421310721   -- PyTorch's default CPU seed (rng.c)
+local Generator = {}
+Generator.__index = Generator
+Generator.__name = "Generator"
+
+local function is_generator(g) return type(g) == "table" and getmetatable(g) == Generator end
+M.is_generator = is_generator
+
+-- engine.Generator([device]): a new generator seeded with the default seed (device "cpu" or "cuda":
+-- the numbers are the same on both, element i of a draw depends on (seed, offset + i) only).
+function M.Generator(device)
+  if device ~= nil and device ~= "cpu" and device ~= "cuda" and not (type(device) == "string" and device:match("^cuda:%d+$")) then
+    error("Generator: unknown device '" .. tostring(device) .. "' (expected \"cpu\" or \"cuda\")", 2)
+  end
+  local c = ffi.new("eng_generator")
+  c.seed, c.offset = DEFAULT_SEED, 0
+  return setmetatable({ _c = c, device = device or "cpu" }, Generator)
+end
+
+-- g:manual_seed(seed) -> g (offset back to 0)
+function Generator:manual_seed(seed)
+  self._c.seed = to_u64(seed, "seed", "Generator:manual_seed")
+  self._c.offset = 0
+  return self
+end
+-- g:seed(): a non-deterministic seed (wall time, CPU time and a counter); returns it
+local n_seeded = 0
+function Generator:seed()
+  n_seeded = n_seeded + 1
+  local s = math.floor(os.time() * 1000003 + os.clock() * 1e6 + n_seeded * 7919 + C.eng_time() * 1e6) % 2 ^ 53
+  self:manual_seed(s)
+  return s
+end
+function Generator:initial_seed() return to_lua(self._c.seed) end
+function Generator:get_offset() return to_lua(self._c.offset) end
+function Generator:set_offset(off) self._c.offset = to_u64(off, "offset", "Generator:set_offset"); return self end
+-- get_state() -> {seed =, offset =} (a copy); set_state(state) -> g
+function Generator:get_state() return { seed = to_lua(self._c.seed), offset = to_lua(self._c.offset) } end
+function Generator:set_state(s)
+  if type(s) ~= "table" or s.seed == nil or s.offset == nil then
+    error("Generator:set_state: expected a table {seed = ..., offset = ...} as returned by get_state", 2)
+  end
+  self._c.seed = to_u64(s.seed, "seed", "Generator:set_state")
+  self._c.offset = to_u64(s.offset, "offset", "Generator:set_state")
+  return self
+end
+function Generator.__tostring(g)
+  return string.format("Generator(device=%s, seed=%s, offset=%s)", g.device, tostring(to_lua(g._c.seed)),
+    tostring(to_lua(g._c.offset)))
+end
+
+-- The generator passed to op (a Generator, or nil), or an error naming op.
+local function check_generator(g, op)
+  if g == nil or is_generator(g) then return g end
+  error(string.format("%s: generator must be an engine.Generator, got %s", op, type(g)), 3)
+end
+
+-- The generator of a trailing argument: a Generator or an option table {generator = g}.
+local function trailing_generator(x, op)
+  if x == nil or is_generator(x) then return x end
+  if type(x) == "table" and getmetatable(x) == nil then return check_generator(x.generator, op) end
+  error(string.format("%s: expected a generator or an option table {generator = g}, got %s", op, type(x)), 3)
+end
+
+-- with_generator(g, fn, ...): fn(...) with this thread's draws taken from g (nil: the global
+-- generator, fn is called directly); the previous generator is restored, also on error.
+local function with_generator(g, fn, ...)
+  if g == nil then return fn(...) end
+  local prev = C.eng_rng_use(g._c)
+  local res = { pcall(fn, ...) }
+  C.eng_rng_use(prev)
+  if not res[1] then error(res[2], 0) end
+  return unpack(res, 2, table.maxn(res))
+end
+
+-- engine.rand / engine.randn(..., {generator = g, dtype =, device =, requires_grad =})
+for _, name in ipairs({ "rand", "randn" }) do
+  local base = Tensor.functions[name]
+  M[name] = function(...)
+    local n = select("#", ...)
+    local last = n > 0 and select(n, ...) or nil
+    if type(last) == "table" and getmetatable(last) == nil and last[1] == nil and last.generator ~= nil then
+      return with_generator(check_generator(last.generator, name), base, ...)
+    end
+    return base(...)
+  end
+end
+
 local kinds = { uniform = 0, normal = 1, bernoulli = 2 }
 
 -- int64_t[8] from a Lua list of nd integers; base 1: 1-based positions
@@ -87,7 +184,7 @@ end
 --   b std, default 0, 1) or "bernoulli" (a = probability of 1, default 0.5).
 --   start: 1-based first position per dim (nil: all 1); size: sizes (nil: to
 --   the end).  opts.dtype (default f32); opts.seed / opts.offset default to
---   the global generator's current state, which is NOT advanced.
+--   the state of opts.generator or of the global generator, which is NOT advanced.
 function M.random_slice(kind, global_shape, start, size, opts)
   local op = "random_slice"
   local k = kinds[kind]
@@ -108,7 +205,13 @@ function M.random_slice(kind, global_shape, start, size, opts)
   else a, b = opts.a or 0.5, 0 end
   if type(a) ~= "number" or type(b) ~= "number" then error(op .. ": opts.a and opts.b must be numbers", 2) end
   local seed, offset = opts.seed, opts.offset
-  if seed == nil or offset == nil then
+  local g = check_generator(opts.generator, op)
+  if g ~= nil and (seed ~= nil or offset ~= nil) then
+    error(op .. ": pass either a generator or seed/offset, not both", 2)
+  end
+  if g ~= nil then
+    seed, offset = g._c.seed, g._c.offset
+  elseif seed == nil or offset == nil then
     C.eng_rng_get_state(state_buf, state_buf + 1)
     seed = seed == nil and state_buf[0] or to_u64(seed, "seed", op)
     offset = offset == nil and state_buf[1] or to_u64(offset, "offset", op)
@@ -119,22 +222,35 @@ function M.random_slice(kind, global_shape, start, size, opts)
   return wrap(C.eng_random_slice(k, nd, gshape, st, sz, a, b, dt, seed, offset))
 end
 
--- In-place fills from the global generator (no autograd).
-function methods.uniform_(t, a, b)
+-- In-place fills (no autograd) from the global generator, or from g:
+-- t:uniform_(a, b [, g | {generator = g}]), t:normal_(mean, std [, g | {generator = g}]).
+local function fill(cfun, t, a, b, g)
+  if g == nil then return cfun(t, a, b) end
+  local prev = C.eng_rng_use(g._c)
+  local rc = cfun(t, a, b)          -- returns a status: nothing to unwind
+  C.eng_rng_use(prev)
+  return rc
+end
+
+function methods.uniform_(t, a, b, gen)
   a, b = a or 0, b or 1
   if type(a) ~= "number" or type(b) ~= "number" then error("uniform_: bounds must be numbers", 2) end
-  check(C.eng_uniform_(ct(t, "uniform_", 1), a, b))
+  local g = trailing_generator(gen, "uniform_")
+  check(fill(C.eng_uniform_, ct(t, "uniform_", 1), a, b, g))
   return t
 end
 
-function methods.normal_(t, mean, std)
+function methods.normal_(t, mean, std, gen)
   mean, std = mean or 0, std or 1
   if type(mean) ~= "number" or type(std) ~= "number" then error("normal_: mean and std must be numbers", 2) end
-  check(C.eng_normal_(ct(t, "normal_", 1), mean, std))
+  local g = trailing_generator(gen, "normal_")
+  check(fill(C.eng_normal_, ct(t, "normal_", 1), mean, std, g))
   return t
 end
 
 M.uniform_ = methods.uniform_
 M.normal_ = methods.normal_
+-- for nn.init and other random ops: (generator checks, scoped draws)
+M._generator = { check = check_generator, trailing = trailing_generator, with = with_generator, fill = fill }
 
 return M
