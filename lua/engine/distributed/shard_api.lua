@@ -166,6 +166,144 @@ end
 -- The group set by load_with_process_group, nil for the default (world) group.
 function M._get_current_process_group() return current_pg end
 
+-- ---------------------------------------------------------------- save / load
+-- dist.sharded_tensor.save(path, sd): every rank writes ITS file (path; "{rank}" in it is replaced by
+-- the global rank) holding its plain tensors as they are and, for each ShardedTensor, its local shards
+-- ("<key>/shard<i>") plus the global metadata and the group state at save time in the file's metadata
+-- ("sharded:<key>": dtype, size, spec, every shard's box and rank, this rank's shard indices, and the
+-- local rank, global rank, local world size, global world size).  Not collective.
+local function enc_list(l) return table.concat(l, ",") end
+local function dec_list(s)
+  local r = {}
+  if s == "" then return r end
+  for x in (s .. ","):gmatch("([^,]*),") do r[#r + 1] = tonumber(x) end
+  return r
+end
+
+local function rank_path(path, op)
+  if type(path) ~= "string" then fail(op .. ": path must be a string, got " .. type(path)) end
+  return (path:gsub("{rank}", tostring(dist().rank())))
+end
+
+local function encode(st)
+  local md = st:metadata()
+  local shards, mine = {}, {}
+  local me = ST._group_rank(st._pg)
+  for i, s in ipairs(md.shards_metadata) do
+    shards[i] = enc_list(s.shard_offsets) .. ":" .. enc_list(s.shard_sizes) .. ":" .. tostring(s.placement)
+    if s.placement.rank == me then mine[#mine + 1] = i end
+  end
+  local spec = st._spec
+  local sp
+  if getmetatable(spec) == specs.ChunkShardingSpecClass then
+    local p = {}
+    for i, x in ipairs(spec.placements) do p[i] = tostring(x) end
+    sp = "chunk:" .. spec.dim .. ":" .. table.concat(p, ",")
+  else
+    sp = "enum"
+  end
+  local pg = st._pg
+  return table.concat({ "v1", st.dtype, enc_list(st._size), sp, table.concat(shards, ";"), enc_list(mine),
+    enc_list({ me, dist().rank(), ST._world_of(pg), dist().world_size() }) }, "|"), mine
+end
+
+function ST.save(path, sd)
+  local op = "sharded_tensor.save"
+  path = rank_path(path, op)
+  if type(sd) ~= "table" then fail(op .. ": expected a state dict (a table name -> tensor or ShardedTensor)") end
+  local tensors, meta = {}, { format = "engine-sharded-state/1" }
+  for k, v in pairs(sd) do
+    if type(k) ~= "string" then fail(op .. ": state dict keys must be strings") end
+    if stmod.is_sharded_tensor(v) then
+      local enc = encode(v)
+      meta["sharded:" .. k] = enc
+      for i, s in ipairs(v:local_shards()) do tensors[k .. "/shard" .. i] = s.tensor:detach() end
+    elseif core.is_tensor(v) then
+      if dist().is_dtensor(v) then
+        fail(string.format("%s: '%s' is a DTensor: save ShardedTensors and plain tensors here (dist.checkpoint saves "
+          .. "DTensors)", op, k))
+      end
+      tensors[k] = v:detach()
+    else
+      fail(string.format("%s: '%s' is a %s, not a tensor or a ShardedTensor", op, k, type(v)))
+    end
+  end
+  require("engine").save(path, tensors, meta)
+end
+
+-- One ShardedTensor from its record (the checks of PyTorch's ShardedTensor.__setstate__, then the
+-- shards of this rank).
+local function decode(key, enc, tensors, pg)
+  local f = {}
+  for x in (enc .. "|"):gmatch("([^|]*)|") do f[#f + 1] = x end
+  if #f ~= 7 or f[1] ~= "v1" then error(string.format("'%s': unknown ShardedTensor record", key), 0) end
+  local st_ = dec_list(f[7])
+  local lr, gr, lw, gw = ST._group_rank(pg), dist().rank(), ST._world_of(pg), dist().world_size()
+  if st_[1] ~= lr then error(string.format("Local rank at save time was %d, but at load time was %s", st_[1], tostring(lr)), 0) end
+  if st_[2] ~= gr then error(string.format("Global rank at save time was %d, but at load time was %d", st_[2], gr), 0) end
+  if st_[3] ~= lw then error(string.format("Local world size at save time was %d, but at load time was %d", st_[3], lw), 0) end
+  if st_[4] ~= gw then error(string.format("Global world size at save time was %d, but at load time was %d", st_[4], gw), 0) end
+  local size = dec_list(f[3])
+  local metas = {}
+  for rec in (f[5] .. ";"):gmatch("([^;]*);") do
+    local o, z, p = rec:match("^([^:]*):([^:]*):(.*)$")
+    metas[#metas + 1] = specs.ShardMetadata{ shard_offsets = dec_list(o), shard_sizes = dec_list(z), placement = p }
+  end
+  local spec
+  local dim, pls = f[4]:match("^chunk:(-?%d+):(.*)$")
+  if dim then
+    local p = {}
+    for x in (pls .. ","):gmatch("([^,]*),") do p[#p + 1] = x end
+    spec = specs.ChunkShardingSpec{ dim = tonumber(dim), placements = p }
+  else
+    spec = specs.EnumerableShardingSpec(metas)
+  end
+  local md = specs.ShardedTensorMetadata{ shards_metadata = metas, size = size,
+    tensor_properties = specs.TensorProperties{ dtype = f[2] } }
+  local list = {}
+  for i, idx in ipairs(dec_list(f[6])) do
+    local t = tensors[key .. "/shard" .. i]
+    if t == nil then error(string.format("'%s': local shard %d is missing from the file", key, i), 0) end
+    list[i] = { tensor = t, metadata = metas[idx] }
+  end
+  return setmetatable({ _spec = spec, _metadata = md, _size = size, _shards = list, _pg = pg, dtype = f[2] },
+    stmod.ShardedTensor)
+end
+
+-- dist.sharded_tensor.load(path) -> the state dict: collective over the group that
+-- load_with_process_group set (the world otherwise).  Every rank reads its file and checks that each
+-- ShardedTensor was saved by this rank of a group of this size (PyTorch's "Local rank at save time
+-- was ..." errors); the outcome is agreed, so a problem on any rank fails every rank (its own message,
+-- or naming the rank that failed).
+function ST.load(path)
+  local op = "sharded_tensor.load"
+  path = rank_path(path, op)
+  local pg = current_pg
+  if pg ~= nil and not pg:is_member() then
+    fail(op .. ": this rank is not in the process group set by load_with_process_group")
+  end
+  local sd = {}
+  local ok, err = pcall(function()
+    local tensors, meta = require("engine").load(path)
+    local sharded = {}
+    for k, v in pairs(meta) do
+      local key = k:match("^sharded:(.*)$")
+      if key then sharded[#sharded + 1] = key; sd[key] = decode(key, v, tensors, pg) end
+    end
+    for k, t in pairs(tensors) do
+      local owner = k:match("^(.*)/shard%d+$")
+      if not (owner and sd[owner]) then sd[k] = t end
+    end
+  end)
+  local mine = ok and "" or tostring(err)
+  local all = ST._agree_strings(mine, pg, ST._world_of(pg), ST._group_rank(pg))
+  if not ok then fail(op .. ": " .. mine) end
+  for r = 0, ST._world_of(pg) - 1 do
+    if all[r] ~= "" then fail(string.format("%s: rank %d: %s", op, r, all[r])) end
+  end
+  return sd
+end
+
 -- ---------------------------------------------------------------- output hooks
 -- The DTensor layout of a spec on a DTensor's mesh: the Shard dim, or an error naming the spec.
 local function shard_dim_on(op, spec, t)
