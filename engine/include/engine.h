@@ -34,6 +34,8 @@ extern "C" {
 #include "eng/mesh.h"
 #include "eng/dtensor.h"
 #include "eng/sharded_tensor.h"
+#include "eng/fsdp.h"
+#include "eng/checkpoint.h"
 #include "eng/cuda.h"
 #ifdef __cplusplus
 }

@@ -57,6 +57,16 @@ int eng_set_grad_enabled(int enabled);
 int eng_backward(int n, eng_tensor** tensors, eng_tensor** grads, int retain_graph,
                  int n_inputs, eng_tensor** inputs, eng_tensor** input_grads);
 
+/* End-of-backward callbacks (PyTorch's queue_callback): fn(ud) runs once when
+ * the outermost backward now running has finished its graph, in queue order,
+ * with grad mode off; all queued callbacks run even when the backward failed
+ * (they release what it held), and the first error is the backward's.  FSDP's
+ * root waits for its pending gradient reductions here.  Outside a backward:
+ * -1 and an error.  in_backward: the nesting depth of running backwards. */
+typedef int (*eng_backward_callback_fn)(void* ud);
+int eng_autograd_queue_callback(eng_backward_callback_fn fn, void* ud);
+int eng_autograd_in_backward(void);
+
 /* Custom autograd functions (C).  Creates a node with n_inputs edges taken
  * from the given tensors (NULL or non-requiring entries give empty edges).
  * Returns a new reference. */

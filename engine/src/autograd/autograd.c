@@ -572,8 +572,54 @@ static int check_grad_shape(eng_node* n, int i, eng_tensor* g) {
   return 0;
 }
 
+/* ---------------------------------------------------------------- end-of-backward callbacks */
+/* Queued while a backward runs (FSDP's root waits for its gradient reductions
+ * there); run in order by the outermost backward once its graph is done. */
+typedef struct { eng_backward_callback_fn fn; void* ud; } bw_callback;
+static __thread int t_bw_depth;
+static __thread bw_callback* t_cb; static __thread int t_cb_n, t_cb_cap;
+
+int eng_autograd_in_backward(void) { return t_bw_depth; }
+
+int eng_autograd_queue_callback(eng_backward_callback_fn fn, void* ud) {
+  if (!fn) return eng_err("queue_callback: no function given");
+  if (t_bw_depth == 0) return eng_err("queue_callback: only valid while a backward is running");
+  if (t_cb_n == t_cb_cap) {
+    int cap = t_cb_cap ? 2 * t_cb_cap : 8;
+    bw_callback* c2 = realloc(t_cb, (size_t)cap * sizeof *c2);
+    if (!c2) return eng_err("queue_callback: out of memory");
+    t_cb = c2; t_cb_cap = cap;
+  }
+  t_cb[t_cb_n].fn = fn; t_cb[t_cb_n].ud = ud; t_cb_n++;
+  return 0;
+}
+
+static int backward_graph(int n, eng_tensor** tensors, eng_tensor** grads, int retain_graph, int n_inputs,
+                          eng_tensor** inputs, eng_tensor** input_grads);
+
 int eng_backward(int n, eng_tensor** tensors, eng_tensor** grads, int retain_graph, int n_inputs,
                  eng_tensor** inputs, eng_tensor** input_grads) {
+  t_bw_depth++;
+  int rc = backward_graph(n, tensors, grads, retain_graph, n_inputs, inputs, input_grads);
+  if (t_bw_depth == 1) {
+    /* callbacks may queue more; each runs once, all run even after a failure
+     * (they release what the backward held), the first error wins */
+    int prev_mode = eng_set_grad_enabled(0);
+    char* first = rc && t_cb_n ? strdup(eng_last_error()) : NULL;
+    for (int i = 0; i < t_cb_n; i++) {
+      bw_callback cb = t_cb[i];
+      if (cb.fn(cb.ud) && rc == 0) { rc = -1; first = strdup(eng_last_error()); }
+    }
+    if (first) { eng_err("%s", first); free(first); }
+    eng_set_grad_enabled(prev_mode);
+    t_cb_n = 0;
+  }
+  t_bw_depth--;
+  return rc;
+}
+
+static int backward_graph(int n, eng_tensor** tensors, eng_tensor** grads, int retain_graph, int n_inputs,
+                          eng_tensor** inputs, eng_tensor** input_grads) {
   if (n < 1 || !tensors) return eng_err("backward: no tensors given");
   graph g = {0};
   int rc = -1;

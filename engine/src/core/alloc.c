@@ -180,6 +180,43 @@ eng_storage* eng_storage_new(int64_t nbytes, int device) {
   return s;
 }
 
+/* FSDP frees the unsharded parameters between uses while their tensors (and
+ * the aliases autograd saved) stay alive: the storage object keeps its
+ * identity, its data goes (data NULL, nbytes 0) and comes back, refilled by
+ * the next all-gather. */
+void eng_storage_free_data(eng_storage* s) {
+  if (!s || !s->data || s->external) return;
+  if (s->device == ENG_CUDA) {
+    __atomic_sub_fetch(&g_gc_dev, s->nbytes, __ATOMIC_RELAXED);
+    eng_cuda_free(s->data);
+  } else {
+    eng_free_raw(s->data, s->nbytes);
+  }
+  s->data = NULL;
+  s->nbytes = 0;
+}
+
+int eng_storage_alloc_data(eng_storage* s, int64_t nbytes) {
+  if (!s || s->external) return eng_err("storage: cannot reallocate this storage");
+  if (s->data) {
+    if (s->nbytes >= nbytes) return 0;
+    eng_storage_free_data(s);
+  }
+  if (nbytes <= 0) nbytes = 1;
+  if (s->device == ENG_CUDA) {
+    s->data = eng_cuda_malloc(nbytes);
+    if (!s->data) { eng_err_prefix("storage"); return -1; }
+    s->nbytes = nbytes;
+    __atomic_add_fetch(&g_gc_dev, nbytes, __ATOMIC_RELAXED);
+    return 0;
+  }
+  int64_t got = 0;
+  s->data = eng_alloc_raw(nbytes, &got);
+  if (!s->data) return eng_err("storage: out of memory allocating %lld bytes", (long long)nbytes);
+  s->nbytes = got;
+  return 0;
+}
+
 void eng_storage_retain(eng_storage* s) { __atomic_add_fetch(&s->refcount, 1, __ATOMIC_RELAXED); }
 
 void eng_storage_release(eng_storage* s) {

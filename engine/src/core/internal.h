@@ -52,6 +52,10 @@ void eng_storage_retain(eng_storage* s);
 void eng_storage_release(eng_storage* s);
 void* eng_alloc_raw(int64_t nbytes, int64_t* got);
 void eng_free_raw(void* p, int64_t nbytes);
+/* Frees the data of s, keeping the object (data NULL, nbytes 0); alloc gives
+ * it nbytes again (uninitialised; a no-op when it already has as much). */
+void eng_storage_free_data(eng_storage* s);
+int eng_storage_alloc_data(eng_storage* s, int64_t nbytes);
 
 /* A contiguous tensor with fresh storage (no autograd). */
 eng_tensor* eng_new(int ndim, const int64_t* shape, int dtype, int device);

@@ -27,6 +27,7 @@ local modules = {
   "random",               -- manual_seed(seed, mesh): DTensor random numbers
   "parallel_style",       -- tensor parallel styles (ColwiseParallel, ...), loss_parallel
   "parallelize",          -- parallelize_module
+  "fsdp",                 -- fully_shard (FSDP2), MixedPrecisionPolicy, OffloadPolicy
   "sharding_spec",        -- ShardMetadata, ChunkShardingSpec, EnumerableShardingSpec (ShardedTensor metadata)
   "sharded_tensor",       -- ShardedTensor, dist.sharded_tensor.empty/zeros/ones/full
   "shard_api",            -- shard_parameter, shard_module, ShardingPlan, Sharder, load_with_process_group

@@ -136,10 +136,20 @@ local function module_newindex(self, k, v)
   end
 end
 
+-- A module whose parameters belong to an FSDP group (dist.fully_shard) gives the unsharded parameter
+-- while the group is unsharded (lua/engine/distributed/fsdp.lua asks the C group which one is current).
+local fsdp_current
+local function fsdp_param(self, k, v)
+  local view = rawget(self, "_fsdp_view")
+  if view == nil then return v end
+  fsdp_current = fsdp_current or require("engine.distributed.fsdp")._current
+  return fsdp_current(view, k) or v
+end
+
 local function make_index(cls)
   return function(self, k)
     local v = rawget(self, "_parameters")[k]
-    if v ~= nil then return v end
+    if v ~= nil then return fsdp_param(self, k, v) end
     v = rawget(self, "_modules")[k]
     if v ~= nil then return v end
     v = rawget(self, "_buffers")[k]
@@ -722,6 +732,19 @@ function Module:load_state_dict(sd, opts)
   for i = 1, #names do
     local src = sd[names[i]]
     if src ~= nil and not rawequal(src, vals[i]) and src._c ~= vals[i]._c then
+      local dst = vals[i]
+      if dst._c.dist ~= nil and src._c.dist == nil then
+        -- a full tensor into a DTensor (FSDP / TP parameters): this rank's shard of it, no communication
+        local okd, d = pcall(function()
+          local dt = require("engine.distributed.dtensor")
+          return dt.distribute_tensor(src, dst.device_mesh, dst.placements, { src_data_rank = false })
+        end)
+        if not okd then
+          C.eng_set_grad_enabled(prev)
+          error("load_state_dict: " .. names[i] .. ": " .. tostring(d), 2)
+        end
+        src = d
+      end
       local rc = C.eng_tensor_copy_(vals[i]._c, src._c)
       if rc ~= 0 then
         C.eng_set_grad_enabled(prev)

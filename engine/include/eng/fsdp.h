@@ -1,0 +1,87 @@
+/* fsdp.h: fully sharded data parallelism (PyTorch's FSDP2 fully_shard) in C.
+ *
+ * A parameter group is what one fully_shard call makes: the sharded
+ * parameters of a module (DTensors, [Shard(d)] on a 1-D mesh or
+ * [Replicate, Shard(d)] on a 2-D (replicate, shard) mesh, each local shard
+ * contiguous; torch.chunk sizes, so the last ranks may hold fewer rows or
+ * none), and the unsharded parameters: plain leaf tensors (requires_grad as
+ * their sharded parameter) viewing one flat buffer whose data exists only
+ * between an unshard and the next reshard.
+ *
+ * Unshard = ONE all-gather of the group: each rank packs its shards into a
+ * padded chunk (every parameter padded to ceil(size/W) rows), the chunks are
+ * gathered, and copied out into the flat buffer (cast to param_dtype).
+ * Gradients: a post-accumulate hook on each unsharded parameter moves its
+ * gradient into an accumulator (reduce_dtype); when every parameter that
+ * requires grad has one (or at the end of backward), ONE reduce-scatter of the
+ * packed accumulators (HSDP: then one all-reduce over the replicate dim),
+ * divided by the divide factor (default: the data-parallel size), gives each
+ * rank its shard, stored (original dtype) as the sharded parameter's .grad
+ * DTensor (added when one exists).  Without gradient sync the accumulators
+ * keep growing across backwards until a backward with sync.
+ *
+ * Hooks (C, on the module object): forward-pre unshards (waiting for a
+ * prefetched all-gather), prefetches the next group, casts floating inputs to
+ * param_dtype (cast_forward_inputs) and moves the root's inputs to the mesh's
+ * device; forward-post casts floating outputs to output_dtype, reshards per
+ * reshard_after_forward (never in the root, always under no_grad, never while
+ * a backward runs: activation-checkpoint recompute keeps them for the
+ * backward that follows) and passes each output that requires grad through
+ * an identity node whose backward is the pre-backward hook (unshard again
+ * where resharded, prefetch the group that runs backward next).  The root's
+ * end-of-backward callback flushes groups with pending gradients, waits for
+ * every reduction and reshards (reshard_after_backward). */
+#ifndef ENG_FSDP_H
+#define ENG_FSDP_H
+
+typedef struct eng_fsdp_group eng_fsdp_group;
+
+/* shard_mesh_dim: the mesh dim the parameters are sharded on (0 for a 1-D
+ * mesh, 1 for HSDP); params: n DTensors on mesh (new references taken).
+ * param_dtype / reduce_dtype / output_dtype: -1 keeps the dtype.  The group is
+ * not attached to a module yet (eng_fsdp_group_attach). */
+eng_fsdp_group* eng_fsdp_group_new(eng_mesh* mesh, int shard_mesh_dim, int n, eng_tensor** params,
+                                   int param_dtype, int reduce_dtype, int output_dtype, int cast_forward_inputs);
+eng_fsdp_group* eng_fsdp_group_retain(eng_fsdp_group* g);
+void eng_fsdp_group_release(eng_fsdp_group* g);
+/* Registers the forward-pre (first) and forward-post hooks on m. */
+int eng_fsdp_group_attach(eng_fsdp_group* g, eng_module* m);
+/* Joins g to root's tree (root: the group of the root module, itself
+ * included): the root keeps every group's end-of-backward work and the
+ * forward / post-forward orders for implicit prefetching. */
+int eng_fsdp_group_set_root(eng_fsdp_group* g, eng_fsdp_group* root);
+int eng_fsdp_group_size(const eng_fsdp_group* g);
+/* Current tensor of parameter i: the unsharded leaf while unsharded, else
+ * NULL (the registered sharded DTensor).  Borrowed. */
+eng_tensor* eng_fsdp_group_param(eng_fsdp_group* g, int i);
+/* The unsharded leaf of parameter i, whatever the state (borrowed). */
+eng_tensor* eng_fsdp_group_leaf(eng_fsdp_group* g, int i);
+/* 0 sharded, 1 unsharded, 2 resharded to the post-forward world. */
+int eng_fsdp_group_state(const eng_fsdp_group* g);
+/* 1 when an async unshard is in flight. */
+int eng_fsdp_group_pending(const eng_fsdp_group* g);
+int eng_fsdp_group_unshard(eng_fsdp_group* g, int async_op);
+int eng_fsdp_group_wait_unshard(eng_fsdp_group* g);
+int eng_fsdp_group_reshard(eng_fsdp_group* g);
+/* 1 true, 0 false, N > 1: reshard to N ranks after forward (N a divisor of the
+ * shard group's size other than 1 and the size; collective over the shard
+ * group when N > 1, to make the subgroups). */
+int eng_fsdp_group_set_reshard_after_forward(eng_fsdp_group* g, int value);
+int eng_fsdp_group_get_reshard_after_forward(const eng_fsdp_group* g);
+int eng_fsdp_group_set_reshard_after_backward(eng_fsdp_group* g, int flag);
+int eng_fsdp_group_set_requires_gradient_sync(eng_fsdp_group* g, int flag);
+int eng_fsdp_group_set_requires_all_reduce(eng_fsdp_group* g, int flag);
+/* factor <= 0: back to the default (the data-parallel size). */
+int eng_fsdp_group_set_gradient_divide_factor(eng_fsdp_group* g, double factor);
+int eng_fsdp_group_set_is_last_backward(eng_fsdp_group* g, int flag);
+/* Explicit prefetch lists (replace the implicit next-group prefetch). */
+int eng_fsdp_group_set_forward_prefetch(eng_fsdp_group* g, int n, eng_fsdp_group** groups);
+int eng_fsdp_group_set_backward_prefetch(eng_fsdp_group* g, int n, eng_fsdp_group** groups);
+/* Runs what the hooks run, for a method other than forward
+ * (register_fsdp_forward_method): pre unshards, post reshards / arms backward. */
+int eng_fsdp_group_pre_forward(eng_fsdp_group* g, eng_tensor** tensors, int n);
+int eng_fsdp_group_post_forward(eng_fsdp_group* g, eng_tensor** tensors, int n);
+/* Counters for tests: all-gathers / reduce-scatters this group issued. */
+int64_t eng_fsdp_group_count(const eng_fsdp_group* g, int what);
+
+#endif

@@ -1,0 +1,731 @@
+/* Subsystem fsdp/: fully sharded data parallelism's parameter groups and
+ * their C hooks (engine/include/eng/fsdp.h says what they do).
+ * May call: core/, autograd/ (nodes, hooks, end-of-backward callbacks),
+ * comm/ (collectives), dtensor/ (the sharded parameters' specs).
+ * The Lua side (lua/engine/distributed/fsdp.lua) builds the sharded
+ * parameters, makes the groups, finds the root and looks parameters up; no
+ * Lua runs inside these hooks. */
+#include "core/internal.h"
+#include <stdio.h>
+
+enum { ST_SHARDED = 0, ST_UNSHARDED = 1, ST_POST_FWD = 2 };
+
+typedef struct fparam {
+  eng_tensor* sharded;  /* the registered DTensor parameter */
+  eng_tensor* leaf;     /* the unsharded parameter (view of g->ubase's storage) */
+  eng_tensor* acc;      /* unsharded gradient accumulated so far (reduce dtype) */
+  int dim;              /* shard dim */
+  int ndim;
+  int64_t shape[8];     /* global shape */
+  int64_t ceil_d;       /* rows of dim per rank, padded */
+  int64_t coff;         /* offset of its block in a rank's chunk */
+  int64_t uoff;         /* offset in the unsharded buffer */
+  int ready;            /* got its gradient in this backward */
+} fparam;
+
+struct eng_fsdp_group {
+  int32_t refcount;
+  eng_mesh* mesh;
+  eng_pg* pg;           /* shard group */
+  eng_pg* rep_pg;       /* replicate group (HSDP) or NULL */
+  eng_pg* post_pg;      /* post-forward subgroup (reshard_after_forward = N) or NULL */
+  int W, rank, dp_size;
+  int n;
+  fparam* p;
+  int64_t chunk;        /* elements of one rank's chunk */
+  int64_t utotal;       /* elements of the unsharded buffer */
+  int udtype;           /* dtype of the unsharded buffer */
+  eng_tensor* ubase;    /* 1-D tensor over the unsharded buffer */
+  int param_dtype, reduce_dtype, output_dtype, cast_inputs;
+  int state;
+  /* all-gather in flight */
+  eng_work* ag_work; eng_tensor* ag_in; eng_tensor* ag_out;
+  eng_tensor* kept;     /* ST_POST_FWD: this rank's W/N chunks */
+  /* reduce-scatter in flight */
+  eng_work* rs_work; eng_tensor* rs_in; eng_tensor* rs_out;
+  int raf, rab, sync, all_reduce, is_last;
+  double divide;
+  /* per backward */
+  int pre_done, post_done, n_ready;
+  int64_t n_ag, n_rs;
+  /* tree */
+  eng_fsdp_group* root;  /* weak */
+  eng_fsdp_group** tree; int n_tree, cap_tree;   /* root only: every group (retained) */
+  eng_fsdp_group** fwd_order; int n_fwd, cap_fwd;   /* root only: last forward's pre-forward order (weak) */
+  eng_fsdp_group** cur_fwd; int n_cur, cap_cur;
+  eng_fsdp_group** post_order; int n_post, cap_post; /* root only: post-forward order of this forward */
+  int cb_queued;        /* root: end-of-backward callback queued */
+  eng_fsdp_group** fwd_prefetch; int n_fwd_prefetch, explicit_fwd;
+  eng_fsdp_group** bwd_prefetch; int n_bwd_prefetch, explicit_bwd;
+  eng_module* module;   /* weak */
+  int64_t h_pre, h_post;
+  int64_t* post_hooks;
+};
+
+/* ---------------------------------------------------------------- helpers */
+static int push(eng_fsdp_group*** arr, int* n, int* cap, eng_fsdp_group* g) {
+  if (*n == *cap) {
+    int c = *cap ? *cap * 2 : 8;
+    eng_fsdp_group** a = realloc(*arr, (size_t)c * sizeof *a);
+    if (!a) return eng_err("fully_shard: out of memory");
+    *arr = a; *cap = c;
+  }
+  (*arr)[(*n)++] = g;
+  return 0;
+}
+
+static int eff_param_dtype(const eng_fsdp_group* g, const fparam* q) {
+  return g->param_dtype >= 0 ? g->param_dtype : q->sharded->dtype;
+}
+static int eff_reduce_dtype(const eng_fsdp_group* g) {
+  if (g->reduce_dtype >= 0) return g->reduce_dtype;
+  return g->udtype;
+}
+
+/* Rows of chunk c on the shard dim (torch.chunk: ceil-sized, the last ones short or empty). */
+static int64_t rows_of(const fparam* q, int64_t c) {
+  int64_t r = q->shape[q->dim] - c * q->ceil_d;
+  return r < 0 ? 0 : (r > q->ceil_d ? q->ceil_d : r);
+}
+
+/* View of parameter q's block in chunk c of buf (chunk laid out as the
+ * parameter's shape with ceil_d rows on dim, contiguous), its first rows
+ * rows on dim. */
+static eng_tensor* block_view(eng_tensor* buf, int64_t chunk_index, int64_t chunk, const fparam* q, int64_t rows) {
+  int64_t sh[8], st[8];
+  for (int d = 0; d < q->ndim; d++) sh[d] = q->shape[d];
+  sh[q->dim] = q->ceil_d;
+  eng_contiguous_strides(q->ndim, sh, st);
+  sh[q->dim] = rows;
+  return eng_view_of(buf, q->ndim, sh, st, buf->offset + chunk_index * chunk + q->coff);
+}
+
+/* View of rows [r0, r0+rows) on dim of a full (unsharded-shape) tensor t. */
+static eng_tensor* rows_view(eng_tensor* t, const fparam* q, int64_t r0, int64_t rows) {
+  int64_t sh[8];
+  for (int d = 0; d < q->ndim; d++) sh[d] = t->shape[d];
+  sh[q->dim] = rows;
+  return eng_view_of(t, q->ndim, sh, t->stride, t->offset + r0 * t->stride[q->dim]);
+}
+
+static int copy_into(eng_tensor* dst, eng_tensor* src) {
+  if (!dst || !src) { eng_tensor_release(dst); eng_tensor_release(src); return -1; }
+  int rc = dst->numel > 0 ? eng_copy_raw(dst, src, src->stride) : 0;
+  eng_tensor_release(dst); eng_tensor_release(src);
+  return rc;
+}
+
+/* Packs chunks [c0, c0+nc) of the full tensors full[i] (NULL: zeros) into buf. */
+static int pack_full(eng_fsdp_group* g, eng_tensor** full, eng_tensor* buf, int64_t c0, int64_t nc) {
+  for (int64_t c = c0; c < c0 + nc; c++)
+    for (int i = 0; i < g->n; i++) {
+      fparam* q = &g->p[i];
+      int64_t rows = rows_of(q, c);
+      if (full[i]) {
+        if (copy_into(block_view(buf, c - c0, g->chunk, q, rows), rows_view(full[i], q, c * q->ceil_d, rows))) return -1;
+      } else {
+        eng_tensor* v = block_view(buf, c - c0, g->chunk, q, q->ceil_d);
+        if (!v) return -1;
+        int rc = v->numel ? eng_tensor_zero_(v) : 0;
+        eng_tensor_release(v);
+        if (rc) return -1;
+      }
+    }
+  return 0;
+}
+
+/* Copies chunks [c0, c0+nc) of buf out into the full tensors full[i]. */
+static int unpack_full(eng_fsdp_group* g, eng_tensor* buf, int64_t c0, int64_t nc, eng_tensor** full) {
+  for (int64_t c = c0; c < c0 + nc; c++)
+    for (int i = 0; i < g->n; i++) {
+      fparam* q = &g->p[i];
+      int64_t rows = rows_of(q, c);
+      if (copy_into(rows_view(full[i], q, c * q->ceil_d, rows), block_view(buf, c - c0, g->chunk, q, rows))) return -1;
+    }
+  return 0;
+}
+
+static void free_tensor(eng_tensor** t) { eng_tensor_release(*t); *t = NULL; }
+
+/* ---------------------------------------------------------------- unshard / reshard */
+static int ensure_leaves(eng_fsdp_group* g);
+
+static int alloc_unsharded(eng_fsdp_group* g) {
+  if (ensure_leaves(g)) return -1;
+  return eng_storage_alloc_data(g->ubase->storage, g->utotal * (int64_t)eng_dtype_size(g->udtype));
+}
+
+/* Copies the gathered chunks into the unsharded buffer, keeping its version
+ * counter (the aliases autograd saved stay valid: the data is the same). */
+static int ag_copy_out(eng_fsdp_group* g, eng_tensor* gathered) {
+  int32_t v = g->ubase->storage->version;
+  eng_tensor** leaves = malloc((size_t)(g->n ? g->n : 1) * sizeof *leaves);
+  if (!leaves) return eng_err("fully_shard: out of memory");
+  for (int i = 0; i < g->n; i++) leaves[i] = g->p[i].leaf;
+  int rc = unpack_full(g, gathered, 0, g->W, leaves);
+  free(leaves);
+  g->ubase->storage->version = v;
+  return rc;
+}
+
+static int ag_finish(eng_fsdp_group* g) {
+  if (!g->ag_out) return 0;
+  int rc = 0;
+  if (g->ag_work) { rc = eng_work_wait(g->ag_work); eng_work_release(g->ag_work); g->ag_work = NULL; }
+  if (!rc) rc = ag_copy_out(g, g->ag_out);
+  free_tensor(&g->ag_in); free_tensor(&g->ag_out);
+  if (rc) { eng_err_prefix("FSDP unshard"); return -1; }
+  free_tensor(&g->kept);
+  g->state = ST_UNSHARDED;
+  return 0;
+}
+
+int eng_fsdp_group_unshard(eng_fsdp_group* g, int async_op) {
+  if (!g) return eng_err("unshard: group is NULL");
+  if (g->state == ST_UNSHARDED) return 0;
+  if (g->ag_out) return async_op ? 0 : ag_finish(g);
+  if (g->n == 0) { g->state = ST_UNSHARDED; return 0; }
+  int prev = eng_set_grad_enabled(0);
+  int rc = -1;
+  if (alloc_unsharded(g)) goto out;
+  int dev = g->p[0].sharded->device;
+  int64_t full = (int64_t)g->W * g->chunk;
+  g->ag_out = eng_new(1, &full, g->udtype, dev);
+  if (!g->ag_out) goto out;
+  eng_pg* pg = g->pg;
+  if (g->state == ST_POST_FWD && g->kept) {
+    pg = g->post_pg;
+    g->ag_in = eng_tensor_retain(g->kept);
+  } else {
+    g->ag_in = eng_new(1, &g->chunk, g->udtype, dev);
+    if (!g->ag_in) goto out;
+    for (int i = 0; i < g->n; i++) {
+      fparam* q = &g->p[i];
+      eng_tensor* s = q->sharded;
+      if (copy_into(block_view(g->ag_in, 0, g->chunk, q, s->shape[q->dim]),
+                    eng_view_of(s, s->ndim, s->shape, s->stride, s->offset))) goto out;
+    }
+  }
+  g->n_ag++;
+  if (eng_pg_all_gather_into(pg, g->ag_out, g->ag_in, async_op ? &g->ag_work : NULL)) {
+    eng_err_prefix("FSDP unshard (all_gather)");
+    goto out;
+  }
+  rc = async_op ? 0 : ag_finish(g);
+out:
+  if (rc) { free_tensor(&g->ag_in); free_tensor(&g->ag_out); if (g->ag_work) { eng_work_release(g->ag_work); g->ag_work = NULL; } }
+  eng_set_grad_enabled(prev);
+  return rc;
+}
+
+int eng_fsdp_group_wait_unshard(eng_fsdp_group* g) {
+  if (!g) return eng_err("unshard: group is NULL");
+  int prev = eng_set_grad_enabled(0);
+  int rc = ag_finish(g);
+  eng_set_grad_enabled(prev);
+  return rc;
+}
+
+int eng_fsdp_group_reshard(eng_fsdp_group* g) {
+  if (!g) return eng_err("reshard: group is NULL");
+  if (g->ag_out && ag_finish(g)) return -1;
+  if (g->ubase) eng_storage_free_data(g->ubase->storage);
+  free_tensor(&g->kept);
+  g->state = ST_SHARDED;
+  return 0;
+}
+
+/* Keeps this rank's W/N chunks of the unsharded parameters (its share of the
+ * post-forward subgroup) and frees the rest. */
+static int reshard_post_forward(eng_fsdp_group* g) {
+  if (g->state != ST_UNSHARDED || !g->post_pg || g->n == 0) return eng_fsdp_group_reshard(g);
+  int N = eng_pg_size(g->post_pg);
+  int64_t per = g->W / N, j = eng_pg_rank(g->post_pg);
+  int64_t len = per * g->chunk;
+  eng_tensor* kept = eng_new(1, &len, g->udtype, g->p[0].sharded->device);
+  if (!kept) return -1;
+  eng_tensor** leaves = malloc((size_t)g->n * sizeof *leaves);
+  if (!leaves) { eng_tensor_release(kept); return eng_err("fully_shard: out of memory"); }
+  for (int i = 0; i < g->n; i++) leaves[i] = g->p[i].leaf;
+  int rc = pack_full(g, leaves, kept, j * per, per);
+  free(leaves);
+  if (rc) { eng_tensor_release(kept); return -1; }
+  eng_storage_free_data(g->ubase->storage);
+  g->kept = kept;
+  g->state = ST_POST_FWD;
+  return 0;
+}
+
+/* ---------------------------------------------------------------- gradients */
+static int rs_finish(eng_fsdp_group* g) {
+  if (!g->rs_out) return 0;
+  int rc = 0;
+  if (g->rs_work) { rc = eng_work_wait(g->rs_work); eng_work_release(g->rs_work); g->rs_work = NULL; }
+  free_tensor(&g->rs_in);
+  if (!rc && g->rep_pg && g->all_reduce && eng_pg_size(g->rep_pg) > 1)
+    rc = eng_pg_all_reduce(g->rep_pg, g->rs_out, ENG_REDUCE_SUM, NULL);
+  double scale = g->divide > 0 ? 1.0 / g->divide : 1.0 / g->dp_size;
+  int prev_local = eng_dtensor_set_local_mode(1);
+  for (int i = 0; i < g->n && !rc; i++) {
+    fparam* q = &g->p[i];
+    if (!q->ready) continue;
+    q->ready = 0;
+    eng_tensor* s = q->sharded;
+    eng_tensor* gl = eng_new(s->ndim, s->shape, s->dtype, s->device);
+    if (!gl) { rc = -1; break; }
+    if (copy_into(eng_tensor_retain(gl), block_view(g->rs_out, 0, g->chunk, q, s->shape[q->dim])) ||
+        (scale != 1.0 && eng_mul_scalar_(gl, scale))) { eng_tensor_release(gl); rc = -1; break; }
+    eng_tensor* old = s->grad;
+    if (old) {
+      eng_tensor* ov = eng_view_of(old, old->ndim, old->shape, old->stride, old->offset);
+      rc = ov ? eng_add_(ov, gl, 1.0) : -1;
+      eng_tensor_release(ov);
+      eng_tensor_release(gl);
+    } else {
+      rc = eng_dtensor_wrap_output(gl, s->dist);
+      if (!rc) rc = eng_tensor_set_grad(s, gl);
+      eng_tensor_release(gl);
+    }
+  }
+  eng_dtensor_set_local_mode(prev_local);
+  free_tensor(&g->rs_out);
+  if (rc) eng_err_prefix("FSDP post-backward (reduce_scatter)");
+  return rc;
+}
+
+/* Reduces the accumulated gradients (when syncing) and reshards. */
+static int post_backward(eng_fsdp_group* g) {
+  if (g->post_done) return 0;
+  g->post_done = 1;
+  int rc = 0;
+  int any = 0;
+  for (int i = 0; i < g->n; i++) if (g->p[i].acc) any = 1;
+  if (g->sync && g->n > 0) {
+    /* every rank reduces when any parameter of the group takes gradients (the
+     * same decision everywhere: it depends on requires_grad only) */
+    int want = 0;
+    for (int i = 0; i < g->n; i++) if (g->p[i].leaf && g->p[i].leaf->requires_grad) want = 1;
+    if (want) {
+      if (g->rs_out && rs_finish(g)) return -1;
+      int rd = eff_reduce_dtype(g);
+      int dev = g->p[0].sharded->device;
+      int64_t full = (int64_t)g->W * g->chunk;
+      eng_tensor** acc = malloc((size_t)g->n * sizeof *acc);
+      if (!acc) return eng_err("fully_shard: out of memory");
+      for (int i = 0; i < g->n; i++) { acc[i] = g->p[i].acc; g->p[i].ready = acc[i] != NULL; }
+      g->rs_in = eng_new(1, &full, rd, dev);
+      g->rs_out = g->rs_in ? eng_new(1, &g->chunk, rd, dev) : NULL;
+      rc = g->rs_out ? pack_full(g, acc, g->rs_in, 0, g->W) : -1;
+      free(acc);
+      for (int i = 0; i < g->n; i++) free_tensor(&g->p[i].acc);
+      if (!rc) {
+        g->n_rs++;
+        rc = eng_pg_reduce_scatter_into(g->pg, g->rs_out, g->rs_in, ENG_REDUCE_SUM, &g->rs_work);
+        if (rc) eng_err_prefix("FSDP post-backward (reduce_scatter)");
+      }
+      if (rc) { free_tensor(&g->rs_in); free_tensor(&g->rs_out); }
+    }
+  }
+  (void)any;
+  if (!rc && g->rab && g->root != g) rc = eng_fsdp_group_reshard(g);
+  return rc;
+}
+
+static int root_final(void* ud);
+
+static int queue_final(eng_fsdp_group* g) {
+  eng_fsdp_group* r = g->root ? g->root : g;
+  if (r->cb_queued || !eng_autograd_in_backward()) return 0;
+  if (eng_autograd_queue_callback(root_final, r)) return -1;
+  r->cb_queued = 1;
+  return 0;
+}
+
+static int post_acc_hook(eng_tensor* t, eng_tensor* grad, eng_tensor** out, void* ud) {
+  (void)grad; (void)out;
+  eng_fsdp_group* g = ud;
+  int i = 0;
+  while (i < g->n && g->p[i].leaf != t) i++;
+  if (i == g->n || !t->grad) return 0;
+  fparam* q = &g->p[i];
+  if (queue_final(g)) return -1;
+  int rd = eff_reduce_dtype(g);
+  eng_tensor* gr = t->grad;
+  int rc = 0;
+  if (!q->acc) {
+    q->acc = gr->dtype == rd ? eng_tensor_retain(gr) : eng_tensor_to_dtype(gr, rd);
+    if (!q->acc) return -1;
+  } else {
+    eng_tensor* c = gr->dtype == rd ? eng_tensor_retain(gr) : eng_tensor_to_dtype(gr, rd);
+    if (!c) return -1;
+    rc = eng_add_(q->acc, c, 1.0);
+    eng_tensor_release(c);
+    if (rc) return -1;
+  }
+  if (eng_tensor_set_grad(t, NULL)) return -1;
+  if (!q->ready) { q->ready = 1; g->n_ready++; }
+  int need = 0;
+  for (int k = 0; k < g->n; k++) if (g->p[k].leaf->requires_grad) need++;
+  if (g->n_ready >= need) return post_backward(g);
+  return 0;
+}
+
+/* ---------------------------------------------------------------- backward-pre (identity node) */
+static void prefetch_list(eng_fsdp_group** list, int n) {
+  for (int i = 0; i < n; i++)
+    if (list[i] && list[i]->state != ST_UNSHARDED && !list[i]->ag_out) eng_fsdp_group_unshard(list[i], 1);
+}
+
+static int pre_backward(eng_fsdp_group* g) {
+  if (queue_final(g)) return -1;
+  if (g->pre_done) return 0;
+  g->pre_done = 1;
+  for (int i = 0; i < g->n; i++) g->p[i].ready = 0;
+  g->n_ready = 0;
+  g->post_done = 0;
+  if (eng_fsdp_group_unshard(g, 0)) return -1;
+  if (g->explicit_bwd) prefetch_list(g->bwd_prefetch, g->n_bwd_prefetch);
+  else {
+    eng_fsdp_group* r = g->root;
+    if (r) for (int k = r->n_post - 1; k > 0; k--)
+      if (r->post_order[k] == g) {
+        eng_fsdp_group* prevg = r->post_order[k - 1];
+        if (!prevg->pre_done) prefetch_list(&prevg, 1);
+        break;
+      }
+  }
+  return 0;
+}
+
+static int prebw_backward(eng_node* nd, eng_tensor** go, eng_tensor** gi) {
+  eng_fsdp_group* g = nd->ctx;
+  int prev = eng_set_grad_enabled(0);
+  int rc = pre_backward(g);
+  eng_set_grad_enabled(prev);
+  if (rc) return -1;
+  gi[0] = go[0] ? eng_tensor_retain(go[0]) : NULL;
+  return 0;
+}
+
+static void prebw_free(eng_node* nd) { eng_fsdp_group_release(nd->ctx); nd->ctx = NULL; }
+
+/* Replaces *t (requiring grad) by an alias whose grad_fn runs the pre-backward hook. */
+static int arm_backward(eng_fsdp_group* g, eng_tensor** t) {
+  eng_node* nd = eng_node_new("FSDPPreBackward", prebw_backward, 1, t, 1);
+  if (!nd) return -1;
+  nd->ctx = eng_fsdp_group_retain(g);
+  nd->free_ctx = prebw_free;
+  eng_tensor* y = eng_tensor_detach(*t);
+  if (!y || eng_node_set_output(nd, y, 0)) { eng_tensor_release(y); eng_node_release(nd); return -1; }
+  eng_node_release(nd);
+  eng_tensor_release(*t);
+  *t = y;
+  return 0;
+}
+
+/* ---------------------------------------------------------------- forward hooks */
+static int cast_floating(eng_tensor** ts, int n, int dtype) {
+  for (int i = 0; i < n; i++) {
+    eng_tensor* t = ts[i];
+    if (!t || dtype < 0 || t->dtype == dtype || !eng_dtype_is_floating(t->dtype)) continue;
+    eng_tensor* c = eng_tensor_to_dtype(t, dtype);
+    if (!c) return -1;
+    eng_tensor_release(t);
+    ts[i] = c;
+  }
+  return 0;
+}
+
+static int in_list(eng_fsdp_group** a, int n, eng_fsdp_group* g) {
+  for (int i = 0; i < n; i++) if (a[i] == g) return 1;
+  return 0;
+}
+
+int eng_fsdp_group_pre_forward(eng_fsdp_group* g, eng_tensor** ts, int n) {
+  eng_fsdp_group* r = g->root;
+  int in_bw = eng_autograd_in_backward();
+  int prev = eng_set_grad_enabled(0);
+  int rc = 0;
+  if (r == g && !in_bw) {
+    /* a new forward of the root: the last one's order drives this one's implicit prefetch */
+    if (g->n_cur > 0) {
+      eng_fsdp_group** t = g->fwd_order; g->fwd_order = g->cur_fwd; g->cur_fwd = t;
+      int tc = g->cap_fwd; g->cap_fwd = g->cap_cur; g->cap_cur = tc;
+      g->n_fwd = g->n_cur;
+    }
+    g->n_cur = 0;
+    g->n_post = 0;
+  }
+  if (r && !in_bw && !in_list(r->cur_fwd, r->n_cur, g)) rc = push(&r->cur_fwd, &r->n_cur, &r->cap_cur, g);
+  if (!rc) rc = eng_fsdp_group_unshard(g, 0);
+  if (!rc && !in_bw) {
+    if (g->explicit_fwd) prefetch_list(g->fwd_prefetch, g->n_fwd_prefetch);
+    else if (r) {
+      for (int k = 0; k + 1 < r->n_fwd; k++)
+        if (r->fwd_order[k] == g) { prefetch_list(&r->fwd_order[k + 1], 1); break; }
+    }
+  }
+  eng_set_grad_enabled(prev);
+  if (rc) return -1;
+  /* the root moves plain inputs to the mesh's device; cast_forward_inputs */
+  if (r == g) {
+    int dev = eng_mesh_device(g->mesh);
+    for (int i = 0; i < n; i++)
+      if (ts[i] && !ts[i]->dist && ts[i]->device != dev && ts[i]->device != ENG_META) {
+        eng_tensor* c = eng_tensor_to_device(ts[i], dev);
+        if (!c) return -1;
+        eng_tensor_release(ts[i]); ts[i] = c;
+      }
+  }
+  if (g->cast_inputs && g->param_dtype >= 0 && cast_floating(ts, n, g->param_dtype)) return -1;
+  return 0;
+}
+
+int eng_fsdp_group_post_forward(eng_fsdp_group* g, eng_tensor** ts, int n) {
+  eng_fsdp_group* r = g->root;
+  int in_bw = eng_autograd_in_backward();
+  if (g->output_dtype >= 0 && cast_floating(ts, n, g->output_dtype)) return -1;
+  int grad = eng_grad_enabled();
+  if (r && !in_bw && !in_list(r->post_order, r->n_post, g) && push(&r->post_order, &r->n_post, &r->cap_post, g)) return -1;
+  if (grad) {
+    int prev = eng_set_grad_enabled(0);
+    int rc = 0;
+    for (int i = 0; i < n && !rc; i++)
+      if (ts[i] && ts[i]->requires_grad) rc = arm_backward(g, &ts[i]);
+    eng_set_grad_enabled(prev);
+    if (rc) return -1;
+    if (in_bw) return 0;  /* a recompute inside backward: keep them for the backward that follows */
+    if (r == g || g->raf == 0) return 0;
+    if (g->raf > 1) return reshard_post_forward(g);
+    return eng_fsdp_group_reshard(g);
+  }
+  if (in_bw) return 0;
+  return eng_fsdp_group_reshard(g);
+}
+
+static int hook_pre(eng_module* m, int kind, eng_tensor** ts, int n, void* ud) {
+  (void)m; (void)kind;
+  return eng_fsdp_group_pre_forward(ud, ts, n);
+}
+
+static int hook_post(eng_module* m, int kind, eng_tensor** ts, int n, void* ud) {
+  (void)m; (void)kind;
+  return eng_fsdp_group_post_forward(ud, ts, n);
+}
+
+/* ---------------------------------------------------------------- end of backward (root) */
+static int root_final(void* ud) {
+  eng_fsdp_group* r = ud;
+  int rc = 0;
+  r->cb_queued = 0;
+  for (int k = 0; k < r->n_tree; k++) {
+    eng_fsdp_group* g = r->tree[k];
+    if (g->n_ready > 0 && !g->post_done && post_backward(g) && !rc) rc = -1;
+  }
+  for (int k = 0; k < r->n_tree; k++) {
+    eng_fsdp_group* g = r->tree[k];
+    if (rs_finish(g) && !rc) rc = -1;
+    if (g->ag_out && ag_finish(g) && !rc) rc = -1;
+    if (g->rab && g->state != ST_SHARDED && eng_fsdp_group_reshard(g) && !rc) rc = -1;
+    g->pre_done = 0; g->post_done = 0; g->n_ready = 0;
+    for (int i = 0; i < g->n; i++) g->p[i].ready = 0;
+  }
+  return rc;
+}
+
+/* ---------------------------------------------------------------- construction */
+static int ensure_leaves(eng_fsdp_group* g) {
+  int ud = g->n ? eff_param_dtype(g, &g->p[0]) : 0;
+  for (int i = 1; i < g->n; i++)
+    if (eff_param_dtype(g, &g->p[i]) != ud)
+      return eng_err("fully_shard: the parameters of one group must share a dtype (got %s and %s)",
+                     eng_dtype_name(ud), eng_dtype_name(eff_param_dtype(g, &g->p[i])));
+  if (g->ubase && g->udtype == ud) {
+    for (int i = 0; i < g->n; i++)
+      if (g->p[i].leaf->requires_grad != g->p[i].sharded->requires_grad)
+        eng_tensor_set_requires_grad(g->p[i].leaf, g->p[i].sharded->requires_grad);
+    return 0;
+  }
+  /* (re)build: first use, or the parameters changed dtype (module:to) */
+  for (int i = 0; i < g->n; i++) {
+    if (g->p[i].leaf && g->post_hooks) eng_tensor_remove_hook(g->p[i].leaf, g->post_hooks[i]);
+    free_tensor(&g->p[i].leaf);
+  }
+  free_tensor(&g->ubase);
+  g->udtype = ud;
+  int64_t tot = g->utotal > 0 ? g->utotal : 1;
+  g->ubase = eng_new(1, &tot, ud, g->n ? g->p[0].sharded->device : ENG_CPU);
+  if (!g->ubase) return -1;
+  if (!g->post_hooks) g->post_hooks = calloc((size_t)(g->n ? g->n : 1), sizeof *g->post_hooks);
+  if (!g->post_hooks) return eng_err("fully_shard: out of memory");
+  for (int i = 0; i < g->n; i++) {
+    fparam* q = &g->p[i];
+    int64_t st[8];
+    eng_contiguous_strides(q->ndim, q->shape, st);
+    q->leaf = eng_view_of(g->ubase, q->ndim, q->shape, st, q->uoff);
+    if (!q->leaf) return -1;
+    if (q->sharded->requires_grad) eng_tensor_set_requires_grad(q->leaf, 1);
+    g->post_hooks[i] = eng_tensor_register_post_accumulate_hook(q->leaf, post_acc_hook, g);
+    if (g->post_hooks[i] < 0) return -1;
+  }
+  eng_storage_free_data(g->ubase->storage);
+  return 0;
+}
+
+eng_fsdp_group* eng_fsdp_group_new(eng_mesh* mesh, int shard_mesh_dim, int n, eng_tensor** params,
+                                   int param_dtype, int reduce_dtype, int output_dtype, int cast_forward_inputs) {
+  if (!mesh) return eng_errp("fully_shard: mesh is NULL");
+  int mnd = eng_mesh_ndim(mesh);
+  if (mnd != 1 && mnd != 2) return eng_errp("fully_shard expects a 1D or 2D DeviceMesh but got a %dD mesh", mnd);
+  if (shard_mesh_dim != mnd - 1) return eng_errp("fully_shard: the shard mesh dim must be the last");
+  if (n < 0 || (n > 0 && !params)) return eng_errp("fully_shard: bad parameter list");
+  eng_fsdp_group* g = calloc(1, sizeof *g);
+  if (!g) return eng_errp("fully_shard: out of memory");
+  g->refcount = 1;
+  g->mesh = eng_mesh_retain(mesh);
+  g->pg = eng_mesh_get_group(mesh, shard_mesh_dim);
+  if (g->pg) eng_pg_retain(g->pg);
+  if (mnd == 2) { g->rep_pg = eng_mesh_get_group(mesh, 0); if (g->rep_pg) eng_pg_retain(g->rep_pg); }
+  g->W = eng_mesh_size(mesh, shard_mesh_dim);
+  g->dp_size = g->W * (mnd == 2 ? eng_mesh_size(mesh, 0) : 1);
+  g->rank = g->pg ? eng_pg_rank(g->pg) : 0;
+  g->param_dtype = param_dtype; g->reduce_dtype = reduce_dtype; g->output_dtype = output_dtype;
+  g->cast_inputs = cast_forward_inputs;
+  g->raf = 1; g->rab = 1; g->sync = 1; g->all_reduce = 1; g->is_last = 1;
+  g->n = n;
+  g->p = calloc((size_t)(n ? n : 1), sizeof *g->p);
+  if (!g->p || !g->pg) { eng_err("fully_shard: out of memory"); goto fail; }
+  for (int i = 0; i < n; i++) {
+    eng_tensor* s = params[i];
+    fparam* q = &g->p[i];
+    if (!s || !s->dist) { eng_err("fully_shard: parameter %d is not a DTensor", i + 1); goto fail; }
+    eng_dist_spec* sp = s->dist;
+    const eng_placement* pl = &sp->placements[shard_mesh_dim];
+    if (pl->kind != ENG_PLACEMENT_SHARD || (mnd == 2 && sp->placements[0].kind != ENG_PLACEMENT_REPLICATE)) {
+      eng_err("fully_shard: parameter %d must be Shard on the shard mesh dim (Replicate before it on a 2-D mesh)", i + 1);
+      goto fail;
+    }
+    if (!eng_tensor_is_contiguous(s)) { eng_err("fully_shard: parameter %d's local shard is not contiguous", i + 1); goto fail; }
+    q->sharded = eng_tensor_retain(s);
+    q->dim = pl->dim;
+    q->ndim = sp->ndim;
+    for (int d = 0; d < q->ndim; d++) q->shape[d] = sp->shape[d];
+    q->ceil_d = (q->shape[q->dim] + g->W - 1) / g->W;
+    int64_t block = q->ceil_d;
+    for (int d = 0; d < q->ndim; d++) if (d != q->dim) block *= q->shape[d];
+    q->coff = g->chunk;
+    g->chunk += block;
+    q->uoff = g->utotal;
+    g->utotal += sp->numel;
+  }
+  if (ensure_leaves(g)) goto fail;
+  return g;
+fail:
+  eng_fsdp_group_release(g);
+  return NULL;
+}
+
+eng_fsdp_group* eng_fsdp_group_retain(eng_fsdp_group* g) {
+  if (g) __atomic_add_fetch(&g->refcount, 1, __ATOMIC_RELAXED);
+  return g;
+}
+
+void eng_fsdp_group_release(eng_fsdp_group* g) {
+  if (!g || __atomic_sub_fetch(&g->refcount, 1, __ATOMIC_ACQ_REL) != 0) return;
+  if (g->ag_work) { eng_work_wait(g->ag_work); eng_work_release(g->ag_work); }
+  if (g->rs_work) { eng_work_wait(g->rs_work); eng_work_release(g->rs_work); }
+  eng_tensor_release(g->ag_in); eng_tensor_release(g->ag_out); eng_tensor_release(g->kept);
+  eng_tensor_release(g->rs_in); eng_tensor_release(g->rs_out);
+  for (int i = 0; i < g->n && g->p; i++) {
+    fparam* q = &g->p[i];
+    if (q->leaf && g->post_hooks && g->post_hooks[i] > 0) eng_tensor_remove_hook(q->leaf, g->post_hooks[i]);
+    eng_tensor_release(q->leaf); eng_tensor_release(q->sharded); eng_tensor_release(q->acc);
+  }
+  eng_tensor_release(g->ubase);
+  for (int k = 0; k < g->n_tree; k++) if (g->tree[k] != g) eng_fsdp_group_release(g->tree[k]);
+  free(g->tree); free(g->fwd_order); free(g->cur_fwd); free(g->post_order);
+  free(g->fwd_prefetch); free(g->bwd_prefetch); free(g->post_hooks); free(g->p);
+  if (g->post_pg) eng_pg_release(g->post_pg);
+  if (g->rep_pg) eng_pg_release(g->rep_pg);
+  if (g->pg) eng_pg_release(g->pg);
+  eng_mesh_release(g->mesh);
+  free(g);
+}
+
+int eng_fsdp_group_attach(eng_fsdp_group* g, eng_module* m) {
+  if (!g || !m) return eng_err("fully_shard: attach needs a group and a module");
+  if (g->module) return eng_err("fully_shard: the group is already attached to module %s", eng_module_name(g->module));
+  g->h_pre = eng_module_register_hook(m, ENG_HOOK_FORWARD_PRE, hook_pre, g, 1);
+  g->h_post = eng_module_register_hook(m, ENG_HOOK_FORWARD_POST, hook_post, g, 0);
+  if (g->h_pre < 0 || g->h_post < 0) return -1;
+  g->module = m;
+  return 0;
+}
+
+int eng_fsdp_group_set_root(eng_fsdp_group* g, eng_fsdp_group* root) {
+  if (!g || !root) return eng_err("fully_shard: set_root needs two groups");
+  if (g->root == root) return 0;
+  g->root = root;
+  if (push(&root->tree, &root->n_tree, &root->cap_tree, g)) return -1;
+  if (g != root) eng_fsdp_group_retain(g);
+  return 0;
+}
+
+int eng_fsdp_group_size(const eng_fsdp_group* g) { return g ? g->n : 0; }
+eng_tensor* eng_fsdp_group_param(eng_fsdp_group* g, int i) {
+  if (!g || i < 0 || i >= g->n || g->state != ST_UNSHARDED) return NULL;
+  return g->p[i].leaf;
+}
+eng_tensor* eng_fsdp_group_leaf(eng_fsdp_group* g, int i) {
+  if (!g || i < 0 || i >= g->n) return NULL;
+  return g->p[i].leaf;
+}
+int eng_fsdp_group_state(const eng_fsdp_group* g) { return g ? g->state : -1; }
+int eng_fsdp_group_pending(const eng_fsdp_group* g) { return g && g->ag_out ? 1 : 0; }
+
+int eng_fsdp_group_set_reshard_after_forward(eng_fsdp_group* g, int value) {
+  if (!g) return eng_err("set_reshard_after_forward: group is NULL");
+  if (value > 1) {
+    if (value >= g->W || g->W % value != 0)
+      return eng_err("reshard_after_forward: %d is not a non-trivial divisor of the shard dim size %d "
+                     "(a divisor other than 1 and %d)", value, g->W, g->W);
+    if (!g->post_pg || eng_pg_size(g->post_pg) != value) {
+      eng_pg* sub = eng_pg_split(g->pg, g->rank / value, g->rank % value);
+      if (!sub) return -1;
+      if (g->post_pg) eng_pg_release(g->post_pg);
+      g->post_pg = sub;
+    }
+  } else if (value < 0) {
+    return eng_err("reshard_after_forward: expected true, false or a positive integer, got %d", value);
+  }
+  g->raf = value;
+  return 0;
+}
+int eng_fsdp_group_get_reshard_after_forward(const eng_fsdp_group* g) { return g ? g->raf : -1; }
+int eng_fsdp_group_set_reshard_after_backward(eng_fsdp_group* g, int flag) { if (!g) return -1; g->rab = flag != 0; return 0; }
+int eng_fsdp_group_set_requires_gradient_sync(eng_fsdp_group* g, int flag) { if (!g) return -1; g->sync = flag != 0; return 0; }
+int eng_fsdp_group_set_requires_all_reduce(eng_fsdp_group* g, int flag) { if (!g) return -1; g->all_reduce = flag != 0; return 0; }
+int eng_fsdp_group_set_gradient_divide_factor(eng_fsdp_group* g, double f) { if (!g) return -1; g->divide = f > 0 ? f : 0; return 0; }
+int eng_fsdp_group_set_is_last_backward(eng_fsdp_group* g, int flag) { if (!g) return -1; g->is_last = flag != 0; return 0; }
+
+static int set_list(eng_fsdp_group*** dst, int* dn, int* flag, int n, eng_fsdp_group** groups) {
+  free(*dst); *dst = NULL; *dn = 0;
+  if (n > 0) {
+    *dst = malloc((size_t)n * sizeof **dst);
+    if (!*dst) return eng_err("fully_shard: out of memory");
+    memcpy(*dst, groups, (size_t)n * sizeof **dst);
+    *dn = n;
+  }
+  *flag = 1;
+  return 0;
+}
+int eng_fsdp_group_set_forward_prefetch(eng_fsdp_group* g, int n, eng_fsdp_group** groups) {
+  return g ? set_list(&g->fwd_prefetch, &g->n_fwd_prefetch, &g->explicit_fwd, n, groups) : -1;
+}
+int eng_fsdp_group_set_backward_prefetch(eng_fsdp_group* g, int n, eng_fsdp_group** groups) {
+  return g ? set_list(&g->bwd_prefetch, &g->n_bwd_prefetch, &g->explicit_bwd, n, groups) : -1;
+}
+int64_t eng_fsdp_group_count(const eng_fsdp_group* g, int what) {
+  if (!g) return -1;
+  return what == 0 ? g->n_ag : g->n_rs;
+}

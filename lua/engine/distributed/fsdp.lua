@@ -1,0 +1,472 @@
+-- engine.distributed.fsdp: fully sharded data parallelism (PyTorch's FSDP2 `fully_shard`, seed 001).
+--
+--   for _, block in ipairs(model.layers:children()) do dist.fully_shard(block, {mesh = mesh}) end
+--   dist.fully_shard(model, {mesh = mesh})            -- bottom-up: blocks first, then the root
+--   local loss = F.cross_entropy(model(x_local), y_local); loss:backward(); opt:step()
+--
+-- Each call makes one parameter group of the module's parameters not already owned by a nested call.
+-- Parameters become Shard(1) DTensor Parameters on the mesh (PyTorch's Shard(0); [Replicate, Shard(1)] on a
+-- 2-D (replicate, shard) mesh: HSDP), or the Shard dim shard_placement_fn(param) returns.  The group's
+-- all-gather, reshard and reduce-scatter run from C hooks on the module object (engine/src/fsdp/fsdp.c,
+-- engine/include/eng/fsdp.h); Lua takes part only at module boundaries: the root's lazy init on its first
+-- forward, and the parameter lookup (a module of a group gives `self.weight` as the unsharded tensor while
+-- the group is unsharded, the sharded DTensor otherwise).
+local core = require("engine.core")
+local ffi, C = core.ffi, core.C
+local meshmod = require("engine.distributed.mesh")
+local dtensor = require("engine.distributed.dtensor")
+local P = require("engine.distributed.placements")
+
+local M = {}
+local fail = core.fail
+
+-- ---------------------------------------------------------------- policies
+local MixedPrecisionPolicy = { __name = "MixedPrecisionPolicy" }
+MixedPrecisionPolicy.__index = MixedPrecisionPolicy
+MixedPrecisionPolicy.__tostring = function(p)
+  return string.format("MixedPrecisionPolicy(param_dtype=%s, reduce_dtype=%s, output_dtype=%s, cast_forward_inputs=%s)",
+    tostring(p.param_dtype), tostring(p.reduce_dtype), tostring(p.output_dtype), tostring(p.cast_forward_inputs))
+end
+
+-- dist.MixedPrecisionPolicy{param_dtype, reduce_dtype, output_dtype, cast_forward_inputs = true}
+function M.MixedPrecisionPolicy(o)
+  o = o or {}
+  if type(o) ~= "table" then fail("MixedPrecisionPolicy: expected an options table") end
+  local p = setmetatable({ cast_forward_inputs = o.cast_forward_inputs ~= false }, MixedPrecisionPolicy)
+  for _, k in ipairs({ "param_dtype", "reduce_dtype", "output_dtype" }) do
+    if o[k] ~= nil then
+      local code = core.dtype(o[k], "MixedPrecisionPolicy", 3)
+      if C.eng_dtype_is_floating(code) == 0 then
+        fail(string.format("MixedPrecisionPolicy: %s must be a floating dtype, got %s", k, tostring(o[k])))
+      end
+      p[k] = o[k]
+    end
+  end
+  for k in pairs(o) do
+    if k ~= "param_dtype" and k ~= "reduce_dtype" and k ~= "output_dtype" and k ~= "cast_forward_inputs" then
+      fail("MixedPrecisionPolicy: unknown option '" .. tostring(k) .. "'")
+    end
+  end
+  return p
+end
+
+local OffloadPolicy = { __name = "OffloadPolicy" }
+OffloadPolicy.__index = OffloadPolicy
+OffloadPolicy.__tostring = function(p) return p.cpu and ("CPUOffloadPolicy(pin_memory=" .. tostring(p.pin_memory) .. ")") or "OffloadPolicy()" end
+function M.OffloadPolicy() return setmetatable({ cpu = false }, OffloadPolicy) end
+-- dist.CPUOffloadPolicy{pin_memory = true}: sharded parameters, gradients and the optimizer step on the CPU.
+function M.CPUOffloadPolicy(o)
+  o = o or {}
+  return setmetatable({ cpu = true, pin_memory = o.pin_memory ~= false }, OffloadPolicy)
+end
+
+-- ---------------------------------------------------------------- helpers
+local function class_chain_has(m, name)
+  local c = getmetatable(m)
+  while c do
+    if rawget(c, "__name") == name then return true end
+    c = rawget(c, "__parent")
+  end
+  return false
+end
+
+local function ptr_key(c) return tonumber(ffi.cast("intptr_t", c)) end
+
+local default_mesh
+local function get_default_mesh()
+  if not default_mesh then
+    default_mesh = meshmod.init_device_mesh("cpu", { C.eng_dist_world_size() })
+  end
+  return default_mesh
+end
+
+local function is_fsdp(m) return type(m) == "table" and rawget(m, "_fsdp") ~= nil end
+M.is_fsdp_module = is_fsdp
+
+-- parameters converted by some fully_shard call: plain parameter pointer -> {module path, module}
+local converted = setmetatable({}, { __mode = "v" })
+
+-- FNV-1a of a string, as a number below 2^52 (exact in a double)
+local function hash_str(s)
+  local h = 2166136261
+  for i = 1, #s do h = bit.bxor(h, s:byte(i)); h = (h * 16777619) % 4294967296 end
+  return h
+end
+
+-- ---------------------------------------------------------------- the FSDP class of a module class
+local FSDPModule = {}
+M.FSDPModule = FSDPModule
+local fsdp_classes = setmetatable({}, { __mode = "k" })
+
+local function group_of(self, op)
+  local st = rawget(self, "_fsdp")
+  if not st then fail((op or "FSDPModule") .. ": not an FSDP module (call dist.fully_shard on it first)") end
+  return st
+end
+
+local function each_fsdp(self, recurse, fn)
+  if recurse == false then fn(self, rawget(self, "_fsdp")); return end
+  for _, m in ipairs(self:modules()) do
+    local st = rawget(m, "_fsdp")
+    if st then fn(m, st) end
+  end
+end
+
+local function recurse_opt(o)
+  if type(o) == "table" then return o.recurse end
+  return o
+end
+
+function FSDPModule.reshard(self)
+  core.check(C.eng_fsdp_group_reshard(group_of(self, "reshard").group), 2)
+end
+
+local UnshardHandle = {}
+UnshardHandle.__index = UnshardHandle
+function UnshardHandle:wait()
+  if self._g then core.check(C.eng_fsdp_group_wait_unshard(self._g), 2) end
+end
+
+-- unshard{async_op = false}: all-gathers now; with async_op a handle whose :wait() finishes it (the
+-- module's next forward waits for it by itself).
+function FSDPModule.unshard(self, opts)
+  local st = group_of(self, "unshard")
+  M._lazy_init(self)
+  local async = type(opts) == "table" and opts.async_op or false
+  core.check(C.eng_fsdp_group_unshard(st.group, async and 1 or 0), 2)
+  local h = setmetatable({ _g = st.group }, UnshardHandle)
+  if async then return h end
+  h:wait()
+  return nil
+end
+
+function FSDPModule.set_is_last_backward(self, flag)
+  each_fsdp(self, true, function(_, st) C.eng_fsdp_group_set_is_last_backward(st.group, flag and 1 or 0) end)
+end
+
+function FSDPModule.set_requires_gradient_sync(self, flag, opts)
+  each_fsdp(self, recurse_opt(opts), function(_, st)
+    C.eng_fsdp_group_set_requires_gradient_sync(st.group, flag and 1 or 0)
+    C.eng_fsdp_group_set_requires_all_reduce(st.group, flag and 1 or 0)
+  end)
+end
+
+function FSDPModule.set_requires_all_reduce(self, flag, opts)
+  each_fsdp(self, recurse_opt(opts), function(_, st)
+    C.eng_fsdp_group_set_requires_all_reduce(st.group, flag and 1 or 0)
+  end)
+end
+
+function FSDPModule.set_reshard_after_backward(self, flag, opts)
+  each_fsdp(self, recurse_opt(opts), function(_, st)
+    C.eng_fsdp_group_set_reshard_after_backward(st.group, flag and 1 or 0)
+  end)
+end
+
+local function raf_value(v, op)
+  if v == nil or v == true then return 1 end
+  if v == false then return 0 end
+  if type(v) ~= "number" or v % 1 ~= 0 or v < 1 then
+    fail(string.format("%s: reshard_after_forward must be true, false or an integer world size, got %s", op, tostring(v)))
+  end
+  return v
+end
+
+-- set_reshard_after_forward(value [, {recurse = true}]) (not on the root, which keeps false)
+function FSDPModule.set_reshard_after_forward(self, value, opts)
+  local v = raf_value(value, "set_reshard_after_forward")
+  each_fsdp(self, recurse_opt(opts), function(m, st)
+    if v == 1 and value == 1 then v = 1 end
+    core.check(C.eng_fsdp_group_set_reshard_after_forward(st.group, v), 4)
+    st.reshard_after_forward = value
+  end)
+end
+
+local function group_list(list, op)
+  if type(list) ~= "table" then fail(op .. ": expected a list of FSDP modules") end
+  local arr = ffi.new("eng_fsdp_group*[?]", math.max(#list, 1))
+  for i, m in ipairs(list) do
+    if not is_fsdp(m) then
+      fail(string.format("%s: entry %d is not an FSDP module (got %s)", op, i, type(m) == "table" and (m.__name or "a table") or type(m)))
+    end
+    arr[i - 1] = rawget(m, "_fsdp").group
+  end
+  return arr, #list
+end
+
+function FSDPModule.set_modules_to_forward_prefetch(self, list)
+  local arr, n = group_list(list, "set_modules_to_forward_prefetch")
+  core.check(C.eng_fsdp_group_set_forward_prefetch(group_of(self).group, n, arr), 2)
+  group_of(self).fwd_prefetch = list  -- keep the groups alive
+end
+
+function FSDPModule.set_modules_to_backward_prefetch(self, list)
+  local arr, n = group_list(list, "set_modules_to_backward_prefetch")
+  core.check(C.eng_fsdp_group_set_backward_prefetch(group_of(self).group, n, arr), 2)
+  group_of(self).bwd_prefetch = list
+end
+
+-- A CUDA event recorded after the optimizer step; on a CPU run there is nothing to wait for.
+function FSDPModule.set_post_optim_event(self, event)
+  group_of(self, "set_post_optim_event").post_optim_event = event
+end
+
+function FSDPModule.set_gradient_divide_factor(self, factor)
+  if type(factor) ~= "number" or factor <= 0 then
+    fail("set_gradient_divide_factor: expected a positive number, got " .. tostring(factor))
+  end
+  each_fsdp(self, true, function(_, st) C.eng_fsdp_group_set_gradient_divide_factor(st.group, factor) end)
+end
+
+function FSDPModule.__deepcopy()
+  error("FSDP does not support deepcopy. Please use state dict for serialization.", 2)
+end
+FSDPModule.deepcopy = FSDPModule.__deepcopy
+FSDPModule.clone = FSDPModule.__deepcopy
+
+-- Root lazy init: the first FSDP module whose forward runs (outermost) becomes the root of every FSDP
+-- module under it that has no root yet; its own reshard_after_forward is treated as false.
+function M._lazy_init(self)
+  local st = rawget(self, "_fsdp")
+  if st.root then return end
+  for _, m in ipairs(self:modules()) do
+    local s = rawget(m, "_fsdp")
+    if s and not s.root then
+      s.root = st
+      core.check(C.eng_fsdp_group_set_root(s.group, st.group), 3)
+    end
+  end
+  st.is_root = true
+end
+
+local function fsdp_call(self, ...)
+  local st = rawget(self, "_fsdp")
+  if not st.root then M._lazy_init(self) end
+  return st.module_call(self, ...)
+end
+
+local function fsdp_class(cls)
+  local fc = fsdp_classes[cls]
+  if fc then return fc end
+  fc = cls:extend("FSDP" .. tostring(rawget(cls, "__name") or cls.__name))
+  for k, v in pairs(FSDPModule) do fc[k] = v end
+  fc.__call = fsdp_call
+  fsdp_classes[cls] = fc
+  return fc
+end
+
+-- dist.register_fsdp_forward_method(module, "generate"): the FSDP hooks wrap module:generate(...) too.
+function M.register_fsdp_forward_method(module, name)
+  local st = group_of(module, "register_fsdp_forward_method")
+  local orig = module[name]
+  if type(orig) ~= "function" then
+    fail(string.format("register_fsdp_forward_method: %s has no method '%s'", module.__name, tostring(name)))
+  end
+  rawset(module, name, function(self, ...)
+    if not st.root then M._lazy_init(self) end
+    core.check(C.eng_fsdp_group_pre_forward(st.group, nil, 0), 2)
+    local res = { pcall(orig, self, ...) }
+    if not res[1] then error(res[2], 0) end
+    core.check(C.eng_fsdp_group_post_forward(st.group, nil, 0), 2)
+    return unpack(res, 2, table.maxn(res))
+  end)
+end
+
+-- ---------------------------------------------------------------- fully_shard
+local function managed_modules(root)
+  local out, seen = {}, {}
+  local function walk(m)
+    if seen[m] then return end
+    seen[m] = true
+    out[#out + 1] = m
+    for _, c in ipairs(m:children()) do
+      if not is_fsdp(c) then walk(c) end
+    end
+  end
+  walk(root)
+  return out
+end
+
+local function placements_for(mesh, dim)
+  if mesh:ndim() == 2 then return { P.Replicate(), P.Shard(dim) } end
+  return { P.Shard(dim) }
+end
+
+-- dist.fully_shard(module, {mesh, reshard_after_forward = true, mp_policy, offload_policy, shard_placement_fn})
+function M.fully_shard(module, opts)
+  local op = "fully_shard"
+  local nnmod = require("engine.nn.module")
+  if not nnmod.is_module(module) then fail(op .. ": expected an nn.Module, got " .. type(module)) end
+  opts = opts or {}
+  if type(opts) ~= "table" then fail(op .. ": options must be a table") end
+  for k in pairs(opts) do
+    if k ~= "mesh" and k ~= "reshard_after_forward" and k ~= "mp_policy" and k ~= "offload_policy"
+      and k ~= "shard_placement_fn" then
+      fail(op .. ": unknown option '" .. tostring(k) .. "'")
+    end
+  end
+  if class_chain_has(module, "ModuleList") or class_chain_has(module, "ModuleDict") then
+    fail("fully_shard does not support containers that do not implement forward: " .. tostring(module.__name))
+  end
+  local mesh = opts.mesh or get_default_mesh()
+  if not meshmod.is_mesh(mesh) then fail(op .. ": mesh must be a DeviceMesh (dist.init_device_mesh), got " .. type(mesh)) end
+  if mesh:ndim() ~= 1 and mesh:ndim() ~= 2 then
+    fail("fully_shard expects a 1D or 2D DeviceMesh but got " .. tostring(mesh))
+  end
+  if is_fsdp(module) then
+    fail(string.format("%s: %s is already an FSDP module (fully_shard was called on it before)", op, module.__name))
+  end
+  local raf = raf_value(opts.reshard_after_forward, op)
+  local mp = opts.mp_policy or M.MixedPrecisionPolicy()
+  if getmetatable(mp) ~= MixedPrecisionPolicy then fail(op .. ": mp_policy must be a dist.MixedPrecisionPolicy{...}") end
+  local offload = opts.offload_policy or M.OffloadPolicy()
+  if getmetatable(offload) ~= OffloadPolicy then fail(op .. ": offload_policy must be dist.OffloadPolicy() or dist.CPUOffloadPolicy{...}") end
+  if offload.cpu and mesh._device ~= "cuda" and not M._said_offload then
+    M._said_offload = true
+    io.stderr:write("fully_shard: CPUOffloadPolicy on a CPU mesh: parameters already live on the CPU (nothing to offload)\n")
+  end
+  local spf = opts.shard_placement_fn
+  if spf ~= nil and type(spf) ~= "function" then fail(op .. ": shard_placement_fn must be a function(param) -> dist.Shard(dim) or nil") end
+
+  -- the parameters this call owns, in named_parameters order, each once (ties kept)
+  local mods = managed_modules(module)
+  local order, entries, by_ptr = {}, {}, {}
+  local names_of = {}
+  for mi, m in ipairs(mods) do
+    local params = rawget(m, "_parameters")
+    for _, name in ipairs(rawget(m, "_param_names")) do
+      local p = params[name]
+      if p ~= nil then
+        local key = ptr_key(p._c)
+        local prior = converted[key]
+        if prior then
+          fail(string.format("%s: parameter '%s' of %s is already owned by the FSDP module %s: a parameter shared "
+            .. "across two FSDP groups is not supported (shard the module that contains both uses)",
+            op, name, m.__name, prior.__name))
+        end
+        if p._c.dist ~= nil then
+          fail(string.format("%s: parameter '%s' of %s is already a DTensor (%s); FSDP over tensor-parallel "
+            .. "parameters needs the 2-D path", op, name, m.__name, p:_layout_str()))
+        end
+        local e = by_ptr[key]
+        if not e then
+          e = { p = p, uses = {} }
+          by_ptr[key] = e
+          order[#order + 1] = e
+        end
+        e.uses[#e.uses + 1] = { m = m, name = name }
+        names_of[#names_of + 1] = name
+      end
+    end
+    _ = mi
+  end
+  -- shard dims, checked before anything changes
+  local sig = { tostring(mesh), tostring(raf) }
+  for i, e in ipairs(order) do
+    local dim = 1
+    if spf then
+      local pl = spf(e.p)
+      if pl ~= nil then
+        if not P.is_placement(pl) or pl.kind ~= "shard" then
+          fail(string.format("%s: shard_placement_fn must return dist.Shard(dim) or nil, got %s for parameter '%s'",
+            op, tostring(pl), e.uses[1].name))
+        end
+        dim = pl.dim
+      end
+    end
+    local nd = e.p._c.ndim
+    if nd == 0 then fail(string.format("%s: parameter '%s' is 0-d and cannot be sharded", op, e.uses[1].name)) end
+    local cdim = dim < 0 and nd + dim or dim - 1
+    if cdim < 0 or cdim >= nd then
+      fail(string.format("%s: Shard(%d) is out of range for parameter '%s' of %d dims", op, dim, e.uses[1].name, nd))
+    end
+    e.cdim = cdim
+    sig[#sig + 1] = e.uses[1].name .. ":" .. table.concat(e.p:shape(), "x") .. ":" .. e.p._c.dtype .. ":" .. cdim
+    _ = i
+  end
+  -- every rank must shard the same parameters the same way on the same mesh
+  local world = C.eng_pg_world()
+  local rc = C.eng_pg_agree(world, 0, hash_str(table.concat(sig, ";")), "fully_shard")
+  C.eng_pg_release(world)
+  if rc ~= 0 then
+    fail("fully_shard: the ranks disagree on the module's parameters, their shard dims, the mesh or "
+      .. "reshard_after_forward (" .. core.last_error() .. ")")
+  end
+  -- sharded DTensor parameters: each rank's chunk of its own full parameter (no communication)
+  local n = #order
+  local arr = ffi.new("eng_tensor*[?]", math.max(n, 1))
+  local prev = C.eng_set_grad_enabled(0)
+  local ok, err = pcall(function()
+    for i, e in ipairs(order) do
+      local pl = placements_for(mesh, e.cdim + 1)
+      local shape = e.p:shape()
+      local lshape, goff = dtensor.compute_local_shape_and_global_offset(shape, mesh, pl)
+      local c = e.p._c
+      local cd = e.cdim
+      local nar = C.eng_narrow(c, cd, goff[cd + 1], lshape[cd + 1])
+      if nar == nil then core.raise() end
+      local loc = C.eng_tensor_clone(nar)
+      C.eng_tensor_release(nar)
+      if loc == nil then core.raise() end
+      local st = {}
+      local acc = 1
+      for d = #shape, 1, -1 do st[d] = acc; acc = acc * shape[d] end
+      local d = dtensor.from_local(core.wrap(loc), mesh, pl, { shape = shape, stride = st })
+      d._c.is_param = 1
+      if c.requires_grad ~= 0 then core.check(C.eng_tensor_set_requires_grad(d._c, 1), 3) end
+      e.d = d
+      arr[i - 1] = d._c
+    end
+  end)
+  C.eng_set_grad_enabled(prev)
+  if not ok then error(err, 0) end
+  local function dt(x) return x and core.dtype(x, op, 3) or -1 end
+  local g = C.eng_fsdp_group_new(mesh._c, mesh:ndim() - 1, n, arr, dt(mp.param_dtype), dt(mp.reduce_dtype),
+    dt(mp.output_dtype), mp.cast_forward_inputs and 1 or 0)
+  if g == nil then core.raise() end
+  g = ffi.gc(g, C.eng_fsdp_group_release)
+  core.check(C.eng_fsdp_group_set_reshard_after_forward(g, raf), 2)
+  core.check(C.eng_fsdp_group_attach(g, rawget(module, "_cmod")), 2)
+  -- register the sharded parameters under every name; the modules look the unsharded ones up
+  for i, e in ipairs(order) do
+    converted[ptr_key(e.p._c)] = module
+    for _, u in ipairs(e.uses) do
+      rawget(u.m, "_parameters")[u.name] = e.d
+      local view = rawget(u.m, "_fsdp_view")
+      if not view then view = {}; rawset(u.m, "_fsdp_view", view) end
+      view[u.name] = { g = g, i = i - 1 }
+    end
+  end
+  local cls = getmetatable(module)
+  local state = {
+    group = g, mesh = mesh, module_call = cls.__call, reshard_after_forward = opts.reshard_after_forward,
+    mp_policy = mp, offload_policy = offload, params = order,
+  }
+  rawset(module, "_fsdp", state)
+  setmetatable(module, fsdp_class(cls))
+  return module
+end
+
+-- The tensor a module of a group registers under name: the unsharded parameter while the group is
+-- unsharded, else nil (the sharded DTensor).  Called by nn.Module's __index for modules with FSDP views.
+function M._current(view, name)
+  local e = view[name]
+  if not e then return nil end
+  local c = C.eng_fsdp_group_param(e.g, e.i)
+  if c == nil then return nil end
+  if e.uc ~= c then
+    e.uc = c
+    e.u = core.wrap(C.eng_tensor_retain(c))
+  end
+  return e.u
+end
+
+-- Counters for tests: all-gathers and reduce-scatters issued by module's group so far.
+function M.fsdp_counts(module)
+  local st = group_of(module, "fsdp_counts")
+  return { all_gather = tonumber(C.eng_fsdp_group_count(st.group, 0)),
+           reduce_scatter = tonumber(C.eng_fsdp_group_count(st.group, 1)),
+           state = ({ [0] = "sharded", "unsharded", "post_forward" })[C.eng_fsdp_group_state(st.group)] }
+end
+
+return M
