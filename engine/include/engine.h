@@ -26,6 +26,7 @@ extern "C" {
 #include "eng/ops_reduce.h"
 #include "eng/ops_shape.h"
 #include "eng/ops_nn.h"
+#include "eng/ops_math.h"
 #include "eng/optim.h"
 #include "eng/rng.h"
 #include "eng/io.h"

@@ -12,10 +12,17 @@ local engine = {}
 for k, v in pairs(Tensor.functions) do engine[k] = v end
 
 -- Op families register their methods and functions.
-for _, mod in ipairs({ "pointwise", "reduce", "shape", "nn", "random", "io" }) do
+for _, mod in ipairs({ "pointwise", "reduce", "shape", "nn", "random", "io", "math" }) do
   local ok, err = pcall(require, "engine.ops." .. mod)
   if not ok and not tostring(err):match("module 'engine.ops." .. mod .. "' not found") then error(err, 0) end
-  if ok and type(err) == "table" then for k, v in pairs(err) do engine[k] = v end end
+  -- namespace tables (engine.linalg) may get functions from several families: merged
+  if ok and type(err) == "table" then
+    for k, v in pairs(err) do
+      if type(v) == "table" and type(engine[k]) == "table" and getmetatable(v) == nil then
+        for kk, vv in pairs(v) do engine[k][kk] = vv end
+      else engine[k] = v end
+    end
+  end
 end
 
 engine.Tensor = Tensor
