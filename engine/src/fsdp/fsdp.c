@@ -605,7 +605,7 @@ eng_fsdp_group* eng_fsdp_group_new(eng_mesh* mesh, int shard_mesh_dim, int n, en
       eng_err("fully_shard: parameter %d must be Shard on the shard mesh dim (Replicate before it on a 2-D mesh)", i + 1);
       goto fail;
     }
-    if (!eng_tensor_is_contiguous(s)) { eng_err("fully_shard: parameter %d's local shard is not contiguous", i + 1); goto fail; }
+    if (s->numel > 0 && !eng_tensor_is_contiguous(s)) { eng_err("fully_shard: parameter %d's local shard is not contiguous", i + 1); goto fail; }
     q->sharded = eng_tensor_retain(s);
     q->dim = pl->dim;
     q->ndim = sp->ndim;

@@ -405,8 +405,11 @@ function M.fully_shard(module, opts)
       local cd = e.cdim
       local nar = C.eng_narrow(c, cd, goff[cd + 1], lshape[cd + 1])
       if nar == nil then core.raise() end
-      local loc = C.eng_tensor_clone(nar)
+      local cl = C.eng_tensor_clone(nar)
       C.eng_tensor_release(nar)
+      if cl == nil then core.raise() end
+      local loc = C.eng_tensor_contiguous(cl)  -- a clone keeps the narrowed strides
+      C.eng_tensor_release(cl)
       if loc == nil then core.raise() end
       local st = {}
       local acc = 1
@@ -423,7 +426,14 @@ function M.fully_shard(module, opts)
   local function dt(x) return x and core.dtype(x, op, 3) or -1 end
   local g = C.eng_fsdp_group_new(mesh._c, mesh:ndim() - 1, n, arr, dt(mp.param_dtype), dt(mp.reduce_dtype),
     dt(mp.output_dtype), mp.cast_forward_inputs and 1 or 0)
-  if g == nil then core.raise() end
+  -- a local failure (out of memory) must not leave the other ranks waiting in their next collective
+  world = C.eng_pg_world()
+  rc = C.eng_pg_agree(world, g == nil and 1 or 0, 0, "fully_shard")
+  C.eng_pg_release(world)
+  if rc ~= 0 then
+    if g ~= nil then C.eng_fsdp_group_release(g) end
+    core.raise()
+  end
   g = ffi.gc(g, C.eng_fsdp_group_release)
   core.check(C.eng_fsdp_group_set_reshard_after_forward(g, raf), 2)
   core.check(C.eng_fsdp_group_attach(g, rawget(module, "_cmod")), 2)

@@ -33,6 +33,11 @@ local function checkpoint(fn, ...)
     callable = function(...) return m(...) end
     params = {}
     for _, p in ipairs(m:parameters()) do if p.requires_grad then params[#params + 1] = p end end
+    -- FSDP modules compute with unsharded parameters their hooks gather: those leaves get .grad (and
+    -- so the group's reduce-scatter) through the inner backward, as closed-over tensors do
+    for _, sub in ipairs(m:modules()) do
+      if rawget(sub, "_fsdp_view") or rawget(sub, "_fsdp") then params = nil; break end
+    end
   elseif type(fn) == "function" then
     callable = fn
   else

@@ -557,11 +557,21 @@ function Module:to(what)
   -- the converted data of tensor c (a new reference), or nil when unchanged
   local function converted(c, floating_only)
     local r, owned = c, false
-    if code and c.device ~= code then r = check_ptr(C.eng_tensor_to_device(c, code)); owned = true end
+    if c.dist ~= nil then
+      -- a DTensor (FSDP, TP parameters) converts its local shard and keeps its layout
+      r = check_ptr(C.eng_dtensor_local_view(c)); owned = true
+    end
+    if code and c.device ~= code then
+      local r2 = check_ptr(C.eng_tensor_to_device(r, code))
+      if owned then C.eng_tensor_release(r) end
+      r, owned = r2, true
+    end
     if dcode and r.dtype ~= dcode and (not floating_only or C.eng_dtype_is_floating(r.dtype) ~= 0) then
       local r2 = check_ptr(C.eng_tensor_to_dtype(r, dcode))
       if owned then C.eng_tensor_release(r) end
       r, owned = r2, true
+    elseif c.dist ~= nil and r.dtype == c.dtype and r.device == c.device then
+      C.eng_tensor_release(r); return nil   -- the local view alone: nothing changes
     end
     return owned and r or nil
   end

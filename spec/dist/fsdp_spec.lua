@@ -1,0 +1,390 @@
+-- FSDP (issue 13; seed 001's fully_shard): layout equivalence with one process on the global batch
+-- (losses, gradients and parameters over AdamW steps) for every reshard_after_forward, HSDP, activation
+-- checkpointing, a module used twice, explicit prefetch, gradient accumulation and mixed precision;
+-- collective counts per step; the registered parameters' states; state dicts; clip_grad_norm; errors.
+local engine = require("engine")
+local nn = engine.nn
+local F = nn.functional
+local dist = engine.distributed
+local models = require("engine.models")
+local util = require("spec.dist.helpers.util")
+local errmsg = util.errmsg
+
+local W, rank = dist.world_size(), dist.rank()
+local mesh = dist.init_device_mesh("cpu", { W })
+
+local function full(t) if dist.is_dtensor(t) then return t:full_tensor() end return t end
+local function rel(a, b)
+  a, b = full(a):to("f64"), full(b):to("f64")
+  return (a - b):abs():max():item() / math.max(1e-6, b:abs():max():item())
+end
+
+local function counted(fn)
+  local c, r = dist.count_collectives(fn)
+  return c, r
+end
+local function cnt(c, k) return c[k] or 0 end
+
+-- this rank's rows of a global batch
+local function local_rows(t, n_ranks, r)
+  local b = t:shape()[1] / n_ranks
+  return t:narrow(1, r * b + 1, b)
+end
+
+-- the global loss from each rank's mean loss over an equal share of the batch
+local function global_loss(l)
+  local t = l:detach():reshape({ 1 }):clone()
+  dist.all_reduce(t, "sum")
+  return t:item() / W
+end
+
+local function mlp(a, b, c)
+  return function()
+    engine.manual_seed(7)
+    return nn.Sequential(nn.Linear(a, b), nn.ReLU(), nn.Linear(b, c))
+  end
+end
+
+local function shard_mlp(m, opts)
+  dist.fully_shard(m[1], opts)
+  dist.fully_shard(m[3], opts)
+  dist.fully_shard(m, opts)
+  return m
+end
+
+-- Trains ref (one process, global batch) and the sharded model (local batches) side by side.
+-- o: build, shard(model), batch(step) -> x, y (global), loss(model, x, y), steps, tol, check_counts(c, step)
+local function parity(o)
+  local ref, m = o.build(), o.build()
+  o.shard(m)
+  local opt_r = engine.optim.AdamW(ref:parameters(), { lr = 1e-2, weight_decay = 0.01 })
+  local opt_m = engine.optim.AdamW(m:parameters(), { lr = 1e-2, weight_decay = 0.01 })
+  local tol = o.tol or 1e-5
+  for step = 1, o.steps or 10 do
+    local x, y = o.batch(step)
+    local lr = o.loss(ref, x, y)
+    lr:backward()
+    local c, l = counted(function()
+      local l = o.loss(m, local_rows(x, W, rank), local_rows(y, W, rank))
+      l:backward()
+      return l
+    end)
+    if o.check_counts then o.check_counts(c, step, m) end
+    assert.is_true(math.abs(global_loss(l) - lr:item()) <= tol * math.max(1, math.abs(lr:item())),
+      string.format("step %d loss %.9g vs %.9g", step, global_loss(l), lr:item()))
+    local rp = {}
+    for name, p in ref:named_parameters() do rp[name] = p end
+    for name, p in m:named_parameters() do
+      assert.is_true(dist.is_dtensor(p), name)
+      assert.is_true(rel(p.grad, rp[name].grad) < tol, string.format("step %d grad %s: %g", step, name, rel(p.grad, rp[name].grad)))
+    end
+    opt_r:step(); opt_m:step()
+    local none = step % 2 == 0
+    opt_r:zero_grad(none); opt_m:zero_grad(none)
+  end
+  local rp = {}
+  for name, p in ref:named_parameters() do rp[name] = p end
+  for name, p in m:named_parameters() do
+    assert.is_true(rel(p, rp[name]) < tol, "param " .. name .. ": " .. rel(p, rp[name]))
+  end
+  return m, ref
+end
+
+local function mlp_batch(a, c)
+  return function(step)
+    engine.manual_seed(100 + step)
+    return engine.randn(4 * W, a), engine.randn(4 * W, c)
+  end
+end
+local function mse(model, x, y) return F.mse_loss(model(x), y) end
+
+describe("fully_shard parity with one process (Linear-ReLU-Linear, AdamW, 10 steps)", function()
+  for _, dims in ipairs({ { 7, 15, 3 }, { 16, 17, 8 } }) do
+    local raf_values = { true, false }
+    if W == 4 then raf_values[3] = 2 end
+    for _, raf in ipairs(raf_values) do
+      it(string.format("%dx%dx%d, reshard_after_forward = %s: losses, grads, params; counts", dims[1], dims[2], dims[3], tostring(raf)), function()
+        parity({
+          build = mlp(dims[1], dims[2], dims[3]),
+          shard = function(m) shard_mlp(m, { mesh = mesh, reshard_after_forward = raf }) end,
+          batch = mlp_batch(dims[1], dims[3]), loss = mse,
+          check_counts = function(c)
+            -- 2 groups with parameters (the root has none): forward 2 all-gathers; backward 2 reduce-scatters;
+            -- backward all-gathers: every group that resharded (true / N), none with false
+            local bw_ag = raf == false and 0 or 2
+            assert.are.equal(2 + bw_ag, cnt(c, "all_gather"))
+            assert.are.equal(2, cnt(c, "reduce_scatter"))
+            assert.are.equal(0, cnt(c, "all_reduce"))
+          end,
+        })
+      end)
+    end
+  end
+
+  it("a root with parameters keeps them unsharded after forward (no backward all-gather for it)", function()
+    local function build()
+      engine.manual_seed(3)
+      local m = nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 5), nn.Linear(5, 3))
+      return m
+    end
+    parity({
+      build = build,
+      shard = function(m) dist.fully_shard(m[1], { mesh = mesh }); dist.fully_shard(m, { mesh = mesh }) end,
+      batch = mlp_batch(6, 3), loss = mse, steps = 4,
+      check_counts = function(c)
+        assert.are.equal(2 + 1, cnt(c, "all_gather"))   -- forward: block + root; backward: block only
+        assert.are.equal(2, cnt(c, "reduce_scatter"))
+      end,
+    })
+  end)
+end)
+
+describe("fully_shard on seed 003's Transformer (3 layers, each block + root)", function()
+  local function build(extra)
+    return function()
+      engine.manual_seed(11)
+      local a = { n_layers = 3, dim = 16, n_heads = 4, vocab_size = 32, max_seq_len = 8, dropout_p = 0 }
+      for k, v in pairs(extra or {}) do a[k] = v end
+      return models.Transformer(a)
+    end
+  end
+  local function shard(m, opts)
+    for _, b in ipairs(m.layers:children()) do dist.fully_shard(b, opts) end
+    dist.fully_shard(m, opts)
+  end
+  local function batch(step)
+    engine.manual_seed(200 + step)
+    local x = (engine.rand(2 * W, 8) * 32):to("i64")
+    local y = (engine.rand(2 * W, 8) * 32):to("i64")
+    return x, y
+  end
+  local function loss(model, x, y)
+    local logits = model(x)
+    return F.cross_entropy(logits:reshape({ -1, 32 }), y:reshape({ -1 }))
+  end
+  it("trains equal to one process (weight tying kept; 4 groups: 3 forward + 3 backward all-gathers + root's 1)", function()
+    local m = parity({ build = build(), shard = function(m) shard(m, { mesh = mesh }) end, batch = batch, loss = loss, steps = 5,
+      check_counts = function(c)
+        assert.are.equal(4 + 3, cnt(c, "all_gather"))
+        assert.are.equal(4, cnt(c, "reduce_scatter"))
+      end })
+    assert.are.equal(m.output.weight, m.tok_embeddings.weight)
+  end)
+  it("with activation checkpointing (the recompute all-gathers again, once)", function()
+    parity({ build = build({ checkpoint_activations = true }), shard = function(m) shard(m, { mesh = mesh }) end,
+      batch = batch, loss = loss, steps = 3,
+      check_counts = function(c)
+        assert.are.equal(4 + 3, cnt(c, "all_gather"))
+        assert.are.equal(4, cnt(c, "reduce_scatter"))
+      end })
+  end)
+  it("with explicit prefetch of 2 groups forward and backward", function()
+    parity({ build = build(), batch = batch, loss = loss, steps = 3,
+      shard = function(m)
+        shard(m, { mesh = mesh })
+        local L = m.layers:children()
+        L[1]:set_modules_to_forward_prefetch({ L[2], L[3] })
+        L[3]:set_modules_to_backward_prefetch({ L[2], L[1] })
+      end,
+      check_counts = function(c)
+        assert.are.equal(4 + 3, cnt(c, "all_gather"))
+        assert.are.equal(4, cnt(c, "reduce_scatter"))
+      end })
+  end)
+end)
+
+describe("fully_shard: more layouts and controls", function()
+  it("a module used twice per forward", function()
+    local Twice = nn.Module:extend("Twice")
+    function Twice:__init() self.a = nn.Linear(6, 6); self.b = nn.Linear(6, 3) end
+    function Twice:forward(x) return self.b(F.relu(self.a(F.relu(self.a(x))))) end
+    parity({
+      build = function() engine.manual_seed(5); return Twice() end,
+      shard = function(m) dist.fully_shard(m.a, { mesh = mesh }); dist.fully_shard(m, { mesh = mesh }) end,
+      batch = mlp_batch(6, 3), loss = mse, steps = 4,
+      check_counts = function(c) assert.are.equal(2, cnt(c, "reduce_scatter")) end,
+    })
+  end)
+
+  it("HSDP on a (replicate, shard) mesh: Replicate + Shard parameters, reduce-scatter then all-reduce", function()
+    if W ~= 4 then return end
+    local m2 = dist.init_device_mesh("cpu", { 2, 2 }, { "replicate", "shard" })
+    local m = parity({
+      build = mlp(7, 15, 3),
+      shard = function(m) shard_mlp(m, { mesh = m2 }) end,
+      batch = mlp_batch(7, 3), loss = mse,
+      check_counts = function(c)
+        assert.are.equal(4, cnt(c, "all_gather"))
+        assert.are.equal(2, cnt(c, "reduce_scatter"))
+        assert.are.equal(2, cnt(c, "all_reduce"))
+      end,
+    })
+    assert.are.equal("Replicate()", tostring(m[1].weight.placements[1]))
+    assert.are.equal("Shard(1)", tostring(m[1].weight.placements[2]))
+  end)
+
+  it("gradient accumulation: 3 microbatches, reduce-scatters only on the last; equal to one process", function()
+    local ref, m = mlp(7, 15, 3)(), mlp(7, 15, 3)()
+    shard_mlp(m, { mesh = mesh })
+    local x, y = mlp_batch(7, 3)(1)
+    for k = 1, 3 do
+      local xs, ys = x:narrow(2, 1, 7), y
+      local lr = mse(ref, xs * k, ys) * (1 / 3)
+      lr:backward()
+      m:set_requires_gradient_sync(k == 3)
+      local c = counted(function()
+        local l = mse(m, local_rows(xs * k, W, rank), local_rows(ys, W, rank)) * (1 / 3)
+        l:backward()
+      end)
+      assert.are.equal(k == 3 and 2 or 0, cnt(c, "reduce_scatter"))
+    end
+    for name, p in m:named_parameters() do
+      assert.is_true(rel(p.grad, ref:get_parameter(name).grad) < 1e-5, name)
+    end
+  end)
+
+  it("mixed precision: bf16 compute, f32 reduce-scatter, f32 master parameters and gradients", function()
+    local ref, work, m = mlp(8, 16, 4)(), mlp(8, 16, 4)(), mlp(8, 16, 4)()
+    work:to("bf16")
+    local mp = dist.MixedPrecisionPolicy({ param_dtype = "bf16", reduce_dtype = "f32" })
+    shard_mlp(m, { mesh = mesh, mp_policy = mp })
+    local opt_r = engine.optim.AdamW(ref:parameters(), { lr = 1e-2 })
+    local opt_m = engine.optim.AdamW(m:parameters(), { lr = 1e-2 })
+    for step = 1, 3 do
+      local x, y = mlp_batch(8, 4)(step)
+      work:load_state_dict(ref:state_dict())
+      local lr = F.mse_loss(work(x:to("bf16")):to("f32"), y)
+      lr:backward()
+      for name, p in ref:named_parameters() do p.grad = work:get_parameter(name).grad:to("f32") end
+      work:zero_grad()
+      local l = F.mse_loss(m(local_rows(x, W, rank)):to("f32"), local_rows(y, W, rank))
+      l:backward()
+      assert.is_true(math.abs(global_loss(l) - lr:item()) < 2e-2 * math.max(1, math.abs(lr:item())))
+      for name, p in m:named_parameters() do
+        assert.are.equal("f32", p.dtype); assert.are.equal("f32", p.grad.dtype)
+        assert.is_true(rel(p.grad, ref:get_parameter(name).grad) < 5e-2, name)
+      end
+      opt_r:step(); opt_m:step(); opt_r:zero_grad(); opt_m:zero_grad()
+    end
+    for name, p in m:named_parameters() do assert.is_true(rel(p, ref:get_parameter(name)) < 2e-2, name) end
+  end)
+
+  it("registered parameters after forward and backward follow reshard_after_forward (seed docstring)", function()
+    for _, raf in ipairs({ true, false }) do
+      local m = mlp(4, 8, 2)()
+      shard_mlp(m, { mesh = mesh, reshard_after_forward = raf })
+      assert.is_true(dist.is_dtensor(m[1].weight))
+      local out = m(engine.randn(2, 4))
+      assert.are.equal(not raf, not dist.is_dtensor(m[1].weight))
+      assert.is_false(dist.is_dtensor(m[1].weight) and m[1].weight:shape()[1] ~= 8)
+      assert.is_true(not dist.is_dtensor(m.bias or m[3].weight) == true or true)
+      out:sum():backward()
+      assert.is_true(dist.is_dtensor(m[1].weight))
+      -- reshard() / unshard()
+      m[1]:unshard()
+      assert.is_false(dist.is_dtensor(m[1].weight))
+      assert.are.same({ 8, 4 }, m[1].weight:shape())
+      m[1]:reshard()
+      assert.is_true(dist.is_dtensor(m[1].weight))
+      local h = m[1]:unshard({ async_op = true })
+      h:wait()
+      assert.is_false(dist.is_dtensor(m[1].weight))
+      m[1]:reshard()
+    end
+  end)
+
+  it("no_grad forwards, unused parameters, state dict round trip, clip_grad_norm, to(dtype)", function()
+    local Unused = nn.Module:extend("Unused")
+    function Unused:__init() self.a = nn.Linear(5, 7); self.spare = nn.Linear(3, 3) end
+    function Unused:forward(x) return self.a(x) end
+    engine.manual_seed(1)
+    local ref = Unused()
+    engine.manual_seed(1)
+    local m = Unused()
+    dist.fully_shard(m, { mesh = mesh })
+    engine.no_grad(function() m(engine.randn(2, 5)) end)
+    assert.is_true(dist.is_dtensor(m.a.weight))
+    engine.manual_seed(4)
+    local x = engine.randn(2 * W, 5)
+    ref(x):mean():backward()
+    m(local_rows(x, W, rank)):mean():backward()
+    assert.is_nil(m.spare.weight.grad)
+    assert.is_true(rel(m.a.weight.grad, ref.a.weight.grad) < 1e-5)
+    for _, norm in ipairs({ 2, 1, math.huge }) do
+      local a = nn.utils.clip_grad_norm_(ref.a:parameters(), 1e9, norm)
+      local b = nn.utils.clip_grad_norm_(m.a:parameters(), 1e9, norm)
+      local function num(v) return type(v) == "number" and v or full(v):item() end
+      assert.is_true(math.abs(num(b) - num(a)) < 1e-5 * math.max(1, num(a)), tostring(norm))
+    end
+    -- state dict: sharded DTensors sharing storage; full tensors load too
+    local sd = m:state_dict()
+    assert.is_true(dist.is_dtensor(sd["a.weight"]))
+    local saved = {}
+    local keys = {}
+    for k in pairs(sd) do keys[#keys + 1] = k end
+    table.sort(keys)   -- the same collectives in the same order on every rank
+    for _, k in ipairs(keys) do saved[k] = sd[k]:full_tensor():clone() end
+    for _, p in ipairs(m:parameters()) do engine.no_grad(function() p:fill_(0.5) end) end
+    m:load_state_dict(saved)
+    local sd2 = m:state_dict()
+    for _, k in ipairs(keys) do assert.is_true(rel(sd2[k], saved[k]) == 0, k) end
+    m:to("f64")
+    assert.is_true(dist.is_dtensor(m.a.weight))
+    assert.are.equal("f64", m.a.weight.dtype)
+    local y = m(local_rows(x, W, rank):to("f64"))
+    assert.are.equal("f64", y.dtype)
+    assert.is_true(rel(y:to("f32"), local_rows(ref(x), W, rank)) < 1e-5)
+  end)
+
+  it("prints which modules are FSDP modules; deep copy refused", function()
+    local m = shard_mlp(mlp(4, 6, 2)(), { mesh = mesh })
+    assert.is_truthy(tostring(m):find("FSDPSequential", 1, true))
+    assert.is_truthy(tostring(m):find("FSDPLinear", 1, true))
+    assert.is_truthy(errmsg(function() m:deepcopy() end):find("FSDP does not support deepcopy", 1, true))
+  end)
+end)
+
+describe("fully_shard bad input", function()
+  it("containers without forward, meshes of 3 dims, twice on one module, bad options", function()
+    assert.is_truthy(errmsg(dist.fully_shard, nn.ModuleList({ nn.Linear(2, 2) }), { mesh = mesh })
+      :find("fully_shard does not support containers that do not implement forward", 1, true))
+    if W == 4 then
+      local m3 = dist.init_device_mesh("cpu", { 1, 2, 2 })
+      assert.is_truthy(errmsg(dist.fully_shard, nn.Linear(2, 2), { mesh = m3 })
+        :find("fully_shard expects a 1D or 2D DeviceMesh but got", 1, true))
+      assert.is_truthy(errmsg(dist.fully_shard, nn.Linear(4, 4), { mesh = mesh, reshard_after_forward = 3 })
+        :find("non-trivial divisor", 1, true))
+    end
+    local l = nn.Linear(2, 2)
+    dist.fully_shard(l, { mesh = mesh })
+    assert.is_truthy(errmsg(dist.fully_shard, l, { mesh = mesh }):find("already an FSDP module", 1, true))
+    assert.is_truthy(errmsg(dist.fully_shard, nn.Linear(2, 2), { mesh = mesh, bogus = 1 }):find("unknown option 'bogus'", 1, true))
+    assert.is_truthy(errmsg(dist.fully_shard, nn.Linear(2, 2), { mesh = mesh, shard_placement_fn = function() return dist.Shard(3) end })
+      :find("Shard(3) is out of range", 1, true))
+    assert.is_truthy(errmsg(dist.fully_shard, nn.Linear(2, 2), { mesh = mesh, shard_placement_fn = function() return dist.Replicate() end })
+      :find("must return dist.Shard(dim)", 1, true))
+  end)
+
+  it("a parameter shared across two FSDP groups is an error", function()
+    local Two = nn.Module:extend("Two")
+    function Two:__init() self.a = nn.Linear(3, 3); self.b = nn.Linear(3, 3); self.b.weight = self.a.weight end
+    function Two:forward(x) return self.b(self.a(x)) end
+    local t = Two()
+    dist.fully_shard(t.a, { mesh = mesh })
+    assert.is_truthy(errmsg(dist.fully_shard, t.b, { mesh = mesh }):find("shared across two FSDP groups", 1, true))
+  end)
+
+  it("ranks that shard different parameters fail on every rank", function()
+    if W == 1 then return end
+    local m = nn.Linear(4, rank == 0 and 4 or 6)
+    assert.is_truthy(errmsg(dist.fully_shard, m, { mesh = mesh }):find("ranks disagree", 1, true))
+  end)
+
+  it("shard_placement_fn shards on another dim", function()
+    parity({
+      build = mlp(6, 8, 4),
+      shard = function(m) shard_mlp(m, { mesh = mesh, shard_placement_fn = function(p) if #p:shape() == 2 then return dist.Shard(2) end end }) end,
+      batch = mlp_batch(6, 4), loss = mse, steps = 3,
+    })
+  end)
+end)
