@@ -331,3 +331,41 @@ describe("errors", function()
     err(function() return engine.linalg.vector_norm(x, "nuc") end, "linalg.vector_norm: ord must be a number")
   end)
 end)
+
+describe("CUDA tensors #gpu", function()
+  -- The ops run on CUDA tensors through the host fallback (or the device ops the composites are made of):
+  -- results and gradients equal the CPU ones, and stay on the device.
+  local available = engine.cuda.is_available()
+  it("every op forward and backward equals the CPU", function()
+    if not available then pending("no GPU: " .. engine.cuda.unavailable_reason()) return end
+    engine.manual_seed(3)
+    local x0 = engine.randn(3, 5):double()
+    local b0 = engine.randn(5):double():abs() + 0.5
+    local cases = {
+      function(a) return a:sin() + a:cos() + a:erf() + a:expm1() + a:square() + a:floor() + a:round(1) end,
+      function(a) return (a:abs() + 1):log1p() + (a:abs() + 1):reciprocal() + a:sign() + a:trunc() + a:ceil() end,
+      function(a, b) return a:fmod(b) + a:remainder(b) + a:floor_divide(b) end,
+      function(a, b) return a:clamp(b - 1, b) + a:lerp(b, 0.3) + a:addcmul(a, b, 0.5) + a:addcdiv(a, b) end,
+      function(a) return a:prod(2) + a:amax(2) + a:amin(2) + a:logsumexp(2) + a:var(2) + a:std(2) end,
+      function(a) return engine.linalg.vector_norm(a, 3, 2) + a:norm(2, 2) + a:norm(math.huge, 2) end,
+      function(a) return a:cumsum(2) + a:cumprod(2) + (a:sort(2, true)) end,
+      function(a) return (a:topk(2, 2)):sum(2) + (a:kthvalue(2, 2)) end,
+    }
+    for k, f in ipairs(cases) do
+      for _, dt in ipairs({ "f64", "f32" }) do
+        local xc, bc = x0:to(dt):requires_grad_(), b0:to(dt)
+        local xg = x0:to(dt):cuda():requires_grad_()
+        local rc, rg = f(xc, bc), f(xg, bc:cuda())
+        assert.are.equal("cuda", rg.device)
+        local tol = dt == "f64" and 1e-10 or 1e-4
+        assert((rg:cpu():double() - rc:double()):abs():max():item() <= tol, "case " .. k .. " " .. dt .. " forward")
+        rc:sum():backward(); rg:sum():backward()
+        assert.are.equal("cuda", xg.grad.device)
+        assert((xg.grad:cpu():double() - xc.grad:double()):abs():max():item() <= tol, "case " .. k .. " " .. dt .. " grad")
+      end
+    end
+    local p = engine.tensor({ 1, 0 / 0 }):cuda()
+    assert.are.same({ false, true }, p:isnan():cpu():tolist())
+    assert.are.same({ 2, 1 }, (engine.tensor({ 3, 1, 2 }):cuda():argsort(1, true)):cpu():tolist_flat())
+  end)
+end)

@@ -36,6 +36,13 @@ local cases = {
   { "add_grad", "c = a + w (w requires grad: node recorded)", function(n) local c; for _ = 1, n do c = a + w end; return c end },
   { "add_", "a:add_(b) (in place)", function(n) for _ = 1, n do a:add_(b) end; return a end },
   { "no_grad", "c = a + b under no_grad", function(n) local c; engine.no_grad(function() for _ = 1, n do c = a + b end end); return c end },
+  -- issue 17 items 2-3 (engine/src/ops/math.c, reduce2.c, sort.c)
+  { "sin", "c = a:sin()", function(n) local c; for _ = 1, n do c = a:sin() end; return c end },
+  { "fmod", "c = a:fmod(b)", function(n) local c; for _ = 1, n do c = a:fmod(b) end; return c end },
+  { "isnan", "c = a:isnan()", function(n) local c; for _ = 1, n do c = a:isnan() end; return c end },
+  { "amax", "c = a:amax()", function(n) local c; for _ = 1, n do c = a:amax() end; return c end },
+  { "cumsum", "c = a:cumsum(1)", function(n) local c; for _ = 1, n do c = a:cumsum(1) end; return c end },
+  { "sort", "c, i = a:sort()", function(n) local c; for _ = 1, n do c = a:sort() end; return c end },
 }
 
 local function engine_binary()
