@@ -183,7 +183,7 @@ describe("cross_entropy", function()
       assert.has_error(function() ce(x, t, { label_smoothing = 1.5 }) end,
         "cross_entropy: label_smoothing must be between 0.0 and 1.0, got 1.5")
       assert.has_error(function() ce(x, t, { reduce = "sum" }) end,
-        "cross_entropy: unknown option 'reduce' (valid: ignore_index, label_smoothing, reduction)")
+        "cross_entropy: unknown option 'reduce' (valid: ignore_index, label_smoothing, reduction, weight)")
       assert.has_error(function() ce(x, t, { ignore_index = 0.5 }) end)
       assert.has_error(function() ce(x, t, "mean") end)
     end)

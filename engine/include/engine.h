@@ -27,6 +27,7 @@ extern "C" {
 #include "eng/ops_shape.h"
 #include "eng/ops_nn.h"
 #include "eng/ops_math.h"
+#include "eng/ops_index.h"
 #include "eng/optim.h"
 #include "eng/rng.h"
 #include "eng/io.h"

@@ -12,7 +12,7 @@ local engine = {}
 for k, v in pairs(Tensor.functions) do engine[k] = v end
 
 -- Op families register their methods and functions.
-for _, mod in ipairs({ "pointwise", "reduce", "shape", "nn", "random", "io", "math" }) do
+for _, mod in ipairs({ "pointwise", "reduce", "shape", "nn", "random", "io", "index", "linalg", "loss", "math" }) do
   local ok, err = pcall(require, "engine.ops." .. mod)
   if not ok and not tostring(err):match("module 'engine.ops." .. mod .. "' not found") then error(err, 0) end
   -- namespace tables (engine.linalg) may get functions from several families: merged

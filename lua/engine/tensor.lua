@@ -13,16 +13,21 @@ Tensor.props = props
 Tensor.__name = "Tensor"
 core.Tensor = Tensor
 
+-- t[i] / t[i] = v (Torch7 indexing, 1-based, negative from the end): engine.ops.index installs
+-- Tensor.index_number / Tensor.newindex_number (a number key never names a field).
 Tensor.__index = function(t, k)
   local m = methods[k]
   if m ~= nil then return m end
+  if type(k) == "number" then return Tensor.index_number(t, k) end
   local p = props[k]
   if p ~= nil then return p(t) end
   return nil
 end
 
 Tensor.__newindex = function(t, k, v)
-  if k == "grad" then
+  if type(k) == "number" then
+    Tensor.newindex_number(t, k, v)
+  elseif k == "grad" then
     check(C.eng_tensor_set_grad(t._c, v and ct(v, "grad", 1) or nil))
   elseif k == "requires_grad" then
     check(C.eng_tensor_set_requires_grad(t._c, v and 1 or 0))
@@ -117,7 +122,7 @@ end
 local function shape_and_opts(op, ...)
   local n = select("#", ...)
   local last = select(n, ...)
-  if n >= 1 and (type(last) == "table" and last[1] == nil and getmetatable(last) == nil) then
+  if n >= 1 and (type(last) == "table" and getmetatable(last) == nil and last[1] == nil) then
     local args = { ... }
     args[n] = nil
     if n == 2 and type(args[1]) == "table" then return args[1], last end

@@ -44,4 +44,36 @@ function LogSoftmax:__init(dim) self.dim = dim or -1 end
 function LogSoftmax:forward(x) return F.log_softmax(x, self.dim) end
 function LogSoftmax:extra_repr() return "dim=" .. tostring(self.dim) end
 
+-- Softplus{beta = 1, threshold = 20}, LeakyReLU(negative_slope = 0.01), ELU(alpha = 1),
+-- Hardtanh(min_val = -1, max_val = 1), ReLU6(), GLU(dim = -1) (numbers or an options table).
+local function with_opts(name, fn, keys, defaults)
+  local cls = Module:extend(name)
+  M[name] = cls
+  function cls:__init(a, b)
+    if type(a) == "table" then a, b = a[keys[1]], keys[2] and a[keys[2]] or nil end
+    self[keys[1]] = a == nil and defaults[1] or a
+    if keys[2] then self[keys[2]] = b == nil and defaults[2] or b end
+    for i, k in ipairs(keys) do
+      if type(self[k]) ~= "number" then error(string.format("%s: %s must be a number, got %s", name, k, type(self[k])), 3) end
+      local _ = i
+    end
+  end
+  function cls:forward(x)
+    if keys[2] then return fn(x, self[keys[1]], self[keys[2]]) end
+    return fn(x, self[keys[1]])
+  end
+  function cls:extra_repr()
+    local p = {}
+    for _, k in ipairs(keys) do p[#p + 1] = k .. "=" .. tostring(self[k]) end
+    return table.concat(p, ", ")
+  end
+  return cls
+end
+with_opts("Softplus", F.softplus, { "beta", "threshold" }, { 1, 20 })
+with_opts("LeakyReLU", F.leaky_relu, { "negative_slope" }, { 0.01 })
+with_opts("ELU", F.elu, { "alpha" }, { 1 })
+with_opts("Hardtanh", F.hardtanh, { "min_val", "max_val" }, { -1, 1 })
+with_opts("GLU", F.glu, { "dim" }, { -1 })
+simple("ReLU6", F.relu6)
+
 return M

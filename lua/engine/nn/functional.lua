@@ -97,7 +97,7 @@ end
 function F.mse_loss(input, target, opts)
   need_tensor(input, "mse_loss", 1)
   need_tensor(target, "mse_loss", 2)
-  local reduction = type(opts) == "table" and opts.reduction or opts or "mean"
+  local reduction = type(opts) == "table" and (opts.reduction or "mean") or opts or "mean"
   local d = input - target
   local sq = d * d
   if reduction == "mean" then return sq:mean()
@@ -116,6 +116,13 @@ function F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal
     opts = { attn_mask = attn_mask, dropout_p = dropout_p, is_causal = is_causal, scale = scale }
   end
   return engine.scaled_dot_product_attention(q, k, v, opts)
+end
+
+-- Losses and activations of engine.ops.loss (options tables as there; the
+-- activations also take their numbers positionally: F.leaky_relu(x, 0.2)).
+for _, name in ipairs({ "nll_loss", "binary_cross_entropy", "binary_cross_entropy_with_logits", "kl_div",
+  "smooth_l1_loss", "huber_loss", "softplus", "leaky_relu", "elu", "hardtanh", "relu6", "glu", "one_hot" }) do
+  F[name] = engine[name]
 end
 
 return F

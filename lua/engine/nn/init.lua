@@ -15,7 +15,7 @@ nn.is_module = module.is_module
 nn.functional = require("engine.nn.functional")
 nn.init = require("engine.nn.initializers")
 
-for _, name in ipairs({ "linear", "embedding", "norm", "dropout", "activation", "container" }) do
+for _, name in ipairs({ "linear", "embedding", "norm", "dropout", "activation", "container", "loss" }) do
   for k, v in pairs(require("engine.nn." .. name)) do nn[k] = v end
 end
 

@@ -1,0 +1,26 @@
+/* ops_index.h: indexing ops along a dim (issue 17 item 4).  Dims are 0-based
+ * here; index VALUES are 0-based data (as index_select and token ids), i32 or
+ * i64.  All return a new tensor (the in-place forms live in Lua: computed out
+ * of place, then copied).  CUDA tensors run through the CPU kernels (the data
+ * goes to the host and back: a documented fallback, see ops/index.c). */
+#ifndef ENG_OPS_INDEX_H
+#define ENG_OPS_INDEX_H
+
+/* torch.gather: out[..., i_d, ...] = x[..., index[..., i_d, ...], ...];
+ * index has x's ndim, index.size(k) <= x.size(k) for k != dim; out has
+ * index's shape and x's dtype. */
+eng_tensor* eng_gather(eng_tensor* x, int dim, eng_tensor* index);
+/* Tensor.scatter (reduce 0: replace) / scatter_add (reduce 1: add): x's
+ * copy with src[p] written (added) at p's coordinates with dim replaced by
+ * index[p]; src has x's dtype and index.size(k) <= src.size(k) for all k. */
+eng_tensor* eng_scatter(eng_tensor* x, int dim, eng_tensor* index, eng_tensor* src, int reduce);
+/* Tensor.index_add: x's copy with alpha * src's slices along dim added at the
+ * positions of the 1-D index (src: x's shape with size(dim) = numel(index)). */
+eng_tensor* eng_index_add(eng_tensor* x, int dim, eng_tensor* index, eng_tensor* src, double alpha);
+/* Tensor.index_copy: the same with the slices copied. */
+eng_tensor* eng_index_copy(eng_tensor* x, int dim, eng_tensor* index, eng_tensor* src);
+/* torch.nonzero: i64 [count, ndim] of the 0-based coordinates of the nonzero
+ * elements in row-major order (plain tensors only). */
+eng_tensor* eng_nonzero(eng_tensor* x);
+
+#endif

@@ -1,0 +1,303 @@
+/* index.c: indexing ops along a dim (issue 17 item 4): gather, scatter /
+ * scatter_add, index_add, index_copy (with their autograd) and nonzero.
+ * Index values are 0-based data (i32/i64), checked in range on the host.
+ *
+ * Backward formulas call the same public ops (so they run on DTensor locals
+ * and on any device): gather -> scatter_add into zeros; scatter (replace) ->
+ * x: g with the written positions zeroed, src: gather(g); scatter_add -> x: g,
+ * src: gather(g); index_add -> x: g, src: alpha * index_select(g);
+ * index_copy -> x: index_copy(g, zeros), src: index_select(g).
+ *
+ * CUDA: documented fallback.  A CUDA operand is copied to the host, the CPU
+ * kernel runs there and the result goes back to the device (one round trip
+ * per op; correct for every dtype, not fast).  The DTensor rules are in
+ * sharding/index.c. */
+#include "core/internal.h"
+#include "sharding/sharding.h"
+#include "sharding/sharding_index.h"
+#include "kernels/cpu/kindex.h"
+
+/* A contiguous host copy of t in dtype (no autograd; new reference). */
+static eng_tensor* host(eng_tensor* t, int dtype) {
+  eng_tensor* c = eng_as_contig(t, dtype);
+  if (!c || c->device == ENG_CPU) return c;
+  int prev = eng_set_grad_enabled(0);
+  eng_tensor* h = eng_tensor_to_device(c, ENG_CPU);
+  eng_set_grad_enabled(prev);
+  eng_tensor_release(c);
+  return h;
+}
+
+/* r (a host result) moved to device (no autograd; consumes r). */
+static eng_tensor* to_dev(eng_tensor* r, int device) {
+  if (!r || device == ENG_CPU) return r;
+  int prev = eng_set_grad_enabled(0);
+  eng_tensor* d = eng_tensor_to_device(r, device);
+  eng_set_grad_enabled(prev);
+  eng_tensor_release(r);
+  return d;
+}
+
+/* The index values as a host i64 tensor, each checked in [0, size). */
+static eng_tensor* read_index(eng_tensor* index, int64_t size, const char* op, int d, const eng_tensor* x) {
+  eng_tensor* h = host(index, ENG_I64);
+  if (!h) return NULL;
+  const int64_t* p = (const int64_t*)eng_ptr(h);
+  for (int64_t j = 0; j < h->numel; j++)
+    if (p[j] < 0 || p[j] >= size) {
+      eng_errp("%s: index %lld (at flat position %lld of index %s) is out of range for dim %d of size %lld in %s "
+               "(index values are 0-based)", op, (long long)p[j], (long long)j + 1, eng_desc(index), d + 1,
+               (long long)size, eng_desc(x));
+      eng_tensor_release(h);
+      return NULL;
+    }
+  return h;
+}
+
+static int index_dtype_ok(const eng_tensor* index) { return index->dtype == ENG_I32 || index->dtype == ENG_I64; }
+
+static int64_t shp(const eng_tensor* t, int k) { return t->ndim ? t->shape[k] : 1; }
+
+/* ------------------------------------------------------------------ gather */
+static int gather_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
+  eng_tensor* index = eng_node_saved(n, 0);
+  if (!index || !go[0]) return index ? 0 : -1;
+  eng_tensor* z = eng_tensor_zeros(eng_node_in_ndim(n, 0), eng_node_in_shape(n, 0), go[0]->dtype, go[0]->device);
+  eng_tensor* g = z ? eng_scatter(z, (int)n->ints[0], index, go[0], 1) : NULL;
+  eng_tensor_release(z);
+  if (!g) return -1;
+  gi[0] = eng_grad_to_input(n, 0, g);
+  eng_tensor_release(g);
+  return gi[0] ? 0 : -1;
+}
+
+eng_tensor* eng_gather(eng_tensor* x, int dim, eng_tensor* index) {
+  const char* op = "gather";
+  ENG_CHECK(x, op); ENG_CHECK(index, op);
+  if (eng_meta_check_local(x, op) || eng_meta_check_local(index, op)) return NULL;
+  if (ENG_DT_ACTIVE(x->dist || index->dist || ENG_META_T(x) || ENG_META_T(index)))
+    return eng_dt_gather(x, dim, index);
+  if (!index_dtype_ok(index)) return eng_errp("%s: index must be i32 or i64, got %s", op, eng_desc(index));
+  if (index->ndim != x->ndim)
+    return eng_errp("%s: index %s and input %s must have the same number of dims", op, eng_desc(index), eng_desc(x));
+  if (index->device != x->device)
+    return eng_errp("%s: index %s and input %s are on different devices", op, eng_desc(index), eng_desc(x));
+  int nd = x->ndim ? x->ndim : 1;
+  int d = eng_norm_dim(dim, nd, op);
+  if (d < 0) return NULL;
+  for (int k = 0; k < x->ndim; k++)
+    if (k != d && index->shape[k] > x->shape[k])
+      return eng_errp("%s: index %s is larger than input %s in dim %d (index.size(k) <= input.size(k) for every "
+                      "dim k other than dim %d)", op, eng_desc(index), eng_desc(x), k + 1, d + 1);
+  eng_tensor* I = read_index(index, shp(x, d), op, d, x);
+  eng_tensor* X = I ? host(x, x->dtype) : NULL;
+  eng_tensor* out = X ? eng_new(index->ndim, index->shape, x->dtype, ENG_CPU) : NULL;
+  if (out) {
+    int64_t ish[8], xsh[8];
+    for (int k = 0; k < nd; k++) { ish[k] = shp(index, k); xsh[k] = shp(x, k); }
+    kc_gather(eng_dtype_size(x->dtype), nd, ish, xsh, d, eng_ptr(out), eng_ptr(X), (const int64_t*)eng_ptr(I));
+  }
+  out = to_dev(out, x->device);
+  eng_tensor_release(X);
+  if (out && eng_dtype_is_floating(x->dtype) && eng_any_requires_grad(1, &x)) {
+    eng_node* n = eng_record("GatherBackward", gather_bw, 1, &x, out);
+    if (!n || eng_node_save(n, index)) { eng_tensor_release(out); out = NULL; }
+    else n->ints[0] = d;
+  }
+  eng_tensor_release(I);
+  return out;
+}
+
+/* ------------------------------------------------------------------ scatter / scatter_add */
+static int scatter_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
+  eng_tensor* index = eng_node_saved(n, 0);
+  if (!index) return -1;
+  if (!go[0]) return 0;
+  int d = (int)n->ints[0], reduce = (int)n->ints[1];
+  if (eng_node_needs_grad(n, 0)) {
+    eng_tensor* g;
+    if (reduce) g = eng_tensor_retain(go[0]);
+    else {
+      eng_tensor* z = eng_tensor_zeros(index->ndim, index->shape, go[0]->dtype, go[0]->device);
+      g = z ? eng_scatter(go[0], d, index, z, 0) : NULL;
+      eng_tensor_release(z);
+    }
+    if (!g) return -1;
+    gi[0] = eng_grad_to_input(n, 0, g);
+    eng_tensor_release(g);
+    if (!gi[0]) return -1;
+  }
+  if (eng_node_needs_grad(n, 1)) {
+    eng_tensor* g = eng_gather(go[0], d, index);
+    if (!g) return -1;
+    gi[1] = eng_grad_to_input(n, 1, g);
+    eng_tensor_release(g);
+    if (!gi[1]) return -1;
+  }
+  return 0;
+}
+
+eng_tensor* eng_scatter(eng_tensor* x, int dim, eng_tensor* index, eng_tensor* src, int reduce) {
+  const char* op = reduce ? "scatter_add" : "scatter";
+  ENG_CHECK(x, op); ENG_CHECK(index, op); ENG_CHECK(src, op);
+  if (eng_meta_check_local(x, op) || eng_meta_check_local(index, op) || eng_meta_check_local(src, op)) return NULL;
+  if (ENG_DT_ACTIVE(x->dist || index->dist || src->dist || ENG_META_T(x) || ENG_META_T(index) || ENG_META_T(src)))
+    return eng_dt_scatter(x, dim, index, src, reduce);
+  if (!index_dtype_ok(index)) return eng_errp("%s: index must be i32 or i64, got %s", op, eng_desc(index));
+  if (src->dtype != x->dtype)
+    return eng_errp("%s: src %s must have the dtype of the input %s", op, eng_desc(src), eng_desc(x));
+  if (index->ndim != x->ndim || src->ndim != x->ndim)
+    return eng_errp("%s: input %s, index %s and src %s must have the same number of dims", op, eng_desc(x),
+                    eng_desc(index), eng_desc(src));
+  if (index->device != x->device || src->device != x->device)
+    return eng_errp("%s: input %s, index %s and src %s are on different devices", op, eng_desc(x), eng_desc(index),
+                    eng_desc(src));
+  int nd = x->ndim ? x->ndim : 1;
+  int d = eng_norm_dim(dim, nd, op);
+  if (d < 0) return NULL;
+  for (int k = 0; k < x->ndim; k++) {
+    if (index->shape[k] > src->shape[k])
+      return eng_errp("%s: index %s is larger than src %s in dim %d (index.size(k) <= src.size(k) for every dim)",
+                      op, eng_desc(index), eng_desc(src), k + 1);
+    if (k != d && index->shape[k] > x->shape[k])
+      return eng_errp("%s: index %s is larger than input %s in dim %d (index.size(k) <= input.size(k) for every "
+                      "dim k other than dim %d)", op, eng_desc(index), eng_desc(x), k + 1, d + 1);
+  }
+  /* a src larger than index: its leading box (a view, recorded by autograd) */
+  eng_tensor* S = eng_tensor_retain(src);
+  for (int k = 0; k < x->ndim && S; k++)
+    if (S->shape[k] != index->shape[k]) {
+      eng_tensor* v = eng_narrow(S, k, 0, index->shape[k]);
+      eng_tensor_release(S);
+      S = v;
+    }
+  if (!S) return NULL;
+  eng_tensor* I = read_index(index, shp(x, d), op, d, x);
+  eng_tensor* X = I ? host(x, x->dtype) : NULL;
+  eng_tensor* Sh = X ? host(S, x->dtype) : NULL;
+  eng_tensor* out = Sh ? eng_new(x->ndim, x->shape, x->dtype, ENG_CPU) : NULL;
+  if (out) memcpy(eng_ptr(out), eng_ptr(X), (size_t)(out->numel * eng_dtype_size(out->dtype)));
+  if (out) {
+    int64_t ish[8], xsh[8];
+    for (int k = 0; k < nd; k++) { ish[k] = shp(index, k); xsh[k] = shp(x, k); }
+    kc_scatter(x->dtype, reduce, nd, ish, xsh, d, eng_ptr(out), eng_ptr(Sh), (const int64_t*)eng_ptr(I));
+  }
+  out = to_dev(out, x->device);
+  eng_tensor_release(X); eng_tensor_release(Sh);
+  eng_tensor* ins[2] = {x, S};
+  if (out && eng_dtype_is_floating(x->dtype) && eng_any_requires_grad(2, ins)) {
+    eng_node* n = eng_record(reduce ? "ScatterAddBackward" : "ScatterBackward", scatter_bw, 2, ins, out);
+    if (!n || eng_node_save(n, index)) { eng_tensor_release(out); out = NULL; }
+    else { n->ints[0] = d; n->ints[1] = reduce; }
+  }
+  eng_tensor_release(I); eng_tensor_release(S);
+  return out;
+}
+
+/* ------------------------------------------------------------------ index_add / index_copy */
+static int index_put_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
+  eng_tensor* index = eng_node_saved(n, 0);
+  if (!index) return -1;
+  if (!go[0]) return 0;
+  int d = (int)n->ints[0], acc = (int)n->ints[1];
+  double alpha = n->scalars[0];
+  if (eng_node_needs_grad(n, 0)) {
+    eng_tensor* g;
+    if (acc) g = eng_tensor_retain(go[0]);
+    else {
+      eng_tensor* z = eng_tensor_zeros(eng_node_in_ndim(n, 1), eng_node_in_shape(n, 1), go[0]->dtype, go[0]->device);
+      g = z ? eng_index_copy(go[0], d, index, z) : NULL;
+      eng_tensor_release(z);
+    }
+    if (!g) return -1;
+    gi[0] = eng_grad_to_input(n, 0, g);
+    eng_tensor_release(g);
+    if (!gi[0]) return -1;
+  }
+  if (eng_node_needs_grad(n, 1)) {
+    eng_tensor* g = eng_index_select(go[0], d, index);
+    if (g && acc && alpha != 1.0) {
+      eng_tensor* s = eng_mul_scalar(g, alpha);
+      eng_tensor_release(g);
+      g = s;
+    }
+    if (!g) return -1;
+    gi[1] = eng_grad_to_input(n, 1, g);
+    eng_tensor_release(g);
+    if (!gi[1]) return -1;
+  }
+  return 0;
+}
+
+static eng_tensor* index_put(eng_tensor* x, int dim, eng_tensor* index, eng_tensor* src, int acc, double alpha) {
+  const char* op = acc ? "index_add" : "index_copy";
+  ENG_CHECK(x, op); ENG_CHECK(index, op); ENG_CHECK(src, op);
+  if (eng_meta_check_local(x, op) || eng_meta_check_local(index, op) || eng_meta_check_local(src, op)) return NULL;
+  if (ENG_DT_ACTIVE(x->dist || index->dist || src->dist || ENG_META_T(x) || ENG_META_T(index) || ENG_META_T(src)))
+    return eng_dt_index_put(x, dim, index, src, acc, alpha);
+  if (!index_dtype_ok(index)) return eng_errp("%s: index must be i32 or i64, got %s", op, eng_desc(index));
+  if (index->ndim > 1) return eng_errp("%s: index must be a 1-D tensor (a vector), got %s", op, eng_desc(index));
+  if (src->dtype != x->dtype)
+    return eng_errp("%s: source %s must have the dtype of the input %s", op, eng_desc(src), eng_desc(x));
+  if (index->device != x->device || src->device != x->device)
+    return eng_errp("%s: input %s, index %s and source %s are on different devices", op, eng_desc(x),
+                    eng_desc(index), eng_desc(src));
+  int nd = x->ndim ? x->ndim : 1;
+  int d = eng_norm_dim(dim, nd, op);
+  if (d < 0) return NULL;
+  int bad = src->ndim != x->ndim;
+  for (int k = 0; k < x->ndim && !bad; k++)
+    bad = src->shape[k] != (k == d ? index->numel : x->shape[k]);
+  if (x->ndim == 0) bad = src->numel != index->numel || index->numel > 1;
+  if (bad)
+    return eng_errp("%s: source %s must have the input's shape %s with size %lld in dim %d (the number of indices "
+                    "in %s)", op, eng_desc(src), eng_desc(x), (long long)index->numel, d + 1, eng_desc(index));
+  eng_tensor* I = read_index(index, shp(x, d), op, d, x);
+  eng_tensor* X = I ? host(x, x->dtype) : NULL;
+  eng_tensor* Sh = X ? host(src, x->dtype) : NULL;
+  eng_tensor* out = Sh ? eng_new(x->ndim, x->shape, x->dtype, ENG_CPU) : NULL;
+  if (out) {
+    memcpy(eng_ptr(out), eng_ptr(X), (size_t)(out->numel * eng_dtype_size(out->dtype)));
+    int64_t outer = 1, inner = 1;
+    for (int k = 0; k < d; k++) outer *= x->shape[k];
+    for (int k = d + 1; k < x->ndim; k++) inner *= x->shape[k];
+    kc_index_put(x->dtype, acc, acc ? alpha : 1.0, outer, shp(x, d), index->numel, inner, eng_ptr(out), eng_ptr(Sh),
+                 (const int64_t*)eng_ptr(I));
+  }
+  out = to_dev(out, x->device);
+  eng_tensor_release(X); eng_tensor_release(Sh);
+  eng_tensor* ins[2] = {x, src};
+  if (out && eng_dtype_is_floating(x->dtype) && eng_any_requires_grad(2, ins)) {
+    eng_node* n = eng_record(acc ? "IndexAddBackward" : "IndexCopyBackward", index_put_bw, 2, ins, out);
+    if (!n || eng_node_save(n, index)) { eng_tensor_release(out); out = NULL; }
+    else { n->ints[0] = d; n->ints[1] = acc; n->scalars[0] = alpha; }
+  }
+  eng_tensor_release(I);
+  return out;
+}
+
+eng_tensor* eng_index_add(eng_tensor* x, int dim, eng_tensor* index, eng_tensor* src, double alpha) {
+  return index_put(x, dim, index, src, 1, alpha);
+}
+eng_tensor* eng_index_copy(eng_tensor* x, int dim, eng_tensor* index, eng_tensor* src) {
+  return index_put(x, dim, index, src, 0, 1.0);
+}
+
+/* ------------------------------------------------------------------ nonzero */
+eng_tensor* eng_nonzero(eng_tensor* x) {
+  const char* op = "nonzero";
+  ENG_CHECK(x, op);
+  if (eng_meta_check(x, op)) return NULL;
+  if (x->dist && !eng_dtensor_local_mode())
+    return eng_errp("%s: %s is a DTensor: the output's size depends on the data; use nonzero on full_tensor() "
+                    "(engine.nonzero does that for DTensors and returns a Replicate DTensor)", op, eng_desc(x));
+  eng_tensor* X = host(x, x->dtype);
+  if (!X) return NULL;
+  int nd = X->ndim;
+  int64_t cnt = kc_count_nonzero(X->dtype, X->numel, eng_ptr(X));
+  int64_t sh[2] = {cnt, nd};
+  eng_tensor* out = eng_new(2, sh, ENG_I64, ENG_CPU);
+  if (out && cnt > 0 && nd > 0) kc_nonzero(X->dtype, nd, X->shape, eng_ptr(X), (int64_t*)eng_ptr(out));
+  eng_tensor_release(X);
+  return to_dev(out, x->device);
+}

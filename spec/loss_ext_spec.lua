@@ -1,0 +1,185 @@
+-- Losses and activations of issue 17 item 5 (engine.ops.loss): PyTorch reference values
+-- (spec/fixtures/losses.lua from tools/gen_loss_fixture.py), float64 finite differences,
+-- f32/bf16 runs, nn modules and errors.
+package.path = "./?.lua;" .. package.path
+local engine = require("engine")
+local nn = engine.nn
+local F = nn.functional
+local gc = require("spec.helpers.gradcheck")
+local fixture = dofile("spec/fixtures/losses.lua")
+
+local function T(vals, shape, dtype)
+  if #shape == 0 then return engine.tensor(vals[1], dtype) end
+  return engine.tensor(vals, dtype):view(shape)
+end
+local function maxdiff(a, flat)
+  local v = a:double():reshape(-1):tolist_flat()
+  local m = 0
+  for i = 1, #flat do
+    local d = math.abs(v[i] - flat[i])
+    if d ~= d then d = math.huge end
+    if d > m then m = d end
+  end
+  return m, #v
+end
+
+local fns = {
+  nll_loss = engine.nll_loss, cross_entropy = engine.cross_entropy,
+  binary_cross_entropy = engine.binary_cross_entropy, bce_with_logits = engine.binary_cross_entropy_with_logits,
+  kl_div = engine.kl_div, smooth_l1_loss = engine.smooth_l1_loss, huber_loss = engine.huber_loss,
+}
+local acts = { softplus = true, leaky_relu = true, elu = true, hardtanh = true }
+
+-- a function of x alone for a fixture case (others built in dtype)
+local function case_fn(c, dtype)
+  local op = c.name:match("^(%S+)")
+  local others = {}
+  for i, o in ipairs(c.others) do others[i] = T(o.values, o.shape, o.dtype == "i64" and "i64" or dtype) end
+  local opts, pre = {}, nil
+  for k, v in pairs(c.opts) do
+    if k == "weight" or k == "pos_weight" then opts[k] = others[v]
+    elseif k == "log_softmax" then pre = v
+    else opts[k] = v end
+  end
+  if fns[op] then
+    return function(x)
+      if pre then x = x:log_softmax(pre) end
+      return fns[op](x, others[1], opts)
+    end
+  elseif acts[op] then
+    return function(x) return engine[op](x, next(opts) and opts or nil) end
+  elseif op == "glu" then
+    return function(x) return engine.glu(x, opts.dim) end
+  end
+  error("no function for fixture case " .. c.name)
+end
+
+describe("losses and activations against PyTorch", function()
+  it("reads the fixture", function() assert.is_true(#fixture >= 30) end)
+  for _, c in ipairs(fixture) do
+    it(c.name .. " (f64 values and gradient)", function()
+      local x = T(c.x, c.x_shape, "f64")
+      x.requires_grad = true
+      local out = case_fn(c, "f64")(x)
+      assert.are.same(c.out_shape, out:shape())
+      local e = maxdiff(out, c.out)
+      assert.is_true(e < 1e-12, c.name .. ": output differs by " .. e)
+      local n = out:numel()
+      local r = {}
+      for k = 1, n do r[k] = 0.1 * (1 + (k - 1) % 7) end
+      local rt = #c.out_shape == 0 and engine.tensor(r[1], "f64") or engine.tensor(r, "f64"):view(c.out_shape)
+      ;(out * rt):sum():backward()
+      local eg = maxdiff(x.grad, c.grad)
+      assert.is_true(eg < 1e-12, c.name .. ": gradient differs by " .. eg)
+    end)
+    it(c.name .. " (f32 and bf16 values)", function()
+      for _, dt in ipairs({ "f32", "bf16" }) do
+        local x = T(c.x, c.x_shape, dt)
+        local out = case_fn(c, dt)(x)
+        assert.are.equal(dt, out.dtype)
+        local scale = 0
+        for _, v in ipairs(c.out) do scale = math.max(scale, math.abs(v)) end
+        local e = maxdiff(out, c.out)
+        local tol = dt == "f32" and 1e-5 or 5e-2
+        assert.is_true(e <= tol * (scale + 1), c.name .. " " .. dt .. ": output differs by " .. e)
+      end
+    end)
+  end
+end)
+
+describe("losses and activations: float64 finite differences", function()
+  engine.manual_seed(3)
+  local x = engine.randn(4, 5, { dtype = "f64" }) * 2
+  local y = engine.randn(4, 5, { dtype = "f64" })
+  local tgt = engine.tensor({ 1, 0, 4, -100 })
+  local w = engine.tensor({ 0.3, 1, 2, 0.5, 1.5 }, "f64")
+  local cases = {
+    { "nll_loss", function(a) return engine.nll_loss(a:log_softmax(2), tgt, { weight = w }) end },
+    { "cross_entropy weight + smoothing", function(a) return engine.cross_entropy(a, tgt, { weight = w, label_smoothing = 0.15 }) end },
+    { "cross_entropy probabilities", function(a) return engine.cross_entropy(a, y:softmax(2)) end },
+    { "binary_cross_entropy", function(a) return engine.binary_cross_entropy(a:sigmoid(), y:sigmoid()) end },
+    { "bce_with_logits", function(a, b) return engine.binary_cross_entropy_with_logits(a, b:sigmoid(), { pos_weight = w }) end, true },
+    { "kl_div", function(a, b) return engine.kl_div(a:log_softmax(2), b:softmax(2), { reduction = "batchmean" }) end, true },
+    { "kl_div log_target", function(a, b) return engine.kl_div(a, b, { log_target = true }) end, true },
+    { "smooth_l1_loss", function(a, b) return engine.smooth_l1_loss(a, b, { beta = 0.7 }) end, true },
+    { "huber_loss", function(a, b) return engine.huber_loss(a, b, { delta = 0.6, reduction = "none" }) end, true },
+    { "softplus", function(a) return engine.softplus(a, 1.5, 2) end },
+    { "leaky_relu", function(a) return engine.leaky_relu(a, 0.2) end },
+    { "elu", function(a) return engine.elu(a, 0.7) end },
+    { "hardtanh", function(a) return engine.hardtanh(a, -1.3, 1.1) end },
+    { "glu", function(a) return engine.glu(a:narrow(2, 1, 4), 2) end },
+  }
+  for _, cse in ipairs(cases) do
+    it(cse[1], function()
+      local a = x:clone(); a.requires_grad = true
+      local ins = { a }
+      if cse[3] then local b = y:clone(); b.requires_grad = true; ins[2] = b end
+      assert.is_true(gc.check(cse[2], ins, { eps = 1e-6, tol = 1e-6 }))
+    end)
+  end
+end)
+
+describe("losses: behaviour", function()
+  it("nll_loss mean with every target ignored is nan, sum is 0 (as PyTorch)", function()
+    local lp = engine.zeros(2, 3, { dtype = "f64" })
+    local t = engine.tensor({ -100, -100 })
+    local m = engine.nll_loss(lp, t):item()
+    assert.is_true(m ~= m)
+    assert.are.equal(0, engine.nll_loss(lp, t, { reduction = "sum" }):item())
+  end)
+  it("cross_entropy without weight keeps the fused op; with weight it equals nll_loss of log_softmax", function()
+    engine.manual_seed(1)
+    local x = engine.randn(6, 4, { dtype = "f64" })
+    local t = engine.tensor({ 0, 1, 2, 3, 1, -100 })
+    local w = engine.tensor({ 1, 2, 3, 4 }, "f64")
+    local xr = x:clone(); xr.requires_grad = true
+    local fused = engine.cross_entropy(xr, t, { label_smoothing = 0.1 }).grad_fn
+    assert.is_truthy(fused:find("CrossEntropy"), fused)
+    local a = engine.cross_entropy(x, t, { weight = w }):item()
+    local b = engine.nll_loss(x:log_softmax(2), t, { weight = w }):item()
+    assert.is_true(math.abs(a - b) < 1e-12)
+  end)
+  it("nn loss modules and activation modules", function()
+    engine.manual_seed(2)
+    local x = engine.randn(4, 3, { dtype = "f64" })
+    local t = engine.tensor({ 0, 2, 1, 1 })
+    local w = engine.tensor({ 1, 0.5, 2 }, "f64")
+    local m = nn.CrossEntropyLoss{ weight = w, label_smoothing = 0.1 }
+    assert.is_true(math.abs(m(x, t):item() - engine.cross_entropy(x, t, { weight = w, label_smoothing = 0.1 }):item()) < 1e-14)
+    assert.is_true(math.abs(nn.NLLLoss{ reduction = "sum" }(x, t):item() - engine.nll_loss(x, t, { reduction = "sum" }):item()) < 1e-14)
+    local p = x:sigmoid()
+    local y = engine.tensor({ { 1, 0, 1 }, { 0, 0, 1 }, { 1, 1, 1 }, { 0, 1, 0 } }, "f64")
+    assert.is_true(math.abs(nn.BCELoss()(p, y):item() - nn.BCEWithLogitsLoss()(x, y):item()) < 1e-12)
+    assert.is_true(math.abs(nn.KLDivLoss{ reduction = "batchmean" }(x:log_softmax(2), p:softmax(2)):item()
+      - engine.kl_div(x:log_softmax(2), p:softmax(2), { reduction = "batchmean" }):item()) < 1e-14)
+    assert.is_true(math.abs(nn.HuberLoss{ delta = 1 }(x, p):item() - nn.SmoothL1Loss{ beta = 1 }(x, p):item()) < 1e-14)
+    assert.is_true(math.abs(nn.MSELoss()(x, p):item() - F.mse_loss(x, p):item()) < 1e-14)
+    assert.are.same(engine.leaky_relu(x, 0.2):totable(), nn.LeakyReLU(0.2)(x):totable())
+    assert.are.same(engine.elu(x, 0.3):totable(), nn.ELU{ alpha = 0.3 }(x):totable())
+    assert.are.same(engine.softplus(x, 2, 5):totable(), nn.Softplus{ beta = 2, threshold = 5 }(x):totable())
+    assert.are.same(engine.hardtanh(x, -0.5, 0.5):totable(), nn.Hardtanh(-0.5, 0.5)(x):totable())
+    assert.are.same(engine.relu6(x * 10):totable(), nn.ReLU6()(x * 10):totable())
+    assert.are.same({ 4, 1 }, nn.GLU()(engine.randn(4, 2)):shape())
+    assert.are.equal(F.glu, engine.glu)
+    local sd = nn.CrossEntropyLoss{ weight = w }:state_dict()
+    assert.is_not_nil(sd.weight)
+  end)
+  it("errors name the op and the shapes", function()
+    local x = engine.randn(4, 3)
+    local function err(f, pat)
+      local ok, e = pcall(f)
+      assert.is_false(ok)
+      assert.is_truthy(tostring(e):find(pat, 1, true), tostring(e))
+    end
+    err(function() engine.nll_loss(x, engine.tensor({ 0, 1, 2 })) end, "nll_loss: input f32[4,3] (classes in dim 2) expects target of shape [4]")
+    err(function() engine.nll_loss(x, engine.tensor({ 0, 1, 2, 3 })) end, "nll_loss: target 3 is out of bounds for 3 classes")
+    err(function() engine.nll_loss(x, engine.tensor({ 0, 1, 2, 1 }), { weight = engine.ones(4) }) end, "nll_loss: weight must be a 1-D tensor of 3 entries")
+    err(function() engine.cross_entropy(x, engine.tensor({ 0, 1, 2, 1 }), { weight = engine.ones(3), reduce = "sum" }) end, "cross_entropy: unknown option 'reduce'")
+    err(function() engine.binary_cross_entropy(x, x) end, "binary_cross_entropy: all elements of input should be between 0 and 1")
+    err(function() engine.binary_cross_entropy(x:sigmoid(), engine.rand(3, 4)) end, "binary_cross_entropy: target f32[3,4] must have the input's shape f32[4,3]")
+    err(function() engine.kl_div(x, x, { reduction = "avg" }) end, "kl_div: reduction must be \"none\", \"mean\", \"batchmean\" or \"sum\"")
+    err(function() engine.glu(x) end, "glu: Halving dimension must be even, but dimension 2 is size 3")
+    err(function() engine.hardtanh(x, 1, -1) end, "hardtanh: min_val (1) cannot be greater than max_val (-1)")
+    err(function() engine.smooth_l1_loss(x, x, { beta = -1 }) end, "smooth_l1_loss: beta must be non-negative")
+  end)
+end)
