@@ -43,6 +43,9 @@ static eng_tensor* to_rows(eng_tensor* t, int64_t mask, int dt, int* perm, int64
   *M = 1; *R = 1;
   for (int d = 0; d < t->ndim; d++) if (!(mask >> d & 1)) { perm[k++] = d; *M *= t->shape[d]; }
   for (int d = 0; d < t->ndim; d++) if (mask >> d & 1) { perm[k++] = d; *R *= t->shape[d]; }
+  int ident = 1;
+  for (int d = 0; d < t->ndim; d++) if (perm[d] != d) ident = 0;
+  if (ident && t->dtype == dt && eng_tensor_is_contiguous(t)) return eng_tensor_retain(t); /* rows already */
   eng_tensor* det = eng_tensor_detach(t);
   eng_tensor* p = det ? (t->ndim ? eng_permute(det, t->ndim, perm) : eng_tensor_retain(det)) : NULL;
   eng_tensor* r = p ? eng_as_contig(p, dt) : NULL;
@@ -54,7 +57,9 @@ static eng_tensor* to_rows(eng_tensor* t, int64_t mask, int dt, int* perm, int64
 static eng_tensor* from_rows(eng_tensor* rows, const eng_tensor* t, const int* perm) {
   int64_t ps[ENG_MAX_DIMS];
   int inv[ENG_MAX_DIMS];
-  for (int i = 0; i < t->ndim; i++) { ps[i] = t->shape[perm[i]]; inv[perm[i]] = i; }
+  int ident = 1;
+  for (int i = 0; i < t->ndim; i++) { ps[i] = t->shape[perm[i]]; inv[perm[i]] = i; if (perm[i] != i) ident = 0; }
+  if (ident) return eng_view(rows, t->ndim, ps);
   eng_tensor* v = eng_view(rows, t->ndim, ps);
   eng_tensor* p = v ? (t->ndim ? eng_permute(v, t->ndim, inv) : eng_tensor_retain(v)) : NULL;
   eng_tensor* r = p ? eng_tensor_contiguous(p) : NULL;

@@ -36,6 +36,8 @@ static eng_tensor* to_dev(eng_tensor* out, int device) {
 
 /* t (detached, host) with dim moved last, contiguous, of dtype dt. */
 static eng_tensor* rows_of(eng_tensor* t, int dim, int dt) {
+  if ((t->ndim <= 1 || dim == t->ndim - 1) && t->dtype == dt && t->device != ENG_CUDA && eng_tensor_is_contiguous(t))
+    return eng_tensor_retain(t); /* rows already */
   eng_tensor* d = eng_tensor_detach(t);
   eng_tensor* h = d ? host_of(d) : NULL;
   eng_tensor* tr = h ? (t->ndim > 1 ? eng_transpose(h, dim, t->ndim - 1) : eng_tensor_retain(h)) : NULL;
@@ -45,6 +47,7 @@ static eng_tensor* rows_of(eng_tensor* t, int dim, int dt) {
 }
 /* Rows (contiguous, shape = t's with dim last and size r there) back: dim in place, contiguous, on device. */
 static eng_tensor* unrows(eng_tensor* rows, int dim, int device) {
+  if (rows->ndim <= 1 || dim == rows->ndim - 1) return to_dev(eng_tensor_retain(rows), device);
   eng_tensor* tr = rows->ndim > 1 ? eng_transpose(rows, dim, rows->ndim - 1) : eng_tensor_retain(rows);
   eng_tensor* c = tr ? eng_tensor_contiguous(tr) : NULL;
   eng_tensor_release(tr);
