@@ -30,6 +30,7 @@ local ALLOWED = {
   sharding = { core = true, autograd = true, comm = true, dtensor = true, ops = true },
   cuda = { core = true, ops = true },
   sharded_tensor = { core = true, comm = true, dtensor = true },
+  checkpoint = { core = true, io = true, comm = true, dtensor = true, sharded_tensor = true },
   fsdp = { core = true, autograd = true, comm = true, dtensor = true },
 }
 -- Upward includes that exist today, each with its reason; a new one must be added here on purpose.

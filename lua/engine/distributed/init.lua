@@ -30,6 +30,7 @@ local modules = {
   "fsdp",                 -- fully_shard (FSDP2), MixedPrecisionPolicy, OffloadPolicy
   "sharding_spec",        -- ShardMetadata, ChunkShardingSpec, EnumerableShardingSpec (ShardedTensor metadata)
   "sharded_tensor",       -- ShardedTensor, dist.sharded_tensor.empty/zeros/ones/full
+  "checkpoint",           -- dist.checkpoint.save / load (distributed checkpoints)
   "shard_api",            -- shard_parameter, shard_module, ShardingPlan, Sharder, load_with_process_group
 }
 for _, name in ipairs(modules) do

@@ -1,0 +1,772 @@
+-- dist.checkpoint: distributed checkpoints (PyTorch's torch.distributed.checkpoint, DCP).
+--
+--   local h = dist.checkpoint.save(state, dir, {async = false})   -- collective; h:wait()
+--   dist.checkpoint.load(state, dir, {strict = true})              -- collective; fills state in place
+--
+-- `state` is a nested table of DTensors, ShardedTensors, plain tensors and plain Lua values (numbers,
+-- strings, booleans, int64/uint64 cdata and tables of them), e.g.
+--   {model = model:state_dict(), optim = dist.checkpoint.get_optimizer_state_dict(model, opt),
+--    step = 100, rng = engine.get_rng_state(), data = sampler:state()}
+-- Keys are the dotted paths of the leaves ("model.layers.0.attention.wq.weight"); a table that holds
+-- no tensor is one value.
+--
+-- Layout of dir: "__<rank>_0.distcp" per rank (only the chunks that rank owns, written by the C
+-- writer, engine/src/checkpoint/files.c) and ".metadata" (a safetensors file without tensors whose
+-- __metadata__ has "format", "id" (random, also in every data file's header), "world_size", per tensor
+-- "t:<key>" = "<dtype>|<global shape>|<chunks: file, offset, bytes, checksum, box>", and per value
+-- "v:<key>" = the value serialized).  Who writes what: a DTensor's local shard is written by the ranks
+-- whose coordinate on every Replicate mesh dim is 0 (replicas once); a ShardedTensor's local shards by
+-- their rank; a plain tensor (taken as replicated) and the values by rank 0.  Partial DTensors are an
+-- error.
+--
+-- Crash safety: every rank writes to a temporary name, fsyncs and renames; the ranks then agree that
+-- all succeeded, the chunk records are gathered and rank 0 writes the metadata (temporary name, fsync,
+-- rename, fsync of the directory) last: a directory without ".metadata" is not a checkpoint.  An
+-- earlier ".metadata" in dir is removed before any data file is replaced.
+--
+-- Loading reads the metadata on every rank, checks it (entries parse and cover each tensor exactly,
+-- every data file is present, carries the checkpoint's id and is long enough), matches the keys of
+-- `state` (missing keys on either side name them; strict = false skips them), then for each local
+-- shard reads the saved chunks that overlap it (resharding math of engine/src/dtensor/resharding.c),
+-- verifying each chunk's checksum, into staging tensors; only when every rank succeeded (agreed) are
+-- the staging tensors copied into the state and the values set: a bad directory fails on every rank
+-- naming the file and loads nothing.  So a checkpoint saved at any world size, mesh or placements
+-- loads into any other.
+--
+-- Async save: the tensors are copied into staging buffers (one memory copy) and a C thread writes
+-- them; save returns a handle whose :wait() (collective) finishes the save (agreement, metadata).  A
+-- second save, and a load, first wait for a pending one.
+local core = require("engine.core")
+local ffi, C = core.ffi, core.C
+
+local M = {}
+
+local FORMAT = "engine-dcp/1"
+M.FORMAT = FORMAT
+local META = ".metadata"
+
+local function E() return require("engine") end
+local function D() return require("engine.distributed") end
+
+local function data_file(dir, r) return string.format("%s/__%d_0.distcp", dir, r) end
+M.data_file = data_file
+M.metadata_file = function(dir) return dir .. "/" .. META end
+
+-- ---------------------------------------------------------------- values
+-- A canonical text for plain values and a small parser for it (no load(): metadata may be foreign).
+local function ser(v, out, key)
+  local t = type(v)
+  if t == "number" then
+    if v ~= v then out[#out + 1] = "nan"
+    elseif v == math.huge then out[#out + 1] = "inf"
+    elseif v == -math.huge then out[#out + 1] = "-inf"
+    else out[#out + 1] = string.format("%.17g", v) end
+  elseif t == "string" then out[#out + 1] = string.format("%q", v):gsub("\\\n", "\\n")
+  elseif t == "boolean" then out[#out + 1] = v and "true" or "false"
+  elseif t == "cdata" and ffi.istype("uint64_t", v) then out[#out + 1] = (tostring(v):gsub("ULL$", "")) .. "U"
+  elseif t == "cdata" and ffi.istype("int64_t", v) then out[#out + 1] = (tostring(v):gsub("LL$", "")) .. "L"
+  elseif t == "table" then
+    local keys = {}
+    for k in pairs(v) do
+      if type(k) ~= "string" and type(k) ~= "number" then
+        error(string.format("checkpoint.save: '%s' has a %s key; values may have string and number keys", key, type(k)), 0)
+      end
+      keys[#keys + 1] = k
+    end
+    table.sort(keys, function(a, b)
+      if type(a) == type(b) then return a < b end
+      return type(a) == "number"
+    end)
+    out[#out + 1] = "{"
+    for i, k in ipairs(keys) do
+      if i > 1 then out[#out + 1] = "," end
+      out[#out + 1] = "["
+      ser(k, out, key)
+      out[#out + 1] = "]="
+      ser(v[k], out, key .. "." .. tostring(k))
+    end
+    out[#out + 1] = "}"
+  else
+    error(string.format("checkpoint.save: '%s' is a %s; a state holds tensors, DTensors, ShardedTensors, numbers, " ..
+      "strings, booleans, int64 cdata and tables of them", key, t), 0)
+  end
+end
+
+local function serialize(v, key)
+  local out = {}
+  ser(v, out, key)
+  return table.concat(out)
+end
+M._serialize = serialize
+
+local function deserialize(s, key)
+  local pos = 1
+  local function fail(what)
+    error(string.format("checkpoint.load: the value of '%s' in the metadata is malformed (%s at byte %d)", key, what, pos), 0)
+  end
+  local parse
+  local function str()
+    local i, buf = pos + 1, {}
+    while true do
+      local c = s:sub(i, i)
+      if c == "" then fail("unterminated string") end
+      if c == '"' then pos = i + 1; return table.concat(buf) end
+      if c == "\\" then
+        local n = s:sub(i + 1, i + 1)
+        local map = { n = "\n", t = "\t", r = "\r", ['"'] = '"', ["\\"] = "\\", a = "\a", b = "\b", f = "\f", v = "\v" }
+        if map[n] then buf[#buf + 1] = map[n]; i = i + 2
+        elseif n:match("%d") then
+          local d = s:match("^%d%d?%d?", i + 1)
+          local code = tonumber(d)
+          if code > 255 then fail("bad escape") end
+          buf[#buf + 1] = string.char(code)
+          i = i + 1 + #d
+        else fail("bad escape") end
+      else
+        buf[#buf + 1] = c
+        i = i + 1
+      end
+    end
+  end
+  parse = function(depth)
+    if depth > 64 then fail("nesting too deep") end
+    local c = s:sub(pos, pos)
+    if c == '"' then return str() end
+    if c == "{" then
+      pos = pos + 1
+      local t = {}
+      if s:sub(pos, pos) == "}" then pos = pos + 1; return t end
+      while true do
+        if s:sub(pos, pos) ~= "[" then fail("expected '['") end
+        pos = pos + 1
+        local k = parse(depth + 1)
+        if type(k) ~= "string" and type(k) ~= "number" then fail("bad key") end
+        if s:sub(pos, pos + 1) ~= "]=" then fail("expected ']='") end
+        pos = pos + 2
+        t[k] = parse(depth + 1)
+        local d = s:sub(pos, pos)
+        pos = pos + 1
+        if d == "}" then return t end
+        if d ~= "," then fail("expected ',' or '}'") end
+      end
+    end
+    for _, lit in ipairs({ { "true", true }, { "false", false }, { "nan", 0 / 0 }, { "-inf", -math.huge }, { "inf", math.huge } }) do
+      if s:sub(pos, pos + #lit[1] - 1) == lit[1] then pos = pos + #lit[1]; return lit[2] end
+    end
+    local n = s:match("^%-?%d+U", pos)
+    if n then
+      pos = pos + #n
+      local v = 0ULL
+      for i = 1, #n - 1 do v = v * 10 + (n:byte(i) - 48) end
+      return v
+    end
+    n = s:match("^%-?%d+L", pos)
+    if n then
+      pos = pos + #n
+      local neg = n:sub(1, 1) == "-"
+      local v = 0LL
+      for i = neg and 2 or 1, #n - 1 do v = v * 10 + (n:byte(i) - 48) end
+      return neg and -v or v
+    end
+    n = s:match("^%-?[%d%.]+[eE]?[%+%-]?%d*", pos)
+    if n and tonumber(n) then pos = pos + #n; return tonumber(n) end
+    fail("unexpected input")
+  end
+  local v = parse(0)
+  if pos ~= #s + 1 then fail("trailing bytes") end
+  return v
+end
+M._deserialize = deserialize
+
+-- ---------------------------------------------------------------- state flattening
+local function is_sharded(x)
+  return type(x) == "table" and type(x.local_shards) == "function" and type(x.metadata) == "function"
+end
+local function is_leaf_tensor(x) return core.is_tensor(x) or is_sharded(x) end
+
+local function has_tensor(v, depth)
+  if depth > 64 then return false end
+  if is_leaf_tensor(v) then return true end
+  if type(v) ~= "table" then return false end
+  for _, x in pairs(v) do if has_tensor(x, depth + 1) then return true end end
+  return false
+end
+
+-- flatten(state) -> items keyed by dotted path: {key, kind = "tensor" | "value", value, parent, pkey}
+local function flatten(state, op)
+  if type(state) ~= "table" or is_leaf_tensor(state) then
+    error(op .. ": state must be a table (e.g. {model = model:state_dict(), step = 10})", 0)
+  end
+  local items, keys = {}, {}
+  local function walk(t, prefix, depth)
+    if depth > 64 then error(op .. ": the state is nested more than 64 levels (a cycle?)", 0) end
+    for k, v in pairs(t) do
+      if type(k) ~= "string" and type(k) ~= "number" then
+        error(string.format("%s: key under '%s' is a %s; state keys are strings or numbers", op, prefix, type(k)), 0)
+      end
+      local key = prefix .. tostring(k)
+      if is_leaf_tensor(v) then
+        items[key] = { key = key, kind = "tensor", value = v, parent = t, pkey = k }
+        keys[#keys + 1] = key
+      elseif type(v) == "table" and has_tensor(v, depth + 1) then
+        walk(v, key .. ".", depth + 1)
+      else
+        items[key] = { key = key, kind = "value", value = v, parent = t, pkey = k }
+        keys[#keys + 1] = key
+      end
+    end
+  end
+  walk(state, "", 0)
+  table.sort(keys)
+  for i = 2, #keys do
+    if keys[i] == keys[i - 1] then error(string.format("%s: two entries have the key '%s'", op, keys[i]), 0) end
+  end
+  return items, keys
+end
+
+-- ---------------------------------------------------------------- layouts
+-- Shape/dtype of a tensor leaf and the list of its local boxes on this rank:
+-- {tensor = local tensor (plain), offsets = {...} (0-based), sizes = {...}, write = bool}
+local function dtype_of(t)
+  if is_sharded(t) then
+    local md = t:metadata()
+    return md.tensor_properties and md.tensor_properties.dtype or t.dtype
+  end
+  return t.dtype
+end
+
+local function describe_layout(t)
+  if D().is_dtensor(t) then return t:_layout_str() end
+  if is_sharded(t) then return "ShardedTensor " .. tostring(t.dtype) .. "[" .. table.concat(t:size(), ",") .. "]" end
+  return string.format("%s[%s]", t.dtype, table.concat(t:shape(), ","))
+end
+
+local function local_boxes(t, key, op, rank)
+  local dist = D()
+  if dist.is_dtensor(t) then
+    local pl, mesh = t.placements, t.device_mesh
+    local shape = t:shape()
+    for i, p in ipairs(pl) do
+      if p:is_partial() then
+        error(string.format("%s: '%s' is a DTensor with a Partial placement (%s on mesh dim %d): Partial DTensors " ..
+          "cannot be checkpointed (the values are not reduced yet); redistribute it to Replicate() or Shard() first",
+          op, key, describe_layout(t), i), 0)
+      end
+      if p:is_strided_shard() then
+        error(string.format("%s: '%s' has a _StridedShard placement (%s): not supported by this checkpoint format yet; " ..
+          "redistribute to Shard/Replicate placements first", op, key, describe_layout(t)), 0)
+      end
+    end
+    local coord = mesh:get_coordinate()
+    if coord == nil then return shape, {} end
+    local lshape, off = dist.compute_local_shape_and_global_offset(shape, mesh, pl)
+    local write = true
+    for i, p in ipairs(pl) do if p:is_replicate() and coord[i] ~= 0 then write = false end end
+    return shape, { { tensor = t:to_local(), offsets = off, sizes = lshape, write = write } }
+  elseif is_sharded(t) then
+    local md = t:metadata()
+    local boxes = {}
+    for _, s in ipairs(t:local_shards()) do
+      boxes[#boxes + 1] = { tensor = s.tensor, offsets = { unpack(s.metadata.shard_offsets) },
+        sizes = { unpack(s.metadata.shard_sizes) }, write = true }
+    end
+    return { unpack(md.size) }, boxes
+  end
+  local shape = t:shape()
+  local off = {}
+  for d = 1, #shape do off[d] = 0 end
+  return shape, { { tensor = t, offsets = off, sizes = shape, write = rank == 0 } }
+end
+
+local function numel_of(sizes)
+  local n = 1
+  for _, s in ipairs(sizes) do n = n * s end
+  return n
+end
+
+-- ---------------------------------------------------------------- collectives
+local function world() return D().world_group() end
+local function nranks() return D().world_size() end
+local function myrank() return D().rank() end
+
+-- agree(err_msg_or_nil, op, key): every rank learns whether any failed; error on all ranks if so.
+local function agree(err, op, key)
+  if nranks() > 1 then
+    if err then C.eng_set_error_message(err) end
+    local rc = C.eng_pg_agree(world()._c, err and 1 or 0, key or 0, op)
+    if rc ~= 0 then error(core.last_error(), 0) end
+  elseif err then
+    error(err, 0)
+  end
+end
+
+local function str_hash(s)
+  local h = 1469598103934665603ULL
+  for i = 1, #s do h = bit.bxor(h, s:byte(i)) * 1099511628211ULL end
+  return h
+end
+
+-- all_gather of one string per rank -> list (0-based) of strings
+local function gather_strings(s)
+  local n = nranks()
+  if n == 1 then return { [0] = s } end
+  local engine = E()
+  local dist = D()
+  local lens = engine.zeros({ n }, { dtype = "i64" })
+  lens:narrow(1, myrank() + 1, 1):fill_(#s)
+  dist.all_reduce(lens, "sum")
+  local l = lens:totable()
+  local maxl = 1
+  for i = 1, n do maxl = math.max(maxl, l[i]) end
+  local buf = engine.zeros({ maxl }, { dtype = "u8" })
+  if #s > 0 then ffi.copy(buf:data_ptr(), s, #s) end
+  local all = engine.empty({ n * maxl }, { dtype = "u8" })
+  dist.all_gather_into(all, buf)
+  local p = ffi.cast("const char*", all:data_ptr())
+  local out = {}
+  for r = 0, n - 1 do out[r] = ffi.string(p + r * maxl, l[r + 1]) end
+  return out
+end
+
+local function new_id()
+  local engine = E()
+  local t = engine.zeros({ 2 }, { dtype = "i64" })
+  if myrank() == 0 then
+    local f = io.open("/dev/urandom", "rb")
+    local bytes = f and f:read(8) or ""
+    if f then f:close() end
+    local a = 0
+    for i = 1, #bytes do a = (a * 256 + bytes:byte(i)) % 2 ^ 40 end
+    t:narrow(1, 1, 1):fill_(a)
+    t:narrow(1, 2, 1):fill_(os.time() % 2 ^ 40)
+  end
+  if nranks() > 1 then D().broadcast(t, 0) end
+  local v = t:totable()
+  return string.format("%010x-%010x", v[1], v[2])
+end
+
+-- ---------------------------------------------------------------- save
+local Handle = {}
+Handle.__index = Handle
+local pending = nil
+
+local function finish_save(h)
+  h._done = true
+  if pending == h then pending = nil end
+  local op = "checkpoint.save"
+  local err
+  if h.writer ~= nil then
+    if C.eng_ckpt_writer_finish(h.writer) ~= 0 then err = core.last_error() end
+  end
+  if h.err then err = h.err end
+  agree(err, op)
+  -- chunk records: "key \t offset \t nbytes \t checksum \t offsets \t sizes" per line
+  local lines = {}
+  for i, r in ipairs(h.records) do
+    local sum = C.eng_ckpt_writer_checksum(h.writer, i - 1)
+    lines[#lines + 1] = table.concat({ r.key, string.format("%.0f", r.offset), string.format("%.0f", r.nbytes),
+      bit.tohex(sum, 16), table.concat(r.offsets, ","), table.concat(r.sizes, ",") }, "\t")
+  end
+  if h.writer ~= nil then C.eng_ckpt_writer_free(ffi.gc(h.writer, nil)); h.writer = nil end
+  local all = gather_strings(table.concat(lines, "\n"))
+  local ok, werr = true, nil
+  if myrank() == 0 then
+    ok, werr = pcall(function()
+      local chunks = {}
+      for r = 0, nranks() - 1 do
+        for line in all[r]:gmatch("[^\n]+") do
+          local key, off, nb, sum, offs, sizes = line:match("^(.*)\t(%d+)\t(%d+)\t(%x+)\t([%d,]*)\t([%d,]*)$")
+          if not key then error(op .. ": internal: bad chunk record from rank " .. r, 0) end
+          chunks[key] = chunks[key] or {}
+          local c = chunks[key]
+          c[#c + 1] = { file = r, offset = tonumber(off), nbytes = tonumber(nb), sum = sum, offs = offs, sizes = sizes }
+        end
+      end
+      local meta = { format = FORMAT, id = h.id, world_size = tostring(nranks()) }
+      for key, info in pairs(h.tensors) do
+        local parts = {}
+        for i, c in ipairs(chunks[key] or {}) do
+          parts[i] = string.format("%d:%.0f:%.0f:%s:%s:%s", c.file, c.offset, c.nbytes, c.sum, c.offs, c.sizes)
+        end
+        local entry = string.format("%s|%s|%s", info.dtype, table.concat(info.shape, ","), table.concat(parts, ";"))
+        -- validated as a loader will (cover, bounds), so a bad plan fails the save, not a later load
+        local dt, nd = ffi.new("int[1]"), ffi.new("int[1]")
+        local shp = ffi.new("int64_t[8]")
+        if C.eng_ckpt_entry_parse(op .. ": '" .. key .. "'", entry, nranks(), dt, nd, shp, nil, 0) < 0 then
+          error(core.last_error(), 0)
+        end
+        meta["t:" .. key] = entry
+      end
+      for key, s in pairs(h.values) do meta["v:" .. key] = s end
+      local tmp = string.format("%s/%s.tmp%d", h.dir, META, myrank())
+      E().save(tmp, {}, meta)
+      if C.eng_ckpt_commit_file(tmp, h.dir .. "/" .. META) ~= 0 then error(core.last_error(), 0) end
+    end)
+  end
+  agree(not ok and tostring(werr) or nil, op)
+  return true
+end
+
+function Handle:wait()
+  if not self._done then finish_save(self) end
+  return self
+end
+function Handle:is_completed() return self._done == true end
+M.SaveHandle = Handle
+
+local function wait_pending()
+  if pending then pending:wait() end
+end
+M.wait_pending = wait_pending
+
+local function check_opts(opts, allowed, op)
+  if opts == nil then return {} end
+  if type(opts) ~= "table" then error(op .. ": options must be a table", 3) end
+  for k in pairs(opts) do
+    if not allowed[k] then
+      local names = {}
+      for n in pairs(allowed) do names[#names + 1] = n end
+      table.sort(names)
+      error(string.format("%s: unknown option '%s' (%s)", op, tostring(k), table.concat(names, ", ")), 3)
+    end
+  end
+  return opts
+end
+
+-- save(state, dir, {async = false}) -> handle (collective over the world).
+function M.save(state, dir, opts)
+  local op = "checkpoint.save"
+  opts = check_opts(opts, { async = true }, op)
+  if type(dir) ~= "string" or dir == "" then error(op .. ": dir must be a non-empty string", 2) end
+  wait_pending()
+  local rank = myrank()
+  local h = setmetatable({ dir = dir, records = {}, tensors = {}, values = {}, _done = false }, Handle)
+  -- local planning: every check that can fail on one rank runs before the agreement
+  local err
+  local lok, lerr = pcall(function()
+    local items, keys = flatten(state, op)
+    h.keys = keys
+    h.plan = {}
+    for _, key in ipairs(keys) do
+      local it = items[key]
+      if it.kind == "tensor" then
+        local shape, boxes = local_boxes(it.value, key, op, rank)
+        local dt = dtype_of(it.value)
+        h.tensors[key] = { dtype = dt, shape = shape }
+        for _, b in ipairs(boxes) do
+          if b.write and numel_of(b.sizes) > 0 then h.plan[#h.plan + 1] = { key = key, box = b } end
+        end
+      else
+        h.values[key] = serialize(it.value, key)
+      end
+    end
+  end)
+  if not lok then err = tostring(lerr) end
+  -- the key set and shapes must be the same on every rank (rank 0 writes the metadata)
+  local sig = {}
+  for _, key in ipairs(h.keys or {}) do
+    local t = h.tensors[key]
+    sig[#sig + 1] = key .. (t and (":" .. t.dtype .. "[" .. table.concat(t.shape, ",") .. "]") or "")
+  end
+  agree(err, op, str_hash(table.concat(sig, "\n")))
+  h.id = new_id()
+  -- the previous checkpoint in dir stops being one before its files are replaced
+  if rank == 0 then os.remove(dir .. "/" .. META) end
+  if nranks() > 1 then D().barrier() end
+  local w = C.eng_ckpt_writer_open(data_file(dir, rank), h.id)
+  if w == nil then
+    h.err = core.last_error()
+  else
+    h.writer = ffi.gc(w, C.eng_ckpt_writer_free)
+    local ok2, e2 = pcall(function()
+      E().no_grad(function()
+        for _, p in ipairs(h.plan) do
+          local off = C.eng_ckpt_writer_add(h.writer, p.box.tensor._c, opts.async and 1 or 0)
+          if off < 0 then error(core.last_error(), 0) end
+          local t = p.box.tensor
+          h.records[#h.records + 1] = { key = p.key, offset = tonumber(off),
+            nbytes = numel_of(p.box.sizes) * tonumber(C.eng_dtype_size(C.eng_dtype_from_name(t.dtype))),
+            offsets = p.box.offsets, sizes = p.box.sizes }
+        end
+      end)
+      if C.eng_ckpt_writer_start(h.writer, opts.async and 1 or 0) ~= 0 then error(core.last_error(), 0) end
+    end)
+    if not ok2 then h.err = tostring(e2) end
+  end
+  h.plan = nil
+  if opts.async and not h.err then
+    pending = h
+    return h
+  end
+  finish_save(h)
+  return h
+end
+
+-- ---------------------------------------------------------------- load
+local function read_metadata(dir, op)
+  local path = dir .. "/" .. META
+  local f = io.open(path, "rb")
+  if not f then
+    error(string.format("%s: '%s' has no metadata file '%s' (not a checkpoint, or its save did not finish)", op, dir,
+      path), 0)
+  end
+  f:close()
+  local ok, _, meta = pcall(E().load, path)
+  if not ok then error(string.format("%s: the metadata file '%s' is unreadable: %s", op, path, tostring(_)), 0) end
+  if meta.format ~= FORMAT then
+    error(string.format("%s: '%s' is not a distributed checkpoint's metadata (format %s, expected %s)", op, path,
+      tostring(meta.format), FORMAT), 0)
+  end
+  local n = tonumber(meta.world_size)
+  if not n or n < 1 or n % 1 ~= 0 or type(meta.id) ~= "string" or #meta.id > 55 then
+    error(string.format("%s: the metadata file '%s' has a bad world_size or id", op, path), 0)
+  end
+  return meta, n
+end
+
+-- The parsed entry of key: {dtype, shape, chunks = {{file, offset, nbytes, checksum, offsets, sizes}}}
+local function parse_entry(text, n_files, key, op)
+  local dt, nd = ffi.new("int[1]"), ffi.new("int[1]")
+  local shp = ffi.new("int64_t[8]")
+  local name = string.format("%s: the metadata entry of '%s'", op, key)
+  local n = C.eng_ckpt_entry_parse(name, text, n_files, dt, nd, shp, nil, 0)
+  if n < 0 then error(core.last_error(), 0) end
+  local arr = ffi.new("eng_ckpt_chunk[?]", math.max(n, 1))
+  if C.eng_ckpt_entry_parse(name, text, n_files, dt, nd, shp, arr, n) ~= n then error(core.last_error(), 0) end
+  local e = { dtype = ffi.string(C.eng_dtype_name(dt[0])), shape = {}, chunks = {} }
+  for d = 0, nd[0] - 1 do e.shape[d + 1] = tonumber(shp[d]) end
+  for i = 0, n - 1 do
+    local c = arr[i]
+    local offs, sizes = {}, {}
+    for d = 0, nd[0] - 1 do offs[d + 1] = tonumber(c.offsets[d]); sizes[d + 1] = tonumber(c.sizes[d]) end
+    e.chunks[i + 1] = { file = c.file, offset = c.offset, nbytes = c.nbytes, checksum = c.checksum, offsets = offs, sizes = sizes }
+  end
+  return e
+end
+M._parse_entry = parse_entry
+
+local function same_list(a, b)
+  if #a ~= #b then return false end
+  for i = 1, #a do if a[i] ~= b[i] then return false end end
+  return true
+end
+
+-- fill box.tensor-shaped staging from the chunks of entry e (those that overlap the box)
+local function read_box(dir, id, e, box, op)
+  local engine = E()
+  local staging = engine.empty(box.sizes, { dtype = e.dtype })
+  if numel_of(box.sizes) == 0 then return staging end
+  local nd = #box.sizes
+  local bo = ffi.new("int64_t[8]")
+  local bs = ffi.new("int64_t[8]")
+  for d = 1, nd do bo[d - 1] = box.offsets[d]; bs[d - 1] = box.sizes[d] end
+  local co, cs = ffi.new("int64_t[8]"), ffi.new("int64_t[8]")
+  local region = ffi.new("int64_t[32]")
+  for _, c in ipairs(e.chunks) do
+    for d = 1, nd do co[d - 1] = c.offsets[d]; cs[d - 1] = c.sizes[d] end
+    local hit = nd == 0 and 1 or C.eng_shard_boxes_overlap(nd, co, cs, bo, bs)
+    if hit < 0 then error(core.last_error(), 0) end
+    if hit == 1 then
+      local path = data_file(dir, c.file)
+      if nd == 0 or (same_list(c.offsets, box.offsets) and same_list(c.sizes, box.sizes)) then
+        if C.eng_ckpt_read_chunk(path, id, c.offset, c.nbytes, c.checksum, staging._c) ~= 0 then
+          error(core.last_error(), 0)
+        end
+      else
+        local buf = engine.empty(c.sizes, { dtype = e.dtype })
+        if C.eng_ckpt_read_chunk(path, id, c.offset, c.nbytes, c.checksum, buf._c) ~= 0 then
+          error(core.last_error(), 0)
+        end
+        if C.eng_shard_overlap_region(nd, co, cs, bo, bs, region) ~= 0 then error(core.last_error(), 0) end
+        local src, dst = buf, staging
+        for d = 0, nd - 1 do
+          local so, doff, len = tonumber(region[4 * d + 1]), tonumber(region[4 * d + 2]), tonumber(region[4 * d + 3])
+          src = src:narrow(d + 1, so + 1, len)
+          dst = dst:narrow(d + 1, doff + 1, len)
+        end
+        dst:copy_(src)
+      end
+    end
+  end
+  return staging
+end
+
+-- load(state, dir, {strict = true}) -> state (filled in place; values replaced).  Collective.
+function M.load(state, dir, opts)
+  local op = "checkpoint.load"
+  opts = check_opts(opts, { strict = true }, op)
+  if type(dir) ~= "string" or dir == "" then error(op .. ": dir must be a non-empty string", 2) end
+  local strict = opts.strict ~= false
+  wait_pending()
+  local rank = myrank()
+  local meta, n_files, id
+  local stage = {}   -- {dst = local tensor, src = staging}
+  local sets = {}    -- {item, value}
+  local ok, err = pcall(function()
+    meta, n_files = read_metadata(dir, op)
+    id = meta.id
+    -- every data file present, of this checkpoint, long enough for its chunks
+    local items, keys = flatten(state, op)
+    local entries, need = {}, {}
+    for k, text in pairs(meta) do
+      local key = k:match("^t:(.*)$")
+      if key then
+        local e = parse_entry(text, n_files, key, op)
+        entries[key] = e
+        for _, c in ipairs(e.chunks) do need[c.file] = math.max(need[c.file] or 0, tonumber(c.offset + c.nbytes)) end
+      end
+    end
+    for r = 0, n_files - 1 do
+      if C.eng_ckpt_file_check(data_file(dir, r), id, need[r] or 0) ~= 0 then error(core.last_error(), 0) end
+    end
+    -- keys on both sides
+    local missing, unexpected = {}, {}
+    for _, key in ipairs(keys) do
+      local it = items[key]
+      if it.kind == "tensor" and not entries[key] or it.kind == "value" and meta["v:" .. key] == nil then
+        missing[#missing + 1] = key .. (meta[(it.kind == "tensor" and "v:" or "t:") .. key] and
+          (it.kind == "tensor" and " (saved as a value, not a tensor)" or " (saved as a tensor, not a value)") or "")
+      end
+    end
+    for k in pairs(meta) do
+      local key = k:match("^[tv]:(.*)$")
+      if key and not items[key] then unexpected[#unexpected + 1] = key end
+    end
+    table.sort(missing); table.sort(unexpected)
+    if strict and (#missing > 0 or #unexpected > 0) then
+      local parts = {}
+      if #missing > 0 then parts[#parts + 1] = "missing in the checkpoint: " .. table.concat(missing, ", ") end
+      if #unexpected > 0 then parts[#parts + 1] = "in the checkpoint but not in the state: " .. table.concat(unexpected, ", ") end
+      error(string.format("%s: '%s' does not match the state (%s); pass {strict = false} to load the common keys", op,
+        dir, table.concat(parts, "; ")), 0)
+    end
+    for _, key in ipairs(keys) do
+      local it = items[key]
+      if it.kind == "tensor" and entries[key] then
+        local e = entries[key]
+        local shape, boxes = local_boxes(it.value, key, op, rank)
+        if not same_list(shape, e.shape) then
+          error(string.format("%s: '%s' has shape [%s] in the checkpoint and [%s] in the state (%s)", op, key,
+            table.concat(e.shape, ","), table.concat(shape, ","), describe_layout(it.value)), 0)
+        end
+        for _, b in ipairs(boxes) do
+          stage[#stage + 1] = { dst = b.tensor, src = read_box(dir, id, e, b, op) }
+        end
+      elseif it.kind == "value" and meta["v:" .. key] then
+        sets[#sets + 1] = { it = it, value = deserialize(meta["v:" .. key], key) }
+      end
+    end
+  end)
+  -- nothing is changed unless every rank read everything
+  agree(not ok and tostring(err) or nil, op, str_hash(meta and meta.id or ""))
+  E().no_grad(function()
+    for _, s in ipairs(stage) do s.dst:copy_(s.src) end
+  end)
+  for _, s in ipairs(sets) do s.it.parent[s.it.pkey] = s.value end
+  return state
+end
+
+-- ---------------------------------------------------------------- state dict helpers
+-- get_optimizer_state_dict(model, opt) -> {state = {[param name] = {step =, exp_avg =, ...}},
+-- param_groups = {{lr =, ..., params = {names}}}} (PyTorch's get_optimizer_state_dict: keyed by
+-- parameter names, every parameter's state initialised, so a fresh optimizer can be loaded into).
+-- The tensors are the optimizer's live ones: dist.checkpoint.load fills them in place; then call
+-- set_optimizer_state_dict(model, opt, sd) for the non-tensor values (steps, hyperparameters).
+function M.get_optimizer_state_dict(model, opt)
+  local op = "get_optimizer_state_dict"
+  local name_of = {}
+  for name, p in model:named_parameters() do if name_of[p] == nil then name_of[p] = name end end
+  local state, groups = {}, {}
+  for gi, g in ipairs(opt.param_groups) do
+    local sg = { params = {} }
+    for k, v in pairs(g) do
+      if k ~= "params" then sg[k] = type(v) == "table" and { unpack(v) } or v end
+    end
+    for _, p in ipairs(g.params) do
+      local name = name_of[p]
+      if not name then error(string.format("%s: a parameter of group %d is not in the model", op, gi), 2) end
+      sg.params[#sg.params + 1] = name
+      if opt.state[p] == nil then
+        if type(opt._init_state) == "function" then
+          opt:_init_state(p)
+        elseif opt.__name == "AdamW" or getmetatable(opt) and tostring(opt):match("^AdamW") then
+          local Optimizer = require("engine.optim.optimizer")
+          opt.state[p] = { step = 0, exp_avg = Optimizer._zeros_like(p), exp_avg_sq = Optimizer._zeros_like(p) }
+        end
+      end
+      local st = opt.state[p]
+      if st then
+        local s = {}
+        for k, v in pairs(st) do s[k] = v end
+        state[name] = s
+      end
+    end
+    groups[gi] = sg
+  end
+  return { state = state, param_groups = groups }
+end
+
+function M.set_optimizer_state_dict(model, opt, sd)
+  local op = "set_optimizer_state_dict"
+  if type(sd) ~= "table" or type(sd.state) ~= "table" or type(sd.param_groups) ~= "table" then
+    error(op .. ": expected {state = ..., param_groups = ...}", 2)
+  end
+  local params = {}
+  for name, p in model:named_parameters() do params[name] = p end
+  for gi, g in ipairs(opt.param_groups) do
+    local sg = sd.param_groups[gi]
+    if not sg then error(string.format("%s: parameter group %d is missing", op, gi), 2) end
+    for k, v in pairs(sg) do
+      if k ~= "params" then g[k] = type(v) == "table" and { unpack(v) } or v end
+    end
+    for _, name in ipairs(sg.params or {}) do
+      local p = params[name]
+      if not p then error(string.format("%s: parameter '%s' is not in the model", op, tostring(name)), 2) end
+      local s = sd.state[name]
+      if s then
+        local st = opt.state[p] or {}
+        for k, v in pairs(s) do st[k] = v end
+        opt.state[p] = st
+      end
+    end
+  end
+end
+
+-- ---------------------------------------------------------------- directories of checkpoints
+-- path(root, step) -> root .. "/step_00000500"; latest(root) -> newest complete one (with metadata) and
+-- its step, or nil; prune(root, keep) removes all but the newest `keep` complete ones (call on one rank).
+function M.path(root, step) return string.format("%s/step_%08d", root, step) end
+
+local function list_steps(root)
+  local p = io.popen("ls -1 '" .. root:gsub("'", "'\\''") .. "' 2>/dev/null")
+  local steps = {}
+  if not p then return steps end
+  for name in p:lines() do
+    local s = name:match("^step_(%d+)$")
+    if s then
+      local f = io.open(root .. "/" .. name .. "/" .. META, "rb")
+      if f then f:close(); steps[#steps + 1] = tonumber(s) end
+    end
+  end
+  p:close()
+  table.sort(steps)
+  return steps
+end
+
+function M.latest(root)
+  local steps = list_steps(root)
+  local s = steps[#steps]
+  if not s then return nil end
+  return M.path(root, s), s
+end
+
+function M.prune(root, keep)
+  local steps = list_steps(root)
+  for i = 1, #steps - keep do
+    local dir = M.path(root, steps[i])
+    os.remove(dir .. "/" .. META)   -- first: the directory stops being a checkpoint
+    os.execute("rm -rf '" .. dir:gsub("'", "'\\''") .. "'")
+  end
+end
+
+return { checkpoint = M }

@@ -1,0 +1,263 @@
+-- dist.checkpoint (issue 16): save at one layout, load into another.  Runs at 1, 2 and 4 ranks:
+-- 1-D meshes over {Replicate, Shard(1), Shard(2)} both ways, on a 2x2 mesh (4 ranks) all 12 ordered
+-- pairs of {[R,R], [R,S1], [S1,R], [S1,S1]} and 1-D saves into every 2-D layout and back, saves from the
+-- whole world loaded on a sub-mesh (half the ranks, one rank) and the reverse, uneven sizes, plain
+-- tensors, ShardedTensors to DTensors and back, values, missing keys, Partial DTensors, async = sync.
+local engine = require("engine")
+local dist = engine.distributed
+local ckpt = dist.checkpoint
+local util = require("spec.dist.helpers.util")
+local diff, errmsg = util.diff, util.errmsg
+local W, R = dist.world_size(), dist.rank()
+local Shard, Replicate = dist.Shard, dist.Replicate
+
+local stamp = engine.tensor({ math.floor(engine.time() * 1000) % 100000000 }, "f64")
+dist.broadcast(stamp, 0)
+local root = string.format("%s/ckpt_spec_%d_w%d", os.getenv("TMPDIR") or "/tmp", stamp:item(), W)
+local n_dirs = 0
+local function newdir()
+  n_dirs = n_dirs + 1
+  return string.format("%s/c%d", root, n_dirs)
+end
+
+local world_mesh = dist.init_device_mesh("cpu", { W })
+-- a mesh over the first k ranks (the others are outside it and hold nothing)
+local function sub_mesh(k)
+  local ranks = {}
+  for i = 0, k - 1 do ranks[#ranks + 1] = i end
+  return dist.DeviceMesh("cpu", ranks)
+end
+
+local function full_of(t)
+  if dist.is_dtensor(t) then return t:full_tensor() end
+  return t
+end
+
+local function reference(shape, seed)
+  engine.manual_seed(seed)
+  return engine.randn(shape)
+end
+
+-- save `full` laid out (mesh, pl) under key "w", load into (mesh2, pl2) and compare on every rank
+local function roundtrip(shape, mesh, pl, mesh2, pl2, label)
+  local full = reference(shape, 7)
+  local src = mesh and dist.distribute_tensor(full, mesh, pl) or full:clone()
+  local dir = newdir()
+  ckpt.save({ w = src }, dir)
+  local dst = mesh2 and dist.zeros(shape, { mesh = mesh2, placements = pl2 }) or engine.zeros(shape)
+  ckpt.load({ w = dst }, dir)
+  local ok = true
+  if not mesh2 or mesh2:get_coordinate() ~= nil then
+    local got = full_of(dst)
+    ok = diff(got, full) == 0
+    if dst.to_local and mesh2 then
+      -- the local shard is exactly its box of the global tensor
+      local ls, off = dist.compute_local_shape_and_global_offset(shape, mesh2, pl2)
+      local want = full
+      for d = 1, #shape do want = want:narrow(d, off[d] + 1, ls[d]) end
+      ok = ok and diff(dst:to_local(), want) == 0
+    end
+  end
+  assert(ok, label)
+end
+
+local ONE_D = { { "R", { Replicate() } }, { "S1", { Shard(1) } }, { "S2", { Shard(2) } } }
+
+describe("dist.checkpoint resharding (" .. W .. " ranks)", function()
+  it("1-D: every ordered pair of Replicate, Shard(1), Shard(2), uneven 6x5", function()
+    for _, a in ipairs(ONE_D) do
+      for _, b in ipairs(ONE_D) do
+        roundtrip({ 6, 5 }, world_mesh, a[2], world_mesh, b[2], a[1] .. " -> " .. b[1])
+      end
+    end
+  end)
+
+  it("plain tensors load into DTensors and DTensors into plain tensors; 0-d and 3-d tensors", function()
+    roundtrip({ 6, 4 }, nil, nil, world_mesh, { Shard(1) }, "plain -> S1")
+    roundtrip({ 6, 4 }, world_mesh, { Shard(2) }, nil, nil, "S2 -> plain")
+    roundtrip({ 3, 5, 2 }, world_mesh, { Shard(3) }, world_mesh, { Shard(2) }, "3-d S3 -> S2")
+    roundtrip({}, nil, nil, nil, nil, "0-d")
+  end)
+
+  it("a save from all ranks loads on a sub-mesh (half the ranks, one rank) and the reverse", function()
+    local half = sub_mesh(math.max(1, math.floor(W / 2)))
+    local one = sub_mesh(1)
+    -- a 6x4 tensor saved as Shard(1) at 4 ranks: chunks of 2, 2, 2, 0 rows
+    roundtrip({ 6, 4 }, world_mesh, { Shard(1) }, half, { Shard(1) }, "world S1 -> half S1")
+    roundtrip({ 6, 4 }, world_mesh, { Shard(1) }, one, { Shard(1) }, "world S1 -> one rank")
+    roundtrip({ 6, 4 }, half, { Shard(2) }, world_mesh, { Shard(1) }, "half S2 -> world S1")
+    roundtrip({ 6, 4 }, one, { Replicate() }, world_mesh, { Shard(2) }, "one rank -> world S2")
+    roundtrip({ 7, 3 }, half, { Shard(1) }, world_mesh, { Shard(1) }, "uneven 7 rows half -> world")
+  end)
+
+  if W == 4 then
+    local mesh2d = dist.init_device_mesh("cpu", { 2, 2 })
+    local TWO_D = {
+      { "[R,R]", { Replicate(), Replicate() } }, { "[R,S1]", { Replicate(), Shard(1) } },
+      { "[S1,R]", { Shard(1), Replicate() } }, { "[S1,S1]", { Shard(1), Shard(1) } },
+    }
+    it("2x2 mesh: all 12 ordered pairs of [R,R], [R,S1], [S1,R], [S1,S1] (uneven 5x3)", function()
+      local n = 0
+      for _, a in ipairs(TWO_D) do
+        for _, b in ipairs(TWO_D) do
+          if a ~= b then
+            roundtrip({ 5, 3 }, mesh2d, a[2], mesh2d, b[2], a[1] .. " -> " .. b[1])
+            n = n + 1
+          end
+        end
+      end
+      assert.equal(12, n)
+    end)
+
+    it("1-D saves load into every 2-D layout and back", function()
+      local more = { { "[S1,S2]", { Shard(1), Shard(2) } }, { "[S2,S1]", { Shard(2), Shard(1) } } }
+      for _, a in ipairs(ONE_D) do
+        for _, list in ipairs({ TWO_D, more }) do
+          for _, b in ipairs(list) do
+            roundtrip({ 6, 5 }, world_mesh, a[2], mesh2d, b[2], a[1] .. " -> " .. b[1])
+            roundtrip({ 6, 5 }, mesh2d, b[2], world_mesh, a[2], b[1] .. " -> " .. a[1])
+          end
+        end
+      end
+    end)
+  end
+
+  it("ShardedTensors load into DTensor layouts and back", function()
+    if not dist.sharded_tensor or not dist.ChunkShardingSpec then pending("ShardedTensor not available"); return end
+    local places = {}
+    for r = 0, W - 1 do places[#places + 1] = "rank:" .. r .. "/cpu" end
+    local spec = dist.ChunkShardingSpec{ dim = 2, placements = places }
+    local full = reference({ 4, 7 }, 3)
+    -- a ShardedTensor with the values of full
+    local st = dist.sharded_tensor.zeros(spec, { 4, 7 })
+    engine.no_grad(function()
+      for _, s in ipairs(st:local_shards()) do
+        local o, z = s.metadata.shard_offsets, s.metadata.shard_sizes
+        s.tensor:copy_(full:narrow(1, o[1] + 1, z[1]):narrow(2, o[2] + 1, z[2]))
+      end
+    end)
+    local dir = newdir()
+    ckpt.save({ st = st }, dir)
+    local d = dist.zeros({ 4, 7 }, { mesh = world_mesh, placements = { Shard(1) } })
+    ckpt.load({ st = d }, dir)
+    assert.equal(0, diff(d:full_tensor(), full))
+    -- and back: a DTensor save into a ShardedTensor
+    local dir2 = newdir()
+    ckpt.save({ st = dist.distribute_tensor(full, world_mesh, { Shard(1) }) }, dir2)
+    local st2 = dist.sharded_tensor.zeros(spec, { 4, 7 })
+    ckpt.load({ st = st2 }, dir2)
+    for _, s in ipairs(st2:local_shards()) do
+      local o, z = s.metadata.shard_offsets, s.metadata.shard_sizes
+      assert.equal(0, diff(s.tensor, full:narrow(1, o[1] + 1, z[1]):narrow(2, o[2] + 1, z[2])))
+    end
+  end)
+end)
+
+describe("dist.checkpoint state (" .. W .. " ranks)", function()
+  teardown(function()
+    dist.barrier()
+    if R == 0 then os.execute("rm -rf '" .. root .. "'") end
+  end)
+
+  it("nested tables, values (numbers, strings, booleans, uint64, lists) come back; replicas are written once", function()
+    local dir = newdir()
+    local w = dist.distribute_tensor(reference({ 4, 4 }, 1), world_mesh, { Replicate() })
+    local state = { model = { w = w, b = engine.ones(3) }, step = 12, name = "run \"a\"\n", ok = true,
+      rng = { seed = 0xFFFFFFFFFFFFFFFFULL, offset = 5 }, lr = 1 / 3, list = { 1, 2, { x = -0.5 } } }
+    ckpt.save(state, dir)
+    -- one chunk of w in all the files together (replicated: rank 0 writes it)
+    local f = io.open(dir .. "/__0_0.distcp", "rb")
+    local size0 = f:seek("end")
+    f:close()
+    assert.equal(64 + 16 * 4 + 3 * 4, size0)
+    if W > 1 then
+      local g = io.open(dir .. "/__1_0.distcp", "rb")
+      assert.equal(64, g:seek("end"))
+      g:close()
+    end
+    local back = { model = { w = dist.zeros({ 4, 4 }, { mesh = world_mesh, placements = { Shard(1) } }),
+      b = engine.zeros(3) }, step = 0, name = "", ok = false, rng = {}, lr = 0, list = {} }
+    ckpt.load(back, dir)
+    assert.equal(12, back.step)
+    assert.equal("run \"a\"\n", back.name)
+    assert.is_true(back.ok)
+    assert.equal(1 / 3, back.lr)
+    assert.is_true(back.rng.seed == 0xFFFFFFFFFFFFFFFFULL)
+    assert.equal(5, back.rng.offset)
+    assert.same({ 1, 2, { x = -0.5 } }, back.list)
+    assert.equal(0, diff(back.model.w:full_tensor(), reference({ 4, 4 }, 1)))
+    assert.equal(0, diff(back.model.b, engine.ones(3)))
+  end)
+
+  it("keys missing on either side are errors naming them; strict = false loads the common keys", function()
+    local dir = newdir()
+    ckpt.save({ a = engine.ones(2), n = 1, sub = { c = engine.ones(1) } }, dir)
+    local st = { a = engine.zeros(2), m = 2, sub = { c = engine.zeros(1), d = engine.zeros(1) } }
+    local e = errmsg(ckpt.load, st, dir)
+    assert.is_truthy(e:find("missing in the checkpoint: m, sub.d", 1, true), e)
+    assert.is_truthy(e:find("in the checkpoint but not in the state: n", 1, true), e)
+    assert.equal(0, st.a:sum():item())   -- nothing loaded
+    ckpt.load(st, dir, { strict = false })
+    assert.equal(2, st.a:sum():item())
+    assert.equal(1, st.sub.c:item())
+    assert.equal(2, st.m)
+    local e2 = errmsg(ckpt.load, { a = engine.zeros(3), n = 0, sub = { c = engine.zeros(1) } }, dir)
+    assert.is_truthy(e2:find("'a' has shape [2] in the checkpoint and [3] in the state", 1, true), e2)
+  end)
+
+  it("Partial DTensors are an error on every rank, before anything is written", function()
+    local p = dist.DTensor.from_local(engine.ones(2, 2), world_mesh, { dist.Partial() })
+    local dir = newdir()
+    local e = errmsg(ckpt.save, { p = p, q = engine.ones(1) }, dir)
+    assert.is_truthy(e:find("Partial", 1, true) and e:find("'p'", 1, true), e)
+    local f = io.open(dir .. "/.metadata", "rb")
+    assert.is_nil(f)
+  end)
+
+  it("an async save equals a sync save; training may change the tensors after save returns", function()
+    local full = reference({ 8, 6 }, 11)
+    local t = dist.distribute_tensor(full, world_mesh, { Shard(1) })
+    local d1, d2 = newdir(), newdir()
+    ckpt.save({ t = t, step = 3 }, d1)
+    local h = ckpt.save({ t = t, step = 3 }, d2, { async = true })
+    engine.no_grad(function() t:to_local():fill_(-1) end)   -- after the staging copy
+    h:wait()
+    assert.is_true(h:is_completed())
+    for _, d in ipairs({ d1, d2 }) do
+      local back = { t = dist.zeros({ 8, 6 }, { mesh = world_mesh, placements = { Shard(2) } }), step = 0 }
+      ckpt.load(back, d)
+      assert.equal(0, diff(back.t:full_tensor(), full))
+      assert.equal(3, back.step)
+    end
+    -- a second async save waits for the first; wait is idempotent
+    local h1 = ckpt.save({ t = t }, newdir(), { async = true })
+    local h2 = ckpt.save({ t = t }, newdir(), { async = true })
+    assert.is_true(h1:is_completed())
+    h2:wait(); h2:wait()
+  end)
+
+  it("optimizer state keyed by parameter names round-trips into a fresh optimizer", function()
+    local nn, optim = engine.nn, engine.optim
+    engine.manual_seed(2)
+    local m = nn.Linear(4, 3)
+    local opt = optim.AdamW(m:parameters(), { lr = 0.01 })
+    local x = engine.randn(5, 4)
+    m(x):sum():backward(); opt:step(); opt:zero_grad()
+    local dir = newdir()
+    ckpt.save({ model = m:state_dict(), optim = ckpt.get_optimizer_state_dict(m, opt) }, dir)
+    engine.manual_seed(9)
+    local m2 = nn.Linear(4, 3)
+    local opt2 = optim.AdamW(m2:parameters(), { lr = 0.5 })
+    local sd = { model = m2:state_dict(), optim = ckpt.get_optimizer_state_dict(m2, opt2) }
+    assert.is_truthy(sd.optim.state["weight"].exp_avg)
+    ckpt.load(sd, dir)
+    ckpt.set_optimizer_state_dict(m2, opt2, sd.optim)
+    assert.equal(0.01, opt2.param_groups[1].lr)
+    assert.equal(1, opt2.state[m2.weight].step)
+    m(x):sum():backward(); opt:step()
+    m2(x):sum():backward(); opt2:step()
+    assert.equal(0, diff(m.weight, m2.weight))
+    assert.equal(0, diff(opt.state[m.bias].exp_avg_sq, opt2.state[m2.bias].exp_avg_sq))
+  end)
+end)
+
