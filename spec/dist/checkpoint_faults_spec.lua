@@ -1,0 +1,198 @@
+-- dist.checkpoint faults (issue 16): a truncated data file, a flipped byte, a missing metadata file, a
+-- save interrupted on one rank (the previous checkpoint still loads), metadata of another checkpoint or
+-- another model, a missing rank file, a metadata file that is not one.  Every rank fails with a message
+-- naming the file, nothing is loaded half (the state keeps its values), no hang.  1, 2 and 4 ranks.
+local engine = require("engine")
+local ffi = require("ffi")
+local dist = engine.distributed
+local ckpt = dist.checkpoint
+local util = require("spec.dist.helpers.util")
+local diff, errmsg = util.diff, util.errmsg
+local W, R = dist.world_size(), dist.rank()
+local Shard = dist.Shard
+
+pcall(ffi.cdef, "int setenv(const char*, const char*, int); int unsetenv(const char*);")
+
+local stamp = engine.tensor({ math.floor(engine.time() * 1000) % 100000000 }, "f64")
+dist.broadcast(stamp, 0)
+local root = string.format("%s/ckpt_faults_%d_w%d", os.getenv("TMPDIR") or "/tmp", stamp:item(), W)
+local n_dirs = 0
+local function newdir()
+  n_dirs = n_dirs + 1
+  return string.format("%s/c%d", root, n_dirs)
+end
+local mesh = dist.init_device_mesh("cpu", { W })
+
+local function full() engine.manual_seed(4); return engine.randn(8, 3) end
+local function saved(dir)
+  ckpt.save({ w = dist.distribute_tensor(full(), mesh, { Shard(1) }), b = engine.ones(5), step = 7 }, dir)
+end
+local function target()
+  return { w = dist.zeros({ 8, 3 }, { mesh = mesh, placements = { Shard(2) } }), b = engine.zeros(5), step = 0 }
+end
+-- the state is untouched after a failed load
+local function untouched(st)
+  assert.equal(0, st.w:to_local():abs():sum():item())
+  assert.equal(0, st.b:abs():sum():item())
+  assert.equal(0, st.step)
+end
+-- rank 0 changes a file; everyone waits for it
+local function on_rank0(fn)
+  if R == 0 then fn() end
+  dist.barrier()
+end
+local function file_size(path)
+  local f = assert(io.open(path, "rb"))
+  local n = f:seek("end")
+  f:close()
+  return n
+end
+local function truncate(path, n)
+  local f = assert(io.open(path, "rb"))
+  local s = f:read("*a")
+  f:close()
+  f = assert(io.open(path, "wb"))
+  f:write(s:sub(1, n))
+  f:close()
+end
+
+describe("dist.checkpoint faults (" .. W .. " ranks)", function()
+  teardown(function()
+    dist.barrier()
+    if R == 0 then os.execute("rm -rf '" .. root .. "'") end
+  end)
+
+  it("a good checkpoint loads (the baseline of the cases below)", function()
+    local dir = newdir()
+    saved(dir)
+    local st = target()
+    ckpt.load(st, dir)
+    assert.equal(0, diff(st.w:full_tensor(), full()))
+    assert.equal(7, st.step)
+  end)
+
+  it("a truncated data file: an error naming it on every rank, nothing loaded", function()
+    local dir = newdir()
+    saved(dir)
+    local path = dir .. "/__0_0.distcp"
+    on_rank0(function() truncate(path, file_size(path) - 4) end)
+    local st = target()
+    local e = errmsg(ckpt.load, st, dir)
+    assert.is_truthy(e:find("__0_0.distcp", 1, true) and e:find("truncated", 1, true), e)
+    untouched(st)
+  end)
+
+  it("a flipped byte fails the chunk's checksum, naming the file", function()
+    local dir = newdir()
+    saved(dir)
+    local path = dir .. "/__0_0.distcp"
+    on_rank0(function()
+      local f = assert(io.open(path, "r+b"))
+      f:seek("set", 64 + 5)
+      local c = f:read(1)
+      f:seek("set", 64 + 5)
+      f:write(string.char(bit.bxor(c:byte(), 0x10)))
+      f:close()
+    end)
+    local st = target()
+    local e = errmsg(ckpt.load, st, dir)
+    assert.is_truthy(e:find("__0_0.distcp", 1, true) and e:find("checksum", 1, true), e)
+    untouched(st)
+  end)
+
+  it("a missing metadata file: not a checkpoint", function()
+    local dir = newdir()
+    saved(dir)
+    on_rank0(function() os.remove(dir .. "/.metadata") end)
+    local st = target()
+    local e = errmsg(ckpt.load, st, dir)
+    assert.is_truthy(e:find(".metadata", 1, true) and e:find("no metadata file", 1, true), e)
+    untouched(st)
+  end)
+
+  it("a metadata file that is not one, or of another format, names it", function()
+    local dir = newdir()
+    saved(dir)
+    on_rank0(function()
+      local f = assert(io.open(dir .. "/.metadata", "wb"))
+      f:write("garbage")
+      f:close()
+    end)
+    local e = errmsg(ckpt.load, target(), dir)
+    assert.is_truthy(e:find(".metadata", 1, true) and e:find("unreadable", 1, true), e)
+    on_rank0(function() engine.save(dir .. "/.metadata", { x = engine.ones(1) }) end)
+    local e2 = errmsg(ckpt.load, target(), dir)
+    assert.is_truthy(e2:find("not a distributed checkpoint", 1, true), e2)
+  end)
+
+  it("a save interrupted on one rank fails on every rank; the previous checkpoint still loads", function()
+    local good, bad = newdir(), newdir()
+    saved(good)
+    local victim = string.format("/__%d_0.distcp", W - 1)
+    if R == W - 1 then ffi.C.setenv("ENGINE_CKPT_TEST_FAIL", victim, 1) end
+    local e = errmsg(saved, bad)
+    if R == W - 1 then ffi.C.unsetenv("ENGINE_CKPT_TEST_FAIL") end
+    assert.is_truthy(e:find(victim, 1, true) and e:find("interrupted", 1, true), e)
+    -- no metadata was committed; the partial file is left under its temporary name only
+    assert.is_nil(io.open(bad .. "/.metadata", "rb"))
+    assert.is_nil(io.open(bad .. victim, "rb"))
+    local e2 = errmsg(ckpt.load, target(), bad)
+    assert.is_truthy(e2:find("no metadata file", 1, true), e2)
+    local st = target()
+    ckpt.load(st, good)
+    assert.equal(0, diff(st.w:full_tensor(), full()))
+  end)
+
+  it("metadata of another save (same model) is rejected by the data files' ids", function()
+    local a, b = newdir(), newdir()
+    saved(a)
+    saved(b)
+    on_rank0(function()
+      local f = assert(io.open(a .. "/.metadata", "rb"))
+      local s = f:read("*a")
+      f:close()
+      f = assert(io.open(b .. "/.metadata", "wb"))
+      f:write(s)
+      f:close()
+    end)
+    local st = target()
+    local e = errmsg(ckpt.load, st, b)
+    assert.is_truthy(e:find("__0_0.distcp", 1, true) and e:find("belongs to another checkpoint", 1, true), e)
+    untouched(st)
+  end)
+
+  it("a checkpoint of another model: the keys that differ are named", function()
+    local dir = newdir()
+    ckpt.save({ layer = { weight = engine.ones(2, 2) }, step = 1 }, dir)
+    local st = target()
+    local e = errmsg(ckpt.load, st, dir)
+    assert.is_truthy(e:find("missing in the checkpoint: b, w", 1, true), e)
+    assert.is_truthy(e:find("not in the state: layer.weight", 1, true), e)
+    untouched(st)
+  end)
+
+  it("a missing rank file (a directory from another world size, copied in part) names the file", function()
+    local dir = newdir()
+    saved(dir)
+    local last = string.format("%s/__%d_0.distcp", dir, W - 1)
+    on_rank0(function() os.remove(last) end)
+    local st = target()
+    local e = errmsg(ckpt.load, st, dir)
+    assert.is_truthy(e:find(last, 1, true) and e:find("cannot open", 1, true), e)
+    untouched(st)
+  end)
+
+  it("a corrupt metadata entry (a chunk missing from the cover) is an error naming the tensor", function()
+    local dir = newdir()
+    saved(dir)
+    on_rank0(function()
+      local _, meta = engine.load(dir .. "/.metadata")
+      meta["t:b"] = "f32|5|0:64:8:0000000000000000:0:2"
+      engine.save(dir .. "/.metadata", {}, meta)
+    end)
+    local st = target()
+    local e = errmsg(ckpt.load, st, dir)
+    assert.is_truthy(e:find("'b'", 1, true) and e:find("2 of the tensor's 5 elements", 1, true), e)
+    untouched(st)
+  end)
+end)
