@@ -146,6 +146,20 @@ describe("sharding: scans and selections", function()
     local c = dist.distribute_tensor(x, mesh1, { S(2) }):cumsum(1)
     assert.are.equal("Shard(2)", tostring(c.placements[1]))
   end)
+  it("an integer division by zero on one rank's shard fails every rank", function()
+    local n = 2 * W
+    local a = engine.arange(1, n + 1):long()
+    local bv = {}
+    for j = 1, n do bv[j] = 1 end
+    bv[n] = 0 -- only the last rank's shard holds the zero
+    local b = engine.tensor(bv, "i64")
+    local da, db = dist.distribute_tensor(a, mesh1, { S(1) }), dist.distribute_tensor(b, mesh1, { S(1) })
+    local ok, e = pcall(function() return da:fmod(db) end)
+    assert(not ok, "expected an error on every rank")
+    assert(tostring(e):find("ZeroDivisionError", 1, true) or tostring(e):find("fmod", 1, true), tostring(e))
+    -- the ranks are still in step: a collective afterwards works
+    assert.are.same(a:tolist(), (da:fmod(da + 1)):full_tensor():tolist())
+  end)
   it("errors on some ranks fail every rank with the op's message", function()
     local d = dist.distribute_tensor(randn(4, 3), mesh1, { S(1) })
     local ok, e = pcall(function() return d:topk(4, 2) end)

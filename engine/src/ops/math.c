@@ -269,9 +269,11 @@ eng_tensor* eng_math_binary_op(int op, eng_tensor* a, eng_tensor* b) {
 
 static eng_tensor* mb(int op, eng_tensor* a, eng_tensor* b) {
   ENG_CHECK(a, mb_names[op]); ENG_CHECK(b, mb_names[op]);
-  if (ENG_DT_ACTIVE(a->dist || ENG_META_T(a) || b->dist || ENG_META_T(b)))
-    return eng_dispatch(&eng_opdef_math_binary, &(eng_op_call){.name = mb_names[op], .n_in = 2, .in = {a, b},
-                                                                .ints = {op}});
+  if (ENG_DT_ACTIVE(a->dist || ENG_META_T(a) || b->dist || ENG_META_T(b))) {
+    int int_div = op != KM_LAND && op != KM_LOR && !eng_dtype_is_floating(eng_promote_types(a->dtype, b->dtype));
+    return eng_dispatch(int_div ? &eng_opdef_math_binary_int : &eng_opdef_math_binary,
+                        &(eng_op_call){.name = mb_names[op], .n_in = 2, .in = {a, b}, .ints = {op}});
+  }
   return eng_math_binary_op(op, a, b);
 }
 eng_tensor* eng_fmod(eng_tensor* a, eng_tensor* b) { return mb(KM_FMOD, a, b); }

@@ -33,6 +33,8 @@ static int mb_rule(const eng_op_call* c, const eng_dist_spec* const* s, int m, e
 }
 static eng_tensor* mb_fn(const eng_op_call* c) { return eng_math_binary_op((int)c->ints[0], c->in[0], c->in[1]); }
 const eng_op_def eng_opdef_math_binary = {"math_binary", 1, mb_rule, sh_shape_broadcast, mb_fn, NULL, 0};
+/* Integer fmod/remainder/floor_divide: a zero divisor fails on the ranks that hold it; agreed on every rank. */
+const eng_op_def eng_opdef_math_binary_int = {"math_binary", 1, mb_rule, sh_shape_broadcast, mb_fn, NULL, 0, 0, 1};
 
 /* ------------------------------------------------------------------ reductions */
 static int r2_rule(const eng_op_call* c, const eng_dist_spec* const* s, int m, eng_strategy* out, int cap) {

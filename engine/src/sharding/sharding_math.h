@@ -2,7 +2,9 @@
  * ops/sort.c (rules in sharding/math.c).  Internal.
  *   math_unary: ints[0] = KM_* op, scalars = params (round's decimals,
  *     nan_to_num's replacements); output = input placement, Partial -> R.
- *   math_binary: ints[0] = KM_* op; broadcasting, no Partial.
+ *   math_binary: ints[0] = KM_* op; broadcasting, no Partial (math_binary_int:
+ *     the same for integer fmod/remainder/floor_divide, agree_local: a zero
+ *     divisor on one rank fails every rank).
  *   reduce2: ints[0] = ENG_R2_* op, ints[1] = dim mask, ints[2] = keepdim,
  *     scalars[0] = correction (var/std) or ord (norm); reduced dims are
  *     replicated first, the other sharded dims stay sharded.
@@ -16,8 +18,8 @@
 enum { ENG_R2_PROD, ENG_R2_AMAX, ENG_R2_AMIN, ENG_R2_LSE, ENG_R2_VAR, ENG_R2_STD, ENG_R2_NORM, ENG_R2_ALL, ENG_R2_ANY };
 enum { ENG_AL_CUMSUM, ENG_AL_CUMPROD, ENG_AL_ARGSORT, ENG_AL_SORT, ENG_AL_TOPK, ENG_AL_KTH };
 
-extern const eng_op_def eng_opdef_math_unary, eng_opdef_math_binary, eng_opdef_reduce2, eng_opdef_along,
-    eng_opdef_along2;
+extern const eng_op_def eng_opdef_math_unary, eng_opdef_math_binary, eng_opdef_math_binary_int, eng_opdef_reduce2,
+    eng_opdef_along, eng_opdef_along2;
 
 /* Local ops the defs call (ops/math.c, ops/reduce2.c, ops/sort.c). */
 eng_tensor* eng_math_unary_op(int op, eng_tensor* a, const double* p);
