@@ -258,12 +258,41 @@ int eng_along_op(int op, eng_tensor* t, int dim, int64_t k, int flag, eng_tensor
 }
 
 /* ------------------------------------------------------------ public */
+/* Plain meta tensors: shapes and dtypes only (k checked against the real size). */
+static int meta_along(int op, eng_tensor* t, int dim, int64_t k, int flag, eng_tensor** values, eng_tensor** indices) {
+  const char* name = al_names[op];
+  int64_t r = t->ndim ? t->shape[dim] : 1;
+  if (op == ENG_AL_TOPK && (k < 0 || k > r))
+    return eng_err("topk: k = %lld is out of range for dim %d of %s (size %lld)", (long long)k, dim + 1, eng_desc(t),
+                   (long long)r);
+  if (op == ENG_AL_KTH && (k < 1 || k > r))
+    return eng_err("kthvalue: k = %lld is out of range for dim %d of %s (k is 1-based, size %lld)", (long long)k,
+                   dim + 1, eng_desc(t), (long long)r);
+  int64_t s[ENG_MAX_DIMS];
+  int nd = 0;
+  for (int i = 0; i < t->ndim; i++) {
+    if (i != dim) { s[nd++] = t->shape[i]; continue; }
+    if (op == ENG_AL_TOPK) s[nd++] = k;
+    else if (op == ENG_AL_KTH) { if (flag) s[nd++] = 1; }
+    else s[nd++] = t->shape[i];
+  }
+  int vdt = (op == ENG_AL_CUMSUM || op == ENG_AL_CUMPROD) ? scan_dt(t->dtype) : t->dtype;
+  *values = eng_tensor_empty(nd, s, vdt, ENG_META);
+  if (!*values) return eng_err("%s: cannot make a meta tensor", name);
+  if (indices) {
+    *indices = eng_tensor_empty(nd, s, ENG_I64, ENG_META);
+    if (!*indices) { eng_tensor_release(*values); *values = NULL; return -1; }
+  }
+  return 0;
+}
+
 static int along(int op, eng_tensor* t, int dim, int64_t k, int flag, eng_tensor** values, eng_tensor** indices) {
   const char* name = al_names[op];
   ENG_CHECK_I(t, name);
   int d = eng_norm_dim(dim, t->ndim ? t->ndim : 1, name);
   if (d < 0) return -1;
   if (t->ndim == 0) d = 0;
+  if (ENG_META_T(t) && !t->dist && !eng_dtensor_local_mode()) return meta_along(op, t, d, k, flag, values, indices);
   if (ENG_DT_ACTIVE(t->dist || ENG_META_T(t))) {
     eng_op_call c = {.name = name, .n_in = 1, .in = {t}, .ints = {op, d, k, flag}};
     if (op == ENG_AL_SORT || op == ENG_AL_TOPK || op == ENG_AL_KTH) {
@@ -296,6 +325,12 @@ eng_tensor* eng_argsort(eng_tensor* t, int dim, int descending) {
   int d = eng_norm_dim(dim, t->ndim ? t->ndim : 1, "argsort");
   if (d < 0) return NULL;
   if (t->ndim == 0) d = 0;
+  if (ENG_META_T(t) && !t->dist && !eng_dtensor_local_mode()) {
+    eng_tensor *v = NULL, *i = NULL;
+    if (meta_along(ENG_AL_SORT, t, d, 0, 0, &v, &i)) return NULL;
+    eng_tensor_release(v);
+    return i;
+  }
   if (ENG_DT_ACTIVE(t->dist || ENG_META_T(t)))
     return eng_dispatch(&eng_opdef_along, &(eng_op_call){.name = "argsort", .n_in = 1, .in = {t},
                                                           .ints = {ENG_AL_ARGSORT, d, 0, descending ? 1 : 0}});
