@@ -237,6 +237,63 @@ end
 
 M._agree_strings = agree_strings
 
+-- src's tensor scattered into the shards of spec (seed 002's ChunkShardingSpec.shard: src_rank is a
+-- group rank): one scatter.  When the shards are the tensor's memory in rank order (one chunk per rank
+-- on the leading dim, placements 0..world-1, even sizes) the tensor itself is sent and every rank
+-- receives straight into its shard; otherwise src packs each rank's shards into a block padded to the
+-- largest, and the receivers view or copy them out.
+local function scatter_shards(op, tensor, spec, src, pg, world, me)
+  local shape, dtype = tensor:shape(), tensor.dtype
+  local md = spec:build_metadata(shape, specs.TensorProperties{ dtype = dtype })
+  local shards = md.shards_metadata
+  local copts = { group = pg or comm.world_group(), group_src = src }
+  local d = spec:shard_dim(#shape)
+  local direct = #shards == world
+  for dd = 1, d - 1 do direct = direct and shape[dd] == 1 end
+  for i, s in ipairs(shards) do
+    direct = direct and s.placement.rank == i - 1 and s.shard_sizes[d] * world == shape[d]
+  end
+  local src_t = me == src and tensor:detach() or nil
+  if direct then
+    return build(op, spec, shape, { dtype = dtype, process_group = pg }, function(shp, dt)
+      local out = E().empty(shp, { dtype = dt })
+      comm.scatter(out, src_t, nil, copts)
+      return out
+    end)
+  end
+  local per_rank = {}
+  for r = 0, world - 1 do per_rank[r] = 0 end
+  for _, s in ipairs(shards) do per_rank[s.placement.rank] = per_rank[s.placement.rank] + s:numel() end
+  local maxn = 1
+  for r = 0, world - 1 do maxn = math.max(maxn, per_rank[r]) end
+  local send
+  if src_t then
+    send = E().empty({ world * maxn }, { dtype = dtype })
+    local cursor = {}
+    for r = 0, world - 1 do cursor[r] = r * maxn end
+    for _, s in ipairs(shards) do
+      local n, r = s:numel(), s.placement.rank
+      if n > 0 then
+        local box = src_t
+        for k = 1, #shape do box = box:narrow(k, s.shard_offsets[k] + 1, s.shard_sizes[k]) end
+        send:narrow(1, cursor[r] + 1, n):view(unpack(s.shard_sizes)):copy_(box)
+      end
+      cursor[r] = cursor[r] + n
+    end
+  end
+  local recv = E().empty({ maxn }, { dtype = dtype })
+  comm.scatter(recv, send, nil, copts)
+  local pos = 0
+  local single = per_rank[me] == maxn
+  return build(op, spec, shape, { dtype = dtype, process_group = pg }, function(shp, dt, box)
+    local n = box:numel()
+    local piece = recv:narrow(1, pos + 1, n)
+    pos = pos + n
+    if single then return piece:view(unpack(shp)) end   -- the whole buffer is this shard: no copy
+    return piece:view(unpack(shp)):clone()
+  end)
+end
+
 -- Local checks (which may fail on one rank only) are agreed with the (src_rank, spec, shape) of every
 -- rank in one all_gather, so a bad argument on any rank fails every rank (naming that rank) before
 -- the broadcast.  local_err: a message from the caller's own local checks (shard_parameter).
@@ -290,13 +347,7 @@ function M.shard_tensor(tensor, spec, opts, local_err, op)
   if getmetatable(spec) ~= specs.ChunkShardingSpecClass then
     fail(op .. ": EnumerableShardingSpec.shard not implemented yet!")
   end
-  local full = tensor:detach():clone()
-  comm.broadcast(full, src, pg and { group = pg } or nil)
-  return build(op, spec, tensor:shape(), { dtype = tensor.dtype, process_group = pg }, function(shp, dt, box)
-    local t = full
-    for d = 1, #shp do t = t:narrow(d, box.shard_offsets[d] + 1, shp[d]) end
-    return t:contiguous():clone()
-  end)
+  return scatter_shards(op, tensor, spec, src, pg, world, me)
 end
 
 -- ---------------------------------------------------------------- accessors
@@ -518,16 +569,18 @@ end
 
 -- A DTensor result r of an op on src's DTensor -> a ShardedTensor of src's spec when r is laid out
 -- as src (same mesh, Shard dim and shape), else r itself.
-local function wrap_like(src, r)
-  local s = r._c.dist
-  if s == nil then return r end
-  local sd = src._dt._c.dist
-  if s.mesh ~= sd.mesh or s.mesh_ndim ~= 1 or s.placements[0].kind ~= SHARD or s.placements[0].dim ~= sd.placements[0].dim
-    or s.ndim ~= sd.ndim then return r end
-  for i = 0, s.ndim - 1 do if s.shape[i] ~= sd.shape[i] then return r end end
-  local same = r._c.dtype == src._dt._c.dtype
-  return setmetatable({ _spec = src._spec, _size = src._size, dtype = same and src.dtype or r.dtype, _pg = src._pg,
-    _dt = r, _mesh = src._mesh }, ShardedTensor)
+-- same: the caller knows r is laid out as src's DTensor (a pointwise op of same-layout operands keeps
+-- the layout), so only the dtype is read (the check costs ~1 us where LuaJIT interprets).
+local spec_equal = core.C.eng_dist_spec_equal
+local function wrap_like(src, r, same)
+  local rc = r._c
+  local dc = src._dt._c
+  if not same then
+    local s = rc.dist
+    if s == nil or spec_equal(s, dc.dist) == 0 then return r end   -- mesh, placements, global shape and stride
+  end
+  return setmetatable({ _spec = src._spec, _size = src._size, dtype = rc.dtype == dc.dtype and src.dtype or r.dtype,
+    _pg = src._pg, _dt = r, _mesh = src._mesh }, ShardedTensor)
 end
 
 -- A ShardedTensor of st's layout with the given local shard tensors (one per local shard).
@@ -556,12 +609,13 @@ local function check_layout(op, a, b)
 end
 
 local function unary(name)
-  return function(self, ...)
-    local dt = dt_ready(self)
-    if dt then return wrap_like(self, methods[name](dt, ...)) end
+  local m = methods[name]
+  return function(self, x, y)   -- (no varargs: they keep LuaJIT from compiling the DTensor path)
+    local dt = self._dt or dt_ready(self)
+    if dt then return wrap_like(self, m(dt, x, y), true) end
     local out = {}
-    for i, s in ipairs(shards_of(self)) do out[i] = methods[name](s.tensor, ...) end
-    local dtype = #out == 0 and methods[name](E().empty({ 0 }, { dtype = self.dtype }), ...).dtype or nil
+    for i, s in ipairs(shards_of(self)) do out[i] = m(s.tensor, x, y) end
+    local dtype = #out == 0 and m(E().empty({ 0 }, { dtype = self.dtype }), x, y).dtype or nil
     return with_locals(self, out, dtype)
   end
 end
@@ -575,6 +629,16 @@ local arith = {
 local function binary(name)
   local f = arith[name] or methods[name]
   return function(a, b)
+    -- the fast path: DTensor-backed, with a number or a ShardedTensor of the same spec and size objects
+    if getmetatable(a) == ShardedTensor then
+      local da = a._dt
+      if da then
+        if type(b) == "number" then return wrap_like(a, f(da, b), true) end
+        if getmetatable(b) == ShardedTensor and b._dt and rawequal(a._spec, b._spec) and rawequal(a._size, b._size) then
+          return wrap_like(a, f(da, b._dt), true)
+        end
+      end
+    end
     local st, other, swap = a, b, false
     if not is_sharded_tensor(a) then st, other, swap = b, a, true end
     local ost = is_sharded_tensor(other)
@@ -675,6 +739,27 @@ function M.full_like(st, value, opts)
   return M.full(st._spec, st._size, value, like_opts(st, opts, "sharded_tensor.full_like"))
 end
 
+-- True when the shards are the row-major memory of the tensor in group-rank order, one equal block
+-- per rank (chunks on the leading non-unit dim, placements 0..world-1, even sizes): then a collective
+-- can read from or write into the full tensor directly.
+local function direct_layout(shards, size, world)
+  if #shards ~= world then return false end
+  local nd = #size
+  local d = 1
+  while d < nd and size[d] == 1 do d = d + 1 end
+  if size[d] % world ~= 0 then return false end
+  local c = size[d] / world
+  for i, sh in ipairs(shards) do
+    if sh.placement.rank ~= i - 1 then return false end
+    for k = 1, nd do
+      local want_off, want_sz = 0, size[k]
+      if k == d then want_off, want_sz = (i - 1) * c, c end
+      if sh.shard_offsets[k] ~= want_off or sh.shard_sizes[k] ~= want_sz then return false end
+    end
+  end
+  return true
+end
+
 -- ---------------------------------------------------------------- gather
 -- gather(dst [, out]): the full tensor on group rank dst (written into out when given), nil on the
 -- other ranks.  Collective over the process group: every rank packs its shards into one buffer,
@@ -695,6 +780,28 @@ function ShardedTensor:gather(dst, out)
   for _, s in ipairs(md.shards_metadata) do per_rank[s.placement.rank] = per_rank[s.placement.rank] + s:numel() end
   local maxn = 1
   for r = 0, world - 1 do maxn = math.max(maxn, per_rank[r]) end
+  local copts = pg and { group = pg } or nil
+  local function check_out()   -- after the collective: a bad out on dst must not leave the others waiting
+    if not same_list(out:shape(), md.size) then
+      fail(string.format("%s: out has shape [%s], the ShardedTensor [%s]", op, table.concat(out:shape(), ","),
+        table.concat(md.size, ",")))
+    end
+  end
+  if direct_layout(md.shards_metadata, md.size, world) and md.shards_metadata[1]:numel() > 0 then
+    -- one all_gather straight from the shard into the full tensor (on dst)
+    local loc = shards_of(self)[1].tensor:detach():contiguous():view(-1)
+    local full
+    if me == dst then
+      local fits = out ~= nil and out:is_contiguous() and same_list(out:shape(), md.size)
+      full = fits and out or E().empty(md.size, { dtype = self.dtype })
+    else
+      full = E().empty({ world * maxn }, { dtype = self.dtype })
+    end
+    comm.all_gather_into(full:view(-1), loc, copts)
+    if me ~= dst then return nil end
+    if out ~= nil and out ~= full then check_out(); out:copy_(full); return out end
+    return full
+  end
   local send = E().empty({ maxn }, { dtype = self.dtype })
   local pos = 0
   for _, s in ipairs(shards_of(self)) do
@@ -702,16 +809,9 @@ function ShardedTensor:gather(dst, out)
     if n > 0 then send:narrow(1, pos + 1, n):view(unpack(s.metadata.shard_sizes)):copy_(s.tensor:detach()); pos = pos + n end
   end
   local recv = E().empty({ world * maxn }, { dtype = self.dtype })
-  comm.all_gather_into(recv, send, pg and { group = pg } or nil)
+  comm.all_gather_into(recv, send, copts)
   if me ~= dst then return nil end
-  if out == nil then out = E().empty(md.size, { dtype = self.dtype })
-  else
-    local os_ = out:shape()
-    if not same_list(os_, md.size) then
-      fail(string.format("%s: out has shape [%s], the ShardedTensor [%s]", op, table.concat(os_, ","),
-        table.concat(md.size, ",")))
-    end
-  end
+  if out == nil then out = E().empty(md.size, { dtype = self.dtype }) else check_out() end
   local cursor = {}
   for r = 0, world - 1 do cursor[r] = r * maxn end
   for _, s in ipairs(md.shards_metadata) do

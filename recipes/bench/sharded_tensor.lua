@@ -1,0 +1,120 @@
+-- ShardedTensor costs (issue 14's Performance): creating (dist.shard_tensor: broadcast from src_rank,
+-- each rank keeps its chunk), gathering (gather(0)) and resharding (dim 1 -> dim 2) a `MiB` f32
+-- ShardedTensor over the ranks, each beside the bare MPI collective of the same bytes in the same run
+-- (eng_pg_raw_collective: no staging, counters or checks), and the per-op overhead of a DTensor-backed
+-- ShardedTensor over the same op on its DTensor (alternating rounds of 2000 ops, median of 11).  Wall
+-- time, median of `iters`, rank 0's figures; a full collection before each timed iteration returns
+-- the earlier results' memory to the allocator's cache.
+--
+--   mpirun --allow-run-as-root --oversubscribe --bind-to none --mca btl self,vader --mca pml ob1 \
+--     -np 4 build/engine recipes/bench/sharded_tensor.lua [MiB=64] [iters=10]
+local engine = require("engine")
+local dist = engine.distributed
+local C = engine.C
+
+local mib = tonumber(arg and arg[1]) or 64
+local iters = tonumber(arg and arg[2]) or 10
+local W, R = dist.world_size(), dist.rank()
+local cols = 4096
+local rows = math.floor(mib * 1024 * 1024 / 4 / cols)
+rows = rows - rows % W
+local pls = {}
+for r = 0, W - 1 do pls[#pls + 1] = "rank:" .. r .. "/cpu" end
+local spec1 = dist.ChunkShardingSpec{ dim = 1, placements = pls }
+local spec2 = dist.ChunkShardingSpec{ dim = 2, placements = pls }
+local pg = dist.world_group()
+local F32, ALL_GATHER, ALL_TO_ALL, SCATTER = 0, 1, 3, 5
+
+local function median(xs)
+  local s = {}
+  for i, x in ipairs(xs) do s[i] = x end
+  table.sort(s)
+  local k = #s
+  return k % 2 == 1 and s[(k + 1) / 2] or 0.5 * (s[k / 2] + s[k / 2 + 1])
+end
+
+-- median wall ms of fn over iters (a barrier before each)
+local function timed(fn)
+  local t = {}
+  for i = 1, iters do
+    collectgarbage()   -- earlier results back to the allocator's cache (fresh pages cost a fault each)
+    dist.barrier()
+    local t0 = engine.time()
+    fn()
+    t[i] = (engine.time() - t0) * 1e3
+  end
+  return median(t)
+end
+
+local function raw(kind, send, recv, count, root)
+  if C.eng_pg_raw_collective(pg._c, kind, send and send:data_ptr() or nil, recv:data_ptr(), count, F32, 0, root or 0) ~= 0 then
+    error(engine.ffi.string(C.eng_last_error()))
+  end
+end
+
+local full = engine.ones(rows, cols)
+local n_local = rows * cols / W
+local lines = {}
+local function report(what, mine, bare)
+  lines[#lines + 1] = string.format("%-44s %9.2f ms   bare MPI %9.2f ms   ratio %.2f", what, mine, bare, mine / bare)
+end
+
+-- create: shard_tensor = agreement + one scatter from src_rank straight into each rank's chunk
+local scat_buf = engine.empty(n_local)
+local t_bare = timed(function() raw(SCATTER, full, scat_buf, n_local, 0) end)
+local st
+local t_create = timed(function() st = dist.shard_tensor(full, spec1) end)
+report(string.format("create (shard_tensor, %d MiB)", mib), t_create, t_bare)
+local t_zeros = timed(function() dist.sharded_tensor.zeros(spec1, { rows, cols }) end)
+lines[#lines + 1] = string.format("%-44s %9.2f ms   (no communication)", "create (sharded_tensor.zeros)", t_zeros)
+
+-- gather to rank 0: one all_gather of each rank's packed shards
+local gsend, grecv = engine.ones(n_local), engine.empty(rows * cols)
+t_bare = timed(function() raw(ALL_GATHER, gsend, grecv, n_local) end)
+local out = engine.empty(rows, cols)
+local t_gather = timed(function() st:gather(0, out) end)
+report("gather(0)", t_gather, t_bare)
+
+-- reshard dim 1 -> dim 2: one all_to_all (the DTensor's S(1)->S(2) once the ShardedTensor has a DTensor).
+-- Bare: the contiguous all_to_all of the local bytes, and MPI's own layout change (a vector datatype
+-- sends each peer its column block).
+local asend, arecv = engine.ones(n_local), engine.empty(n_local)
+t_bare = timed(function() raw(ALL_TO_ALL, asend, arecv, n_local / W) end)
+local t_strided = timed(function()
+  if C.eng_pg_raw_all_to_all_strided(pg._c, asend:data_ptr(), arecv:data_ptr(), rows / W, cols / W, cols, F32) ~= 0 then
+    error(engine.ffi.string(C.eng_last_error()))
+  end
+end)
+local t_generic = timed(function() st:reshard(spec2) end)
+report("reshard dim 1 -> 2 (local shards)", t_generic, t_bare)
+st:to_dtensor()
+local t_dt = timed(function() st:reshard(spec2) end)
+report("reshard dim 1 -> 2 (DTensor-backed)", t_dt, t_bare)
+report("reshard dim 1 -> 2 (DTensor-backed) vs strided", t_dt, t_strided)
+
+-- per-op overhead: a small DTensor-backed ShardedTensor against its DTensor
+local small = dist.sharded_tensor.ones(spec1, { 4 * W, 4 })
+local sd = small:to_dtensor()
+local n_ops = 2000
+local function per_op(fn)
+  local t0 = engine.time()
+  for _ = 1, n_ops do fn() end
+  return (engine.time() - t0) * 1e6 / n_ops
+end
+for _, case in ipairs({
+  { "add", function() return small + small end, function() return sd + sd end },
+  { "mul by a number", function() return small * 2 end, function() return sd * 2 end },
+  { "relu", function() return small:relu() end, function() return sd:relu() end },
+}) do
+  per_op(case[2]); per_op(case[3])   -- warm up
+  local a, b = {}, {}
+  for k = 1, 11 do a[k] = per_op(case[2]); b[k] = per_op(case[3]) end   -- alternating
+  local u_st, u_dt = median(a), median(b)
+  lines[#lines + 1] = string.format("op %-16s ShardedTensor %8.2f us   DTensor %8.2f us   overhead %+6.2f us", case[1], u_st,
+    u_dt, u_st - u_dt)
+end
+
+if R == 0 then
+  print(string.format("ShardedTensor bench: %d ranks, f32 [%d, %d] (%d MiB), median of %d", W, rows, cols, mib, iters))
+  for _, l in ipairs(lines) do print(l) end
+end
