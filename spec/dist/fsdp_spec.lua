@@ -293,6 +293,55 @@ describe("fully_shard: more layouts and controls", function()
     end
   end)
 
+  it("reshard_after_forward = N: after forward the registered parameters live on the (W/N, N) mesh", function()
+    if W ~= 4 then return end
+    local m = mlp(5, 7, 3)()
+    shard_mlp(m, { mesh = mesh, reshard_after_forward = 2 })
+    local out = m(engine.randn(2, 5))
+    local w = m[1].weight
+    assert.is_true(dist.is_dtensor(w))
+    assert.are.same({ 2, 2 }, w.device_mesh:shape())
+    assert.are.equal("Replicate()", tostring(w.placements[1]))
+    assert.are.equal("Shard(1)", tostring(w.placements[2]))
+    assert.are.same({ 7, 5 }, w:shape())
+    assert.are.same({ rank % 2 == 0 and 4 or 3, 5 }, w:to_local():shape())
+    local ref = mlp(5, 7, 3)()
+    assert.is_true(rel(w:full_tensor(), ref[1].weight) == 0)
+    local c = counted(function() out:sum():backward() end)
+    assert.are.equal(2, cnt(c, "all_gather"))
+    assert.is_true(dist.is_dtensor(m[1].weight))
+    assert.are.equal(1, m[1].weight.device_mesh:ndim())
+  end)
+
+  it("set_reshard_after_forward and reshard() change the backward all-gathers; register_fsdp_forward_method", function()
+    local m = mlp(4, 6, 2)()
+    shard_mlp(m, { mesh = mesh })
+    local x = engine.randn(2, 4)
+    local c = counted(function() m(x):sum():backward() end)
+    assert.are.equal(4, cnt(c, "all_gather"))
+    m:set_reshard_after_forward(false)
+    c = counted(function() m(x):sum():backward() end)
+    assert.are.equal(2, cnt(c, "all_gather"))
+    -- reshard() after forward: the backward all-gathers again for that group
+    c = counted(function()
+      local y = m(x)
+      m[1]:reshard()
+      y:sum():backward()
+    end)
+    assert.are.equal(3, cnt(c, "all_gather"))
+    m:set_reshard_after_forward(true)
+    -- a method other than forward runs under the hooks too
+    local lin = nn.Linear(4, 3)
+    function lin:project(v) return F.linear(v, self.weight) * 2 end
+    dist.fully_shard(lin, { mesh = mesh })
+    dist.register_fsdp_forward_method(lin, "project")
+    local y
+    c = counted(function() y = lin:project(x) end)
+    assert.are.equal(1, cnt(c, "all_gather"))
+    assert.are.same({ 2, 3 }, y:shape())
+    assert.is_truthy(errmsg(dist.register_fsdp_forward_method, lin, "nope"):find("has no method 'nope'", 1, true))
+  end)
+
   it("no_grad forwards, unused parameters, state dict round trip, clip_grad_norm, to(dtype)", function()
     local Unused = nn.Module:extend("Unused")
     function Unused:__init() self.a = nn.Linear(5, 7); self.spare = nn.Linear(3, 3) end

@@ -51,8 +51,9 @@ int eng_fsdp_group_attach(eng_fsdp_group* g, eng_module* m);
  * forward / post-forward orders for implicit prefetching. */
 int eng_fsdp_group_set_root(eng_fsdp_group* g, eng_fsdp_group* root);
 int eng_fsdp_group_size(const eng_fsdp_group* g);
-/* Current tensor of parameter i: the unsharded leaf while unsharded, else
- * NULL (the registered sharded DTensor).  Borrowed. */
+/* Current tensor of parameter i: the unsharded leaf while unsharded, the
+ * post-forward DTensor while resharded to N, else NULL (the registered sharded
+ * DTensor).  Borrowed. */
 eng_tensor* eng_fsdp_group_param(eng_fsdp_group* g, int i);
 /* The unsharded leaf of parameter i, whatever the state (borrowed). */
 eng_tensor* eng_fsdp_group_leaf(eng_fsdp_group* g, int i);
@@ -64,9 +65,11 @@ int eng_fsdp_group_unshard(eng_fsdp_group* g, int async_op);
 int eng_fsdp_group_wait_unshard(eng_fsdp_group* g);
 int eng_fsdp_group_reshard(eng_fsdp_group* g);
 /* 1 true, 0 false, N > 1: reshard to N ranks after forward (N a divisor of the
- * shard group's size other than 1 and the size; collective over the shard
- * group when N > 1, to make the subgroups). */
-int eng_fsdp_group_set_reshard_after_forward(eng_fsdp_group* g, int value);
+ * shard group's size other than 1 and the size); post_mesh (N > 1 only): the
+ * (dp/N, N) mesh over the group's ranks whose dim 1 groups are the post-forward
+ * subgroups (ranks k*N .. k*N+N-1 of the shard group); after forward the
+ * registered parameters are [Replicate, Shard(d)] DTensors on it. */
+int eng_fsdp_group_set_reshard_after_forward(eng_fsdp_group* g, int value, eng_mesh* post_mesh);
 int eng_fsdp_group_get_reshard_after_forward(const eng_fsdp_group* g);
 int eng_fsdp_group_set_reshard_after_backward(eng_fsdp_group* g, int flag);
 int eng_fsdp_group_set_requires_gradient_sync(eng_fsdp_group* g, int flag);

@@ -17,8 +17,9 @@ typedef struct fparam {
   int dim;              /* shard dim */
   int ndim;
   int64_t shape[8];     /* global shape */
-  int64_t ceil_d;       /* rows of dim per rank, padded */
-  int64_t coff;         /* offset of its block in a rank's chunk */
+  int64_t ceil_d[2];    /* rows of dim per rank, padded: [0] over the shard group, [1] the post-forward subgroup */
+  int64_t coff[2];      /* offset of its block in a rank's chunk (same two layouts) */
+  eng_tensor* post;     /* ST_POST_FWD: the registered DTensor on the post-forward mesh (its shard views g->kept) */
   int64_t uoff;         /* offset in the unsharded buffer */
   int ready;            /* got its gradient in this backward */
 } fparam;
@@ -33,13 +34,15 @@ struct eng_fsdp_group {
   int n;
   fparam* p;
   int64_t chunk;        /* elements of one rank's chunk */
+  int64_t chunk_n;      /* the same in the post-forward layout (N ranks) */
+  eng_mesh* post_mesh;  /* (dp/N, N) mesh of the post-forward layout, or NULL */
   int64_t utotal;       /* elements of the unsharded buffer */
   int udtype;           /* dtype of the unsharded buffer */
   eng_tensor* ubase;    /* 1-D tensor over the unsharded buffer */
   int param_dtype, reduce_dtype, output_dtype, cast_inputs;
   int state;
   /* all-gather in flight */
-  eng_work* ag_work; eng_tensor* ag_in; eng_tensor* ag_out;
+  eng_work* ag_work; eng_tensor* ag_in; eng_tensor* ag_out; int ag_L;
   eng_tensor* kept;     /* ST_POST_FWD: this rank's W/N chunks */
   /* reduce-scatter in flight */
   eng_work* rs_work; eng_tensor* rs_in; eng_tensor* rs_out;
@@ -82,22 +85,22 @@ static int eff_reduce_dtype(const eng_fsdp_group* g) {
   return g->udtype;
 }
 
-/* Rows of chunk c on the shard dim (torch.chunk: ceil-sized, the last ones short or empty). */
-static int64_t rows_of(const fparam* q, int64_t c) {
-  int64_t r = q->shape[q->dim] - c * q->ceil_d;
-  return r < 0 ? 0 : (r > q->ceil_d ? q->ceil_d : r);
+/* Rows of chunk c on the shard dim in layout L (torch.chunk: ceil-sized, the last ones short or empty). */
+static int64_t rows_of(const fparam* q, int64_t c, int L) {
+  int64_t r = q->shape[q->dim] - c * q->ceil_d[L];
+  return r < 0 ? 0 : (r > q->ceil_d[L] ? q->ceil_d[L] : r);
 }
 
 /* View of parameter q's block in chunk c of buf (chunk laid out as the
  * parameter's shape with ceil_d rows on dim, contiguous), its first rows
  * rows on dim. */
-static eng_tensor* block_view(eng_tensor* buf, int64_t chunk_index, int64_t chunk, const fparam* q, int64_t rows) {
+static eng_tensor* block_view(eng_tensor* buf, int64_t chunk_index, int64_t chunk, const fparam* q, int64_t rows, int L) {
   int64_t sh[8], st[8];
   for (int d = 0; d < q->ndim; d++) sh[d] = q->shape[d];
-  sh[q->dim] = q->ceil_d;
+  sh[q->dim] = q->ceil_d[L];
   eng_contiguous_strides(q->ndim, sh, st);
   sh[q->dim] = rows;
-  return eng_view_of(buf, q->ndim, sh, st, buf->offset + chunk_index * chunk + q->coff);
+  return eng_view_of(buf, q->ndim, sh, st, buf->offset + chunk_index * chunk + q->coff[L]);
 }
 
 /* View of rows [r0, r0+rows) on dim of a full (unsharded-shape) tensor t. */
@@ -115,16 +118,17 @@ static int copy_into(eng_tensor* dst, eng_tensor* src) {
   return rc;
 }
 
-/* Packs chunks [c0, c0+nc) of the full tensors full[i] (NULL: zeros) into buf. */
-static int pack_full(eng_fsdp_group* g, eng_tensor** full, eng_tensor* buf, int64_t c0, int64_t nc) {
+/* Packs chunks [c0, c0+nc) of layout L of the full tensors full[i] (NULL: zeros) into buf. */
+static int pack_full(eng_fsdp_group* g, int L, eng_tensor** full, eng_tensor* buf, int64_t c0, int64_t nc) {
+  int64_t chunk = L ? g->chunk_n : g->chunk;
   for (int64_t c = c0; c < c0 + nc; c++)
     for (int i = 0; i < g->n; i++) {
       fparam* q = &g->p[i];
-      int64_t rows = rows_of(q, c);
+      int64_t rows = rows_of(q, c, L);
       if (full[i]) {
-        if (copy_into(block_view(buf, c - c0, g->chunk, q, rows), rows_view(full[i], q, c * q->ceil_d, rows))) return -1;
+        if (copy_into(block_view(buf, c - c0, chunk, q, rows, L), rows_view(full[i], q, c * q->ceil_d[L], rows))) return -1;
       } else {
-        eng_tensor* v = block_view(buf, c - c0, g->chunk, q, q->ceil_d);
+        eng_tensor* v = block_view(buf, c - c0, chunk, q, q->ceil_d[L], L);
         if (!v) return -1;
         int rc = v->numel ? eng_tensor_zero_(v) : 0;
         eng_tensor_release(v);
@@ -134,18 +138,24 @@ static int pack_full(eng_fsdp_group* g, eng_tensor** full, eng_tensor* buf, int6
   return 0;
 }
 
-/* Copies chunks [c0, c0+nc) of buf out into the full tensors full[i]. */
-static int unpack_full(eng_fsdp_group* g, eng_tensor* buf, int64_t c0, int64_t nc, eng_tensor** full) {
+/* Copies chunks [c0, c0+nc) of layout L of buf out into the full tensors full[i]. */
+static int unpack_full(eng_fsdp_group* g, int L, eng_tensor* buf, int64_t c0, int64_t nc, eng_tensor** full) {
+  int64_t chunk = L ? g->chunk_n : g->chunk;
   for (int64_t c = c0; c < c0 + nc; c++)
     for (int i = 0; i < g->n; i++) {
       fparam* q = &g->p[i];
-      int64_t rows = rows_of(q, c);
-      if (copy_into(rows_view(full[i], q, c * q->ceil_d, rows), block_view(buf, c - c0, g->chunk, q, rows))) return -1;
+      int64_t rows = rows_of(q, c, L);
+      if (copy_into(rows_view(full[i], q, c * q->ceil_d[L], rows), block_view(buf, c - c0, chunk, q, rows, L))) return -1;
     }
   return 0;
 }
 
 static void free_tensor(eng_tensor** t) { eng_tensor_release(*t); *t = NULL; }
+
+static void drop_post(eng_fsdp_group* g) {
+  free_tensor(&g->kept);
+  for (int i = 0; i < g->n; i++) free_tensor(&g->p[i].post);
+}
 
 /* ---------------------------------------------------------------- unshard / reshard */
 static int ensure_leaves(eng_fsdp_group* g);
@@ -157,12 +167,12 @@ static int alloc_unsharded(eng_fsdp_group* g) {
 
 /* Copies the gathered chunks into the unsharded buffer, keeping its version
  * counter (the aliases autograd saved stay valid: the data is the same). */
-static int ag_copy_out(eng_fsdp_group* g, eng_tensor* gathered) {
+static int ag_copy_out(eng_fsdp_group* g, eng_tensor* gathered, int L) {
   int32_t v = g->ubase->storage->version;
   eng_tensor** leaves = malloc((size_t)(g->n ? g->n : 1) * sizeof *leaves);
   if (!leaves) return eng_err("fully_shard: out of memory");
   for (int i = 0; i < g->n; i++) leaves[i] = g->p[i].leaf;
-  int rc = unpack_full(g, gathered, 0, g->W, leaves);
+  int rc = unpack_full(g, L, gathered, 0, L ? eng_pg_size(g->post_pg) : g->W, leaves);
   free(leaves);
   g->ubase->storage->version = v;
   return rc;
@@ -172,10 +182,10 @@ static int ag_finish(eng_fsdp_group* g) {
   if (!g->ag_out) return 0;
   int rc = 0;
   if (g->ag_work) { rc = eng_work_wait(g->ag_work); eng_work_release(g->ag_work); g->ag_work = NULL; }
-  if (!rc) rc = ag_copy_out(g, g->ag_out);
+  if (!rc) rc = ag_copy_out(g, g->ag_out, g->ag_L);
   free_tensor(&g->ag_in); free_tensor(&g->ag_out);
   if (rc) { eng_err_prefix("FSDP unshard"); return -1; }
-  free_tensor(&g->kept);
+  drop_post(g);
   g->state = ST_UNSHARDED;
   return 0;
 }
@@ -189,11 +199,13 @@ int eng_fsdp_group_unshard(eng_fsdp_group* g, int async_op) {
   int rc = -1;
   if (alloc_unsharded(g)) goto out;
   int dev = g->p[0].sharded->device;
-  int64_t full = (int64_t)g->W * g->chunk;
+  int L = g->state == ST_POST_FWD && g->kept ? 1 : 0;
+  int64_t full = L ? (int64_t)eng_pg_size(g->post_pg) * g->chunk_n : (int64_t)g->W * g->chunk;
   g->ag_out = eng_new(1, &full, g->udtype, dev);
   if (!g->ag_out) goto out;
+  g->ag_L = L;
   eng_pg* pg = g->pg;
-  if (g->state == ST_POST_FWD && g->kept) {
+  if (L) {
     pg = g->post_pg;
     g->ag_in = eng_tensor_retain(g->kept);
   } else {
@@ -202,7 +214,7 @@ int eng_fsdp_group_unshard(eng_fsdp_group* g, int async_op) {
     for (int i = 0; i < g->n; i++) {
       fparam* q = &g->p[i];
       eng_tensor* s = q->sharded;
-      if (copy_into(block_view(g->ag_in, 0, g->chunk, q, s->shape[q->dim]),
+      if (copy_into(block_view(g->ag_in, 0, g->chunk, q, s->shape[q->dim], 0),
                     eng_view_of(s, s->ndim, s->shape, s->stride, s->offset))) goto out;
     }
   }
@@ -230,26 +242,37 @@ int eng_fsdp_group_reshard(eng_fsdp_group* g) {
   if (!g) return eng_err("reshard: group is NULL");
   if (g->ag_out && ag_finish(g)) return -1;
   if (g->ubase) eng_storage_free_data(g->ubase->storage);
-  free_tensor(&g->kept);
+  drop_post(g);
   g->state = ST_SHARDED;
   return 0;
 }
 
-/* Keeps this rank's W/N chunks of the unsharded parameters (its share of the
- * post-forward subgroup) and frees the rest. */
+/* Keeps this rank's shard of the unsharded parameters over the post-forward
+ * subgroup of N ranks (torch.chunk over N: the registered parameters become
+ * [Replicate, Shard(d)] DTensors on the (dp/N, N) post-forward mesh, viewing
+ * it) and frees the rest; the backward all-gather runs on the N ranks. */
 static int reshard_post_forward(eng_fsdp_group* g) {
-  if (g->state != ST_UNSHARDED || !g->post_pg || g->n == 0) return eng_fsdp_group_reshard(g);
-  int N = eng_pg_size(g->post_pg);
-  int64_t per = g->W / N, j = eng_pg_rank(g->post_pg);
-  int64_t len = per * g->chunk;
-  eng_tensor* kept = eng_new(1, &len, g->udtype, g->p[0].sharded->device);
+  if (g->state != ST_UNSHARDED || !g->post_pg || !g->post_mesh || g->n == 0) return eng_fsdp_group_reshard(g);
+  int64_t j = eng_pg_rank(g->post_pg);
+  eng_tensor* kept = eng_new(1, &g->chunk_n, g->udtype, g->p[0].sharded->device);
   if (!kept) return -1;
   eng_tensor** leaves = malloc((size_t)g->n * sizeof *leaves);
   if (!leaves) { eng_tensor_release(kept); return eng_err("fully_shard: out of memory"); }
   for (int i = 0; i < g->n; i++) leaves[i] = g->p[i].leaf;
-  int rc = pack_full(g, leaves, kept, j * per, per);
+  int rc = pack_full(g, 1, leaves, kept, j, 1);
   free(leaves);
-  if (rc) { eng_tensor_release(kept); return -1; }
+  for (int i = 0; i < g->n && !rc; i++) {
+    fparam* q = &g->p[i];
+    eng_placement pl[2] = { { ENG_PLACEMENT_REPLICATE, 0, 0, 0 }, { ENG_PLACEMENT_SHARD, q->dim, 0, 0 } };
+    eng_dist_spec* sp = eng_dist_spec_new(g->post_mesh, 2, pl, q->ndim, q->shape, NULL);
+    eng_tensor* v = sp ? block_view(kept, 0, g->chunk_n, q, rows_of(q, j, 1), 1) : NULL;
+    if (!v || eng_dtensor_wrap_output(v, sp)) rc = -1;
+    eng_dist_spec_release(sp);
+    eng_tensor_release(q->post);
+    q->post = rc ? NULL : v;
+    if (rc) eng_tensor_release(v);
+  }
+  if (rc) { eng_tensor_release(kept); drop_post(g); return -1; }
   eng_storage_free_data(g->ubase->storage);
   g->kept = kept;
   g->state = ST_POST_FWD;
@@ -273,7 +296,7 @@ static int rs_finish(eng_fsdp_group* g) {
     eng_tensor* s = q->sharded;
     eng_tensor* gl = eng_new(s->ndim, s->shape, s->dtype, s->device);
     if (!gl) { rc = -1; break; }
-    if (copy_into(eng_tensor_retain(gl), block_view(g->rs_out, 0, g->chunk, q, s->shape[q->dim])) ||
+    if (copy_into(eng_tensor_retain(gl), block_view(g->rs_out, 0, g->chunk, q, s->shape[q->dim], 0)) ||
         (scale != 1.0 && eng_mul_scalar_(gl, scale))) { eng_tensor_release(gl); rc = -1; break; }
     eng_tensor* old = s->grad;
     if (old) {
@@ -315,7 +338,7 @@ static int post_backward(eng_fsdp_group* g) {
       for (int i = 0; i < g->n; i++) { acc[i] = g->p[i].acc; g->p[i].ready = acc[i] != NULL; }
       g->rs_in = eng_new(1, &full, rd, dev);
       g->rs_out = g->rs_in ? eng_new(1, &g->chunk, rd, dev) : NULL;
-      rc = g->rs_out ? pack_full(g, acc, g->rs_in, 0, g->W) : -1;
+      rc = g->rs_out ? pack_full(g, 0, acc, g->rs_in, 0, g->W) : -1;
       free(acc);
       for (int i = 0; i < g->n; i++) free_tensor(&g->p[i].acc);
       if (!rc) {
@@ -610,10 +633,10 @@ eng_fsdp_group* eng_fsdp_group_new(eng_mesh* mesh, int shard_mesh_dim, int n, en
     q->dim = pl->dim;
     q->ndim = sp->ndim;
     for (int d = 0; d < q->ndim; d++) q->shape[d] = sp->shape[d];
-    q->ceil_d = (q->shape[q->dim] + g->W - 1) / g->W;
-    int64_t block = q->ceil_d;
+    q->ceil_d[0] = (q->shape[q->dim] + g->W - 1) / g->W;
+    int64_t block = q->ceil_d[0];
     for (int d = 0; d < q->ndim; d++) if (d != q->dim) block *= q->shape[d];
-    q->coff = g->chunk;
+    q->coff[0] = g->chunk;
     g->chunk += block;
     q->uoff = g->utotal;
     g->utotal += sp->numel;
@@ -639,13 +662,14 @@ void eng_fsdp_group_release(eng_fsdp_group* g) {
   for (int i = 0; i < g->n && g->p; i++) {
     fparam* q = &g->p[i];
     if (q->leaf && g->post_hooks && g->post_hooks[i] > 0) eng_tensor_remove_hook(q->leaf, g->post_hooks[i]);
-    eng_tensor_release(q->leaf); eng_tensor_release(q->sharded); eng_tensor_release(q->acc);
+    eng_tensor_release(q->leaf); eng_tensor_release(q->sharded); eng_tensor_release(q->acc); eng_tensor_release(q->post);
   }
   eng_tensor_release(g->ubase);
   for (int k = 0; k < g->n_tree; k++) if (g->tree[k] != g) eng_fsdp_group_release(g->tree[k]);
   free(g->tree); free(g->fwd_order); free(g->cur_fwd); free(g->post_order);
   free(g->fwd_prefetch); free(g->bwd_prefetch); free(g->post_hooks); free(g->p);
   if (g->post_pg) eng_pg_release(g->post_pg);
+  if (g->post_mesh) eng_mesh_release(g->post_mesh);
   if (g->rep_pg) eng_pg_release(g->rep_pg);
   if (g->pg) eng_pg_release(g->pg);
   eng_mesh_release(g->mesh);
@@ -673,8 +697,9 @@ int eng_fsdp_group_set_root(eng_fsdp_group* g, eng_fsdp_group* root) {
 
 int eng_fsdp_group_size(const eng_fsdp_group* g) { return g ? g->n : 0; }
 eng_tensor* eng_fsdp_group_param(eng_fsdp_group* g, int i) {
-  if (!g || i < 0 || i >= g->n || g->state != ST_UNSHARDED) return NULL;
-  return g->p[i].leaf;
+  if (!g || i < 0 || i >= g->n) return NULL;
+  if (g->state == ST_POST_FWD) return g->p[i].post;
+  return g->state == ST_UNSHARDED ? g->p[i].leaf : NULL;
 }
 eng_tensor* eng_fsdp_group_leaf(eng_fsdp_group* g, int i) {
   if (!g || i < 0 || i >= g->n) return NULL;
@@ -683,17 +708,29 @@ eng_tensor* eng_fsdp_group_leaf(eng_fsdp_group* g, int i) {
 int eng_fsdp_group_state(const eng_fsdp_group* g) { return g ? g->state : -1; }
 int eng_fsdp_group_pending(const eng_fsdp_group* g) { return g && g->ag_out ? 1 : 0; }
 
-int eng_fsdp_group_set_reshard_after_forward(eng_fsdp_group* g, int value) {
+int eng_fsdp_group_set_reshard_after_forward(eng_fsdp_group* g, int value, eng_mesh* post_mesh) {
   if (!g) return eng_err("set_reshard_after_forward: group is NULL");
   if (value > 1) {
     if (value >= g->W || g->W % value != 0)
       return eng_err("reshard_after_forward: %d is not a non-trivial divisor of the shard dim size %d "
                      "(a divisor other than 1 and %d)", value, g->W, g->W);
-    if (!g->post_pg || eng_pg_size(g->post_pg) != value) {
-      eng_pg* sub = eng_pg_split(g->pg, g->rank / value, g->rank % value);
-      if (!sub) return -1;
-      if (g->post_pg) eng_pg_release(g->post_pg);
-      g->post_pg = sub;
+    if (!post_mesh || eng_mesh_ndim(post_mesh) != 2 || eng_mesh_size(post_mesh, 1) != value)
+      return eng_err("reshard_after_forward = %d needs its post-forward mesh of shape (dp/%d, %d)", value, value, value);
+    eng_pg* sub = eng_mesh_get_group(post_mesh, 1);
+    if (!sub) return -1;
+    if (g->state == ST_POST_FWD && eng_fsdp_group_reshard(g)) return -1;
+    if (g->post_pg) eng_pg_release(g->post_pg);
+    if (g->post_mesh) eng_mesh_release(g->post_mesh);
+    g->post_pg = eng_pg_retain(sub);
+    g->post_mesh = eng_mesh_retain(post_mesh);
+    g->chunk_n = 0;
+    for (int i = 0; i < g->n; i++) {
+      fparam* q = &g->p[i];
+      q->ceil_d[1] = (q->shape[q->dim] + value - 1) / value;
+      int64_t block = q->ceil_d[1];
+      for (int d = 0; d < q->ndim; d++) if (d != q->dim) block *= q->shape[d];
+      q->coff[1] = g->chunk_n;
+      g->chunk_n += block;
     }
   } else if (value < 0) {
     return eng_err("reshard_after_forward: expected true, false or a positive integer, got %d", value);
@@ -701,6 +738,7 @@ int eng_fsdp_group_set_reshard_after_forward(eng_fsdp_group* g, int value) {
   g->raf = value;
   return 0;
 }
+
 int eng_fsdp_group_get_reshard_after_forward(const eng_fsdp_group* g) { return g ? g->raf : -1; }
 int eng_fsdp_group_set_reshard_after_backward(eng_fsdp_group* g, int flag) { if (!g) return -1; g->rab = flag != 0; return 0; }
 int eng_fsdp_group_set_requires_gradient_sync(eng_fsdp_group* g, int flag) { if (!g) return -1; g->sync = flag != 0; return 0; }

@@ -172,12 +172,39 @@ local function raf_value(v, op)
   return v
 end
 
+-- The (dp/N, N) post-forward mesh of reshard_after_forward = N over mesh's ranks (collective: made once per
+-- mesh and N, on every rank); its dim 2 groups are runs of N consecutive ranks of each shard group.
+local post_meshes = setmetatable({}, { __mode = "k" })
+local function post_mesh(mesh, N)
+  if N <= 1 then return nil end
+  local W = mesh:size(mesh:ndim())
+  if N >= W or W % N ~= 0 then return nil end  -- the C check names the error
+  local per = post_meshes[mesh]
+  if not per then per = {}; post_meshes[mesh] = per end
+  if per[N] then return per[N] end
+  local flat = mesh:flat_ranks()
+  local rows = {}
+  for i = 1, #flat, N do
+    local r = {}
+    for j = 0, N - 1 do r[j + 1] = flat[i + j] end
+    rows[#rows + 1] = r
+  end
+  local dev = C.eng_mesh_device(mesh._c) == 1 and "cuda" or "cpu"
+  per[N] = meshmod.DeviceMesh(dev, rows)
+  return per[N]
+end
+
+local function set_raf(st, v, level)
+  local pm = post_mesh(st.mesh, v)
+  core.check(C.eng_fsdp_group_set_reshard_after_forward(st.group, v, pm and pm._c or nil), level + 1)
+  st.post_mesh = pm
+end
+
 -- set_reshard_after_forward(value [, {recurse = true}]) (not on the root, which keeps false)
 function FSDPModule.set_reshard_after_forward(self, value, opts)
   local v = raf_value(value, "set_reshard_after_forward")
   each_fsdp(self, recurse_opt(opts), function(m, st)
-    if v == 1 and value == 1 then v = 1 end
-    core.check(C.eng_fsdp_group_set_reshard_after_forward(st.group, v), 4)
+    set_raf(st, v, 4)
     st.reshard_after_forward = value
   end)
 end
@@ -435,7 +462,8 @@ function M.fully_shard(module, opts)
     core.raise()
   end
   g = ffi.gc(g, C.eng_fsdp_group_release)
-  core.check(C.eng_fsdp_group_set_reshard_after_forward(g, raf), 2)
+  local pm = post_mesh(mesh, raf)
+  core.check(C.eng_fsdp_group_set_reshard_after_forward(g, raf, pm and pm._c or nil), 2)
   core.check(C.eng_fsdp_group_attach(g, rawget(module, "_cmod")), 2)
   -- register the sharded parameters under every name; the modules look the unsharded ones up
   for i, e in ipairs(order) do
@@ -450,7 +478,7 @@ function M.fully_shard(module, opts)
   local cls = getmetatable(module)
   local state = {
     group = g, mesh = mesh, module_call = cls.__call, reshard_after_forward = opts.reshard_after_forward,
-    mp_policy = mp, offload_policy = offload, params = order,
+    mp_policy = mp, offload_policy = offload, params = order, post_mesh = pm,
   }
   rawset(module, "_fsdp", state)
   setmetatable(module, fsdp_class(cls))
