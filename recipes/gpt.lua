@@ -15,7 +15,11 @@
 --              --eval_every --eval_batches (validation loss on the first eval_batches batches of val;
 --              also before the first step and after the last)
 --   checkpoint --ckpt_dir --ckpt_every (0: only at the end; -1: never) --resume (a checkpoint path, or
---              "latest" for the newest one in ckpt_dir)
+--              "latest" for the newest one in ckpt_dir) --ckpt_format (dcp: distributed checkpoints,
+--              dist.checkpoint: every rank writes its own shards into ckpt_dir/step_%08d/, loadable at any
+--              world size, mesh or --tp (the default); full: one safetensors file of full tensors,
+--              engine.checkpoint, step_%08d.safetensors) --ckpt_keep (dcp: keep the newest K; 0: all)
+--              --ckpt_async (dcp: 1 saves in a background thread while training goes on)
 --   sampling   --sample_len (bytes generated at the end; 0: none) --temperature (0: greedy)
 --              --prompt
 --   parallel   --tp (tensor-parallel size: 1 none (default), 0 all ranks, N: N ranks per group, the
@@ -59,7 +63,7 @@ local defaults = {
   beta1 = 0.9, beta2 = 0.95, grad_clip = 1.0, seed = 1337, threads = 0,
   train = HOME .. "/data/kjv_train.bin", val = HOME .. "/data/kjv_val.bin",
   log_every = 10, eval_every = 100, eval_batches = 20,
-  ckpt_dir = HOME .. "/checkpoints", ckpt_every = 0, resume = "",
+  ckpt_dir = HOME .. "/checkpoints", ckpt_every = 0, resume = "", ckpt_format = "dcp", ckpt_keep = 0, ckpt_async = 0,
   sample_len = 300, temperature = 0.8, prompt = "And God said", tp = 1, sp = 0, dtensor_dp = 0,
 }
 for k, v in pairs(MODEL and MODEL.defaults or {}) do defaults[k] = v end
@@ -91,6 +95,8 @@ local function parse_args(argv)
   if o.warmup < 0 then error(NAME .. ": --warmup must be >= 0", 0) end
   if o.tp < 0 or o.tp % 1 ~= 0 then error(NAME .. ": --tp must be 0 (all ranks) or a positive integer", 0) end
   if o.sp ~= 0 and o.sp ~= 1 then error(NAME .. ": --sp must be 0 or 1", 0) end
+  if o.ckpt_format ~= "dcp" and o.ckpt_format ~= "full" then error(NAME .. ": --ckpt_format must be dcp or full", 0) end
+  if o.ckpt_keep < 0 or o.ckpt_keep % 1 ~= 0 then error(NAME .. ": --ckpt_keep must be a non-negative integer", 0) end
   if o.dtensor_dp ~= 0 and o.dtensor_dp ~= 1 then error(NAME .. ": --dtensor_dp must be 0 or 1", 0) end
   o.warmup = math.min(o.warmup, o.steps)
   return o
@@ -253,16 +259,44 @@ local function main(argv)
     end
   end
 
+  -- Distributed checkpoints (--ckpt_format=dcp): every rank saves its own shards of the model and the
+  -- optimizer state (keyed by parameter names), plus the step, the RNG state and the data position; a
+  -- load fills the current layout whatever the layout at save time (world size, --tp, --dtensor_dp).
+  local dcp = dist.checkpoint
+  local function dcp_state(at_step)
+    return { model = model:state_dict(), optim = dcp.get_optimizer_state_dict(model, opt), step = at_step,
+      rng = engine.get_rng_state(), data = train:state() }
+  end
+  local function is_dcp_dir(path)
+    local f = io.open(path .. "/.metadata", "rb")
+    if f then f:close() end
+    return f ~= nil
+  end
+
   local step = 0
+  local last_ckpt = nil    -- the newest checkpoint saved or resumed from (named when training diverges)
   if o.resume ~= "" then
     local path = o.resume
     if path == "latest" then
-      path = checkpoint.latest(o.ckpt_dir)
+      local p_dcp, s_dcp = dcp.latest(o.ckpt_dir)
+      local p_full, s_full = checkpoint.latest(o.ckpt_dir)
+      path = p_dcp
+      if p_full and (not s_dcp or s_full > s_dcp) then path = p_full end
       if not path then error(NAME .. ": --resume=latest: no checkpoint in " .. o.ckpt_dir, 0) end
     end
-    local info = checkpoint.load(path, { model = ck_model, optimizer = ck_opt, sampler = train })
-    from_full()
-    step = info.step
+    if is_dcp_dir(path) then
+      local st = dcp_state(0)
+      dcp.load(st, path)
+      dcp.set_optimizer_state_dict(model, opt, st.optim)
+      engine.set_rng_state(st.rng)
+      train:set_state(st.data)
+      step = st.step
+    else
+      local info = checkpoint.load(path, { model = ck_model, optimizer = ck_opt, sampler = train })
+      from_full()
+      step = info.step
+    end
+    last_ckpt = path
     log(NAME .. ": resumed from %s at step %d", path, step)
   end
 
@@ -300,8 +334,28 @@ local function main(argv)
     return all_avg(sum / math.max(n, 1))
   end
 
+  local pending_save = nil   -- an async save in flight: finished (collectively) before the next one
+  local function finish_save()
+    if pending_save then
+      pending_save.h:wait()
+      pending_save.done()
+      pending_save = nil
+    end
+  end
   local function save(at_step)
     if o.ckpt_every < 0 then return end
+    finish_save()
+    if o.ckpt_format == "dcp" then
+      local path = dcp.path(o.ckpt_dir, at_step)
+      local h = dcp.save(dcp_state(at_step), path, { async = o.ckpt_async == 1 })
+      local function done()
+        last_ckpt = path
+        log(NAME .. ": saved %s", path)
+        if o.ckpt_keep > 0 and rank == 0 then dcp.prune(o.ckpt_dir, o.ckpt_keep) end
+      end
+      if o.ckpt_async == 1 then pending_save = { h = h, done = done } else done() end
+      return
+    end
     to_full()
     if rank == 0 then
       os.execute("mkdir -p '" .. o.ckpt_dir:gsub("'", "'\\''") .. "'")
@@ -309,6 +363,7 @@ local function main(argv)
         { model = ck_model, optimizer = ck_opt, sampler = train, step = at_step })
       log(NAME .. ": saved %s", path)
     end
+    last_ckpt = checkpoint.path(o.ckpt_dir, at_step)
     if world > 1 then dist.barrier() end
   end
 
@@ -340,8 +395,10 @@ local function main(argv)
     opt:zero_grad()
     local l = ddp and loss:full_tensor():item() or all_avg(loss:item())
     if l ~= l or l == math.huge then -- the same on every rank (averaged): all stop together
+      finish_save()
       error(string.format(NAME .. ": the loss is %s at step %d (lr %.3e): training diverged; lower --lr, raise " ..
-        "--warmup or --grad_clip, or resume from an earlier checkpoint", tostring(l), step + 1, lr), 0)
+        "--warmup or --grad_clip, or resume from an earlier checkpoint (last good checkpoint: %s)", tostring(l),
+        step + 1, lr, last_ckpt or "none"), 0)
     end
     loss = nil
     step = step + 1
@@ -367,6 +424,7 @@ local function main(argv)
       dp * o.batch * o.seq / median(times))
     if o.ckpt_every >= 0 then save(step) end
   end
+  finish_save()
 
   -- a sample from rank 0 (seeded: the same run prints the same text); with TP every rank runs the
   -- forward (it is collective), with SP on a context padded on the right to a multiple of tp

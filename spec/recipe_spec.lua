@@ -71,6 +71,7 @@ describe("recipes/gpt.lua", function()
   local function tiny(extra)
     local a = { "--n_layers=1", "--dim=32", "--n_heads=2", "--seq=16", "--batch=4", "--lr=3e-3", "--warmup=2",
       "--dropout=0.1", "--log_every=1", "--eval_every=3", "--eval_batches=2", "--sample_len=0", "--threads=1",
+      "--ckpt_format=full",
       "--train=" .. train_bin, "--val=" .. val_bin }
     for _, v in ipairs(extra) do a[#a + 1] = v end
     return a

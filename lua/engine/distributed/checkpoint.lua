@@ -14,10 +14,10 @@
 -- writer, engine/src/checkpoint/files.c) and ".metadata" (a safetensors file without tensors whose
 -- __metadata__ has "format", "id" (random, also in every data file's header), "world_size", per tensor
 -- "t:<key>" = "<dtype>|<global shape>|<chunks: file, offset, bytes, checksum, box>", and per value
--- "v:<key>" = the value serialized).  Who writes what: a DTensor's local shard is written by the ranks
--- whose coordinate on every Replicate mesh dim is 0 (replicas once); a ShardedTensor's local shards by
--- their rank; a plain tensor (taken as replicated) and the values by rank 0.  Partial DTensors are an
--- error.
+-- "v:<key>" = the value serialized).  Who writes what: every rank's boxes (a DTensor's local shard, a
+-- ShardedTensor's local shards, a plain tensor whole: taken as replicated) are gathered and each
+-- distinct box is written once, by the holder with the fewest bytes so far (replicas once, spread over
+-- the ranks); the values come from rank 0.  Partial DTensors are an error.
 --
 -- Crash safety: every rank writes to a temporary name, fsyncs and renames; the ranks then agree that
 -- all succeeded, the chunk records are gathered and rank 0 writes the metadata (temporary name, fsync,
@@ -226,7 +226,7 @@ end
 
 -- ---------------------------------------------------------------- layouts
 -- Shape/dtype of a tensor leaf and the list of its local boxes on this rank:
--- {tensor = local tensor (plain), offsets = {...} (0-based), sizes = {...}, write = bool}
+-- {tensor = local tensor (plain), offsets = {...} (0-based), sizes = {...}}
 local function dtype_of(t)
   if is_sharded(t) then
     local md = t:metadata()
@@ -260,22 +260,20 @@ local function local_boxes(t, key, op, rank)
     local coord = mesh:get_coordinate()
     if coord == nil then return shape, {} end
     local lshape, off = dist.compute_local_shape_and_global_offset(shape, mesh, pl)
-    local write = true
-    for i, p in ipairs(pl) do if p:is_replicate() and coord[i] ~= 0 then write = false end end
-    return shape, { { tensor = t:to_local(), offsets = off, sizes = lshape, write = write } }
+    return shape, { { tensor = t:to_local(), offsets = off, sizes = lshape } }
   elseif is_sharded(t) then
     local md = t:metadata()
     local boxes = {}
     for _, s in ipairs(t:local_shards()) do
       boxes[#boxes + 1] = { tensor = s.tensor, offsets = { unpack(s.metadata.shard_offsets) },
-        sizes = { unpack(s.metadata.shard_sizes) }, write = true }
+        sizes = { unpack(s.metadata.shard_sizes) } }
     end
     return { unpack(md.size) }, boxes
   end
   local shape = t:shape()
   local off = {}
   for d = 1, #shape do off[d] = 0 end
-  return shape, { { tensor = t, offsets = off, sizes = shape, write = rank == 0 } }
+  return shape, { { tensor = t, offsets = off, sizes = shape } }
 end
 
 local function numel_of(sizes)
@@ -454,7 +452,7 @@ function M.save(state, dir, opts)
         local dt = dtype_of(it.value)
         h.tensors[key] = { dtype = dt, shape = shape }
         for _, b in ipairs(boxes) do
-          if b.write and numel_of(b.sizes) > 0 then h.plan[#h.plan + 1] = { key = key, box = b } end
+          if numel_of(b.sizes) > 0 then h.plan[#h.plan + 1] = { key = key, box = b } end
         end
       else
         h.values[key] = serialize(it.value, key)
@@ -470,6 +468,42 @@ function M.save(state, dir, opts)
   end
   agree(err, op, str_hash(table.concat(sig, "\n")))
   h.id = new_id()
+  -- who writes what: every rank's boxes are gathered; a box held by several ranks (replicas, plain
+  -- tensors) is written by one of them, the one with the fewest bytes assigned so far (PyTorch's
+  -- dedup_save_plans), the same choice on every rank
+  do
+    local mine = {}
+    for _, p in ipairs(h.plan) do
+      mine[#mine + 1] = p.key .. "\t" .. table.concat(p.box.offsets, ",") .. "\t" .. table.concat(p.box.sizes, ",")
+    end
+    local all = gather_strings(table.concat(mine, "\n"))
+    local holders, order = {}, {}
+    for r = 0, nranks() - 1 do
+      for line in all[r]:gmatch("[^\n]+") do
+        if not holders[line] then holders[line] = {}; order[#order + 1] = line end
+        local hl = holders[line]
+        hl[#hl + 1] = r
+      end
+    end
+    table.sort(order)
+    local load, writer = {}, {}
+    for r = 0, nranks() - 1 do load[r] = 0 end
+    for _, line in ipairs(order) do
+      local key, sizes = line:match("^(.*)\t[%d,]*\t([%d,]*)$")
+      local bytes = 1
+      for n in sizes:gmatch("%d+") do bytes = bytes * tonumber(n) end
+      bytes = bytes * tonumber(C.eng_dtype_size(C.eng_dtype_from_name(h.tensors[key].dtype)))
+      local best
+      for _, r in ipairs(holders[line]) do if best == nil or load[r] < load[best] then best = r end end
+      writer[line] = best
+      load[best] = load[best] + bytes
+    end
+    local kept = {}
+    for i, p in ipairs(h.plan) do
+      if writer[mine[i]] == rank then kept[#kept + 1] = p end
+    end
+    h.plan = kept
+  end
   -- the previous checkpoint in dir stops being one before its files are replaced
   if rank == 0 then os.remove(dir .. "/" .. META) end
   if nranks() > 1 then D().barrier() end
