@@ -30,6 +30,7 @@ end
 
 local a, b = engine.ones(4), engine.full({ 4 }, 2)
 local w = engine.ones(4, { requires_grad = true })
+local i4, m2 = engine.tensor({ 0, 1, 1, 0 }), engine.ones(2, 2)
 
 local cases = {
   { "add", "c = a + b (new tensor)", function(n) local c; for _ = 1, n do c = a + b end; return c end },
@@ -43,6 +44,15 @@ local cases = {
   { "amax", "c = a:amax()", function(n) local c; for _ = 1, n do c = a:amax() end; return c end },
   { "cumsum", "c = a:cumsum(1)", function(n) local c; for _ = 1, n do c = a:cumsum(1) end; return c end },
   { "sort", "c, i = a:sort()", function(n) local c; for _ = 1, n do c = a:sort() end; return c end },
+  -- issue 17 items 1, 4, 5: C ops (gather, index_add; engine/src/ops/index.c) and Lua composites (mm over
+  -- matmul, einsum: parse + permute + matmul, triu: mask + masked_fill, leaky_relu: gt + mul + where)
+  { "gather", "c = a:gather(1, i4)", function(n) local c; for _ = 1, n do c = a:gather(1, i4) end; return c end },
+  { "index_add", "c = a:index_add(1, i4, b)", function(n) local c; for _ = 1, n do c = a:index_add(1, i4, b) end; return c end },
+  { "mm", "c = engine.mm(m2, m2)", function(n) local c; for _ = 1, n do c = engine.mm(m2, m2) end; return c end },
+  { "einsum", "c = engine.einsum(\"ij,jk->ik\", m2, m2)", function(n) local c; for _ = 1, n do c = engine.einsum("ij,jk->ik", m2, m2) end; return c end },
+  { "triu", "c = m2:triu()", function(n) local c; for _ = 1, n do c = m2:triu() end; return c end },
+  { "leaky", "c = a:leaky_relu(0.1)", function(n) local c; for _ = 1, n do c = a:leaky_relu(0.1) end; return c end },
+  { "index", "c = m2[1] (Torch7 indexing: a select view)", function(n) local c; for _ = 1, n do c = m2[1] end; return c end },
 }
 
 local function engine_binary()

@@ -192,6 +192,7 @@ function methods.masked_select(t, mask)
 end
 
 -- ============================================================ triu / tril
+local tri_masks, tri_n = {}, 0
 local function tri(t, k, upper, op)
   local c = ct(t, op, 1)
   k = k or 0
@@ -200,8 +201,15 @@ local function tri(t, k, upper, op)
   local sh = t:shape()
   local r, q = sh[#sh - 1], sh[#sh]
   local o = dev_opts(t)
-  local diff = require("engine").arange(q, o):view(1, q) - require("engine").arange(r, o):view(r, 1)
-  local zero = upper and diff:lt(k) or diff:gt(k)   -- positions set to 0
+  -- the mask of zeroed positions, cached per (rows, cols, k, kind, device): causal masks recur every step
+  local key = string.format("%d,%d,%d,%s,%s", r, q, k, upper and "u" or "l", o.device)
+  local zero = tri_masks[key]
+  if not zero then
+    local diff = require("engine").arange(q, o):view(1, q) - require("engine").arange(r, o):view(r, 1)
+    zero = upper and diff:lt(k) or diff:gt(k)
+    if tri_n >= 32 then tri_masks, tri_n = {}, 0 end
+    tri_masks[key], tri_n = zero, tri_n + 1
+  end
   local res = t:masked_fill(lift(zero, t), 0)
   return res
 end

@@ -114,27 +114,42 @@ local function letters(s, eq)
   return l, seen
 end
 
-local function perm_to(t, from, to)
+-- Plans: the shape ops einsum applies depend only on the equation and the operand shapes, so the
+-- first call records them (plan.A / plan.B before the matmul, plan.R after it) and later calls with
+-- the same key replay them without parsing (a bounded cache).
+local plan
+local function op(which, t, name, arg)
+  local steps = plan[which]
+  steps[#steps + 1] = { name, arg }
+  return t[name](t, arg)
+end
+local function replay(steps, t)
+  for i = 1, #steps do local s = steps[i]; t = t[s[1]](t, s[2]) end
+  return t
+end
+local cache, cache_n = {}, 0
+
+local function perm_to(which, t, from, to)
   -- permute t (dims labelled by `from`) so its dims are labelled `to` (same set)
   local pos = {}
   for i, ch in ipairs(from) do pos[ch] = i end
   local perm, ident = {}, true
   for i, ch in ipairs(to) do perm[i] = pos[ch]; if perm[i] ~= i then ident = false end end
   if ident or #to == 0 then return t end
-  return t:permute(perm)
+  return op(which, t, "permute", perm)
 end
 
-local function sum_out(t, labels, keep)
+local function sum_out(which, t, labels, keep)
   -- sums away labels not in keep; returns t and the remaining labels
   local dims, rest = {}, {}
   for i, ch in ipairs(labels) do
     if keep[ch] then rest[#rest + 1] = ch else dims[#dims + 1] = i end
   end
   if #dims == 0 then return t, rest end
-  return t:sum(dims), rest
+  return op(which, t, "sum", dims), rest
 end
 
-function M.einsum(eq, a, b, ...)
+local function plan_einsum(eq, a, b, ...)
   if type(eq) ~= "string" then fail("einsum: the first argument must be the equation string") end
   if select("#", ...) > 0 then fail("einsum: '" .. eq .. "': at most two operands are supported") end
   local e = eq:gsub("%s", "")
@@ -181,9 +196,9 @@ function M.einsum(eq, a, b, ...)
     end
   end
   if nops == 1 then
-    local t, rest = sum_out(a, L[1], OS)
-    local r = perm_to(t, rest, O)
-    if r == a then r = a:view(a:shape()) end
+    local t, rest = sum_out("A", a, L[1], OS)
+    local r = perm_to("A", t, rest, O)
+    if r == a then r = op("A", a, "view", a:shape()) end
     return r
   end
   -- two operands: letters only in one operand and not in the output are summed first
@@ -191,8 +206,8 @@ function M.einsum(eq, a, b, ...)
   for ch in pairs(OS) do keepA[ch] = true; keepB[ch] = true end
   for _, ch in ipairs(L[2]) do keepA[ch] = true end
   for _, ch in ipairs(L[1]) do keepB[ch] = true end
-  local A, la = sum_out(a, L[1], keepA)
-  local B, lb = sum_out(b, L[2], keepB)
+  local A, la = sum_out("A", a, L[1], keepA)
+  local B, lb = sum_out("B", b, L[2], keepB)
   local inA, inB = {}, {}
   for _, ch in ipairs(la) do inA[ch] = true end
   for _, ch in ipairs(lb) do inB[ch] = true end
@@ -213,8 +228,8 @@ function M.einsum(eq, a, b, ...)
   for _, ch in ipairs(batch) do lb2[#lb2 + 1] = ch end
   for _, ch in ipairs(contr) do lb2[#lb2 + 1] = ch end
   for _, ch in ipairs(right) do lb2[#lb2 + 1] = ch end
-  A = perm_to(A, la, la2)
-  B = perm_to(B, lb, lb2)
+  A = perm_to("A", A, la, la2)
+  B = perm_to("B", B, lb, lb2)
   local nb, nl, nr, nc = #batch, #left, #right, #contr
   -- flatten the contracted dims into one K (a reshape; 0 contracted dims: K = 1)
   local function shape_of(t) return t:shape() end
@@ -225,16 +240,16 @@ function M.einsum(eq, a, b, ...)
     local na = {}
     for i = 1, nb + nl do na[i] = sa[i] end
     na[#na + 1] = K
-    A = A:reshape(na)
+    A = op("A", A, "reshape", na)
     local nbs = {}
     for i = 1, nb do nbs[i] = sb[i] end
     nbs[#nbs + 1] = K
     for i = 1, nr do nbs[#nbs + 1] = sb[nb + nc + i] end
-    B = B:reshape(nbs)
+    B = op("B", B, "reshape", nbs)
   end
   -- A: [batch, left..., K]; B: [batch, K, right...]
-  if nl == 0 then A = A:unsqueeze(nb + 1) end       -- a size-1 left dim
-  if nr == 0 then B = B:unsqueeze(nb + 2) end       -- a size-1 right dim
+  if nl == 0 then A = op("A", A, "unsqueeze", nb + 1) end       -- a size-1 left dim
+  if nr == 0 then B = op("B", B, "unsqueeze", nb + 2) end       -- a size-1 right dim
   local nl2, nr2 = math.max(nl, 1), math.max(nr, 1)
   -- move B's K before its last right dim: [batch, right[1..nr2-1], K, right[nr2]]
   if nr2 > 1 then
@@ -243,11 +258,11 @@ function M.einsum(eq, a, b, ...)
     for i = 1, nr2 - 1 do p[#p + 1] = nb + 1 + i end
     p[#p + 1] = nb + 1
     p[#p + 1] = nb + 1 + nr2
-    B = B:permute(p)
+    B = op("B", B, "permute", p)
   end
   -- broadcast dims: A gets nr2-1 ones before its last left dim; B gets nl2-1 ones after batch
-  for _ = 1, nr2 - 1 do A = A:unsqueeze(nb + nl2) end
-  for _ = 1, nl2 - 1 do B = B:unsqueeze(nb + 1) end
+  for _ = 1, nr2 - 1 do A = op("A", A, "unsqueeze", nb + nl2) end
+  for _ = 1, nl2 - 1 do B = op("B", B, "unsqueeze", nb + 1) end
   local R = A:matmul(B)   -- [batch, left[1..nl2-1], right[1..nr2-1], left[nl2], right[nr2]]
   local rl = {}
   for _, ch in ipairs(batch) do rl[#rl + 1] = ch end
@@ -256,13 +271,34 @@ function M.einsum(eq, a, b, ...)
   rl[#rl + 1] = nl > 0 and left[nl] or "#l"
   rl[#rl + 1] = nr > 0 and right[nr] or "#r"
   -- drop the size-1 placeholders
-  if nr == 0 then R = R:squeeze(#rl); rl[#rl] = nil end
+  if nr == 0 then R = op("R", R, "squeeze", #rl); rl[#rl] = nil end
   if nl == 0 then
     local pos = nr == 0 and #rl or #rl - 1
-    R = R:squeeze(pos)
+    R = op("R", R, "squeeze", pos)
     table.remove(rl, pos)
   end
-  local r = perm_to(R, rl, O)
+  local r = perm_to("R", R, rl, O)
+  return r
+end
+
+local function shape_key(t) return core.is_tensor(t) and table.concat(t:shape(), ",") or "?" end
+
+function M.einsum(eq, a, b, ...)
+  local key = type(eq) == "string" and select("#", ...) == 0 and (eq .. "|" .. shape_key(a) .. "|" .. (b == nil and "-" or shape_key(b)))
+  local p = key and cache[key]
+  if p and core.is_tensor(a) and (b == nil or core.is_tensor(b)) then
+    local A = replay(p.A, a)
+    if b == nil then return A end
+    local r = replay(p.R, A:matmul(replay(p.B, b)))
+    return r
+  end
+  plan = { A = {}, B = {}, R = {} }
+  local r = plan_einsum(eq, a, b, ...)
+  if key then
+    if cache_n >= 256 then cache, cache_n = {}, 0 end
+    cache[key] = plan
+    cache_n = cache_n + 1
+  end
   return r
 end
 
