@@ -39,6 +39,8 @@ function engine.set_num_threads(n) core.check(C.eng_set_num_threads(n)) end
 function engine.get_num_threads() return C.eng_get_num_threads() end
 function engine.blas_corename() return core.ffi.string(C.eng_blas_corename()) end
 function engine.time() return C.eng_time() end
+-- A safetensors file of full tensors into tensors of any layout (dist.checkpoint.load_safetensors).
+function engine.load_safetensors(...) return require("engine.distributed").checkpoint.load_safetensors(...) end
 
 -- Memory: the caching allocator's statistics (bytes).
 function engine.memory_stats()

@@ -153,6 +153,43 @@ describe("dist.checkpoint resharding (" .. W .. " ranks)", function()
   end)
 end)
 
+describe("engine.load_safetensors and checkpoint reads (" .. W .. " ranks)", function()
+  it("a safetensors file of full tensors loads into any layout; missing names are errors", function()
+    local dir = newdir()
+    local path = dir .. ".safetensors"
+    local a, b = reference({ 5, 6 }, 21), reference({ 3 }, 22)
+    if R == 0 then engine.save(path, { ["layer.w"] = a, ["layer.b"] = b }) end
+    dist.barrier()
+    local layouts = { { Shard(1) }, { Shard(2) }, { Replicate() } }
+    for _, pl in ipairs(layouts) do
+      local st = { layer = { w = dist.zeros({ 5, 6 }, { mesh = world_mesh, placements = pl }),
+        b = engine.zeros({ 3 }, { dtype = "f64" }) } }
+      engine.load_safetensors(path, st)
+      assert.equal(0, diff(st.layer.w:full_tensor(), a))
+      assert.is_true(diff(st.layer.b, b) < 1e-7)
+    end
+    local e = errmsg(engine.load_safetensors, path, { layer = { w = engine.zeros(5, 6), c = engine.zeros(1) } })
+    assert.is_truthy(e:find("missing in the file: layer.c", 1, true) and e:find("not in the state: layer.b", 1, true), e)
+    local st = { layer = { w = engine.zeros(5, 6) } }
+    engine.load_safetensors(path, st, { strict = false })
+    assert.equal(0, diff(st.layer.w, a))
+    local e2 = errmsg(engine.load_safetensors, path, { layer = { w = engine.zeros(6, 5), b = engine.zeros(3) } })
+    assert.is_truthy(e2:find("'layer.w' has shape [5,6] in the file and [6,5]", 1, true), e2)
+  end)
+
+  it("read_tensor / read_metadata give a checkpoint's full tensors and values on one rank", function()
+    local dir = newdir()
+    local full = reference({ 7, 2 }, 23)
+    ckpt.save({ model = { w = dist.distribute_tensor(full, world_mesh, { Shard(1) }) }, step = 4 }, dir)
+    local md = ckpt.read_metadata(dir)
+    assert.equal(W, md.world_size)
+    assert.same({ 7, 2 }, md.tensors["model.w"].shape)
+    assert.equal("f32", md.tensors["model.w"].dtype)
+    assert.equal(4, md.values.step)
+    assert.equal(0, diff(ckpt.read_tensor(dir, "model.w"), full))
+  end)
+end)
+
 describe("dist.checkpoint state (" .. W .. " ranks)", function()
   teardown(function()
     dist.barrier()

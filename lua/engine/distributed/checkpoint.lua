@@ -700,6 +700,84 @@ function M.load(state, dir, opts)
   return state
 end
 
+-- ---------------------------------------------------------------- reading outside a load
+-- read_metadata(dir) -> {id =, world_size =, tensors = {[key] = {dtype =, shape = {...}}}, values = {[key] = v}}
+-- read_tensor(dir, key) -> the full plain tensor of key (every chunk read and checksummed); local, no
+-- collective (tools/ckpt_safetensors.lua converts a checkpoint to one safetensors file with these).
+function M.read_metadata(dir)
+  local op = "checkpoint.read_metadata"
+  local meta, n = read_metadata(dir, op)
+  local r = { id = meta.id, world_size = n, tensors = {}, values = {} }
+  for k, v in pairs(meta) do
+    local tk = k:match("^t:(.*)$")
+    if tk then
+      local e = parse_entry(v, n, tk, op)
+      r.tensors[tk] = { dtype = e.dtype, shape = e.shape }
+    end
+    local vk = k:match("^v:(.*)$")
+    if vk then r.values[vk] = deserialize(v, vk) end
+  end
+  return r
+end
+
+function M.read_tensor(dir, key)
+  local op = "checkpoint.read_tensor"
+  local meta, n = read_metadata(dir, op)
+  local text = meta["t:" .. key]
+  if not text then error(string.format("%s: '%s' has no tensor '%s'", op, dir, tostring(key)), 2) end
+  local e = parse_entry(text, n, key, op)
+  local off = {}
+  for d = 1, #e.shape do off[d] = 0 end
+  return read_box(dir, meta.id, e, { offsets = off, sizes = e.shape }, op)
+end
+
+-- load_safetensors(path, state, {strict = true}) (engine.load_safetensors): fills the tensors of
+-- `state` (a nested table as for load: DTensors of any layout, ShardedTensors, plain tensors; the
+-- dotted keys are the file's tensor names) from a safetensors file of full tensors, each rank copying
+-- its own boxes; dtypes are converted.  Missing names on either side are errors naming them (strict =
+-- false: only the common names).  Nothing is copied unless every name checked.  Local: every rank
+-- reads the file (no collective).
+function M.load_safetensors(path, state, opts)
+  local op = "load_safetensors"
+  opts = check_opts(opts, { strict = true }, op)
+  if type(path) ~= "string" then error(op .. ": path must be a string", 2) end
+  local ok, tensors = pcall(E().load, path)
+  if not ok then error(op .. ": " .. tostring(tensors), 2) end
+  local items, keys = flatten(state, op)
+  local missing, unexpected, plan = {}, {}, {}
+  for _, key in ipairs(keys) do
+    local it = items[key]
+    if it.kind == "tensor" then
+      local t = tensors[key]
+      if not t then missing[#missing + 1] = key
+      else
+        local shape, boxes = local_boxes(it.value, key, op, myrank())
+        if not same_list(shape, t:shape()) then
+          error(string.format("%s: %s: '%s' has shape [%s] in the file and [%s] in the state (%s)", op, path, key,
+            table.concat(t:shape(), ","), table.concat(shape, ","), describe_layout(it.value)), 2)
+        end
+        for _, b in ipairs(boxes) do plan[#plan + 1] = { src = t, box = b } end
+      end
+    end
+  end
+  for name in pairs(tensors) do
+    if not items[name] or items[name].kind ~= "tensor" then unexpected[#unexpected + 1] = name end
+  end
+  table.sort(missing); table.sort(unexpected)
+  if opts.strict ~= false and (#missing > 0 or #unexpected > 0) then
+    error(string.format("%s: %s does not match the state (missing in the file: %s; in the file but not in the state: %s)",
+      op, path, table.concat(missing, ", "), table.concat(unexpected, ", ")), 2)
+  end
+  E().no_grad(function()
+    for _, p in ipairs(plan) do
+      local src = p.src
+      for d = 1, #p.box.sizes do src = src:narrow(d, p.box.offsets[d] + 1, p.box.sizes[d]) end
+      if numel_of(p.box.sizes) > 0 then p.box.tensor:copy_(src) end
+    end
+  end)
+  return state
+end
+
 -- ---------------------------------------------------------------- state dict helpers
 -- get_optimizer_state_dict(model, opt) -> {state = {[param name] = {step =, exp_avg =, ...}},
 -- param_groups = {{lr =, ..., params = {names}}}} (PyTorch's get_optimizer_state_dict: keyed by
