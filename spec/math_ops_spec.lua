@@ -353,8 +353,8 @@ describe("errors", function()
 end)
 
 describe("CUDA tensors #gpu", function()
-  -- The ops run on CUDA tensors through the host fallback (or the device ops the composites are made of):
-  -- results and gradients equal the CPU ones, and stay on the device.
+  -- The pointwise ops run on kernels/cuda/math.cu for floating inputs, the others through the host fallback
+  -- (or the device ops the composites are made of): results and gradients equal the CPU ones, on the device.
   local available = engine.cuda.is_available()
   it("every op forward and backward equals the CPU", function()
     if not available then pending("no GPU: " .. engine.cuda.unavailable_reason()) return end
@@ -373,8 +373,8 @@ describe("CUDA tensors #gpu", function()
     }
     for k, f in ipairs(cases) do
       for _, dt in ipairs({ "f64", "f32" }) do
-        local xc, bc = x0:to(dt):requires_grad_(), b0:to(dt)
-        local xg = x0:to(dt):cuda():requires_grad_()
+        local xc, bc = x0:to(dt):detach():clone():requires_grad_(), b0:to(dt)
+        local xg = x0:to(dt):detach():cuda():requires_grad_()
         local rc, rg = f(xc, bc), f(xg, bc:cuda())
         assert.are.equal("cuda", rg.device)
         local tol = dt == "f64" and 1e-10 or 1e-4
@@ -384,6 +384,16 @@ describe("CUDA tensors #gpu", function()
         assert((xg.grad:cpu():double() - xc.grad:double()):abs():max():item() <= tol, "case " .. k .. " " .. dt .. " grad")
       end
     end
+    -- device kernels on strided and broadcast operands; integers through the host fallback
+    local a = engine.randn(6, 5):double()
+    local bb = engine.tensor({ 0.7, 1.1, -0.9, 2.0, 3.0 }):double()
+    assert((a:t():cuda():sin():cpu() - a:t():sin()):abs():max():item() < 1e-14)
+    assert((a:cuda():fmod(bb:cuda()):cpu() - a:fmod(bb)):abs():max():item() == 0)
+    local ii = engine.tensor({ 7, -7, 5 }, "i64"):cuda()
+    assert.are.same({ 1, 2, 2 }, ii:remainder(engine.tensor({ 3 }, "i64"):cuda()):cpu():tolist())
+    assert.has_error(function() return ii:fmod(engine.tensor({ 0 }, "i64"):cuda()) end)
+    assert.are.same({ false, true, false },
+      engine.tensor({ 0, 1, 2 }, "i64"):cuda():logical_and(engine.tensor({ 1, 1, 0 }, "i32"):cuda()):cpu():tolist())
     local p = engine.tensor({ 1, 0 / 0 }):cuda()
     assert.are.same({ false, true }, p:isnan():cpu():tolist())
     assert.are.same({ 2, 1 }, (engine.tensor({ 3, 1, 2 }):cuda():argsort(1, true)):cpu():tolist_flat())

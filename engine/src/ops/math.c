@@ -5,15 +5,16 @@
  * lerp, addcmul, addcdiv (made of dispatching ops: DTensors follow those
  * ops' rules, autograd comes from them).
  *
- * Kernels: kernels/cpu/math.c.  CUDA tensors take a host fallback: the
- * operands are copied to the host, the CPU kernel runs, the result is
- * copied back (correct, synchronous, slow; a device kernel can replace it
- * without changing anything else).  Gradients are made of dispatching ops
- * (cos, mul, ...), so they run on the device where those have kernels. */
+ * Kernels: kernels/cpu/math.c; on CUDA kernels/cuda/math.cu for floating
+ * inputs (and logical_and/or of any dtype).  Integer CUDA tensors take a host
+ * fallback (operands copied to the host, the CPU kernel, the result copied
+ * back; it also detects integer division by zero).  Gradients are made of
+ * dispatching ops (cos, mul, ...), so they run on the device. */
 #include "core/internal.h"
 #include "sharding/sharding_math.h"
 #include "kernels/cpu/kcpu.h"
 #include "kernels/cpu/kmath.h"
+#include "cuda/cuda_math.h"
 #include <math.h>
 
 static const char* const mu_names[KM_UCOUNT] = {"sin", "cos", "floor", "ceil", "round", "trunc", "sign", "erf",
@@ -68,6 +69,16 @@ static void mrow(int64_t n, char** p, const int64_t* s, void* vc) {
 }
 
 static eng_tensor* mu_fwd(int op, eng_tensor* a0, const double* prm) {
+  if (a0->device == ENG_CUDA && eng_dtype_is_floating(a0->dtype)) {
+    int odt = mu_out_dtype(op, a0->dtype);
+    eng_tensor* out = eng_new(a0->ndim, a0->shape, odt, ENG_CUDA);
+    if (out && eng_cu_math_unary(op, a0->dtype, odt, out->ndim, out->shape, eng_ptr(out), out->stride, eng_ptr(a0),
+                                 a0->stride, prm, mu_names[op])) {
+      eng_tensor_release(out);
+      return NULL;
+    }
+    return out;
+  }
   eng_tensor* a = host_of(a0);
   if (!a) return NULL;
   int odt = mu_out_dtype(op, a->dtype);
@@ -204,6 +215,25 @@ static eng_tensor* mb_fwd(int op, eng_tensor* a0, eng_tensor* b0) {
   int64_t shape[ENG_MAX_DIMS];
   int nd = eng_broadcast_shapes(a0->ndim, a0->shape, b0->ndim, b0->shape, shape, name, a0, b0);
   if (nd < 0) return NULL;
+  if (a0->device == ENG_CUDA && (logical || eng_dtype_is_floating(rdt))) {
+    int ddt = rdt; /* the device kernels compute bf16/f16 in double and round */
+    int dodt = logical ? ENG_BOOL : rdt;
+    eng_tensor* A = eng_as_contig(a0, ddt);
+    eng_tensor* B = A ? eng_as_contig(b0, ddt) : NULL;
+    eng_tensor* out = B ? eng_new(nd, shape, dodt, ENG_CUDA) : NULL;
+    if (out) {
+      int64_t sa[ENG_MAX_DIMS], sb[ENG_MAX_DIMS];
+      eng_broadcast_strides(A, nd, shape, sa);
+      eng_broadcast_strides(B, nd, shape, sb);
+      if (eng_cu_math_binary(op, ddt, dodt, nd, shape, eng_ptr(out), out->stride, eng_ptr(A), sa, eng_ptr(B), sb,
+                             name)) {
+        eng_tensor_release(out);
+        out = NULL;
+      }
+    }
+    eng_tensor_release(A); eng_tensor_release(B);
+    return out;
+  }
   eng_tensor* ah = host_of(a0);
   eng_tensor* bh = ah ? host_of(b0) : NULL;
   eng_tensor* A = bh ? (ah->dtype == cdt ? eng_tensor_retain(ah) : eng_as_contig(ah, cdt)) : NULL;
