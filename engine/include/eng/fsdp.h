@@ -36,12 +36,20 @@
 
 typedef struct eng_fsdp_group eng_fsdp_group;
 
-/* shard_mesh_dim: the mesh dim the parameters are sharded on (0 for a 1-D
- * mesh, 1 for HSDP); params: n DTensors on mesh (new references taken).
+/* mesh: the FSDP mesh (1-D shard, or 2-D (replicate, shard) for HSDP; its
+ * last dim is the shard group).  params: n sharded DTensor parameters (new
+ * references taken); fsdp_dims[i]: the dim of params[i]'s own mesh holding
+ * its FSDP Shard / _StridedShard placement (for HSDP, Replicate just before
+ * it): its mesh is the FSDP mesh itself, or (FSDP over tensor parallelism)
+ * their common parent with the TP dims after.  unsharded_specs (NULL, or n
+ * entries, NULL for a plain parameter): the TP layout of the unsharded
+ * parameter, which then is a DTensor leaf holding the TP local shard (the
+ * all-gather and reduce-scatter run over the FSDP dims only).
  * param_dtype / reduce_dtype / output_dtype: -1 keeps the dtype.  The group is
  * not attached to a module yet (eng_fsdp_group_attach). */
-eng_fsdp_group* eng_fsdp_group_new(eng_mesh* mesh, int shard_mesh_dim, int n, eng_tensor** params,
-                                   int param_dtype, int reduce_dtype, int output_dtype, int cast_forward_inputs);
+eng_fsdp_group* eng_fsdp_group_new(eng_mesh* mesh, int n, eng_tensor** params, const int* fsdp_dims,
+                                   eng_dist_spec** unsharded_specs, int param_dtype, int reduce_dtype,
+                                   int output_dtype, int cast_forward_inputs);
 eng_fsdp_group* eng_fsdp_group_retain(eng_fsdp_group* g);
 void eng_fsdp_group_release(eng_fsdp_group* g);
 /* Registers the forward-pre (first) and forward-post hooks on m. */

@@ -20,6 +20,7 @@ typedef struct fparam {
   int64_t ceil_d[2];    /* rows of dim per rank, padded: [0] over the shard group, [1] the post-forward subgroup */
   int64_t coff[2];      /* offset of its block in a rank's chunk (same two layouts) */
   eng_tensor* post;     /* ST_POST_FWD: the registered DTensor on the post-forward mesh (its shard views g->kept) */
+  eng_dist_spec* uspec; /* FSDP over TP: the unsharded parameter's TP layout (the leaf is that DTensor), or NULL */
   int64_t uoff;         /* offset in the unsharded buffer */
   int ready;            /* got its gradient in this backward */
 } fparam;
@@ -373,13 +374,18 @@ static int post_acc_hook(eng_tensor* t, eng_tensor* grad, eng_tensor** out, void
   fparam* q = &g->p[i];
   if (queue_final(g)) return -1;
   int rd = eff_reduce_dtype(g);
-  eng_tensor* gr = t->grad;
+  eng_tensor* gv = t->grad;
+  /* a TP leaf's gradient is a DTensor in the leaf's layout: reduce its local tensor over dp */
+  eng_tensor* gr = gv->dist ? eng_view_of(gv, gv->ndim, gv->shape, gv->stride, gv->offset) : eng_tensor_retain(gv);
+  if (!gr) return -1;
   int rc = 0;
   if (!q->acc) {
     q->acc = gr->dtype == rd ? eng_tensor_retain(gr) : eng_tensor_to_dtype(gr, rd);
+    eng_tensor_release(gr);
     if (!q->acc) return -1;
   } else {
     eng_tensor* c = gr->dtype == rd ? eng_tensor_retain(gr) : eng_tensor_to_dtype(gr, rd);
+    eng_tensor_release(gr);
     if (!c) return -1;
     rc = eng_add_(q->acc, c, 1.0);
     eng_tensor_release(c);
@@ -587,6 +593,7 @@ static int ensure_leaves(eng_fsdp_group* g) {
     eng_contiguous_strides(q->ndim, q->shape, st);
     q->leaf = eng_view_of(g->ubase, q->ndim, q->shape, st, q->uoff);
     if (!q->leaf) return -1;
+    if (q->uspec && eng_dtensor_wrap_output(q->leaf, q->uspec)) return -1;
     if (q->sharded->requires_grad) eng_tensor_set_requires_grad(q->leaf, 1);
     g->post_hooks[i] = eng_tensor_register_post_accumulate_hook(q->leaf, post_acc_hook, g);
     if (g->post_hooks[i] < 0) return -1;
@@ -595,21 +602,21 @@ static int ensure_leaves(eng_fsdp_group* g) {
   return 0;
 }
 
-eng_fsdp_group* eng_fsdp_group_new(eng_mesh* mesh, int shard_mesh_dim, int n, eng_tensor** params,
-                                   int param_dtype, int reduce_dtype, int output_dtype, int cast_forward_inputs) {
+eng_fsdp_group* eng_fsdp_group_new(eng_mesh* mesh, int n, eng_tensor** params, const int* fsdp_dims,
+                                   eng_dist_spec** unsharded_specs, int param_dtype, int reduce_dtype,
+                                   int output_dtype, int cast_forward_inputs) {
   if (!mesh) return eng_errp("fully_shard: mesh is NULL");
   int mnd = eng_mesh_ndim(mesh);
   if (mnd != 1 && mnd != 2) return eng_errp("fully_shard expects a 1D or 2D DeviceMesh but got a %dD mesh", mnd);
-  if (shard_mesh_dim != mnd - 1) return eng_errp("fully_shard: the shard mesh dim must be the last");
-  if (n < 0 || (n > 0 && !params)) return eng_errp("fully_shard: bad parameter list");
+  if (n < 0 || (n > 0 && (!params || !fsdp_dims))) return eng_errp("fully_shard: bad parameter list");
   eng_fsdp_group* g = calloc(1, sizeof *g);
   if (!g) return eng_errp("fully_shard: out of memory");
   g->refcount = 1;
   g->mesh = eng_mesh_retain(mesh);
-  g->pg = eng_mesh_get_group(mesh, shard_mesh_dim);
+  g->pg = eng_mesh_get_group(mesh, mnd - 1);
   if (g->pg) eng_pg_retain(g->pg);
   if (mnd == 2) { g->rep_pg = eng_mesh_get_group(mesh, 0); if (g->rep_pg) eng_pg_retain(g->rep_pg); }
-  g->W = eng_mesh_size(mesh, shard_mesh_dim);
+  g->W = eng_mesh_size(mesh, mnd - 1);
   g->dp_size = g->W * (mnd == 2 ? eng_mesh_size(mesh, 0) : 1);
   g->rank = g->pg ? eng_pg_rank(g->pg) : 0;
   g->param_dtype = param_dtype; g->reduce_dtype = reduce_dtype; g->output_dtype = output_dtype;
@@ -623,21 +630,33 @@ eng_fsdp_group* eng_fsdp_group_new(eng_mesh* mesh, int shard_mesh_dim, int n, en
     fparam* q = &g->p[i];
     if (!s || !s->dist) { eng_err("fully_shard: parameter %d is not a DTensor", i + 1); goto fail; }
     eng_dist_spec* sp = s->dist;
-    const eng_placement* pl = &sp->placements[shard_mesh_dim];
-    if (pl->kind != ENG_PLACEMENT_SHARD || (mnd == 2 && sp->placements[0].kind != ENG_PLACEMENT_REPLICATE)) {
-      eng_err("fully_shard: parameter %d must be Shard on the shard mesh dim (Replicate before it on a 2-D mesh)", i + 1);
+    int fd = fsdp_dims[i];
+    if (fd < 0 || fd >= sp->mesh_ndim) { eng_err("fully_shard: parameter %d: bad FSDP mesh dim %d", i + 1, fd); goto fail; }
+    const eng_placement* pl = &sp->placements[fd];
+    if ((pl->kind != ENG_PLACEMENT_SHARD && pl->kind != ENG_PLACEMENT_STRIDED_SHARD) ||
+        (mnd == 2 && (fd < 1 || sp->placements[fd - 1].kind != ENG_PLACEMENT_REPLICATE))) {
+      eng_err("fully_shard: parameter %d must be Shard on the FSDP mesh dim (Replicate before it for HSDP)", i + 1);
       goto fail;
     }
     if (s->numel > 0 && !eng_tensor_is_contiguous(s)) { eng_err("fully_shard: parameter %d's local shard is not contiguous", i + 1); goto fail; }
+    eng_dist_spec* us = unsharded_specs ? unsharded_specs[i] : NULL;
     q->sharded = eng_tensor_retain(s);
     q->dim = pl->dim;
     q->ndim = sp->ndim;
-    for (int d = 0; d < q->ndim; d++) q->shape[d] = sp->shape[d];
+    /* the unsharded parameter: the full tensor, or (FSDP over TP) the TP DTensor's local shard */
+    for (int d = 0; d < q->ndim; d++) q->shape[d] = us ? us->local_shape[d] : sp->shape[d];
+    if (us) q->uspec = eng_dist_spec_retain(us);
     q->ceil_d[0] = (q->shape[q->dim] + g->W - 1) / g->W;
     int64_t block = q->ceil_d[0];
     for (int d = 0; d < q->ndim; d++) if (d != q->dim) block *= q->shape[d];
     q->coff[0] = g->chunk;
     g->chunk += block;
+    if (sp->member && s->shape[q->dim] != rows_of(q, g->rank, 0)) {
+      eng_err("fully_shard: parameter %d: its local shard has %lld rows on dim %d where chunking the unsharded "
+              "parameter over %d ranks gives %lld", i + 1, (long long)s->shape[q->dim], q->dim + 1, g->W,
+              (long long)rows_of(q, g->rank, 0));
+      goto fail;
+    }
     q->uoff = g->utotal;
     g->utotal += sp->numel;
   }
@@ -663,6 +682,7 @@ void eng_fsdp_group_release(eng_fsdp_group* g) {
     fparam* q = &g->p[i];
     if (q->leaf && g->post_hooks && g->post_hooks[i] > 0) eng_tensor_remove_hook(q->leaf, g->post_hooks[i]);
     eng_tensor_release(q->leaf); eng_tensor_release(q->sharded); eng_tensor_release(q->acc); eng_tensor_release(q->post);
+    eng_dist_spec_release(q->uspec);
   }
   eng_tensor_release(g->ubase);
   for (int k = 0; k < g->n_tree; k++) if (g->tree[k] != g) eng_fsdp_group_release(g->tree[k]);

@@ -19,6 +19,7 @@ local P = require("engine.distributed.placements")
 
 local M = {}
 local fail = core.fail
+local tp_layout
 
 -- ---------------------------------------------------------------- policies
 local MixedPrecisionPolicy = { __name = "MixedPrecisionPolicy" }
@@ -319,6 +320,33 @@ local function placements_for(mesh, dim)
   return { P.Shard(dim) }
 end
 
+-- FSDP over tensor parallelism (seed 000, issue 15): a DTensor parameter must live on a 1-D TP mesh that is the
+-- last dim of the parent the FSDP mesh was sliced from (mesh["dp"] and mesh["tp"] of one (dp, tp) mesh, or
+-- mesh{"replicate", "shard"} and mesh["tp"] of a 3-D one).  Returns the parent and the TP placement.
+function tp_layout(p, name, m, mesh)
+  local op = "fully_shard"
+  local tpm = p.device_mesh
+  local where = string.format("parameter '%s' of %s (%s)", name, m.__name, p:_layout_str())
+  if tpm:ndim() ~= 1 then
+    fail(string.format("%s: %s: FSDP over tensor parallelism needs parameters on a 1-D TP mesh", op, where))
+  end
+  local root = rawget(mesh, "_parent")
+  local ok = root ~= nil and rawget(tpm, "_parent") == root and root:ndim() == mesh:ndim() + 1
+  if ok then
+    local md, td = rawget(mesh, "_parent_dims"), rawget(tpm, "_parent_dims")
+    for i = 1, #md do if md[i] ~= i - 1 then ok = false end end
+    if td[1] ~= root:ndim() - 1 then ok = false end
+  end
+  if not ok then
+    fail(string.format("%s: %s: the TP mesh %s is not a slice of the FSDP mesh's parent (use one mesh of dims "
+      .. "(dp, tp), fully_shard on mesh[\"dp\"] and parallelize_module on mesh[\"tp\"], FSDP dims first)",
+      op, where, tostring(tpm)))
+  end
+  local pl = p.placements[1]
+  if pl.kind == "partial" then fail(string.format("%s: %s: a Partial parameter cannot be sharded", op, where)) end
+  return root, pl
+end
+
 -- dist.fully_shard(module, {mesh, reshard_after_forward = true, mp_policy, offload_policy, shard_placement_fn})
 function M.fully_shard(module, opts)
   local op = "fully_shard"
@@ -371,10 +399,7 @@ function M.fully_shard(module, opts)
             .. "across two FSDP groups is not supported (shard the module that contains both uses)",
             op, name, m.__name, prior.__name))
         end
-        if p._c.dist ~= nil then
-          fail(string.format("%s: parameter '%s' of %s is already a DTensor (%s); FSDP over tensor-parallel "
-            .. "parameters needs the 2-D path", op, name, m.__name, p:_layout_str()))
-        end
+        if p._c.dist ~= nil then tp_layout(p, name, m, mesh) end
         local e = by_ptr[key]
         if not e then
           e = { p = p, uses = {} }
@@ -388,7 +413,9 @@ function M.fully_shard(module, opts)
     _ = mi
   end
   -- shard dims, checked before anything changes
-  local sig = { tostring(mesh), tostring(raf) }
+  -- (a slice such as mesh["dp"] holds other ranks on each dp row: its root mesh and dims are what all share)
+  local pdims = rawget(mesh, "_parent_dims")
+  local sig = { tostring(mesh:get_root_mesh()), pdims and table.concat(pdims, ",") or "", tostring(raf) }
   for i, e in ipairs(order) do
     local dim = 1
     if spf then
@@ -422,14 +449,100 @@ function M.fully_shard(module, opts)
   -- sharded DTensor parameters: each rank's chunk of its own full parameter (no communication)
   local n = #order
   local arr = ffi.new("eng_tensor*[?]", math.max(n, 1))
+  local fdims = ffi.new("int[?]", math.max(n, 1))
+  local uspecs = ffi.new("eng_dist_spec*[?]", math.max(n, 1))
+  local any_tp = false
+  for _, e in ipairs(order) do if e.p._c.dist ~= nil then any_tp = true end end
+  if any_tp and raf > 1 then
+    fail(op .. ": reshard_after_forward = " .. raf .. " is not supported with tensor-parallel parameters (use true or false)")
+  end
+  local Wd = mesh:size(mesh:ndim())
+  local drank = mesh:get_local_rank(mesh:ndim())
+  -- FSDP over TP on the same dim: each rank keeps the dp-chunk of its TP shard (FSDP2's layout), labelled
+  -- [_StridedShard(d, sf = tp), Shard(d)]; with uneven sizes that label can describe other rows (torch.chunk of
+  -- k*sf pieces), so every coordinate's rows are checked (pure arithmetic, the same on every rank)
+  for _, e in ipairs(order) do
+    local c = e.p._c
+    if c.dist ~= nil then
+      local root, tpl = tp_layout(e.p, e.uses[1].name, e.uses[1].m, mesh)
+      if tpl.kind == "shard" and tpl.dim - 1 == e.cdim then
+        local shape = e.p:shape()
+        local n, T = shape[e.cdim + 1], e.p.device_mesh:size()
+        local pl = {}
+        if mesh:ndim() == 2 then pl[1] = P.Replicate() end
+        pl[#pl + 1] = P._StridedShard(e.cdim + 1, { split_factor = T })
+        pl[#pl + 1] = tpl
+        local ct = math.ceil(n / T)
+        for j = 0, T - 1 do
+          local sj = math.max(0, math.min(ct, n - j * ct))
+          local cd = math.ceil(sj / Wd)
+          for i = 0, Wd - 1 do
+            local rows = math.max(0, math.min(cd, sj - i * cd))
+            local coord = {}
+            if mesh:ndim() == 2 then coord[1] = 0 end
+            coord[#coord + 1] = i; coord[#coord + 1] = j
+            local runs = dtensor.local_shard_runs(shape, root, pl, coord)[e.cdim + 1]
+            local got = 0
+            for _, r in ipairs(runs) do got = got + r[2] end
+            local same = got == rows and (rows == 0 or (#runs == 1 and runs[1][1] == j * ct + i * cd))
+            if not same then
+              fail(string.format("%s: parameter '%s' (%s): FSDP and tensor parallelism both shard dim %d, and for "
+                .. "its size %d the dp-chunks of the TP shards are not a _StridedShard(%d, sf=%d) layout (make the "
+                .. "size divisible by dp x tp = %d)", op, e.uses[1].name, e.p:_layout_str(), e.cdim + 1, n, e.cdim + 1,
+                T, Wd * T))
+            end
+          end
+        end
+      end
+    end
+  end
   local prev = C.eng_set_grad_enabled(0)
   local ok, err = pcall(function()
     for i, e in ipairs(order) do
+      local c = e.p._c
+      local cd = e.cdim
+      fdims[i - 1] = mesh:ndim() - 1
+      if c.dist ~= nil then
+        -- [Shard(d), tp] on the (dp, tp) parent ([Replicate, Shard(d), tp] for HSDP); _StridedShard(d, sf = tp)
+        -- when TP shards the same dim (PyTorch's right-to-left rule): each rank keeps the dp-chunk of its TP shard
+        local root, tpl = tp_layout(e.p, e.uses[1].name, e.uses[1].m, mesh)
+        local tp_size = e.p.device_mesh:size()
+        local fpl
+        if tpl.kind == "shard" and tpl.dim - 1 == cd then fpl = P._StridedShard(cd + 1, { split_factor = tp_size })
+        else fpl = P.Shard(cd + 1) end
+        local pl = {}
+        if mesh:ndim() == 2 then pl[1] = P.Replicate() end
+        pl[#pl + 1] = fpl
+        pl[#pl + 1] = tpl
+        local L = tonumber(c.shape[cd])
+        local ceil = math.ceil(L / Wd)
+        local rows = math.max(0, math.min(ceil, L - drank * ceil))
+        local tl = C.eng_dtensor_local_view(c)
+        if tl == nil then core.raise() end
+        local nar = C.eng_narrow(tl, cd, drank * ceil, rows)
+        C.eng_tensor_release(tl)
+        if nar == nil then core.raise() end
+        local cl = C.eng_tensor_clone(nar)
+        C.eng_tensor_release(nar)
+        if cl == nil then core.raise() end
+        local loc = C.eng_tensor_contiguous(cl)
+        C.eng_tensor_release(cl)
+        if loc == nil then core.raise() end
+        local shape = e.p:shape()
+        local st = {}
+        local acc = 1
+        for d = #shape, 1, -1 do st[d] = acc; acc = acc * shape[d] end
+        local d = dtensor.from_local(core.wrap(loc), root, pl, { shape = shape, stride = st })
+        d._c.is_param = 1
+        if c.requires_grad ~= 0 then core.check(C.eng_tensor_set_requires_grad(d._c, 1), 3) end
+        e.d = d
+        arr[i - 1] = d._c
+        uspecs[i - 1] = c.dist
+      else
+      uspecs[i - 1] = nil
       local pl = placements_for(mesh, e.cdim + 1)
       local shape = e.p:shape()
       local lshape, goff = dtensor.compute_local_shape_and_global_offset(shape, mesh, pl)
-      local c = e.p._c
-      local cd = e.cdim
       local nar = C.eng_narrow(c, cd, goff[cd + 1], lshape[cd + 1])
       if nar == nil then core.raise() end
       local cl = C.eng_tensor_clone(nar)
@@ -446,13 +559,18 @@ function M.fully_shard(module, opts)
       if c.requires_grad ~= 0 then core.check(C.eng_tensor_set_requires_grad(d._c, 1), 3) end
       e.d = d
       arr[i - 1] = d._c
+      end
     end
   end)
   C.eng_set_grad_enabled(prev)
-  if not ok then error(err, 0) end
   local function dt(x) return x and core.dtype(x, op, 3) or -1 end
-  local g = C.eng_fsdp_group_new(mesh._c, mesh:ndim() - 1, n, arr, dt(mp.param_dtype), dt(mp.reduce_dtype),
-    dt(mp.output_dtype), mp.cast_forward_inputs and 1 or 0)
+  local g = nil
+  if ok then
+    g = C.eng_fsdp_group_new(mesh._c, n, arr, fdims, uspecs, dt(mp.param_dtype), dt(mp.reduce_dtype),
+      dt(mp.output_dtype), mp.cast_forward_inputs and 1 or 0)
+  else
+    C.eng_set_error_message(tostring(err))
+  end
   -- a local failure (out of memory) must not leave the other ranks waiting in their next collective
   world = C.eng_pg_world()
   rc = C.eng_pg_agree(world, g == nil and 1 or 0, 0, "fully_shard")

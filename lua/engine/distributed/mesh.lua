@@ -231,8 +231,22 @@ function methods.slice(self, ...)
     if p == nil then error(core.last_error(), 2) end
   end
   local s = wrap(p, 2)
+  -- the mesh it was sliced from and which of its dims (0-based), as PyTorch's _mesh_resources root mesh:
+  -- FSDP over tensor parallelism finds the 2-D parent of mesh["dp"] and mesh["tp"]
+  local dims = {}
+  for i = 1, n do
+    dims[i] = all_names and C.eng_mesh_dim_index(self._c, args[i]) or mesh_dim(self, args[i], "DeviceMesh slice", 2)
+  end
+  s._parent, s._parent_dims = self, dims
   self._slices[k] = s
   return s
+end
+
+-- The mesh this one was sliced from (transitively), or the mesh itself.
+function methods.get_root_mesh(self)
+  local m = self
+  while rawget(m, "_parent") do m = rawget(m, "_parent") end
+  return m
 end
 
 -- flatten([name]): a 1-d mesh over this mesh's ranks (row-major) with a new

@@ -198,6 +198,12 @@ function M.parallelize_module(module, mesh, plan, opts)
       .. "so this parallelize_module call will do nothing.")
     return module
   end
+  for name, sub in module:named_modules() do
+    if rawget(sub, "_fsdp") ~= nil then
+      fail(string.format("%s: %s is already fully sharded (FSDP applied before TP): apply parallelize_module on "
+        .. "mesh[\"tp\"] first, then fully_shard on mesh[\"dp\"]", op, name == "" and "the module" or ("'" .. name .. "'")))
+    end
+  end
   local entries = plan_entries(plan)
   -- Match everything first: an error names the key before any parameter moves.
   local work = {}
