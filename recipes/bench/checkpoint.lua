@@ -1,0 +1,111 @@
+-- recipes/bench/checkpoint.lua: distributed checkpoint throughput (issue 16, Performance).
+--
+--   mpirun -np 4 build/engine recipes/bench/checkpoint.lua [--mib=1024] [--dir=/tmp/ckpt_bench] [--reps=3]
+--
+-- State: --mib MiB of f32 in 8 DTensors sharded Shard(1) over all ranks (each rank holds mib/ranks).
+-- Medians of --reps, rank 0 prints:
+--   save     dist.checkpoint.save (sync: write, fsync, rename, metadata) in GB/s of the state, beside
+--            `dd bs=1M conv=fsync` of the same bytes (every rank its share, at the same time) to the same
+--            directory
+--   load     dist.checkpoint.load into the same layout, beside `dd` reading the same files back (both
+--            mostly from the page cache right after writing: the numbers compare the software paths)
+--   reshard  the 4-rank checkpoint loaded on a 2-rank sub-mesh (Shard(1) there), against the same-layout
+--            load (the ranks outside the sub-mesh load nothing; the time is the slowest rank's)
+--   async    the time save({async = true}) blocks the caller, beside one memcpy (clone) of the local
+--            shards, and the time to completion (wait)
+local engine = require("engine")
+local dist = engine.distributed
+local ckpt = dist.checkpoint
+
+local o = { mib = 1024, dir = (os.getenv("TMPDIR") or "/tmp") .. "/ckpt_bench", reps = 3 }
+for _, a in ipairs(arg or {}) do
+  local k, v = a:match("^%-%-([%w_]+)=(.*)$")
+  if not k or o[k] == nil then error("bench/checkpoint: bad argument " .. a .. " (--mib, --dir, --reps)", 0) end
+  o[k] = type(o[k]) == "number" and assert(tonumber(v), a) or v
+end
+
+dist.init()
+local W, R = dist.world_size(), dist.rank()
+local mesh = dist.init_device_mesh("cpu", { W })
+local function log(...) if R == 0 then print(string.format(...)); io.stdout:flush() end end
+local function median(t)
+  local s = { unpack(t) }
+  table.sort(s)
+  return s[math.floor((#s + 1) / 2)]
+end
+-- wall time of fn on the slowest rank (barrier before, max after)
+local function timed(fn)
+  dist.barrier()
+  local t0 = engine.time()
+  fn()
+  local dt = engine.tensor({ engine.time() - t0 }, "f64")
+  dist.all_reduce(dt, "max")
+  return dt:item()
+end
+
+local N_T = 8
+local cols = 1024
+local rows = math.floor(o.mib * 2 ^ 20 / 4 / N_T / cols)
+local bytes = N_T * rows * cols * 4
+local function state(m, pl)
+  local s = {}
+  for i = 1, N_T do s["w" .. i] = dist.zeros({ rows, cols }, { mesh = m, placements = pl }) end
+  return s
+end
+engine.manual_seed(0)
+local st = {}
+for i = 1, N_T do st["w" .. i] = dist.rand({ rows, cols }, { mesh = mesh, placements = { dist.Shard(1) } }) end
+local local_bytes = 0
+for i = 1, N_T do local_bytes = local_bytes + st["w" .. i]:to_local():numel() * 4 end
+
+log("bench/checkpoint: %d ranks, state %.0f MiB (%d x f32[%d,%d] Shard(1)), %.0f MiB per rank, dir %s, medians of %d",
+  W, bytes / 2 ^ 20, N_T, rows, cols, local_bytes / 2 ^ 20, o.dir, o.reps)
+if R == 0 then os.execute("rm -rf '" .. o.dir .. "' && mkdir -p '" .. o.dir .. "'") end
+dist.barrier()
+
+local dir = o.dir .. "/ck"
+local ddfile = string.format("%s/dd_%d.bin", o.dir, R)
+local mb = math.max(1, math.floor(local_bytes / 2 ^ 20 + 0.5))
+local save_t, dd_w, load_t, dd_r, resh_t, same_t, async_block, async_total, memcpy_t = {}, {}, {}, {}, {}, {}, {}, {}, {}
+for rep = 1, o.reps do
+  save_t[rep] = timed(function() ckpt.save(st, dir) end)
+  dd_w[rep] = timed(function()
+    os.execute(string.format("dd if=/dev/zero of='%s' bs=1M count=%d conv=fsync status=none", ddfile, mb))
+  end)
+  local back = state(mesh, { dist.Shard(1) })
+  load_t[rep] = timed(function() ckpt.load(back, dir) end)
+  same_t[rep] = load_t[rep]
+  dd_r[rep] = timed(function()
+    os.execute(string.format("dd if='%s' of=/dev/null bs=1M status=none", ddfile))
+  end)
+  back = nil
+  collectgarbage()
+  -- resharding: the same checkpoint on a 2-rank sub-mesh
+  local ranks = {}
+  for r = 0, math.max(1, math.floor(W / 2)) - 1 do ranks[#ranks + 1] = r end
+  local half = dist.DeviceMesh("cpu", ranks)
+  local back2 = state(half, { dist.Shard(1) })
+  resh_t[rep] = timed(function() ckpt.load(back2, dir) end)
+  back2 = nil
+  collectgarbage()
+  -- async: blocking time vs one memcpy of the local shards
+  memcpy_t[rep] = timed(function()
+    local keep = {}
+    for i = 1, N_T do keep[i] = st["w" .. i]:to_local():clone() end
+  end)
+  collectgarbage()
+  local h
+  async_block[rep] = timed(function() h = ckpt.save(st, dir .. "_async", { async = true }) end)
+  async_total[rep] = async_block[rep] + timed(function() h:wait() end)
+end
+local function gbs(t) return bytes / t / 1e9 end
+log("save     %.3f s  %.2f GB/s   | dd conv=fsync %.3f s  %.2f GB/s   | ratio %.2f", median(save_t), gbs(median(save_t)),
+  median(dd_w), gbs(median(dd_w)), median(dd_w) / median(save_t))
+log("load     %.3f s  %.2f GB/s   | dd read       %.3f s  %.2f GB/s   | ratio %.2f", median(load_t), gbs(median(load_t)),
+  median(dd_r), gbs(median(dd_r)), median(dd_r) / median(load_t))
+log("reshard  %d -> %d ranks %.3f s  %.2f GB/s | same layout %.3f s | ratio %.2f", W, math.max(1, math.floor(W / 2)),
+  median(resh_t), gbs(median(resh_t)), median(same_t), median(resh_t) / median(same_t))
+log("async    blocks %.3f s | one memcpy of the local shards %.3f s (ratio %.2f) | to completion %.3f s",
+  median(async_block), median(memcpy_t), median(async_block) / median(memcpy_t), median(async_total))
+dist.barrier()
+if R == 0 then os.execute("rm -rf '" .. o.dir .. "'") end
