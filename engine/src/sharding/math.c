@@ -8,7 +8,9 @@
  *     others shard the same output dim or stay Replicate where they
  *     broadcast; no Partial.
  *   reduce2 (prod, amax, amin, logsumexp, var, std, norm, all, any): a
- *     reduced dim that is sharded is replicated first (one all-gather), a
+ *     reduced dim that is sharded is replicated first (one all-gather;
+ *     amax/amin without gradient and with no empty shard: Partial(max/min)
+ *     instead, reduced when read), a
  *     sharded dim that is kept stays sharded (index shifted without
  *     keepdim), Partial is reduced first.  The local function then reduces
  *     whole rows, so every result is exact for uneven shards.
@@ -37,6 +39,22 @@ const eng_op_def eng_opdef_math_binary = {"math_binary", 1, mb_rule, sh_shape_br
 const eng_op_def eng_opdef_math_binary_int = {"math_binary", 1, mb_rule, sh_shape_broadcast, mb_fn, NULL, 0, 0, 1};
 
 /* ------------------------------------------------------------------ reductions */
+/* Can a shard of tensor dim d be empty when mesh dim m shards it (the other
+ * mesh dims as now)?  Partial(max/min) needs every shard non-empty. */
+static int may_be_empty(const eng_dist_spec* s, int m, int d) {
+  int64_t n = s->shape[d];
+  for (int j = 0; j < s->mesh_ndim; j++) {
+    int shards = j == m || (s->placements[j].kind == ENG_PLACEMENT_SHARD && s->placements[j].dim == d);
+    if (!shards) continue;
+    int64_t k = s->mesh_shape[j];
+    /* the smallest chunk (torch.chunk): the last one */
+    int64_t full = (n + k - 1) / k, last = n - full * (k - 1);
+    if (last <= 0) return 1;
+    n = last;
+  }
+  return 0;
+}
+
 static int r2_rule(const eng_op_call* c, const eng_dist_spec* const* s, int m, eng_strategy* out, int cap) {
   int64_t mask = c->ints[1];
   int keepdim = (int)c->ints[2];
@@ -48,6 +66,16 @@ static int r2_rule(const eng_op_call* c, const eng_dist_spec* const* s, int m, e
     st.in[0] = p;
     int od = keepdim ? p.dim : p.dim - __builtin_popcountll((unsigned long long)mask & ((1ull << p.dim) - 1));
     st.out[0] = sh_S(od);
+    n = sh_push(out, cap, n, &st);
+  }
+  /* amax/amin over a sharded dim without gradient: each rank reduces its shard -> Partial(max/min) */
+  int op = (int)c->ints[0];
+  if ((op == ENG_R2_AMAX || op == ENG_R2_AMIN) && !c->needs_grad && sh_is_S(&p) && (mask >> p.dim & 1) &&
+      !may_be_empty(s[0], m, p.dim)) {
+    eng_strategy st;
+    memset(&st, 0, sizeof st);
+    st.in[0] = p;
+    st.out[0] = sh_P(op == ENG_R2_AMAX ? ENG_REDUCE_MAX : ENG_REDUCE_MIN);
     n = sh_push(out, cap, n, &st);
   }
   return sh_all_replicate(out, cap, n, 1, 1);
