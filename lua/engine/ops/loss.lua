@@ -284,8 +284,7 @@ function M.kl_div(input, target, opts)
   if opts.log_target then
     l = target:exp() * (target - input)
   else
-    local pos = target:gt(0)
-    local safe = target:where(pos, 1)     -- log(1) = 0 where target <= 0: xlogy(0, 0) = 0, no NaN in backward
+    local safe = target:masked_fill(target:le(0), 1)  -- log(1) = 0 where target <= 0: xlogy(0, 0) = 0, no NaN in backward
     l = target * safe:log() - target * input
   end
   if red == "batchmean" then

@@ -103,7 +103,8 @@ local function scalar_for(v, other)
   elseif v % 1 == 0 then
     dt = 5
   end
-  return wrap(C.eng_tensor_full(0, nil, v, dt, 0), 4)
+  -- on the other operand's device when that is CUDA (where() needs its operands on one device)
+  return wrap(C.eng_tensor_full(0, nil, v, dt, (other and other._c.device == 1) and 1 or 0), 4)
 end
 function M.where(cond, a, b)
   local c = ct(cond, "where", 1)
