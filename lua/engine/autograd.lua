@@ -112,9 +112,33 @@ function M.backward(tensors, grads, opts)
 end
 jit.off(M.backward)
 
--- grad(outputs, inputs, grad_outputs, {retain_graph}) -> list of gradients
--- (nil where an input got none); .grad fields are left untouched.
+local grad_opts = { grad_outputs = true, retain_graph = true, create_graph = true, allow_unused = true,
+  materialize_grads = true }
+
+-- grad(outputs, inputs [, {grad_outputs =, retain_graph = false, create_graph = false, allow_unused = false,
+-- materialize_grads = false}]) -> list of the gradients of outputs w.r.t. inputs (PyTorch's
+-- torch.autograd.grad; first order: create_graph = true is refused, the backward formulas run without
+-- recording).  An input the outputs do not depend on is an error unless allow_unused (its entry is
+-- then nil, or zeros with materialize_grads).  The older form grad(outputs, inputs, grad_outputs
+-- [, opts]) passes grad_outputs positionally.  .grad fields are left untouched.
 function M.grad(outputs, inputs, grad_outputs, opts)
+  if type(grad_outputs) == "table" and not core.is_tensor(grad_outputs) and grad_outputs[1] == nil
+      and getmetatable(grad_outputs) == nil then
+    opts, grad_outputs = grad_outputs, grad_outputs.grad_outputs
+  end
+  opts = opts or {}
+  if type(opts) ~= "table" then core.fail("grad: options must be a table, got " .. type(opts)) end
+  for k in pairs(opts) do
+    if not grad_opts[k] then
+      core.fail("grad: unknown option '" .. tostring(k) ..
+        "' (grad_outputs, retain_graph, create_graph, allow_unused, materialize_grads)")
+    end
+  end
+  if opts.create_graph then
+    core.fail("grad: create_graph = true is not supported: the engine computes first-order gradients (backward " ..
+      "formulas run without recording a graph of their own)")
+  end
+  local allow_unused = opts.allow_unused or opts.materialize_grads
   outputs = tensor_list(outputs, "grad")
   inputs = tensor_list(inputs, "grad")
   local n, m = #outputs, #inputs
@@ -134,6 +158,16 @@ function M.grad(outputs, inputs, grad_outputs, opts)
   if rc ~= 0 then core.fail(core.last_error()) end
   local res = {}
   for i = 1, m do res[i] = outs[i - 1] ~= nil and wrap(outs[i - 1]) or nil end
+  for i = 1, m do
+    if res[i] == nil then
+      if not allow_unused then
+        core.fail(string.format("grad: input %d (%s[%s]) was not used in the graph of the outputs; pass " ..
+          "allow_unused = true if that is intended", i, inputs[i].dtype, table.concat(inputs[i]:shape(), ",")))
+      elseif opts.materialize_grads then
+        res[i] = Tensor.functions.zeros_like(inputs[i])
+      end
+    end
+  end
   return res
 end
 jit.off(M.grad)
@@ -191,7 +225,8 @@ M.Handle = Handle
 -- ---------------------------------------------------------------- Lua autograd functions
 -- local Square = autograd.Function{
 --   forward = function(ctx, x) ctx:save_for_backward(x); return x * x end,
---   backward = function(ctx, g) local x = ctx.saved[1]; return g * 2 * x end }
+--   backward = function(ctx, g) local x = ctx.saved_tensors[1]; return g * 2 * x end }
+-- ctx.saved_tensors is PyTorch's name for what save_for_backward stored (ctx.saved is the same list).
 -- y = Square(x)   -- or Square.apply(x)
 -- forward runs without recording; tensors among its arguments are the inputs
 -- whose gradients backward returns (in order).
@@ -204,7 +239,11 @@ local function fn_apply(def, ...)
   local inputs = {}
   for i = 1, nargs do if core.is_tensor(args[i]) then inputs[#inputs + 1] = args[i] end end
   local ctx = { saved = {}, needs_input_grad = {} }
-  function ctx:save_for_backward(...) self.saved = { ... } end
+  ctx.saved_tensors = ctx.saved
+  function ctx:save_for_backward(...)
+    local list = { ... }
+    self.saved, self.saved_tensors = list, list
+  end
   for i, x in ipairs(inputs) do ctx.needs_input_grad[i] = x.requires_grad end
   local prev = C.eng_set_grad_enabled(0)
   local res = { pcall(def.forward, ctx, unpack(args, 1, nargs)) }
@@ -245,5 +284,80 @@ function M.Function(def)
   return f
 end
 Function.__call = function(f, ...) return fn_apply(f, ...) end
+
+-- ---------------------------------------------------------------- full backward hooks on modules
+-- register_full_backward_hook(module, fn [, {prepend}]) (Module:register_full_backward_hook):
+-- fn(module, grad_input, grad_output) runs when the gradients w.r.t. the module's tensor inputs have
+-- been computed; grad_input / grad_output are lists with one entry per tensor input / output (nil where
+-- there is none, e.g. an input that does not require grad).  It may return a list replacing grad_input
+-- (nil entries keep).  When no input requires grad it runs once the output gradients are known, and its
+-- result is ignored (PyTorch's BackwardHook).  Built from a forward pre-hook that routes the inputs
+-- through an identity Function and a forward hook that routes the outputs through another one.
+-- identity on its tensor arguments; its backward hands the output gradients to cb and returns what cb returns
+local HookIdentity = M.Function({
+  forward = function(ctx, cb, ...) ctx.cb = cb; return ... end,
+  backward = function(ctx, ...) return ctx.cb(...) end,
+})
+local function identity_apply(list, cb) return { HookIdentity(cb, unpack(list, 1, #list)) } end
+
+function M.register_full_backward_hook(module, fn, opts)
+  if type(fn) ~= "function" then core.fail("register_full_backward_hook: expected a function") end
+  local ref = setmetatable({ m = module }, { __mode = "v" })
+  local pending = {}   -- per call in flight: forward pre-hook pushes, forward hook pops
+  local h1 = module:register_forward_pre_hook(function(_, inputs)
+    local st = { n_in = #inputs }
+    pending[#pending + 1] = st
+    local idx, grad_in = {}, {}
+    for i = 1, #inputs do
+      if inputs[i].requires_grad and M.is_grad_enabled() then idx[#idx + 1] = i end
+    end
+    if #idx == 0 then return nil end
+    st.wrapped_inputs = true
+    local sub = {}
+    for j, i in ipairs(idx) do sub[j] = inputs[i] end
+    local wrapped = identity_apply(sub, function(...)
+      local gs = { ... }
+      for i = 1, st.n_in do grad_in[i] = nil end
+      for j, i in ipairs(idx) do grad_in[i] = gs[j] end
+      local r = fn(ref.m, grad_in, st.grad_output or {})
+      if r ~= nil then
+        if core.is_tensor(r) then r = { r } end
+        if type(r) ~= "table" then
+          core.fail("full backward hook: must return nil or a list of gradients, got " .. type(r))
+        end
+        for j, i in ipairs(idx) do if r[i] ~= nil then gs[j] = r[i] end end
+      end
+      return unpack(gs, 1, #idx)
+    end)
+    local out = {}
+    for j, i in ipairs(idx) do out[i] = wrapped[j] end
+    return out
+  end, opts)
+  local h2 = module:register_forward_hook(function(_, _, ...)
+    local st = table.remove(pending)
+    if not st then return nil end
+    local outs = { ... }
+    if #outs == 1 and type(outs[1]) == "table" and not core.is_tensor(outs[1]) then outs = outs[1] end
+    local idx = {}
+    for i = 1, table.maxn(outs) do
+      if core.is_tensor(outs[i]) and outs[i].requires_grad then idx[#idx + 1] = i end
+    end
+    if #idx == 0 then return nil end
+    local sub = {}
+    for j, i in ipairs(idx) do sub[j] = outs[i] end
+    local wrapped = identity_apply(sub, function(...)
+      local gs = { ... }
+      local go = {}
+      for j, i in ipairs(idx) do go[i] = gs[j] end
+      st.grad_output = go
+      if not st.wrapped_inputs then fn(ref.m, {}, go) end
+      return unpack(gs, 1, #idx)
+    end)
+    local rep = {}
+    for j, i in ipairs(idx) do rep[i] = wrapped[j] end
+    return rep
+  end, opts)
+  return setmetatable({ _remove = function() h1:remove(); h2:remove() end }, Handle)
+end
 
 return M

@@ -99,7 +99,7 @@ local function checkpoint(fn, ...)
       local got = {}
       if #outs > 0 then
         if params then
-          if #want > 0 then got = autograd.grad(outs, want, gouts) end
+          if #want > 0 then got = autograd.grad(outs, want, gouts, { allow_unused = true }) end
         else
           -- a plain function: closed-over leaves get .grad through an inner backward
           autograd.backward(outs, gouts)

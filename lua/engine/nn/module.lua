@@ -803,6 +803,13 @@ function Module:register_forward_hook(fn, opts)
   end, opts, "register_forward_hook")
 end
 
+-- register_full_backward_hook(fn [, {prepend = false}]): fn(module, grad_input, grad_output) once the
+-- gradients w.r.t. the module's tensor inputs are computed; may return a list replacing grad_input
+-- (engine.autograd.register_full_backward_hook).  Returns a handle with :remove().
+function Module:register_full_backward_hook(fn, opts)
+  return autograd.register_full_backward_hook(self, fn, opts)
+end
+
 -- ---------------------------------------------------------------- printing
 function Module:extra_repr() return "" end
 
