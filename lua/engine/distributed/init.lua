@@ -32,6 +32,7 @@ local modules = {
   "sharded_tensor",       -- ShardedTensor, dist.sharded_tensor.empty/zeros/ones/full
   "checkpoint",           -- dist.checkpoint.save / load (distributed checkpoints)
   "shard_api",            -- shard_parameter, shard_module, ShardingPlan, Sharder, load_with_process_group
+  "shard_embedding",      -- EmbeddingCollection, EmbeddingCollectionSharder (the recommender example)
 }
 for _, name in ipairs(modules) do
   local m = require("engine.distributed." .. name)

@@ -499,7 +499,4 @@ function M.shard_module(module, plan, opts)
   return module
 end
 
--- the recommender-style example (EmbeddingCollection, EmbeddingCollectionSharder)
-for k, v in pairs(require("engine.distributed.shard_embedding")) do M[k] = v end
-
 return M

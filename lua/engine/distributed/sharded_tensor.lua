@@ -583,6 +583,14 @@ local function wrap_like(src, r, same)
     _pg = src._pg, _dt = r, _mesh = src._mesh }, ShardedTensor)
 end
 
+-- The fast path's result: r is an elementwise op's result on src's DTensor with src's layout and the
+-- given dtype (no C call, no cdata field read: LuaJIT often interprets these paths).
+local function fast_wrap(src, r, dtype)
+  return setmetatable({ _spec = src._spec, _size = src._size, dtype = dtype, _pg = src._pg, _dt = r, _mesh = src._mesh },
+    ShardedTensor)
+end
+local FLOAT = { f32 = true, f64 = true, bf16 = true, f16 = true }
+
 -- A ShardedTensor of st's layout with the given local shard tensors (one per local shard).
 local function with_locals(st, list, dtype)
   local shards = {}
@@ -608,10 +616,12 @@ local function check_layout(op, a, b)
     table.concat(a._size, ","), tostring(a._spec), table.concat(b._size, ","), tostring(b._spec)))
 end
 
-local function unary(name)
+local function unary(name, to)
   local m = methods[name]
   return function(self, x, y)   -- (no varargs: they keep LuaJIT from compiling the DTensor path)
-    local dt = self._dt or dt_ready(self)
+    local dt = self._dt
+    if dt and FLOAT[self.dtype] then return fast_wrap(self, m(dt, x, y), to or self.dtype) end
+    dt = dt or dt_ready(self)
     if dt then return wrap_like(self, m(dt, x, y), true) end
     local out = {}
     for i, s in ipairs(shards_of(self)) do out[i] = m(s.tensor, x, y) end
@@ -626,16 +636,25 @@ local arith = {
   pow = function(x, y) return x ^ y end,
 }
 
+local CMP = { eq = true, ne = true, lt = true, le = true, gt = true, ge = true }
+local Tensor = require("engine.tensor")
+local META = { add = Tensor.__add, sub = Tensor.__sub, mul = Tensor.__mul, div = Tensor.__div }
+
 local function binary(name)
   local f = arith[name] or methods[name]
+  local ff = META[name] or methods[name]
+  local cmp = CMP[name]
   return function(a, b)
-    -- the fast path: DTensor-backed, with a number or a ShardedTensor of the same spec and size objects
+    -- the fast path: a DTensor-backed floating ShardedTensor with a number or a ShardedTensor of the same
+    -- spec, size (objects) and dtype
     if getmetatable(a) == ShardedTensor then
-      local da = a._dt
-      if da then
-        if type(b) == "number" then return wrap_like(a, f(da, b), true) end
-        if getmetatable(b) == ShardedTensor and b._dt and rawequal(a._spec, b._spec) and rawequal(a._size, b._size) then
-          return wrap_like(a, f(da, b._dt), true)
+      local da, dtype = a._dt, a.dtype
+      if da and FLOAT[dtype] then
+        if type(b) == "number" then return fast_wrap(a, ff(da, b), cmp and "bool" or dtype) end
+        if getmetatable(b) == ShardedTensor and rawequal(a._spec, b._spec) and rawequal(a._size, b._size)
+          and b.dtype == dtype then
+          local db = b._dt
+          if db then return fast_wrap(a, ff(da, db), cmp and "bool" or dtype) end
         end
       end
     end
@@ -674,9 +693,10 @@ local function binary(name)
 end
 
 for _, n in ipairs({ "neg", "abs", "relu", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "gelu", "silu", "detach",
-  "clone", "contiguous", "float", "double", "clamp" }) do
+  "clone", "contiguous", "clamp" }) do
   ShardedTensor[n] = unary(n)
 end
+ShardedTensor.float, ShardedTensor.double = unary("float", "f32"), unary("double", "f64")
 for _, n in ipairs({ "add", "sub", "mul", "div", "pow", "maximum", "minimum", "eq", "ne", "lt", "le", "gt", "ge" }) do
   ShardedTensor[n] = binary(n)
 end
@@ -845,8 +865,13 @@ function ShardedTensor:reshard(spec)
   local target = build(op, spec, self._size, { dtype = self.dtype, process_group = pg }, function(shape, dt)
     return E().empty(shape, { dtype = dt })
   end)
-  -- the DTensor path
+  -- the DTensor path (making the mesh when the group is the world: reshard is collective over it)
   local dt = dt_ready(self)
+  if not dt and (pg == nil or pg:size() == require("engine.distributed").world_size()) then
+    local ranks = dt_layout(self)
+    local tranks = ranks and dt_layout(target)
+    if tranks and same_list(ranks, tranks) then dt = self:to_dtensor() end
+  end
   if dt then
     local ranks, d = dt_layout(target)
     if ranks and same_list(ranks, self._mesh:flat_ranks()) then
