@@ -216,6 +216,20 @@ static eng_tensor* lse(eng_tensor* t0, int64_t mask, int keepdim) {
   return finish(r, t0, mask, keepdim, odt);
 }
 
+static int std_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
+  eng_tensor* y = eng_node_saved(n, 0);
+  if (!y) return -1;
+  eng_tensor* d = eng_mul_scalar(y, 2.0);
+  eng_tensor* r = d ? eng_div(go[0], d) : NULL;
+  eng_tensor* z = r ? eng_compare_scalar(y, 0.0, ENG_EQ) : NULL;
+  eng_tensor* r2 = z ? eng_masked_fill(r, z, 0.0) : NULL;
+  rel3(NULL, d, r, z);
+  if (!r2) return -1;
+  gi[0] = eng_grad_to_input(n, 0, r2);
+  eng_tensor_release(r2);
+  return gi[0] ? 0 : -1;
+}
+
 static eng_tensor* var_std(int op, eng_tensor* t0, int64_t mask, int keepdim, double correction) {
   const char* name = r2_names[op];
   if (!eng_dtype_is_floating(t0->dtype))
@@ -234,7 +248,18 @@ static eng_tensor* var_std(int op, eng_tensor* t0, int64_t mask, int keepdim, do
   eng_tensor* s = sq ? eng_sum(sq, nd, dims, 1) : NULL;
   eng_tensor* v = s ? eng_div_scalar(s, div) : NULL;
   rel3(NULL, x, mu, d); rel3(NULL, sq, s, NULL);
-  if (v && op == ENG_R2_STD) { eng_tensor* r = eng_sqrt(v); eng_tensor_release(v); v = r; }
+  if (v && op == ENG_R2_STD) {
+    /* sqrt with PyTorch's std gradient: g / (2 std), 0 where std == 0 (not inf * 0) */
+    eng_tensor* vd = eng_tensor_detach(v);
+    eng_tensor* y = vd ? eng_sqrt(vd) : NULL;
+    eng_tensor_release(vd);
+    if (y && eng_any_requires_grad(1, &v)) {
+      eng_node* n = eng_record("StdBackward", std_bw, 1, &v, y);
+      if (!n || eng_node_save(n, y)) { eng_tensor_release(y); y = NULL; }
+    }
+    eng_tensor_release(v);
+    v = y;
+  }
   return finish(v, t0, mask, keepdim, t0->dtype);
 }
 
