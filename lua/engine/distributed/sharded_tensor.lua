@@ -237,6 +237,12 @@ end
 
 M._agree_strings = agree_strings
 
+local function hash_str(str)   -- FNV-1a, 32 bits
+  local h = 2166136261
+  for i = 1, #str do h = bit.bxor(h, str:byte(i)); h = (h * 16777619) % 4294967296 end
+  return h
+end
+
 -- src's tensor scattered into the shards of spec (seed 002's ChunkShardingSpec.shard: src_rank is a
 -- group rank): one scatter.  When the shards are the tensor's memory in rank order (one chunk per rank
 -- on the leading dim, placements 0..world-1, even sizes) the tensor itself is sent and every rank
@@ -322,6 +328,20 @@ function M.shard_tensor(tensor, spec, opts, local_err, op)
   end
   local shape = (not err) and table.concat(tensor:shape(), ",") or ""
   local mine = err and ("E" .. err) or string.format("O%s\n%s\n%s", tostring(src), tostring(spec), shape)
+  -- one small uncounted all_reduce when every rank is fine and agrees (a hash of src_rank, spec and shape);
+  -- otherwise every rank exchanges the details for the seed's messages
+  if err then core.C.eng_set_error_message(err) end
+  local gpg = pg or comm.world_group()
+  local function finish()   -- (the same on every rank once src_rank, spec and shape agree)
+    if type(src) ~= "number" or src % 1 ~= 0 or src < 0 or src >= world then
+      fail(string.format("%s: src_rank must be a rank of the process group (0..%d), got %s", op, world - 1, tostring(src)))
+    end
+    if getmetatable(spec) ~= specs.ChunkShardingSpecClass then
+      fail(op .. ": EnumerableShardingSpec.shard not implemented yet!")
+    end
+    return scatter_shards(op, tensor, spec, src, pg, world, me)
+  end
+  if core.C.eng_pg_agree(gpg._c, err and 1 or 0, hash_str(mine), op) == 0 then return finish() end
   local all = agree_strings(mine, pg, world, me)
   if err then fail(err) end
   for idx = 0, world - 1 do
@@ -341,13 +361,7 @@ function M.shard_tensor(tensor, spec, opts, local_err, op)
       fail(string.format("%s: the tensor on rank %d has shape [%s], on rank %d [%s]", op, me, shape, idx, tostring(oshape)))
     end
   end
-  if type(src) ~= "number" or src % 1 ~= 0 or src < 0 or src >= world then
-    fail(string.format("%s: src_rank must be a rank of the process group (0..%d), got %s", op, world - 1, tostring(src)))
-  end
-  if getmetatable(spec) ~= specs.ChunkShardingSpecClass then
-    fail(op .. ": EnumerableShardingSpec.shard not implemented yet!")
-  end
-  return scatter_shards(op, tensor, spec, src, pg, world, me)
+  return finish()
 end
 
 -- ---------------------------------------------------------------- accessors
