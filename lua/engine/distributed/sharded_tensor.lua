@@ -583,6 +583,15 @@ end
 
 -- A DTensor result r of an op on src's DTensor -> a ShardedTensor of src's spec when r is laid out
 -- as src (same mesh, Shard dim and shape), else r itself.
+-- The fast path's result: r is an elementwise op's result on src's DTensor with src's layout and the
+-- given dtype (no C call, no cdata field read: LuaJIT often interprets these paths).
+-- (_pg is set apart: a nil value in a table constructor makes LuaJIT build the table the slow way, ~1 us)
+local function fast_wrap(src, r, dtype)
+  local t = setmetatable({ _spec = src._spec, _size = src._size, dtype = dtype, _dt = r, _mesh = src._mesh }, ShardedTensor)
+  local pg = src._pg
+  if pg then t._pg = pg end
+  return t
+end
 -- same: the caller knows r is laid out as src's DTensor (a pointwise op of same-layout operands keeps
 -- the layout), so only the dtype is read (the check costs ~1 us where LuaJIT interprets).
 local spec_equal = core.C.eng_dist_spec_equal
@@ -593,16 +602,9 @@ local function wrap_like(src, r, same)
     local s = rc.dist
     if s == nil or spec_equal(s, dc.dist) == 0 then return r end   -- mesh, placements, global shape and stride
   end
-  return setmetatable({ _spec = src._spec, _size = src._size, dtype = rc.dtype == dc.dtype and src.dtype or r.dtype,
-    _pg = src._pg, _dt = r, _mesh = src._mesh }, ShardedTensor)
+  return fast_wrap(src, r, rc.dtype == dc.dtype and src.dtype or r.dtype)
 end
 
--- The fast path's result: r is an elementwise op's result on src's DTensor with src's layout and the
--- given dtype (no C call, no cdata field read: LuaJIT often interprets these paths).
-local function fast_wrap(src, r, dtype)
-  return setmetatable({ _spec = src._spec, _size = src._size, dtype = dtype, _pg = src._pg, _dt = r, _mesh = src._mesh },
-    ShardedTensor)
-end
 local FLOAT = { f32 = true, f64 = true, bf16 = true, f16 = true }
 
 -- A ShardedTensor of st's layout with the given local shard tensors (one per local shard).
