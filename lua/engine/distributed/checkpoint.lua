@@ -27,10 +27,10 @@
 -- Loading reads the metadata on every rank, checks it (entries parse and cover each tensor exactly,
 -- every data file is present, carries the checkpoint's id and is long enough), matches the keys of
 -- `state` (missing keys on either side name them; strict = false skips them), then for each local
--- shard reads the saved chunks that overlap it (resharding math of engine/src/dtensor/resharding.c),
--- verifying each chunk's checksum, into staging tensors; only when every rank succeeded (agreed) are
--- the staging tensors copied into the state and the values set: a bad directory fails on every rank
--- naming the file and loads nothing.  So a checkpoint saved at any world size, mesh or placements
+-- shard reads the saved chunks that overlap it (resharding math of engine/src/dtensor/resharding.c)
+-- and verifies each chunk's checksum; only when every rank succeeded (agreed) are the chunks read
+-- again into the state (straight into the destination when a chunk is the whole local shard) and the
+-- values set: a bad directory fails on every rank naming the file and loads nothing.  So a checkpoint saved at any world size, mesh or placements
 -- loads into any other.
 --
 -- Async save: the tensors are copied into staging buffers (one memory copy) and a C thread writes
@@ -625,6 +625,72 @@ local function read_box(dir, id, e, box, op)
   return staging
 end
 
+-- The loader in two passes, so that nothing is written into the state before every rank has checked
+-- every chunk it needs, without holding a second copy of the state: (1) each saved chunk that
+-- overlaps a local box is read into a reusable scratch buffer and its checksum verified; (2) after the
+-- ranks agreed, each overlap is read again (from the page cache) straight into the destination when
+-- the chunk is the whole box, the dtypes agree and the destination is contiguous, else through the
+-- scratch buffer and a copy of the overlapping region.
+local function overlaps(e, box)
+  local nd = #box.sizes
+  local out = {}
+  if numel_of(box.sizes) == 0 then return out end
+  local bo, bs = ffi.new("int64_t[8]"), ffi.new("int64_t[8]")
+  for d = 1, nd do bo[d - 1] = box.offsets[d]; bs[d - 1] = box.sizes[d] end
+  local co, cs = ffi.new("int64_t[8]"), ffi.new("int64_t[8]")
+  for _, c in ipairs(e.chunks) do
+    for d = 1, nd do co[d - 1] = c.offsets[d]; cs[d - 1] = c.sizes[d] end
+    local hit = nd == 0 and 1 or C.eng_shard_boxes_overlap(nd, co, cs, bo, bs)
+    if hit < 0 then error(core.last_error(), 0) end
+    if hit == 1 then
+      local o = { chunk = c, whole = nd == 0 or (same_list(c.offsets, box.offsets) and same_list(c.sizes, box.sizes)) }
+      if not o.whole then
+        local region = ffi.new("int64_t[32]")
+        if C.eng_shard_overlap_region(nd, co, cs, bo, bs, region) ~= 0 then error(core.last_error(), 0) end
+        o.region = {}
+        for d = 0, nd - 1 do
+          o.region[d + 1] = { tonumber(region[4 * d + 1]), tonumber(region[4 * d + 2]), tonumber(region[4 * d + 3]) }
+        end
+      end
+      out[#out + 1] = o
+    end
+  end
+  return out
+end
+
+local Scratch = {}
+Scratch.__index = Scratch
+local function new_scratch() return setmetatable({ bufs = {} }, Scratch) end
+function Scratch:get(dtype, sizes)
+  local n = math.max(numel_of(sizes), 1)
+  local b = self.bufs[dtype]
+  if not b or b:numel() < n then b = E().empty({ n }, { dtype = dtype }); self.bufs[dtype] = b end
+  return b:narrow(1, 1, numel_of(sizes)):view(sizes)
+end
+
+local function read_into(dir, id, c, t)
+  if C.eng_ckpt_read_chunk(data_file(dir, c.file), id, c.offset, c.nbytes, c.checksum, t._c) ~= 0 then
+    error(core.last_error(), 0)
+  end
+end
+
+local function fill(dir, id, e, dst, ov, scratch)
+  local c = ov.chunk
+  if ov.whole and dst.dtype == e.dtype and dst:is_contiguous() and dst.device == "cpu" then
+    read_into(dir, id, c, dst)
+    return
+  end
+  local buf = scratch:get(e.dtype, c.sizes)
+  read_into(dir, id, c, buf)
+  if ov.whole then dst:copy_(buf); return end
+  local src, d2 = buf, dst
+  for d, r in ipairs(ov.region) do
+    src = src:narrow(d, r[1] + 1, r[3])
+    d2 = d2:narrow(d, r[2] + 1, r[3])
+  end
+  d2:copy_(src)
+end
+
 -- load(state, dir, {strict = true}) -> state (filled in place; values replaced).  Collective.
 function M.load(state, dir, opts)
   local op = "checkpoint.load"
@@ -634,7 +700,8 @@ function M.load(state, dir, opts)
   wait_pending()
   local rank = myrank()
   local meta, n_files, id
-  local stage = {}   -- {dst = local tensor, src = staging}
+  local stage = {}   -- {dst = local tensor, e = entry, ov = overlap}: pass 2
+  local scratch, verified = new_scratch(), {}
   local sets = {}    -- {item, value}
   local ok, err = pcall(function()
     meta, n_files = read_metadata(dir, op)
@@ -684,7 +751,15 @@ function M.load(state, dir, opts)
             table.concat(e.shape, ","), table.concat(shape, ","), describe_layout(it.value)), 0)
         end
         for _, b in ipairs(boxes) do
-          stage[#stage + 1] = { dst = b.tensor, src = read_box(dir, id, e, b, op) }
+          for _, ov in ipairs(overlaps(e, b)) do
+            local c = ov.chunk
+            local ck = c.file .. ":" .. tostring(c.offset)
+            if not verified[ck] then            -- pass 1: every needed chunk read and checksummed once
+              read_into(dir, id, c, scratch:get(e.dtype, c.sizes))
+              verified[ck] = true
+            end
+            stage[#stage + 1] = { dst = b.tensor, e = e, ov = ov }
+          end
         end
       elseif it.kind == "value" and meta["v:" .. key] then
         sets[#sets + 1] = { it = it, value = deserialize(meta["v:" .. key], key) }
@@ -694,7 +769,7 @@ function M.load(state, dir, opts)
   -- nothing is changed unless every rank read everything
   agree(not ok and tostring(err) or nil, op, str_hash(meta and meta.id or ""))
   E().no_grad(function()
-    for _, s in ipairs(stage) do s.dst:copy_(s.src) end
+    for _, s in ipairs(stage) do fill(dir, id, s.e, s.dst, s.ov, scratch) end
   end)
   for _, s in ipairs(sets) do s.it.parent[s.it.pkey] = s.value end
   return state
