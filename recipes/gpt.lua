@@ -41,9 +41,11 @@
 -- With several ranks (mpirun -np N) every rank holds the whole model (same seed, same initial
 -- weights), draws its own batches (data.BatchSampler with rank/world_size) and the gradients are
 -- averaged with all_reduce before clipping and the optimizer step: the global batch is batch x N.
--- Rank 0 logs, evaluates with the others (the validation batches are split over ranks) and saves
--- checkpoints.  Resuming is exact: model, AdamW state, RNG, sampler position and step are restored,
--- so a resumed run prints the same losses as an uninterrupted one (spec/recipe_spec.lua).
+-- Rank 0 logs and evaluates with the others (the validation batches are split over ranks); every rank
+-- writes its part of a checkpoint (dist.checkpoint; replicated tensors once).  Resuming is exact:
+-- model, AdamW state, RNG, sampler position and step are restored, so a resumed run prints the same
+-- losses as an uninterrupted one (spec/recipe_spec.lua); at another world size (keep ranks x batch) or
+-- --tp within 1e-6 (spec/checkpoint_recipe_spec.lua).
 local engine = require("engine")
 local nn, optim, data, dist = engine.nn, engine.optim, engine.data, engine.distributed
 local checkpoint = require("engine.checkpoint")

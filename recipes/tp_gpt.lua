@@ -1,8 +1,9 @@
 -- recipes/tp_gpt.lua: the KJV GPT of recipes/gpt.lua trained tensor-parallel (seed 003's Transformer
 -- plan, models.Transformer.parallelize): every rank holds 1/tp of each attention and MLP weight and of
 -- the embeddings; the logits are gathered for the loss.  Same options, logging, validation, sample and
--- checkpoints as recipes/gpt.lua (checkpoints hold full tensors: gathered on save, re-sharded on resume,
--- so a TP checkpoint also resumes in recipes/gpt.lua and the other way round).
+-- checkpoints as recipes/gpt.lua (distributed checkpoints: every rank writes its own shards, and a
+-- checkpoint resumes at any world size or --tp, also in recipes/gpt.lua and the other way round;
+-- --ckpt_format=full keeps the single file of full tensors, gathered on save and re-sharded on resume).
 --
 --   mpirun -np 2 build/engine recipes/tp_gpt.lua                  # TP over both ranks
 --   mpirun -np 2 build/engine recipes/tp_gpt.lua --sp=1           # with sequence parallelism

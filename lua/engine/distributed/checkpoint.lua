@@ -680,6 +680,18 @@ local function fill(dir, id, e, dst, ov, scratch)
     read_into(dir, id, c, dst)
     return
   end
+  if not ov.whole then
+    -- a chunk that lies wholly inside the box, over a contiguous part of it (e.g. rows): read in place
+    local inside, d2 = true, dst
+    for d, r in ipairs(ov.region) do
+      if r[1] ~= 0 or r[3] ~= c.sizes[d] then inside = false end
+      d2 = d2:narrow(d, r[2] + 1, r[3])
+    end
+    if inside and dst.dtype == e.dtype and dst.device == "cpu" and d2:is_contiguous() then
+      read_into(dir, id, c, d2)
+      return
+    end
+  end
   local buf = scratch:get(e.dtype, c.sizes)
   read_into(dir, id, c, buf)
   if ov.whole then dst:copy_(buf); return end
