@@ -252,15 +252,35 @@ local function local_boxes(t, key, op, rank)
           "cannot be checkpointed (the values are not reduced yet); redistribute it to Replicate() or Shard() first",
           op, key, describe_layout(t), i), 0)
       end
-      if p:is_strided_shard() then
-        error(string.format("%s: '%s' has a _StridedShard placement (%s): not supported by this checkpoint format yet; " ..
-          "redistribute to Shard/Replicate placements first", op, key, describe_layout(t)), 0)
-      end
     end
     local coord = mesh:get_coordinate()
     if coord == nil then return shape, {} end
-    local lshape, off = dist.compute_local_shape_and_global_offset(shape, mesh, pl)
-    return shape, { { tensor = t:to_local(), offsets = off, sizes = lshape } }
+    -- the shard as runs of each global dim (one per dim unless a _StridedShard splits it): one box per
+    -- combination of runs, each a view of the local tensor
+    local runs = dist.local_shard_runs(shape, mesh, pl)
+    local loc = t:to_local()
+    local boxes = { { tensor = loc, offsets = {}, sizes = {} } }
+    for d = 1, #shape do
+      local next_boxes, lpos = {}, 0
+      for _, run in ipairs(runs[d]) do
+        for _, b in ipairs(boxes) do
+          local o, z = { unpack(b.offsets) }, { unpack(b.sizes) }
+          o[d], z[d] = run[1], run[2]
+          next_boxes[#next_boxes + 1] = { tensor = #runs[d] == 1 and b.tensor or b.tensor:narrow(d, lpos + 1, run[2]),
+            offsets = o, sizes = z }
+        end
+        lpos = lpos + run[2]
+      end
+      if #runs[d] == 0 then   -- an empty shard on this dim
+        for _, b in ipairs(boxes) do
+          local o, z = { unpack(b.offsets) }, { unpack(b.sizes) }
+          o[d], z[d] = 0, 0
+          next_boxes[#next_boxes + 1] = { tensor = b.tensor, offsets = o, sizes = z }
+        end
+      end
+      boxes = next_boxes
+    end
+    return shape, boxes
   elseif is_sharded(t) then
     local md = t:metadata()
     local boxes = {}
