@@ -30,7 +30,12 @@
 -- Logging (rank 0): step, loss, lr, grad norm, ms/step, tokens/s, peak memory; after the first step each
 -- rank's bytes of local shards of parameters, gradients and optimizer state; validation loss (the val
 -- batches split over ranks) and a sample (every rank runs the forward: it all-gathers).
--- Not here: checkpoints (--ckpt_every/--resume: dist.checkpoint was not committed when this was written).
+-- Checkpoints (as recipes/gpt.lua's --ckpt_format=dcp): --ckpt_dir --ckpt_every (0: only at the end; -1:
+-- never) --resume (a checkpoint directory, or "latest" in ckpt_dir) --ckpt_keep (the newest K; 0: all)
+-- --ckpt_async (1: save in a background thread).  dist.checkpoint: every rank writes its own shards of the
+-- model and AdamW state (keyed by parameter names: FSDP keeps them), plus the step, RNG state and data position;
+-- a load fills the current layout whatever it was at save time (another world size, --hsdp, or recipes/gpt.lua
+-- and recipes/tp_gpt.lua's dcp checkpoints), and resuming is exact.
 local engine = require("engine")
 local nn, optim, data, dist = engine.nn, engine.optim, engine.data, engine.distributed
 local F = nn.functional
@@ -44,6 +49,7 @@ local defaults = {
   beta1 = 0.9, beta2 = 0.95, grad_clip = 1.0, seed = 1337, threads = 0,
   train = HOME .. "/data/kjv_train.bin", val = HOME .. "/data/kjv_val.bin",
   log_every = 10, eval_every = 100, eval_batches = 20,
+  ckpt_dir = HOME .. "/checkpoints", ckpt_every = 0, resume = "", ckpt_keep = 0, ckpt_async = 0,
   sample_len = 300, temperature = 0.8, prompt = "And God said",
   reshard_after_forward = "true", param_dtype = "", reduce_dtype = "", hsdp = 1, grad_accum = 1,
 }
@@ -72,6 +78,8 @@ local function parse_args(argv)
     if o[k] < 1 or o[k] % 1 ~= 0 then error(NAME .. ": --" .. k .. " must be a positive integer", 0) end
   end
   if o.warmup < 0 then error(NAME .. ": --warmup must be >= 0", 0) end
+  if o.ckpt_keep < 0 or o.ckpt_keep % 1 ~= 0 then error(NAME .. ": --ckpt_keep must be a non-negative integer", 0) end
+  if o.ckpt_async ~= 0 and o.ckpt_async ~= 1 then error(NAME .. ": --ckpt_async must be 0 or 1", 0) end
   local raf = o.reshard_after_forward
   if raf == "true" then o.raf = true
   elseif raf == "false" then o.raf = false
@@ -218,8 +226,48 @@ local function main(argv)
     end
   end
 
+  -- distributed checkpoints: each rank its shards (recipes/gpt.lua's --ckpt_format=dcp)
+  local dcp = dist.checkpoint
+  local function dcp_state(at_step)
+    return { model = model:state_dict(), optim = dcp.get_optimizer_state_dict(model, opt), step = at_step,
+      rng = engine.get_rng_state(), data = train:state() }
+  end
   local step = 0
-  log("step %5d | val loss %.4f", step, evaluate())
+  if o.resume ~= "" then
+    local path = o.resume
+    if path == "latest" then
+      path = dcp.latest(o.ckpt_dir)
+      if not path then error(NAME .. ": --resume=latest: no checkpoint in " .. o.ckpt_dir, 0) end
+    end
+    local st = dcp_state(0)
+    dcp.load(st, path)
+    dcp.set_optimizer_state_dict(model, opt, st.optim)
+    engine.set_rng_state(st.rng)
+    train:set_state(st.data)
+    step = st.step
+    log(NAME .. ": resumed from %s at step %d", path, step)
+  end
+  local pending_save = nil   -- an async save in flight: finished (collectively) before the next one
+  local function finish_save()
+    if pending_save then
+      pending_save.h:wait()
+      pending_save.done()
+      pending_save = nil
+    end
+  end
+  local function save(at_step)
+    if o.ckpt_every < 0 then return end
+    finish_save()
+    local path = dcp.path(o.ckpt_dir, at_step)
+    local h = dcp.save(dcp_state(at_step), path, { async = o.ckpt_async == 1 })
+    local function done()
+      log(NAME .. ": saved %s", path)
+      if o.ckpt_keep > 0 and rank == 0 then dcp.prune(o.ckpt_dir, o.ckpt_keep) end
+    end
+    if o.ckpt_async == 1 then pending_save = { h = h, done = done } else done() end
+  end
+
+  if step == 0 or step >= o.steps then log("step %5d | val loss %.4f", step, evaluate()) end
 
   engine.reset_peak_memory()
   local t_log, n_log = engine.time(), 0
@@ -244,7 +292,7 @@ local function main(argv)
     end
     local gnorm = o.grad_clip > 0 and optim.clip_grad_norm_(params, o.grad_clip) or optim.grad_norm(params)
     opt:step()
-    if step == 0 then log_shard_memory() end
+    if #times == 0 then log_shard_memory() end
     opt:zero_grad()
     l = all_reduce_num(l)
     if l ~= l or l == math.huge then -- the same on every rank (averaged): all stop together
@@ -265,12 +313,15 @@ local function main(argv)
       log("step %5d | val loss %.4f | (eval %.1f s)", step, evaluate(), engine.time() - te)
       t_log = t_log + (engine.time() - te)
     end
+    if o.ckpt_every > 0 and step % o.ckpt_every == 0 and step ~= o.steps then save(step) end
   end
   if #times > 0 then
     log("step %5d | val loss %.4f", step, evaluate())
     log(NAME .. ": median %.1f ms/step over %d steps (%.0f tok/s)", median(times) * 1e3, #times,
       tokens_per_step / median(times))
+    save(step)
   end
+  finish_save()
 
   -- a sample (seeded: the same run prints the same text); every rank runs the forward (it all-gathers) and
   -- draws the same tokens, rank 0 prints them

@@ -2,7 +2,7 @@
 -- recipe (recipes/gpt.lua on one process with the global batch) to 1e-5 relative: default options,
 -- reshard_after_forward=false, grad_accum=2 (against one process with the whole step's rows) and HSDP 2x2 at 4
 -- ranks, reshard_after_forward=2 at 4 ranks; bf16 mixed precision stays close; it evaluates, samples and logs
--- each rank's shard memory; bad options fail on every rank.
+-- each rank's shard memory; it resumes exactly from its dist.checkpoint; bad options fail on every rank.
 -- The single-process reference runs in a child engine started by rank 0 (mpirun's environment removed, so it
 -- is a world of one) while the FSDP runs go on; at 1 rank the reference runs in this process.
 local engine = require("engine")
@@ -14,7 +14,8 @@ local HOME = (ENGINE_HOME and ENGINE_HOME ~= "") and ENGINE_HOME or "."
 
 -- Runs a recipe in this process with argv; returns the per-step training losses rank 0 printed (on every
 -- rank: all-reduced) and the printed lines.
-local function run(file, argv)
+local function run(file, argv, nsteps)
+  nsteps = nsteps or STEPS
   local lines = {}
   local G = _G              -- the recipe runs in the global environment, not this spec's
   local real_print = G.print
@@ -35,7 +36,7 @@ local function run(file, argv)
     if step then losses[tonumber(step)] = tonumber(loss) end
   end
   local vals = {}
-  for k = 1, STEPS do vals[k] = (R == 0 and losses[k]) or 0 end
+  for k = 1, nsteps do vals[k] = (R == 0 and losses[k]) or 0 end
   local t = engine.tensor(vals, "f64")
   if W > 1 then dist.all_reduce(t, "sum") end
   return t:totable(), lines
@@ -63,12 +64,16 @@ if W > 1 then dist.barrier() end
 
 local B = 2    -- rows per rank per microbatch
 local common = { "--n_layers=2", "--dim=32", "--n_heads=4", "--seq=16", "--log_every=1", "--eval_every=0",
-  "--eval_batches=1", "--warmup=1", "--lr=3e-3", "--steps=" .. STEPS, "--threads=1", "--train=" .. train_bin,
+  "--eval_batches=1", "--warmup=1", "--lr=3e-3", "--threads=1", "--train=" .. train_bin,
   "--val=" .. val_bin }
 local function argv(extra)
   local a = {}
   for _, v in ipairs(common) do a[#a + 1] = v end
   for _, v in ipairs(extra) do a[#a + 1] = v end
+  local has = {}
+  for _, v in ipairs(a) do has[v:match("^%-%-([%w_]+)=") or ""] = true end
+  if not has.steps then a[#a + 1] = "--steps=" .. STEPS end
+  if not has.ckpt_every then a[#a + 1] = "--ckpt_every=-1" end
   return a
 end
 -- the single-process references: recipes/gpt.lua with the global batch of one step (B x W rows; B x 2 x W
@@ -145,7 +150,7 @@ describe("recipes/fsdp_gpt.lua", function()
   teardown(function()
     if child then pcall(function() child:read("*a"); child:close() end) end
     if W > 1 then dist.barrier() end
-    if R == 0 then os.execute("rm -f '" .. base_path .. "'_* 2>/dev/null") end
+    if R == 0 then os.execute("rm -rf '" .. base_path .. "'_* 2>/dev/null") end
   end)
 
   local results = {}
@@ -199,6 +204,20 @@ describe("recipes/fsdp_gpt.lua", function()
     assert.are.equal(W, mem)
     assert.are.equal(2, val)
     assert.is_true(sample, "no sample printed")
+  end)
+
+  it("resumes from its distributed checkpoint with the uninterrupted run's losses", function()
+    local d = base_path .. "_ckpt"
+    local full_run = run("recipes/fsdp_gpt.lua", argv({ "--batch=" .. B, "--sample_len=0", "--steps=4",
+      "--ckpt_every=2", "--ckpt_dir=" .. d }), 4)
+    local resumed = run("recipes/fsdp_gpt.lua", argv({ "--batch=" .. B, "--sample_len=0", "--steps=4",
+      "--ckpt_every=-1", "--resume=" .. d .. "/step_00000002" }), 4)
+    for s = 3, 4 do
+      assert.is_true(math.abs(resumed[s] - full_run[s]) <= 1e-6 * full_run[s],
+        string.format("step %d: %.7f resumed vs %.7f", s, resumed[s], full_run[s]))
+    end
+    if W > 1 then dist.barrier() end
+    if R == 0 then os.execute("rm -rf '" .. d .. "'") end
   end)
 
   it("refuses bad options on every rank", function()
