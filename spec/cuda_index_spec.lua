@@ -48,6 +48,20 @@ describe("issue 17 ops on CUDA #gpu", function()
       both("index_copy " .. dt, function(a, i, s) return a:index_copy(2, i, s) end, { x, engine.tensor({ 1 }), engine.randn(4, 1, { dtype = dt }) }, tol)
       both("masked_select " .. dt, function(a) return a:masked_select(a:detach():gt(0)) end, { x }, tol)
     end
+    -- integer atomics, duplicates accumulating, and u8 through the host fallback
+    for _, dt in ipairs({ "i32", "i64", "u8" }) do
+      local a = engine.tensor({ { 1, 2, 3 }, { 4, 5, 6 } }, dt)
+      local i = engine.tensor({ { 0, 0, 2 }, { 1, 1, 1 } })
+      assert.are.same(a:scatter_add(2, i, a):totable(), a:cuda():scatter_add(2, i:cuda(), a:cuda()):cpu():totable())
+      assert.are.same(a:index_add(1, engine.tensor({ 1, 1 }), a, { alpha = 2 }):totable(),
+        a:cuda():index_add(1, engine.tensor({ 1, 1 }):cuda(), a:cuda(), { alpha = 2 }):cpu():totable())
+      assert.are.same(a:gather(2, i):totable(), a:cuda():gather(2, i:cuda()):cpu():totable())
+    end
+    local big = engine.randn(64, 130)
+    local bi = engine.randint and engine.randint(0, 130, { 64, 300 }) or (engine.rand(64, 300) * 130):floor():long()
+    close(big:cuda():gather(2, bi:cuda()), big:gather(2, bi), 0, "gather 64x300")
+    close(engine.zeros(64, 130):cuda():scatter_add(2, bi:cuda(), engine.ones(64, 300):cuda()),
+      engine.zeros(64, 130):scatter_add(2, bi, engine.ones(64, 300)), 1e-6, "scatter_add 64x300 duplicates")
     local z = engine.tensor({ { 0, 1 }, { 2, 0 } }):cuda()
     local nz = engine.nonzero(z)
     assert.are.equal("cuda", nz.device)

@@ -1,8 +1,9 @@
 /* ops_index.h: indexing ops along a dim (issue 17 item 4).  Dims are 0-based
  * here; index VALUES are 0-based data (as index_select and token ids), i32 or
  * i64.  All return a new tensor (the in-place forms live in Lua: computed out
- * of place, then copied).  CUDA tensors run through the CPU kernels (the data
- * goes to the host and back: a documented fallback, see ops/index.c). */
+ * of place, then copied).  CUDA: kernels for gather/scatter/index_copy (all
+ * dtypes) and scatter_add/index_add (f32, f64, i32, i64); the other cases and
+ * nonzero go through the host (a documented fallback, see ops/index.c). */
 #ifndef ENG_OPS_INDEX_H
 #define ENG_OPS_INDEX_H
 

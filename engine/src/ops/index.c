@@ -8,14 +8,19 @@
  * src: gather(g); index_add -> x: g, src: alpha * index_select(g);
  * index_copy -> x: index_copy(g, zeros), src: index_select(g).
  *
- * CUDA: documented fallback.  A CUDA operand is copied to the host, the CPU
- * kernel runs there and the result goes back to the device (one round trip
- * per op; correct for every dtype, not fast).  The DTensor rules are in
- * sharding/index.c. */
+ * CUDA: gather, scatter (replace) and index_copy of every dtype, scatter_add
+ * and index_add of f32/f64/i32/i64 run the kernels of kernels/cuda/index.cu
+ * (cuda/index.c); the index is checked on the host first (one small copy to
+ * the host and back).  The remaining cases (scatter_add / index_add of
+ * bf16, f16, u8, bool: no atomics for them there) and nonzero take the
+ * documented fallback: the CUDA operands are copied to the host, the CPU
+ * kernel runs there and the result goes back to the device.  The DTensor
+ * rules are in sharding/index.c. */
 #include "core/internal.h"
 #include "sharding/sharding.h"
 #include "sharding/sharding_index.h"
 #include "kernels/cpu/kindex.h"
+#include "cuda/cuda_index.h"
 
 /* A contiguous host copy of t in dtype (no autograd; new reference). */
 static eng_tensor* host(eng_tensor* t, int dtype) {
@@ -90,15 +95,28 @@ eng_tensor* eng_gather(eng_tensor* x, int dim, eng_tensor* index) {
       return eng_errp("%s: index %s is larger than input %s in dim %d (index.size(k) <= input.size(k) for every "
                       "dim k other than dim %d)", op, eng_desc(index), eng_desc(x), k + 1, d + 1);
   eng_tensor* I = read_index(index, shp(x, d), op, d, x);
-  eng_tensor* X = I ? host(x, x->dtype) : NULL;
-  eng_tensor* out = X ? eng_new(index->ndim, index->shape, x->dtype, ENG_CPU) : NULL;
-  if (out) {
-    int64_t ish[8], xsh[8];
-    for (int k = 0; k < nd; k++) { ish[k] = shp(index, k); xsh[k] = shp(x, k); }
-    kc_gather(eng_dtype_size(x->dtype), nd, ish, xsh, d, eng_ptr(out), eng_ptr(X), (const int64_t*)eng_ptr(I));
+  if (!I) return NULL;
+  int64_t ish[8], xsh[8];
+  for (int k = 0; k < nd; k++) { ish[k] = shp(index, k); xsh[k] = shp(x, k); }
+  eng_tensor* out = NULL;
+  int rc = 1;
+  if (x->device == ENG_CUDA) { /* native kernel */
+    eng_tensor* Xd = eng_as_contig(x, x->dtype);
+    out = Xd ? eng_new(index->ndim, index->shape, x->dtype, ENG_CUDA) : NULL;
+    rc = out ? eng_cu_index_gather(eng_dtype_size(x->dtype), nd, ish, xsh, d, eng_ptr(out), eng_ptr(Xd),
+                                   (const int64_t*)eng_ptr(I), I->numel, op) : -1;
+    eng_tensor_release(Xd);
+    if (rc != 0) { eng_tensor_release(out); out = NULL; }
+    if (rc < 0) { eng_tensor_release(I); return NULL; }
   }
-  out = to_dev(out, x->device);
-  eng_tensor_release(X);
+  if (rc == 1) { /* CPU, or the host fallback */
+    eng_tensor* X = host(x, x->dtype);
+    out = X ? eng_new(index->ndim, index->shape, x->dtype, ENG_CPU) : NULL;
+    if (out)
+      kc_gather(eng_dtype_size(x->dtype), nd, ish, xsh, d, eng_ptr(out), eng_ptr(X), (const int64_t*)eng_ptr(I));
+    out = to_dev(out, x->device);
+    eng_tensor_release(X);
+  }
   if (out && eng_dtype_is_floating(x->dtype) && eng_any_requires_grad(1, &x)) {
     eng_node* n = eng_record("GatherBackward", gather_bw, 1, &x, out);
     if (!n || eng_node_save(n, index)) { eng_tensor_release(out); out = NULL; }
@@ -173,17 +191,33 @@ eng_tensor* eng_scatter(eng_tensor* x, int dim, eng_tensor* index, eng_tensor* s
     }
   if (!S) return NULL;
   eng_tensor* I = read_index(index, shp(x, d), op, d, x);
-  eng_tensor* X = I ? host(x, x->dtype) : NULL;
-  eng_tensor* Sh = X ? host(S, x->dtype) : NULL;
-  eng_tensor* out = Sh ? eng_new(x->ndim, x->shape, x->dtype, ENG_CPU) : NULL;
-  if (out) memcpy(eng_ptr(out), eng_ptr(X), (size_t)(out->numel * eng_dtype_size(out->dtype)));
-  if (out) {
-    int64_t ish[8], xsh[8];
-    for (int k = 0; k < nd; k++) { ish[k] = shp(index, k); xsh[k] = shp(x, k); }
-    kc_scatter(x->dtype, reduce, nd, ish, xsh, d, eng_ptr(out), eng_ptr(Sh), (const int64_t*)eng_ptr(I));
+  if (!I) { eng_tensor_release(S); return NULL; }
+  int64_t ish[8], xsh[8];
+  for (int k = 0; k < nd; k++) { ish[k] = shp(index, k); xsh[k] = shp(x, k); }
+  eng_tensor* out = NULL;
+  int rc = 1;
+  if (x->device == ENG_CUDA) { /* native kernel into a device copy of x */
+    eng_tensor* Sd = eng_as_contig(S, x->dtype);
+    out = Sd ? eng_new(x->ndim, x->shape, x->dtype, ENG_CUDA) : NULL;
+    rc = out && eng_copy_raw(out, x, x->stride) == 0 ? 0 : -1;
+    if (rc == 0)
+      rc = eng_cu_index_scatter(x->dtype, reduce, nd, ish, xsh, d, eng_ptr(out), eng_ptr(Sd),
+                                (const int64_t*)eng_ptr(I), I->numel, op);
+    eng_tensor_release(Sd);
+    if (rc != 0) { eng_tensor_release(out); out = NULL; }
+    if (rc < 0) { eng_tensor_release(I); eng_tensor_release(S); return NULL; }
   }
-  out = to_dev(out, x->device);
-  eng_tensor_release(X); eng_tensor_release(Sh);
+  if (rc == 1) { /* CPU, or the host fallback */
+    eng_tensor* X = host(x, x->dtype);
+    eng_tensor* Sh = X ? host(S, x->dtype) : NULL;
+    out = Sh ? eng_new(x->ndim, x->shape, x->dtype, ENG_CPU) : NULL;
+    if (out) {
+      memcpy(eng_ptr(out), eng_ptr(X), (size_t)(out->numel * eng_dtype_size(out->dtype)));
+      kc_scatter(x->dtype, reduce, nd, ish, xsh, d, eng_ptr(out), eng_ptr(Sh), (const int64_t*)eng_ptr(I));
+    }
+    out = to_dev(out, x->device);
+    eng_tensor_release(X); eng_tensor_release(Sh);
+  }
   eng_tensor* ins[2] = {x, S};
   if (out && eng_dtype_is_floating(x->dtype) && eng_any_requires_grad(2, ins)) {
     eng_node* n = eng_record(reduce ? "ScatterAddBackward" : "ScatterBackward", scatter_bw, 2, ins, out);
@@ -253,19 +287,35 @@ static eng_tensor* index_put(eng_tensor* x, int dim, eng_tensor* index, eng_tens
     return eng_errp("%s: source %s must have the input's shape %s with size %lld in dim %d (the number of indices "
                     "in %s)", op, eng_desc(src), eng_desc(x), (long long)index->numel, d + 1, eng_desc(index));
   eng_tensor* I = read_index(index, shp(x, d), op, d, x);
-  eng_tensor* X = I ? host(x, x->dtype) : NULL;
-  eng_tensor* Sh = X ? host(src, x->dtype) : NULL;
-  eng_tensor* out = Sh ? eng_new(x->ndim, x->shape, x->dtype, ENG_CPU) : NULL;
-  if (out) {
-    memcpy(eng_ptr(out), eng_ptr(X), (size_t)(out->numel * eng_dtype_size(out->dtype)));
-    int64_t outer = 1, inner = 1;
-    for (int k = 0; k < d; k++) outer *= x->shape[k];
-    for (int k = d + 1; k < x->ndim; k++) inner *= x->shape[k];
-    kc_index_put(x->dtype, acc, acc ? alpha : 1.0, outer, shp(x, d), index->numel, inner, eng_ptr(out), eng_ptr(Sh),
-                 (const int64_t*)eng_ptr(I));
+  if (!I) return NULL;
+  int64_t outer = 1, inner = 1;
+  for (int k = 0; k < d; k++) outer *= x->shape[k];
+  for (int k = d + 1; k < x->ndim; k++) inner *= x->shape[k];
+  eng_tensor* out = NULL;
+  int rc = 1;
+  if (x->device == ENG_CUDA) { /* native kernel into a device copy of x */
+    eng_tensor* Sd = eng_as_contig(src, x->dtype);
+    out = Sd ? eng_new(x->ndim, x->shape, x->dtype, ENG_CUDA) : NULL;
+    rc = out && eng_copy_raw(out, x, x->stride) == 0 ? 0 : -1;
+    if (rc == 0)
+      rc = eng_cu_index_put(x->dtype, acc, acc ? alpha : 1.0, outer, shp(x, d), index->numel, inner, eng_ptr(out),
+                            eng_ptr(Sd), (const int64_t*)eng_ptr(I), op);
+    eng_tensor_release(Sd);
+    if (rc != 0) { eng_tensor_release(out); out = NULL; }
+    if (rc < 0) { eng_tensor_release(I); return NULL; }
   }
-  out = to_dev(out, x->device);
-  eng_tensor_release(X); eng_tensor_release(Sh);
+  if (rc == 1) { /* CPU, or the host fallback */
+    eng_tensor* X = host(x, x->dtype);
+    eng_tensor* Sh = X ? host(src, x->dtype) : NULL;
+    out = Sh ? eng_new(x->ndim, x->shape, x->dtype, ENG_CPU) : NULL;
+    if (out) {
+      memcpy(eng_ptr(out), eng_ptr(X), (size_t)(out->numel * eng_dtype_size(out->dtype)));
+      kc_index_put(x->dtype, acc, acc ? alpha : 1.0, outer, shp(x, d), index->numel, inner, eng_ptr(out),
+                   eng_ptr(Sh), (const int64_t*)eng_ptr(I));
+    }
+    out = to_dev(out, x->device);
+    eng_tensor_release(X); eng_tensor_release(Sh);
+  }
   eng_tensor* ins[2] = {x, src};
   if (out && eng_dtype_is_floating(x->dtype) && eng_any_requires_grad(2, ins)) {
     eng_node* n = eng_record(acc ? "IndexAddBackward" : "IndexCopyBackward", index_put_bw, 2, ins, out);
