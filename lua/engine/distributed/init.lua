@@ -33,6 +33,7 @@ local modules = {
   "checkpoint",           -- dist.checkpoint.save / load (distributed checkpoints)
   "shard_api",            -- shard_parameter, shard_module, ShardingPlan, Sharder, load_with_process_group
   "shard_embedding",      -- EmbeddingCollection, EmbeddingCollectionSharder (the recommender example)
+  "fsdp_ext",             -- seed 000 (DTensorExtensions: boxes, chunk_tensor/chunk_dtensor, ...), get_state_dict / set_state_dict
 }
 for _, name in ipairs(modules) do
   local m = require("engine.distributed." .. name)
