@@ -2,7 +2,13 @@
 --
 --   build/engine recipes/bench/step.lua [--steps=20] [--warmup=3] [--threads=2] [--torch=1]
 --       [--n_layers=4] [--dim=256] [--n_heads=4] [--seq=128] [--batch=8] [--gemm_reps=5]
+--       [--model=gpt|llama] [--n_kv_heads=2] [--multiple_of=256]
 --   make bench
+--
+-- --model=llama times nn.Llama (torchtitan's model: RMSNorm, rotary, grouped-query attention with
+-- --n_kv_heads k/v heads, SwiGLU of hidden size multiple_of-rounded 8 dim / 3, untied output) at the same
+-- size, its GEMM floor over its own Linear shapes, and PyTorch 2.x running the same model
+-- (tools/bench_llama_torch.py under tools/.venv/bin/python, torch.set_num_threads(--threads)).
 --
 -- Prints, in one run:
 --   1. engine: median ms per training step (forward + cross entropy + backward + grad clipping-free
@@ -22,7 +28,7 @@ local nn, optim = engine.nn, engine.optim
 local F = nn.functional
 
 local o = { steps = 20, warmup = 3, threads = 2, torch = 1, n_layers = 4, dim = 256, n_heads = 4, seq = 128,
-  batch = 8, vocab = 256, gemm_reps = 5 }
+  batch = 8, vocab = 256, gemm_reps = 5, model = "gpt", n_kv_heads = 2, multiple_of = 256 }
 for _, a in ipairs(arg or {}) do
   local k, v = a:match("^%-%-([%w_]+)=(.*)$")
   if not k or o[k] == nil then
@@ -31,8 +37,14 @@ for _, a in ipairs(arg or {}) do
     table.sort(names)
     error("bench/step: bad argument '" .. a .. "' (options: " .. table.concat(names, " ") .. ")", 0)
   end
-  o[k] = tonumber(v) or error("bench/step: --" .. k .. " must be a number", 0)
+  if k == "model" then
+    if v ~= "gpt" and v ~= "llama" then error("bench/step: --model must be gpt or llama, got '" .. v .. "'", 0) end
+    o[k] = v
+  else
+    o[k] = tonumber(v) or error("bench/step: --" .. k .. " must be a number", 0)
+  end
 end
+local llama = o.model == "llama"
 
 local function median(t)
   local s = { unpack(t) }
@@ -47,10 +59,19 @@ print(string.format("bench/step: engine %s, BLAS core %s, %d threads, OPENBLAS_C
 
 -- ---------------------------------------------------------------- 1. training step
 engine.manual_seed(0)
-local model = nn.Transformer{ n_layers = o.n_layers, dim = o.dim, n_heads = o.n_heads, vocab_size = o.vocab,
-  max_seq_len = o.seq, dropout_p = 0 }
-for name, p in model:named_parameters() do  -- GPT-2 style init, as recipes/gpt.lua and the torch script
-  if name:match("embeddings%.weight$") then nn.init.normal_(p, 0, 0.02) end
+local model, ffn
+if llama then
+  model = nn.Llama{ n_layers = o.n_layers, dim = o.dim, n_heads = o.n_heads, n_kv_heads = o.n_kv_heads,
+    vocab_size = o.vocab, max_seq_len = o.seq, multiple_of = o.multiple_of }   -- torchtitan's init
+  ffn = require("engine.models").llama_ffn_dim(model.model_args)
+  print(string.format("bench/step: model llama (%d layers, dim %d, %d heads, %d kv heads, ffn %d, seq %d, batch %d, vocab %d)",
+    o.n_layers, o.dim, o.n_heads, o.n_kv_heads, ffn, o.seq, o.batch, o.vocab))
+else
+  model = nn.Transformer{ n_layers = o.n_layers, dim = o.dim, n_heads = o.n_heads, vocab_size = o.vocab,
+    max_seq_len = o.seq, dropout_p = 0 }
+  for name, p in model:named_parameters() do  -- GPT-2 style init, as recipes/gpt.lua and the torch script
+    if name:match("embeddings%.weight$") then nn.init.normal_(p, 0, 0.02) end
+  end
 end
 model:train()
 local params = model:parameters()
@@ -84,9 +105,20 @@ print(string.format("engine step: median %.1f ms (min %.1f, max %.1f) over %d st
 -- w2 (4 dim, dim); the output projection (dim, vocab).
 local shapes = {}
 for _ = 1, o.n_layers do
-  for _ = 1, 4 do shapes[#shapes + 1] = { o.dim, o.dim } end
-  shapes[#shapes + 1] = { o.dim, 4 * o.dim }
-  shapes[#shapes + 1] = { 4 * o.dim, o.dim }
+  if llama then  -- wq, wk, wv (kv heads), wo; w1, w3 (dim -> ffn), w2 (ffn -> dim)
+    local kv = o.n_kv_heads * (o.dim / o.n_heads)
+    shapes[#shapes + 1] = { o.dim, o.dim }
+    shapes[#shapes + 1] = { o.dim, kv }
+    shapes[#shapes + 1] = { o.dim, kv }
+    shapes[#shapes + 1] = { o.dim, o.dim }
+    shapes[#shapes + 1] = { o.dim, ffn }
+    shapes[#shapes + 1] = { o.dim, ffn }
+    shapes[#shapes + 1] = { ffn, o.dim }
+  else
+    for _ = 1, 4 do shapes[#shapes + 1] = { o.dim, o.dim } end
+    shapes[#shapes + 1] = { o.dim, 4 * o.dim }
+    shapes[#shapes + 1] = { 4 * o.dim, o.dim }
+  end
 end
 shapes[#shapes + 1] = { o.dim, o.vocab }
 local M = tokens
@@ -127,7 +159,26 @@ print(string.format("GEMM floor: 6 x %d params x %d tokens / %.1f GFLOP/s = %.1f
 
 -- ---------------------------------------------------------------- 3. PyTorch
 local torch_ms
-if o.torch ~= 0 then
+if o.torch ~= 0 and llama then
+  local home = (ENGINE_HOME and ENGINE_HOME ~= "") and ENGINE_HOME or "."
+  local py = home .. "/tools/.venv/bin/python"
+  local has = os.execute("'" .. py .. "' -c 'import torch; torch.nn.RMSNorm' >/dev/null 2>&1")
+  if has == 0 or has == true then
+    collectgarbage()
+    local cmd = string.format("'%s' '%s/tools/bench_llama_torch.py' --steps=%d --warmup=%d --threads=%d "
+      .. "--n_layers=%d --dim=%d --n_heads=%d --n_kv_heads=%d --seq=%d --batch=%d --vocab=%d --multiple_of=%d 2>&1",
+      py, home, o.steps, o.warmup, o.threads, o.n_layers, o.dim, o.n_heads, o.n_kv_heads, o.seq, o.batch, o.vocab,
+      o.multiple_of)
+    local p = io.popen(cmd)
+    local out = p:read("*a")
+    p:close()
+    for line in out:gmatch("[^\n]+") do print("  torch> " .. line) end
+    torch_ms = tonumber(out:match("torch_step_ms median=([%d%.]+)"))
+    if not torch_ms then print("bench/step: the PyTorch benchmark failed (output above)") end
+  else
+    print("bench/step: no torch 2.x in tools/.venv (tools/install-torch.sh): PyTorch baseline skipped")
+  end
+elseif o.torch ~= 0 then
   local has = os.execute("/usr/bin/python3 -c 'import torch' >/dev/null 2>&1")
   if has == 0 or has == true then
     collectgarbage()
