@@ -398,15 +398,37 @@ function M.rope_tables(head_dim, n, theta)
   return engine.tensor(c, "f64"), engine.tensor(s, "f64")
 end
 
+-- The tables of apply_rotary_emb in interleaved form: cos / sin [T, D/2] -> [T, 1, D] with
+-- c2[t, 2i] = c2[t, 2i+1] = cos[t, i] and s2[t, 2i] = -sin[t, i], s2[t, 2i+1] = sin[t, i].
+function M.rope_interleave(cos, sin)
+  local T, h = cos:size(1), cos:size(2)
+  local c2 = cos:view(T, h, 1):expand(T, h, 2):reshape(T, 1, 2 * h)
+  local s1 = sin:view(T, h, 1)
+  local s2 = engine.cat({ s1 * -1, s1 }, 3):reshape(T, 1, 2 * h)
+  return c2, s2
+end
+
+-- index [1, 0, 3, 2, ...] (0-based) of the last dim: swaps the elements of each pair
+local swap_cache = {}
+local function pair_swap_index(D, device)
+  local key = D .. ":" .. device
+  local idx = swap_cache[key]
+  if not idx then
+    local perm = {}
+    for i = 0, D / 2 - 1 do perm[2 * i + 1], perm[2 * i + 2] = 2 * i + 1, 2 * i end
+    idx = engine.tensor(perm, { dtype = "i64", device = device })
+    swap_cache[key] = idx
+  end
+  return idx
+end
+
 -- x [B, T, H, D] with pairs (x[2i], x[2i+1]) rotated by the angle of (t, i):
--- (x0 cos - x1 sin, x0 sin + x1 cos).  cos / sin are [T, D/2]; H may be the local heads of a rank.
+-- (x0 cos - x1 sin, x0 sin + x1 cos), computed as x * c2 + swap_pairs(x) * s2.  cos / sin are the
+-- [T, D/2] tables, or their interleaved [T, 1, D] form (rope_interleave); H may be the local heads of a rank.
 function M.apply_rotary_emb(x, cos, sin)
-  local s = x:shape()
-  local B, T, H, D = s[1], s[2], s[3], s[4]
-  local xr = x:reshape(B, T, H, D / 2, 2)
-  local x0, x1 = xr:narrow(5, 1, 1), xr:narrow(5, 2, 1)
-  local c, sn = cos:view(T, 1, D / 2, 1), sin:view(T, 1, D / 2, 1)
-  return engine.cat({ x0 * c - x1 * sn, x0 * sn + x1 * c }, 5):reshape(B, T, H, D)
+  local c2, s2 = cos, sin
+  if cos:dim() == 2 then c2, s2 = M.rope_interleave(cos, sin) end
+  return x * c2 + x:index_select(4, pair_swap_index(x:size(4), x.device)) * s2
 end
 
 -- x [B, T, Hkv, D] -> [B, T, Hkv * n_rep, D], each k/v head repeated n_rep times in place
@@ -430,7 +452,7 @@ function LlamaAttention:__init(a)
   self.wo = nn.Linear(a.n_heads * self.head_dim, a.dim, { bias = false })
 end
 
--- x [B, T, dim], cos / sin [T, head_dim / 2] -> [B, T, dim].  The head counts come from the
+-- x [B, T, dim], cos / sin the rotary tables ([T, 1, head_dim] interleaved, or [T, head_dim / 2]) -> [B, T, dim].  The head counts come from the
 -- projections' sizes (-1), so under tensor parallelism each rank runs its local q and k/v heads.
 function LlamaAttention:forward(x, cos, sin)
   local s = x:shape()
@@ -547,7 +569,7 @@ function Llama:forward(tokens, opts)
     error(string.format("Llama: sequence length %d exceeds max_seq_len %d", T, self.max_seq_len), 2)
   end
   local cos, sin = self:_rope()
-  cos, sin = cos:narrow(1, 1, T), sin:narrow(1, 1, T)
+  cos, sin = M.rope_interleave(cos:narrow(1, 1, T), sin:narrow(1, 1, T))   -- [T, 1, head_dim], once per forward
   local h = self.tok_embeddings(tokens)
   for _, layer in ipairs(self.layers) do h = layer(h, cos, sin) end
   local out = self.output(self.norm(h))
