@@ -61,9 +61,16 @@ static int inplace3(int op, eng_tensor* a, eng_tensor* b, eng_tensor* c, double 
   if (a->numel == 0) { eng_bump_version(a); return 0; }
   if (a->device == ENG_CUDA) { /* composed from the device's binary ops */
     int prev = eng_set_grad_enabled(0);
-    eng_tensor* t = op == KI_ADDCMUL ? eng_mul(b, c) : op == KI_ADDCDIV ? eng_div(b, c) : eng_sub(b, a);
+    /* in the target's precision (f64 stays f64, half targets compute in f32), as the CPU path: an f64
+     * target with f32 operands must not take their f32 product */
+    int cdt = a->dtype == ENG_F64 ? ENG_F64 : ENG_F32;
+    eng_tensor* B = b->dtype == cdt || !eng_dtype_is_floating(b->dtype) ? eng_tensor_retain(b) : eng_tensor_to_dtype(b, cdt);
+    eng_tensor* Cc = !c ? NULL : (c->dtype == cdt || !eng_dtype_is_floating(c->dtype) ? eng_tensor_retain(c) : eng_tensor_to_dtype(c, cdt));
+    eng_tensor* t = !B || (c && !Cc) ? NULL
+                  : op == KI_ADDCMUL ? eng_mul(B, Cc) : op == KI_ADDCDIV ? eng_div(B, Cc) : eng_sub(B, a);
     int rc = t ? eng_add_(a, t, v) : -1;
     eng_set_grad_enabled(prev);
+    eng_tensor_release(B); eng_tensor_release(Cc);
     eng_tensor_release(t);
     if (rc) eng_err_prefix("%s", name);
     return rc;
