@@ -210,6 +210,12 @@ describe("sorting vs PyTorch (ties and NaN)", function()
         assert_vals(i, c.idx, 0, m .. " indices")
       end
     end
+    for _, c in ipairs(by_op("topk_unsorted")) do
+      local v, i = T(c.x):topk(c.k, 2, c.largest, false)
+      local m = string.format("topk sorted=false k=%d largest=%s", c.k, tostring(c.largest))
+      assert_vals(v, c.out, 0, m .. " values")
+      assert_vals(i, c.idx, 0, m .. " indices")
+    end
     for _, name in ipairs({ "kthvalue", "kthvalue_int" }) do
       for _, c in ipairs(by_op(name)) do
         local x = T(c.x, name == "kthvalue_int" and "i64" or "f64")

@@ -127,6 +127,8 @@ for largest in [True, False]:
     for k in [1, 3, 5]:
         o = torch.topk(st, k, dim=1, largest=largest)
         add(op="topk", x=st, k=k, largest=largest, out=o.values, idx=o.indices)
+        o = torch.topk(st, k, dim=1, largest=largest, sorted=False)
+        add(op="topk_unsorted", x=st, k=k, largest=largest, out=o.values, idx=o.indices)
 for k in [1, 2, 4, 7, 9]:
     o = torch.kthvalue(st, k, dim=1)
     add(op="kthvalue", x=st, k=k, out=o.values, idx=o.indices)

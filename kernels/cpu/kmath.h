@@ -44,9 +44,10 @@ void km_cumprod_grad_rows(int dt, int64_t m, int64_t r, const void* x, const voi
 void km_sort_rows(int dt, int descending, int64_t m, int64_t r, const void* x, int64_t* idx);
 /* topk: idx (m x k) the positions of the k largest (or smallest) of each
  * row in PyTorch's CPU order (its selection algorithms reproduced: ties and
- * NaN come out as PyTorch gives them).  kthvalue: idx (m) the position of
+ * NaN come out as PyTorch gives them; sorted = 0: in the order PyTorch leaves
+ * them unsorted).  kthvalue: idx (m) the position of
  * the k0-th smallest (0-based) of each row, by PyTorch's quickselect. */
-void km_topk_rows(int dt, int largest, int64_t m, int64_t r, int64_t k, const void* x, int64_t* idx);
+void km_topk_rows(int dt, int largest, int sorted, int64_t m, int64_t r, int64_t k, const void* x, int64_t* idx);
 void km_kth_rows(int dt, int64_t m, int64_t r, int64_t k0, const void* x, int64_t* idx);
 /* gi (m x r, zero-filled by the caller) [idx[j]] += g[j] for each row's k
  * entries (dt f32/f64). */

@@ -509,7 +509,7 @@ static void k_nth_element(kpair* first, kpair* nth, kpair* last) {
   k_insertion_sort(first, last);
 }
 
-void km_topk_rows(int dt, int largest, int64_t m, int64_t r, int64_t k, const void* x, int64_t* idx) {
+void km_topk_rows(int dt, int largest, int sorted, int64_t m, int64_t r, int64_t k, const void* x, int64_t* idx) {
   int es = kc_dtype_size_km(dt);
   if (k == 0) return;
   kpair* q = malloc(sizeof(kpair) * (size_t)(r > 0 ? r : 1));
@@ -522,7 +522,7 @@ void km_topk_rows(int dt, int largest, int64_t m, int64_t r, int64_t k, const vo
       k_partial_sort(q, q + k, q + r);
     } else {
       k_nth_element(q, q + k - 1, q + r);
-      k_sort(q, q + k - 1);
+      if (sorted) k_sort(q, q + k - 1);
     }
     for (int64_t j = 0; j < k; j++) idx[i * k + j] = q[j].i;
   }

@@ -67,12 +67,13 @@ eng_tensor* eng_any(eng_tensor* t, int n_dims, const int* dims, int keepdim);
 eng_tensor* eng_cumsum(eng_tensor* t, int dim);
 eng_tensor* eng_cumprod(eng_tensor* t, int dim);
 /* sort: values and i64 indices (stable: ties keep their order; NaN sorts
- * as the largest).  topk: the k largest (or smallest) in sorted order.
+ * as the largest).  topk: the k largest (or smallest), sorted or in the
+ * order PyTorch's CPU kernel leaves them (sorted = 0).
  * kthvalue: the k-th smallest (k 1-based as PyTorch) and its index.  Each
  * writes the indices to *indices when non-NULL; argsort returns them. */
 eng_tensor* eng_sort(eng_tensor* t, int dim, int descending, eng_tensor** indices);
 eng_tensor* eng_argsort(eng_tensor* t, int dim, int descending);
-eng_tensor* eng_topk(eng_tensor* t, int64_t k, int dim, int largest, eng_tensor** indices);
+eng_tensor* eng_topk(eng_tensor* t, int64_t k, int dim, int largest, int sorted, eng_tensor** indices);
 eng_tensor* eng_kthvalue(eng_tensor* t, int64_t k, int dim, int keepdim, eng_tensor** indices);
 
 #endif

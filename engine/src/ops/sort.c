@@ -174,7 +174,7 @@ static int select_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
 static int select_op(int op, eng_tensor* t, int dim, int64_t k, int flag, eng_tensor** values, eng_tensor** indices) {
   const char* name = al_names[op];
   int64_t r = t->ndim ? t->shape[dim] : 1;
-  int desc = (op == ENG_AL_SORT || op == ENG_AL_ARGSORT || op == ENG_AL_TOPK) ? flag : 0;
+  int desc = (op == ENG_AL_SORT || op == ENG_AL_ARGSORT) ? flag : 0;
   int64_t take = r, start = 0;
   if (op == ENG_AL_TOPK) {
     if (k < 0 || k > r)
@@ -198,7 +198,7 @@ static int select_op(int op, eng_tensor* t, int dim, int64_t k, int flag, eng_te
   if (I && m * r > 0) {
     int64_t* ip = (int64_t*)eng_ptr(I);
     if (op == ENG_AL_TOPK) {
-      km_topk_rows(t->dtype, flag, m, r, take, eng_ptr(X), ip);
+      km_topk_rows(t->dtype, flag & 1, (flag >> 1) & 1, m, r, take, eng_ptr(X), ip);
     } else if (op == ENG_AL_KTH) {
       km_kth_rows(t->dtype, m, r, start, eng_ptr(X), ip);
     } else {
@@ -339,9 +339,9 @@ eng_tensor* eng_argsort(eng_tensor* t, int dim, int descending) {
   eng_tensor_release(v);
   return i;
 }
-eng_tensor* eng_topk(eng_tensor* t, int64_t k, int dim, int largest, eng_tensor** indices) {
+eng_tensor* eng_topk(eng_tensor* t, int64_t k, int dim, int largest, int sorted, eng_tensor** indices) {
   eng_tensor* v = NULL;
-  return along(ENG_AL_TOPK, t, dim, k, largest ? 1 : 0, &v, indices) ? NULL : v;
+  return along(ENG_AL_TOPK, t, dim, k, (largest ? 1 : 0) | (sorted ? 2 : 0), &v, indices) ? NULL : v;
 }
 eng_tensor* eng_kthvalue(eng_tensor* t, int64_t k, int dim, int keepdim, eng_tensor** indices) {
   eng_tensor* v = NULL;

@@ -9,7 +9,7 @@
  *     scalars[0] = correction (var/std) or ord (norm); reduced dims are
  *     replicated first, the other sharded dims stay sharded.
  *   along / along2 (one / two outputs): ints[0] = ENG_AL_* op, ints[1] = dim,
- *     ints[2] = k, ints[3] = flag (descending / largest / keepdim); the dim
+ *     ints[2] = k, ints[3] = flag (descending / largest | sorted << 1 / keepdim); the dim
  *     is replicated first, the other sharded dims stay sharded. */
 #ifndef ENG_SHARDING_MATH_H
 #define ENG_SHARDING_MATH_H

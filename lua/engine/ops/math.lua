@@ -17,7 +17,7 @@
 --   t:cumsum(dim) cumprod(dim)
 --   t:sort([dim = -1 [, descending]]) -> values, indices (also {dim =, descending =, stable =})
 --   t:argsort([dim = -1 [, descending]])
---   t:topk(k [, dim = -1 [, largest = true [, sorted = true]]]) -> values, indices
+--   t:topk(k [, dim = -1 [, largest = true [, sorted = true]]]) -> values, indices (sorted = false: PyTorch's order)
 --   t:kthvalue(k [, dim = -1 [, keepdim]]) -> values, indices
 --
 -- Dims are 1-based (negative from the end); indices returned are i64 holding
@@ -301,9 +301,9 @@ function methods.topk(t, k, d, largest, sorted)
   local c = ct(t, "topk", 1)
   if type(d) == "table" then d, largest, sorted = d.dim, d.largest, d.sorted end
   k = core.int64(k, "topk", "k")
-  if sorted == false then sorted = true end -- results are always sorted (allowed by PyTorch's contract)
   idx_out[0] = nil
-  return pair(C.eng_topk(c, k, one_dim(t, d, "topk", -1), flag(largest, "topk", "largest", 1), idx_out))
+  return pair(C.eng_topk(c, k, one_dim(t, d, "topk", -1), flag(largest, "topk", "largest", 1),
+    flag(sorted, "topk", "sorted", 1), idx_out))
 end
 function methods.kthvalue(t, k, d, keepdim)
   local c = ct(t, "kthvalue", 1)
