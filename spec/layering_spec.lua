@@ -91,7 +91,7 @@ describe("engine/src layout", function()
     local main = { core = "core/tensor.c", autograd = "autograd/autograd.c", ops = "ops/ops.h", io = "io/safetensors.c",
       comm = "comm/process_group.c", dtensor = "dtensor/dtensor.c", sharding = "sharding/sharding.h",
       cuda = "cuda/runtime.c", sharded_tensor = "sharded_tensor/metadata.c",
-      fsdp = "fsdp/fsdp.c" }
+      fsdp = "fsdp/fsdp.c", checkpoint = "checkpoint/files.c" }
     for dir in pairs(ALLOWED) do
       local f = assert(main[dir], dir)
       local head = read(SRC .. "/" .. f):sub(1, 1500)
