@@ -61,6 +61,10 @@ x = torch.tensor([1.0, NAN, INF, -INF, -0.0])
 add(op="nan_to_num", x=x, out=torch.nan_to_num(x))
 add(op="nan_to_num", x=x, nan=2.0, posinf=3.0, neginf=-4.0, out=torch.nan_to_num(x, 2.0, 3.0, -4.0))
 add(op="nan_to_num_f32", x=x, out=torch.nan_to_num(x.float()).double())
+la = torch.tensor([0.1, -3.3, 7.7, 1e-3, 123.456], dtype=torch.float32)
+lb = torch.tensor([2.9, 4.1, -0.3, 5e3, 0.001], dtype=torch.float32)
+for w in [0.3, 0.75, 0.5, -0.6, 1.7]:
+    add(op="lerp_f32", a=la.double(), b=lb.double(), w=w, out=torch.lerp(la, lb, w).double())
 a = torch.tensor([5.0, -5.0, 5.0, -5.0, 5.5, -5.5, 0.0, -0.0, 1.0, -1.0, 1.0, INF, 3.0])
 b = torch.tensor([3.0, 3.0, -3.0, -3.0, 2.0, 2.0, -2.0, 2.0, 0.0, 0.0, 0.0, 2.0, INF])
 for f in ["fmod", "remainder", "floor_divide"]:

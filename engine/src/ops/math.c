@@ -336,6 +336,15 @@ eng_tensor* eng_clamp_tensor(eng_tensor* a, eng_tensor* lo, eng_tensor* hi) {
 
 eng_tensor* eng_lerp(eng_tensor* a, eng_tensor* b, eng_tensor* w) {
   ENG_CHECK(a, "lerp"); ENG_CHECK(b, "lerp"); ENG_CHECK(w, "lerp");
+  double wv;
+  if (w->ndim == 0 && !w->dist && w->device == ENG_CPU && !w->requires_grad && !eng_tensor_item(w, &wv) &&
+      fabs(wv) >= 0.5) {
+    /* a number weight: PyTorch's second form b - (b - a)(1 - w) for |w| >= 0.5 (same gradients) */
+    eng_tensor* d = eng_sub(b, a);
+    eng_tensor* t = d ? eng_mul_scalar(d, 1.0 - wv) : NULL;
+    eng_tensor* r = t ? eng_sub(b, t) : NULL;
+    return rel(r, d, t);
+  }
   eng_tensor* d = eng_sub(b, a);
   eng_tensor* t = d ? eng_mul(w, d) : NULL;
   eng_tensor* r = t ? eng_add(a, t) : NULL;
