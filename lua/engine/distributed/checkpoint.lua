@@ -248,8 +248,9 @@ local function local_boxes(t, key, op, rank)
     local shape = t:shape()
     for i, p in ipairs(pl) do
       if p:is_partial() then
-        error(string.format("%s: '%s' is a DTensor with a Partial placement (%s on mesh dim %d): Partial DTensors " ..
-          "cannot be checkpointed (the values are not reduced yet); redistribute it to Replicate() or Shard() first",
+        -- PyTorch's message (DTensor.__raise_if_contains_partial_placements), then the key and the layout
+        error(string.format("%s: Any checkpointing related operations are not supported for DTensor with partial " ..
+          "placements! ('%s': %s, Partial on mesh dim %d; redistribute it to Replicate() or Shard() first)",
           op, key, describe_layout(t), i), 0)
       end
     end
