@@ -9,7 +9,9 @@
 --
 -- Options: --n_layers --dim --n_heads --seq --batch (per rank) --steps --lr --weight_decay
 -- --grad_clip --seed --log_every --threads --train (llm.c token shard, byte tokens; default
--- data/kjv_train.bin from tools/prepare_data.lua).  Each rank draws its own batches (BatchSampler
+-- data/kjv_train.bin from tools/prepare_data.lua) --ckpt_dir (distributed checkpoints in step_%08d/
+-- there; empty: none) --ckpt_every (0: at the end only) --ckpt_keep (newest K; 0: all) --resume (a
+-- checkpoint directory or "latest").  Each rank draws its own batches (BatchSampler
 -- with rank/world_size) and contributes them as its shard of the global batch (DTensor.from_local),
 -- so the global batch is batch x ranks.  The model makes its positions with engine.arange (a plain
 -- tensor): the forward runs inside dist.implicit_replication, where plain tensors count as Replicate.
@@ -22,6 +24,7 @@ local HOME = (ENGINE_HOME and ENGINE_HOME ~= "") and ENGINE_HOME or "."
 local defaults = {
   n_layers = 2, dim = 64, n_heads = 4, seq = 64, batch = 4, steps = 50, lr = 2e-3, weight_decay = 0.1,
   grad_clip = 1.0, seed = 1337, log_every = 10, threads = 0, train = HOME .. "/data/kjv_train.bin",
+  ckpt_dir = "", ckpt_every = 0, ckpt_keep = 0, resume = "",
 }
 
 local function parse_args(argv)
@@ -74,8 +77,35 @@ local function main(argv)
   log("dp_gpt: %d params, %d rank(s) x batch %d x seq %d (DTensor data parallel, mesh %s)", model:num_parameters(),
     world, o.batch, o.seq, tostring(mesh))
 
+  -- distributed checkpoints (dist.checkpoint): {model, optim (keyed by parameter names), step, rng,
+  -- data}; a checkpoint resumes at any world size (keep ranks x batch)
+  local ckpt = dist.checkpoint
+  local function ck_state(at)
+    return { model = model:state_dict(), optim = ckpt.get_optimizer_state_dict(model, opt), step = at,
+      rng = engine.get_rng_state(), data = train:state() }
+  end
+  local first, last_ckpt = 1, nil
+  if o.resume ~= "" then
+    local path = o.resume == "latest" and ckpt.latest(o.ckpt_dir) or o.resume
+    if not path then error("dp_gpt: --resume=latest: no checkpoint in " .. o.ckpt_dir, 0) end
+    local st = ck_state(0)
+    ckpt.load(st, path)
+    ckpt.set_optimizer_state_dict(model, opt, st.optim)
+    engine.set_rng_state(st.rng)
+    train:set_state(st.data)
+    first, last_ckpt = st.step + 1, path
+    log("dp_gpt: resumed from %s at step %d", path, st.step)
+  end
+  local function save(at)
+    if o.ckpt_dir == "" then return end
+    last_ckpt = ckpt.path(o.ckpt_dir, at)
+    ckpt.save(ck_state(at), last_ckpt)
+    log("dp_gpt: saved %s", last_ckpt)
+    if o.ckpt_keep > 0 and rank == 0 then ckpt.prune(o.ckpt_dir, o.ckpt_keep) end
+  end
+
   local S = dist.Shard
-  for step = 1, o.steps do
+  for step = first, o.steps do
     local t0 = engine.time()
     local x, y = train:next()
     local dx = dist.from_local(x, mesh, { S(1) })   -- this rank's rows of the global batch
@@ -88,11 +118,13 @@ local function main(argv)
     opt:zero_grad()
     local l = loss:full_tensor():item()             -- collective: every rank calls it
     if l ~= l or l == math.huge then                -- the same on every rank: all stop together
-      error(string.format("dp_gpt: the loss is %s at step %d: training diverged (lower --lr)", tostring(l), step), 0)
+      error(string.format("dp_gpt: the loss is %s at step %d: training diverged (lower --lr; last good checkpoint: %s)",
+        tostring(l), step, last_ckpt or "none"), 0)
     end
     if step % o.log_every == 0 or step == 1 or step == o.steps then
       log("step %5d | loss %.6f | grad norm %.4f | %.1f ms/step", step, l, gnorm, (engine.time() - t0) * 1e3)
     end
+    if (o.ckpt_every > 0 and step % o.ckpt_every == 0) or (step == o.steps and o.ckpt_every >= 0) then save(step) end
   end
 end
 

@@ -1,4 +1,4 @@
--- recipes/gpt.lua and recipes/tp_gpt.lua with distributed checkpoints (issue 16): a run saved at 4 ranks
+-- recipes/gpt.lua, recipes/tp_gpt.lua and recipes/dp_gpt.lua with distributed checkpoints (issue 16): a run saved at 4 ranks
 -- resumes at 4 (the uninterrupted run's next losses, printed digits equal), at 2 and at 1 rank (within
 -- 1e-6); --resume=latest, --ckpt_keep, --ckpt_async; a diverging run names its last good checkpoint.
 -- Each run is a child job (mpirun -np N of this engine binary) on synthetic token shards this spec
@@ -98,6 +98,29 @@ describe("recipes with distributed checkpoints", function()
       end
     end)
   end
+
+  it("dp_gpt (DTensor data parallel): saved at 4 ranks, resumed at 2 and 1 with the global batch kept", function()
+    if not have_mpirun() then pending("needs mpirun"); return end
+    local dir = TMP .. "/dp"
+    local function args(np, extra)
+      local a = { "--n_layers=1", "--dim=32", "--n_heads=4", "--seq=16", "--lr=3e-3", "--log_every=1", "--threads=1",
+        "--steps=4", "--train=" .. train_bin, "--ckpt_dir=" .. dir, "--batch=" .. math.floor(4 / np) }
+      for _, v in ipairs(extra) do a[#a + 1] = v end
+      return a
+    end
+    local out, rc = run(4, "recipes/dp_gpt.lua", args(4, { "--ckpt_every=2" }))
+    assert.equal(0, rc, out)
+    local full = losses(out)
+    for _, np in ipairs({ 2, 1 }) do
+      local o2, rc2 = run(np, "recipes/dp_gpt.lua", args(np, { "--ckpt_every=-1", "--resume=" .. dir .. "/step_00000002" }))
+      assert.equal(0, rc2, o2)
+      local l = losses(o2)
+      assert.is_nil(l[2])
+      for s = 3, 4 do
+        assert.is_true(close(full[s], l[s]), string.format("step %d at %d ranks: %s vs %s", s, np, tostring(l[s]), full[s]))
+      end
+    end
+  end)
 
   it("--resume=latest, --ckpt_keep and --ckpt_async (2 ranks)", function()
     if not have_mpirun() then pending("needs mpirun"); return end
