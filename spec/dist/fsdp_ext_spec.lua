@@ -250,6 +250,23 @@ describe("seed 000: flatten / unflatten and round trips", function()
     end)
   end
 
+  it("HSDP + TP layout [Replicate, Shard(1), Shard(2)] on a 3-D mesh: nested ShardedTensor over the last two dims", function()
+    local m3 = dist.init_device_mesh("cpu", { 1, DPN, TPN }, { "r", "s", "t" })
+    local full = ref({ 2 * DPN + 1, 2 * TPN + 1 })
+    local d = dist.distribute_tensor(full, m3, { Replicate(), Shard(1), Shard(2) })
+    local st = dist.as_sharded_tensor(d)
+    assert.is_true(st:process_group() == m3:get_group(3))
+    local inner, shards = dist.pre_load_state_dict(st)
+    assert.is_true(inner:process_group() == m3:get_group(2))
+    assert.are.equal(0, diff(shards[1].tensor, d:to_local()))
+    assert.are.equal(0, diff(dist._st_full(st), full))
+    -- the same dim sharded by both without a split factor has no nested form
+    local bad = dist.distribute_tensor(ref({ 4 * W, 2 }), mesh, { Shard(1), Shard(1) })
+    if TPN > 1 then
+      assert.is_truthy(errmsg(dist.as_sharded_tensor, bad):find("has no nested ShardedTensor form", 1, true))
+    end
+  end)
+
   it("a plain tensor passes through; a wrong local shape is an error", function()
     local t = ref({ 3 })
     local l, x = dist.pre_flatten_transform(t)

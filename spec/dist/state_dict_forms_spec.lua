@@ -107,6 +107,14 @@ describe("state dicts in three forms, every layout into every other", function()
         assert.are.equal(sopt.state[p].step, forms.sharded[2].state[name].step)
       end
       assert.are.same({ "net1.weight", "net1.bias", "net2.weight", "net2.bias" }, forms.full[2].param_groups[1].params)
+      -- the source's parameters after one more step (a copy of it, so the source keeps its state)
+      local after = {}
+      do
+        local cm, copt = build(src_kind, 11)
+        step(cm, copt, 101)
+        step(cm, copt, 102)
+        for name, p in cm:named_parameters() do after[name] = full(p):clone() end
+      end
       for _, fname in ipairs({ "dtensor", "full", "sharded" }) do
         for _, dst_kind in ipairs(order) do
           local label = string.format("%s form from %s into %s", fname, src_kind, dst_kind)
@@ -124,14 +132,9 @@ describe("state dicts in three forms, every layout into every other", function()
             end
           end
           -- the loaded optimizer steps as the source does
-          if fname == "sharded" then
-            local cm, copt = build(src_kind, 11)
-            step(cm, copt, 101)
-            step(cm, copt, 102)
-            step(tm, topt, 102)
-            for name, p in tm:named_parameters() do
-              assert.is_true(rel(p, cm:get_parameter(name)) < 1e-5, label .. ": after a step: " .. name)
-            end
+          step(tm, topt, 102)
+          for name, p in tm:named_parameters() do
+            assert.is_true(rel(p, after[name]) < 1e-5, label .. ": after a step: " .. name)
           end
         end
       end
@@ -172,6 +175,35 @@ describe("state dicts: the full form holds one full tensor at a time", function(
     end
     print(string.format("# state_dict_forms: rank %d: get_state_dict{full, rank0_only} peak %.2f x one full parameter",
       R, peak / P))
+  end)
+end)
+
+describe("state dicts: rank 0's full state dict broadcast into every layout", function()
+  it("get_state_dict{full, rank0_only} then set_state_dict{broadcast_from_rank0}: other ranks pass nothing", function()
+    local sm, sopt = build("2d", 31)
+    step(sm, sopt, 7)
+    local msd, osd = dist.get_state_dict(sm, sopt, { full = true, rank0_only = true })
+    local want = {}
+    for name, p in sm:named_parameters() do want[name] = { full(p):clone(), full(sopt.state[p].exp_avg_sq):clone() } end
+    for _, kind in ipairs(order) do
+      local tm, topt = build(kind, 41, 0.5)
+      local c = dist.count_collectives(function()
+        dist.set_state_dict(tm, topt, { model_state_dict = msd, optim_state_dict = osd }, { broadcast_from_rank0 = true })
+      end)
+      if W > 1 then assert.are.equal(4 + 4 * 2, c.broadcast or 0, kind) end   -- one per tensor (4 parameters, 8 AdamW states)
+      assert.are.equal(1e-2, topt.param_groups[1].lr)
+      for name, p in tm:named_parameters() do
+        assert.are.equal(0, util.diff(full(p), want[name][1]), kind .. ": " .. name)
+        assert.are.equal(0, util.diff(full(topt.state[p].exp_avg_sq), want[name][2]), kind .. ": " .. name)
+        assert.are.equal(pl_str(p), pl_str(topt.state[p].exp_avg_sq))
+      end
+    end
+    -- rank 0 must hold full tensors
+    local dsd = dist.get_state_dict(sm, nil)
+    local e = errmsg(dist.set_state_dict, sm, nil, { model_state_dict = dsd }, { broadcast_from_rank0 = true })
+    if W > 1 or dist.is_dtensor(dsd["net1.weight"]) then
+      assert.is_truthy(e:find("broadcast_from_rank0 loads full tensors", 1, true), e)
+    end
   end)
 end)
 

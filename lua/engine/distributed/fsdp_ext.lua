@@ -830,7 +830,23 @@ end
 
 -- Loads the list of {dst, src, name} (checked already): local copies where every rank can make them (one
 -- agreement of the flags), else the full tensor of the source, one at a time.
-local function load_pairs(items)
+local function load_pairs(items, bcast)
+  if bcast then
+    -- rank 0 holds full tensors: each is broadcast in the destination's dtype, every rank keeps its part
+    local me = comm.world_group():rank()
+    E().no_grad(function()
+      for _, it in ipairs(items) do
+        local dst = it.dst
+        local buf
+        if me == 0 then buf = it.src:to(dst.dtype):contiguous()
+        else buf = E().empty(dst:shape(), { dtype = dst.dtype }) end
+        comm.broadcast(buf, 0)
+        copy_from_full(dst, buf)
+        if not rawequal(buf, it.src) then free_now(buf) end
+      end
+    end)
+    return
+  end
   local plans, flags = {}, {}
   for i, it in ipairs(items) do
     plans[i] = plan_entry(it.dst, it.src)
@@ -853,7 +869,48 @@ local function load_pairs(items)
   end)
 end
 
-local SET_OPTS = { strict = true }
+local SET_OPTS = { strict = true, broadcast_from_rank0 = true }
+
+-- broadcast_from_rank0: rank 0's state dict reduced to names, shapes and plain values (a string all ranks
+-- receive); the other ranks stand meta tensors of those shapes in for the tensors.  Collective.
+local function skeleton_exchange(sds, op)
+  local ckpt = require("engine.distributed.checkpoint").checkpoint
+  local g = comm.world_group()
+  local me = g:rank()
+  local mine = ""
+  if me == 0 then
+    local ok, r = pcall(function()
+      if type(sds) ~= "table" then error(op .. ": expected {model_state_dict = ..., optim_state_dict = ...}", 0) end
+      local function sk(v, key)
+        if key == "step" and core.is_tensor(v) and not is_dt(v) and v:numel() == 1 then return v:item() end
+        if is_st(v) or core.is_tensor(v) then return { ["\1T"] = shape_of(v) } end
+        if type(v) == "table" then
+          local r = {}
+          for k, x in pairs(v) do r[k] = sk(x, k) end
+          return r
+        end
+        return v
+      end
+      return "O" .. ckpt._serialize({ m = sk(sds.model_state_dict), o = sk(sds.optim_state_dict) }, op)
+    end)
+    mine = ok and r or ("E" .. tostring(r))
+  end
+  local all = stmod.sharded_tensor._agree_strings(mine, g, g:size(), me)
+  local s = all[0]
+  if s:sub(1, 1) == "E" then return nil, s:sub(2) end
+  if me == 0 then return sds end
+  local skel = ckpt._deserialize(s:sub(2), "broadcast_from_rank0")
+  local function un(v)
+    if type(v) == "table" then
+      if v["\1T"] then return E().empty(v["\1T"], { device = "meta" }) end
+      local r = {}
+      for k, x in pairs(v) do r[k] = un(x) end
+      return r
+    end
+    return v
+  end
+  return { model_state_dict = un(skel.m), optim_state_dict = un(skel.o) }
+end
 
 local function describe(v)
   if v == nil then return "nothing" end
@@ -873,7 +930,11 @@ function M.set_state_dict(model, optimizer, sds, opts)
   local err
   local items = {}
   local strict = true
+  local bcast = type(opts) == "table" and opts.broadcast_from_rank0 == true
+  local is0 = comm.world_group():rank() == 0
+  if bcast then sds, err = skeleton_exchange(sds, op) end
   local ok, perr = pcall(function()
+    if err then error(err, 0) end
     if not nnmod.is_module(model) then error(op .. ": expected an nn.Module, got " .. type(model), 0) end
     if type(sds) ~= "table" then error(op .. ": expected {model_state_dict = ..., optim_state_dict = ...}", 0) end
     for k in pairs(sds) do
@@ -883,7 +944,9 @@ function M.set_state_dict(model, optimizer, sds, opts)
     end
     if opts ~= nil and type(opts) ~= "table" then error(op .. ": options must be a table", 0) end
     for k in pairs(opts or {}) do
-      if not SET_OPTS[k] then error(string.format("%s: unknown option '%s' (strict)", op, tostring(k)), 0) end
+      if not SET_OPTS[k] then
+        error(string.format("%s: unknown option '%s' (strict, broadcast_from_rank0)", op, tostring(k)), 0)
+      end
     end
     strict = not (opts and opts.strict == false)
     local problems = {}
@@ -901,6 +964,9 @@ function M.set_state_dict(model, optimizer, sds, opts)
           if strict then problems[#problems + 1] = "missing key " .. name end
         elseif not (is_st(src) or core.is_tensor(src)) then
           problems[#problems + 1] = string.format("%s is a %s, not a tensor", name, type(src))
+        elseif bcast and is0 and (is_st(src) or is_dt(src)) then
+          problems[#problems + 1] = string.format("%s is a %s: broadcast_from_rank0 loads full tensors (get_state_dict "
+            .. "with full = true)", name, describe(src))
         elseif not same_list(shape_of(src), dst:shape()) then
           problems[#problems + 1] = string.format("%s: shape [%s] (%s) does not match the model's [%s] (%s)", name,
             table.concat(shape_of(src), ","), describe(src), table.concat(dst:shape(), ","), describe(dst))
@@ -954,7 +1020,10 @@ function M.set_state_dict(model, optimizer, sds, opts)
             for _, k in ipairs(keys) do
               local v = s[k]
               if (is_st(v) or core.is_tensor(v)) and k ~= "step" then
-                if not same_list(shape_of(v), p:shape()) then
+                if bcast and is0 and (is_st(v) or is_dt(v)) then
+                  problems[#problems + 1] = string.format("optimizer state '%s' of %s is a %s: broadcast_from_rank0 "
+                    .. "loads full tensors", k, name, describe(v))
+                elseif not same_list(shape_of(v), p:shape()) then
                   problems[#problems + 1] = string.format("optimizer state '%s' of %s: shape [%s] does not match the "
                     .. "parameter's [%s]", k, name, table.concat(shape_of(v), ","), table.concat(p:shape(), ","))
                 else
@@ -997,7 +1066,7 @@ function M.set_state_dict(model, optimizer, sds, opts)
   agree(err, op)
   local ostate = items.ostate
   items.ostate = nil
-  load_pairs(items)
+  load_pairs(items, bcast)
   if ostate then
     local osd = sds.optim_state_dict
     for gi, g in ipairs(optimizer.param_groups) do
