@@ -41,7 +41,12 @@ local nn, optim, data, dist = engine.nn, engine.optim, engine.data, engine.distr
 local F = nn.functional
 
 local HOME = (ENGINE_HOME and ENGINE_HOME ~= "") and ENGINE_HOME or "."
-local NAME = "fsdp_gpt"
+-- recipes/gpt_2d.lua runs this file with FSDP_GPT = {name = "gpt_2d", defaults = {tp = 2, sp = 0}, two_d = true}:
+-- the extra options --tp (ranks per tensor-parallel group) and --sp (sequence parallelism), always on a (dp, tp)
+-- mesh ((replicate, shard, tp) with --hsdp): TP (models.Transformer.parallelize on mesh["tp"]) under FSDP on the
+-- data-parallel dims.  Without FSDP_GPT this recipe has neither option and its 1-D / HSDP mesh.
+local CFG = rawget(_G, "FSDP_GPT")
+local NAME = CFG and CFG.name or "fsdp_gpt"
 
 local defaults = {
   n_layers = 4, dim = 256, n_heads = 4, seq = 128, dropout = 0.0,
@@ -53,6 +58,7 @@ local defaults = {
   sample_len = 300, temperature = 0.8, prompt = "And God said",
   reshard_after_forward = "true", param_dtype = "", reduce_dtype = "", hsdp = 1, grad_accum = 1,
 }
+for k, v in pairs(CFG and CFG.defaults or {}) do defaults[k] = v end
 
 local function parse_args(argv)
   local o = {}
@@ -74,9 +80,11 @@ local function parse_args(argv)
     end
   end
   for _, k in ipairs({ "n_layers", "dim", "n_heads", "seq", "batch", "steps", "log_every", "eval_batches", "hsdp",
-    "grad_accum" }) do
-    if o[k] < 1 or o[k] % 1 ~= 0 then error(NAME .. ": --" .. k .. " must be a positive integer", 0) end
+    "grad_accum", "tp" }) do
+    if o[k] ~= nil and (o[k] < 1 or o[k] % 1 ~= 0) then error(NAME .. ": --" .. k .. " must be a positive integer", 0) end
   end
+  o.tp, o.sp = o.tp or 1, o.sp or 0
+  if o.sp ~= 0 and o.sp ~= 1 then error(NAME .. ": --sp must be 0 or 1", 0) end
   if o.warmup < 0 then error(NAME .. ": --warmup must be >= 0", 0) end
   if o.ckpt_keep < 0 or o.ckpt_keep % 1 ~= 0 then error(NAME .. ": --ckpt_keep must be a non-negative integer", 0) end
   if o.ckpt_async ~= 0 and o.ckpt_async ~= 1 then error(NAME .. ": --ckpt_async must be 0 or 1", 0) end
@@ -129,12 +137,32 @@ local function main(argv)
     engine.set_num_threads(math.max(1, math.floor(cores / world)))
   end
 
-  -- the mesh: 1-D over the world, or HSDP (replicate, shard)
-  if world % o.hsdp ~= 0 then
-    error(string.format(NAME .. ": --hsdp=%d does not divide the %d ranks", o.hsdp, world), 0)
+  -- the mesh: 1-D over the world, or HSDP (replicate, shard); with FSDP_GPT.two_d (recipes/gpt_2d.lua) a
+  -- (dp, tp) mesh, or (replicate, shard, tp) with --hsdp: FSDP on the data-parallel dims, TP on "tp"
+  local tp = o.tp
+  local two_d = (CFG and CFG.two_d) or tp > 1
+  if world % tp ~= 0 then error(string.format(NAME .. ": --tp=%d does not divide the %d ranks", tp, world), 0) end
+  local dpw = world / tp     -- data-parallel ranks: the size of the FSDP mesh
+  if dpw % o.hsdp ~= 0 then
+    if tp == 1 then error(string.format(NAME .. ": --hsdp=%d does not divide the %d ranks", o.hsdp, world), 0) end
+    error(string.format(NAME .. ": --hsdp=%d does not divide the %d data-parallel ranks (%d ranks / --tp=%d)", o.hsdp,
+      dpw, world, tp), 0)
   end
-  local mesh
-  if o.hsdp > 1 then
+  if o.sp == 1 and tp == 1 then error(NAME .. ": --sp=1 needs tensor parallelism (--tp=N > 1)", 0) end
+  if o.sp == 1 and o.seq % tp ~= 0 then
+    error(string.format(NAME .. ": --sp=1 shards the sequence: --seq=%d must be divisible by --tp=%d", o.seq, tp), 0)
+  end
+  local mesh, root_mesh, tp_mesh
+  local dp_rank = rank           -- this rank's place among the data-parallel ranks (which rows it reads)
+  if two_d and o.hsdp > 1 then
+    root_mesh = dist.init_device_mesh("cpu", { o.hsdp, dpw / o.hsdp, tp }, { "replicate", "shard", "tp" })
+    mesh, tp_mesh = root_mesh{ "replicate", "shard" }, root_mesh["tp"]
+    dp_rank = root_mesh:get_local_rank("replicate") * (dpw / o.hsdp) + root_mesh:get_local_rank("shard")
+  elseif two_d then
+    root_mesh = dist.init_device_mesh("cpu", { dpw, tp }, { "dp", "tp" })
+    mesh, tp_mesh = root_mesh["dp"], root_mesh["tp"]
+    dp_rank = root_mesh:get_local_rank("dp")
+  elseif o.hsdp > 1 then
     mesh = dist.init_device_mesh("cpu", { o.hsdp, world / o.hsdp }, { "replicate", "shard" })
   else
     mesh = dist.init_device_mesh("cpu", { world }, { "shard" })
@@ -151,6 +179,8 @@ local function main(argv)
     max_seq_len = o.seq, dropout_p = o.dropout }
   init_weights(model, o.n_layers)
   local n_params = model:num_parameters()
+  -- 2-D: tensor parallelism first (each rank keeps its tp shard), then FSDP shards those over the dp dims
+  if two_d then nn.Transformer.parallelize(model, tp_mesh, { use_seq_parallel = o.sp == 1 }) end
   local fsdp_opts = { mesh = mesh, reshard_after_forward = o.raf, mp_policy = mp }
   for _, block in ipairs(model.layers:children()) do dist.fully_shard(block, fsdp_opts) end
   dist.fully_shard(model, fsdp_opts)
@@ -163,18 +193,23 @@ local function main(argv)
 
   -- data: each rank draws batch x grad_accum rows per step (its rows of the global batch)
   local rows = o.batch * o.grad_accum
+  -- (with TP: per data-parallel rank; the tp ranks of one dp row read the same rows)
   local train = data.BatchSampler(data.read_shard(o.train), { batch_size = rows, seq_len = o.seq,
-    seed = o.seed, rank = rank, world_size = world })
+    seed = o.seed, rank = dp_rank, world_size = dpw })
   local val_shard = data.read_shard(o.val)
-  local val = data.ValLoader(val_shard, { batch_size = o.batch, seq_len = o.seq, rank = rank,
-    world_size = world, max_batches = o.eval_batches })
-  local tokens_per_step = world * rows * o.seq
+  local val = data.ValLoader(val_shard, { batch_size = o.batch, seq_len = o.seq, rank = dp_rank,
+    world_size = dpw, max_batches = o.eval_batches })
+  local tokens_per_step = dpw * rows * o.seq
 
   log(NAME .. ": %d params (%d layers, dim %d, %d heads, seq %d, vocab 256), %d rank(s) x %d microbatch(es) x "
     .. "batch %d = %d tokens/step, %d steps, lr %g (warmup %d, cosine to %g), wd %g, clip %g, seed %d, threads %d, "
-    .. "BLAS %s", n_params, o.n_layers, o.dim, o.n_heads, o.seq, world, o.grad_accum, o.batch, tokens_per_step,
+    .. "BLAS %s", n_params, o.n_layers, o.dim, o.n_heads, o.seq, dpw, o.grad_accum, o.batch, tokens_per_step,
     o.steps, o.lr, o.warmup, o.min_lr_ratio * o.lr, o.weight_decay, o.grad_clip, o.seed, engine.get_num_threads(),
     engine.blas_corename())
+  if two_d then
+    log(NAME .. ": mesh %s: tensor parallel over %d rank(s)%s on mesh[\"tp\"] %s, data parallel over %d",
+      tostring(root_mesh), tp, o.sp == 1 and " with sequence parallelism" or "", tostring(tp_mesh), dpw)
+  end
   log(NAME .. ": fully_shard of %d blocks + the root on mesh %s (%s), reshard_after_forward=%s, mixed precision %s",
     #model.layers:children(), tostring(mesh), o.hsdp > 1 and "HSDP: replicate x shard" or "FSDP",
     tostring(o.raf), mp and tostring(mp) or "off")
@@ -188,7 +223,8 @@ local function main(argv)
     return t:item()
   end
 
-  -- every rank evaluates its own validation batches (the forward all-gathers: the same count everywhere)
+  -- every rank evaluates its own validation batches (the forward all-gathers: the same count everywhere; the
+  -- tp ranks of one dp row evaluate the same batches, so the average over all ranks is the dp average)
   local n_val = math.floor(all_reduce_num(val:num_batches(), "min"))
   local function evaluate()
     model:eval()
@@ -294,7 +330,7 @@ local function main(argv)
     opt:step()
     if #times == 0 then log_shard_memory() end
     opt:zero_grad()
-    l = all_reduce_num(l)
+    l = all_reduce_num(l)   -- (the tp ranks of one dp row hold the same loss)
     if l ~= l or l == math.huge then -- the same on every rank (averaged): all stop together
       error(string.format(NAME .. ": the loss is %s at step %d (lr %.3e): training diverged; lower --lr or raise "
         .. "--warmup or --grad_clip", tostring(l), step + 1, lr), 0)
@@ -324,7 +360,8 @@ local function main(argv)
   finish_save()
 
   -- a sample (seeded: the same run prints the same text); every rank runs the forward (it all-gathers) and
-  -- draws the same tokens, rank 0 prints them
+  -- draws the same tokens, rank 0 prints them; with --sp the context is padded on the right to a multiple of
+  -- tp (causal attention: the padding does not change the logits read)
   if o.sample_len > 0 then
     model:eval()
     engine.manual_seed(o.seed + 1)
@@ -334,8 +371,10 @@ local function main(argv)
       for _ = 1, o.sample_len do
         local ctx = {}
         for i = math.max(1, #ids - o.seq + 1), #ids do ctx[#ctx + 1] = ids[i] end
+        local n = #ctx
+        if o.sp == 1 then while #ctx % tp ~= 0 do ctx[#ctx + 1] = 10 end end
         local logits = model(engine.tensor({ ctx })) -- [1, t, 256]
-        local last = logits:narrow(2, #ctx, 1):tolist_flat()
+        local last = logits:narrow(2, n, 1):tolist_flat()
         local nxt
         if o.temperature <= 0 then
           nxt = 0
