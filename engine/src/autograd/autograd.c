@@ -768,7 +768,7 @@ static int backward_graph(int n, eng_tensor** tensors, eng_tensor** grads, int r
       if (--cs->deps == 0 && !cs->queued) { cs->queued = 1; heap_push(&g, ck); }
     }
     free(gi);
-    if (!retain_graph && !nd->leaf && n_inputs == 0) { release_saved(nd); nd->released = 1; }
+    if (!retain_graph && !nd->leaf) { release_saved(nd); nd->released = 1; }
   }
   rc = 0;
   goto done;
