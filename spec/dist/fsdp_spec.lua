@@ -446,6 +446,14 @@ describe("fully_shard bad input", function()
     assert.is_truthy(errmsg(dist.fully_shard, t.b, { mesh = mesh }):find("shared across two FSDP groups", 1, true))
   end)
 
+  it("a check that fails on one rank only fails every rank, naming it", function()
+    if W == 1 then return end
+    local msg = errmsg(dist.fully_shard, nn.Linear(3, 3), { mesh = mesh,
+      shard_placement_fn = function() if rank == 1 then return dist.Replicate() end end })
+    assert.is_truthy(msg:find("must return dist.Shard(dim)", 1, true), msg)
+    if rank ~= 1 then assert.is_truthy(msg:find("rank 1", 1, true), msg) end
+  end)
+
   it("ranks that shard different parameters fail on every rank", function()
     if W == 1 then return end
     local m = nn.Linear(4, rank == 0 and 4 or 6)

@@ -343,6 +343,14 @@ static int post_backward(eng_fsdp_group* g) {
       free(acc);
       for (int i = 0; i < g->n; i++) free_tensor(&g->p[i].acc);
       if (!rc) {
+        /* at most one reduce-scatter in flight in the tree: its send buffer is a whole group's gradients,
+         * and MPI progresses a pending collective only inside MPI calls (no progress thread), so waiting
+         * later would only hold the memory longer */
+        eng_fsdp_group* r = g->root ? g->root : g;
+        for (int k = 0; k < r->n_tree && !rc; k++)
+          if (r->tree[k] != g && r->tree[k]->rs_out) rc = rs_finish(r->tree[k]);
+      }
+      if (!rc) {
         g->n_rs++;
         rc = eng_pg_reduce_scatter_into(g->pg, g->rs_out, g->rs_in, ENG_REDUCE_SUM, &g->rs_work);
         if (rc) eng_err_prefix("FSDP post-backward (reduce_scatter)");

@@ -84,8 +84,9 @@ end
 local function is_fsdp(m) return type(m) == "table" and rawget(m, "_fsdp") ~= nil end
 M.is_fsdp_module = is_fsdp
 
--- parameters converted by some fully_shard call: plain parameter pointer -> {module path, module}
-local converted = setmetatable({}, { __mode = "v" })
+-- parameters converted by some fully_shard call (the original Parameter objects, weak: a module still holding
+-- one is a tie across two groups) -> the FSDP module
+local converted = setmetatable({}, { __mode = "k" })
 
 -- FNV-1a of a string, as a number below 2^52 (exact in a double)
 local function hash_str(s)
@@ -383,17 +384,20 @@ function M.fully_shard(module, opts)
   local spf = opts.shard_placement_fn
   if spf ~= nil and type(spf) ~= "function" then fail(op .. ": shard_placement_fn must be a function(param) -> dist.Shard(dim) or nil") end
 
-  -- the parameters this call owns, in named_parameters order, each once (ties kept)
+  -- the parameters this call owns, in named_parameters order, each once (ties kept); checked before
+  -- anything changes, and a failure on any rank is agreed so that every rank raises it
   local mods = managed_modules(module)
-  local order, entries, by_ptr = {}, {}, {}
-  local names_of = {}
+  local order, by_ptr = {}, {}
+  local pdims = rawget(mesh, "_parent_dims")
+  local sig = { tostring(mesh:get_root_mesh()), pdims and table.concat(pdims, ",") or "", tostring(raf) }
+  local scan_ok, scan_err = pcall(function()
   for mi, m in ipairs(mods) do
     local params = rawget(m, "_parameters")
     for _, name in ipairs(rawget(m, "_param_names")) do
       local p = params[name]
       if p ~= nil then
         local key = ptr_key(p._c)
-        local prior = converted[key]
+        local prior = converted[p]
         if prior then
           fail(string.format("%s: parameter '%s' of %s is already owned by the FSDP module %s: a parameter shared "
             .. "across two FSDP groups is not supported (shard the module that contains both uses)",
@@ -407,15 +411,12 @@ function M.fully_shard(module, opts)
           order[#order + 1] = e
         end
         e.uses[#e.uses + 1] = { m = m, name = name }
-        names_of[#names_of + 1] = name
       end
     end
     _ = mi
   end
-  -- shard dims, checked before anything changes
+  -- shard dims
   -- (a slice such as mesh["dp"] holds other ranks on each dp row: its root mesh and dims are what all share)
-  local pdims = rawget(mesh, "_parent_dims")
-  local sig = { tostring(mesh:get_root_mesh()), pdims and table.concat(pdims, ",") or "", tostring(raf) }
   for i, e in ipairs(order) do
     local dim = 1
     if spf then
@@ -438,13 +439,18 @@ function M.fully_shard(module, opts)
     sig[#sig + 1] = e.uses[1].name .. ":" .. table.concat(e.p:shape(), "x") .. ":" .. e.p._c.dtype .. ":" .. cdim
     _ = i
   end
+  end)
+  if not scan_ok then C.eng_set_error_message(tostring(scan_err)) end
   -- every rank must shard the same parameters the same way on the same mesh
   local world = C.eng_pg_world()
-  local rc = C.eng_pg_agree(world, 0, hash_str(table.concat(sig, ";")), "fully_shard")
+  local rc = C.eng_pg_agree(world, scan_ok and 0 or 1, scan_ok and hash_str(table.concat(sig, ";")) or 0, "fully_shard")
   C.eng_pg_release(world)
   if rc ~= 0 then
+    if not scan_ok then error(scan_err, 0) end
+    local msg = core.last_error()
+    if msg:find("failed its checks", 1, true) then fail(msg) end
     fail("fully_shard: the ranks disagree on the module's parameters, their shard dims, the mesh or "
-      .. "reshard_after_forward (" .. core.last_error() .. ")")
+      .. "reshard_after_forward (" .. msg .. ")")
   end
   -- sharded DTensor parameters: each rank's chunk of its own full parameter (no communication)
   local n = #order
@@ -585,7 +591,7 @@ function M.fully_shard(module, opts)
   core.check(C.eng_fsdp_group_attach(g, rawget(module, "_cmod")), 2)
   -- register the sharded parameters under every name; the modules look the unsharded ones up
   for i, e in ipairs(order) do
-    converted[ptr_key(e.p._c)] = module
+    converted[e.p] = module
     for _, u in ipairs(e.uses) do
       rawget(u.m, "_parameters")[u.name] = e.d
       local view = rawget(u.m, "_fsdp_view")
@@ -593,6 +599,8 @@ function M.fully_shard(module, opts)
       view[u.name] = { g = g, i = i - 1 }
     end
   end
+  -- the original full parameters go (each rank keeps only its shards, as ZeRO-3 promises)
+  for _, e in ipairs(order) do e.p = nil end
   local cls = getmetatable(module)
   local state = {
     group = g, mesh = mesh, module_call = cls.__call, reshard_after_forward = opts.reshard_after_forward,
