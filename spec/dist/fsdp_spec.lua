@@ -121,6 +121,18 @@ describe("fully_shard parity with one process (Linear-ReLU-Linear, AdamW, 10 ste
     end
   end
 
+  it("with implicit prefetch and reduce-scatters in flight (set_overlap; the CUDA default)", function()
+    parity({
+      build = mlp(7, 15, 3),
+      shard = function(m) shard_mlp(m, { mesh = mesh }); m:set_overlap({ implicit_prefetch = true, async_reduce = true }) end,
+      batch = mlp_batch(7, 3), loss = mse, steps = 5,
+      check_counts = function(c)
+        assert.are.equal(4, cnt(c, "all_gather"))
+        assert.are.equal(2, cnt(c, "reduce_scatter"))
+      end,
+    })
+  end)
+
   it("a root with parameters keeps them unsharded after forward (no backward all-gather for it)", function()
     local function build()
       engine.manual_seed(3)

@@ -92,6 +92,10 @@ int eng_fsdp_group_set_backward_prefetch(eng_fsdp_group* g, int n, eng_fsdp_grou
  * (register_fsdp_forward_method): pre unshards, post reshards / arms backward. */
 int eng_fsdp_group_pre_forward(eng_fsdp_group* g, eng_tensor** tensors, int n);
 int eng_fsdp_group_post_forward(eng_fsdp_group* g, eng_tensor** tensors, int n);
+/* Overlap controls (an engine extension; -1 keeps a setting): implicit prefetch of the next group's
+ * all-gather (forward and backward) and reduce-scatters left in flight until the end of backward.  Default
+ * on for CUDA meshes, off for CPU meshes (env ENGINE_FSDP_PREFETCH / ENGINE_FSDP_ASYNC_REDUCE override). */
+int eng_fsdp_group_set_overlap(eng_fsdp_group* g, int implicit_prefetch, int async_reduce);
 /* Counters for tests: all-gathers / reduce-scatters this group issued. */
 int64_t eng_fsdp_group_count(const eng_fsdp_group* g, int what);
 

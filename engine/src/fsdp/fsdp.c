@@ -23,6 +23,7 @@ typedef struct fparam {
   eng_dist_spec* uspec; /* FSDP over TP: the unsharded parameter's TP layout (the leaf is that DTensor), or NULL */
   int64_t uoff;         /* offset in the unsharded buffer */
   int ready;            /* got its gradient in this backward */
+  int packed;           /* its gradient is already in g->rs_in (packed as it arrived) */
 } fparam;
 
 struct eng_fsdp_group {
@@ -48,6 +49,12 @@ struct eng_fsdp_group {
   /* reduce-scatter in flight */
   eng_work* rs_work; eng_tensor* rs_in; eng_tensor* rs_out;
   int raf, rab, sync, all_reduce, is_last;
+  /* CUDA meshes: implicit prefetch of the next group and reduce-scatters left in flight (NCCL runs them on
+   * its stream beside the compute).  CPU meshes: neither by default (no MPI progress thread: a pending
+   * collective advances only inside MPI calls, so both only held an extra group's buffers; measured by
+   * recipes/bench/fsdp_memory.lua); ENGINE_FSDP_PREFETCH=1 / ENGINE_FSDP_ASYNC_REDUCE=1 turn them on, and
+   * explicit prefetch lists always run. */
+  int implicit_prefetch, async_reduce;
   double divide;
   /* per backward */
   int pre_done, post_done, n_ready;
@@ -119,23 +126,29 @@ static int copy_into(eng_tensor* dst, eng_tensor* src) {
   return rc;
 }
 
+/* Packs chunks [c0, c0+nc) of layout L of parameter i's full tensor (NULL: zeros) into buf. */
+static int pack_param(eng_fsdp_group* g, int L, int i, eng_tensor* full, eng_tensor* buf, int64_t c0, int64_t nc) {
+  int64_t chunk = L ? g->chunk_n : g->chunk;
+  fparam* q = &g->p[i];
+  for (int64_t c = c0; c < c0 + nc; c++) {
+    int64_t rows = rows_of(q, c, L);
+    if (full) {
+      if (copy_into(block_view(buf, c - c0, chunk, q, rows, L), rows_view(full, q, c * q->ceil_d[L], rows))) return -1;
+    } else {
+      eng_tensor* v = block_view(buf, c - c0, chunk, q, q->ceil_d[L], L);
+      if (!v) return -1;
+      int rc = v->numel ? eng_tensor_zero_(v) : 0;
+      eng_tensor_release(v);
+      if (rc) return -1;
+    }
+  }
+  return 0;
+}
+
 /* Packs chunks [c0, c0+nc) of layout L of the full tensors full[i] (NULL: zeros) into buf. */
 static int pack_full(eng_fsdp_group* g, int L, eng_tensor** full, eng_tensor* buf, int64_t c0, int64_t nc) {
-  int64_t chunk = L ? g->chunk_n : g->chunk;
-  for (int64_t c = c0; c < c0 + nc; c++)
-    for (int i = 0; i < g->n; i++) {
-      fparam* q = &g->p[i];
-      int64_t rows = rows_of(q, c, L);
-      if (full[i]) {
-        if (copy_into(block_view(buf, c - c0, chunk, q, rows, L), rows_view(full[i], q, c * q->ceil_d[L], rows))) return -1;
-      } else {
-        eng_tensor* v = block_view(buf, c - c0, chunk, q, q->ceil_d[L], L);
-        if (!v) return -1;
-        int rc = v->numel ? eng_tensor_zero_(v) : 0;
-        eng_tensor_release(v);
-        if (rc) return -1;
-      }
-    }
+  for (int i = 0; i < g->n; i++)
+    if (pack_param(g, L, i, full[i], buf, c0, nc)) return -1;
   return 0;
 }
 
@@ -334,14 +347,16 @@ static int post_backward(eng_fsdp_group* g) {
       int rd = eff_reduce_dtype(g);
       int dev = g->p[0].sharded->device;
       int64_t full = (int64_t)g->W * g->chunk;
-      eng_tensor** acc = malloc((size_t)g->n * sizeof *acc);
-      if (!acc) return eng_err("fully_shard: out of memory");
-      for (int i = 0; i < g->n; i++) { acc[i] = g->p[i].acc; g->p[i].ready = acc[i] != NULL; }
-      g->rs_in = eng_new(1, &full, rd, dev);
+      /* the send buffer: filled as the gradients arrived (post_acc_hook), or made now */
+      if (!g->rs_in) g->rs_in = eng_new(1, &full, rd, dev);
       g->rs_out = g->rs_in ? eng_new(1, &g->chunk, rd, dev) : NULL;
-      rc = g->rs_out ? pack_full(g, 0, acc, g->rs_in, 0, g->W) : -1;
-      free(acc);
-      for (int i = 0; i < g->n; i++) free_tensor(&g->p[i].acc);
+      rc = g->rs_out ? 0 : -1;
+      for (int i = 0; i < g->n && !rc; i++) {
+        fparam* q = &g->p[i];
+        q->ready = q->acc != NULL || q->packed;
+        if (!q->packed) rc = pack_param(g, 0, i, q->acc, g->rs_in, 0, g->W);
+      }
+      for (int i = 0; i < g->n; i++) { free_tensor(&g->p[i].acc); g->p[i].packed = 0; }
       if (!rc) {
         /* at most one reduce-scatter in flight in the tree: its send buffer is a whole group's gradients,
          * and MPI progresses a pending collective only inside MPI calls (no progress thread), so waiting
@@ -354,6 +369,7 @@ static int post_backward(eng_fsdp_group* g) {
         g->n_rs++;
         rc = eng_pg_reduce_scatter_into(g->pg, g->rs_out, g->rs_in, ENG_REDUCE_SUM, &g->rs_work);
         if (rc) eng_err_prefix("FSDP post-backward (reduce_scatter)");
+        if (!rc && !g->async_reduce) rc = rs_finish(g);
       }
       if (rc) { free_tensor(&g->rs_in); free_tensor(&g->rs_out); }
     }
@@ -387,7 +403,19 @@ static int post_acc_hook(eng_tensor* t, eng_tensor* grad, eng_tensor** out, void
   eng_tensor* gr = gv->dist ? eng_view_of(gv, gv->ndim, gv->shape, gv->stride, gv->offset) : eng_tensor_retain(gv);
   if (!gr) return -1;
   int rc = 0;
-  if (!q->acc) {
+  if (g->sync && !q->acc && !q->packed && !g->post_done) {
+    /* pack it into the reduce-scatter's send buffer now and free it: the group's full gradients and the
+     * packed copy are never held together */
+    if (g->rs_out && rs_finish(g)) { eng_tensor_release(gr); return -1; }  /* its buffer is in flight */
+    if (!g->rs_in) {
+      int64_t full = (int64_t)g->W * g->chunk;
+      g->rs_in = eng_new(1, &full, rd, gr->device);
+    }
+    rc = g->rs_in ? pack_param(g, 0, i, gr, g->rs_in, 0, g->W) : -1;
+    eng_tensor_release(gr);
+    if (rc) return -1;
+    q->packed = 1;
+  } else if (!q->acc) {
     q->acc = gr->dtype == rd ? eng_tensor_retain(gr) : eng_tensor_to_dtype(gr, rd);
     eng_tensor_release(gr);
     if (!q->acc) return -1;
@@ -422,7 +450,7 @@ static int pre_backward(eng_fsdp_group* g) {
   g->post_done = 0;
   if (eng_fsdp_group_unshard(g, 0)) return -1;
   if (g->explicit_bwd) prefetch_list(g->bwd_prefetch, g->n_bwd_prefetch);
-  else {
+  else if (g->implicit_prefetch) {
     eng_fsdp_group* r = g->root;
     if (r) for (int k = r->n_post - 1; k > 0; k--)
       if (r->post_order[k] == g) {
@@ -497,7 +525,7 @@ int eng_fsdp_group_pre_forward(eng_fsdp_group* g, eng_tensor** ts, int n) {
   if (!rc) rc = eng_fsdp_group_unshard(g, 0);
   if (!rc && !in_bw) {
     if (g->explicit_fwd) prefetch_list(g->fwd_prefetch, g->n_fwd_prefetch);
-    else if (r) {
+    else if (r && g->implicit_prefetch) {
       for (int k = 0; k + 1 < r->n_fwd; k++)
         if (r->fwd_order[k] == g) { prefetch_list(&r->fwd_order[k + 1], 1); break; }
     }
@@ -630,6 +658,13 @@ eng_fsdp_group* eng_fsdp_group_new(eng_mesh* mesh, int n, eng_tensor** params, c
   g->param_dtype = param_dtype; g->reduce_dtype = reduce_dtype; g->output_dtype = output_dtype;
   g->cast_inputs = cast_forward_inputs;
   g->raf = 1; g->rab = 1; g->sync = 1; g->all_reduce = 1; g->is_last = 1;
+  {
+    int cuda = eng_mesh_device(mesh) == ENG_CUDA;
+    const char* e1 = getenv("ENGINE_FSDP_PREFETCH");
+    const char* e2 = getenv("ENGINE_FSDP_ASYNC_REDUCE");
+    g->implicit_prefetch = e1 && *e1 ? atoi(e1) != 0 : cuda;
+    g->async_reduce = e2 && *e2 ? atoi(e2) != 0 : cuda;
+  }
   g->n = n;
   g->p = calloc((size_t)(n ? n : 1), sizeof *g->p);
   if (!g->p || !g->pg) { eng_err("fully_shard: out of memory"); goto fail; }
@@ -794,4 +829,11 @@ int eng_fsdp_group_set_backward_prefetch(eng_fsdp_group* g, int n, eng_fsdp_grou
 int64_t eng_fsdp_group_count(const eng_fsdp_group* g, int what) {
   if (!g) return -1;
   return what == 0 ? g->n_ag : g->n_rs;
+}
+
+int eng_fsdp_group_set_overlap(eng_fsdp_group* g, int implicit_prefetch, int async_reduce) {
+  if (!g) return eng_err("set_overlap: group is NULL");
+  if (implicit_prefetch >= 0) g->implicit_prefetch = implicit_prefetch != 0;
+  if (async_reduce >= 0) g->async_reduce = async_reduce != 0;
+  return 0;
 }

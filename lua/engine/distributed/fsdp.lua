@@ -240,6 +240,18 @@ function FSDPModule.set_post_optim_event(self, event)
   group_of(self, "set_post_optim_event").post_optim_event = event
 end
 
+-- set_overlap{implicit_prefetch = bool, async_reduce = bool, recurse = true} (engine extension): implicit
+-- prefetch of the next group's all-gather and reduce-scatters left in flight until the end of backward; on by
+-- default on CUDA meshes, off on CPU meshes, where MPI has no progress thread and both only hold memory
+-- (docs/design.md, "FSDP").
+function FSDPModule.set_overlap(self, o)
+  if type(o) ~= "table" then fail("set_overlap: expected {implicit_prefetch = bool, async_reduce = bool}") end
+  local function v(x) if x == nil then return -1 end return x and 1 or 0 end
+  each_fsdp(self, o.recurse, function(_, st)
+    core.check(C.eng_fsdp_group_set_overlap(st.group, v(o.implicit_prefetch), v(o.async_reduce)), 4)
+  end)
+end
+
 function FSDPModule.set_gradient_divide_factor(self, factor)
   if type(factor) ~= "number" or factor <= 0 then
     fail("set_gradient_divide_factor: expected a positive number, got " .. tostring(factor))
