@@ -847,12 +847,22 @@ local function load_pairs(items, bcast)
     end)
     return
   end
-  local plans, flags = {}, {}
+  -- a full (plain) source or one of the destination's own layout is local on every rank: no agreement needed;
+  -- the others' flags are summed over the ranks (one all_reduce for all of them)
+  local plans, flags, unsure, all = {}, {}, {}, {}
   for i, it in ipairs(items) do
-    plans[i] = plan_entry(it.dst, it.src)
-    flags[i] = plans[i].local_ok and 0 or 1
+    local e = plan_entry(it.dst, it.src)
+    plans[i] = e
+    if e.same or not (is_dt(it.src) or is_st(it.src)) then all[i] = 0
+    else
+      unsure[#unsure + 1] = i
+      flags[#flags + 1] = e.local_ok and 0 or 1
+    end
   end
-  local all = #flags > 0 and require("engine.distributed").allreduce_counts(flags) or {}
+  if #flags > 0 then
+    local sums = require("engine.distributed").allreduce_counts(flags)
+    for j, i in ipairs(unsure) do all[i] = sums[j] end
+  end
   E().no_grad(function()
     for i, e in ipairs(plans) do
       if all[i] == 0 then copy_local(e)
