@@ -201,7 +201,8 @@ local function main(argv)
     world_size = dpw, max_batches = o.eval_batches })
   local tokens_per_step = dpw * rows * o.seq
 
-  log(NAME .. ": %d params (%d layers, dim %d, %d heads, seq %d, vocab 256), %d rank(s) x %d microbatch(es) x "
+  log(NAME .. ": %d params (%d layers, dim %d, %d heads, seq %d, vocab 256), %d " .. (two_d and "dp " or "")
+    .. "rank(s) x %d microbatch(es) x "
     .. "batch %d = %d tokens/step, %d steps, lr %g (warmup %d, cosine to %g), wd %g, clip %g, seed %d, threads %d, "
     .. "BLAS %s", n_params, o.n_layers, o.dim, o.n_heads, o.seq, dpw, o.grad_accum, o.batch, tokens_per_step,
     o.steps, o.lr, o.warmup, o.min_lr_ratio * o.lr, o.weight_decay, o.grad_clip, o.seed, engine.get_num_threads(),

@@ -14,7 +14,8 @@ local_output_for_attn is always True (on CPU PyTorch's DTensor has no sharding s
 aten._scaled_dot_product_flash_attention_for_cpu); --local_attn is accepted for symmetry and only 1 is valid.
 --runs runs, each timing every part (interleaved) for --warmup + --steps steps; a part's figure is the median over
 runs of its median ms/step.  Collectives per step are counted with CommDebugMode on one extra step of the first
-run (kept out of the timings).
+run (kept out of the timings).  cpu: the CPU time of a timed step (time.process_time: all threads of a process)
+summed over the 4 processes, the counterpart of the engine bench's figure.
 
     tools/.venv/bin/python tools/bench_2d_torch.py [--runs=3] [--steps=20] [--warmup=3] [--parts=2d,fsdp,tp]
         [--sp=0] [--reshard_after_forward=1] [--threads=1] [--n_layers=4] [--dim=256] [--n_heads=4] [--seq=128]
@@ -22,7 +23,7 @@ run (kept out of the timings).
 
 Needs PyTorch 2.x with torch.distributed.fsdp.fully_shard (tools/install-torch.sh puts it in tools/.venv).
 Machine-readable lines: "torch_<2d|fsdp|tp>_ms run=<r> median=<ms> ..." per run and
-"torch_<2d|fsdp|tp>_ms runs_median=<ms> runs=<n>" at the end.
+"torch_<2d|fsdp|tp>_ms runs_median=<ms> cpu_runs_median=<ms> runs=<n>" at the end.
 """
 import os
 import socket
@@ -86,13 +87,17 @@ def time_steps(o, model, x, y, count=False):
         return loss
 
     times, losses = [], []
+    cpu0 = 0.0
     for i in range(o["warmup"] + o["steps"]):
+        if i == o["warmup"]:
+            cpu0 = time.process_time()
         t0 = time.perf_counter()
         loss = step()
         losses.append(loss.item())
         dt = (time.perf_counter() - t0) * 1e3
         if i >= o["warmup"]:
             times.append(dt)
+    cpu = (time.process_time() - cpu0) * 1e3 / o["steps"]
     ncoll, kinds = -1, "not counted"
     if count:
         from torch.distributed.tensor.debug import CommDebugMode
@@ -105,7 +110,7 @@ def time_steps(o, model, x, y, count=False):
     times.sort()
     n = len(times)
     med = times[n // 2] if n % 2 else 0.5 * (times[n // 2 - 1] + times[n // 2])
-    return dict(median=med, min=times[0], max=times[-1], coll=ncoll, kinds=kinds or "none", loss0=losses[0],
+    return dict(median=med, min=times[0], max=times[-1], cpu=cpu, coll=ncoll, kinds=kinds or "none", loss0=losses[0],
                 lossN=losses[-1])
 
 
@@ -152,21 +157,26 @@ def worker(rank, o, port):
 
     parts = o["parts"].split(",")
     per = {p: [] for p in parts}
+    per_cpu = {p: [] for p in parts}
     for run in range(1, o["runs"] + 1):
         for p in parts:
             model, x, y = setup(p)
             dist.barrier()
             r = time_steps(o, model, x, y, count=(run == 1))
             per[p].append(r["median"])
+            cpu = torch.tensor([r["cpu"]], dtype=torch.float64)  # CPU ms per step summed over the processes
+            dist.all_reduce(cpu)
+            per_cpu[p].append(cpu.item())
             if rank == 0:
-                print("torch_%s_ms run=%d median=%.3f min=%.3f max=%.3f collectives=%d threads=%d loss0=%.4f "
-                      "lossN=%.4f (%s)" % (p, run, r["median"], r["min"], r["max"], r["coll"],
+                print("torch_%s_ms run=%d median=%.3f min=%.3f max=%.3f cpu=%.3f collectives=%d threads=%d loss0=%.4f "
+                      "lossN=%.4f (%s)" % (p, run, r["median"], r["min"], r["max"], cpu.item(), r["coll"],
                                           torch.get_num_threads(), r["loss0"], r["lossN"], r["kinds"]), flush=True)
             del model
             dist.barrier()
     if rank == 0:
         for p in parts:
-            print("torch_%s_ms runs_median=%.3f runs=%d" % (p, median(per[p]), len(per[p])), flush=True)
+            print("torch_%s_ms runs_median=%.3f cpu_runs_median=%.3f runs=%d" % (p, median(per[p]), median(per_cpu[p]),
+                                                                                len(per[p])), flush=True)
     dist.destroy_process_group()
 
 

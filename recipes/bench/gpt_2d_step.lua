@@ -20,7 +20,8 @@
 -- strategy for the CPU SDPA op), so both sides run the same plan; 0 times the engine's DTensor attention.
 -- Each of --runs runs times every part (interleaved: 2d, fsdp, tp, 2d, ...) for warmup + steps steps; a part's
 -- figure is the median over runs of its median ms/step; the ratios 2D/FSDP and 2D/TP are taken within each run,
--- and their medians printed.  Then, when `python` imports torch.distributed.fsdp.fully_shard, rank 0 runs
+-- and their medians printed; beside the wall time, the CPU time of a step summed over the 4 ranks (all threads;
+-- what the step costs the machine, less sensitive to other load than the wall time).  Then, when `python` imports torch.distributed.fsdp.fully_shard, rank 0 runs
 -- tools/bench_2d_torch.py (PyTorch's 2-D, FSDP2 and TP on 4 gloo processes, 1 thread each, --runs runs the
 -- same way) while ranks 1-3 sleep in an asynchronous barrier they poll every 2 ms; the engine/PyTorch ratios.
 -- Timings are rank 0's.  The load average is printed at the start and the end: on a loaded machine compare the
@@ -81,6 +82,13 @@ end
 
 -- A barrier that sleeps instead of spinning (MPI_Barrier polls a core at 100% under ob1/vader).
 ffi.cdef("int usleep(unsigned int usec);")
+-- this process's CPU time (all its threads): clock_gettime(CLOCK_PROCESS_CPUTIME_ID)
+pcall(ffi.cdef, "typedef struct { long tv_sec; long tv_nsec; } gpt2d_timespec; int clock_gettime(int clk, gpt2d_timespec* ts);")
+local ts_buf = ffi.new("gpt2d_timespec")
+local function cpu_time()
+  ffi.C.clock_gettime(2, ts_buf)
+  return tonumber(ts_buf.tv_sec) + tonumber(ts_buf.tv_nsec) * 1e-9
+end
 local function idle_barrier()
   local w = dist.barrier{ async = true }
   while not w:is_completed() do ffi.C.usleep(2000) end
@@ -143,7 +151,9 @@ local function time_part(name)
   local opt = optim.AdamW(model:parameters(), { lr = 3e-4, betas = { 0.9, 0.999 }, eps = 1e-8, weight_decay = 0.1 })
   dist.barrier()
   local times, losses, counts = {}, {}, {}
+  local cpu0
   for i = 1, o.warmup + o.steps do
+    if i == o.warmup + 1 then cpu0 = cpu_time() end
     local t0 = engine.time()
     local c, loss = dist.count_collectives(function()
       local l = F.cross_entropy(model(xl), yl)
@@ -159,6 +169,10 @@ local function time_part(name)
       for k, v in pairs(c) do counts[k] = (counts[k] or 0) + v end
     end
   end
+  -- CPU time of the timed steps summed over the ranks, per step (what the step costs the machine: on a loaded
+  -- machine the wall time also holds the time the ranks wait for a core)
+  local cpu = engine.tensor({ cpu_time() - cpu0 }, "f64")
+  dist.all_reduce(cpu, "sum")
   local keys, total = {}, 0
   for k, v in pairs(counts) do
     keys[#keys + 1] = string.format("%s=%g", k, v / o.steps)
@@ -170,7 +184,7 @@ local function time_part(name)
   model, opt = nil, nil
   collectgarbage(); collectgarbage()
   dist.barrier()
-  return { ms = med, min = times[1], max = times[#times], coll = total,
+  return { ms = med, min = times[1], max = times[#times], coll = total, cpu_ms = cpu:item() * 1e3 / o.steps,
     coll_kinds = #keys > 0 and table.concat(keys, " ") or "none", loss0 = losses[1], lossN = losses[#losses] }
 end
 
@@ -182,28 +196,31 @@ say("%s: engine %s, BLAS core %s, %d ranks, %d run(s) of %d steps after %d warm-
   o.batch, engine.get_num_threads(), tostring(o.local_attn ~= 0), tostring(o.sp ~= 0), tostring(raf))
 say("load average at start: %s", loadavg())
 
-local per = {}            -- per[part] = {ms of each run}
+local per, per_cpu = {}, {}   -- per[part] = {ms of each run}, per_cpu[part] = {CPU ms of each run}
 local ratio_fsdp, ratio_tp = {}, {}
-for _, p in ipairs(order) do per[p] = {} end
+for _, p in ipairs(order) do per[p], per_cpu[p] = {}, {} end
 for r = 1, o.runs do
   local got = {}
   for _, p in ipairs(order) do
     local res = time_part(p)
     got[p] = res
-    per[p][r] = res.ms
-    say("run %d %-8s median %7.1f ms/step (min %.1f, max %.1f), collectives/step %g (%s), loss %.4f -> %.4f", r,
-      labels[p], res.ms, res.min, res.max, res.coll, res.coll_kinds, res.loss0, res.lossN)
+    per[p][r], per_cpu[p][r] = res.ms, res.cpu_ms
+    say("run %d %-8s median %7.1f ms/step (min %.1f, max %.1f), CPU %.1f ms/step (4 ranks), collectives/step %g (%s), "
+      .. "loss %.4f -> %.4f", r, labels[p], res.ms, res.min, res.max, res.cpu_ms, res.coll, res.coll_kinds, res.loss0,
+      res.lossN)
   end
   if got["2d"] and got.fsdp then ratio_fsdp[#ratio_fsdp + 1] = got["2d"].ms / got.fsdp.ms end
   if got["2d"] and got.tp then ratio_tp[#ratio_tp + 1] = got["2d"].ms / got.tp.ms end
   say("run %d: FSDP+TP/FSDP %.2f, FSDP+TP/TP %.2f (load average %s)", r, ratio_fsdp[r] or 0 / 0, ratio_tp[r] or 0 / 0,
     loadavg())
 end
-local eng = {}
-for _, p in ipairs(order) do eng[p] = median(per[p]) end
+local eng, eng_cpu = {}, {}
+for _, p in ipairs(order) do eng[p], eng_cpu[p] = median(per[p]), median(per_cpu[p]) end
 say("engine (median of %d runs): FSDP+TP %.1f, FSDP %.1f, TP %.1f ms/step; FSDP+TP/FSDP %.2f, FSDP+TP/TP %.2f "
   .. "(medians of the per-run ratios)", o.runs, eng["2d"] or 0 / 0, eng.fsdp or 0 / 0, eng.tp or 0 / 0,
   median(ratio_fsdp), median(ratio_tp))
+say("engine CPU time per step summed over the 4 ranks (median of %d runs): FSDP+TP %.1f, FSDP %.1f, TP %.1f ms", o.runs,
+  eng_cpu["2d"] or 0 / 0, eng_cpu.fsdp or 0 / 0, eng_cpu.tp or 0 / 0)
 
 -- ---------------------------------------------------------------- PyTorch
 local th = {}
@@ -237,6 +254,7 @@ if o.torch ~= 0 then
       end
       for _, k in ipairs({ "2d", "fsdp", "tp" }) do
         th[k] = tonumber(out:match("torch_" .. k .. "_ms runs_median=([%d%.]+)"))
+        th[k .. "_cpu"] = tonumber(out:match("torch_" .. k .. "_ms runs_median=[%d%.]+ cpu_runs_median=([%d%.]+)"))
       end
       if not th["2d"] then print(NAME .. ": the PyTorch benchmark failed (output above)") end
     else
@@ -251,11 +269,13 @@ if rank == 0 then
   local function fmt(v) return v and v == v and string.format("%.1f", v) or "n/a" end
   local function ratio(a, b) return (a and b and a == a and b == b) and string.format("%.2f", a / b) or "n/a" end
   if th["2d"] then
-    say("engine/PyTorch: FSDP+TP %s (target <= 0.5), FSDP %s, TP %s", ratio(eng["2d"], th["2d"]),
-      ratio(eng.fsdp, th.fsdp), ratio(eng.tp, th.tp))
+    say("engine/PyTorch: FSDP+TP %s (target <= 0.5), FSDP %s, TP %s; CPU time per step: FSDP+TP %s, FSDP %s, TP %s",
+      ratio(eng["2d"], th["2d"]), ratio(eng.fsdp, th.fsdp), ratio(eng.tp, th.tp), ratio(eng_cpu["2d"], th["2d_cpu"]),
+      ratio(eng_cpu.fsdp, th.fsdp_cpu), ratio(eng_cpu.tp, th.tp_cpu))
   end
   say("load average at end: %s", loadavg())
   say("summary: engine FSDP+TP %s | FSDP %s | TP %s ms/step (FSDP+TP/FSDP %.2f, FSDP+TP/TP %.2f) | PyTorch 2-D %s | "
-    .. "FSDP2 %s | TP %s ms/step | engine/PyTorch 2-D %s", fmt(eng["2d"]), fmt(eng.fsdp), fmt(eng.tp),
-    median(ratio_fsdp), median(ratio_tp), fmt(th["2d"]), fmt(th.fsdp), fmt(th.tp), ratio(eng["2d"], th["2d"]))
+    .. "FSDP2 %s | TP %s ms/step | engine/PyTorch 2-D %s (CPU time %s)", fmt(eng["2d"]), fmt(eng.fsdp), fmt(eng.tp),
+    median(ratio_fsdp), median(ratio_tp), fmt(th["2d"]), fmt(th.fsdp), fmt(th.tp), ratio(eng["2d"], th["2d"]),
+    ratio(eng_cpu["2d"], th["2d_cpu"]))
 end
