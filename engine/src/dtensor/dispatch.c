@@ -232,8 +232,13 @@ static cache_entry* cache_find(const eng_op_def* def, const eng_op_call* c, eng_
     if (memcmp(e->ints, c->ints, sizeof e->ints)) continue;
     if (def->scalars_in_key && memcmp(e->scalars, c->scalars, sizeof e->scalars)) continue;
     int ok = 1;
+    /* the same mesh OBJECT, not only an equal one: the cached specs carry their mesh, whose groups the
+     * redistributions and outputs use; two meshes over the same ranks (each with its own groups) compare
+     * equal, and a hit on one rank where another rank's cache (flushed at other times: ranks dispatch
+     * different numbers of ops) misses sent the ranks' collectives to different groups: a deadlock */
     for (int k = 0; ok && k < c->n_in; k++)
-      ok = (!e->key[k] && !specs[k]) || (e->key[k] && specs[k] && eng_dist_spec_equal(e->key[k], specs[k]));
+      ok = (!e->key[k] && !specs[k]) ||
+           (e->key[k] && specs[k] && e->key[k]->mesh == specs[k]->mesh && eng_dist_spec_equal(e->key[k], specs[k]));
     if (ok) return e;
   }
   return NULL;
