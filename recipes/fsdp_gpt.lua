@@ -175,12 +175,20 @@ local function main(argv)
 
   -- the model: recipes/gpt.lua's (same seed, same weights on every rank), then each block and the root sharded
   engine.manual_seed(o.seed)
-  local model = nn.Transformer{ n_layers = o.n_layers, dim = o.dim, n_heads = o.n_heads, vocab_size = 256,
-    max_seq_len = o.seq, dropout_p = o.dropout }
-  init_weights(model, o.n_layers)
+  local model
+  if CFG and CFG.build then   -- another model (recipes/llama.lua --fsdp=1): its own build and TP plan
+    model = CFG.build(o)
+  else
+    model = nn.Transformer{ n_layers = o.n_layers, dim = o.dim, n_heads = o.n_heads, vocab_size = 256,
+      max_seq_len = o.seq, dropout_p = o.dropout }
+    init_weights(model, o.n_layers)
+  end
   local n_params = model:num_parameters()
   -- 2-D: tensor parallelism first (each rank keeps its tp shard), then FSDP shards those over the dp dims
-  if two_d then nn.Transformer.parallelize(model, tp_mesh, { use_seq_parallel = o.sp == 1 }) end
+  if two_d then
+    if CFG and CFG.parallelize then CFG.parallelize(model, tp_mesh, o)
+    else nn.Transformer.parallelize(model, tp_mesh, { use_seq_parallel = o.sp == 1 }) end
+  end
   local fsdp_opts = { mesh = mesh, reshard_after_forward = o.raf, mp_policy = mp }
   for _, block in ipairs(model.layers:children()) do dist.fully_shard(block, fsdp_opts) end
   dist.fully_shard(model, fsdp_opts)

@@ -8,6 +8,8 @@
 --   mpirun -np 2 build/engine recipes/llama.lua                  # DTensor data parallelism over 2 ranks
 --   mpirun -np 2 build/engine recipes/llama.lua --tp=0           # tensor parallel (torchtitan's plan)
 --   mpirun -np 4 build/engine recipes/llama.lua --tp=2           # 2 x 2: TP pairs, data parallel across
+--   mpirun -np 2 build/engine recipes/llama.lua --fsdp=1         # FSDP (recipes/fsdp_gpt.lua's options)
+--   mpirun -np 4 build/engine recipes/llama.lua --fsdp=1 --tp=2  # FSDP over TP on a 2x2 mesh
 --
 -- Llama options: --n_kv_heads (k/v heads of grouped-query attention) --multiple_of --ffn_dim_multiplier
 -- (0: none) --norm_eps --rope_theta; --n_layers --dim --n_heads --seq as in recipes/gpt.lua.
@@ -38,6 +40,27 @@ GPT_MODEL = {
   end,
 }
 local here = (arg and arg[0] or "recipes/llama.lua"):match("^(.*)/[^/]*$") or "."
-local ok, err = pcall(dofile, here .. "/gpt.lua")
+-- --fsdp=1: recipes/fsdp_gpt.lua with the Llama (each block and the root fully sharded; its --reshard_after_forward,
+-- --param_dtype/--reduce_dtype, --hsdp, --grad_accum and --tp options, checkpoints through dist.checkpoint)
+local use_fsdp, rest = false, { [0] = arg and arg[0] }
+for _, a in ipairs(arg or {}) do
+  if a == "--fsdp=1" then use_fsdp = true elseif a ~= "--fsdp=0" then rest[#rest + 1] = a end
+end
+local ok, err
+if use_fsdp then
+  local M = GPT_MODEL
+  local defaults = {}
+  for k, v in pairs(M.defaults) do if k ~= "dtensor_dp" then defaults[k] = v end end
+  defaults.tp, defaults.sp = 1, 0
+  FSDP_GPT = { name = "llama", defaults = defaults, build = M.build,
+    parallelize = function(model, tp_mesh) nn.Llama.parallelize(model, tp_mesh) end }
+  local saved = arg
+  arg = rest
+  ok, err = pcall(dofile, here .. "/fsdp_gpt.lua")
+  arg = saved
+  FSDP_GPT = nil
+else
+  ok, err = pcall(dofile, here .. "/gpt.lua")
+end
 GPT_MODEL = nil   -- (a spec may run recipes/gpt.lua next in the same process)
 if not ok then error(err, 0) end

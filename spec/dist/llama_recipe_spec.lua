@@ -108,6 +108,22 @@ describe("recipes/llama.lua", function()
     end
   end)
 
+  it("--fsdp=1 (recipes/fsdp_gpt.lua with the Llama; FSDP over TP with --tp=2 at 4 ranks) prints the same losses", function()
+    local a = run(argv({ "--steps=3", "--ckpt_every=-1", "--sample_len=0" }), 3)
+    local runs = { { "--fsdp=1" } }
+    if W == 4 then runs[2] = { "--fsdp=1", "--tp=2" } end
+    for _, extra in ipairs(runs) do
+      local args = argv({ "--steps=3", "--ckpt_every=-1", "--sample_len=0" })
+      if extra[2] then args[#args + 1] = "--batch=4" end   -- 2 dp rows of 4: the same global batch of 8
+      for _, x in ipairs(extra) do args[#args + 1] = x end
+      local b = run(args, 3)
+      for s = 1, 3 do
+        assert.is_true(math.abs(a[s] - b[s]) <= 1e-5 * math.max(1, a[s]),
+          string.format("%s step %d: %.7f vs %.7f", table.concat(extra, " "), s, b[s], a[s]))
+      end
+    end
+  end)
+
   it("refuses --dropout and --sp for the Llama, and kv heads that do not divide the heads", function()
     local ok, e = pcall(run, argv({ "--steps=1", "--dropout=0.1", "--ckpt_every=-1", "--sample_len=0" }), 1)
     assert.is_false(ok)
