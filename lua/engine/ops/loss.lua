@@ -365,7 +365,9 @@ function M.hardtanh(x, lo, hi)
   need(x, op, 1)
   lo, hi = args2(lo, hi, { "min_val", "max_val" }, { -1, 1 }, op)
   if lo > hi then fail(string.format("%s: min_val (%g) cannot be greater than max_val (%g)", op, lo, hi)) end
-  local r = x:clamp(lo, hi)
+  -- PyTorch's gradient: 1 strictly inside (min_val, max_val), 0 outside AND at the bounds (clamp's is 1 there)
+  local inside = x:gt(lo):logical_and(x:lt(hi))
+  local r = x:where(inside, x:clamp(lo, hi):detach())
   return r
 end
 function M.relu6(x) return M.hardtanh(x, 0, 6) end
