@@ -135,6 +135,24 @@ describe("FSDP over tensor parallelism", function()
   end
 end)
 
+describe("FSDP over tensor parallelism: clip_grad_norm", function()
+  it("over 2-D gradients (norm types 1, 2, 3, inf) equals one process", function()
+    local ref, m = mlp(17)(), mlp(17)()
+    dist.parallelize_module(m, tp, { net1 = dist.ColwiseParallel(), net2 = dist.RowwiseParallel() })
+    dist.fully_shard(m.net1, { mesh = dp }); dist.fully_shard(m.net2, { mesh = dp }); dist.fully_shard(m, { mesh = dp })
+    engine.manual_seed(77)
+    local x, y = engine.randn(2 * DPN, 17), engine.randn(2 * DPN, 17)
+    F.mse_loss(ref(x), y):backward()
+    F.mse_loss(m(rows(x)), rows(y)):backward()
+    for _, p in ipairs({ 1, 2, 3, math.huge }) do
+      local a = nn.utils.clip_grad_norm_(ref:parameters(), 1e9, p)
+      local b = nn.utils.clip_grad_norm_(m:parameters(), 1e9, p)
+      local function num(v) return type(v) == "number" and v or full(v):item() end
+      assert.is_true(math.abs(num(a) - num(b)) <= 1e-5 * math.max(1, num(a)), string.format("norm %s: %g vs %g", tostring(p), num(b), num(a)))
+    end
+  end)
+end)
+
 describe("FSDP over tensor parallelism: bad input", function()
   it("FSDP applied before TP is an error", function()
     local m = mlp(4)()
