@@ -12,55 +12,10 @@ local W, R = dist.world_size(), dist.rank()
 local STEPS = 3
 local HOME = (ENGINE_HOME and ENGINE_HOME ~= "") and ENGINE_HOME or "."
 
--- Runs a recipe in this process with argv; returns the per-step training losses rank 0 printed (on every
--- rank: all-reduced) and the printed lines.
-local function run(file, argv, nsteps)
-  nsteps = nsteps or STEPS
-  local lines = {}
-  local G = _G              -- the recipe runs in the global environment, not this spec's
-  local real_print = G.print
-  G.print = function(...)
-    local t = {}
-    for i = 1, select("#", ...) do t[i] = tostring(select(i, ...)) end
-    lines[#lines + 1] = table.concat(t, "\t")
-  end
-  local saved_arg = G.arg
-  G.arg = argv
-  argv[0] = file
-  local ok, err = pcall(dofile, file)
-  G.print, G.arg = real_print, saved_arg
-  if not ok then error(err, 0) end
-  local losses = {}
-  for _, l in ipairs(lines) do
-    local step, loss = l:match("^step%s+(%d+) | loss ([%d.]+)")
-    if step then losses[tonumber(step)] = tonumber(loss) end
-  end
-  local vals = {}
-  for k = 1, nsteps do vals[k] = (R == 0 and losses[k]) or 0 end
-  local t = engine.tensor(vals, "f64")
-  if W > 1 then dist.all_reduce(t, "sum") end
-  return t:totable(), lines
-end
-
-local dir = os.getenv("TMPDIR") or "/tmp"
-local stamp = engine.tensor({ math.floor(engine.time() * 1000) % 100000000 }, "f64")
-if W > 1 then dist.broadcast(stamp, 0) end        -- one file name on every rank
-local base_path = string.format("%s/fsdp_recipe_%d", dir, stamp:item())
--- its own small token shards (the suite does not need data/): a pseudo-random word text, written by rank 0
-local train_bin, val_bin = base_path .. "_train.bin", base_path .. "_val.bin"
-if R == 0 then
-  local words = { "In", "the", "beginning", "God", "created", "heaven", "and", "earth.", "And", "was", "without",
-    "form,", "void;", "darkness", "upon", "face", "of", "deep." }
-  local text, x = {}, 11
-  for i = 1, 4000 do
-    x = (x * 1103515245 + 12345) % 2147483648
-    text[i] = words[x % #words + 1]
-  end
-  local s = table.concat(text, " ")
-  engine.data.write_shard(train_bin, engine.data.encode(s:sub(1, 20000)))
-  engine.data.write_shard(val_bin, engine.data.encode(s:sub(20001, 24000)))
-end
-if W > 1 then dist.barrier() end
+local rhelp = require("spec.dist.helpers.recipe")
+local function run(file, argv, nsteps) return rhelp.run(file, argv, nsteps or STEPS) end
+-- its own small token shards (the suite does not need data/), written by rank 0
+local base_path, train_bin, val_bin = rhelp.tiny_data("fsdp_recipe", 11)
 
 local B = 2    -- rows per rank per microbatch
 local common = { "--n_layers=2", "--dim=32", "--n_heads=4", "--seq=16", "--log_every=1", "--eval_every=0",
