@@ -337,6 +337,9 @@ static int post_backward(eng_fsdp_group* g) {
   int rc = 0;
   int any = 0;
   for (int i = 0; i < g->n; i++) if (g->p[i].acc) any = 1;
+  /* every gradient of the group is in: the unsharded parameters are not needed any more (free them before the
+   * reduce-scatter's buffers are made) */
+  if (g->rab && g->root != g && eng_fsdp_group_reshard(g)) return -1;
   if (g->sync && g->n > 0) {
     /* every rank reduces when any parameter of the group takes gradients (the
      * same decision everywhere: it depends on requires_grad only) */
