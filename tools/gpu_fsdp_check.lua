@@ -1,5 +1,6 @@
--- FSDP on a CUDA mesh (one process; NCCL needs one GPU per rank): a Linear-ReLU-Linear stack fully sharded
--- (blocks + root) on "cuda" trains 5 AdamW steps equal to the same model on the CPU.
+-- FSDP on a CUDA mesh (one process; NCCL needs one GPU per rank): a Linear-ReLU-Linear stack built on the CPU and
+-- fully sharded (blocks + root) on "cuda" (fully_shard moves the shards there, the root moves the CPU inputs)
+-- trains 5 AdamW steps equal to the same model on the CPU.
 --   build/engine tools/gpu_fsdp_check.lua
 local engine = require("engine")
 local nn, F, dist = engine.nn, engine.nn.functional, engine.distributed
@@ -10,7 +11,6 @@ local function mlp()
   return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 32))
 end
 local ref, m = mlp(), mlp()
-m:to("cuda")
 dist.fully_shard(m[1], { mesh = mesh }); dist.fully_shard(m[3], { mesh = mesh }); dist.fully_shard(m, { mesh = mesh })
 local opt_r = engine.optim.AdamW(ref:parameters(), { lr = 1e-2 })
 local opt_m = engine.optim.AdamW(m:parameters(), { lr = 1e-2 })
@@ -19,7 +19,7 @@ for step = 1, 5 do
   engine.manual_seed(10 + step)
   local x, y = engine.randn(16, 64), engine.randn(16, 32)
   local lr = F.mse_loss(ref(x), y); lr:backward()
-  local l = F.mse_loss(m(x:to("cuda")), y:to("cuda")); l:backward()
+  local l = F.mse_loss(m(x), y:to("cuda")); l:backward()
   for name, p in m:named_parameters() do
     local d = (p.grad:full_tensor():to("cpu") - ref:get_parameter(name).grad):abs():max():item()
     worst = math.max(worst, d)

@@ -514,8 +514,24 @@ function M.fully_shard(module, opts)
       end
     end
   end
+  -- the sharded parameters and the buffers live on the mesh's device (PyTorch's _move_states_to_device)
+  local mdev = C.eng_mesh_device(mesh._c)
+  local function to_mesh_device(c)
+    if c.device == mdev then return c end
+    local d = C.eng_tensor_to_device(c, mdev)
+    C.eng_tensor_release(c)
+    if d == nil then core.raise() end
+    return d
+  end
   local prev = C.eng_set_grad_enabled(0)
   local ok, err = pcall(function()
+    for _, m in ipairs(mods) do
+      local bufs = rawget(m, "_buffers")
+      for _, name in ipairs(rawget(m, "_buffer_names")) do
+        local b = bufs[name]
+        if b ~= nil and b._c.device ~= mdev then bufs[name] = core.wrap(to_mesh_device(C.eng_tensor_retain(b._c))) end
+      end
+    end
     for i, e in ipairs(order) do
       local c = e.p._c
       local cd = e.cdim
@@ -546,6 +562,7 @@ function M.fully_shard(module, opts)
         local loc = C.eng_tensor_contiguous(cl)
         C.eng_tensor_release(cl)
         if loc == nil then core.raise() end
+        loc = to_mesh_device(loc)
         local shape = e.p:shape()
         local st = {}
         local acc = 1
@@ -569,6 +586,7 @@ function M.fully_shard(module, opts)
       local loc = C.eng_tensor_contiguous(cl)  -- a clone keeps the narrowed strides
       C.eng_tensor_release(cl)
       if loc == nil then core.raise() end
+      loc = to_mesh_device(loc)
       local st = {}
       local acc = 1
       for d = #shape, 1, -1 do st[d] = acc; acc = acc * shape[d] end
