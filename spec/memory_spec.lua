@@ -115,7 +115,7 @@ describe("memory: tensor bytes drive Lua's collector", function()
 
   it("set_gc_threshold: returns the previous settings, ratio 0 turns it off, bad input is an error", function()
     local prev = engine.set_gc_threshold{ ratio = 0 }
-    assert.are.same({ ratio = 2, min_bytes = 64 * MiB, max_fraction = 0.01 }, prev)
+    assert.are.same({ ratio = 2, min_bytes = 64 * MiB, max_fraction = 0.01, backward = 4, backward_fraction = 0.05 }, prev)
     assert.are.equal(-1, engine.memory_stats().gc_threshold)
     local off = engine.set_gc_threshold{ ratio = 3, min_bytes = 16 * MiB }
     assert.are.equal(0, off.ratio)
@@ -125,10 +125,41 @@ describe("memory: tensor bytes drive Lua's collector", function()
     assert.has_error(function() engine.set_gc_threshold{ ratio = 0.5 } end,
       "set_gc_threshold: ratio must be a finite number >= 0 (0: off, else >= 1), got 0.5")
     assert.has_error(function() engine.set_gc_threshold{ pause = 2 } end,
-      "set_gc_threshold: unknown field 'pause' (known: ratio, min_bytes, max_fraction)")
+      "set_gc_threshold: unknown field 'pause' (known: ratio, min_bytes, max_fraction, backward, backward_fraction)")
     assert.has_error(function() engine.set_gc_threshold(2) end,
-      "set_gc_threshold: expected a table {ratio =, min_bytes =, max_fraction =}, got number")
+      "set_gc_threshold: expected a table {ratio =, min_bytes =, max_fraction =, backward =, backward_fraction =}, got number")
     assert.are.same(prev, engine.set_gc_threshold{})
+  end)
+
+  it("backward collects the forward's garbage first, so saved tensors are freed as their nodes run", function()
+    -- a chain of 8 MiB intermediates whose Lua wrappers are garbage when backward starts: the graph's
+    -- references are the only ones left after the collection, so they are gone when backward returns
+    local function after_backward(settings)
+      local prev = engine.set_gc_threshold(settings)
+      collectgarbage(); collectgarbage()
+      local x = engine.rand(2 * MiB):requires_grad_()   -- 8 MiB of f32
+      local base = engine.memory_stats().gc_bytes
+      local loss
+      do
+        local y = x
+        for _ = 1, 8 do y = (y * 0.5):tanh() end
+        loss = y:sum()
+      end
+      local n0 = engine.memory_stats().gc_backward_collections
+      loss:backward()
+      local grown = engine.memory_stats().gc_bytes - base
+      local n1 = engine.memory_stats().gc_backward_collections
+      engine.set_gc_threshold(prev)
+      x.grad = nil
+      return grown / MiB, n1 - n0
+    end
+    local big = 1024 * MiB   -- no allocator-driven collection in between
+    local on, n_on = after_backward{ min_bytes = big, backward = 4, backward_fraction = 1e9 }
+    local off, n_off = after_backward{ min_bytes = big, backward = 0 }
+    assert.are.equal(1, n_on)
+    assert.are.equal(0, n_off)
+    assert.is_true(on < 10, "with the collection: " .. on .. " MiB left after backward (x.grad: 8)")
+    assert.is_true(off > 70, "without it: " .. off .. " MiB left after backward (16 intermediates of 8 MiB)")
   end)
 
   it("ENGINE_GC_* environment variables set the policy at start-up", function()

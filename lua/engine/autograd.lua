@@ -106,6 +106,7 @@ function M.backward(tensors, grads, opts)
     gs[i - 1] = g and ct(g, "backward", i) or nil
   end
   local retain = opts and opts.retain_graph and 1 or 0
+  core.gc_backward()
   local rc = C.eng_backward(n, ts, gs, retain, 0, nil, nil)
   collect_released()
   if rc ~= 0 then core.fail(core.last_error()) end
@@ -153,6 +154,7 @@ function M.grad(outputs, inputs, grad_outputs, opts)
   local outs = ffi.new("eng_tensor*[?]", m)
   for i = 1, m do ins[i - 1] = ct(inputs[i], "grad", i) end
   local retain = opts and opts.retain_graph and 1 or 0
+  core.gc_backward()
   local rc = C.eng_backward(n, ts, gs, retain, m, ins, outs)
   collect_released()
   if rc ~= 0 then core.fail(core.last_error()) end
@@ -178,6 +180,7 @@ function methods.backward(t, grad, opts)
   end
   local ts = ffi.new("eng_tensor*[1]", ct(t, "backward", 1))
   local gs = ffi.new("eng_tensor*[1]", grad and ct(grad, "backward", 1) or nil)
+  core.gc_backward()
   local rc = C.eng_backward(1, ts, gs, opts and opts.retain_graph and 1 or 0, 0, nil, nil)
   collect_released()
   if rc ~= 0 then core.fail(core.last_error()) end

@@ -74,22 +74,34 @@ end
 -- engine.set_gc_threshold{ratio =, min_bytes =, max_fraction =} or
 -- ENGINE_GC_RATIO / ENGINE_GC_MIN_MB / ENGINE_GC_MAX_FRACTION set it;
 -- ratio 0 turns it off.
+-- Backward: the forward's intermediate tensors stay referenced by Lua
+-- wrappers that are already garbage, so the autograd graph's releasing its
+-- saved tensors as backward runs would free nothing until the next
+-- collection (backward itself is C and wraps no tensors).  backward() and
+-- autograd.grad() therefore call gc_backward() first: a full collection when
+-- tensors hold more than `backward` MiB, unless the last collection took more
+-- than backward_fraction of the process's CPU time since it (so their cost
+-- stays under that fraction: one collection per training step of a real
+-- model, few in a loop of tiny backward passes).  backward = 0 turns it off
+-- (ENGINE_GC_BACKWARD in MiB, ENGINE_GC_BACKWARD_FRACTION).
 local gc_flag = C.eng_alloc_gc_flag()
-local gc = { ratio = 2, min_bytes = 64 * 2 ^ 20, max_fraction = 0.01, floor = 64 * 2 ^ 20,
-  last = 0, collections = 0, seconds = 0 }
+local gc = { ratio = 2, min_bytes = 64 * 2 ^ 20, max_fraction = 0.01, backward = 4, backward_fraction = 0.05, floor = 64 * 2 ^ 20,
+  live = 0, last = 0, cpu_last = 0, cpu_took = 0, collections = 0, seconds = 0 }
 M.gc = gc
 
 local function gc_arm()
   if gc.ratio <= 0 then C.eng_alloc_set_gc_threshold(-1); return end
   local live = tonumber(C.eng_alloc_gc_bytes())
+  gc.live = live
   C.eng_alloc_set_gc_threshold(math.max(gc.ratio * live, live + gc.floor))
 end
 
 -- Runs the collection the allocator asked for and re-arms the threshold.
 function M.gc_collect()
-  local t0 = C.eng_time()
+  local t0, c0 = C.eng_time(), os.clock()
   collectgarbage("collect")
-  local t1 = C.eng_time()
+  local t1, c1 = C.eng_time(), os.clock()
+  gc.cpu_last, gc.cpu_took = c1, c1 - c0
   local took = t1 - t0
   if gc.max_fraction > 0 and gc.last > 0 then   -- moving averages of the cost and of the period
     gc.avg_took = gc.avg_took and 0.75 * gc.avg_took + 0.25 * took or took
@@ -108,16 +120,26 @@ function M.gc_collect()
 end
 local gc_collect = M.gc_collect
 
+-- The collection before a backward pass (see above).
+function M.gc_backward()
+  if gc.ratio <= 0 or gc.backward <= 0 then return end
+  if tonumber(C.eng_alloc_gc_bytes()) <= gc.backward * 2 ^ 20 then return end
+  if gc.cpu_took > gc.backward_fraction * (os.clock() - gc.cpu_last) then return end
+  gc.backward_collections = (gc.backward_collections or 0) + 1
+  gc_collect()
+end
+
 -- Sets the policy above (fields left out keep their values); returns the
 -- previous settings.
 function M.set_gc_threshold(o)
-  local prev = { ratio = gc.ratio, min_bytes = gc.min_bytes, max_fraction = gc.max_fraction }
+  local prev = { ratio = gc.ratio, min_bytes = gc.min_bytes, max_fraction = gc.max_fraction, backward = gc.backward,
+    backward_fraction = gc.backward_fraction }
   if type(o) ~= "table" then
-    fail("set_gc_threshold: expected a table {ratio =, min_bytes =, max_fraction =}, got " .. type(o))
+    fail("set_gc_threshold: expected a table {ratio =, min_bytes =, max_fraction =, backward =, backward_fraction =}, got " .. type(o))
   end
   for k, v in pairs(o) do
     if prev[k] == nil then
-      fail("set_gc_threshold: unknown field '" .. tostring(k) .. "' (known: ratio, min_bytes, max_fraction)")
+      fail("set_gc_threshold: unknown field '" .. tostring(k) .. "' (known: ratio, min_bytes, max_fraction, backward, backward_fraction)")
     end
     if type(v) ~= "number" or v ~= v or v < 0 or v == math.huge or (k == "ratio" and v > 0 and v < 1) then
       fail(string.format("set_gc_threshold: %s must be a finite number >= 0%s, got %s", k,
@@ -131,7 +153,8 @@ function M.set_gc_threshold(o)
 end
 
 do
-  local env = { ratio = "ENGINE_GC_RATIO", min_bytes = "ENGINE_GC_MIN_MB", max_fraction = "ENGINE_GC_MAX_FRACTION" }
+  local env = { ratio = "ENGINE_GC_RATIO", min_bytes = "ENGINE_GC_MIN_MB", max_fraction = "ENGINE_GC_MAX_FRACTION",
+    backward = "ENGINE_GC_BACKWARD", backward_fraction = "ENGINE_GC_BACKWARD_FRACTION" }
   local o = {}
   for k, name in pairs(env) do
     local v = os.getenv(name)

@@ -52,10 +52,11 @@ function engine.memory_stats()
     -- collector pressure (engine.set_gc_threshold): bytes of live tensor storages (CPU and CUDA), the
     -- threshold past which the next tensor wrapped runs a collection, collections so far and their seconds
     gc_bytes = tonumber(C.eng_alloc_gc_bytes()), gc_threshold = tonumber(C.eng_alloc_get_gc_threshold()),
-    gc_collections = core.gc.collections, gc_seconds = core.gc.seconds }
+    gc_collections = core.gc.collections, gc_seconds = core.gc.seconds,
+    gc_backward_collections = core.gc.backward_collections or 0 }
 end
 -- Collections driven by tensor memory: engine.set_gc_threshold{ratio = 2, min_bytes = 64 MiB,
--- max_fraction = 0.01} (see lua/engine/core.lua); returns the previous settings.
+-- max_fraction = 0.01, backward = 4 (MiB)} (see lua/engine/core.lua); returns the previous settings.
 engine.set_gc_threshold = core.set_gc_threshold
 function engine.reset_peak_memory() C.eng_alloc_reset_peak() end
 function engine.empty_cache() collectgarbage(); collectgarbage(); C.eng_alloc_empty_cache() end

@@ -5,7 +5,8 @@
 -- parameters) + activations (the peak of one forward of the unsharded model on the rank's rows, over what was
 -- allocated before it).  The peak is the caching allocator's (engine.memory_stats().peak_allocated, as
 -- recipes/bench/gc_memory.lua): the live peak, with a full collection of the Lua collector before each of --steps
--- steps (after --warmup steps), and beside it the peak of the steps with the allocator-paced collector alone.
+-- steps (after --warmup steps), and beside it the peak of the steps with the engine's own collections alone
+-- (allocator-paced, and one before each backward: docs/design.md "Allocator").
 --
 --   build/engine recipes/bench/fsdp_memory.lua [--ranks=1,2,4] [--steps=5] [--warmup=2] [--batch=8] ...
 --       starts `mpirun -np N` of itself for each N and prints the table
