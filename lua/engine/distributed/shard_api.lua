@@ -16,9 +16,9 @@
 -- DTensor dispatcher and autograd/optimizers work unchanged.  Other specs (several shards on one
 -- rank) leave the ShardedTensor itself in module.<name> (the parameter slot is emptied).  Either way
 -- module:state_dict() holds the ShardedTensor under the parameter's name and load_state_dict takes
--- one back (same layout, else an error naming both).  Module outputs are tensors here, so
--- output_plan reshards a DTensor output (Partial, Shard, Replicate) into the spec's layout and
--- return_local_tensor returns a DTensor output's local tensor.
+-- one back (same layout, else an error naming both).  output_plan reshards a ShardedTensor output
+-- (st:reshard) or a DTensor output (Partial, Shard, Replicate) into the spec's layout, and
+-- return_local_tensor returns either's local tensor (module hooks take an object output as one value).
 local core = require("engine.core")
 local specs = require("engine.distributed.sharding_spec")
 local stmod = require("engine.distributed.sharded_tensor")
@@ -320,11 +320,13 @@ local function shard_dim_on(op, spec, t)
   return d
 end
 
--- _reshard_output(module, spec): a forward hook that lays a DTensor output out as spec (Shard(dim)
--- on its 1-D mesh: a Partial output is reduce-scattered, a Shard one all-to-all'd).
+-- _reshard_output(module, spec): a forward hook that reshards a ShardedTensor output to spec
+-- (st:reshard(spec), the seed's), and lays a DTensor output out as spec (Shard(dim) on its 1-D mesh:
+-- a Partial output is reduce-scattered, a Shard one all-to-all'd).  Other outputs pass unchanged.
 function M._reshard_output(module, spec)
   if not specs.is_sharding_spec(spec) then fail("_reshard_output: resharding_spec must be a ShardingSpec, got " .. type(spec)) end
   module:register_forward_hook(function(_, _, out)
+    if stmod.is_sharded_tensor(out) then return out:reshard(spec) end
     if core.is_tensor(out) and dist().is_dtensor(out) then
       local d = shard_dim_on("_reshard_output", spec, out)
       return out:redistribute({ dist().Shard(d) })
@@ -334,10 +336,21 @@ function M._reshard_output(module, spec)
   return module
 end
 
--- _collect_local_shard(module): a forward hook returning a sharded output's local tensor, squeezed on
--- the chunk dim when that dim has size 1 there (a [4, 16] output over 4 ranks gives [16] each).
+-- _collect_local_shard(module): a forward hook returning a sharded output's local tensor (a
+-- ShardedTensor's local_tensor(), which errors when this rank holds other than one shard, as the
+-- seed's; a DTensor's to_local()), squeezed on the chunk dim when that dim has size 1 there (a [4, 16]
+-- output over 4 ranks gives [16] each; a ShardedTensor's only for a ChunkShardingSpec, as the seed's).
 function M._collect_local_shard(module)
   module:register_forward_hook(function(_, _, out)
+    if stmod.is_sharded_tensor(out) then
+      local loc = out:local_tensor()
+      local spec = out:sharding_spec()
+      if getmetatable(spec) == specs.ChunkShardingSpecClass then
+        local d = spec:shard_dim(loc:dim())
+        if loc:size(d) == 1 then loc = loc:squeeze(d) end
+      end
+      return loc
+    end
     if core.is_tensor(out) and dist().is_dtensor(out) then
       local s = out._c.dist
       local loc = out:to_local()

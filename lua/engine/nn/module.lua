@@ -180,6 +180,20 @@ local function run_hooks(self, kind, list, n)
   if msg then error(msg, 0) end
 end
 
+-- The forward hooks of an object output res[1] (a table with a metatable that is not a tensor): the
+-- object travels in the module's _hook_output box, the C hook list runs with no tensors, and each Lua
+-- forward hook (register_forward_hook's wrapper) is called with the box's value as the output and
+-- replaces it when it returns non-nil.
+local function run_object_hooks(self, res)
+  local prev = rawget(self, "_hook_output")
+  local box = { res[1] }
+  rawset(self, "_hook_output", box)
+  local ok, err = pcall(run_hooks, self, POST, {}, 0)
+  rawset(self, "_hook_output", prev)
+  if not ok then error(err, 0) end
+  res[1] = box[1]
+end
+
 local function call_with_hooks(self, ...)
   local cm = rawget(self, "_cmod")
   local n = select("#", ...)
@@ -193,8 +207,12 @@ local function call_with_hooks(self, ...)
   table.remove(res, 1)
   if hook_count(cm, POST) > 0 then
     local ok, err
-    if nr == 1 and type(res[1]) == "table" and not is_tensor(res[1]) then
-      -- forward returned a list of tensors: hook its elements, return a new list
+    if nr == 1 and type(res[1]) == "table" and not is_tensor(res[1]) and getmetatable(res[1]) ~= nil then
+      -- forward returned an object (a ShardedTensor, ...): one output value, which the Lua hooks get
+      -- and may replace (C hooks see no tensors)
+      ok, err = pcall(run_object_hooks, self, res)
+    elseif nr == 1 and type(res[1]) == "table" and not is_tensor(res[1]) then
+      -- forward returned a list of tensors (a table without a metatable): hook its elements, return a new list
       local list = {}
       for i, v in pairs(res[1]) do list[i] = v end
       ok, err = pcall(run_hooks, self, POST, list, table.maxn(list))
@@ -211,6 +229,7 @@ local function call_with_hooks(self, ...)
 end
 jit.off(call_with_hooks)
 jit.off(run_hooks)
+jit.off(run_object_hooks)
 
 local function module_call(self, ...)
   local cm = rawget(self, "_cmod")
@@ -790,7 +809,10 @@ end
 -- register_forward_hook(fn [, {prepend = false}]): fn(module, inputs, output)
 -- runs after forward (inputs: the tensor arguments after the pre hooks;
 -- output: the output tensor; with several output tensors they follow as
--- further arguments).  It may return replacements like a pre hook.
+-- further arguments).  It may return replacements like a pre hook.  An output
+-- that is an object (a table with a metatable that is not a tensor, e.g. a
+-- ShardedTensor) is one value: fn gets it as output and may return a
+-- replacement of any kind (a table without a metatable is a list of tensors).
 function Module:register_forward_hook(fn, opts)
   if type(fn) ~= "function" then error("register_forward_hook: expected a function", 2) end
   local ref = setmetatable({ m = self }, { __mode = "v" })
@@ -799,6 +821,12 @@ function Module:register_forward_hook(fn, opts)
     local inputs = {}
     local hi = m and rawget(m, "_hook_inputs")
     if hi then for _, v in pairs(hi) do if is_tensor(v) then inputs[#inputs + 1] = v end end end
+    local box = m and rawget(m, "_hook_output")
+    if box and select("#", ...) == 0 then   -- an object output (call_with_hooks' run_object_hooks)
+      local r = fn(m, inputs, box[1])
+      if r ~= nil then box[1] = r end
+      return nil
+    end
     return fn(m, inputs, ...)
   end, opts, "register_forward_hook")
 end
