@@ -256,6 +256,55 @@ describe("shard_module", function()
     assert.are.equal(0, util.diff(y, xc:narrow(2, R + 1, 1):squeeze(2)))
   end)
 
+  it("a plan error on one rank only, differing plans, a Sharder failing on one rank: every rank fails, no hang", function()
+    local prev = dist.get_comm_timeout()
+    dist.set_comm_timeout(60)   -- a regression aborts the job in a minute instead of five
+    local last = W - 1
+    local S = dist.Sharder:extend("KeepSharder")
+    function S:shard(mod) return mod end
+    local function plan(p) return dist.ShardingPlan{ plan = p } end
+    -- only the last rank's plan has an error (the seed's message there, naming it elsewhere); nothing is sharded
+    local m = MLP(8, 4 * W)
+    local e = util.errmsg(dist.shard_module, m, R == last and plan{ ["fc1.weight"] = chunk(1), [""] = S{} }
+      or plan{ ["fc1.weight"] = chunk(1) })
+    if R == last then assert.is_truthy(e:find("Module path must not be empty for custom sharder!", 1, true), e)
+    else assert.is_truthy(e:find("shard_module: rank " .. last .. ": Module path must not be empty for custom sharder!", 1, true), e) end
+    assert.is_false(dist.is_dtensor(m.fc1.weight))
+    -- a path that resolves on the other ranks only
+    e = util.errmsg(dist.shard_module, m, plan{ [R == last and "fc3.weight" or "fc2.weight"] = chunk(1) })
+    if R ~= last then assert.is_truthy(e:find("shard_module: rank " .. last .. ": ", 1, true), e) end
+    assert.is_truthy(e:find("get_submodule: MegatronMLP has no submodule 'fc3'", 1, true), e)
+    e = util.errmsg(dist.shard_module, m, dist.ShardingPlan{ plan = {}, output_plan = { [R == last and "fc3" or "fc2"] = chunk(1) } })
+    assert.is_truthy(e:find("no submodule 'fc3'", 1, true), e)
+    if W > 1 then
+      -- plans that differ (a Sharder name, a spec, src_rank): every rank names the difference
+      e = util.errmsg(dist.shard_module, m, plan{ fc1 = R == last and dist.Sharder:extend("OtherSharder"){} or S{} })
+      assert.is_truthy(e:find("shard_module: the ShardingPlan (or src_rank) on rank " .. R .. " differs from rank ", 1, true), e)
+      e = util.errmsg(dist.shard_module, m, plan{ ["fc1.weight"] = chunk(R == last and 2 or 1) })
+      assert.is_truthy(e:find("differs from rank", 1, true), e)
+      assert.is_truthy(e:find("ChunkShardingSpec(dim=2", 1, true), e)
+      e = util.errmsg(dist.shard_module, m, plan{ ["fc1.weight"] = chunk(1) }, { src_rank = R == last and 1 or 0 })
+      assert.is_truthy(e:find("src_rank=", 1, true), e)
+      assert.is_false(dist.is_dtensor(m.fc1.weight))
+      -- a Sharder that fails on the last rank only, after its own collectives: every rank fails before fc2's
+      local Flaky = dist.Sharder:extend("FlakySharder")
+      function Flaky:shard(mod)
+        dist.shard_parameter(mod, "weight", chunk(1))
+        if R == last then error("FlakySharder: no table for this rank", 0) end
+        return mod
+      end
+      local m2 = MLP(8, 4 * W)
+      e = util.errmsg(dist.shard_module, m2, plan{ fc1 = Flaky{}, ["fc2.weight"] = chunk(2) })
+      assert.is_truthy(e:find("FlakySharder: no table for this rank", 1, true), e)
+      if R ~= last then assert.is_truthy(e:find("rank " .. last, 1, true), e) end
+      assert.is_false(dist.is_dtensor(m2.fc2.weight))
+    end
+    -- everything still agrees afterwards
+    dist.shard_module(m, plan{ ["fc1.weight"] = chunk(1), fc2 = S{} })
+    assert.is_true(dist.is_dtensor(m.fc1.weight))
+    dist.set_comm_timeout(prev)
+  end)
+
   it("every error message of the seed's shard_module", function()
     local S = dist.Sharder:extend("NopSharder")
     function S:shard(mod) return mod end

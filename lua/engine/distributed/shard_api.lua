@@ -444,9 +444,67 @@ local function rpartition(name)
   return "", name
 end
 
+-- The local checks of shard_module's plan (no communication): the seed's errors in its order (non-spec
+-- plan values, an empty Sharder path, a parameter inside a Sharder's subtree, non-spec output plans) and
+-- every module path resolving.  Returns the first error's message or nil, and the plan as text (the
+-- same on every rank that was given the same plan).
+local function check_plan(module, plan, src_rank)
+  local desc = { "src_rank=" .. tostring(src_rank) }
+  local sharder_paths = {}
+  for _, e in ipairs(plan.plan) do
+    if is_sharder(e[2]) then sharder_paths[#sharder_paths + 1] = e[1] end
+  end
+  local function resolve(path)
+    local ok, err = pcall(module.get_submodule, module, path)
+    if not ok then error(err, 0) end
+  end
+  local ok, err = pcall(function()
+    for _, e in ipairs(plan.plan) do
+      local name, spec = e[1], e[2]
+      if specs.is_sharding_spec(spec) then
+        desc[#desc + 1] = "plan " .. name .. "=" .. tostring(spec)
+        local module_path = rpartition(name)
+        for _, sp in ipairs(sharder_paths) do
+          -- the seed compares with startswith; a path prefix is what it means ("fc" is not "fc1"'s parent)
+          if module_path == sp or module_path:sub(1, #sp + 1) == sp .. "." then
+            error(string.format("ShardingPlan is in-valid, trying to shard a parameter: %s, but there's already a "
+              .. "Sharder entry for module %s, parameter sharding should not conflict with the submodule tree that a "
+              .. "Sharder is working with!", name, sp), 0)
+          end
+        end
+        resolve(module_path)
+      elseif is_sharder(spec) then
+        desc[#desc + 1] = "plan " .. name .. "=" .. (spec.__name or "Sharder")
+        if name == "" then error("Module path must not be empty for custom sharder!", 0) end
+        resolve(name)
+      else
+        error(string.format("Only `ShardingSpec` and `Sharder` are supported to shard '%s'", name), 0)
+      end
+    end
+    for _, e in ipairs(plan.output_plan or {}) do
+      if not specs.is_sharding_spec(e[2]) then
+        error(string.format("Only `ShardingSpec` is supported as output_plan for '%s'", e[1]), 0)
+      end
+      desc[#desc + 1] = "output_plan " .. e[1] .. "=" .. tostring(e[2])
+      resolve(e[1])
+    end
+    for _, path in ipairs(plan.return_local_tensor or {}) do
+      desc[#desc + 1] = "return_local_tensor " .. path
+      resolve(path)
+    end
+  end)
+  return (not ok) and tostring(err) or nil, table.concat(desc, "\n")
+end
+
 -- shard_module(module, plan, {src_rank = 0, process_group}): seed 002's.  Parameters named by a
 -- ShardingSpec are shard_parameter'd, modules named by a Sharder replaced by sharder:shard(mod) in
 -- their parent, output_plan and return_local_tensor hooks installed.  Collective over the group.
+-- Before any collective, every rank checks its plan locally (check_plan) and one agreement compares the
+-- outcome and a hash of the plan and src_rank: a plan error on any rank, or plans that differ, fail
+-- every rank (its own message; naming the rank that failed, or the first rank whose plan differs).
+-- After each Sharder (user code) one agreement compares the outcome: a Sharder failing on some ranks
+-- fails every rank.  (A Sharder whose own checks can fail on one rank before its collectives must
+-- agree them itself, as shard_parameter does; else its peers wait in its collective.)
 function M.shard_module(module, plan, opts)
   local op = "shard_module"
   if not nn().is_module(module) then fail(op .. ": expected a module, got " .. type(module)) end
@@ -459,55 +517,66 @@ function M.shard_module(module, plan, opts)
     end
   end
   local sopts = { src_rank = opts.src_rank or 0, process_group = opts.process_group }
-  local sharder_paths = {}
-  for _, e in ipairs(plan.plan) do
-    if is_sharder(e[2]) then sharder_paths[#sharder_paths + 1] = e[1] end
+  local pg = sopts.process_group
+  local gpg = pg or dist().world_group()
+  local C = core.C
+  local err, desc = check_plan(module, plan, sopts.src_rank)
+  if err then C.eng_set_error_message(err) end
+  if C.eng_pg_agree(gpg._c, err and 1 or 0, ST._hash_str(desc), op) ~= 0 then
+    -- someone failed or the plans differ: every rank is here; exchange the details for the messages
+    local world, me = ST._world_of(pg), ST._group_rank(pg)
+    local all = ST._agree_strings(err and ("E" .. err) or ("O" .. desc), pg, world, me)
+    if err then fail(err) end
+    for r = 0, world - 1 do
+      if all[r]:sub(1, 1) == "E" then fail(string.format("%s: rank %d: %s", op, r, all[r]:sub(2))) end
+    end
+    for r = 0, world - 1 do
+      if all[r]:sub(2) ~= desc then
+        fail(string.format("%s: the ShardingPlan (or src_rank) on rank %d differs from rank %d's:\n%s\nvs\n%s", op, me, r,
+          desc, all[r]:sub(2)))
+      end
+    end
+    fail(op .. ": " .. core.last_error())
+  end
+  -- a local failure from here on: fail the group's next agreement or collective, then raise
+  local function guarded(fn, ...)
+    local res = { pcall(fn, ...) }
+    if not res[1] then
+      C.eng_set_error_message(tostring(res[2]))
+      C.eng_pg_agree(gpg._c, 1, 0, op)
+      error(res[2], 0)
+    end
+    return unpack(res, 2, table.maxn(res))
   end
   for _, e in ipairs(plan.plan) do
     local name, spec = e[1], e[2]
     if specs.is_sharding_spec(spec) then
       local module_path, param_name = rpartition(name)
-      for _, sp in ipairs(sharder_paths) do
-        -- the seed compares with startswith; a path prefix is what it means ("fc" is not "fc1"'s parent)
-        if module_path == sp or module_path:sub(1, #sp + 1) == sp .. "." then
-          fail(string.format("ShardingPlan is in-valid, trying to shard a parameter: %s, but there's already a Sharder "
-            .. "entry for module %s, parameter sharding should not conflict with the submodule tree that a Sharder is "
-            .. "working with!", name, sp))
-        end
-      end
       local mod = module:get_submodule(module_path)
-      M.shard_parameter(mod, param_name, spec, { src_rank = sopts.src_rank, process_group = sopts.process_group })
-    elseif is_sharder(spec) then
+      M.shard_parameter(mod, param_name, spec, { src_rank = sopts.src_rank, process_group = pg })
+    else
       local parent_path, mod_name = rpartition(name)
-      if name == "" then fail("Module path must not be empty for custom sharder!") end
       local mod = module:get_submodule(name)
       local parent = module:get_submodule(parent_path)
-      local sharded = spec:shard(mod)
-      if not nn().is_module(sharded) then
-        fail(string.format("%s: %s:shard('%s') must return a module, got %s", op, spec.__name or "Sharder", name, type(sharded)))
-      end
-      -- the seed's `parent_mod.mod_name = ...` means the child named mod_name (Sequential / ModuleList
-      -- children "0", "1", ... live in the array part)
-      local k = tonumber(mod_name)
-      if k and rawget(parent, k + 1) == mod then parent[k + 1] = sharded else parent[mod_name] = sharded end
-    else
-      fail(string.format("Only `ShardingSpec` and `Sharder` are supported to shard '%s'", name))
+      guarded(function()
+        local sharded = spec:shard(mod)
+        if not nn().is_module(sharded) then
+          fail(string.format("%s: %s:shard('%s') must return a module, got %s", op, spec.__name or "Sharder", name, type(sharded)))
+        end
+        -- the seed's `parent_mod.mod_name = ...` means the child named mod_name (Sequential / ModuleList
+        -- children "0", "1", ... live in the array part)
+        local k = tonumber(mod_name)
+        if k and rawget(parent, k + 1) == mod then parent[k + 1] = sharded else parent[mod_name] = sharded end
+      end)
+      -- the outcome of the Sharder (user code) before the next entry's collectives
+      if C.eng_pg_agree(gpg._c, 0, 0, op) ~= 0 then fail(core.last_error()) end
     end
   end
-  if plan.output_plan ~= nil then
-    for _, e in ipairs(plan.output_plan) do
-      local module_path, output_spec = e[1], e[2]
-      if specs.is_sharding_spec(output_spec) then
-        M._reshard_output(module:get_submodule(module_path), output_spec)
-      else
-        fail(string.format("Only `ShardingSpec` is supported as output_plan for '%s'", module_path))
-      end
-    end
+  for _, e in ipairs(plan.output_plan or {}) do
+    M._reshard_output(module:get_submodule(e[1]), e[2])
   end
-  if plan.return_local_tensor ~= nil then
-    for _, module_path in ipairs(plan.return_local_tensor) do
-      M._collect_local_shard(module:get_submodule(module_path))
-    end
+  for _, module_path in ipairs(plan.return_local_tensor or {}) do
+    M._collect_local_shard(module:get_submodule(module_path))
   end
   return module
 end

@@ -242,6 +242,7 @@ local function hash_str(str)   -- FNV-1a, 32 bits
   for i = 1, #str do h = bit.bxor(h, str:byte(i)); h = (h * 16777619) % 4294967296 end
   return h
 end
+M._hash_str = hash_str
 
 -- src's tensor scattered into the shards of spec (seed 002's ChunkShardingSpec.shard: src_rank is a
 -- group rank): one scatter.  When the shards are the tensor's memory in rank order (one chunk per rank
