@@ -2,10 +2,14 @@
 -- dist.sharded_tensor.save writes each rank's local shards plus the global metadata; load checks the
 -- saved group state against the current group (PyTorch's "Local rank at save time was ..." errors, on
 -- every rank) under load_with_process_group's group; load_state_dict takes the ShardedTensors back.
+-- A world-size change (saved at 4 ranks, loaded by a 2-rank child mpirun job started by rank 0) gives
+-- every child rank PyTorch's Local rank / Local world size / Global rank / Global world size messages
+-- (ST_DEBUG=1 prints the child job's output).
 local engine = require("engine")
 local nn = engine.nn
 local dist = engine.distributed
 local util = require("spec.dist.helpers.util")
+local self_exe = require("spec.helpers.proc").self_exe
 local W, R = dist.world_size(), dist.rank()
 
 local function ranks(list)
@@ -109,5 +113,61 @@ describe("ShardedTensor state dicts", function()
     assert.is_truthy(e:find("'x' is a string, not a tensor or a ShardedTensor", 1, true), e)
     dist.barrier()
     os.remove(mine)
+  end)
+  it("a world-size change: saved at 4 ranks, loaded by a 2-rank child job: PyTorch's messages on every rank", function()
+    if W ~= 4 then pending("saves at 4 ranks"); return end
+    local spec4 = chunk(1)
+    local sd = { w = dist.sharded_tensor.rand(spec4, { 8, 3 }) }
+    local pair = { dist.new_group({ 0, 1 }), dist.new_group({ 2, 3 }) }   -- (collective over the world)
+    local g = pair[R < 2 and 1 or 2]
+    local spec2 = dist.ChunkShardingSpec{ dim = 1, placements = ranks({ 0, 1 }) }
+    local sub = { w = dist.sharded_tensor.rand(spec2, { 8, 3 }, { process_group = g }) }
+    -- the world group's files; each pair's own files (local rank = group rank, local world size 2)
+    dist.sharded_tensor.save(base .. "_w_rank{rank}.safetensors", sd)
+    dist.sharded_tensor.save(base .. (R < 2 and "_g01" or "_g23") .. "_rank{rank}.safetensors", sub)
+    dist.barrier()
+    local out = ""
+    if R == 0 then
+      -- child rank r loads: (w) its own world file, (l) world rank r+2's, (gw) pair {0,1}'s rank r, (gr) pair {2,3}'s r+2
+      local code = string.format([[
+local engine = require("engine")
+local dist = engine.distributed
+local r = dist.rank()
+for _, c in ipairs({ { "w", "_w_rank" .. r }, { "l", "_w_rank" .. (r + 2) }, { "gw", "_g01_rank" .. r },
+    { "gr", "_g23_rank" .. (r + 2) } }) do
+  local ok, err = pcall(dist.sharded_tensor.load, %q .. c[2] .. ".safetensors")
+  print(string.format("__case %%s rank %%d: %%s", c[1], r, ok and "loaded" or tostring(err)))
+end
+]], base)
+      local script = base .. "_child.lua"
+      local f = assert(io.open(script, "w"))
+      f:write(code)
+      f:close()
+      -- the MPI launcher's environment (OMPI_*, PMIX_*) must not leak into the child job
+      local p = io.popen(string.format("cd '%s' && env $(env | sed -n 's/^\\(OMPI_[^=]*\\|PMIX_[^=]*\\)=.*/-u \\1/p') "
+        .. "timeout 120 mpirun --allow-run-as-root --oversubscribe --bind-to none --mca btl self,vader --mca pml ob1 "
+        .. "-np 2 '%s' '%s' 2>&1; echo __rc=$?", rawget(_G, "ENGINE_HOME") or os.getenv("ENGINE_HOME") or ".", self_exe(), script))
+      out = p:read("*a")
+      p:close()
+      os.remove(script)
+    end
+    dist.barrier()
+    os.remove(base .. "_w_rank" .. R .. ".safetensors")
+    os.remove(base .. (R < 2 and "_g01" or "_g23") .. "_rank" .. R .. ".safetensors")
+    if R ~= 0 then return end
+    if os.getenv("ST_DEBUG") then io.stderr:write(out) end
+    assert.is_truthy(out:find("__rc=0", 1, true), out)
+    for r = 0, 1 do
+      local function case(k) return out:match("__case " .. k .. " rank " .. r .. ": ([^\n]*)") or "" end
+      local want = {
+        w = "Local world size at save time was 4, but at load time was 2",
+        l = string.format("Local rank at save time was %d, but at load time was %d", r + 2, r),
+        gw = "Global world size at save time was 4, but at load time was 2",
+        gr = string.format("Global rank at save time was %d, but at load time was %d", r + 2, r),
+      }
+      for k, msg in pairs(want) do
+        assert.is_truthy(case(k):find("sharded_tensor.load: " .. msg, 1, true), k .. " rank " .. r .. ": " .. case(k) .. "\n" .. out)
+      end
+    end
   end)
 end)
