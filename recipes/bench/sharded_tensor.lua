@@ -1,5 +1,5 @@
--- ShardedTensor costs (issue 14's Performance): creating (dist.shard_tensor: broadcast from src_rank,
--- each rank keeps its chunk), gathering (gather(0)) and resharding (dim 1 -> dim 2) a `MiB` f32
+-- ShardedTensor costs (issue 14's Performance): creating (dist.shard_tensor: one scatter from src_rank
+-- straight into each rank's chunk), gathering (gather(0)) and resharding (dim 1 -> dim 2) a `MiB` f32
 -- ShardedTensor over the ranks, each beside the bare MPI collective of the same bytes in the same run
 -- (eng_pg_raw_collective: no staging, counters or checks), and the per-op overhead of a DTensor-backed
 -- ShardedTensor over the same op on its DTensor (alternating rounds of 2000 ops, median of 11).  Wall

@@ -99,7 +99,13 @@ describe("shard_parameter", function()
     local e = util.errmsg(dist.shard_parameter, m, "nope", chunk(1))
     assert.is_truthy(e:find("Linear has no attribute `nope`", 1, true), e)
     e = util.errmsg(dist.shard_parameter, m, "training", chunk(1))
-    assert.is_truthy(e:find("Expected Linear.training to be a Tensor, but found boolean", 1, true), e)
+    assert.is_truthy(e:find("Expected Linear.training to be a Tensor, but found bool", 1, true), e)
+    assert.is_falsy(e:find("found boolean", 1, true), e)
+    m.scale, m.name, m.ratio = 3, "lin", 0.5
+    for k, py in pairs({ scale = "int", name = "str", ratio = "float" }) do
+      e = util.errmsg(dist.shard_parameter, m, k, chunk(1))
+      assert.is_truthy(e:find("Expected Linear." .. k .. " to be a Tensor, but found " .. py, 1, true), e)
+    end
     local t = nn.Linear(4, 6)
     t.weight = nn.Parameter(engine.randn(4, 6):t())
     e = util.errmsg(dist.shard_parameter, t, "weight", chunk(1))
@@ -198,7 +204,9 @@ describe("shard_module", function()
     end
     engine.manual_seed(8)
     local root = nn.Sequential(nn.Linear(3, W))
-    local ref = root[1].weight:detach():clone()
+    local ref, ref_b = root[1].weight:detach():clone(), root[1].bias:detach():clone()
+    dist.broadcast(ref, 0)   -- (the values src_rank 0 scatters)
+    dist.broadcast(ref_b, 0)
     local sharder = RowSharder{}
     dist.shard_module(root, dist.ShardingPlan{ plan = { ["0"] = sharder }, output_plan = { ["0"] = chunk(2) },
       return_local_tensor = { "0" } })
@@ -208,6 +216,9 @@ describe("shard_module", function()
     dist.broadcast(x, 0)
     local y = root(x)                             -- [5, W] over W ranks: [5, 1] locally, squeezed to [5]
     assert.are.same({ 5 }, y:shape())
+    -- one process's output, column R
+    local want = (x:matmul(ref:t()) + ref_b):narrow(2, R + 1, 1):squeeze(2)
+    assert.is_true(util.diff(y, want) < 1e-6, "diff " .. util.diff(y, want))
   end)
 
   it("a module returning a ShardedTensor: hooks keep it one value; _reshard_output / _collect_local_shard (the seed's case)", function()

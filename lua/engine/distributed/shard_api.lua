@@ -31,10 +31,14 @@ local function fail(msg) core.fail(msg) end
 local function nn() return require("engine.nn") end
 local function dist() return require("engine.distributed") end
 
+-- The name of v's type as the seed's type(tensor).__name__ would give it: a module's class, and Python's
+-- names of the Lua types it has (bool, int / float, str).
+local PY_TYPE = { boolean = "bool", string = "str", ["nil"] = "NoneType" }
 local function tname(v)
   if type(v) == "table" and rawget(v, "_cmod") ~= nil then return v.__name end
   if stmod.is_sharded_tensor(v) then return "ShardedTensor" end
-  return type(v)
+  if type(v) == "number" then return v % 1 == 0 and "int" or "float" end
+  return PY_TYPE[type(v)] or type(v)
 end
 
 -- ---------------------------------------------------------------- state-dict hooks

@@ -222,7 +222,7 @@ end
 
 -- shard_tensor(tensor, spec, {src_rank = 0, process_group}): seed 002's _shard_tensor.  Every rank
 -- checks that all ranks passed the same src_rank and spec (the seed's messages), then the data of
--- src_rank's tensor is broadcast and every rank keeps its shards.  Collective.
+-- src_rank's tensor is scattered, each rank receiving its shards.  Collective.
 local function agree_strings(mine, pg, world, me)
   local bytes = {}
   for i = 1, #mine do bytes[i] = mine:byte(i) end
@@ -303,7 +303,7 @@ end
 
 -- Local checks (which may fail on one rank only) are agreed with the (src_rank, spec, shape) of every
 -- rank in one all_gather, so a bad argument on any rank fails every rank (naming that rank) before
--- the broadcast.  local_err: a message from the caller's own local checks (shard_parameter).
+-- the scatter.  local_err: a message from the caller's own local checks (shard_parameter).
 function M.shard_tensor(tensor, spec, opts, local_err, op)
   op = op or "shard_tensor"
   local dist = require("engine.distributed")
