@@ -2,7 +2,8 @@
 -- straight into each rank's chunk), gathering (gather(0)) and resharding (dim 1 -> dim 2) a `MiB` f32
 -- ShardedTensor over the ranks, each beside the bare MPI collective of the same bytes in the same run
 -- (eng_pg_raw_collective: no staging, counters or checks), and the per-op overhead of a DTensor-backed
--- ShardedTensor over the same op on its DTensor (alternating rounds of 2000 ops, median of 11).  Wall
+-- ShardedTensor over the same op on its DTensor (alternating rounds of 2000 ops, median of 11, and the
+-- fastest round of each, which a loaded machine disturbs least).  Wall
 -- time, median of `iters`, rank 0's figures; a full collection before each timed iteration returns
 -- the earlier results' memory to the allocator's cache.
 --
@@ -114,8 +115,9 @@ for _, case in ipairs({
   local a, b = {}, {}
   for k = 1, 11 do a[k] = per_op(case[2]); b[k] = per_op(case[3]) end   -- alternating
   local u_st, u_dt = median(a), median(b)
-  lines[#lines + 1] = string.format("op %-16s ShardedTensor %8.2f us   DTensor %8.2f us   overhead %+6.2f us", case[1], u_st,
-    u_dt, u_st - u_dt)
+  local m_st, m_dt = math.min(unpack(a)), math.min(unpack(b))
+  lines[#lines + 1] = string.format("op %-16s ShardedTensor %8.2f us   DTensor %8.2f us   overhead %+6.2f us   "
+    .. "(fastest rounds: %.2f / %.2f us, %+.2f)", case[1], u_st, u_dt, u_st - u_dt, m_st, m_dt, m_st - m_dt)
 end
 
 if R == 0 then

@@ -586,12 +586,15 @@ end
 -- as src (same mesh, Shard dim and shape), else r itself.
 -- The fast path's result: r is an elementwise op's result on src's DTensor with src's layout and the
 -- given dtype (no C call, no cdata field read: LuaJIT often interprets these paths).
--- (_pg is set apart: a nil value in a table constructor makes LuaJIT build the table the slow way, ~1 us)
+-- (no nil value in the table constructor: it makes LuaJIT build the table the slow way, ~1 us; the ops'
+-- fast paths below inline this)
 local function fast_wrap(src, r, dtype)
-  local t = setmetatable({ _spec = src._spec, _size = src._size, dtype = dtype, _dt = r, _mesh = src._mesh }, ShardedTensor)
   local pg = src._pg
-  if pg then t._pg = pg end
-  return t
+  if pg then
+    return setmetatable({ _spec = src._spec, _size = src._size, dtype = dtype, _dt = r, _mesh = src._mesh, _pg = pg },
+      ShardedTensor)
+  end
+  return setmetatable({ _spec = src._spec, _size = src._size, dtype = dtype, _dt = r, _mesh = src._mesh }, ShardedTensor)
 end
 -- same: the caller knows r is laid out as src's DTensor (a pointwise op of same-layout operands keeps
 -- the layout), so only the dtype is read (the check costs ~1 us where LuaJIT interprets).
@@ -637,7 +640,18 @@ local function unary(name, to)
   local m = methods[name]
   return function(self, x, y)   -- (no varargs: they keep LuaJIT from compiling the DTensor path)
     local dt = self._dt
-    if dt and FLOAT[self.dtype] then return fast_wrap(self, m(dt, x, y), to or self.dtype) end
+    if dt then
+      local dtype = self.dtype
+      if FLOAT[dtype] then   -- fast_wrap, inlined (a Lua frame costs ~0.1 us where LuaJIT interprets)
+        local r, pg = m(dt, x, y), self._pg
+        if pg then
+          return setmetatable({ _spec = self._spec, _size = self._size, dtype = to or dtype, _dt = r, _mesh = self._mesh,
+            _pg = pg }, ShardedTensor)
+        end
+        return setmetatable({ _spec = self._spec, _size = self._size, dtype = to or dtype, _dt = r, _mesh = self._mesh },
+          ShardedTensor)
+      end
+    end
     dt = dt or dt_ready(self)
     if dt then return wrap_like(self, m(dt, x, y), true) end
     local out = {}
@@ -663,15 +677,24 @@ local function binary(name)
   local cmp = CMP[name]
   return function(a, b)
     -- the fast path: a DTensor-backed floating ShardedTensor with a number or a ShardedTensor of the same
-    -- spec, size (objects) and dtype
+    -- spec, size (objects) and dtype; fast_wrap inlined (one Lua frame less where LuaJIT interprets)
     if getmetatable(a) == ShardedTensor then
       local da, dtype = a._dt, a.dtype
       if da and FLOAT[dtype] then
-        if type(b) == "number" then return fast_wrap(a, ff(da, b), cmp and "bool" or dtype) end
-        if getmetatable(b) == ShardedTensor and rawequal(a._spec, b._spec) and rawequal(a._size, b._size)
-          and b.dtype == dtype then
-          local db = b._dt
-          if db then return fast_wrap(a, ff(da, db), cmp and "bool" or dtype) end
+        local r
+        if type(b) == "number" then r = ff(da, b)
+        elseif getmetatable(b) == ShardedTensor and rawequal(a._spec, b._spec) and rawequal(a._size, b._size)
+          and b.dtype == dtype and b._dt then
+          r = ff(da, b._dt)
+        end
+        if r then
+          local pg = a._pg
+          if pg then
+            return setmetatable({ _spec = a._spec, _size = a._size, dtype = cmp and "bool" or dtype, _dt = r, _mesh = a._mesh,
+              _pg = pg }, ShardedTensor)
+          end
+          return setmetatable({ _spec = a._spec, _size = a._size, dtype = cmp and "bool" or dtype, _dt = r, _mesh = a._mesh },
+            ShardedTensor)
         end
       end
     end
