@@ -76,7 +76,11 @@ local function parity(o)
     for name, p in ref:named_parameters() do rp[name] = p end
     for name, p in m:named_parameters() do
       assert.is_true(dist.is_dtensor(p), name)
-      assert.is_true(rel(p.grad, rp[name].grad) < tol, string.format("step %d grad %s: %g", step, name, rel(p.grad, rp[name].grad)))
+      if rp[name].grad == nil then
+        assert.is_nil(p.grad, name)   -- frozen: no gradient on either side
+      else
+        assert.is_true(rel(p.grad, rp[name].grad) < tol, string.format("step %d grad %s: %g", step, name, rel(p.grad, rp[name].grad)))
+      end
     end
     opt_r:step(); opt_m:step()
     local none = step % 2 == 0
@@ -428,6 +432,80 @@ describe("fully_shard: more layouts and controls", function()
   end)
 end)
 
+describe("fully_shard: forward methods, frozen parameters", function()
+  it("register_fsdp_forward_method on a non-root block: its outputs arm the backward all-gather; equal to one process", function()
+    local Inner = nn.Linear:extend("ProjLinear")
+    function Inner:project(v) return F.relu(F.linear(v, self.weight, self.bias)) * 2 end
+    local Outer = nn.Module:extend("ProjOuter")
+    function Outer:__init() self.inner = Inner(7, 9); self.head = nn.Linear(9, 3) end
+    function Outer:forward(x) return self.head(self.inner:project(x)) end
+    parity({
+      build = function() engine.manual_seed(13); return Outer() end,
+      shard = function(m)
+        dist.fully_shard(m.inner, { mesh = mesh })
+        dist.register_fsdp_forward_method(m.inner, "project")
+        dist.fully_shard(m, { mesh = mesh })
+      end,
+      batch = mlp_batch(7, 3), loss = mse, steps = 4,
+      check_counts = function(c, _, m)
+        -- forward: inner + root; backward: inner again (it resharded after its method's forward)
+        assert.are.equal(2 + 1, cnt(c, "all_gather"))
+        assert.are.equal(2, cnt(c, "reduce_scatter"))
+        assert.are.equal("sharded", dist.fsdp_counts(m.inner).state)
+      end,
+    })
+    -- a method returning a list of tensors: each is armed
+    local ref, m = Outer(), Outer()
+    m:load_state_dict(ref:state_dict())
+    function Inner:both(v) return { F.linear(v, self.weight, self.bias):tanh(), F.linear(v, self.weight) } end
+    dist.fully_shard(m.inner, { mesh = mesh })
+    dist.register_fsdp_forward_method(m.inner, "project")
+    dist.register_fsdp_forward_method(m.inner, "both")
+    dist.fully_shard(m, { mesh = mesh })
+    engine.manual_seed(21)
+    local x = engine.randn(2 * W, 7)
+    local r = ref.inner:both(x)
+    ;((r[1]:sum() + r[2]:sum()) * (1 / W)):backward()   -- FSDP averages the ranks' gradients
+    m(local_rows(x, W, rank))   -- lazy init from the root first
+    local o = m.inner:both(local_rows(x, W, rank))
+    assert.are.equal("sharded", dist.fsdp_counts(m.inner).state)
+    ;(o[1]:sum() + o[2]:sum()):backward()
+    assert.is_true(rel(m.inner.weight.grad, ref.inner.weight.grad) < 1e-5)
+    -- not an FSDP module: nothing happens (the seed's no-op), even for a missing method
+    local plain = nn.Linear(2, 2)
+    dist.register_fsdp_forward_method(plain, "nope")
+    assert.is_nil(rawget(plain, "nope"))
+  end)
+
+  it("frozen parameters (requires_grad false before or after fully_shard) train equal to one process, grads nil", function()
+    local function build()
+      local m = mlp(7, 15, 3)()
+      m[1].bias:requires_grad_(false)
+      return m
+    end
+    local m = parity({
+      build = function()
+        local m = build()
+        m[3].weight:requires_grad_(false)
+        return m
+      end,
+      shard = function(m)
+        m[3].weight:requires_grad_(true)   -- shard it trainable, freeze the sharded DTensor afterwards
+        shard_mlp(m, { mesh = mesh })
+        m[3].weight:requires_grad_(false)
+      end,
+      batch = mlp_batch(7, 3), loss = mse, steps = 3,   -- the last zero_grad keeps zeros
+      check_counts = function(c)
+        assert.are.equal(4, cnt(c, "all_gather"))
+        assert.are.equal(2, cnt(c, "reduce_scatter"))
+      end,
+    })
+    assert.is_nil(m[1].bias.grad); assert.is_nil(m[3].weight.grad)
+    assert.is_false(m[1].bias.requires_grad)
+    assert.is_not_nil(m[1].weight.grad); assert.is_not_nil(m[3].bias.grad)
+  end)
+end)
+
 describe("fully_shard bad input", function()
   it("containers without forward, meshes of 3 dims, twice on one module, bad options", function()
     assert.is_truthy(errmsg(dist.fully_shard, nn.ModuleList({ nn.Linear(2, 2) }), { mesh = mesh })
@@ -464,6 +542,17 @@ describe("fully_shard bad input", function()
       shard_placement_fn = function() if rank == 1 then return dist.Replicate() end end })
     assert.is_truthy(msg:find("must return dist.Shard(dim)", 1, true), msg)
     if rank ~= 1 then assert.is_truthy(msg:find("rank 1", 1, true), msg) end
+  end)
+
+  it("distinct meshes of equal shape over the same ranks fail on every rank (not a hang in forward)", function()
+    if W == 1 then return end
+    local a = dist.init_device_mesh("cpu", { W })
+    local b = dist.init_device_mesh("cpu", { W })
+    local msg = errmsg(dist.fully_shard, nn.Linear(4, 4), { mesh = rank == 0 and a or b })
+    assert.is_truthy(msg:find("the ranks passed different meshes", 1, true), msg)
+    -- the same object on every rank (or the default mesh) is fine
+    local l = dist.fully_shard(nn.Linear(4, 4), { mesh = a })
+    l(engine.randn(2, 4)):sum():backward()
   end)
 
   it("ranks that shard different parameters fail on every rank", function()

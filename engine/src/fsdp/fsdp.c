@@ -609,14 +609,21 @@ static int ensure_leaves(eng_fsdp_group* g) {
       return eng_err("fully_shard: the parameters of one group must share a dtype (got %s and %s)",
                      eng_dtype_name(ud), eng_dtype_name(eff_param_dtype(g, &g->p[i])));
   if (g->ubase && g->udtype == ud) {
+    /* requires_grad_ on a sharded parameter after fully_shard: its leaf follows (and takes the hook) */
     for (int i = 0; i < g->n; i++)
-      if (g->p[i].leaf->requires_grad != g->p[i].sharded->requires_grad)
-        eng_tensor_set_requires_grad(g->p[i].leaf, g->p[i].sharded->requires_grad);
+      if (g->p[i].leaf->requires_grad != g->p[i].sharded->requires_grad) {
+        if (eng_tensor_set_requires_grad(g->p[i].leaf, g->p[i].sharded->requires_grad)) return -1;
+        if (g->p[i].leaf->requires_grad && g->post_hooks[i] <= 0) {
+          g->post_hooks[i] = eng_tensor_register_post_accumulate_hook(g->p[i].leaf, post_acc_hook, g);
+          if (g->post_hooks[i] < 0) return -1;
+        }
+      }
     return 0;
   }
   /* (re)build: first use, or the parameters changed dtype (module:to) */
   for (int i = 0; i < g->n; i++) {
-    if (g->p[i].leaf && g->post_hooks) eng_tensor_remove_hook(g->p[i].leaf, g->post_hooks[i]);
+    if (g->p[i].leaf && g->post_hooks && g->post_hooks[i] > 0) eng_tensor_remove_hook(g->p[i].leaf, g->post_hooks[i]);
+    if (g->post_hooks) g->post_hooks[i] = 0;
     free_tensor(&g->p[i].leaf);
   }
   free_tensor(&g->ubase);
@@ -633,7 +640,10 @@ static int ensure_leaves(eng_fsdp_group* g) {
     q->leaf = eng_view_of(g->ubase, q->ndim, q->shape, st, q->uoff);
     if (!q->leaf) return -1;
     if (q->uspec && eng_dtensor_wrap_output(q->leaf, q->uspec)) return -1;
-    if (q->sharded->requires_grad) eng_tensor_set_requires_grad(q->leaf, 1);
+    /* frozen parameters (requires_grad false) take no hook: the group's gradients are complete when every
+     * parameter that requires grad has its own (post_acc_hook counts those) */
+    if (!q->sharded->requires_grad) continue;
+    eng_tensor_set_requires_grad(q->leaf, 1);
     g->post_hooks[i] = eng_tensor_register_post_accumulate_hook(q->leaf, post_acc_hook, g);
     if (g->post_hooks[i] < 0) return -1;
   }

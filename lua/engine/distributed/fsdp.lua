@@ -296,20 +296,53 @@ local function fsdp_class(cls)
   return fc
 end
 
--- dist.register_fsdp_forward_method(module, "generate"): the FSDP hooks wrap module:generate(...) too.
+-- Runs a group's forward-pre (post) hook over the tensors of list[1..n] (C: eng_fsdp_group_pre_forward /
+-- post_forward), putting back the tensors it replaced (inputs moved or cast; outputs armed for backward).
+local function run_group_hook(fn, group, list, n)
+  local pos = {}
+  for i = 1, n do if core.is_tensor(list[i]) then pos[#pos + 1] = i end end
+  local k = #pos
+  local arr = ffi.new("eng_tensor*[?]", math.max(k, 1))
+  for j = 1, k do arr[j - 1] = C.eng_tensor_retain(list[pos[j]]._c) end
+  local rc = fn(group, arr, k)
+  local msg = rc ~= 0 and core.last_error() or nil
+  for j = 1, k do
+    local c, orig = arr[j - 1], list[pos[j]]
+    if c == orig._c then C.eng_tensor_release(c) else list[pos[j]] = core.wrap(c) end
+  end
+  if msg then fail(msg, 3) end
+end
+jit.off(run_group_hook)
+
+-- dist.register_fsdp_forward_method(module, "generate"): the FSDP hooks wrap module:generate(...) too: the
+-- forward-pre hook gets the method's arguments, the forward-post hook its outputs (a list of tensors is
+-- hooked element-wise, as in nn.Module's __call), so a backward through them all-gathers again.  On a module
+-- that is not an FSDP module it does nothing (the seed's no-op).
 function M.register_fsdp_forward_method(module, name)
-  local st = group_of(module, "register_fsdp_forward_method")
+  if not is_fsdp(module) then return end
+  local st = rawget(module, "_fsdp")
   local orig = module[name]
   if type(orig) ~= "function" then
     fail(string.format("register_fsdp_forward_method: %s has no method '%s'", module.__name, tostring(name)))
   end
   rawset(module, name, function(self, ...)
     if not st.root then M._lazy_init(self) end
-    core.check(C.eng_fsdp_group_pre_forward(st.group, nil, 0), 2)
-    local res = { pcall(orig, self, ...) }
+    local n = select("#", ...)
+    local args = { ... }
+    run_group_hook(C.eng_fsdp_group_pre_forward, st.group, args, n)
+    local res = { pcall(orig, self, unpack(args, 1, n)) }
     if not res[1] then error(res[2], 0) end
-    core.check(C.eng_fsdp_group_post_forward(st.group, nil, 0), 2)
-    return unpack(res, 2, table.maxn(res))
+    table.remove(res, 1)
+    local nr = table.maxn(res)
+    if nr == 1 and type(res[1]) == "table" and not core.is_tensor(res[1]) then
+      local list = {}
+      for i, v in pairs(res[1]) do list[i] = v end
+      run_group_hook(C.eng_fsdp_group_post_forward, st.group, list, table.maxn(list))
+      res[1] = list
+    else
+      run_group_hook(C.eng_fsdp_group_post_forward, st.group, res, nr)
+    end
+    return unpack(res, 1, nr)
   end)
 end
 
@@ -453,9 +486,24 @@ function M.fully_shard(module, opts)
   end
   end)
   if not scan_ok then C.eng_set_error_message(tostring(scan_err)) end
-  -- every rank must shard the same parameters the same way on the same mesh
+  -- every rank must pass the same mesh: equal shape and ranks are not enough, two init_device_mesh calls make
+  -- two meshes over different process groups (the collectives would never match: a hang until the comm
+  -- timeout), so the mesh's identity is its groups' ids (group creation is collective over the world: the
+  -- n-th group made has the same id on every rank)
+  local mkey = { tostring(mesh:get_root_mesh()), pdims and table.concat(pdims, ",") or "" }
+  for d = 1, mesh:ndim() do mkey[#mkey + 1] = tostring(mesh:get_group(d):id()) end
   local world = C.eng_pg_world()
-  local rc = C.eng_pg_agree(world, scan_ok and 0 or 1, scan_ok and hash_str(table.concat(sig, ";")) or 0, "fully_shard")
+  local rc = C.eng_pg_agree(world, 0, hash_str(table.concat(mkey, ";")), "fully_shard")
+  if rc ~= 0 then
+    local msg = core.last_error()
+    C.eng_pg_release(world)
+    fail("fully_shard: the ranks passed different meshes (" .. tostring(mesh) .. ", process groups "
+      .. table.concat(mkey, ",", 3) .. " here): every rank must pass the same DeviceMesh object (one "
+      .. "init_device_mesh call, or the same slice of it); equal shapes over the same ranks are distinct meshes "
+      .. "with distinct process groups (" .. msg .. ")")
+  end
+  -- every rank must shard the same parameters the same way on the same mesh
+  rc = C.eng_pg_agree(world, scan_ok and 0 or 1, scan_ok and hash_str(table.concat(sig, ";")) or 0, "fully_shard")
   C.eng_pg_release(world)
   if rc ~= 0 then
     if not scan_ok then error(scan_err, 0) end
