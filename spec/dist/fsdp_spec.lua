@@ -25,6 +25,21 @@ local function counted(fn)
 end
 local function cnt(c, k) return c[k] or 0 end
 
+-- the collectives fn issued on this rank (dist.dump_collectives' records: kind, dtype, shape), then fn's results
+local function logged(fn)
+  local before = dist.dump_collectives()
+  local last = #before > 0 and before[#before].id or -1
+  local out = { fn() }
+  local recs = {}
+  for _, e in ipairs(dist.dump_collectives()) do if e.id > last then recs[#recs + 1] = e end end
+  return recs, unpack(out)
+end
+local function dtypes_of(recs, kind)
+  local r = {}
+  for _, e in ipairs(recs) do if e.kind == kind then r[#r + 1] = e.dtype end end
+  return r
+end
+
 -- this rank's rows of a global batch
 local function local_rows(t, n_ranks, r)
   local b = t:shape()[1] / n_ranks
@@ -53,12 +68,13 @@ local function shard_mlp(m, opts)
 end
 
 -- Trains ref (one process, global batch) and the sharded model (local batches) side by side.
--- o: build, shard(model), batch(step) -> x, y (global), loss(model, x, y), steps, tol, check_counts(c, step)
+-- o: build, shard(model), batch(step) -> x, y (global), loss(model, x, y), steps, tol, check_counts(c, step),
+-- optim(params) -> optimizer (AdamW by default)
 local function parity(o)
   local ref, m = o.build(), o.build()
   o.shard(m)
-  local opt_r = engine.optim.AdamW(ref:parameters(), { lr = 1e-2, weight_decay = 0.01 })
-  local opt_m = engine.optim.AdamW(m:parameters(), { lr = 1e-2, weight_decay = 0.01 })
+  local make_opt = o.optim or function(params) return engine.optim.AdamW(params, { lr = 1e-2, weight_decay = 0.01 }) end
+  local opt_r, opt_m = make_opt(ref:parameters()), make_opt(m:parameters())
   local tol = o.tol or 1e-5
   for step = 1, o.steps or 10 do
     local x, y = o.batch(step)
@@ -273,8 +289,14 @@ describe("fully_shard: more layouts and controls", function()
       lr:backward()
       for name, p in ref:named_parameters() do p.grad = work:get_parameter(name).grad:to("f32") end
       work:zero_grad()
-      local l = F.mse_loss(m(local_rows(x, W, rank)):to("f32"), local_rows(y, W, rank))
-      l:backward()
+      local recs, l = logged(function()
+        local l = F.mse_loss(m(local_rows(x, W, rank)):to("f32"), local_rows(y, W, rank))
+        l:backward()
+        return l
+      end)
+      -- all-gathers in param_dtype (forward and backward), reduce-scatters in reduce_dtype
+      assert.are.same({ "bf16", "bf16", "bf16", "bf16" }, dtypes_of(recs, "all_gather"))
+      assert.are.same({ "f32", "f32" }, dtypes_of(recs, "reduce_scatter"))
       assert.is_true(math.abs(global_loss(l) - lr:item()) < 2e-2 * math.max(1, math.abs(lr:item())))
       for name, p in m:named_parameters() do
         assert.are.equal("f32", p.dtype); assert.are.equal("f32", p.grad.dtype)
@@ -503,6 +525,169 @@ describe("fully_shard: forward methods, frozen parameters", function()
     assert.is_nil(m[1].bias.grad); assert.is_nil(m[3].weight.grad)
     assert.is_false(m[1].bias.requires_grad)
     assert.is_not_nil(m[1].weight.grad); assert.is_not_nil(m[3].bias.grad)
+  end)
+end)
+
+describe("fully_shard: gradients and state", function()
+  it("mixed precision reduce_dtype = bf16: the reduce-scatter runs in bf16, the gradients are stored f32", function()
+    local m = shard_mlp(mlp(8, 16, 4)(), { mesh = mesh,
+      mp_policy = dist.MixedPrecisionPolicy({ param_dtype = "f32", reduce_dtype = "bf16" }) })
+    local recs = logged(function() F.mse_loss(m(engine.randn(2, 8)), engine.randn(2, 4)):backward() end)
+    assert.are.same({ "f32", "f32", "f32", "f32" }, dtypes_of(recs, "all_gather"))
+    assert.are.same({ "bf16", "bf16" }, dtypes_of(recs, "reduce_scatter"))
+    assert.are.equal("f32", m[1].weight.grad.dtype)
+  end)
+
+  it("gradient accumulation under mp_policy {bf16, f32}: the unsharded gradients accumulate in f32 over 3 microbatches", function()
+    local mp = dist.MixedPrecisionPolicy({ param_dtype = "bf16", reduce_dtype = "f32" })
+    local m = shard_mlp(mlp(8, 16, 4)(), { mesh = mesh, mp_policy = mp })
+    local work = mlp(8, 16, 4)()
+    work:to("bf16")
+    -- reference: each rank's bf16 gradient of each microbatch, summed in f64, averaged over the ranks
+    local sum = {}
+    for k = 1, 3 do
+      local x, y = mlp_batch(8, 4)(10 + k)
+      for r = 0, W - 1 do
+        work:zero_grad()
+        local l = F.mse_loss(work(local_rows(x, W, r):to("bf16")):to("f32"), local_rows(y, W, r)) * (1 / 3)
+        l:backward()
+        for name, p in work:named_parameters() do
+          local g = p.grad:to("f64")
+          sum[name] = sum[name] and sum[name] + g or g
+        end
+      end
+      m:set_requires_gradient_sync(k == 3)
+      local c = counted(function()
+        local l = F.mse_loss(m(local_rows(x, W, rank)):to("f32"), local_rows(y, W, rank)) * (1 / 3)
+        l:backward()
+      end)
+      assert.are.equal(k == 3 and 2 or 0, cnt(c, "reduce_scatter"))
+    end
+    for name, p in m:named_parameters() do
+      assert.are.equal("f32", p.grad.dtype)
+      -- bf16 accumulation would be off by ~3e-3 (measured); f32 sums agree to rounding
+      local e = rel(p.grad, sum[name] * (1 / W))
+      assert.is_true(e < 1e-5, name .. ": " .. e)
+    end
+  end)
+
+  it("clip_grad_norm_ with max_norm below the norm (types 2, 1, inf): clipped gradients equal to one process", function()
+    local ref, m = mlp(7, 15, 3)(), mlp(7, 15, 3)()
+    shard_mlp(m, { mesh = mesh })
+    local x, y = mlp_batch(7, 3)(3)
+    for _, norm in ipairs({ 2, 1, math.huge }) do
+      ref:zero_grad(true); m:zero_grad(true)
+      mse(ref, x, y):backward()
+      mse(m, local_rows(x, W, rank), local_rows(y, W, rank)):backward()
+      local function num(v) return type(v) == "number" and v or full(v):item() end
+      local total = num(nn.utils.clip_grad_norm_(ref:parameters(), 1e9, norm))
+      local a = num(nn.utils.clip_grad_norm_(ref:parameters(), total / 3, norm))
+      local b = num(nn.utils.clip_grad_norm_(m:parameters(), total / 3, norm))
+      assert.is_true(math.abs(b - a) < 1e-5 * math.max(1, a), tostring(norm))
+      for name, p in m:named_parameters() do
+        local e = rel(p.grad, ref:get_parameter(name).grad)
+        assert.is_true(e < 1e-5, string.format("norm %s %s: %g", tostring(norm), name, e))
+      end
+      -- clipped: the norm is now max_norm
+      local after = num(nn.utils.clip_grad_norm_(m:parameters(), 1e9, norm))
+      assert.is_true(math.abs(after - total / 3) < 1e-4 * total, tostring(norm))
+    end
+  end)
+
+  it("state dict: sharded DTensors load, entries share storage with the parameters, padding-only ranks hold empty locals", function()
+    -- out_features 3 over W ranks: at 4 ranks rank 3 holds only padding
+    local function build(seed) engine.manual_seed(seed); return nn.Sequential(nn.Linear(5, 3), nn.Tanh(), nn.Linear(3, 2)) end
+    local m, other, ref = build(1), build(2), build(2)
+    dist.fully_shard(m[1], { mesh = mesh }); dist.fully_shard(m, { mesh = mesh })
+    dist.fully_shard(other[1], { mesh = mesh }); dist.fully_shard(other, { mesh = mesh })
+    local sd = m:state_dict()
+    local w = sd["0.weight"]
+    assert.is_true(dist.is_dtensor(w))
+    local rows = math.max(0, math.min(math.ceil(3 / W), 3 - rank * math.ceil(3 / W)))
+    assert.are.same({ rows, 5 }, w:to_local():shape())
+    assert.are.same({ rows }, sd["0.bias"]:to_local():shape())
+    if W == 4 and rank == 3 then assert.are.equal(0, w:to_local():numel()) end
+    -- shared storage: writing through the state dict entry changes the parameter
+    engine.no_grad(function() sd["0.bias"]:to_local():fill_(0.25) end)
+    assert.is_true(rel(m[1].bias, engine.full({ 3 }, 0.25)) == 0)
+    -- sharded DTensors from another FSDP model of the same layout
+    m:load_state_dict(other:state_dict())
+    for name, p in m:named_parameters() do
+      assert.is_true(dist.is_dtensor(p), name)
+      assert.is_true(rel(p, ref:get_parameter(name)) == 0, name)
+    end
+    -- and the model still trains with those values (padding-only ranks take part)
+    engine.manual_seed(9)
+    local x = engine.randn(2 * W, 5)
+    ref(x):sum():backward()
+    m(local_rows(x, W, rank)):sum():backward()
+    for name, p in m:named_parameters() do
+      assert.is_true(rel(p.grad * W, ref:get_parameter(name).grad) < 1e-5, name)
+    end
+  end)
+
+  it("set_reshard_after_backward(false) keeps the groups unsharded between microbatches (no all-gather)", function()
+    local ref, m = mlp(7, 15, 3)(), mlp(7, 15, 3)()
+    shard_mlp(m, { mesh = mesh, reshard_after_forward = false })
+    local x, y = mlp_batch(7, 3)(4)
+    for k = 1, 3 do
+      local xs = x * k
+      ;(mse(ref, xs, y) * (1 / 3)):backward()
+      m:set_requires_gradient_sync(k == 3)
+      m:set_reshard_after_backward(k == 3)
+      local c = counted(function() (mse(m, local_rows(xs, W, rank), local_rows(y, W, rank)) * (1 / 3)):backward() end)
+      -- only the first forward all-gathers; the groups stay unsharded after the non-syncing backwards
+      assert.are.equal(k == 1 and 2 or 0, cnt(c, "all_gather"), "microbatch " .. k)
+      assert.are.equal(k == 3 and 2 or 0, cnt(c, "reduce_scatter"), "microbatch " .. k)
+      assert.are.equal(k == 3 and "sharded" or "unsharded", dist.fsdp_counts(m[1]).state, "microbatch " .. k)
+      assert.are.equal(k ~= 3, not dist.is_dtensor(m[1].weight))
+    end
+    for name, p in m:named_parameters() do
+      assert.is_true(rel(p.grad, ref:get_parameter(name).grad) < 1e-5, name)
+    end
+  end)
+
+  it("set_gradient_divide_factor(f): the reduced gradients are the ranks' sum divided by f", function()
+    for _, f in ipairs({ 1, 3 }) do
+      local ref, m = mlp(6, 10, 2)(), mlp(6, 10, 2)()
+      shard_mlp(m, { mesh = mesh })
+      m:set_gradient_divide_factor(f)
+      local x, y = mlp_batch(6, 2)(5)
+      mse(ref, x, y):backward()
+      mse(m, local_rows(x, W, rank), local_rows(y, W, rank)):backward()
+      for name, p in m:named_parameters() do
+        -- each rank's mean loss over its rows: the ranks' sum is W x the global-batch gradient
+        local e = rel(p.grad, ref:get_parameter(name).grad * (W / f))
+        assert.is_true(e < 1e-5, string.format("f = %g %s: %g", f, name, e))
+      end
+    end
+    assert.is_truthy(errmsg(function() shard_mlp(mlp(2, 2, 2)(), { mesh = mesh }):set_gradient_divide_factor(0) end)
+      :find("expected a positive number", 1, true))
+  end)
+
+  it("a pending unshard{async_op = true} is waited for in forward-pre (no second all-gather)", function()
+    local ref, m = mlp(7, 15, 3)(), mlp(7, 15, 3)()
+    shard_mlp(m, { mesh = mesh })
+    local x = mlp_batch(7, 3)(6)
+    local c, y = counted(function()
+      local h = m[1]:unshard({ async_op = true })
+      assert.is_not_nil(h)
+      local y = m(local_rows(x, W, rank))
+      h:wait()   -- already finished: a no-op
+      return y
+    end)
+    assert.are.equal(2, cnt(c, "all_gather"))   -- m[1]'s (the async one) and m[3]'s
+    assert.is_true(rel(y, local_rows(ref(x), W, rank)) < 1e-5)
+    assert.are.equal("sharded", dist.fsdp_counts(m[1]).state)
+  end)
+
+  it("optim.SGD (momentum, weight decay) steps the sharded parameters equal to one process", function()
+    parity({
+      build = mlp(7, 15, 3),
+      shard = function(m) shard_mlp(m, { mesh = mesh }) end,
+      optim = function(params) return engine.optim.SGD(params, { lr = 0.05, momentum = 0.9, weight_decay = 0.01 }) end,
+      batch = mlp_batch(7, 3), loss = mse, steps = 5,
+    })
   end)
 end)
 

@@ -130,10 +130,10 @@ function UnshardHandle:wait()
 end
 
 -- unshard{async_op = false}: all-gathers now; with async_op a handle whose :wait() finishes it (the
--- module's next forward waits for it by itself).
+-- module's next forward waits for it by itself).  It does not make the module a root (the seed's
+-- unshard initializes only the parameter group): a block unsharded before the first forward stays a block.
 function FSDPModule.unshard(self, opts)
   local st = group_of(self, "unshard")
-  M._lazy_init(self)
   local async = type(opts) == "table" and opts.async_op or false
   core.check(C.eng_fsdp_group_unshard(st.group, async and 1 or 0), 2)
   local h = setmetatable({ _g = st.group }, UnshardHandle)
