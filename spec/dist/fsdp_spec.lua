@@ -313,9 +313,19 @@ describe("fully_shard: more layouts and controls", function()
       shard_mlp(m, { mesh = mesh, reshard_after_forward = raf })
       assert.is_true(dist.is_dtensor(m[1].weight))
       local out = m(engine.randn(2, 4))
-      assert.are.equal(not raf, not dist.is_dtensor(m[1].weight))
-      assert.is_false(dist.is_dtensor(m[1].weight) and m[1].weight:shape()[1] ~= 8)
-      assert.is_true(not dist.is_dtensor(m.bias or m[3].weight) == true or true)
+      -- true: the sharded DTensors (this rank's chunk of rows); false: the unsharded plain tensors
+      for _, w in ipairs({ m[1].weight, m[3].weight }) do
+        local rows = w:shape()[1]
+        local mine = math.max(0, math.min(math.ceil(rows / W), rows - rank * math.ceil(rows / W)))
+        if raf then
+          assert.is_true(dist.is_dtensor(w))
+          assert.are.equal(mine, w:to_local():shape()[1])
+        else
+          assert.is_false(dist.is_dtensor(w))
+          assert.are.equal(rows, w:shape()[1])
+        end
+      end
+      assert.are.equal(raf and "sharded" or "unsharded", dist.fsdp_counts(m[3]).state)
       out:sum():backward()
       assert.is_true(dist.is_dtensor(m[1].weight))
       -- reshard() / unshard()
@@ -349,6 +359,27 @@ describe("fully_shard: more layouts and controls", function()
     assert.are.equal(2, cnt(c, "all_gather"))
     assert.is_true(dist.is_dtensor(m[1].weight))
     assert.are.equal(1, m[1].weight.device_mesh:ndim())
+  end)
+
+  it("reshard_after_forward as an int (the seed's reading): 1 is false, the shard size is true, a non-factor errs", function()
+    local function bw_all_gathers(raf)
+      local m = shard_mlp(mlp(4, 8, 2)(), { mesh = mesh, reshard_after_forward = raf })
+      local x = engine.randn(2, 4)
+      local c = counted(function() m(x):sum():backward() end)
+      return cnt(c, "all_gather") - 2, m
+    end
+    local n, m = bw_all_gathers(1)
+    assert.are.equal(0, n)   -- kept unsharded after forward: no backward all-gather
+    m(engine.randn(2, 4))
+    assert.is_false(dist.is_dtensor(m[1].weight))
+    if W > 1 then assert.are.equal(2, bw_all_gathers(W)) end   -- resharded to the whole shard group
+    assert.is_truthy(errmsg(dist.fully_shard, nn.Linear(4, 4), { mesh = mesh, reshard_after_forward = W + 1 })
+      :find("should be a factor of " .. W .. ", not " .. (W + 1), 1, true))
+    -- set_reshard_after_forward reads an int the same way
+    local m2 = shard_mlp(mlp(4, 8, 2)(), { mesh = mesh })
+    m2:set_reshard_after_forward(1)
+    local c = counted(function() m2(engine.randn(2, 4)):sum():backward() end)
+    assert.are.equal(2, cnt(c, "all_gather"))   -- forward only
   end)
 
   it("set_reshard_after_forward and reshard() change the backward all-gathers; register_fsdp_forward_method", function()
@@ -679,6 +710,53 @@ describe("fully_shard: gradients and state", function()
     assert.are.equal(2, cnt(c, "all_gather"))   -- m[1]'s (the async one) and m[3]'s
     assert.is_true(rel(y, local_rows(ref(x), W, rank)) < 1e-5)
     assert.are.equal("sharded", dist.fsdp_counts(m[1]).state)
+  end)
+
+  it("set_is_last_backward(false): the end of backward leaves the reduce-scatters in flight; the last one waits", function()
+    local ref, m = mlp(7, 15, 3)(), mlp(7, 15, 3)()
+    shard_mlp(m, { mesh = mesh })
+    m:set_overlap({ async_reduce = true })   -- reduce-scatters left in flight (the CUDA default)
+    local x, y = mlp_batch(7, 3)(7)
+    local function micro(k)
+      local xs = x * k
+      ;(mse(ref, xs, y) * (1 / 3)):backward()
+      ;(mse(m, local_rows(xs, W, rank), local_rows(y, W, rank)) * (1 / 3)):backward()
+    end
+    local function check_grads()
+      for name, p in m:named_parameters() do
+        assert.is_true(rel(p.grad, ref:get_parameter(name).grad) < 1e-5, name)
+      end
+    end
+    m:set_is_last_backward(false)
+    micro(1)
+    -- m[3] reduced first (finished when m[1]'s was issued), m[1] last: still in flight, .grad not written
+    assert.is_true(dist.fsdp_counts(m[1]).reduce_pending)
+    assert.is_nil(m[1].weight.grad)
+    assert.is_false(dist.fsdp_counts(m[3]).reduce_pending)
+    assert.is_not_nil(m[3].weight.grad)
+    m:set_is_last_backward(true)
+    micro(2)   -- finishes the first backward's reduction on its way, and waits for its own at the end
+    assert.is_false(dist.fsdp_counts(m[1]).reduce_pending)
+    check_grads()
+    -- an explicit wait finishes what a non-last backward left
+    m[3]:set_is_last_backward(false)   -- the flag is the tree's: set on a block, read by the root
+    micro(3)
+    assert.is_true(dist.fsdp_counts(m[1]).reduce_pending)
+    m:wait_for_reductions()
+    assert.is_false(dist.fsdp_counts(m[1]).reduce_pending)
+    check_grads()
+  end)
+
+  it("set_post_optim_event: accepted on a CPU mesh, kept by the root and dropped at its next forward", function()
+    local m = shard_mlp(mlp(4, 6, 2)(), { mesh = mesh })
+    local x = engine.randn(2, 4)
+    m(x):sum():backward()
+    local ev = { recorded_after = "optimizer step" }   -- no event objects on a CPU run: any value
+    m[1]:set_post_optim_event(ev)                      -- on any module of the tree: the root's
+    assert.are.equal(ev, rawget(m, "_fsdp").post_optim_event)
+    local c = counted(function() m(x):sum():backward() end)
+    assert.is_nil(rawget(m, "_fsdp").post_optim_event)
+    assert.are.equal(4, cnt(c, "all_gather"))
   end)
 
   it("optim.SGD (momentum, weight decay) steps the sharded parameters equal to one process", function()

@@ -69,6 +69,10 @@ eng_tensor* eng_fsdp_group_leaf(eng_fsdp_group* g, int i);
 int eng_fsdp_group_state(const eng_fsdp_group* g);
 /* 1 when an async unshard is in flight. */
 int eng_fsdp_group_pending(const eng_fsdp_group* g);
+/* 1 when the group's reduce-scatter is in flight (its gradients not in .grad yet). */
+int eng_fsdp_group_reduce_pending(const eng_fsdp_group* g);
+/* Finishes every reduction still in flight in g's tree (its root's groups), writing the sharded .grad. */
+int eng_fsdp_group_wait_reductions(eng_fsdp_group* g);
 int eng_fsdp_group_unshard(eng_fsdp_group* g, int async_op);
 int eng_fsdp_group_wait_unshard(eng_fsdp_group* g);
 int eng_fsdp_group_reshard(eng_fsdp_group* g);
@@ -84,6 +88,8 @@ int eng_fsdp_group_set_requires_gradient_sync(eng_fsdp_group* g, int flag);
 int eng_fsdp_group_set_requires_all_reduce(eng_fsdp_group* g, int flag);
 /* factor <= 0: back to the default (the data-parallel size). */
 int eng_fsdp_group_set_gradient_divide_factor(eng_fsdp_group* g, double factor);
+/* flag 0: the root's end of backward leaves reductions and prefetched all-gathers in flight (the next
+ * backward or eng_fsdp_group_wait_reductions finishes them); read on the root's group. */
 int eng_fsdp_group_set_is_last_backward(eng_fsdp_group* g, int flag);
 /* Explicit prefetch lists (replace the implicit next-group prefetch). */
 int eng_fsdp_group_set_forward_prefetch(eng_fsdp_group* g, int n, eng_fsdp_group** groups);

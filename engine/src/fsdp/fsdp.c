@@ -23,6 +23,7 @@ typedef struct fparam {
   eng_dist_spec* uspec; /* FSDP over TP: the unsharded parameter's TP layout (the leaf is that DTensor), or NULL */
   int64_t uoff;         /* offset in the unsharded buffer */
   int ready;            /* got its gradient in this backward */
+  int in_rs;            /* its gradient is in the group's reduce-scatter (in flight until rs_finish) */
   int packed;           /* its gradient is already in g->rs_in (packed as it arrived) */
 } fparam;
 
@@ -305,8 +306,8 @@ static int rs_finish(eng_fsdp_group* g) {
   int prev_local = eng_dtensor_set_local_mode(1);
   for (int i = 0; i < g->n && !rc; i++) {
     fparam* q = &g->p[i];
-    if (!q->ready) continue;
-    q->ready = 0;
+    if (!q->in_rs) continue;
+    q->in_rs = 0;
     eng_tensor* s = q->sharded;
     eng_tensor* gl = eng_new(s->ndim, s->shape, s->dtype, s->device);
     if (!gl) { rc = -1; break; }
@@ -356,7 +357,7 @@ static int post_backward(eng_fsdp_group* g) {
       rc = g->rs_out ? 0 : -1;
       for (int i = 0; i < g->n && !rc; i++) {
         fparam* q = &g->p[i];
-        q->ready = q->acc != NULL || q->packed;
+        q->in_rs = q->acc != NULL || q->packed;
         if (!q->packed) rc = pack_param(g, 0, i, q->acc, g->rs_in, 0, g->W);
       }
       for (int i = 0; i < g->n; i++) { free_tensor(&g->p[i].acc); g->p[i].packed = 0; }
@@ -582,6 +583,10 @@ static int hook_post(eng_module* m, int kind, eng_tensor** ts, int n, void* ud) 
 }
 
 /* ---------------------------------------------------------------- end of backward (root) */
+/* set_is_last_backward(false) (the seed's meaning): the root's end of backward does not wait for the
+ * reductions still in flight (reduce_scatters left async: set_overlap's async_reduce, the CUDA default) nor
+ * for prefetched all-gathers; their gradients land in .grad when the next backward (or
+ * eng_fsdp_group_wait_reductions) finishes them. */
 static int root_final(void* ud) {
   eng_fsdp_group* r = ud;
   int rc = 0;
@@ -592,8 +597,8 @@ static int root_final(void* ud) {
   }
   for (int k = 0; k < r->n_tree; k++) {
     eng_fsdp_group* g = r->tree[k];
-    if (rs_finish(g) && !rc) rc = -1;
-    if (g->ag_out && ag_finish(g) && !rc) rc = -1;
+    if (r->is_last && rs_finish(g) && !rc) rc = -1;
+    if (r->is_last && g->ag_out && ag_finish(g) && !rc) rc = -1;
     if (g->rab && g->state != ST_SHARDED && eng_fsdp_group_reshard(g) && !rc) rc = -1;
     g->pre_done = 0; g->post_done = 0; g->n_ready = 0;
     for (int i = 0; i < g->n; i++) g->p[i].ready = 0;
@@ -783,6 +788,19 @@ eng_tensor* eng_fsdp_group_leaf(eng_fsdp_group* g, int i) {
 }
 int eng_fsdp_group_state(const eng_fsdp_group* g) { return g ? g->state : -1; }
 int eng_fsdp_group_pending(const eng_fsdp_group* g) { return g && g->ag_out ? 1 : 0; }
+int eng_fsdp_group_reduce_pending(const eng_fsdp_group* g) { return g && g->rs_out ? 1 : 0; }
+
+int eng_fsdp_group_wait_reductions(eng_fsdp_group* g) {
+  if (!g) return eng_err("wait_reductions: group is NULL");
+  eng_fsdp_group* r = g->root ? g->root : g;
+  int prev = eng_set_grad_enabled(0);
+  int rc = 0;
+  if (r->n_tree == 0) rc = rs_finish(g);
+  for (int k = 0; k < r->n_tree; k++)
+    if (rs_finish(r->tree[k]) && !rc) rc = -1;
+  eng_set_grad_enabled(prev);
+  return rc;
+}
 
 int eng_fsdp_group_set_reshard_after_forward(eng_fsdp_group* g, int value, eng_mesh* post_mesh) {
   if (!g) return eng_err("set_reshard_after_forward: group is NULL");

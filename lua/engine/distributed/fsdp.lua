@@ -142,8 +142,22 @@ function FSDPModule.unshard(self, opts)
   return nil
 end
 
+-- set_is_last_backward(false): the root's end of backward does not wait for the reductions still in flight
+-- (reduce-scatters left async: set_overlap{async_reduce = true}, the CUDA default; on a CPU mesh each
+-- reduce-scatter is finished in its own post-backward, so nothing is left to skip) nor for prefetched
+-- all-gathers: their gradients reach .grad in the next backward or at wait_for_reductions().  The flag is
+-- the tree's (the seed keeps it in the shared state context): set on the root, or on any module of the tree.
 function FSDPModule.set_is_last_backward(self, flag)
-  each_fsdp(self, true, function(_, st) C.eng_fsdp_group_set_is_last_backward(st.group, flag and 1 or 0) end)
+  local v = flag and 1 or 0
+  each_fsdp(self, true, function(_, st) C.eng_fsdp_group_set_is_last_backward(st.group, v) end)
+  local root = group_of(self, "set_is_last_backward").root
+  if root then C.eng_fsdp_group_set_is_last_backward(root.group, v) end
+end
+
+-- wait_for_reductions() (engine extension): finishes the reductions a non-last backward left in flight in
+-- this module's FSDP tree, so that .grad holds them (before an optimizer step or a gradient read).
+function FSDPModule.wait_for_reductions(self)
+  core.check(C.eng_fsdp_group_wait_reductions(group_of(self, "wait_for_reductions").group), 2)
 end
 
 function FSDPModule.set_requires_gradient_sync(self, flag, opts)
@@ -165,12 +179,29 @@ function FSDPModule.set_reshard_after_backward(self, flag, opts)
   end)
 end
 
-local function raf_value(v, op)
+-- The C value of reshard_after_forward over a shard group of W ranks: 1 reshard (true), 0 keep (false), N > 1
+-- reshard to N ranks.  An integer is the world size to reshard to, as the seed reads it
+-- (_get_post_forward_mesh_info): a factor of W; 1 means false (said once) and W means true.
+local function raf_value(v, op, W)
   if v == nil or v == true then return 1 end
   if v == false then return 0 end
   if type(v) ~= "number" or v % 1 ~= 0 or v < 1 then
     fail(string.format("%s: reshard_after_forward must be true, false or an integer world size, got %s", op, tostring(v)))
   end
+  if not W then return v end
+  if v > W or W % v ~= 0 then
+    fail(string.format("%s: if passing reshard_after_forward as an int, it should be a factor of %d, not %d (the world "
+      .. "size to reshard to after forward: a non-trivial divisor of the shard dim size %d)", op, W, v, W))
+  end
+  if v == 1 then
+    if not M._said_raf1 then
+      M._said_raf1 = true
+      io.stderr:write("fully_shard: reshard_after_forward=1 (int) means resharding parameters to world size 1, "
+        .. "instead of reshard_after_forward=True (bool): treated as False\n")
+    end
+    return 0
+  end
+  if v == W then return 1 end
   return v
 end
 
@@ -204,9 +235,9 @@ end
 
 -- set_reshard_after_forward(value [, {recurse = true}]) (not on the root, which keeps false)
 function FSDPModule.set_reshard_after_forward(self, value, opts)
-  local v = raf_value(value, "set_reshard_after_forward")
+  raf_value(value, "set_reshard_after_forward")
   each_fsdp(self, recurse_opt(opts), function(m, st)
-    set_raf(st, v, 4)
+    set_raf(st, raf_value(value, "set_reshard_after_forward", st.mesh:size(st.mesh:ndim())), 4)
     st.reshard_after_forward = value
   end)
 end
@@ -235,9 +266,17 @@ function FSDPModule.set_modules_to_backward_prefetch(self, list)
   group_of(self).bwd_prefetch = list
 end
 
--- A CUDA event recorded after the optimizer step; on a CPU run there is nothing to wait for.
+-- set_post_optim_event(event): the seed's root waits its all-gather streams on this event (recorded after the
+-- optimizer step) instead of on the whole current stream, then drops it.  Here it is accepted and dropped at
+-- the root's next forward, with nothing to wait for: on a CPU mesh collectives run in program order; on a CUDA
+-- mesh the runtime has no event objects (engine/include/eng/cuda.h) and every NCCL collective's stream already
+-- waits for all the work queued on the compute stream (comm/nccl.c, eng_cuda_stream_wait), the optimizer
+-- step included, so the next forward's all-gathers are ordered after the step either way (the false
+-- dependency the event avoids in PyTorch stays).
 function FSDPModule.set_post_optim_event(self, event)
-  group_of(self, "set_post_optim_event").post_optim_event = event
+  local st = group_of(self, "set_post_optim_event")
+  local root = st.root or st
+  root.post_optim_event = event
 end
 
 -- set_overlap{implicit_prefetch = bool, async_reduce = bool, recurse = true} (engine extension): implicit
@@ -283,6 +322,7 @@ end
 local function fsdp_call(self, ...)
   local st = rawget(self, "_fsdp")
   if not st.root then M._lazy_init(self) end
+  if st.is_root then st.post_optim_event = nil end  -- used once (see set_post_optim_event)
   return st.module_call(self, ...)
 end
 
@@ -417,7 +457,8 @@ function M.fully_shard(module, opts)
   if is_fsdp(module) then
     fail(string.format("%s: %s is already an FSDP module (fully_shard was called on it before)", op, module.__name))
   end
-  local raf = raf_value(opts.reshard_after_forward, op)
+  raf_value(opts.reshard_after_forward, op)  -- its type (the factor check is agreed below)
+  local raf
   local mp = opts.mp_policy or M.MixedPrecisionPolicy()
   if getmetatable(mp) ~= MixedPrecisionPolicy then fail(op .. ": mp_policy must be a dist.MixedPrecisionPolicy{...}") end
   local offload = opts.offload_policy or M.OffloadPolicy()
@@ -434,8 +475,10 @@ function M.fully_shard(module, opts)
   local mods = managed_modules(module)
   local order, by_ptr = {}, {}
   local pdims = rawget(mesh, "_parent_dims")
-  local sig = { tostring(mesh:get_root_mesh()), pdims and table.concat(pdims, ",") or "", tostring(raf) }
+  local sig = { tostring(mesh:get_root_mesh()), pdims and table.concat(pdims, ",") or "" }
   local scan_ok, scan_err = pcall(function()
+  raf = raf_value(opts.reshard_after_forward, op, mesh:size(mesh:ndim()))
+  sig[#sig + 1] = tostring(raf)
   for mi, m in ipairs(mods) do
     local params = rawget(m, "_parameters")
     for _, name in ipairs(rawget(m, "_param_names")) do
@@ -708,7 +751,8 @@ function M.fsdp_counts(module)
   local st = group_of(module, "fsdp_counts")
   return { all_gather = tonumber(C.eng_fsdp_group_count(st.group, 0)),
            reduce_scatter = tonumber(C.eng_fsdp_group_count(st.group, 1)),
-           state = ({ [0] = "sharded", "unsharded", "post_forward" })[C.eng_fsdp_group_state(st.group)] }
+           state = ({ [0] = "sharded", "unsharded", "post_forward" })[C.eng_fsdp_group_state(st.group)],
+           reduce_pending = C.eng_fsdp_group_reduce_pending(st.group) ~= 0 }
 end
 
 return M
