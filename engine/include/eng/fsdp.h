@@ -30,7 +30,8 @@
  * an identity node whose backward is the pre-backward hook (unshard again
  * where resharded, prefetch the group that runs backward next).  The root's
  * end-of-backward callback flushes groups with pending gradients, waits for
- * every reduction and reshards (reshard_after_backward). */
+ * every reduction (not after set_is_last_backward(false)) and reshards
+ * (reshard_after_backward).  Frozen parameters take no post-accumulate hook. */
 #ifndef ENG_FSDP_H
 #define ENG_FSDP_H
 

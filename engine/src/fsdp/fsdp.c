@@ -46,7 +46,8 @@ struct eng_fsdp_group {
   int state;
   /* all-gather in flight */
   eng_work* ag_work; eng_tensor* ag_in; eng_tensor* ag_out; int ag_L;
-  eng_tensor* kept;     /* ST_POST_FWD: this rank's W/N chunks */
+  eng_tensor* kept;     /* ST_POST_FWD: this rank's chunk of the unsharded parameters chunked over the N-rank
+                         * post-forward subgroup (torch.chunk over N: ceil(size/N) rows each, padded; chunk_n) */
   /* reduce-scatter in flight */
   eng_work* rs_work; eng_tensor* rs_in; eng_tensor* rs_out;
   int raf, rab, sync, all_reduce, is_last;
