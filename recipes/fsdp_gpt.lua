@@ -11,7 +11,7 @@
 -- Options: those of recipes/gpt.lua for the model, training, data, logging and sampling (--n_layers --dim
 -- --n_heads --seq --dropout --batch --steps --lr --warmup --min_lr_ratio --weight_decay --beta1 --beta2
 -- --grad_clip --seed --threads --train --val --log_every --eval_every --eval_batches --sample_len
--- --temperature --prompt), and
+-- --temperature --prompt --log_exact), and
 --   --reshard_after_forward  true (default: free each block's unsharded parameters after its forward and
 --                            all-gather them again in backward), false (keep them until backward), or N
 --                            (keep an N-rank sharding after forward: the backward all-gather runs on N ranks)
@@ -35,7 +35,9 @@
 -- --ckpt_async (1: save in a background thread).  dist.checkpoint: every rank writes its own shards of the
 -- model and AdamW state (keyed by parameter names: FSDP keeps them), plus the step, RNG state and data position;
 -- a load fills the current layout whatever it was at save time (another world size, --hsdp, or recipes/gpt.lua
--- and recipes/tp_gpt.lua's dcp checkpoints), and resuming is exact.
+-- and recipes/tp_gpt.lua's dcp checkpoints), and resuming is exact (bit for bit at the same world size and layout;
+-- spec/checkpoint_recipe_spec.lua).  A NaN or infinite loss stops the run naming the step and the last good
+-- checkpoint (the newest saved or resumed from), as recipes/gpt.lua.
 local engine = require("engine")
 local nn, optim, data, dist = engine.nn, engine.optim, engine.data, engine.distributed
 local F = nn.functional
@@ -56,7 +58,7 @@ local defaults = {
   log_every = 10, eval_every = 100, eval_batches = 20,
   ckpt_dir = HOME .. "/checkpoints", ckpt_every = 0, resume = "", ckpt_keep = 0, ckpt_async = 0,
   sample_len = 300, temperature = 0.8, prompt = "And God said",
-  reshard_after_forward = "true", param_dtype = "", reduce_dtype = "", hsdp = 1, grad_accum = 1,
+  reshard_after_forward = "true", param_dtype = "", reduce_dtype = "", hsdp = 1, grad_accum = 1, log_exact = 0,
 }
 for k, v in pairs(CFG and CFG.defaults or {}) do defaults[k] = v end
 
@@ -88,6 +90,7 @@ local function parse_args(argv)
   if o.warmup < 0 then error(NAME .. ": --warmup must be >= 0", 0) end
   if o.ckpt_keep < 0 or o.ckpt_keep % 1 ~= 0 then error(NAME .. ": --ckpt_keep must be a non-negative integer", 0) end
   if o.ckpt_async ~= 0 and o.ckpt_async ~= 1 then error(NAME .. ": --ckpt_async must be 0 or 1", 0) end
+  if o.log_exact ~= 0 and o.log_exact ~= 1 then error(NAME .. ": --log_exact must be 0 or 1", 0) end
   local raf = o.reshard_after_forward
   if raf == "true" then o.raf = true
   elseif raf == "false" then o.raf = false
@@ -121,6 +124,23 @@ local function local_bytes(t)
   if t == nil or not engine.is_tensor(t) then return 0 end
   if dist.is_dtensor(t) then t = t:to_local() end
   return t:numel() * t:element_size()
+end
+
+-- recipes/gpt.lua's digest of the parameters (each full tensor's checksum in name order, FNV-1a): the same
+-- bits give the same digest whatever the layout.  Collective (full_tensor).
+local function parameter_digest(model)
+  local by_name, names = {}, {}
+  for name, p in model:named_parameters() do
+    if not by_name[name] then by_name[name] = p; names[#names + 1] = name end
+  end
+  table.sort(names)
+  local h = 1469598103934665603ULL
+  for _, name in ipairs(names) do
+    local p = by_name[name]
+    local s = name .. "=" .. engine.tensor_checksum(dist.is_dtensor(p) and p:full_tensor() or p) .. ";"
+    for i = 1, #s do h = bit.bxor(h, s:byte(i)) * 1099511628211ULL end
+  end
+  return bit.tohex(h, 16)
 end
 
 local function main(argv)
@@ -278,6 +298,7 @@ local function main(argv)
       rng = engine.get_rng_state(), data = train:state() }
   end
   local step = 0
+  local last_ckpt = nil    -- the newest checkpoint saved or resumed from (named when training diverges)
   if o.resume ~= "" then
     local path = o.resume
     if path == "latest" then
@@ -290,6 +311,7 @@ local function main(argv)
     engine.set_rng_state(st.rng)
     train:set_state(st.data)
     step = st.step
+    last_ckpt = path
     log(NAME .. ": resumed from %s at step %d", path, step)
   end
   local pending_save = nil   -- an async save in flight: finished (collectively) before the next one
@@ -306,6 +328,7 @@ local function main(argv)
     local path = dcp.path(o.ckpt_dir, at_step)
     local h = dcp.save(dcp_state(at_step), path, { async = o.ckpt_async == 1 })
     local function done()
+      last_ckpt = path
       log(NAME .. ": saved %s", path)
       if o.ckpt_keep > 0 and rank == 0 then dcp.prune(o.ckpt_dir, o.ckpt_keep) end
     end
@@ -340,17 +363,19 @@ local function main(argv)
     if #times == 0 then log_shard_memory() end
     opt:zero_grad()
     l = all_reduce_num(l)   -- (the tp ranks of one dp row hold the same loss)
-    if l ~= l or l == math.huge then -- the same on every rank (averaged): all stop together
-      error(string.format(NAME .. ": the loss is %s at step %d (lr %.3e): training diverged; lower --lr or raise "
-        .. "--warmup or --grad_clip", tostring(l), step + 1, lr), 0)
+    if l ~= l or l == math.huge or l == -math.huge then -- the same on every rank (averaged): all stop together
+      finish_save()
+      error(string.format(NAME .. ": the loss is %s at step %d (lr %.3e): training diverged; lower --lr, raise "
+        .. "--warmup or --grad_clip, or resume from an earlier checkpoint (last good checkpoint: %s)", tostring(l),
+        step + 1, lr, last_ckpt or "none"), 0)
     end
     step = step + 1
     times[#times + 1] = engine.time() - t0
     n_log = n_log + 1
     if step % o.log_every == 0 or step == o.steps then
       local dt = (engine.time() - t_log) / n_log
-      log("step %5d | loss %.6f | lr %.3e | grad norm %.4f | %.1f ms/step | %.0f tok/s | peak %.1f MiB",
-        step, l, lr, gnorm, dt * 1e3, tokens_per_step / dt, engine.memory_stats().peak_allocated / 2 ^ 20)
+      log("step %5d | loss " .. (o.log_exact == 1 and "%.17g" or "%.6f") .. " | lr %.3e | grad norm %.4f | %.1f ms/step "
+        .. "| %.0f tok/s | peak %.1f MiB", step, l, lr, gnorm, dt * 1e3, tokens_per_step / dt, engine.memory_stats().peak_allocated / 2 ^ 20)
       t_log, n_log = engine.time(), 0
     end
     if o.eval_every > 0 and step % o.eval_every == 0 and step ~= o.steps then
@@ -367,6 +392,7 @@ local function main(argv)
     save(step)
   end
   finish_save()
+  if o.log_exact == 1 then log(NAME .. ": parameter digest %s", parameter_digest(model)) end
 
   -- a sample (seeded: the same run prints the same text); every rank runs the forward (it all-gathers) and
   -- draws the same tokens, rank 0 prints them; with --sp the context is padded on the right to a multiple of

@@ -12,6 +12,8 @@
 --              --seed (model init, data order, dropout) --threads (BLAS/kernel threads per rank)
 --   data       --train --val (llm.c token shards, byte tokens)
 --   logging    --log_every (rank 0 prints step, loss, lr, grad norm, ms/step, tokens/s, peak memory)
+--              --log_exact (1: losses printed with %.17g, and a digest of the final parameters (every full
+--              tensor's checksum, in name order), so that runs can be compared bit for bit)
 --              --eval_every --eval_batches (validation loss on the first eval_batches batches of val;
 --              also before the first step and after the last)
 --   checkpoint --ckpt_dir --ckpt_every (0: only at the end; -1: never) --resume (a checkpoint path, or
@@ -66,7 +68,7 @@ local defaults = {
   train = HOME .. "/data/kjv_train.bin", val = HOME .. "/data/kjv_val.bin",
   log_every = 10, eval_every = 100, eval_batches = 20,
   ckpt_dir = HOME .. "/checkpoints", ckpt_every = 0, resume = "", ckpt_format = "dcp", ckpt_keep = 0, ckpt_async = 0,
-  sample_len = 300, temperature = 0.8, prompt = "And God said", tp = 1, sp = 0, dtensor_dp = 0,
+  sample_len = 300, temperature = 0.8, prompt = "And God said", tp = 1, sp = 0, dtensor_dp = 0, log_exact = 0,
 }
 for k, v in pairs(MODEL and MODEL.defaults or {}) do defaults[k] = v end
 -- recipes/tp_gpt.lua sets GPT_DEFAULTS (e.g. {tp = 0}) before running this file
@@ -100,6 +102,7 @@ local function parse_args(argv)
   if o.ckpt_format ~= "dcp" and o.ckpt_format ~= "full" then error(NAME .. ": --ckpt_format must be dcp or full", 0) end
   if o.ckpt_keep < 0 or o.ckpt_keep % 1 ~= 0 then error(NAME .. ": --ckpt_keep must be a non-negative integer", 0) end
   if o.dtensor_dp ~= 0 and o.dtensor_dp ~= 1 then error(NAME .. ": --dtensor_dp must be 0 or 1", 0) end
+  if o.log_exact ~= 0 and o.log_exact ~= 1 then error(NAME .. ": --log_exact must be 0 or 1", 0) end
   o.warmup = math.min(o.warmup, o.steps)
   return o
 end
@@ -123,6 +126,23 @@ local function init_weights(model, n_layers)
       nn.init.normal_(p, 0, 0.02 / math.sqrt(2 * n_layers))
     else nn.init.normal_(p, 0, 0.02) end
   end
+end
+
+-- a digest of the model's parameters: each full tensor's checksum (engine.tensor_checksum), in name order, hashed
+-- (FNV-1a); the same bits give the same digest whatever the layout.  Collective (full_tensor of DTensors).
+local function parameter_digest(model)
+  local by_name, names = {}, {}
+  for name, p in model:named_parameters() do
+    if not by_name[name] then by_name[name] = p; names[#names + 1] = name end
+  end
+  table.sort(names)
+  local h = 1469598103934665603ULL
+  for _, name in ipairs(names) do
+    local p = by_name[name]
+    local s = name .. "=" .. engine.tensor_checksum(dist.is_dtensor(p) and p:full_tensor() or p) .. ";"
+    for i = 1, #s do h = bit.bxor(h, s:byte(i)) * 1099511628211ULL end
+  end
+  return bit.tohex(h, 16)
 end
 
 local function main(argv)
@@ -408,8 +428,8 @@ local function main(argv)
     n_log = n_log + 1
     if step % o.log_every == 0 or step == o.steps then
       local dt = (engine.time() - t_log) / n_log
-      log("step %5d | loss %.6f | lr %.3e | grad norm %.4f | %.1f ms/step | %.0f tok/s | peak %.1f MiB",
-        step, l, lr, gnorm, dt * 1e3, dp * o.batch * o.seq / dt,
+      log("step %5d | loss " .. (o.log_exact == 1 and "%.17g" or "%.6f") .. " | lr %.3e | grad norm %.4f | %.1f ms/step "
+        .. "| %.0f tok/s | peak %.1f MiB", step, l, lr, gnorm, dt * 1e3, dp * o.batch * o.seq / dt,
         engine.memory_stats().peak_allocated / 2 ^ 20)
       t_log, n_log = engine.time(), 0
     end
@@ -427,6 +447,7 @@ local function main(argv)
     if o.ckpt_every >= 0 then save(step) end
   end
   finish_save()
+  if o.log_exact == 1 then log(NAME .. ": parameter digest %s", parameter_digest(model)) end
 
   -- a sample from rank 0 (seeded: the same run prints the same text); with TP every rank runs the
   -- forward (it is collective), with SP on a context padded on the right to a multiple of tp

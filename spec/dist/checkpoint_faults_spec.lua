@@ -138,6 +138,8 @@ describe("dist.checkpoint faults (" .. W .. " ranks)", function()
     assert.is_nil(io.open(bad .. victim, "rb"))
     local e2 = errmsg(ckpt.load, target(), bad)
     assert.is_truthy(e2:find("no metadata file", 1, true), e2)
+    -- the message names the partial file the interrupted rank left
+    assert.is_truthy(e2:find("partial data file(s) " .. bad .. victim .. ".tmp", 1, true), e2)
     local st = target()
     ckpt.load(st, good)
     assert.equal(0, diff(st.w:full_tensor(), full()))

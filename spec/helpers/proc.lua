@@ -15,4 +15,44 @@ function M.self_exe()
   return exe
 end
 
+-- have_mpirun() -> whether mpirun is on the PATH
+function M.have_mpirun()
+  local p = io.popen("command -v mpirun")
+  local s = p:read("*a")
+  p:close()
+  return s ~= ""
+end
+
+-- job(np, script, args, {env = {NAME = value}, timeout = 120}) -> output (stdout and stderr), exit status.
+-- Runs `engine script args...` in ENGINE_HOME as a child job: under `mpirun -np np` (np >= 1) or alone (np = 0),
+-- killed after timeout seconds (status 124, or 137 when it had to be killed).  The MPI variables of this process
+-- are dropped (a child mpirun inside an MPI singleton or job fails otherwise); env is set for every rank.
+function M.job(np, script, args, opts)
+  opts = opts or {}
+  local home = rawget(_G, "ENGINE_HOME") or os.getenv("ENGINE_HOME") or "."
+  local envs, xs = {}, {}
+  local names = {}
+  for k in pairs(opts.env or {}) do names[#names + 1] = k end
+  table.sort(names)
+  for _, k in ipairs(names) do
+    envs[#envs + 1] = string.format("%s='%s'", k, (tostring(opts.env[k]):gsub("'", "'\\''")))
+    xs[#xs + 1] = "-x " .. k
+  end
+  if os.getenv("ENGINE_HOME") then xs[#xs + 1] = "-x ENGINE_HOME" end
+  local launcher = string.format("env $(env | grep -o '^\\(OMPI\\|PMIX\\|OPAL\\|ORTE\\)[A-Za-z0-9_]*' | sed 's/^/-u /') %s "
+    .. "timeout -k 5 %d ", table.concat(envs, " "), opts.timeout or 120)
+  if np > 0 then
+    launcher = launcher .. "mpirun --allow-run-as-root --oversubscribe --bind-to none --mca btl self,vader --mca pml ob1 "
+      .. table.concat(xs, " ") .. " -np " .. np .. " "
+  end
+  local cmd = string.format("cd '%s' && %s'%s' %s %s 2>&1; echo \"__rc=$?\"", home, launcher, M.self_exe(), script,
+    table.concat(args or {}, " "))
+  local p = io.popen(cmd)
+  local out = p:read("*a")
+  p:close()
+  local rc = tonumber(out:match("__rc=(%d+)%s*$"))
+  if rc ~= 0 and os.getenv("CKPT_SPEC_DEBUG") then io.stderr:write(cmd, "\n", out, "\n") end
+  return (out:gsub("__rc=%d+%s*$", "")), rc
+end
+
 return M

@@ -23,8 +23,10 @@ int64_t eng_ckpt_writer_add(eng_ckpt_writer* w, eng_tensor* t, int copy);
 int eng_ckpt_writer_start(eng_ckpt_writer* w, int async);
 /* Waits for the writes, fsyncs, renames to the final name and fsyncs the
  * directory.  0, or -1 with an error naming the file (the temporary file is
- * removed).  Test hook: when ENGINE_CKPT_TEST_FAIL is set and is a substring of
- * the path, half of the data is written and the write fails (a killed save). */
+ * removed).  Test hooks: when ENGINE_CKPT_TEST_FAIL is set and is a substring of
+ * the path, half of the data is written and the write fails (the partial
+ * temporary file is left); ENGINE_CKPT_TEST_KILL the same, then the process
+ * SIGKILLs itself here, before the rename (a rank killed during a save). */
 int eng_ckpt_writer_finish(eng_ckpt_writer* w);
 /* The checksum of chunk i (the io checksum of its bytes), after finish. */
 uint64_t eng_ckpt_writer_checksum(const eng_ckpt_writer* w, int i);

@@ -15,6 +15,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -147,6 +148,21 @@ static void fail_w(eng_ckpt_writer* w, const char* fmt, const char* a, const cha
   snprintf(w->err, sizeof w->err, fmt, a, b);
 }
 
+/* The test hooks: ENGINE_CKPT_TEST_FAIL (the write of a matching data file stops half way and fails) and
+ * ENGINE_CKPT_TEST_KILL (the same half write, then the process SIGKILLs itself before the rename: a rank killed
+ * during a save, its partial file left under the temporary name).  Returns the matching value, or NULL. */
+static const char* test_hook(const char* path, int* kill_it) {
+  const char* names[2] = {"ENGINE_CKPT_TEST_FAIL", "ENGINE_CKPT_TEST_KILL"};
+  for (int i = 0; i < 2; i++) {
+    const char* v = getenv(names[i]);
+    if (v && *v && strstr(path, v) != NULL) {
+      if (kill_it) *kill_it = i == 1;
+      return v;
+    }
+  }
+  return NULL;
+}
+
 static void* run(void* arg) {
   eng_ckpt_writer* w = arg;
   char head[HEADER_BYTES] = {0};
@@ -156,8 +172,8 @@ static void* run(void* arg) {
     fail_w(w, "checkpoint.save: write error on '%s': %s", w->tmp, strerror(errno));
     return NULL;
   }
-  const char* hook = getenv("ENGINE_CKPT_TEST_FAIL");
-  int simulate = hook && *hook && strstr(w->path, hook) != NULL;
+  const char* hook = test_hook(w->path, NULL);
+  int simulate = hook != NULL;
   for (int i = 0; i < w->n && !w->failed; i++) {
     eng_tensor* c = w->chunks[i];
     int64_t bytes = c->numel * (int64_t)eng_dtype_size(c->dtype);
@@ -205,8 +221,9 @@ int eng_ckpt_writer_finish(eng_ckpt_writer* w) {
   if (close(w->fd) != 0) fail_w(w, "checkpoint.save: close of '%s' failed: %s", w->tmp, strerror(errno));
   w->fd = -1;
   if (w->failed) {
-    const char* hook = getenv("ENGINE_CKPT_TEST_FAIL");
-    if (!(hook && *hook && strstr(w->path, hook))) unlink(w->tmp); /* the hook leaves the partial file behind */
+    int kill_it = 0;
+    if (!test_hook(w->path, &kill_it)) unlink(w->tmp); /* the hook leaves the partial file behind */
+    if (kill_it) kill(getpid(), SIGKILL);
     return eng_err("%s", w->err);
   }
   if (rename(w->tmp, w->path) != 0) {

@@ -562,8 +562,19 @@ local function read_metadata(dir, op)
   local path = dir .. "/" .. META
   local f = io.open(path, "rb")
   if not f then
-    error(string.format("%s: '%s' has no metadata file '%s' (not a checkpoint, or its save did not finish)", op, dir,
-      path), 0)
+    -- a save that did not finish (a rank killed or failed while writing) leaves its data files' temporary names
+    local partial = {}
+    local p = io.popen("ls -1A '" .. dir:gsub("'", "'\\''") .. "' 2>/dev/null")
+    if p then
+      for name in p:lines() do
+        if name:match("%.tmp%d+$") then partial[#partial + 1] = dir .. "/" .. name end
+      end
+      p:close()
+    end
+    table.sort(partial)
+    error(string.format("%s: '%s' has no metadata file '%s' (not a checkpoint, or its save did not finish%s)", op, dir,
+      path, #partial > 0 and ": partial data file(s) " .. table.concat(partial, ", ") .. " left by an interrupted save"
+      or ""), 0)
   end
   f:close()
   local ok, _, meta = pcall(E().load, path)
