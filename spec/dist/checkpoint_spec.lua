@@ -3,6 +3,7 @@
 -- pairs of {[R,R], [R,S1], [S1,R], [S1,S1]} and 1-D saves into every 2-D layout and back, saves from the
 -- whole world loaded on a sub-mesh (half the ranks, one rank) and the reverse, uneven sizes, plain
 -- tensors, ShardedTensors to DTensors and back, values, missing keys, Partial DTensors, async = sync.
+-- (spec/checkpoint_relaunch_spec.lua does the 4 -> 2, 1 and 1, 2 -> 4 cases with real relaunched jobs.)
 local engine = require("engine")
 local dist = engine.distributed
 local ckpt = dist.checkpoint
