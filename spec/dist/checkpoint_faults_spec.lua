@@ -100,6 +100,30 @@ describe("dist.checkpoint faults (" .. W .. " ranks)", function()
     untouched(st)
   end)
 
+  it("a data file changed between the passes on one rank: every rank fails (agreed), the values are not set", function()
+    local dir = newdir()
+    saved(dir)
+    -- rank 0 flips a byte of its chunk after every rank verified every chunk, before the chunks are read again
+    if R == 0 then
+      ckpt._test.after_verify = function(d)
+        local f = assert(io.open(d .. "/__0_0.distcp", "r+b"))
+        f:seek("set", 64 + 5)
+        local c = f:read(1)
+        f:seek("set", 64 + 5)
+        f:write(string.char(bit.bxor(c:byte(), 0x10)))
+        f:close()
+      end
+    end
+    local st = target()
+    local e = errmsg(ckpt.load, st, dir)
+    ckpt._test.after_verify = nil
+    assert.is_truthy(e:find(dir .. "' changed during the load", 1, true) and e:find("partly loaded", 1, true), e)
+    if R == 0 then assert.is_truthy(e:find("__0_0.distcp", 1, true) and e:find("checksum", 1, true), e) end
+    assert.equal(0, st.step)
+    -- the next collective is in step on every rank
+    dist.barrier()
+  end)
+
   it("a missing metadata file: not a checkpoint", function()
     local dir = newdir()
     saved(dir)

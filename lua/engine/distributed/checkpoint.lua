@@ -30,7 +30,8 @@
 -- shard reads the saved chunks that overlap it (resharding math of engine/src/dtensor/resharding.c)
 -- and verifies each chunk's checksum; only when every rank succeeded (agreed) are the chunks read
 -- again into the state (straight into the destination when a chunk is the whole local shard) and the
--- values set: a bad directory fails on every rank naming the file and loads nothing.  So a checkpoint saved at any world size, mesh or placements
+-- values set: a bad directory fails on every rank naming the file and loads nothing (a file changed between
+-- the passes fails pass 2 on every rank too, agreed, saying the state is partly loaded).  So a checkpoint saved at any world size, mesh or placements
 -- loads into any other.
 --
 -- Async save: the tensors are copied into staging buffers (one memory copy) and a C thread writes
@@ -42,6 +43,8 @@ local ffi, C = core.ffi, core.C
 local M = {}
 
 local FORMAT = "engine-dcp/1"
+-- test hooks (specs only): _test.after_verify(dir) runs on this rank between a load's two passes
+M._test = {}
 M.FORMAT = FORMAT
 local META = ".metadata"
 
@@ -812,9 +815,18 @@ function M.load(state, dir, opts)
   end)
   -- nothing is changed unless every rank read everything
   agree(not ok and tostring(err) or nil, op, str_hash(meta and meta.id or ""))
+  if M._test.after_verify then M._test.after_verify(dir) end
+  -- pass 2 can still fail if a file changed or vanished since pass 1: the ranks agree on its outcome too, so
+  -- every rank raises (saying the state is partly loaded; the values are not set) instead of one rank stopping
+  -- half-filled while the others go on to their next collective
+  local ok2, err2
   E().no_grad(function()
-    for _, s in ipairs(stage) do fill(dir, id, s.e, s.dst, s.ov, scratch) end
+    ok2, err2 = pcall(function()
+      for _, s in ipairs(stage) do fill(dir, id, s.e, s.dst, s.ov, scratch) end
+    end)
   end)
+  agree(not ok2 and string.format("%s: '%s' changed during the load, after its chunks were verified (the tensors of "
+    .. "the state are partly loaded): %s", op, dir, tostring(err2)) or nil, op, str_hash(id))
   for _, s in ipairs(sets) do s.it.parent[s.it.pkey] = s.value end
   return state
 end
