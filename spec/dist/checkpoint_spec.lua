@@ -240,6 +240,15 @@ describe("dist.checkpoint state (" .. W .. " ranks)", function()
     assert.equal(0, diff(back.model.b, engine.ones(3)))
   end)
 
+  it("values that differ across ranks: rank 0's are saved, unchecked (PyTorch's DCP writes one rank's bytes)", function()
+    local dir = newdir()
+    ckpt.save({ x = engine.ones(2), rank = R, tag = { "r" .. R } }, dir)
+    local back = { x = engine.zeros(2), rank = -1, tag = {} }
+    ckpt.load(back, dir)
+    assert.equal(0, back.rank)
+    assert.same({ "r0" }, back.tag)
+  end)
+
   it("keys missing on either side are errors naming them; strict = false loads the common keys", function()
     local dir = newdir()
     ckpt.save({ a = engine.ones(2), n = 1, sub = { c = engine.ones(1) } }, dir)

@@ -17,7 +17,9 @@
 -- "v:<key>" = the value serialized).  Who writes what: every rank's boxes (a DTensor's local shard, a
 -- ShardedTensor's local shards, a plain tensor whole: taken as replicated) are gathered and each
 -- distinct box is written once, by the holder with the fewest bytes so far (replicas once, spread over
--- the ranks); the values come from rank 0.  Partial DTensors are an error.
+-- the ranks); the values come from rank 0, unchecked: PyTorch's DCP also writes one rank's bytes of a non-tensor
+-- entry (dedup_save_plans keeps it on one plan) without comparing ranks, so a per-rank value (e.g. an RNG
+-- state that differs per rank) needs a per-rank key.  Partial DTensors are an error.
 --
 -- Crash safety: every rank writes to a temporary name, fsyncs and renames; the ranks then agree that
 -- all succeeded, the chunk records are gathered and rank 0 writes the metadata (temporary name, fsync,
