@@ -1,5 +1,6 @@
 -- DTensor layouts of issue 17 items 1, 4 and 5 (matmul family, indexing and shape
--- ops, losses and activations): every input placement (capped for three-input ops)
+-- ops, losses and activations): every input placement (for ops of several inputs the
+-- bounded cover of spec/dist/helpers/converter.lua that shards every input)
 -- on a 1-D mesh of the world and (4 ranks) a 2x2 mesh gives the single-process
 -- result, forward and backward (spec/dist/helpers/converter.lua).  gather, scatter,
 -- scatter_add, index_add and index_copy run on their rules (sharding/index.c); the
@@ -10,7 +11,9 @@ local dist = engine.distributed
 local conv = require("spec.dist.helpers.converter")
 
 local function randn(...) return engine.randn({ ... }, { dtype = "f64" }) end
-local CAP = { max_cases = 14 }
+-- several inputs: the bounded cover of conv.cover_cases (every input sharded, alike
+-- and in pairs), not the first cases of the odometer
+local COVER = { cover = true, partial = true }
 
 describe("sharding: gather / scatter / index_add / index_copy", function()
   it("gather along either dim; uneven sizes", function()
@@ -25,14 +28,14 @@ describe("sharding: gather / scatter / index_add / index_copy", function()
     local x = randn(4, 3)
     local idx = engine.tensor({ { 2, 0 }, { 1, 1 }, { 0, 2 }, { 2, 2 } })
     local src = randn(4, 2)
-    conv.check("scatter", function(a, i, s) return a:scatter(2, i, s) end, { x, engine.tensor({ { 2, 0 }, { 1, 2 }, { 0, 1 }, { 1, 0 } }), src }, CAP)
-    conv.check("scatter_add", function(a, i, s) return a:scatter_add(2, i, s) end, { x, idx, src }, CAP)
+    conv.check("scatter", function(a, i, s) return a:scatter(2, i, s) end, { x, engine.tensor({ { 2, 0 }, { 1, 2 }, { 0, 1 }, { 1, 0 } }), src }, COVER)
+    conv.check("scatter_add", function(a, i, s) return a:scatter_add(2, i, s) end, { x, idx, src }, COVER)
     conv.check("scatter_add full shape", function(a, i, s) return a:scatter_add(1, i, s) end,
-      { x, engine.tensor({ { 0, 1, 2 }, { 3, 3, 3 }, { 0, 0, 1 }, { 2, 1, 0 } }), randn(4, 3) }, CAP)
+      { x, engine.tensor({ { 0, 1, 2 }, { 3, 3, 3 }, { 0, 0, 1 }, { 2, 1, 0 } }), randn(4, 3) }, COVER)
     conv.check("index_add", function(a, i, s) return a:index_add(1, i, s, { alpha = 0.5 }) end,
-      { x, engine.tensor({ 3, 0, 3 }), randn(3, 3) }, CAP)
-    conv.check("index_add dim 2", function(a, i, s) return a:index_add(2, i, s) end, { x, engine.tensor({ 1, 1 }), randn(4, 2) }, CAP)
-    conv.check("index_copy", function(a, i, s) return a:index_copy(1, i, s) end, { x, engine.tensor({ 2, 0 }), randn(2, 3) }, CAP)
+      { x, engine.tensor({ 3, 0, 3 }), randn(3, 3) }, COVER)
+    conv.check("index_add dim 2", function(a, i, s) return a:index_add(2, i, s) end, { x, engine.tensor({ 1, 1 }), randn(4, 2) }, COVER)
+    conv.check("index_copy", function(a, i, s) return a:index_copy(1, i, s) end, { x, engine.tensor({ 2, 0 }), randn(2, 3) }, COVER)
   end)
   it("in-place forms keep the target's layout", function()
     local mesh = conv.meshes("1d")[1]
@@ -49,6 +52,61 @@ describe("sharding: gather / scatter / index_add / index_copy", function()
     y:index_copy_(1, dist.distribute_tensor(engine.tensor({ 3 }), mesh, { dist.Replicate() }),
       dist.distribute_tensor(engine.ones(1, 3, { dtype = "f64" }), mesh, { dist.Replicate() }))
     assert.are.same({ 1, 1, 1 }, y:full_tensor()[4]:totable())
+  end)
+  it("Partial inputs: gather / scatter / scatter_add / index_add / index_copy equal one process, layouts", function()
+    local mesh = conv.meshes("1d")[1]
+    local W, r = dist.world_size(), dist.get_rank()
+    local P, Rep = dist.Partial, dist.Replicate
+    -- a Partial of t split unevenly over the ranks (weights 1 : 2 : ... : W); max/min: t on the last rank,
+    -- below (max) or above (min) elsewhere
+    local function part(t, op)
+      op = op or "sum"
+      local l
+      if op == "sum" then l = t * ((r + 1) * 2 / (W * (W + 1)))
+      elseif op == "avg" then l = t * ((r + 1) * 2 / (W + 1))
+      else l = (r == W - 1) and t or (op == "max" and t - 1 or t + 1) end
+      return dist.DTensor.from_local(l, mesh, { P(op) })
+    end
+    local function rep(t) return dist.distribute_tensor(t, mesh, { Rep() }) end
+    local function same(d, ref, placement, what)
+      local e = (d:full_tensor() - ref):abs():max():item()
+      assert(e < 1e-12, string.format("%s: differs by %g (layout %s)", what, e, tostring(d.placements[1])))
+      if placement then assert.are.equal(placement, tostring(d.placements[1]), what) end
+    end
+    engine.manual_seed(31)
+    local x, s2, s3 = randn(4, 3), randn(4, 2), randn(2, 3)
+    local gi = engine.tensor({ { 2, 0 }, { 1, 1 }, { 0, 2 }, { 2, 2 } })
+    local si = engine.tensor({ { 2, 0 }, { 1, 2 }, { 0, 1 }, { 1, 0 } })
+    local ii = engine.tensor({ 3, 1 })
+    -- gather is linear in x: a Partial(sum/avg) x stays Partial, no communication; max is reduced first
+    same(part(x):gather(2, rep(gi)), x:gather(2, gi), "Partial(sum)", "gather P(sum)")
+    same(part(x, "avg"):gather(2, rep(gi)), x:gather(2, gi), "Partial(avg)", "gather P(avg)")
+    same(part(x, "max"):gather(2, rep(gi)), x:gather(2, gi), "Replicate()", "gather P(max)")
+    -- scatter / scatter_add / index_add / index_copy: linear in (x, src) for a fixed index, so Partial when
+    -- both are Partial (a Replicate one is split into a Partial of the same op first); a Partial(max) is reduced
+    for _, op in ipairs({ "sum", "avg" }) do
+      local want = "Partial(" .. op .. ")"
+      local refs = {
+        { "scatter", function(a, b) return a:scatter(2, rep(si), b) end, x:scatter(2, si, s2), s2 },
+        { "scatter_add", function(a, b) return a:scatter_add(2, rep(gi), b) end, x:scatter_add(2, gi, s2), s2 },
+        { "index_add", function(a, b) return a:index_add(1, rep(ii), b, { alpha = 0.5 }) end,
+          x:index_add(1, ii, s3, { alpha = 0.5 }), s3 },
+        { "index_copy", function(a, b) return a:index_copy(1, rep(ii), b) end, x:index_copy(1, ii, s3), s3 },
+      }
+      for _, c in ipairs(refs) do
+        local name, f, ref, src = c[1], c[2], c[3], c[4]
+        same(f(part(x, op), part(src, op)), ref, want, name .. " x P src P " .. op)
+        same(f(part(x, op), rep(src)), ref, want, name .. " x P src R " .. op)
+        same(f(rep(x), part(src, op)), ref, want, name .. " x R src P " .. op)
+      end
+    end
+    same(part(x, "max"):scatter(2, rep(si), rep(s2)), x:scatter(2, si, s2), "Replicate()", "scatter x P(max)")
+    same(rep(x):scatter_add(2, rep(gi), part(s2, "min")), x:scatter_add(2, gi, s2), "Replicate()", "scatter_add src P(min)")
+    -- Partials of different ops: both reduced
+    same(part(x, "sum"):index_add(1, rep(ii), part(s3, "avg")), x:index_add(1, ii, s3), "Replicate()", "index_add P(sum) P(avg)")
+    -- a Shard target beside a Partial src (dim other than the indexed one): sharded rows, src reduced
+    local xs = dist.distribute_tensor(x, mesh, { dist.Shard(1) })
+    same(xs:scatter_add(2, rep(gi), part(s2)), x:scatter_add(2, gi, s2), nil, "scatter_add x S(1) src P")
   end)
   it("an index out of range on one layout fails every rank naming it", function()
     local x = dist.distribute_tensor(randn(4, 3), conv.meshes("1d")[1], { dist.Shard(1) })
@@ -93,16 +151,16 @@ describe("sharding: matmul family", function()
   it("mm / bmm / addmm / baddbmm / outer", function()
     engine.manual_seed(5)
     conv.check("mm", engine.mm, { randn(4, 6), randn(6, 2) })
-    conv.check("bmm", engine.bmm, { randn(2, 4, 3), randn(2, 3, 4) }, CAP)
-    conv.check("addmm", function(c, a, b) return engine.addmm(c, a, b, { beta = 0.5, alpha = 2 }) end, { randn(4), randn(4, 6), randn(6, 4) }, CAP)
-    conv.check("baddbmm", function(c, a, b) return engine.baddbmm(c, a, b) end, { randn(2, 4, 4), randn(2, 4, 3), randn(2, 3, 4) }, CAP)
+    conv.check("bmm", engine.bmm, { randn(2, 4, 3), randn(2, 3, 4) }, COVER)
+    conv.check("addmm", function(c, a, b) return engine.addmm(c, a, b, { beta = 0.5, alpha = 2 }) end, { randn(4), randn(4, 6), randn(6, 4) }, COVER)
+    conv.check("baddbmm", function(c, a, b) return engine.baddbmm(c, a, b) end, { randn(2, 4, 4), randn(2, 4, 3), randn(2, 3, 4) }, COVER)
     conv.check("outer", engine.outer, { randn(4), randn(6) })
   end)
   it("einsum transformer contractions", function()
     engine.manual_seed(6)
-    conv.check("einsum bld,hd->blh", function(a, b) return engine.einsum("bld,hd->blh", a, b) end, { randn(2, 4, 4), randn(6, 4) }, CAP)
+    conv.check("einsum bld,hd->blh", function(a, b) return engine.einsum("bld,hd->blh", a, b) end, { randn(2, 4, 4), randn(6, 4) }, COVER)
     conv.check("einsum bhqd,bhkd->bhqk", function(a, b) return engine.einsum("bhqd,bhkd->bhqk", a, b) end,
-      { randn(2, 2, 4, 4), randn(2, 2, 4, 4) }, CAP)
+      { randn(2, 2, 4, 4), randn(2, 2, 4, 4) }, COVER)
     conv.check("einsum ij,jk->ki", function(a, b) return engine.einsum("ij,jk->ki", a, b) end, { randn(4, 2), randn(2, 4) })
   end)
 end)

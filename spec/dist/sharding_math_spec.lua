@@ -46,7 +46,7 @@ describe("sharding: pointwise math", function()
       local a = randn(sz[1], sz[2]) * 4
       local b = randn(sz[2]):abs() + 0.5
       conv.check("fmod/remainder", function(u, v) return u:fmod(v) + u:remainder(v) * 2 end, { a, b })
-      conv.check("floor_divide", function(u, v) return u:floor_divide(v) end, { a, b }, { grad = false, max_cases = 12 })
+      conv.check("floor_divide", function(u, v) return u:floor_divide(v) end, { a, b }, { grad = false, cover = true, partial = true })
       conv.check("remainder scalar", function(u) return u:remainder(1.5) end, { a })
       conv.check("logical_and", function(u, v) return u:gt(0):logical_and(v:gt(1)) end, { a, b })
     end)
@@ -54,7 +54,7 @@ describe("sharding: pointwise math", function()
       engine.manual_seed(13)
       local x, lo, hi = randn(sz[1], sz[2]), randn(sz[1], 1) - 0.5, randn(sz[2]) + 0.5
       local one_d = { meshes = "1d" }
-      local few = { max_cases = 12 }
+      local few = { cover = true, partial = true }
       conv.check("clamp tensors", function(u, l, h) return u:clamp(l, h) end, { x, lo, hi }, few)
       local b, w = randn(sz[1], sz[2]), randn(sz[2])
       conv.check("lerp tensor", function(u, v, ww) return u:lerp(v, ww) end, { x, b, w }, few)

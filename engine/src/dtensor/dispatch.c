@@ -425,18 +425,25 @@ static int dist_node_backward(eng_node* n, eng_tensor** go, eng_tensor** gi) {
   return 0;
 }
 
+/* The gradient of a leaf takes the leaf's spec with every Partial replaced by
+ * Replicate (the adjoint: a gradient is never a Partial sum, PyTorch's
+ * Redistribute.backward; a Replicate gradient relabelled Partial would count
+ * the gradient once per rank). */
 static eng_tensor* dist_grad_for_leaf(eng_tensor* leaf, eng_tensor* g) {
   if (!g) return NULL;
-  eng_dist_spec* want = leaf->dist;
-  if (!want) return eng_tensor_retain(g);
-  if (g->dist && eng_dist_spec_equal(g->dist, want)) return eng_tensor_retain(g);
-  eng_tensor* r;
-  if (g->dist) {
-    if (eng_dtensor_wait(g)) return NULL;
-    r = dt_redistribute_local(g, g->dist, want, 0, 1);
-  } else r = dt_plain(g);
-  if (!r) { eng_err_prefix("AccumulateGrad"); return NULL; }
-  dt_attach(r, want);
+  if (!leaf->dist) return eng_tensor_retain(g);
+  eng_dist_spec* want = dt_spec_adjoint(leaf->dist);
+  if (!want) return NULL;
+  eng_tensor* r = NULL;
+  if (g->dist && eng_dist_spec_equal(g->dist, want)) r = eng_tensor_retain(g);
+  else {
+    if (g->dist) {
+      if (eng_dtensor_wait(g) == 0) r = dt_redistribute_local(g, g->dist, want, 0, 1);
+    } else r = dt_plain(g);
+    if (!r) eng_err_prefix("AccumulateGrad");
+    else dt_attach(r, want);
+  }
+  eng_dist_spec_release(want);
   return r;
 }
 

@@ -15,6 +15,10 @@
  *                        x S(k), src S(k), k != d, equal sizes in k, index R
  *                        -> S(k); x P, src P, index R -> P; all Replicate.
  *
+ * A Replicate x or src beside a Partial(sum/avg) one is split into a Partial
+ * of the same op (local); Partial(max/min), or Partials of different ops, are
+ * reduced first (spec/dist/sharding_index_spec.lua holds these cases).
+ *
  * The index values are per-rank data: the defs are agree_local, so an index
  * out of range on one rank fails every rank naming it.  Gradients come from
  * the generic local-region autograd (the backward formulas are these ops). */

@@ -13,7 +13,11 @@
 -- opts: grad (default true: floating inputs require grad), tol (1e-9, relative to
 -- max |ref| + 1), meshes ("1d", "2d" or "all", default "all"), max_cases (per mesh),
 -- choices = function(i, t, mesh_ndim) -> list of placement lists for input i
--- (default: every combination), outputs: how many results of fn to compare (1).
+-- (default: every combination), outputs: how many results of fn to compare (1),
+-- cover = true: instead of every combination (which grows as the product of the
+-- inputs' choices, and which max_cases cuts off before the later inputs vary),
+-- the bounded set of M.cover_cases, which shards every input; partial = true
+-- (with cover): the floating inputs also come Partial(sum) (M.cover_cases).
 -- Every rank runs the same cases in the same order (inputs must be equal on all
 -- ranks: make them after engine.manual_seed with the same seed).
 local engine = require("engine")
@@ -55,6 +59,14 @@ function M.placement_lists(nd, mnd)
   return out
 end
 
+local function is_float(t) return t:is_floating_point() end
+
+local function all_rep(mnd)
+  local l = {}
+  for m = 1, mnd do l[m] = Rep() end
+  return l
+end
+
 local function pl_str(pl)
   local t = {}
   for i, p in ipairs(pl) do t[i] = tostring(p) end
@@ -74,13 +86,153 @@ local function scale(t)
   return t:double():abs():max():item() + 1
 end
 
-local function is_float(t) return t:is_floating_point() end
 
 -- adjoint placements of an output (Partial -> Replicate)
 local function adjoint(pl)
   local r = {}
   for i, p in ipairs(pl) do r[i] = p:is_partial() and Rep() or p end
   return r
+end
+
+-- A bounded choice of cases (each a list of one placement list per input) that
+-- shards every input, for ops of several inputs:
+--   * all Replicate;
+--   * each input through all its placement lists, the others Replicate;
+--   * "all sharded alike": every placement list of the widest input, applied to
+--     every input with its dims aligned to the widest one's from the left and
+--     from the right (broadcasting), Replicate where an input lacks the dim;
+--   * the diagonals: every pair of inputs, every dim of each, both Shard on the
+--     same mesh dim (each mesh dim in turn, the others Replicate) and, on a mesh
+--     of several dims, on all of them (a contracted dim sharded on both
+--     operands: the Partial case).
+--   * partial = true: each floating input Partial(sum) on each mesh dim (and,
+--     on a mesh of several dims, on all, and Partial on one beside each Shard
+--     on another), the others Replicate; every floating input Partial alike on
+--     each mesh dim; each with every other input through its Shard placements
+--     on that mesh dim.  A Partial input is made of its value split unevenly
+--     over the mesh dim's ranks (weights 1 : 2 : ... : n).
+-- Duplicates are dropped.  About sum_i (nd_i+1)^mnd + 2 (nd+1)^mnd +
+-- pairs * nd_i * nd_j * (mnd + 1) cases (more with partial).
+function M.cover_cases(inputs, mnd, partial)
+  local cases, seen = {}, {}
+  local function add(c)
+    local key = {}
+    for i, pl in ipairs(c) do key[i] = pl_str(pl) end
+    key = table.concat(key, ";")
+    if not seen[key] then seen[key] = true; cases[#cases + 1] = c end
+  end
+  local function base()
+    local c = {}
+    for i = 1, #inputs do c[i] = all_rep(mnd) end
+    return c
+  end
+  add(base())
+  for i, t in ipairs(inputs) do
+    for _, pl in ipairs(M.placement_lists(t:dim(), mnd)) do
+      local c = base()
+      c[i] = pl
+      add(c)
+    end
+  end
+  local wide = 0
+  for _, t in ipairs(inputs) do wide = math.max(wide, t:dim()) end
+  for _, right in ipairs({ false, true }) do
+    for _, pl in ipairs(M.placement_lists(wide, mnd)) do
+      local c = {}
+      for i, t in ipairs(inputs) do
+        local l = {}
+        for m, p in ipairs(pl) do
+          local d = p:is_shard() and (right and p.dim - (wide - t:dim()) or p.dim) or nil
+          l[m] = (d and d >= 1 and d <= t:dim()) and S(d) or Rep()
+        end
+        c[i] = l
+      end
+      add(c)
+    end
+  end
+  for i = 1, #inputs do
+    for j = i + 1, #inputs do
+      for a = 1, inputs[i]:dim() do
+        for b = 1, inputs[j]:dim() do
+          local spots = {}
+          for m = 1, mnd do spots[#spots + 1] = { m } end
+          if mnd > 1 then
+            local every = {}
+            for m = 1, mnd do every[m] = m end
+            spots[#spots + 1] = every
+          end
+          for _, ms in ipairs(spots) do
+            local c = base()
+            for _, m in ipairs(ms) do c[i][m] = S(a); c[j][m] = S(b) end
+            add(c)
+          end
+        end
+      end
+    end
+  end
+  if partial then
+    local P = dist.Partial
+    for i, t in ipairs(inputs) do
+      if is_float(t) then
+        for m = 1, mnd do
+          local c = base()
+          c[i][m] = P()
+          add(c)
+          -- with every other input sharded on that mesh dim
+          for j, u in ipairs(inputs) do
+            if j ~= i then
+              for b = 1, u:dim() do
+                local cj = base()
+                cj[i][m] = P()
+                cj[j][m] = S(b)
+                add(cj)
+              end
+            end
+          end
+          -- on a mesh of several dims: beside its own Shard on the others
+          for a = 1, t:dim() do
+            if mnd > 1 then
+              local ca = base()
+              for mm = 1, mnd do ca[i][mm] = mm == m and P() or S(a) end
+              add(ca)
+            end
+          end
+        end
+        if mnd > 1 then
+          local c = base()
+          for m = 1, mnd do c[i][m] = P() end
+          add(c)
+        end
+      end
+    end
+    for m = 1, mnd do
+      local c = base()
+      for i, t in ipairs(inputs) do if is_float(t) then c[i][m] = P() end end
+      add(c)
+    end
+  end
+  return cases
+end
+
+-- distribute t with placements pl that may hold Partial(sum): the value split
+-- over each Partial mesh dim's ranks with weights 1 : 2 : ... : n
+local function distribute_any(t, mesh, pl)
+  local rep, w = {}, 1
+  local coord = mesh:get_coordinate()
+  for m, p in ipairs(pl) do
+    if p:is_partial() then
+      local n = mesh:size(m)
+      rep[m] = Rep()
+      w = w * (coord[m] + 1) * 2 / (n * (n + 1))
+    else
+      rep[m] = p
+    end
+  end
+  local d = dist.distribute_tensor(t, mesh, rep, { src_data_rank = false })
+  if w == 1 then return d end
+  local shape, stride, acc = t:shape(), {}, 1
+  for k = #shape, 1, -1 do stride[k] = acc; acc = acc * shape[k] end
+  return dist.DTensor.from_local(d:to_local() * w, mesh, pl, { shape = shape, stride = stride })
 end
 
 function M.check(name, fn, inputs, opts)
@@ -107,6 +259,7 @@ function M.check(name, fn, inputs, opts)
   local n = 0
   for _, mesh in ipairs(M.meshes(opts.meshes)) do
     local mnd = mesh:ndim()
+    local cover = opts.cover and M.cover_cases(inputs, mnd, opts.partial)
     local choices = {}
     for i, t in ipairs(inputs) do
       choices[i] = opts.choices and opts.choices(i, t, mnd) or M.placement_lists(t:dim(), mnd)
@@ -120,8 +273,8 @@ function M.check(name, fn, inputs, opts)
       if opts.max_cases and count > opts.max_cases then break end
       local pls, dins, desc = {}, {}, {}
       for i, t in ipairs(inputs) do
-        pls[i] = choices[i][idx[i]]
-        local d = dist.distribute_tensor(t, mesh, pls[i], { src_data_rank = false })
+        pls[i] = cover and cover[count][i] or choices[i][idx[i]]
+        local d = distribute_any(t, mesh, pls[i])
         if want_grad and is_float(t) then d.requires_grad = true end
         dins[i] = d
         desc[i] = pl_str(pls[i])
@@ -157,15 +310,19 @@ function M.check(name, fn, inputs, opts)
         end
       end
       n = n + 1
-      -- next combination
-      local k = 1
-      while k <= #inputs do
-        idx[k] = idx[k] + 1
-        if idx[k] <= #choices[k] then break end
-        idx[k] = 1
-        k = k + 1
+      if cover then
+        if count >= #cover then break end
+      else
+        -- next combination
+        local k = 1
+        while k <= #inputs do
+          idx[k] = idx[k] + 1
+          if idx[k] <= #choices[k] then break end
+          idx[k] = 1
+          k = k + 1
+        end
+        if k > #inputs then break end
       end
-      if k > #inputs then break end
     end
   end
   return n
