@@ -169,18 +169,22 @@ function M.empty(shape, opts)
   mesh, nd, sarr, arr, n, dt, opts = factory_args("empty", shape, opts)
   return requires(wrap(C.eng_dtensor_empty(nd, sarr, dt, mesh._c, n, arr)), opts)
 end
--- rand/randn: the shard's slice of the global random tensor; full_tensor() is
--- the same for every layout and equals engine.rand/randn with the same seed.
-function M.rand(shape, opts)
-  local mesh, nd, sarr, arr, n, dt
-  mesh, nd, sarr, arr, n, dt, opts = factory_args("rand", shape, opts)
-  return requires(wrap(C.eng_dtensor_random(0, nd, sarr, 0, 1, dt, mesh._c, n, arr)), opts)
+-- rand/randn(shape, {mesh =, placements =, dtype =, requires_grad =, generator = g}): the shard's
+-- slice of the global random tensor drawn from g (default: the global generator), which every rank
+-- advances by the global count; full_tensor() is the same for every layout and equals
+-- engine.rand/randn(shape, {generator = g}) with the same seed.
+local function random_dtensor(op, kind)
+  return function(shape, opts)
+    local mesh, nd, sarr, arr, n, dt
+    mesh, nd, sarr, arr, n, dt, opts = factory_args(op, shape, opts)
+    local gen = require("engine.ops.random")._generator
+    local g = gen.check(opts.generator, op)
+    local p = gen.with(g, C.eng_dtensor_random, kind, nd, sarr, 0, 1, dt, mesh._c, n, arr)
+    return requires(wrap(p), opts)
+  end
 end
-function M.randn(shape, opts)
-  local mesh, nd, sarr, arr, n, dt
-  mesh, nd, sarr, arr, n, dt, opts = factory_args("randn", shape, opts)
-  return requires(wrap(C.eng_dtensor_random(1, nd, sarr, 0, 1, dt, mesh._c, n, arr)), opts)
-end
+M.rand = random_dtensor("rand", 0)
+M.randn = random_dtensor("randn", 1)
 
 -- engine.empty_like / zeros_like / ones_like / full_like / rand_like /
 -- randn_like of a DTensor: a DTensor with the same mesh, placements and

@@ -103,8 +103,20 @@ end
 -- engine.rand / engine.randn(size) would draw from the global generator (the engine's offset RNG), and
 -- the generator advances by the global numel on every rank, so the full tensor is the same for every
 -- spec and equal to engine.rand(size) after the same seed.
+-- opts.generator = g: drawn from the engine.Generator g instead (advanced alike on every rank).
 local function random_factory(op, kind)
-  return function(spec, size, opts)
+  local gen = require("engine.ops.random")._generator
+  local draw
+  local function factory_fn(spec, size, opts)
+    if type(opts) == "table" and opts.generator ~= nil then
+      local g = gen.check(opts.generator, op)
+      local rest = {}
+      for k, v in pairs(opts) do if k ~= "generator" then rest[k] = v end end
+      return gen.with(g, draw, spec, size, rest)
+    end
+    return draw(spec, size, opts)
+  end
+  draw = function(spec, size, opts)
     local C = core.C
     local ffi = core.ffi
     local numel = 1
@@ -123,6 +135,7 @@ local function random_factory(op, kind)
     if first then C.eng_rng_reserve(numel) end   -- no local shard: advance the generator all the same
     return t
   end
+  return factory_fn
 end
 M.rand = random_factory("sharded_tensor.rand", "uniform")
 M.randn = random_factory("sharded_tensor.randn", "normal")
@@ -783,7 +796,8 @@ function ShardedTensor:allclose(other, rtol, atol) return compare("allclose", se
 local function like_opts(st, opts, op)
   opts = opts or {}
   if type(opts) ~= "table" then fail(op .. ": options must be a table") end
-  return { dtype = opts.dtype or st.dtype, requires_grad = opts.requires_grad, process_group = st._pg }
+  return { dtype = opts.dtype or st.dtype, requires_grad = opts.requires_grad, process_group = st._pg,
+    generator = opts.generator }
 end
 local function need_st(x, op)
   if not is_sharded_tensor(x) then fail(op .. ": expected a ShardedTensor, got " .. type(x)) end

@@ -3,6 +3,7 @@
 -- Dims are 1-based (negative from the end); class targets and token ids are
 -- 0-based.  Options are tables.
 local engine = require("engine")
+local random_gen = require("engine.ops.random")._generator
 
 local F = {}
 
@@ -58,8 +59,11 @@ function F.embedding(indices, weight, padding_idx)
   return engine.embedding(weight, indices, padding_idx)
 end
 
--- dropout(x [, p = 0.5 [, training = true]])
-function F.dropout(x, p, training)
+-- dropout(x [, p = 0.5 [, training = true [, g | {generator = g}]]]): the mask drawn from the
+-- engine.Generator g (default: the global generator)
+function F.dropout(x, p, training, gen)
+  if gen == false then gen = nil end   -- PyTorch's positional inplace = false
+  gen = random_gen.trailing(gen, "dropout")
   if p == nil then p = 0.5 end
   if training == nil then training = true end
   if type(p) ~= "number" or p < 0 or p > 1 then
@@ -69,7 +73,7 @@ function F.dropout(x, p, training)
     need_tensor(x, "dropout", 1)
     return x
   end
-  return engine.dropout(x, p, training)
+  return engine.dropout(x, p, training, gen)
 end
 
 -- cross_entropy(logits, target [, {ignore_index = -100, reduction = "mean", label_smoothing = 0}])

@@ -9,6 +9,8 @@
 --   engine.random_slice(kind, global_shape, start, size, opts)
 --   local g = engine.Generator():manual_seed(42)           a user generator (PyTorch's torch.Generator)
 --   engine.rand(2, 3, {generator = g}); t:normal_(0, 1, {generator = g}); nn.init.normal_(w, 0, 0.02, g)
+--   engine.rand_like(t, {generator = g}); engine.dropout(x, 0.1, true, {generator = g}); nn.Dropout(0.1, {generator = g})
+--   dist.rand / dist.randn(shape, {mesh =, placements =, generator = g}); dist.sharded_tensor.rand(spec, size, {generator = g})
 --
 -- A generator is a (seed, offset) pair like the global one: its draws are the numbers the global
 -- generator gives after manual_seed with the same seed, and it advances by the same counts.  The
@@ -154,6 +156,30 @@ for _, name in ipairs({ "rand", "randn" }) do
       return with_generator(check_generator(last.generator, name), base, ...)
     end
     return base(...)
+  end
+end
+
+-- engine.rand_like / randn_like(t, {generator = g, dtype =, device =, requires_grad =}); of a
+-- DTensor: a DTensor of t's layout whose full tensor is engine.rand(t:shape(), {generator = g})
+for _, name in ipairs({ "rand_like", "randn_like" }) do
+  local base = Tensor.functions[name]
+  M[name] = function(t, opts, ...)
+    if type(opts) == "table" and getmetatable(opts) == nil and opts.generator ~= nil then
+      return with_generator(check_generator(opts.generator, name), base, t, opts, ...)
+    end
+    return base(t, opts, ...)
+  end
+end
+
+-- engine.dropout(x, p = 0.5, training = true [, g | {generator = g}]): the mask drawn from g (nil: the
+-- global generator); the backward reuses the forward's (seed, offset), it draws nothing.
+do
+  local nnops = require("engine.ops.nn")
+  local base = nnops.dropout
+  M.dropout = function(x, p, training, gen)
+    local g = trailing_generator(gen, "dropout")
+    if g == nil then return base(x, p, training) end
+    return with_generator(g, base, x, p, training)
   end
 end
 
