@@ -250,6 +250,93 @@ describe("sorting vs PyTorch (ties and NaN)", function()
   end)
 end)
 
+-- bf16 values: each op on bf16 inputs equals the op computed in f64 on the same (bf16-exact) values and
+-- then rounded to bf16, within one bf16 ulp (PyTorch computes bf16 in f32 and rounds once; f32 and f64
+-- can round a tie differently).  Rows of 40 so the reductions and scans accumulate.
+describe("bf16 values vs f64 rounded", function()
+  local ULP = 2 ^ -8   -- bf16 has 8 significant bits: one ulp is at most |x| * 2^-7, half that to nearest
+  local function close(r, inputs, f, name)
+    local d = {}
+    for i, t in ipairs(inputs) do d[i] = t:double() end
+    local ref = f(unpack(d))
+    local want = ref.dtype == "f64" and ref:bfloat16():double() or ref:double()
+    if ref.dtype == "f64" then assert.are.equal("bf16", r.dtype, name) end
+    assert.are.same(want:shape(), r:shape(), name)
+    local got = r:double()
+    local nan_ok = got:isnan():eq(want:isnan()):all():item()
+    assert(nan_ok, name .. ": NaN positions differ")
+    local ok = want:isnan():logical_not()
+    local err = (got - want):abs():masked_select(ok)
+    local bound = (want:abs() * (2 * ULP) + 1e-30):masked_select(ok)
+    local worst = (err - bound):max():item()
+    assert(err:numel() == 0 or worst <= 0, string.format("%s: off by more than one bf16 ulp (max error %g)", name, err:max():item()))
+  end
+  local function bf(t) return t:bfloat16() end
+  engine.manual_seed(21)
+  local x = bf(engine.randn(6, 40, { dtype = "f64" }) * 2)
+  local y = bf(engine.randn(6, 40, { dtype = "f64" }) * 2)
+  local pos = bf(engine.randn(6, 40, { dtype = "f64" }):abs() + 0.5)
+  local near1 = bf(engine.rand(6, 40, { dtype = "f64" }) * 0.2 + 0.9)   -- prod / cumprod stay in range
+  local lo, hi = bf(engine.randn(6, 1, { dtype = "f64" }) - 0.5), bf(engine.randn(40, { dtype = "f64" }) + 0.5)
+  local w = bf(engine.rand(40, { dtype = "f64" }))
+  local special = x:clone()
+  special[1][1], special[2][3], special[3][5] = 0 / 0, 1 / 0, -1 / 0
+
+  it("pointwise math", function()
+    local unary = {
+      sin = function(a) return a:sin() end, cos = function(a) return a:cos() end,
+      erf = function(a) return a:erf() end, expm1 = function(a) return a:expm1() end,
+      square = function(a) return a:square() end, floor = function(a) return a:floor() end,
+      ceil = function(a) return a:ceil() end, round = function(a) return a:round() end,
+      round1 = function(a) return a:round(1) end, trunc = function(a) return a:trunc() end,
+      sign = function(a) return a:sign() end,
+    }
+    for name, f in pairs(unary) do close(f(x), { x }, f, name) end
+    close(pos:log1p(), { pos }, function(a) return a:log1p() end, "log1p")
+    close(pos:reciprocal(), { pos }, function(a) return a:reciprocal() end, "reciprocal")
+    local nn = function(a) return a:nan_to_num(0.5, 7, -7) end
+    close(nn(special), { special }, nn, "nan_to_num")
+    local pred = function(a) return a:isnan():logical_or(a:isinf()):logical_and(a:isfinite():logical_not()) end
+    close(pred(special), { special }, pred, "isnan/isinf/isfinite/logical ops")
+    for name, f in pairs({ fmod = function(a, b) return a:fmod(b) end, remainder = function(a, b) return a:remainder(b) end,
+                           floor_divide = function(a, b) return a:floor_divide(b) end }) do
+      close(f(x, pos), { x, pos }, f, name)
+    end
+    local cl = function(a, l, h) return a:clamp(l, h) end
+    close(cl(x, lo, hi), { x, lo, hi }, cl, "clamp tensors")
+    local lt = function(a, b, ww) return a:lerp(b, ww) end
+    close(lt(x, y, w), { x, y, w }, lt, "lerp tensor")
+    for _, wn in ipairs({ 0.3, 0.7 }) do
+      local ln = function(a, b) return a:lerp(b, wn) end
+      close(ln(x, y), { x, y }, ln, "lerp " .. wn)
+    end
+    local am = function(a, b, c) return a:addcmul(b, c, 0.5) end
+    close(am(x, y, pos), { x, y, pos }, am, "addcmul")
+    local ad = function(a, b, c) return a:addcdiv(b, c, 2) end
+    close(ad(x, y, pos), { x, y, pos }, ad, "addcdiv")
+  end)
+
+  it("reductions, scans and selections", function()
+    local vn = engine.linalg.vector_norm
+    local red = {
+      amax = function(a) return a:amax(2) end, amin = function(a) return a:amin({ 1, 2 }) end,
+      logsumexp = function(a) return a:logsumexp(2) end, var = function(a) return a:var(2) end,
+      std = function(a) return a:std(1, { correction = 0, keepdim = true }) end,
+      norm1 = function(a) return vn(a, 1, 2) end, norm2 = function(a) return vn(a, 2, 2) end,
+      norminf = function(a) return vn(a, math.huge, 2) end, norm3 = function(a) return vn(a, 3, 2) end,
+      norm_all = function(a) return a:norm() end, cumsum = function(a) return a:cumsum(2) end,
+      sort = function(a) return (a:sort(2)) end, sort_desc = function(a) return (a:sort(1, true)) end,
+      topk = function(a) return (a:topk(5, 2)) end, kthvalue = function(a) return (a:kthvalue(7, 2)) end,
+      argsort = function(a) return a:argsort(2) end, all = function(a) return a:gt(-3):all(2) end,
+      any = function(a) return a:gt(3):any(1) end,
+    }
+    for name, f in pairs(red) do close(f(x), { x }, f, name) end
+    for name, f in pairs({ prod = function(a) return a:prod(2) end, cumprod = function(a) return a:cumprod(2) end }) do
+      close(f(near1), { near1 }, f, name)
+    end
+  end)
+end)
+
 describe("float64 finite-difference gradients", function()
   local function r(...) engine.manual_seed(7); return engine.randn(...):double() end
   it("unary and binary pointwise ops", function()

@@ -3,7 +3,8 @@
  * isfinite, logical_not, nan_to_num; fmod, remainder, floor_divide,
  * logical_and, logical_or) and the composites clamp with tensor bounds,
  * lerp, addcmul, addcdiv (made of dispatching ops: DTensors follow those
- * ops' rules, autograd comes from them).
+ * ops' rules, autograd comes from them; bf16/f16 ones compute in f32 and
+ * round once, as PyTorch's opmath).
  *
  * Kernels: kernels/cpu/math.c; on CUDA kernels/cuda/math.cu for floating
  * inputs (and logical_and/or of any dtype).  Integer CUDA tensors take a host
@@ -334,8 +335,43 @@ eng_tensor* eng_clamp_tensor(eng_tensor* a, eng_tensor* lo, eng_tensor* hi) {
   return r;
 }
 
+/* bf16/f16 composites compute in f32 and round once, as PyTorch's kernels do in their opmath type (each
+ * step in bf16 would round every intermediate: addcdiv off by tens of ulps).  fn(in[0..n)) on f32 copies,
+ * then the result cast to dt.  NULL when the inputs are not low precision (*done = 0). */
+static eng_tensor* via_f32(eng_tensor* (*fn)(eng_tensor**, double, int), eng_tensor** in, int n, double v, int flag,
+                           int* done) {
+  int dt = in[0]->dtype;
+  for (int i = 1; i < n; i++)
+    if (in[i]->ndim > 0 || in[i]->dist) dt = eng_promote_types(dt, in[i]->dtype);
+  *done = 0;
+  if (dt != ENG_BF16 && dt != ENG_F16) return NULL;
+  *done = 1;
+  eng_tensor* up[4] = {NULL, NULL, NULL, NULL};
+  eng_tensor* r = NULL;
+  int ok = 1;
+  for (int i = 0; i < n && ok; i++) ok = (up[i] = eng_tensor_to_dtype(in[i], ENG_F32)) != NULL;
+  eng_tensor* r32 = ok ? fn(up, v, flag) : NULL;
+  if (r32) r = eng_tensor_to_dtype(r32, dt);
+  eng_tensor_release(r32);
+  for (int i = 0; i < n; i++) eng_tensor_release(up[i]);
+  return r;
+}
+
+static eng_tensor* lerp_impl(eng_tensor* a, eng_tensor* b, eng_tensor* w);
+static eng_tensor* lerp_f32(eng_tensor** in, double v, int flag) {
+  (void)v; (void)flag;
+  return lerp_impl(in[0], in[1], in[2]);
+}
+
 eng_tensor* eng_lerp(eng_tensor* a, eng_tensor* b, eng_tensor* w) {
   ENG_CHECK(a, "lerp"); ENG_CHECK(b, "lerp"); ENG_CHECK(w, "lerp");
+  int done;
+  eng_tensor* r = via_f32(lerp_f32, (eng_tensor*[]){a, b, w}, 3, 0, 0, &done);
+  if (done) return r;
+  return lerp_impl(a, b, w);
+}
+
+static eng_tensor* lerp_impl(eng_tensor* a, eng_tensor* b, eng_tensor* w) {
   double wv;
   if (w->ndim == 0 && !w->dist && w->device == ENG_CPU && !w->requires_grad && !eng_tensor_item(w, &wv) &&
       fabs(wv) >= 0.5) {
@@ -351,8 +387,21 @@ eng_tensor* eng_lerp(eng_tensor* a, eng_tensor* b, eng_tensor* w) {
   return rel(r, d, t);
 }
 
+static eng_tensor* addc_impl(eng_tensor* a, eng_tensor* b, eng_tensor* c, double v, int div, const char* name);
+static eng_tensor* addc_f32(eng_tensor** in, double v, int div) {
+  return addc_impl(in[0], in[1], in[2], v, div, div ? "addcdiv" : "addcmul");
+}
 static eng_tensor* addc(eng_tensor* a, eng_tensor* b, eng_tensor* c, double v, int div, const char* name) {
   ENG_CHECK(a, name); ENG_CHECK(b, name); ENG_CHECK(c, name);
+  int done;
+  eng_tensor* r = via_f32(addc_f32, (eng_tensor*[]){a, b, c}, 3, v, div, &done);
+  if (done) {
+    if (!r) eng_err_prefix("%s", name);
+    return r;
+  }
+  return addc_impl(a, b, c, v, div, name);
+}
+static eng_tensor* addc_impl(eng_tensor* a, eng_tensor* b, eng_tensor* c, double v, int div, const char* name) {
   eng_tensor* vb = v == 1.0 ? eng_tensor_retain(b) : eng_mul_scalar(b, v); /* PyTorch: a + (v*b) op c */
   eng_tensor* t = vb ? (div ? eng_div(vb, c) : eng_mul(vb, c)) : NULL;
   eng_tensor* r = t ? eng_add(a, t) : NULL;

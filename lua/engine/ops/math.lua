@@ -129,7 +129,12 @@ function methods.lerp(a, b, w)
   local ca, cb = ct(a, "lerp", 1), ct(b, "lerp", 2)
   if not core.is_tensor(w) then
     if type(w) ~= "number" then fail("lerp: weight must be a number or a tensor, got " .. type(w)) end
-    w = scalar_tensor(w, a, "lerp")
+    if ca.dtype == 2 or ca.dtype == 3 then
+      -- a number weight of a bf16/f16 lerp keeps f32 precision (the op computes in f32, PyTorch's opmath)
+      w = wrap(C.eng_tensor_full(0, nil, w, 0, ca.device))
+    else
+      w = scalar_tensor(w, a, "lerp")
+    end
   end
   return wrap(C.eng_lerp(ca, cb, w._c))
 end
