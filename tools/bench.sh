@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs the benchmarks (recipes/bench/*.lua) and prints their figures with the machine and BLAS setup:
-# dispatch.lua and step.lua in one process, comm.lua and redistribute.lua under mpirun with 4 ranks
-# (BENCH_NP), tp_step.lua (tensor parallelism against one process and PyTorch) on 2 ranks, and
+# dispatch.lua and step.lua (the GPT, then --model=llama) in one process, comm.lua and redistribute.lua
+# under mpirun with 4 ranks (BENCH_NP), tp_step.lua (tensor parallelism against one process and PyTorch) on 2 ranks, and
 # gpu_step.lua when a CUDA device is usable.  `make bench` runs it.
 #   tools/bench.sh [BUILD_DIR] [-- extra args for recipes/bench/step.lua]
 # Example: tools/bench.sh build -- --steps=30 --threads=2
@@ -22,6 +22,8 @@ echo "== recipes/bench/dispatch.lua"
 "$ENGINE" recipes/bench/dispatch.lua || rc=1
 echo "== recipes/bench/step.lua $*"
 "$ENGINE" recipes/bench/step.lua "$@" || rc=1
+echo "== recipes/bench/step.lua --model=llama $*"
+"$ENGINE" recipes/bench/step.lua --model=llama "$@" || rc=1
 NP=${BENCH_NP:-4}
 MPIRUN="mpirun --allow-run-as-root --oversubscribe --bind-to none --mca btl self,vader --mca pml ob1 -x MALLOC_MMAP_MAX_=0 -x MALLOC_TRIM_THRESHOLD_=1073741824"
 for b in comm redistribute; do

@@ -252,8 +252,8 @@ function M.binary_cross_entropy_with_logits(x, target, opts)
   if not same_shape(x, target) then
     fail(string.format("%s: target %s%s must have the input's shape %s%s", op, target.dtype, shp(target), x.dtype, shp(x)))
   end
-  -- softplus(-x) = relu(-x) + log(1 + exp(-|x|)), stable for any x
-  local sp = (-x):relu() + ((-x:abs()):exp() + 1):log()
+  -- softplus(-x) = relu(-x) + log1p(exp(-|x|)), stable for any x (PyTorch's form)
+  local sp = (-x):relu() + (-x:abs()):exp():log1p()
   local l
   if opts.pos_weight ~= nil then
     need(opts.pos_weight, op, 3, "pos_weight")
@@ -338,7 +338,7 @@ function M.softplus(x, beta, threshold)
   need(x, op, 1)
   beta, threshold = args2(beta, threshold, { "beta", "threshold" }, { 1, 20 }, op)
   local z = beta == 1 and x or x * beta
-  local soft = (z:clamp(nil, threshold):exp() + 1):log()
+  local soft = z:clamp(nil, threshold):exp():log1p()
   if beta ~= 1 then soft = soft / beta end
   local r = x:where(z:gt(threshold), soft)
   return r
