@@ -15,8 +15,9 @@
 -- (0: none) --norm_eps --rope_theta; --n_layers --dim --n_heads --seq as in recipes/gpt.lua.
 -- Defaults: the issue's reference size (4 layers, dim 256, 4 heads, 2 kv heads, seq 128, batch 8, vocab
 -- 256); --dtensor_dp=1 (with several ranks and no --tp, the batch is sharded over a "dp" mesh of
--- Replicate DTensor parameters).  --dropout and --sp do not apply (torchtitan's Llama has no dropout;
--- its sequence-parallel plan is not implemented here).
+-- Replicate DTensor parameters).  --sp=1 with --tp: torchtitan's sequence parallelism (SequenceParallel
+-- norms, sequence-sharded activations between the blocks; --seq divisible by the tp size).  --dropout
+-- does not apply (torchtitan's Llama has no dropout).
 local engine = require("engine")
 local nn = engine.nn
 
@@ -26,13 +27,12 @@ GPT_MODEL = {
     dtensor_dp = 1 },
   build = function(o)
     if o.dropout ~= 0 then error("llama: --dropout does not apply (the Llama has no dropout)", 0) end
-    if o.sp ~= 0 then error("llama: --sp=1 is not supported for the Llama (tensor parallelism without it: --tp)", 0) end
     return nn.Llama{ dim = o.dim, n_layers = o.n_layers, n_heads = o.n_heads, n_kv_heads = o.n_kv_heads,
       vocab_size = 256, multiple_of = o.multiple_of,
       ffn_dim_multiplier = o.ffn_dim_multiplier > 0 and o.ffn_dim_multiplier or nil,
       norm_eps = o.norm_eps, rope_theta = o.rope_theta, max_seq_len = o.seq }
   end,
-  parallelize = function(model, tp_mesh) nn.Llama.parallelize(model, tp_mesh) end,
+  parallelize = function(model, tp_mesh, o) nn.Llama.parallelize(model, tp_mesh, { use_seq_parallel = o.sp == 1 }) end,
   describe = function(o)
     return string.format("%d layers, dim %d, %d heads, %d kv heads, ffn %d, seq %d, vocab 256", o.n_layers, o.dim,
       o.n_heads, o.n_kv_heads, require("engine.models").llama_ffn_dim({ dim = o.dim, multiple_of = o.multiple_of,
@@ -53,7 +53,7 @@ if use_fsdp then
   for k, v in pairs(M.defaults) do if k ~= "dtensor_dp" then defaults[k] = v end end
   defaults.tp, defaults.sp = 1, 0
   FSDP_GPT = { name = "llama", defaults = defaults, build = M.build,
-    parallelize = function(model, tp_mesh) nn.Llama.parallelize(model, tp_mesh) end }
+    parallelize = M.parallelize }
   local saved = arg
   arg = rest
   ok, err = pcall(dofile, here .. "/fsdp_gpt.lua")

@@ -577,17 +577,24 @@ function Llama:forward(tokens, opts)
   return out:float()
 end
 
--- Llama.parallelize(model, tp_mesh [, {loss_parallel = false}]): torchtitan's apply_tp for Llama (without
--- sequence parallelism): tok_embeddings RowwiseParallel (input Replicate, output Replicate); per block
+-- Llama.parallelize(model, tp_mesh [, {loss_parallel = false, use_seq_parallel = false}]): torchtitan's
+-- apply_tp for Llama: tok_embeddings RowwiseParallel (input Replicate, output Replicate); per block
 -- wq/wk/wv/w1/w3 ColwiseParallel, wo/w2 RowwiseParallel (local outputs: attention runs on its
 -- n_heads / tp local q heads and n_kv_heads / tp local k/v heads, rotary applied per local head); the
 -- output projection ColwiseParallel with Replicate output (Shard(-1) with loss_parallel).  The norms
--- stay plain (replicated by the same seed).  n_heads and n_kv_heads must be divisible by the tp size.
+-- stay plain (replicated by the same seed).  use_seq_parallel (torchtitan's sequence parallelism): the
+-- token embeddings give Shard(seq) output, the norms (attention_norm, ffn_norm, norm) are
+-- SequenceParallel, attention and feed_forward get PrepareModuleInput (Shard(seq) -> Replicate; the
+-- rotary tables pass as they are), wo and w2 give Shard(seq) output and the output projection takes
+-- Shard(seq) input: between the blocks each rank holds its seq_len / tp positions (seq_len must be
+-- divisible by the tp size).  n_heads and n_kv_heads must be divisible by the tp size.
 function Llama.parallelize(model, mesh, opts)
   local dist = require("engine.distributed")
   opts = opts or {}
   for k in pairs(opts) do
-    if k ~= "loss_parallel" then error("Llama.parallelize: unknown option '" .. tostring(k) .. "' (loss_parallel)", 2) end
+    if k ~= "loss_parallel" and k ~= "use_seq_parallel" then
+      error("Llama.parallelize: unknown option '" .. tostring(k) .. "' (loss_parallel, use_seq_parallel)", 2)
+    end
   end
   if type(model) ~= "table" or not require("engine.distributed.parallel_style")._has_class(model, "Llama") then
     error("Llama.parallelize: requires a Llama, got " .. tostring(model and model.__name or type(model)), 2)
@@ -602,18 +609,31 @@ function Llama.parallelize(model, mesh, opts)
     end
   end
   local R, S = dist.Replicate, dist.Shard
-  dist.parallelize_module(model, mesh, {
-    tok_embeddings = dist.RowwiseParallel{ input_layouts = R(), output_layouts = R() },
-    output = dist.ColwiseParallel{ output_layouts = opts.loss_parallel and S(-1) or R(),
+  local sp = opts.use_seq_parallel == true
+  local seq = sp and S(2) or R()    -- the layout of the activations between the blocks ([B, T, dim])
+  local plan = {
+    tok_embeddings = dist.RowwiseParallel{ input_layouts = R(), output_layouts = seq },
+    output = dist.ColwiseParallel{ input_layouts = seq, output_layouts = opts.loss_parallel and S(-1) or R(),
       use_local_output = not opts.loss_parallel },
     ["layers.*.attention.wq"] = dist.ColwiseParallel(),
     ["layers.*.attention.wk"] = dist.ColwiseParallel(),
     ["layers.*.attention.wv"] = dist.ColwiseParallel(),
-    ["layers.*.attention.wo"] = dist.RowwiseParallel(),
+    ["layers.*.attention.wo"] = dist.RowwiseParallel{ output_layouts = seq },
     ["layers.*.feed_forward.w1"] = dist.ColwiseParallel(),
-    ["layers.*.feed_forward.w2"] = dist.RowwiseParallel(),
+    ["layers.*.feed_forward.w2"] = dist.RowwiseParallel{ output_layouts = seq },
     ["layers.*.feed_forward.w3"] = dist.ColwiseParallel(),
-  })
+  }
+  if sp then
+    local NONE = dist.NONE
+    plan.norm = dist.SequenceParallel()
+    plan["layers.*.attention_norm"] = dist.SequenceParallel()
+    plan["layers.*.ffn_norm"] = dist.SequenceParallel()
+    -- attention(x, cos, sin): x gathered; the rotary tables are plain tensors of the whole sequence
+    plan["layers.*.attention"] = dist.PrepareModuleInput{ input_layouts = { S(2), NONE, NONE },
+      desired_input_layouts = { R(), NONE, NONE } }
+    plan["layers.*.feed_forward"] = dist.PrepareModuleInput{ input_layouts = { S(2) }, desired_input_layouts = { R() } }
+  end
+  dist.parallelize_module(model, mesh, plan)
   return model
 end
 

@@ -72,7 +72,8 @@ describe("recipes/llama.lua", function()
   end)
 
   for _, cfg in ipairs({ { name = "DTensor DP", args = {}, ranks = 1 }, { name = "TP", args = { "--tp=0", "--n_heads=8", "--n_kv_heads=4" }, ranks = 2 },
-                          { name = "TP x DP (2x2)", args = { "--tp=2" }, ranks = 4, exact = true } }) do
+                          { name = "TP x DP (2x2)", args = { "--tp=2" }, ranks = 4, exact = true },
+                          { name = "TP SP", args = { "--tp=0", "--sp=1", "--n_heads=8", "--n_kv_heads=4" }, ranks = 2 } }) do
     it(cfg.name .. ": trains, samples, resumes from its checkpoint with the uninterrupted run's losses", function()
       if W < cfg.ranks or (cfg.exact and W ~= cfg.ranks) then return end
       local d = ck .. "_" .. cfg.name:gsub("%W", "")
@@ -124,7 +125,28 @@ describe("recipes/llama.lua", function()
     end
   end)
 
-  it("refuses --dropout and --sp for the Llama, and kv heads that do not divide the heads", function()
+  it("--sp=1 (torchtitan's sequence parallelism) prints the losses of TP without it", function()
+    if W < 2 then return end
+    local tpa = { "--tp=0", "--n_heads=8", "--n_kv_heads=4", "--steps=3", "--ckpt_every=-1", "--sample_len=0" }
+    local a = run(argv(tpa), 3)
+    local with_sp = argv(tpa)
+    with_sp[#with_sp + 1] = "--sp=1"
+    local b = run(with_sp, 3)
+    for s = 1, 3 do
+      assert.is_true(math.abs(a[s] - b[s]) <= 1e-5 * math.max(1, a[s]), string.format("step %d: %.7f SP vs %.7f TP", s, b[s], a[s]))
+    end
+    if W == 4 then   -- FSDP over TP with SP on a 2x2 mesh: the losses of FSDP over TP
+      local f = argv({ "--fsdp=1", "--tp=2", "--batch=4", "--steps=3", "--ckpt_every=-1", "--sample_len=0" })
+      local fa = run(f, 3)
+      f[#f + 1] = "--sp=1"
+      local fb = run(f, 3)
+      for s = 1, 3 do
+        assert.is_true(math.abs(fa[s] - fb[s]) <= 1e-5 * math.max(1, fa[s]), string.format("FSDP step %d: %.7f SP vs %.7f", s, fb[s], fa[s]))
+      end
+    end
+  end)
+
+  it("refuses --dropout for the Llama, and kv heads that do not divide the heads", function()
     local ok, e = pcall(run, argv({ "--steps=1", "--dropout=0.1", "--ckpt_every=-1", "--sample_len=0" }), 1)
     assert.is_false(ok)
     assert.is_truthy(tostring(e):find("--dropout does not apply", 1, true), tostring(e))

@@ -1,5 +1,6 @@
 -- The Llama model distributed (lua/engine/models.lua): torchtitan's tensor-parallel plan
--- (Llama.parallelize: wq/wk/wv/w1/w3 Colwise, wo/w2 Rowwise, embeddings Rowwise, output Colwise) and
+-- (Llama.parallelize: wq/wk/wv/w1/w3 Colwise, wo/w2 Rowwise, embeddings Rowwise, output Colwise; with
+-- use_seq_parallel SequenceParallel norms and sequence-sharded activations between the blocks) and
 -- DTensor data parallelism (Replicate parameters, batch-sharded tokens) give the single-process losses,
 -- gradients and parameters over AdamW steps, at 1, 2 and 4 ranks; grouped-query attention and rotary
 -- embeddings run on each rank's local q and k/v heads.
@@ -101,6 +102,63 @@ describe("Llama tensor parallel (torchtitan's plan)", function()
     lm:backward()
     local lr = F.cross_entropy(ref(x):reshape(-1, V), y:reshape(-1)); lr:backward()
     compare("loss_parallel", m, ref, 1, full(lm):item(), lr:item())
+  end)
+
+  it("sequence parallelism (use_seq_parallel): torchtitan's layouts, and one process over 5 AdamW steps", function()
+    local ref, m = make(), make()
+    models.Llama.parallelize(m, mesh, { use_seq_parallel = true })
+    for _, w in ipairs({ m.norm.weight, m.layers[1].attention_norm.weight, m.layers[2].ffn_norm.weight }) do
+      assert.is_true(dist.is_dtensor(w))
+      assert.are.equal("Replicate()", tostring(w.placements[1]))
+    end
+    -- between the blocks each rank holds its T / W positions; attention and the feed-forward see all T
+    local seen = {}
+    local hooks = {
+      m.layers[1]:register_forward_hook(function(_, _, out) seen.block = out end),
+      m.layers[1].attention.wq:register_forward_pre_hook(function(_, args) seen.attn_in = args[1] end),
+      m.layers[1].feed_forward.w1:register_forward_pre_hook(function(_, args) seen.ffn_in = args[1] end),
+    }
+    local opt_r = engine.optim.AdamW(ref:parameters(), { lr = 1e-2, weight_decay = 0.1 })
+    local opt_m = engine.optim.AdamW(m:parameters(), { lr = 1e-2, weight_decay = 0.1 })
+    for step = 1, 5 do
+      local x, y = tokens(4, T, 600 + step), tokens(4, T, 700 + step)
+      local lm = F.cross_entropy(m(x):reshape(-1, V), y:reshape(-1)); lm:backward()
+      local lr = F.cross_entropy(ref(x):reshape(-1, V), y:reshape(-1)); lr:backward()
+      compare("SP", m, ref, step, full(lm):item(), lr:item())
+      opt_m:step(); opt_m:zero_grad(); opt_r:step(); opt_r:zero_grad()
+      if step == 1 then
+        for _, h in ipairs(hooks) do h:remove() end
+        local b = seen.block
+        if dist.is_dtensor(b) then
+          assert.are.equal("Shard(2)", tostring(b.placements[1]))
+          b = b:to_local()
+        end
+        assert.are.same({ 4, T / W, ARGS.dim }, b:shape())
+        for _, k in ipairs({ "attn_in", "ffn_in" }) do
+          assert.is_true(dist.is_dtensor(seen[k]), k)
+          assert.are.equal("Replicate()", tostring(seen[k].placements[1]), k)
+          assert.are.same({ 4, T, ARGS.dim }, seen[k]:shape(), k)
+        end
+      end
+    end
+    for name, p in m:named_parameters() do
+      local d = diff(p, ref:get_parameter(name))
+      assert.is_true(d <= 1e-4, "parameter " .. name .. " differs by " .. d)
+    end
+  end)
+
+  it("sequence parallelism with loss_parallel: vocab-sharded logits, the same loss and gradients", function()
+    local ref, m = make(), make()
+    models.Llama.parallelize(m, mesh, { use_seq_parallel = true, loss_parallel = true })
+    local x, y = tokens(2, T, 13), tokens(2, T, 14)
+    local logits = m(x)
+    assert.are.equal("Shard(3)", tostring(logits.placements[1]))
+    local lm = dist.loss_parallel(function()
+      return F.cross_entropy(logits:reshape(-1, V), dist.DTensor.from_local(y:reshape(-1), mesh, { Rep() }))
+    end)
+    lm:backward()
+    local lr = F.cross_entropy(ref(x):reshape(-1, V), y:reshape(-1)); lr:backward()
+    compare("SP loss_parallel", m, ref, 1, full(lm):item(), lr:item())
   end)
 
   it("bad input: heads not divisible by the tp size, unknown options, wrong module", function()
