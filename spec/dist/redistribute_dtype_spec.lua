@@ -118,6 +118,51 @@ describe("redistribute forward_dtype / backward_dtype", function()
     assert.is_true(rel <= 2 ^ -8, "relative error " .. rel)
   end)
 
+  -- the group's backward reduce dtype (FSDP's reduce_dtype over tensor parallelism): a bf16 Partial gradient's
+  -- all_reduce carries f32 and the sum is rounded to bf16 once
+  it("set_backward_reduce_dtype: a bf16 gradient's backward all_reduce runs in f32 (rounded once)", function()
+    engine.manual_seed(21)
+    local xf, wf = engine.randn(16, 8):to("bf16"), engine.randn(8, 2 * W):to("bf16")
+    local w = dist.distribute_tensor(wf, mesh, { S(2) }, { src_data_rank = false })
+    engine.manual_seed(100 + R)
+    local go = engine.randn(16, 2):to("bf16")
+    -- this rank's partial gradient, computed the plain way
+    local xl = xf:clone(); xl.requires_grad = true
+    local prod = xl:mm(w:to_local()) * go
+    prod:sum():backward()
+    local parts = dist.all_gather(xl.grad:float())  -- [W*16, 8], rank order
+    local want = parts:narrow(1, 1, 16):clone()
+    for i = 2, W do want = want + parts:narrow(1, 16 * i - 15, 16) end
+    want = want:to("bf16")
+    for _, rdt in ipairs({ "f32", false }) do
+      dist.set_backward_reduce_dtype(mesh, rdt or nil)
+      assert.are.equal(rdt or nil, dist.get_backward_reduce_dtype(mesh))
+      local x = dist.distribute_tensor(xf:clone(), mesh, { Rep() }, { src_data_rank = false })
+      x.requires_grad = true
+      local out = x:mm(w)
+      local c, bytes = traffic(function() (out:to_local() * go):sum():backward() end)
+      assert.are.equal("bf16", x.grad.dtype)
+      if W > 1 then
+        assert.are.same({ all_reduce = 1 }, c)
+        assert.are.equal(128 * (rdt and 4 or 2), bytes.all_reduce)
+      end
+      if rdt then assert.are.equal(0, diff(x.grad:to_local(), want)) end
+    end
+    -- an explicit backward_dtype keeps its own
+    dist.set_backward_reduce_dtype(mesh, "f32")
+    local x = dist.distribute_tensor(xf:clone():float(), mesh, { Rep() }, { src_data_rank = false })
+    x.requires_grad = true
+    local out = x:redistribute({ Rep() }, { forward_dtype = "bf16", backward_dtype = "bf16" }):mm(w)
+    local c, bytes = traffic(function() (out:to_local() * go):sum():backward() end)
+    if W > 1 then
+      assert.are.same({ all_reduce = 1 }, c)
+      assert.are.equal(128 * 2, bytes.all_reduce)
+    end
+    dist.set_backward_reduce_dtype(mesh, nil)
+    assert.is_nil(dist.get_backward_reduce_dtype(mesh))
+    assert.is_truthy(errmsg(dist.set_backward_reduce_dtype, mesh, "i32"):find("i32 is not a floating dtype", 1, true))
+  end)
+
   it("rejects a non-floating dtype", function()
     local d = input({ S(1) })
     local e = errmsg(function() d:redistribute({ Rep() }, { forward_dtype = "i32" }) end)

@@ -204,6 +204,16 @@ eng_tensor* eng_dtensor_redistribute(eng_tensor* t, eng_mesh* mesh, int n, const
  * gradient comes back in t's dtype. */
 eng_tensor* eng_dtensor_redistribute_dtype(eng_tensor* t, eng_mesh* mesh, int n, const eng_placement* placements,
                                            int async_op, int forward_dtype, int backward_dtype);
+/* The backward reduce dtype of mesh dim `dim` (0-based): the gradient
+ * reductions autograd issues in backward on that dim's group (a Partial
+ * gradient to Replicate, all_reduce, or to Shard, reduce_scatter) are cast to
+ * dtype before the collective and back after; -1 clears it (the gradient's own
+ * dtype).  It belongs to the group, so every mesh that shares it (the parent
+ * mesh and its slices) follows.  fully_shard sets it on the TP dim to its
+ * MixedPrecisionPolicy's reduce_dtype.  A redistribute with an explicit
+ * backward_dtype keeps its own.  get: the dtype, -1 when none, -2 on error. */
+int eng_dtensor_set_backward_reduce_dtype(eng_mesh* mesh, int dim, int dtype);
+int eng_dtensor_get_backward_reduce_dtype(const eng_mesh* mesh, int dim);
 /* Building block for op dispatch: redistribute t to spec dst (same mesh and
  * global shape), autograd-recorded.  flags: 1 async, 2 allow Partial targets
  * (Replicate -> Partial: sum divides by the mesh dim size; avg/max/min keep

@@ -22,6 +22,7 @@ struct eng_pg {
   char name[96];
   void* nccl;           /* NCCL backend state, created on first use */
   int cma;              /* single-copy exchanges (comm/cma.c): 0 not probed yet, 1 usable, -1 not */
+  int bwd_reduce_dtype; /* DTensor backward Partial reductions on this group: dtype + 1 (0: their own dtype) */
 };
 
 /* One collective on raw contiguous buffers, as handed to a backend.

@@ -731,9 +731,28 @@ eng_tensor* dt_redistribute_local(eng_tensor* local, const eng_dist_spec* src, c
       c.pg = eng_mesh_get_group(src->mesh, i);
       if (!c.pg) { eng_tensor_release(x); return NULL; }
     }
+    /* the gradient reductions of backward (Partial -> Replicate / Shard) run in the group's backward reduce
+     * dtype when one is set (FSDP's reduce_dtype over tensor parallelism); an explicit backward_dtype
+     * (is_backward == 2) keeps its own */
+    int rdt = is_backward == 1 && c.pg && (tr[s]->apply == apply_p2r || tr[s]->apply == apply_p2s)
+                  ? c.pg->bwd_reduce_dtype - 1 : -1;
+    int xdt = x->dtype;
+    if (rdt >= 0 && (rdt == xdt || !eng_dtype_is_floating(xdt))) rdt = -1;
+    if (rdt >= 0) {
+      eng_tensor* xc = eng_tensor_to_dtype(x, rdt);
+      eng_tensor_release(x);
+      if (!xc) { eng_pg_release(c.pg); return NULL; }
+      x = xc;
+      c.owned = 1;
+    }
     eng_tensor* y = tr[s]->apply(&c, x, &steps[s].src, &steps[s].dst);
     eng_pg_release(c.pg);
     eng_tensor_release(x);
+    if (y && rdt >= 0) {
+      eng_tensor* yc = eng_tensor_to_dtype(y, xdt);
+      eng_tensor_release(y);
+      y = yc;
+    }
     if (!y) {
       char a[512], b[400];
       eng_err_prefix("%s: %s -> %s: step %d (mesh dim %d, %s)", op,
@@ -792,7 +811,8 @@ static int rd_backward(eng_node* n, eng_tensor** go, eng_tensor** gi) {
   eng_tensor* gc = !gp ? NULL : g->dtype != bdt ? eng_tensor_to_dtype(gp, bdt) : eng_tensor_retain(gp);
   eng_tensor_release(gp);
   if (!gc) { eng_dist_spec_release(target); return -1; }
-  eng_tensor* r = eng_dist_spec_equal(gs, target) ? dt_plain(gc) : dt_redistribute_local(gc, gs, target, 0, 1);
+  eng_tensor* r = eng_dist_spec_equal(gs, target) ? dt_plain(gc)
+                 : dt_redistribute_local(gc, gs, target, 0, c->bwd_dtype >= 0 ? 2 : 1);
   eng_tensor_release(gc);
   if (r && r->dtype != eng_node_in_dtype(n, 0)) {
     eng_tensor* cv = eng_tensor_to_dtype(r, eng_node_in_dtype(n, 0));
@@ -894,6 +914,26 @@ static eng_tensor* redistribute_impl(const char* op, eng_tensor* t, eng_mesh* me
   eng_tensor* out = dt_redistribute_autograd_ex(op, t, dst, async, 0, fwd_dtype, bwd_dtype);
   eng_dist_spec_release(dst);
   return out;
+}
+
+int eng_dtensor_set_backward_reduce_dtype(eng_mesh* mesh, int dim, int dtype) {
+  const char* op = "set_backward_reduce_dtype";
+  if (!mesh) return eng_err("%s: mesh is NULL", op);
+  if (dtype >= ENG_NUM_DTYPES || (dtype >= 0 && !eng_dtype_is_floating(dtype)))
+    return eng_err("%s: %s is not a floating dtype", op, dtype < ENG_NUM_DTYPES ? eng_dtype_name(dtype) : "(unknown)");
+  eng_pg* pg = eng_mesh_get_group(mesh, dim);
+  if (!pg) return -1;
+  pg->bwd_reduce_dtype = dtype < 0 ? 0 : dtype + 1;
+  eng_pg_release(pg);
+  return 0;
+}
+
+int eng_dtensor_get_backward_reduce_dtype(const eng_mesh* mesh, int dim) {
+  eng_pg* pg = eng_mesh_get_group(mesh, dim);
+  if (!pg) return -2;
+  int d = pg->bwd_reduce_dtype - 1;
+  eng_pg_release(pg);
+  return d;
 }
 
 eng_tensor* eng_dtensor_redistribute(eng_tensor* t, eng_mesh* mesh, int n, const eng_placement* pl, int async_op) {

@@ -521,6 +521,25 @@ function M._redistribute_internal(t, placements)
   return wrap(r)
 end
 
+-- dist.set_backward_reduce_dtype(mesh, dtype_or_nil [, dim = 1]): the gradient reductions autograd issues in
+-- backward on the group of mesh dim `dim` (a Partial gradient to Replicate or Shard: all_reduce,
+-- reduce_scatter) run in dtype (cast before the collective, back after); nil: in the gradient's own dtype.
+-- It belongs to the group, so the parent mesh and every slice sharing it follow.  fully_shard sets it on the
+-- TP mesh to its MixedPrecisionPolicy's reduce_dtype (FSDP over tensor parallelism).
+function M.set_backward_reduce_dtype(mesh, dtype, dim)
+  local op = "set_backward_reduce_dtype"
+  mesh = mesh_arg(mesh, op)
+  local code = dtype ~= nil and core.dtype(dtype, op) or -1
+  check(C.eng_dtensor_set_backward_reduce_dtype(mesh._c, (dim or 1) - 1, code))
+end
+function M.get_backward_reduce_dtype(mesh, dim)
+  local op = "get_backward_reduce_dtype"
+  mesh = mesh_arg(mesh, op)
+  local code = C.eng_dtensor_get_backward_reduce_dtype(mesh._c, (dim or 1) - 1)
+  if code == -2 then check(-1) end
+  if code < 0 then return nil end
+  return core.dtype_names[code]
+end
 -- Local mode (for op dispatch code): ops ignore DTensor specs while on.
 function M.set_local_mode(on) return C.eng_dtensor_set_local_mode(on and 1 or 0) ~= 0 end
 function M.wait_all() check(C.eng_dtensor_wait_all()) end

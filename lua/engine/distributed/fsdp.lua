@@ -631,6 +631,7 @@ function M.fully_shard(module, opts)
         -- [Shard(d), tp] on the (dp, tp) parent ([Replicate, Shard(d), tp] for HSDP); _StridedShard(d, sf = tp)
         -- when TP shards the same dim (PyTorch's right-to-left rule): each rank keeps the dp-chunk of its TP shard
         local root, tpl = tp_layout(e.p, e.uses[1].name, e.uses[1].m, mesh)
+        e.tpm = e.p.device_mesh
         local tp_size = e.p.device_mesh:size()
         local fpl
         if tpl.kind == "shard" and tpl.dim - 1 == cd then fpl = P._StridedShard(cd + 1, { split_factor = tp_size })
@@ -710,6 +711,12 @@ function M.fully_shard(module, opts)
   local pm = post_mesh(mesh, raf)
   core.check(C.eng_fsdp_group_set_reshard_after_forward(g, raf, pm and pm._c or nil), 2)
   core.check(C.eng_fsdp_group_attach(g, rawget(module, "_cmod")), 2)
+  -- mixed precision over tensor parallelism: the TP group's backward gradient reductions (Partial -> Replicate /
+  -- Shard) run in reduce_dtype too, not only the dp reduce-scatter (a known PyTorch gap); the TP mesh's setting
+  -- is the last fully_shard's over it (the root's, called last), none without a reduce_dtype
+  for _, e in ipairs(order) do
+    if e.tpm then dtensor.set_backward_reduce_dtype(e.tpm, mp.reduce_dtype) end
+  end
   -- register the sharded parameters under every name; the modules look the unsharded ones up
   for i, e in ipairs(order) do
     converted[e.p] = module
