@@ -151,39 +151,71 @@ describe("state dicts in three forms, every layout into every other", function()
 end)
 
 describe("state dicts: the full form holds one full tensor at a time", function()
-  it("get_state_dict{full, rank0_only, cpu_offload}: peak over the call (allocator) on every rank", function()
-    local N = 128
-    local m = nn.Sequential(nn.Linear(N, N, { bias = false }), nn.Linear(N, N, { bias = false }),
-      nn.Linear(N, N, { bias = false }), nn.Linear(N, N, { bias = false }))
-    for _, c in ipairs(m:children()) do dist.fully_shard(c, { mesh = world }) end
-    dist.fully_shard(m, { mesh = world })
-    local opt = engine.optim.AdamW(m:parameters(), { lr = 1e-3 })
-    engine.manual_seed(3)
-    m(engine.randn(2, N)):sum():backward()
-    opt:step()
-    local P = N * N * 4
-    local n_full = 4 * 3   -- parameters and two AdamW states each
-    collectgarbage(); collectgarbage()
-    engine.reset_peak_memory()
-    local base = engine.memory_stats().allocated
-    local msd, osd = dist.get_state_dict(m, opt, { full = true, cpu_offload = true, rank0_only = true })
-    local peak = engine.memory_stats().peak_allocated - base
-    if R == 0 then
-      local n = 0
-      for _, v in pairs(msd) do n = n + 1; assert.are.same({ N, N }, v:shape()); assert.is_false(dist.is_dtensor(v)) end
-      assert.are.equal(4, n)
-      for _, s in pairs(osd.state) do assert.are.same({ N, N }, s.exp_avg:shape()) end
-      -- the result itself plus at most ~one full tensor in flight
-      assert.is_true(peak <= (n_full + 1.5) * P, string.format("rank 0 peak %d bytes (P = %d)", peak, P))
-    else
-      assert.are.same({}, msd)
-      assert.are.same({}, osd.state)
-      -- never more than one full tensor (plus small buffers) at a time; all of them would be 12 P
-      assert.is_true(peak <= 1.5 * P, string.format("rank %d peak %d bytes over the call (P = %d)", R, peak, P))
-    end
-    print(string.format("# state_dict_forms: rank %d: get_state_dict{full, rank0_only} peak %.2f x one full parameter",
-      R, peak / P))
-  end)
+  -- FSDP (Shard(1) on W ranks), TP (Colwise Shard(1) / Rowwise Shard(2) on W ranks) and FSDP over TP
+  -- ([_StridedShard(1), Shard(1)] and [Shard(1), Shard(2)] on the (dp, tp) mesh)
+  local N = 128
+  local mem_layouts = {
+    fsdp = function(m)
+      for _, c in ipairs(m:children()) do dist.fully_shard(c, { mesh = world }) end
+      dist.fully_shard(m, { mesh = world })
+    end,
+    tp = function(m)
+      dist.parallelize_module(m, world, { ["1"] = dist.ColwiseParallel(), ["2"] = dist.RowwiseParallel(),
+        ["3"] = dist.ColwiseParallel(), ["4"] = dist.RowwiseParallel() })
+    end,
+    ["2d"] = function(m)
+      dist.parallelize_module(m, tp, { ["1"] = dist.ColwiseParallel(), ["2"] = dist.RowwiseParallel(),
+        ["3"] = dist.ColwiseParallel(), ["4"] = dist.RowwiseParallel() })
+      for _, c in ipairs(m:children()) do dist.fully_shard(c, { mesh = dp }) end
+      dist.fully_shard(m, { mesh = dp })
+    end,
+  }
+  for _, kind in ipairs({ "fsdp", "tp", "2d" }) do
+    it(kind .. ": get_state_dict{full, rank0_only, cpu_offload}: peak over the call (allocator) on every rank", function()
+      local m = nn.Sequential(nn.Linear(N, N, { bias = false }), nn.Linear(N, N, { bias = false }),
+        nn.Linear(N, N, { bias = false }), nn.Linear(N, N, { bias = false }))
+      mem_layouts[kind](m)
+      local opt = engine.optim.AdamW(m:parameters(), { lr = 1e-3 })
+      engine.manual_seed(3)
+      m(engine.randn(2, N)):sum():backward()
+      opt:step()
+      local P = N * N * 4
+      local n_full = 4 * 3   -- parameters and two AdamW states each
+      -- the first call flattens the 2-D mesh (a new group, collective): measure the second
+      dist.get_state_dict(m, opt, { full = true, rank0_only = true })
+      collectgarbage(); collectgarbage()
+      engine.reset_peak_memory()
+      local base = engine.memory_stats().allocated
+      local msd, osd = dist.get_state_dict(m, opt, { full = true, cpu_offload = true, rank0_only = true })
+      local peak = engine.memory_stats().peak_allocated - base
+      if R == 0 then
+        local n = 0
+        for _, v in pairs(msd) do n = n + 1; assert.are.same({ N, N }, v:shape()); assert.is_false(dist.is_dtensor(v)) end
+        assert.are.equal(4, n)
+        for _, st in pairs(osd.state) do assert.are.same({ N, N }, st.exp_avg:shape()) end
+        -- the result itself plus at most ~one full tensor in flight
+        assert.is_true(peak <= (n_full + 1.5) * P, string.format("rank 0 peak %d bytes (P = %d)", peak, P))
+      else
+        assert.are.same({}, msd)
+        assert.are.same({}, osd.state)
+        -- never more than one full tensor (plus small buffers) at a time; all of them would be 12 P
+        assert.is_true(peak <= 1.0 * P, string.format("rank %d peak %.2f P over the call", R, peak / P))
+      end
+      -- without rank0_only every rank holds the results, and at most one more full tensor in flight
+      collectgarbage(); collectgarbage()
+      engine.reset_peak_memory()
+      base = engine.memory_stats().allocated
+      msd, osd = dist.get_state_dict(m, opt, { full = true })
+      local peak_all = engine.memory_stats().peak_allocated - base
+      assert.is_true(peak_all <= (n_full + 1.0) * P, string.format("rank %d peak %.2f P (full on every rank)", R, peak_all / P))
+      for name, p in m:named_parameters() do
+        assert.are.equal(0, util.diff(msd[name], full(p)), kind .. ": " .. name)
+        assert.are.equal(0, util.diff(osd.state[name].exp_avg_sq, full(opt.state[p].exp_avg_sq)), kind .. ": " .. name)
+      end
+      print(string.format("# state_dict_forms: %s: rank %d: get_state_dict{full, rank0_only} peak %.2f x one full "
+        .. "parameter; {full} %.2f x (%d results)", kind, R, peak / P, peak_all / P, n_full))
+    end)
+  end
 end)
 
 describe("state dicts: rank 0's full state dict broadcast into every layout", function()

@@ -599,11 +599,69 @@ end
 
 local GET_OPTS = { full = true, full_state_dict = true, cpu_offload = true, rank0_only = true, sharded = true }
 
+-- The full value of DTensor t gathered straight into one buffer: the mesh members holding distinct shards
+-- (coordinate 0 along Replicate dims) broadcast their local shard in turn over the mesh's group (its
+-- flattening for 2 dims or more: group rank = row-major coordinate), and each receiver copies the shard's runs
+-- into place.  A rank holds the full tensor and one shard at a time (full_tensor()'s redistribute steps hold
+-- the gathered pieces and their reordered copies: up to 3x for FSDP over TP).  keep = false (rank0_only on
+-- another rank): nothing is assembled and nil is returned, the shards only pass through.  Collective over the
+-- mesh (flattening it is collective over the world the first time).
+local function gather_full(t, keep)
+  local mesh, pl, shape = t.device_mesh, t.placements, t:shape()
+  local rep = true
+  for _, p in ipairs(pl) do
+    if p:is_partial() then return keep and t:full_tensor() or nil end
+    if not p:is_replicate() then rep = false end
+  end
+  if rep then return keep and t:to_local():detach():clone() or nil end
+  local group = mesh:ndim() == 1 and mesh:get_group(1) or mesh:flatten():get_group(1)
+  local loc = t:to_local():detach()
+  local coord = mesh:get_coordinate()
+  local opts = { dtype = t.dtype, device = t.device }
+  local out = keep and E().empty(shape, opts) or nil
+  for i, c in ipairs(mesh_coords(mesh)) do
+    local dup = false
+    for d, p in ipairs(pl) do if p:is_replicate() and c[d] ~= 0 then dup = true end end
+    if not dup then
+      local runs = dtensor.local_shard_runs(shape, mesh, pl, c)
+      local lshape, n = {}, 1
+      for d, rs in ipairs(runs) do
+        local k = 0
+        for _, r in ipairs(rs) do k = k + r[2] end
+        lshape[d], n = k, n * k
+      end
+      if n > 0 then
+        local mine = true
+        for d = 1, #c do if c[d] ~= coord[d] then mine = false end end
+        local buf = mine and loc:contiguous() or E().empty(lshape, opts)
+        comm.broadcast(buf, nil, { group = group, group_src = i - 1 })
+        if keep then
+          -- every combination of runs (one per dim unless a _StridedShard splits it): a box of out
+          -- (the views are dropped at once: a view left to the collector keeps the shard's memory)
+          local function rec(d, dst, src)
+            if d > #runs then dst:copy_(src); return end
+            local lo = 0
+            for _, r in ipairs(runs[d]) do
+              local dv, sv = dst:narrow(d, r[1] + 1, r[2]), src:narrow(d, lo + 1, r[2])
+              rec(d + 1, dv, sv)
+              free_now(dv); free_now(sv)
+              lo = lo + r[2]
+            end
+          end
+          rec(1, out, buf)
+        end
+        if not rawequal(buf, loc) then free_now(buf) end
+      end
+    end
+  end
+  return out
+end
+
 -- One tensor in the requested form.  keep = false: the caller drops the result (rank0_only on another rank).
 local function form_of(t, o, keep)
   if o.full then
     local full = t
-    if is_dt(t) then full = t:full_tensor()
+    if is_dt(t) then full = gather_full(t, keep)
     elseif is_st(t) then full = st_full(t) end
     if not keep then
       if not rawequal(full, t) then free_now(full) end
