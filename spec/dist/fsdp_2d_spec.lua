@@ -40,8 +40,9 @@ local function train(o)
     local x, y = o.batch(step)
     local lr = o.loss(ref, x, y)
     lr:backward()
+    local my_rows = o.rows or rows
     local c, l = dist.count_collectives(function()
-      local l = o.loss(m, rows(x), rows(y))
+      local l = o.loss(m, my_rows(x), my_rows(y))
       l:backward()
       return l
     end)
@@ -103,9 +104,25 @@ describe("FSDP over tensor parallelism", function()
   local V, T = 16, 8
   local tp_alone
   local function tokens(b, seed) engine.manual_seed(seed); return (engine.rand(b, T) * V):to("i64") end
-  for _, cfg in ipairs({ { sp = false }, { sp = true }, { sp = true, ckpt = true } }) do
-    it(string.format("seed 003's Transformer (3 layers) sp=%s ckpt=%s: equal to one process", tostring(cfg.sp),
-      tostring(cfg.ckpt or false)), function()
+  -- the placements PyTorch gives seed 003's Transformer under FSDP over TP (1-based dims): a colwise weight (and
+  -- bias) and the rowwise embeddings are sharded on dim 1 by both, so FSDP's dp dim is a _StridedShard(1, sf=tp)
+  -- of the TP shards (right-to-left rule); rowwise weights [Shard(1), Shard(2)]; a rowwise bias [Shard(1),
+  -- Replicate()]; the norms are Replicate DTensors under sequence parallelism, plain parameters (FSDP's Shard(1)
+  -- on the 1-D dp mesh) without
+  local function transformer_placement(name, sp)
+    local ss = string.format("_StridedShard(dim=1, sf=%d)Shard(1)", TPN)
+    if name:find("norm%.") then return sp and "Shard(1)Replicate()" or "Shard(1)" end
+    if name:find("%.w[qkv]%.weight$") or name:find("%.w1%.weight$") or name:find("%.w1%.bias$")
+      or name:find("^tok_embeddings%.") or name:find("^pos_embeddings%.") then return ss end
+    if name:find("%.wo%.weight$") or name:find("%.w2%.weight$") then return "Shard(1)Shard(2)" end
+    if name:find("%.w2%.bias$") then return "Shard(1)Replicate()" end
+    error("no expected placement for " .. name)
+  end
+  local function pls(t) local r = {} for i, q in ipairs(t.placements) do r[i] = tostring(q) end return table.concat(r) end
+
+  for _, cfg in ipairs({ { sp = false }, { sp = false, ckpt = true }, { sp = true }, { sp = true, ckpt = true } }) do
+    it(string.format("seed 003's Transformer (3 layers) sp=%s ckpt=%s: placements, 10 AdamW steps equal to one "
+      .. "process", tostring(cfg.sp), tostring(cfg.ckpt or false)), function()
       local args = { n_layers = 3, vocab_size = V, max_seq_len = T, dim = 16, n_heads = 4, dropout_p = 0,
         checkpoint_activations = cfg.ckpt or false }
       -- the collectives of one step of TP alone on the same tp mesh
@@ -114,7 +131,7 @@ describe("FSDP over tensor parallelism", function()
       models.Transformer.parallelize(t, tp, { use_seq_parallel = cfg.sp })
       local x0, y0 = tokens(2, 1), tokens(2, 2)
       tp_alone = dist.count_collectives(function() F.cross_entropy(t(x0):reshape(-1, V), y0:reshape(-1)):backward() end)
-      train({
+      local m = train({
         build = function() engine.manual_seed(3); return models.Transformer(args) end,
         shard = function(m)
           models.Transformer.parallelize(m, tp, { use_seq_parallel = cfg.sp })
@@ -123,7 +140,6 @@ describe("FSDP over tensor parallelism", function()
         end,
         batch = function(step) return tokens(2 * DPN, 200 + step), tokens(2 * DPN, 300 + step) end,
         loss = function(m, x, y) return F.cross_entropy(m(x):reshape(-1, V), y:reshape(-1)) end,
-        steps = 4,
         counts = function(c)
           -- dp collectives as FSDP alone (4 groups: 4 + 3 all-gathers, 4 reduce-scatters), tp ones as TP alone
           assert.are.equal(7 + cnt(tp_alone, "all_gather"), cnt(c, "all_gather"))
@@ -131,7 +147,70 @@ describe("FSDP over tensor parallelism", function()
           assert.are.equal(cnt(tp_alone, "all_reduce"), cnt(c, "all_reduce"))
         end,
       })
+      local n = 0
+      for name, p in m:named_parameters() do
+        n = n + 1
+        assert.are.equal(transformer_placement(name, cfg.sp), pls(p), name)  -- train() checks the gradients' every step
+      end
+      assert.are.equal(2 + 3 * 12 + 2, n)
     end)
+  end
+end)
+
+describe("HSDP over tensor parallelism: the (replicate, shard, tp) mesh", function()
+  -- fully_shard on mesh{"replicate", "shard"}, parallelize_module on mesh["tp"]: parameters
+  -- [Replicate(), Shard(1) or _StridedShard(1, sf=tp), tp placement] on the 3-D mesh, sharded for real along
+  -- "shard" in (1, 2, 2) and replicated along "replicate" in (2, 1, 2)
+  local shapes = ({ [4] = { { 1, 2, 2 }, { 2, 1, 2 } }, [2] = { { 1, 1, 2 }, { 2, 1, 1 }, { 1, 2, 1 } } })[W]
+    or { { 1, 1, W } }
+  local V, T = 16, 8
+  for _, sh in ipairs(shapes) do
+    for _, model in ipairs({ "MLP dim 16", "Transformer sp=true" }) do
+      it(string.format("(%d, %d, %d), %s: placements, 10 AdamW steps equal to one process", sh[1], sh[2], sh[3], model),
+        function()
+        local m3 = dist.init_device_mesh("cpu", sh, { "replicate", "shard", "tp" })
+        local fm, tm = m3({ "replicate", "shard" }), m3["tp"]
+        local ndp = sh[1] * sh[2]
+        local di = m3:get_local_rank("replicate") * sh[2] + m3:get_local_rank("shard")
+        local function my_rows(t) local b = t:shape()[1] / ndp; return t:narrow(1, di * b + 1, b) end
+        local o = { rows = my_rows }
+        if model == "MLP dim 16" then
+          o.build = mlp(16)
+          o.shard = function(m)
+            dist.parallelize_module(m, tm, { net1 = dist.ColwiseParallel(), net2 = dist.RowwiseParallel() })
+            dist.fully_shard(m.net1, { mesh = fm }); dist.fully_shard(m.net2, { mesh = fm }); dist.fully_shard(m, { mesh = fm })
+          end
+          o.batch = function(step) engine.manual_seed(40 + step); return engine.randn(2 * ndp, 16), engine.randn(2 * ndp, 16) end
+          o.loss = function(m, x, y) return F.mse_loss(m(x), y) end
+        else
+          local args = { n_layers = 3, vocab_size = V, max_seq_len = T, dim = 16, n_heads = 4, dropout_p = 0 }
+          local function tokens(b, seed) engine.manual_seed(seed); return (engine.rand(b, T) * V):to("i64") end
+          o.build = function() engine.manual_seed(3); return models.Transformer(args) end
+          o.shard = function(m)
+            models.Transformer.parallelize(m, tm, { use_seq_parallel = true })
+            for _, b in ipairs(m.layers:children()) do dist.fully_shard(b, { mesh = fm }) end
+            dist.fully_shard(m, { mesh = fm })
+          end
+          o.batch = function(step) return tokens(2 * ndp, 200 + step), tokens(2 * ndp, 300 + step) end
+          o.loss = function(m, x, y) return F.cross_entropy(m(x):reshape(-1, V), y:reshape(-1)) end
+        end
+        local m = train(o)
+        local ss = string.format("Replicate()_StridedShard(dim=1, sf=%d)Shard(1)", sh[3])
+        local function pls(t) local r = {} for i, q in ipairs(t.placements) do r[i] = tostring(q) end return table.concat(r) end
+        if model == "MLP dim 16" then
+          assert.are.equal(ss, pls(m.net1.weight))
+          assert.are.equal(ss, pls(m.net1.bias))
+          assert.are.equal("Replicate()Shard(1)Shard(2)", pls(m.net2.weight))
+          assert.are.equal("Replicate()Shard(1)Replicate()", pls(m.net2.bias))
+          -- the local shard: rows of the TP shard split over "shard"
+          assert.are.same({ 64 / sh[3] / sh[2], 16 }, m.net1.weight:to_local():shape())
+        else
+          assert.are.equal(ss, pls(m:get_parameter("layers.0.attention.wq.weight")))
+          assert.are.equal("Replicate()Shard(1)Shard(2)", pls(m:get_parameter("layers.2.feed_forward.w2.weight")))
+          assert.are.equal("Replicate()Shard(1)Replicate()", pls(m:get_parameter("norm.weight")))
+        end
+      end)
+    end
   end
 end)
 
