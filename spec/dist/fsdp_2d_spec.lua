@@ -31,6 +31,47 @@ local function global_loss(l)
   return t:item() / W
 end
 
+-- fn's collectives from the flight recorder, {[kind .. " " .. mesh dim name] = count}, then fn's results (fn's
+-- collectives must fit in the recorder's 64 records: checked)
+local function by_group(fn)
+  local l0 = dist.dump_collectives()
+  local before = #l0 > 0 and l0[#l0].id or -1
+  local total, r = dist.count_collectives(fn)
+  local list = dist.dump_collectives()
+  local agg, n = {}, 0
+  for _, e in ipairs(list) do
+    if e.id > before then
+      local k = e.kind .. " " .. (e.group:match("^(%a+):") or e.group)
+      agg[k], n = (agg[k] or 0) + 1, n + 1
+    end
+  end
+  local want = 0
+  for _, v in pairs(total) do want = want + v end
+  assert.are.equal(want, n, "every collective of the call is in the recorder")
+  return agg, r
+end
+
+-- the 2-D log is the dp part of FSDP alone's plus the tp part of TP alone's (each measured on the same meshes)
+local function assert_split(two_d, fsdp_alone, tp_alone, what)
+  local want = {}
+  for k, v in pairs(fsdp_alone) do
+    assert.is_truthy(k:find(" dp$"), what .. ": FSDP alone issued " .. k)
+    want[k] = v
+  end
+  for k, v in pairs(tp_alone) do
+    assert.is_truthy(k:find(" tp$"), what .. ": TP alone issued " .. k)
+    want[k] = v
+  end
+  assert.are.same(want, two_d, what)
+end
+
+-- one step's forward and backward collectives by group: {forward = ..., backward = ...}
+local function step_groups(m, loss, x, y)
+  local f, l = by_group(function() return loss(m, rows(x), rows(y)) end)
+  local b = by_group(function() l:backward() end)
+  return { forward = f, backward = b }
+end
+
 local function train(o)
   local ref, m = o.build(), o.build()
   o.shard(m)
@@ -41,12 +82,19 @@ local function train(o)
     local lr = o.loss(ref, x, y)
     lr:backward()
     local my_rows = o.rows or rows
-    local c, l = dist.count_collectives(function()
-      local l = o.loss(m, my_rows(x), my_rows(y))
+    local l
+    if o.groups then
+      -- dp collectives as FSDP alone, tp collectives as TP alone, forward and backward, every step
+      local fsdp_alone, tp_alone = o.groups()
+      local f
+      f, l = by_group(function() return o.loss(m, my_rows(x), my_rows(y)) end)
+      local b = by_group(function() l:backward() end)
+      assert_split(f, fsdp_alone.forward, tp_alone.forward, "step " .. step .. " forward")
+      assert_split(b, fsdp_alone.backward, tp_alone.backward, "step " .. step .. " backward")
+    else
+      l = o.loss(m, my_rows(x), my_rows(y))
       l:backward()
-      return l
-    end)
-    if o.counts then o.counts(c) end
+    end
     assert.is_true(math.abs(global_loss(l) - lr:item()) <= 1e-5 * math.max(1, math.abs(lr:item())),
       string.format("step %d: loss %.9g vs %.9g", step, global_loss(l), lr:item()))
     for name, p in m:named_parameters() do
@@ -75,6 +123,21 @@ local function mlp(d)
   end
 end
 
+-- o.groups for train(): one step of FSDP alone (fsdp_shard on the dp mesh) and of TP alone (tp_shard on the tp
+-- mesh) of the same model, measured once by group (kept in alone_cache for the caller's own checks)
+local alone_cache = {}
+local function alone(build, fsdp_shard, tp_shard, batch, loss)
+  return function()
+    if alone_cache.build ~= build then
+      local x, y = batch(1)
+      local f = build(); fsdp_shard(f)
+      local t = build(); tp_shard(t)
+      alone_cache = { build = build, fsdp = step_groups(f, loss, x, y), tp = step_groups(t, loss, x, y) }
+    end
+    return alone_cache.fsdp, alone_cache.tp
+  end
+end
+
 describe("FSDP over tensor parallelism", function()
   for _, d in ipairs({ 3, 16, 17 }) do
     it(string.format("MLP dim %d: placements, 10 AdamW steps equal to one process, dp and tp collectives", d), function()
@@ -86,12 +149,21 @@ describe("FSDP over tensor parallelism", function()
         end,
         batch = function(step) engine.manual_seed(40 + step); return engine.randn(2 * DPN, d), engine.randn(2 * DPN, d) end,
         loss = function(m, x, y) return F.mse_loss(m(x), y) end,
-        counts = function(c)
-          assert.are.equal(4, cnt(c, "all_gather"))       -- FSDP alone: 2 groups, forward + backward
-          assert.are.equal(2, cnt(c, "reduce_scatter"))
-          if TPN > 1 then assert.are.equal(1, cnt(c, "all_reduce")) end  -- RowwiseParallel's forward all_reduce
-        end,
+        groups = alone(mlp(d), function(m)
+          dist.fully_shard(m.net1, { mesh = dp }); dist.fully_shard(m.net2, { mesh = dp }); dist.fully_shard(m, { mesh = dp })
+        end, function(m)
+          dist.parallelize_module(m, tp, { net1 = dist.ColwiseParallel(), net2 = dist.RowwiseParallel() })
+        end, function(step) engine.manual_seed(40 + step); return engine.randn(2 * DPN, d), engine.randn(2 * DPN, d) end,
+        function(m, x, y) return F.mse_loss(m(x), y) end),
       })
+      if TPN > 1 then
+        -- FSDP alone: 2 groups, forward + backward; TP alone: RowwiseParallel's forward all_reduce
+        local f, t = alone_cache.fsdp, alone_cache.tp
+        assert.are.same({ ["all_gather dp"] = 2 }, f.forward)
+        assert.are.same({ ["all_gather dp"] = 2, ["reduce_scatter dp"] = 2 }, f.backward)
+        assert.are.same({ ["all_reduce tp"] = 1 }, t.forward)
+        assert.are.same({}, t.backward)
+      end
       local sf = string.format("_StridedShard(dim=1, sf=%d)", TPN)
       assert.are.equal(sf .. "Shard(1)", tostring(m.net1.weight.placements[1]) .. tostring(m.net1.weight.placements[2]))
       assert.are.equal(sf .. "Shard(1)", tostring(m.net1.bias.placements[1]) .. tostring(m.net1.bias.placements[2]))
@@ -102,7 +174,6 @@ describe("FSDP over tensor parallelism", function()
   end
 
   local V, T = 16, 8
-  local tp_alone
   local function tokens(b, seed) engine.manual_seed(seed); return (engine.rand(b, T) * V):to("i64") end
   -- the placements PyTorch gives seed 003's Transformer under FSDP over TP (1-based dims): a colwise weight (and
   -- bias) and the rowwise embeddings are sharded on dim 1 by both, so FSDP's dp dim is a _StridedShard(1, sf=tp)
@@ -125,28 +196,28 @@ describe("FSDP over tensor parallelism", function()
       .. "process", tostring(cfg.sp), tostring(cfg.ckpt or false)), function()
       local args = { n_layers = 3, vocab_size = V, max_seq_len = T, dim = 16, n_heads = 4, dropout_p = 0,
         checkpoint_activations = cfg.ckpt or false }
-      -- the collectives of one step of TP alone on the same tp mesh
-      engine.manual_seed(3)
-      local t = models.Transformer(args)
-      models.Transformer.parallelize(t, tp, { use_seq_parallel = cfg.sp })
-      local x0, y0 = tokens(2, 1), tokens(2, 2)
-      tp_alone = dist.count_collectives(function() F.cross_entropy(t(x0):reshape(-1, V), y0:reshape(-1)):backward() end)
+      local build = function() engine.manual_seed(3); return models.Transformer(args) end
+      local batch = function(step) return tokens(2 * DPN, 200 + step), tokens(2 * DPN, 300 + step) end
+      local loss = function(m, x, y) return F.cross_entropy(m(x):reshape(-1, V), y:reshape(-1)) end
       local m = train({
-        build = function() engine.manual_seed(3); return models.Transformer(args) end,
+        build = build,
         shard = function(m)
           models.Transformer.parallelize(m, tp, { use_seq_parallel = cfg.sp })
           for _, b in ipairs(m.layers:children()) do dist.fully_shard(b, { mesh = dp }) end
           dist.fully_shard(m, { mesh = dp })
         end,
-        batch = function(step) return tokens(2 * DPN, 200 + step), tokens(2 * DPN, 300 + step) end,
-        loss = function(m, x, y) return F.cross_entropy(m(x):reshape(-1, V), y:reshape(-1)) end,
-        counts = function(c)
-          -- dp collectives as FSDP alone (4 groups: 4 + 3 all-gathers, 4 reduce-scatters), tp ones as TP alone
-          assert.are.equal(7 + cnt(tp_alone, "all_gather"), cnt(c, "all_gather"))
-          assert.are.equal(4 + cnt(tp_alone, "reduce_scatter"), cnt(c, "reduce_scatter"))
-          assert.are.equal(cnt(tp_alone, "all_reduce"), cnt(c, "all_reduce"))
-        end,
+        batch = batch,
+        loss = loss,
+        groups = alone(build, function(f)
+          for _, b in ipairs(f.layers:children()) do dist.fully_shard(b, { mesh = dp }) end
+          dist.fully_shard(f, { mesh = dp })
+        end, function(t) models.Transformer.parallelize(t, tp, { use_seq_parallel = cfg.sp }) end, batch, loss),
       })
+      -- FSDP alone: 4 groups, 4 + 3 all-gathers (the root stays unsharded) and 4 reduce-scatters
+      local f = alone_cache.fsdp
+      assert.are.equal(4, f.forward["all_gather dp"])
+      assert.are.equal(3, f.backward["all_gather dp"])  -- (with ckpt, the recompute runs while the block is unsharded)
+      assert.are.equal(4, f.backward["reduce_scatter dp"])
       local n = 0
       for name, p in m:named_parameters() do
         n = n + 1
