@@ -77,6 +77,47 @@ describe("ShardedTensor ops", function()
     assert.is_truthy(e:find("reshard: resharding_spec must be a ChunkShardingSpec", 1, true), e)
   end)
 
+  it("overlap-block reshard moves each box once between the ranks (single copy) or packed: equal values", function()
+    -- layouts no DTensor expresses (several shards per rank, uneven, placements out of rank order,
+    -- ranks without shards, 3-d), large enough runs (>= 256 bytes) for the single-copy path; each
+    -- with single copy on (one exchange when the group allows it) and forced off (the packed
+    -- all_to_all): one all_to_all either way, values equal a direct shard
+    local usable = dist.world_group():single_copy_usable()
+    local rev = {}
+    for i = 2 * W, 1, -1 do rev[#rev + 1] = (i - 1) % W end
+    local ends = W > 1 and { 0, W - 1 } or { 0 }
+    for i, case in ipairs({
+      { size = { 99, 410 }, dtype = "f64", from = chunk(1, all_ranks(2)), to = chunk(2, all_ranks(2)) },
+      { size = { 130, 1030 }, dtype = "f32", from = chunk(2, rev), to = chunk(1, all_ranks(2)) },
+      { size = { 6, 40, 280 }, dtype = "f64", from = chunk(2, all_ranks(2)), to = chunk(3, rev) },
+      { size = { 64, 600 }, dtype = "f32", from = chunk(1, ends), to = chunk(2, all_ranks(2)) },
+    }) do
+      engine.manual_seed(40 + i)
+      local full = engine.randn(case.size, { dtype = case.dtype })
+      dist.broadcast(full, 0)
+      local st = dist.shard_tensor(full, case.from)
+      local direct = dist.shard_tensor(full, case.to)
+      for _, on in ipairs({ true, false }) do
+        dist.set_single_copy(on)
+        local n0 = dist.single_copy_count()
+        local ok, counts, r = pcall(dist.count_collectives, st.reshard, st, case.to)
+        local n = dist.single_copy_count() - n0
+        dist.set_single_copy(true)
+        assert(ok, counts)
+        local what = string.format("case %d, single copy %s", i, tostring(on))
+        if W > 1 then assert.are.same({ all_to_all = 1 }, counts, what) end
+        assert.are.equal((on and usable and W > 1) and 1 or 0, n, what)
+        local a, b = r:local_shards(), direct:local_shards()
+        assert.are.equal(#b, #a, what)
+        for k = 1, #a do
+          assert.are.same(b[k].metadata, a[k].metadata, what)
+          assert.are.equal(0, util.diff(a[k].tensor, b[k].tensor), what)
+        end
+        assert.is_true(r:equal(direct), what)
+      end
+    end
+  end)
+
   it("elementwise ops and comparisons shard by shard; layouts must agree (the same error on every rank)", function()
     engine.manual_seed(11)
     local full = engine.randn(7, 6)

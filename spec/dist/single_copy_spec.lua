@@ -196,3 +196,65 @@ describe("single-copy redistribute on a 2x2 mesh", function()
     end)
   end
 end)
+
+describe("single-copy box exchange (dist.box_exchange)", function()
+  local function need() if not usable then pending("needs 2 or more ranks on one node with cross-memory attach") end end
+  -- every rank sends rank q the columns [q*64, q*64+64) of its [8, 64*W] source (strided runs of
+  -- 512 bytes) into rows [r*8, r*8+8) of q's [8*W, 64] destination (here a strided view)
+  local function moves_for()
+    local m = {}
+    for r = 0, W - 1 do
+      for q = 0, W - 1 do
+        m[#m + 1] = { from = r, src = 1, src_off = { 0, q * 64 }, to = q, dst = 1, dst_off = { r * 8, 0 },
+          shape = { 8, 64 } }
+      end
+    end
+    return m
+  end
+  local function source(r) return engine.arange(8 * 64 * W, { dtype = "f64" }):view(8, 64 * W) + 1000 * r end
+
+  it("moves strided boxes between the ranks' tensors, one all_to_all", function()
+    need()
+    local big = engine.zeros(8 * W, 70, { dtype = "f64" })
+    local dst = big:narrow(2, 3, 64)
+    local n0 = dist.single_copy_count()
+    local cnt, ok = dist.count_collectives(dist.box_exchange, moves_for(), { source(R) }, { dst }, { dtype = "f64" })
+    assert.is_true(ok)
+    assert.same({ all_to_all = 1 }, cnt)
+    assert.equal(1, dist.single_copy_count() - n0)
+    for r = 0, W - 1 do
+      assert.equal(0, diff(dst:narrow(1, r * 8 + 1, 8), source(r):narrow(2, R * 64 + 1, 64)))
+    end
+    assert.equal(0, big:narrow(2, 1, 2):abs():sum():item() + big:narrow(2, 67, 4):abs():sum():item())
+  end)
+
+  it("move lists that differ, and boxes outside a tensor, fail on every rank (no hang)", function()
+    need()
+    local src, dst = engine.zeros(8, 64 * W), engine.zeros(8 * W, 64)
+    local bad = moves_for()
+    if R == 0 then bad[1].shape = { 8, 63 } end
+    local e1 = errmsg(dist.box_exchange, bad, { src }, { dst }, { dtype = "f32" })
+    local out = moves_for()
+    out[#out].dst_off = { 8 * W - 7, 0 }   -- one row past the destination's end
+    local e2 = errmsg(dist.box_exchange, out, { src }, { dst }, { dtype = "f32" })
+    local none = moves_for()
+    none[1].src = 2   -- rank 0 passed one source
+    local e3 = errmsg(dist.box_exchange, none, { src }, { dst }, { dtype = "f32" })
+    local ok = engine.ones(4)
+    dist.all_reduce(ok)
+    assert.equal(W, ok:get(1))
+    assert.is_truthy(e1 and e1:find("every rank must pass the same list of moves", 1, true), e1)
+    assert.is_truthy(e2 and e2:find("does not fit in its source [8," .. 64 * W .. "] or destination [" .. 8 * W
+      .. ",64]", 1, true), e2)
+    assert.is_truthy(e3 and e3:find("move 0 takes source 1 of group rank 0", 1, true), e3)
+  end)
+
+  it("declines the same way on every rank when single copy is off (the caller moves the boxes)", function()
+    dist.set_single_copy(false)
+    local ok, r = pcall(dist.box_exchange, moves_for(), { engine.zeros(8, 64 * W) }, { engine.zeros(8 * W, 64) },
+      { dtype = "f32" })
+    dist.set_single_copy(true)
+    assert.is_true(ok, r)
+    assert.is_false(r)
+  end)
+end)

@@ -188,6 +188,30 @@ int64_t eng_comm_single_copy_count(void);
  * a peer's memory worked).  Collective the first time it is asked on a group
  * (every member must call it); cached after that. */
 int eng_pg_single_copy_usable(eng_pg* pg);
+/* Single-copy box exchange (ShardedTensor's reshard of any two layouts):
+ * a list of moves, each taking the box `shape` at element offsets src_off of
+ * group rank src's source tensor number src_idx to offsets dst_off of group
+ * rank dst's destination tensor number dst_idx (all 0-based; ndim dims of
+ * each).  Every member passes the same list, and its own source and
+ * destination tensors (any strides) in the numbering the list uses; each box
+ * moves once, straight from the source tensor into the destination tensor
+ * across the processes (written by the sender or read by the receiver,
+ * whichever side holds it in fewer pieces), with no pack, padding or unpack.
+ * Destination boxes must not overlap.  Collective on the members of pg,
+ * counted as one all_to_all (bytes: the boxes this rank sends).  Returns 0
+ * done; 1 declined, the same on every member (single copy not usable on pg,
+ * see eng_pg_single_copy_usable; a tensor not on the CPU; a strided run of a
+ * box between ranks shorter than 256 bytes; or a copy failing, after which the
+ * group stops using the path): the caller then moves the boxes another way
+ * (e.g. packed into one all_to_all); -1 error on every member (the lists
+ * differ between ranks, a move names a tensor its rank did not pass or a box
+ * outside it, a tensor's dtype or ndim differs from the call's). */
+typedef struct eng_box_move {
+  int32_t src, src_idx, dst, dst_idx;
+  int64_t src_off[8], dst_off[8], shape[8];
+} eng_box_move;
+int eng_pg_box_exchange(eng_pg* pg, const char* op, int ndim, int dtype, const eng_box_move* moves, int nmoves,
+                        eng_tensor* const* srcs, int nsrc, eng_tensor* const* dsts, int ndst);
 
 /* ---- debug mode and the flight recorder. */
 int eng_comm_set_debug(int on);

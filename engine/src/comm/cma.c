@@ -339,3 +339,232 @@ int comm_cma_exchange(eng_pg* pg, const char* op, int kind, eng_tensor* out, con
   return 0;
 #endif
 }
+
+/* ---- box exchanges (eng_pg_box_exchange): the moves of any two layouts of
+ * a tensor sharded into boxes, each rank holding any number of them.  Every
+ * rank publishes a fixed header (pid, tensor counts, a hash of its move
+ * list, its verdict) in one all_gather, then its tensors' geometries in an
+ * all_gatherv; every rank checks all of it the same way, then moves the
+ * boxes it is the mover of (see sender_moves), peer by peer as above. */
+typedef struct box_head {
+  int64_t pid;
+  uint64_t hash;
+  int32_t nsrc, ndst, err, decline, dtype, ndim, nmoves, pad;
+  char msg[200];
+} box_head;
+
+typedef struct box_desc {
+  uint64_t base;               /* element 0 (0 when empty) */
+  int32_t device, dtype, ndim, pad;
+  int64_t shape[8], stride[8];
+} box_desc;
+
+static uint64_t box_hash(const void* p, size_t n, uint64_t h) {
+  const unsigned char* b = p;
+  for (size_t i = 0; i < n; i++) { h ^= b[i]; h *= 1099511628211ull; }
+  return h;
+}
+
+static void box_fill(box_desc* d, const eng_tensor* t) {
+  memset(d, 0, sizeof *d);
+  if (!t) return;
+  d->base = (uint64_t)(uintptr_t)(t->numel && t->storage && t->storage->data ? eng_ptr(t) : NULL);
+  d->device = t->device; d->dtype = t->dtype; d->ndim = t->ndim;
+  for (int j = 0; j < t->ndim && j < 8; j++) { d->shape[j] = t->shape[j]; d->stride[j] = t->stride[j]; }
+}
+
+static int64_t box_at(const box_desc* d, const int64_t* off, int nd) {
+  int64_t o = 0;
+  for (int j = 0; j < nd; j++) o += off[j] * d->stride[j];
+  return o;
+}
+
+/* The sender writes the box (1) or the receiver reads it (0): the side that
+ * holds it in fewer pieces is the remote one (see sender_moves). */
+static int box_sender_moves(const eng_box_move* m, int nd, const box_desc* s, const box_desc* d) {
+  return segments(nd, m->shape, d->stride) < segments(nd, m->shape, s->stride);
+}
+
+int eng_pg_box_exchange(eng_pg* pg, const char* op, int ndim, int dtype, const eng_box_move* moves, int nmoves,
+                        eng_tensor* const* srcs, int nsrc, eng_tensor* const* dsts, int ndst) {
+  if (!op) op = "box_exchange";
+  if (!pg) return eng_err("%s: process group is NULL", op);
+#ifndef __linux__
+  (void)ndim; (void)dtype; (void)moves; (void)nmoves; (void)srcs; (void)nsrc; (void)dsts; (void)ndst;
+  return 1;
+#else
+  if (!comm_cma_usable(pg, ENG_CPU)) return 1; /* the same on every member (non-members: nothing to move) */
+  const int kind = ENG_COLL_ALL_TO_ALL;
+  const char* what = eng_coll_kind_name(kind);
+  eng_tensor key; /* identifies the collective: dtype, and later the elements this rank sends */
+  memset(&key, 0, sizeof key);
+  key.dtype = dtype; key.ndim = 1;
+  if (comm_check(pg, what, kind, &key, 0)) return -1;
+  int k = pg->size, me = pg->rank;
+  box_head mine;
+  memset(&mine, 0, sizeof mine);
+  mine.pid = (int64_t)getpid();
+  mine.nsrc = nsrc; mine.ndst = ndst; mine.dtype = dtype; mine.ndim = ndim; mine.nmoves = nmoves;
+  /* local checks */
+  if (ndim < 1 || ndim > 8 || nmoves < 0 || nsrc < 0 || ndst < 0 || (nmoves && !moves) || (nsrc && !srcs) ||
+      (ndst && !dsts) || !eng_dtype_name(dtype)) {
+    mine.err = 1;
+    eng_err("%s: %s on group %s: bad arguments (ndim %d, %d moves, %d sources, %d destinations, dtype %d)", op, what,
+            pg->name, ndim, nmoves, nsrc, ndst, dtype);
+  }
+  for (int i = 0; i < nsrc + ndst && !mine.err; i++) {
+    const eng_tensor* t = i < nsrc ? srcs[i] : dsts[i - nsrc];
+    const char* side = i < nsrc ? "source" : "destination";
+    int idx = i < nsrc ? i : i - nsrc;
+    if (!t) {
+      mine.err = 1;
+      eng_err("%s: %s on group %s: %s tensor %d is NULL", op, what, pg->name, side, idx);
+    } else if (t->dtype != dtype || t->ndim != ndim) {
+      mine.err = 1;
+      eng_err("%s: %s on group %s: %s tensor %d is %s, the exchange moves %s boxes of %d dims", op, what, pg->name,
+              side, idx, eng_desc(t), eng_dtype_name(dtype), ndim);
+    } else if (t->device != ENG_CPU) mine.decline = 1;
+  }
+  if (!mine.err) {
+    uint64_t h = box_hash(&ndim, sizeof ndim, 1469598103934665603ull);
+    h = box_hash(&dtype, sizeof dtype, h);
+    mine.hash = box_hash(moves, sizeof *moves * (size_t)nmoves, h);
+  }
+  box_head* head = malloc(sizeof *head * (size_t)k);
+  if (!head) { mine.err = 1; eng_err("%s: %s: out of memory", op, what); }
+  if (mine.err) snprintf(mine.msg, sizeof mine.msg, "%s", eng_last_error());
+  int rc = MPI_Allgather(&mine, (int)sizeof mine, MPI_BYTE, head ? (void*)head : (void*)&mine,
+                         head ? (int)sizeof mine : 0, MPI_BYTE, pg->comm);
+  if (rc != MPI_SUCCESS) { free(head); return eng_err("%s: %s on group %s: %s", op, what, pg->name, comm_mpi_errstr(rc)); }
+  if (!head) return -1;
+  int decline = 0;
+  for (int i = 0; i < k; i++) {
+    if (head[i].err) {
+      if (i != me) eng_err("%s: %s on group %s: group rank %d failed its checks: %s", op, what, pg->name, i, head[i].msg);
+      free(head);
+      return -1;
+    }
+    decline |= head[i].decline;
+  }
+  for (int i = 1; i < k; i++)
+    if (head[i].hash != head[0].hash || head[i].nmoves != head[0].nmoves) {
+      int n0 = head[0].nmoves, ni = head[i].nmoves;
+      free(head);
+      return eng_err("%s: %s on group %s: group rank 0 passed %d moves and group rank %d %d moves%s: every rank must "
+                     "pass the same list of moves, dims and dtype", op, what, pg->name, n0, i, ni,
+                     n0 == ni ? " (different ones)" : "");
+    }
+  if (decline) { free(head); return 1; }
+
+  /* the geometries: sources then destinations of each rank */
+  int* counts = malloc(sizeof(int) * (size_t)k * 2);
+  int64_t* first = malloc(sizeof(int64_t) * (size_t)k); /* index of rank i's first descriptor */
+  int64_t total = 0;
+  for (int i = 0; i < k; i++) total += (int64_t)head[i].nsrc + head[i].ndst;
+  box_desc* desc = malloc(sizeof *desc * (size_t)(total + 1));
+  box_desc* own = malloc(sizeof *own * (size_t)(nsrc + ndst + 1));
+  int err = 0;
+  if (!counts || !first || !desc || !own || total * (int64_t)sizeof *desc > INT_MAX) err = 1;
+  /* the same verdict on every rank: the sizes come from the headers; only malloc can differ */
+  int any = 0;
+  rc = MPI_Allreduce(&err, &any, 1, MPI_INT, MPI_MAX, pg->comm);
+  if (rc != MPI_SUCCESS || any) {
+    free(counts); free(first); free(desc); free(own); free(head);
+    if (rc != MPI_SUCCESS) return eng_err("%s: %s on group %s: %s", op, what, pg->name, comm_mpi_errstr(rc));
+    return eng_err("%s: %s on group %s: out of memory for %lld tensor descriptors", op, what, pg->name, (long long)total);
+  }
+  int* displs = counts + k;
+  int64_t at = 0;
+  for (int i = 0; i < k; i++) {
+    first[i] = at;
+    counts[i] = (head[i].nsrc + head[i].ndst) * (int)sizeof *desc;
+    displs[i] = (int)(at * (int64_t)sizeof *desc);
+    at += head[i].nsrc + head[i].ndst;
+  }
+  for (int i = 0; i < nsrc; i++) box_fill(&own[i], srcs[i]);
+  for (int i = 0; i < ndst; i++) box_fill(&own[nsrc + i], dsts[i]);
+  rc = MPI_Allgatherv(own, (nsrc + ndst) * (int)sizeof *own, MPI_BYTE, desc, counts, displs, MPI_BYTE, pg->comm);
+  free(own);
+  if (rc != MPI_SUCCESS) {
+    free(counts); free(first); free(desc); free(head);
+    return eng_err("%s: %s on group %s: %s", op, what, pg->name, comm_mpi_errstr(rc));
+  }
+
+  /* every move against the geometries (the same data, so the same verdict, on every rank) */
+  int64_t es = eng_dtype_size(dtype), sent = 0;
+  int verdict = 0;
+  for (int i = 0; i < nmoves && !verdict; i++) {
+    const eng_box_move* m = &moves[i];
+    if (m->src < 0 || m->src >= k || m->dst < 0 || m->dst >= k || m->src_idx < 0 || m->src_idx >= head[m->src].nsrc ||
+        m->dst_idx < 0 || m->dst_idx >= head[m->dst].ndst) {
+      verdict = eng_err("%s: %s on group %s: move %d takes source %d of group rank %d to destination %d of group rank "
+                        "%d (0-based), which is not a tensor that rank passed", op, what, pg->name, i, m->src_idx, m->src,
+                        m->dst_idx, m->dst);
+      break;
+    }
+    const box_desc* s = &desc[first[m->src] + m->src_idx];
+    const box_desc* d = &desc[first[m->dst] + head[m->dst].nsrc + m->dst_idx];
+    for (int j = 0; j < ndim; j++)
+      if (m->shape[j] < 0 || m->src_off[j] < 0 || m->dst_off[j] < 0 || m->src_off[j] + m->shape[j] > s->shape[j] ||
+          m->dst_off[j] + m->shape[j] > d->shape[j]) {
+        verdict = eng_err("%s: %s on group %s: move %d (0-based)'s box %s at dim %d (offsets %lld -> %lld) does not fit in its "
+                          "source %s or destination %s", op, what, pg->name, i, eng_shape_str(ndim, m->shape), j + 1,
+                          (long long)m->src_off[j], (long long)m->dst_off[j], eng_shape_str(ndim, s->shape),
+                          eng_shape_str(ndim, d->shape));
+        break;
+      }
+    if (verdict) break;
+    if (m->src == me) sent += eng_shape_numel(ndim, m->shape);
+    if (m->src != m->dst && eng_shape_numel(ndim, m->shape) > 0) {
+      int outer;
+      if (common_run(ndim, m->shape, s->stride, d->stride, &outer) * es < CMA_MIN_RUN) verdict = 1;
+    }
+  }
+  if (verdict) { free(counts); free(first); free(desc); free(head); return verdict; }
+
+  key.shape[0] = key.numel = sent;
+  int64_t rec = comm_account_begin(pg, kind, &key);
+  for (int step = 0; step < k && !err; step++) {
+    int to = (me + step) % k, from = (me + k - step) % k;
+    for (int i = 0; i < nmoves && !err; i++) {
+      const eng_box_move* m = &moves[i];
+      if (eng_shape_numel(ndim, m->shape) == 0) continue;
+      const box_desc* s = &desc[first[m->src] + m->src_idx];
+      const box_desc* d = &desc[first[m->dst] + head[m->dst].nsrc + m->dst_idx];
+      if (step == 0) {
+        if (m->src != me || m->dst != me) continue;
+        const eng_tensor* st = srcs[m->src_idx];
+        eng_tensor* dt = dsts[m->dst_idx];
+        eng_tensor* sv = eng_view_of(st, ndim, m->shape, st->stride, st->offset + box_at(s, m->src_off, ndim));
+        eng_tensor* dv = eng_view_of(dt, ndim, m->shape, dt->stride, dt->offset + box_at(d, m->dst_off, ndim));
+        if (!sv || !dv || eng_copy_raw(dv, sv, sv->stride)) err = ENOMEM;
+        eng_tensor_release(sv);
+        eng_tensor_release(dv);
+      } else if (m->src == me && m->dst == to && box_sender_moves(m, ndim, s, d)) {
+        err = xfer((pid_t)head[to].pid, 1, (char*)(uintptr_t)d->base + box_at(d, m->dst_off, ndim) * es, d->stride,
+                   eng_ptr(srcs[m->src_idx]) + box_at(s, m->src_off, ndim) * es, s->stride, ndim, m->shape, es);
+      } else if (m->dst == me && m->src == from && !box_sender_moves(m, ndim, s, d)) {
+        err = xfer((pid_t)head[from].pid, 0, (char*)(uintptr_t)s->base + box_at(s, m->src_off, ndim) * es, s->stride,
+                   eng_ptr(dsts[m->dst_idx]) + box_at(d, m->dst_off, ndim) * es, d->stride, ndim, m->shape, es);
+      }
+    }
+  }
+  free(counts); free(first); free(desc); free(head);
+  any = 0;
+  rc = MPI_Allreduce(&err, &any, 1, MPI_INT, MPI_MAX, pg->comm);
+  if (rc != MPI_SUCCESS) {
+    comm_account_end(rec, 2);
+    return eng_err("%s: %s on group %s: %s", op, what, pg->name, comm_mpi_errstr(rc));
+  }
+  if (any) {
+    pg->cma = -1; /* as comm_cma_exchange: the caller moves the boxes another way */
+    comm_account_end(rec, 2);
+    comm_account_undo(kind, &key);
+    return 1;
+  }
+  for (int i = 0; i < ndst; i++) if (dsts[i]->numel) eng_bump_version(dsts[i]);
+  comm_account_end(rec, 1);
+  g_count++;
+  return 0;
+#endif
+}

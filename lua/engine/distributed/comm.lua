@@ -327,6 +327,47 @@ function M.all_to_all_into(out, t, opts)
   return r
 end
 
+-- box_exchange(moves, srcs, dsts, opts) -> true, or false when declined: the single-copy box
+-- exchange (eng_pg_box_exchange).  moves: the same list on every rank, each
+-- {from = group rank, src = index into that rank's srcs (1-based), src_off = {0-based element offsets},
+--  to = group rank, dst = index into that rank's dsts, dst_off = {...}, shape = {...}};
+-- srcs / dsts: this rank's tensors (plain, one dtype, any strides).  Each box moves once between the
+-- processes' memories, counted as one all_to_all.  false (the same on every rank): the path is not
+-- usable here (other nodes, ptrace rules, set_single_copy(false), non-CPU tensors, runs under 256
+-- bytes): move the boxes another way.  Errors (differing lists, boxes outside a tensor) on every rank.
+-- opts: group, dtype and ndim of the boxes (pass them: a rank may hold no tensor), op (names errors).
+function M.box_exchange(moves, srcs, dsts, opts)
+  local name = "box_exchange"
+  opts = check_opts(opts, name, 2)
+  local pg = group_of(opts, name, 2)
+  local nd, dtype
+  local function tensors(list, what)
+    local arr = ffi.new("eng_tensor*[?]", math.max(#list, 1))
+    for i, t in ipairs(list) do
+      local c, e = tensor_arg(t, name, what .. " " .. i)
+      if not c then error(e, 3) end
+      arr[i - 1] = c
+      nd, dtype = nd or c.ndim, dtype or c.dtype
+    end
+    return arr
+  end
+  local sa, da = tensors(srcs, "source"), tensors(dsts, "destination")
+  local m = moves[1]
+  nd = opts.ndim or m and #m.shape or nd or 1
+  dtype = opts.dtype ~= nil and core.dtype(opts.dtype, name) or dtype or 0
+  local cm = ffi.new("eng_box_move[?]", math.max(#moves, 1))
+  for i, mv in ipairs(moves) do
+    local c = cm[i - 1]
+    c.src, c.src_idx, c.dst, c.dst_idx = mv.from, mv.src - 1, mv.to, mv.dst - 1
+    for d = 1, nd do
+      c.src_off[d - 1], c.dst_off[d - 1], c.shape[d - 1] = mv.src_off[d], mv.dst_off[d], mv.shape[d]
+    end
+  end
+  local rc = C.eng_pg_box_exchange(pg._c, opts.op or name, nd, dtype, cm, #moves, sa, #srcs, da, #dsts)
+  if rc < 0 then cerr(2) end
+  return rc == 0
+end
+
 -- The root as a group rank: src is a global rank, opts.group_src a group rank.
 local function root_of(pg, src, opts, name)
   if opts.group_src ~= nil then

@@ -906,8 +906,9 @@ end
 -- reshard(spec) -> a ShardedTensor of the same values laid out by spec (same process group).
 -- Collective, one all_to_all: through the DTensor (Shard(a) -> Shard(b) on the same mesh) when both
 -- layouts are DTensor layouts on one mesh, else every rank sends each rank the overlaps of its
--- shards with that rank's new shards, in blocks padded to the largest (any specs: chunk specs on
--- other dims or placements, several shards per rank, enumerable specs).
+-- shards with that rank's new shards (any specs: chunk specs on other dims or placements, several
+-- shards per rank, enumerable specs): moved once each between the processes' memories when the
+-- group shares a node (comm.box_exchange), else packed in blocks padded to the largest.
 function ShardedTensor:reshard(spec)
   local op = "reshard"
   if not specs.is_sharding_spec(spec) then
@@ -964,6 +965,28 @@ function ShardedTensor:reshard(spec)
   local mine_src, mine_dst = {}, {}
   for _, s in ipairs(shards_of(self)) do mine_src[s.metadata] = s.tensor:detach() end
   for _, s in ipairs(target._shards) do mine_dst[s.metadata] = s.tensor end
+  -- single copy: every box moves once, straight from the old shard into the new one across the
+  -- processes (comm.box_exchange), when the ranks share a node; else packed into one all_to_all
+  local idx_src, idx_dst, srcs, dsts = {}, {}, {}, {}
+  local function number(list, idx, mine, out)
+    local cnt = {}
+    for i, s in ipairs(list) do
+      local r = s.placement.rank
+      cnt[r] = (cnt[r] or 0) + 1
+      idx[i] = cnt[r]
+      if r == me then out[cnt[r]] = mine[s] end
+    end
+  end
+  number(src, idx_src, mine_src, srcs)
+  number(dst, idx_dst, mine_dst, dsts)
+  local moves = {}
+  for k, p in ipairs(pairs_) do
+    local so, tof = {}, {}
+    for d = 1, nd do so[d], tof[d] = p.off[d] - src[p.i].shard_offsets[d], p.off[d] - dst[p.j].shard_offsets[d] end
+    moves[k] = { from = p.from, src = idx_src[p.i], src_off = so, to = p.to, dst = idx_dst[p.j], dst_off = tof,
+      shape = p.len }
+  end
+  if comm.box_exchange(moves, srcs, dsts, { group = pg, dtype = self.dtype, ndim = nd, op = op }) then return target end
   local send = E().empty({ world * maxb }, { dtype = self.dtype })
   for _, p in ipairs(pairs_) do
     if p.from == me then
