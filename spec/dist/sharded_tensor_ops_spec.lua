@@ -118,6 +118,55 @@ describe("ShardedTensor ops", function()
     end
   end)
 
+  it("shard_tensor and gather of other layouts move each shard once (single copy) or packed: equal values", function()
+    local usable = dist.world_group():single_copy_usable()
+    local rev = {}
+    for i = 2 * W, 1, -1 do rev[#rev + 1] = (i - 1) % W end
+    for i, case in ipairs({
+      { size = { 99, 410 }, dtype = "f64", spec = chunk(2, rev) },
+      { size = { 6, 40, 560 }, dtype = "f32", spec = chunk(3, all_ranks(2)) },
+    }) do
+      engine.manual_seed(60 + i)
+      local full = engine.randn(case.size, { dtype = case.dtype })
+      dist.broadcast(full, 0)
+      for _, on in ipairs({ true, false }) do
+        local what = string.format("case %d, single copy %s", i, tostring(on))
+        dist.set_single_copy(on)
+        local n0 = dist.single_copy_count()
+        local ok, c1, st = pcall(dist.count_collectives, dist.shard_tensor, full, case.spec, { src_rank = W - 1 })
+        local n1 = dist.single_copy_count() - n0
+        local padded = {}   -- a strided out (rows padded by 3)
+        for d, v in ipairs(case.size) do padded[d] = v end
+        padded[#padded] = padded[#padded] + 3
+        local out = R == 0 and engine.zeros(padded, { dtype = case.dtype }):narrow(#padded, 2, case.size[#padded]) or nil
+        local ok2, c2, g = true, nil, nil
+        if ok then ok2, c2, g = pcall(dist.count_collectives, st.gather, st, 0, out) end
+        local n2 = dist.single_copy_count() - n0 - n1
+        dist.set_single_copy(true)
+        assert(ok, c1)
+        assert(ok2, c2)
+        if W > 1 then
+          assert.are.same({ scatter = 1 }, c1, what)
+          assert.are.same({ all_gather = 1 }, c2, what)
+        end
+        local want = (on and usable and W > 1) and 1 or 0
+        assert.are.equal(want, n1, what)
+        assert.are.equal(want, n2, what)
+        for _, sh in ipairs(st:local_shards()) do
+          local box = full
+          for d = 1, #case.size do box = box:narrow(d, sh.metadata.shard_offsets[d] + 1, sh.metadata.shard_sizes[d]) end
+          assert.are.equal(0, util.diff(sh.tensor, box), what)
+        end
+        if R == 0 then
+          assert.are.equal(out, g, what)
+          assert.are.equal(0, util.diff(g, full), what)
+        else
+          assert.is_nil(g, what)
+        end
+      end
+    end
+  end)
+
   it("elementwise ops and comparisons shard by shard; layouts must agree (the same error on every rank)", function()
     engine.manual_seed(11)
     local full = engine.randn(7, 6)

@@ -198,7 +198,9 @@ int eng_pg_single_copy_usable(eng_pg* pg);
  * across the processes (written by the sender or read by the receiver,
  * whichever side holds it in fewer pieces), with no pack, padding or unpack.
  * Destination boxes must not overlap.  Collective on the members of pg,
- * counted as one all_to_all (bytes: the boxes this rank sends).  Returns 0
+ * counted as one collective of `kind` (ENG_COLL_ALL_TO_ALL for a reshard,
+ * ALL_GATHER for a gather, SCATTER for a scatter; bytes: the boxes this rank
+ * sends).  Returns 0
  * done; 1 declined, the same on every member (single copy not usable on pg,
  * see eng_pg_single_copy_usable; a tensor not on the CPU; a strided run of a
  * box between ranks shorter than 256 bytes; or a copy failing, after which the
@@ -210,7 +212,7 @@ typedef struct eng_box_move {
   int32_t src, src_idx, dst, dst_idx;
   int64_t src_off[8], dst_off[8], shape[8];
 } eng_box_move;
-int eng_pg_box_exchange(eng_pg* pg, const char* op, int ndim, int dtype, const eng_box_move* moves, int nmoves,
+int eng_pg_box_exchange(eng_pg* pg, const char* op, int kind, int ndim, int dtype, const eng_box_move* moves, int nmoves,
                         eng_tensor* const* srcs, int nsrc, eng_tensor* const* dsts, int ndst);
 
 /* ---- debug mode and the flight recorder. */

@@ -385,16 +385,17 @@ static int box_sender_moves(const eng_box_move* m, int nd, const box_desc* s, co
   return segments(nd, m->shape, d->stride) < segments(nd, m->shape, s->stride);
 }
 
-int eng_pg_box_exchange(eng_pg* pg, const char* op, int ndim, int dtype, const eng_box_move* moves, int nmoves,
+int eng_pg_box_exchange(eng_pg* pg, const char* op, int kind, int ndim, int dtype, const eng_box_move* moves, int nmoves,
                         eng_tensor* const* srcs, int nsrc, eng_tensor* const* dsts, int ndst) {
   if (!op) op = "box_exchange";
   if (!pg) return eng_err("%s: process group is NULL", op);
 #ifndef __linux__
-  (void)ndim; (void)dtype; (void)moves; (void)nmoves; (void)srcs; (void)nsrc; (void)dsts; (void)ndst;
+  (void)kind; (void)ndim; (void)dtype; (void)moves; (void)nmoves; (void)srcs; (void)nsrc; (void)dsts; (void)ndst;
   return 1;
 #else
+  if (kind < 0 || kind >= ENG_NUM_COLL_KINDS || kind == ENG_COLL_BARRIER)
+    return eng_err("%s: box exchange: collective kind %d is not one that moves data", op, kind);
   if (!comm_cma_usable(pg, ENG_CPU)) return 1; /* the same on every member (non-members: nothing to move) */
-  const int kind = ENG_COLL_ALL_TO_ALL;
   const char* what = eng_coll_kind_name(kind);
   eng_tensor key; /* identifies the collective: dtype, and later the elements this rank sends */
   memset(&key, 0, sizeof key);

@@ -335,7 +335,8 @@ end
 -- processes' memories, counted as one all_to_all.  false (the same on every rank): the path is not
 -- usable here (other nodes, ptrace rules, set_single_copy(false), non-CPU tensors, runs under 256
 -- bytes): move the boxes another way.  Errors (differing lists, boxes outside a tensor) on every rank.
--- opts: group, dtype and ndim of the boxes (pass them: a rank may hold no tensor), op (names errors).
+-- opts: group, dtype and ndim of the boxes (pass them: a rank may hold no tensor), op (names errors),
+-- kind (the collective it counts as: "all_to_all" by default, "all_gather", "scatter").
 function M.box_exchange(moves, srcs, dsts, opts)
   local name = "box_exchange"
   opts = check_opts(opts, name, 2)
@@ -363,7 +364,9 @@ function M.box_exchange(moves, srcs, dsts, opts)
       c.src_off[d - 1], c.dst_off[d - 1], c.shape[d - 1] = mv.src_off[d], mv.dst_off[d], mv.shape[d]
     end
   end
-  local rc = C.eng_pg_box_exchange(pg._c, opts.op or name, nd, dtype, cm, #moves, sa, #srcs, da, #dsts)
+  local kind = KIND[opts.kind or "all_to_all"]
+  if not kind or kind == KIND.barrier then error(name .. ": unknown collective kind " .. tostring(opts.kind), 2) end
+  local rc = C.eng_pg_box_exchange(pg._c, opts.op or name, kind, nd, dtype, cm, #moves, sa, #srcs, da, #dsts)
   if rc < 0 then cerr(2) end
   return rc == 0
 end

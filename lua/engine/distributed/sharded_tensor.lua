@@ -257,11 +257,38 @@ local function hash_str(str)   -- FNV-1a, 32 bits
 end
 M._hash_str = hash_str
 
+-- Box moves (comm.box_exchange) name each rank's tensors by number: the shards of rank r, in metadata
+-- order, are r's tensors 1, 2, ...  Returns each entry's number and this rank's tensors in that order
+-- (tensor_of(entry) gives the local tensor of an entry placed on this rank).
+local function box_numbering(list, me, tensor_of)
+  local idx, mine, cnt = {}, {}, {}
+  for i, s in ipairs(list) do
+    local r = s.placement.rank
+    cnt[r] = (cnt[r] or 0) + 1
+    idx[i] = cnt[r]
+    if r == me then mine[cnt[r]] = tensor_of(s) end
+  end
+  return idx, mine
+end
+
+-- The local tensors of st by box: a shard's metadata object may be the caller's (init_from_local_shards)
+-- rather than an entry of st:metadata(), so entries are matched by offsets and sizes (empty shards
+-- that share them are interchangeable).
+local function box_key(s) return table.concat(s.shard_offsets, ",") .. "|" .. table.concat(s.shard_sizes, ",") end
+local function local_by_box(list)
+  local m = {}
+  for _, s in ipairs(list) do m[box_key(s.metadata)] = s.tensor:detach() end
+  return function(entry) return m[box_key(entry)] end
+end
+
+local function zeros_list(n) local z = {} for d = 1, n do z[d] = 0 end return z end
+
 -- src's tensor scattered into the shards of spec (seed 002's ChunkShardingSpec.shard: src_rank is a
 -- group rank): one scatter.  When the shards are the tensor's memory in rank order (one chunk per rank
 -- on the leading dim, placements 0..world-1, even sizes) the tensor itself is sent and every rank
--- receives straight into its shard; otherwise src packs each rank's shards into a block padded to the
--- largest, and the receivers view or copy them out.
+-- receives straight into its shard; otherwise each shard is moved once out of src's tensor when the
+-- group shares a node (comm.box_exchange, counted as the scatter), else src packs each rank's shards
+-- into a block padded to the largest, and the receivers view or copy them out.
 local function scatter_shards(op, tensor, spec, src, pg, world, me)
   local shape, dtype = tensor:shape(), tensor.dtype
   local md = spec:build_metadata(shape, specs.TensorProperties{ dtype = dtype })
@@ -280,6 +307,27 @@ local function scatter_shards(op, tensor, spec, src, pg, world, me)
       comm.scatter(out, src_t, nil, copts)
       return out
     end)
+  end
+  if world > 1 then
+    -- single copy: each shard moves once, straight out of src's tensor (comm.box_exchange)
+    local built = build(op, spec, shape, { dtype = dtype, process_group = pg }, function(shp, dt)
+      return E().empty(shp, { dtype = dt })
+    end)
+    local mine = {}
+    for _, s in ipairs(built._shards) do mine[s.metadata] = s.tensor end
+    local list = built._metadata.shards_metadata
+    local idx, dsts = box_numbering(list, me, function(s) return mine[s] end)
+    local moves = {}
+    for i, s in ipairs(list) do
+      if s:numel() > 0 then
+        moves[#moves + 1] = { from = src, src = 1, src_off = s.shard_offsets, to = s.placement.rank, dst = idx[i],
+          dst_off = zeros_list(#shape), shape = s.shard_sizes }
+      end
+    end
+    if comm.box_exchange(moves, src_t and { src_t } or {}, dsts,
+      { group = pg, dtype = dtype, ndim = #shape, op = op, kind = "scatter" }) then
+      return built
+    end
   end
   local per_rank = {}
   for r = 0, world - 1 do per_rank[r] = 0 end
@@ -836,8 +884,10 @@ end
 
 -- ---------------------------------------------------------------- gather
 -- gather(dst [, out]): the full tensor on group rank dst (written into out when given), nil on the
--- other ranks.  Collective over the process group: every rank packs its shards into one buffer,
--- padded to the largest rank's, and one all_gather brings them together.
+-- other ranks.  Collective over the process group, one all_gather: straight from the shards into the
+-- full tensor when they are its memory in rank order; else each shard moved once into it on dst
+-- when the group shares a node (comm.box_exchange, counted as the all_gather); else every rank packs
+-- its shards into one buffer, padded to the largest rank's, and one all_gather brings them together.
 function ShardedTensor:gather(dst, out)
   dst = dst or 0
   local op = "gather"
@@ -875,6 +925,28 @@ function ShardedTensor:gather(dst, out)
     if me ~= dst then return nil end
     if out ~= nil and out ~= full then check_out(); out:copy_(full); return out end
     return full
+  end
+  if world > 1 then
+    -- single copy: each shard moves once, straight into the full tensor on dst (comm.box_exchange)
+    local full
+    if me == dst then
+      local fits = out ~= nil and out.dtype == self.dtype and same_list(out:shape(), md.size)
+      full = fits and out or E().empty(md.size, { dtype = self.dtype })
+    end
+    local idx, srcs = box_numbering(md.shards_metadata, me, local_by_box(shards_of(self)))
+    local moves = {}
+    for i, s in ipairs(md.shards_metadata) do
+      if s:numel() > 0 then
+        moves[#moves + 1] = { from = s.placement.rank, src = idx[i], src_off = zeros_list(#md.size), to = dst, dst = 1,
+          dst_off = s.shard_offsets, shape = s.shard_sizes }
+      end
+    end
+    if comm.box_exchange(moves, srcs, full and { full } or {},
+      { group = pg, dtype = self.dtype, ndim = #md.size, op = op, kind = "all_gather" }) then
+      if me ~= dst then return nil end
+      if out ~= nil and out ~= full then check_out(); out:copy_(full); return out end
+      return full
+    end
   end
   local send = E().empty({ maxn }, { dtype = self.dtype })
   local pos = 0
@@ -962,23 +1034,12 @@ function ShardedTensor:reshard(spec)
     for d = 1, nd do t = t:narrow(d, p.off[d] - md.shard_offsets[d] + 1, p.len[d]) end
     return t
   end
-  local mine_src, mine_dst = {}, {}
-  for _, s in ipairs(shards_of(self)) do mine_src[s.metadata] = s.tensor:detach() end
+  local src_of, mine_dst = local_by_box(shards_of(self)), {}
   for _, s in ipairs(target._shards) do mine_dst[s.metadata] = s.tensor end
   -- single copy: every box moves once, straight from the old shard into the new one across the
   -- processes (comm.box_exchange), when the ranks share a node; else packed into one all_to_all
-  local idx_src, idx_dst, srcs, dsts = {}, {}, {}, {}
-  local function number(list, idx, mine, out)
-    local cnt = {}
-    for i, s in ipairs(list) do
-      local r = s.placement.rank
-      cnt[r] = (cnt[r] or 0) + 1
-      idx[i] = cnt[r]
-      if r == me then out[cnt[r]] = mine[s] end
-    end
-  end
-  number(src, idx_src, mine_src, srcs)
-  number(dst, idx_dst, mine_dst, dsts)
+  local idx_src, srcs = box_numbering(src, me, src_of)
+  local idx_dst, dsts = box_numbering(dst, me, function(s) return mine_dst[s] end)
   local moves = {}
   for k, p in ipairs(pairs_) do
     local so, tof = {}, {}
@@ -990,7 +1051,7 @@ function ShardedTensor:reshard(spec)
   local send = E().empty({ world * maxb }, { dtype = self.dtype })
   for _, p in ipairs(pairs_) do
     if p.from == me then
-      send:narrow(1, p.to * maxb + p.pos + 1, p.n):view(unpack(p.len)):copy_(box(mine_src[src[p.i]], src[p.i], p))
+      send:narrow(1, p.to * maxb + p.pos + 1, p.n):view(unpack(p.len)):copy_(box(src_of(src[p.i]), src[p.i], p))
     end
   end
   local recv = comm.all_to_all(send, pg and { group = pg } or nil)
