@@ -399,6 +399,10 @@ end
 function methods.cuda(t) return methods._to_device(t, "cuda", "x:cuda()") end
 function methods.cpu(t) return methods._to_device(t, "cpu", "x:cpu()") end
 props.is_cuda = function(t) return t._c.device == 1 end
+-- pin_memory(): a contiguous copy of a CPU tensor in pinned (page-locked) host memory, copied to and from the
+-- GPU by DMA (t itself when already pinned and contiguous); needs a GPU.  is_pinned(): whether t's data is.
+function methods.pin_memory(t) return wrap(C.eng_tensor_pin_memory(ct(t, "pin_memory"))) end
+function methods.is_pinned(t) return C.eng_tensor_is_pinned(ct(t, "is_pinned")) == 1 end
 
 -- to(dtype) / to("cpu") / to("cuda") / to{dtype=..., device=...}
 function methods.to(t, what)

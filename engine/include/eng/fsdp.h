@@ -31,7 +31,16 @@
  * where resharded, prefetch the group that runs backward next).  The root's
  * end-of-backward callback flushes groups with pending gradients, waits for
  * every reduction (not after set_is_last_backward(false)) and reshards
- * (reshard_after_backward).  Frozen parameters take no post-accumulate hook. */
+ * (reshard_after_backward).  Frozen parameters take no post-accumulate hook.
+ *
+ * CPU offload (CPUOffloadPolicy on a CUDA mesh; eng_fsdp_group_set_offload):
+ * the sharded parameters' local shards and their .grad live on the CPU
+ * (pinned host memory with pin_memory), so the optimizer steps there; the
+ * unshard copies each local shard host-to-device into the all-gather's send
+ * buffer on the device, the post-backward copies the reduce-scatter's output
+ * device-to-host into (or adds it to) the host .grad; the unsharded
+ * parameters, the collective buffers and the compute stay on the device.
+ * On a CPU mesh it is a no-op. */
 #ifndef ENG_FSDP_H
 #define ENG_FSDP_H
 
@@ -103,6 +112,13 @@ int eng_fsdp_group_post_forward(eng_fsdp_group* g, eng_tensor** tensors, int n);
  * all-gather (forward and backward) and reduce-scatters left in flight until the end of backward.  Default
  * on for CUDA meshes, off for CPU meshes (env ENGINE_FSDP_PREFETCH / ENGINE_FSDP_ASYNC_REDUCE override). */
 int eng_fsdp_group_set_overlap(eng_fsdp_group* g, int implicit_prefetch, int async_reduce);
+/* cpu_offload: the group's sharded parameters are on the CPU while its mesh
+ * is CUDA (an error when they are not where the policy says: the Lua side
+ * places them); pin_memory: new host gradients in pinned memory.  A no-op on
+ * a CPU mesh.  Call before the first unshard. */
+int eng_fsdp_group_set_offload(eng_fsdp_group* g, int cpu_offload, int pin_memory);
+/* 0 no offload (always on a CPU mesh), 1 CPU offload, 2 CPU offload with pinned memory. */
+int eng_fsdp_group_offload(const eng_fsdp_group* g);
 /* Counters for tests: all-gathers / reduce-scatters this group issued. */
 int64_t eng_fsdp_group_count(const eng_fsdp_group* g, int what);
 

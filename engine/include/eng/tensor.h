@@ -8,7 +8,7 @@ typedef struct eng_storage {
   void* data;
   int64_t nbytes;
   int32_t version;   /* bumped by in-place writes (autograd checks it) */
-  int32_t external;  /* 1: data not owned by the allocator */
+  int32_t external;  /* 1: data not owned by the allocator; 2: pinned host memory (eng_cuda_host_alloc) */
 } eng_storage;
 
 struct eng_node;
@@ -92,6 +92,14 @@ eng_tensor* eng_tensor_to_dtype(eng_tensor* t, int dtype); /* t itself if same d
  * device through the CUDA runtime's pinned staging buffers.  Without a GPU:
  * NULL with "to_device: CUDA is not available: <reason>". */
 eng_tensor* eng_tensor_to_device(eng_tensor* t, int device);
+/* A contiguous copy of CPU tensor t (same dtype and shape) in pinned
+ * (page-locked) host memory, which the CUDA runtime copies to and from the
+ * device by DMA without staging (PyTorch's pin_memory()); t itself (retained)
+ * when already pinned and contiguous; no autograd.  Needs a GPU: without one, NULL with
+ * "pin_memory: CUDA is not available: <reason>".  A DTensor is refused. */
+eng_tensor* eng_tensor_pin_memory(eng_tensor* t);
+/* 1 when t's data is pinned host memory (eng_tensor_pin_memory), else 0. */
+int eng_tensor_is_pinned(const eng_tensor* t);
 /* t takes src's data (storage, dtype, device, geometry) in place, keeping
  * its identity, flags, hooks and .grad (like PyTorch's `t.data = src`):
  * module.to() converts parameters with it.  t must be a leaf; a .grad must

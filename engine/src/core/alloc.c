@@ -180,6 +180,21 @@ eng_storage* eng_storage_new(int64_t nbytes, int device) {
   return s;
 }
 
+/* Pinned host memory (eng_cuda_host_alloc): a CPU storage whose data the CUDA
+ * runtime copies to and from the device by DMA without staging
+ * (external = 2: not the CPU allocator's; freed with eng_cuda_host_free). */
+eng_storage* eng_storage_new_pinned(int64_t nbytes) {
+  eng_storage* s = calloc(1, sizeof *s);
+  if (!s) return eng_errp("storage: out of memory");
+  s->data = eng_cuda_host_alloc(nbytes > 0 ? nbytes : 1);
+  if (!s->data) { free(s); eng_err_prefix("pin_memory"); return NULL; }
+  s->nbytes = nbytes > 0 ? nbytes : 1;
+  s->refcount = 1;
+  s->device = ENG_CPU;
+  s->external = 2;
+  return s;
+}
+
 /* FSDP frees the unsharded parameters between uses while their tensors (and
  * the aliases autograd saved) stay alive: the storage object keeps its
  * identity, its data goes (data NULL, nbytes 0) and comes back, refilled by
@@ -222,7 +237,9 @@ void eng_storage_retain(eng_storage* s) { __atomic_add_fetch(&s->refcount, 1, __
 void eng_storage_release(eng_storage* s) {
   if (!s) return;
   if (__atomic_sub_fetch(&s->refcount, 1, __ATOMIC_ACQ_REL) != 0) return;
-  if (!s->external) {
+  if (s->external == 2) {
+    eng_cuda_host_free(s->data);
+  } else if (!s->external) {
     if (s->device == ENG_CUDA) {
       __atomic_sub_fetch(&g_gc_dev, s->nbytes, __ATOMIC_RELAXED);
       eng_cuda_free(s->data);

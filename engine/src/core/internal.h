@@ -48,6 +48,9 @@ int eng_norm_dim(int dim, int ndim, const char* op);
 
 /* Storage and allocator. */
 eng_storage* eng_storage_new(int64_t nbytes, int device);
+/* CPU storage over pinned host memory (eng_cuda_host_alloc; external = 2):
+ * NULL with "pin_memory: CUDA is not available: ..." without a GPU. */
+eng_storage* eng_storage_new_pinned(int64_t nbytes);
 void eng_storage_retain(eng_storage* s);
 void eng_storage_release(eng_storage* s);
 void* eng_alloc_raw(int64_t nbytes, int64_t* got);
@@ -59,6 +62,8 @@ int eng_storage_alloc_data(eng_storage* s, int64_t nbytes);
 
 /* A contiguous tensor with fresh storage (no autograd). */
 eng_tensor* eng_new(int ndim, const int64_t* shape, int dtype, int device);
+/* The same in pinned host memory (a CPU tensor; see eng_storage_new_pinned). */
+eng_tensor* eng_new_pinned(int ndim, const int64_t* shape, int dtype);
 /* A view of base's storage with the given geometry (no autograd). */
 eng_tensor* eng_view_of(const eng_tensor* base, int ndim, const int64_t* shape,
                         const int64_t* stride, int64_t offset);

@@ -111,6 +111,19 @@ eng_tensor* eng_new(int ndim, const int64_t* shape, int dtype, int device) {
   return t;
 }
 
+eng_tensor* eng_new_pinned(int ndim, const int64_t* shape, int dtype) {
+  if (eng_numel_checked(ndim, shape, dtype, NULL, "pin_memory")) return NULL;
+  eng_tensor* t = alloc_struct();
+  if (!t) return NULL;
+  t->dtype = dtype; t->device = ENG_CPU; t->ndim = ndim;
+  for (int d = 0; d < ndim; d++) t->shape[d] = shape[d];
+  eng_contiguous_strides(ndim, shape, t->stride);
+  t->numel = eng_shape_numel(ndim, shape);
+  t->storage = eng_storage_new_pinned(t->numel * eng_dtype_size(dtype));
+  if (!t->storage) { free(t); __atomic_sub_fetch(&g_live, 1, __ATOMIC_RELAXED); return NULL; }
+  return t;
+}
+
 eng_tensor* eng_view_of(const eng_tensor* base, int ndim, const int64_t* shape,
                         const int64_t* stride, int64_t offset) {
   if (eng_numel_checked(ndim, shape, base->dtype, NULL, "view")) return NULL;
@@ -466,6 +479,22 @@ eng_tensor* eng_tensor_to_device(eng_tensor* t, int device) {
     if (!nd) { eng_tensor_release(r); return NULL; }
     nd->ints[0] = t->device;
   }
+  return r;
+}
+
+int eng_tensor_is_pinned(const eng_tensor* t) {
+  return t && t->storage && t->storage->external == 2 ? 1 : 0;
+}
+
+eng_tensor* eng_tensor_pin_memory(eng_tensor* t) {
+  ENG_CHECK(t, "pin_memory");
+  if (t->dist) return eng_errp("pin_memory: %s is a DTensor; pin its local tensor", eng_desc(t));
+  if (t->device != ENG_CPU)
+    return eng_errp("pin_memory: %s is not on the CPU (only host memory can be pinned)", eng_desc(t));
+  if (eng_tensor_is_pinned(t) && eng_tensor_is_contiguous(t)) return eng_tensor_retain(t);
+  eng_tensor* r = eng_new_pinned(t->ndim, t->shape, t->dtype);
+  if (!r) return NULL;
+  if (t->numel > 0 && eng_copy_raw(r, t, t->stride)) { eng_tensor_release(r); return NULL; }
   return r;
 }
 

@@ -34,6 +34,9 @@ struct eng_fsdp_group {
   eng_pg* rep_pg;       /* replicate group (HSDP) or NULL */
   eng_pg* post_pg;      /* post-forward subgroup (reshard_after_forward = N) or NULL */
   int W, rank, dp_size;
+  int dev;              /* the mesh's device: unsharded parameters, collective buffers, compute */
+  int offload, pin;     /* CPUOffloadPolicy on a CUDA mesh: the sharded parameters and their .grad live on the
+                         * CPU (pinned host memory with pin: the runtime then copies them by DMA, unstaged) */
   int n;
   fparam* p;
   int64_t chunk;        /* elements of one rank's chunk */
@@ -121,9 +124,28 @@ static eng_tensor* rows_view(eng_tensor* t, const fparam* q, int64_t r0, int64_t
   return eng_view_of(t, q->ndim, sh, t->stride, t->offset + r0 * t->stride[q->dim]);
 }
 
+/* dst <- src (both released), converting dtype; across devices (CPU offload: a sharded parameter on the host
+ * into the all-gather's send buffer on the device, the reduce-scatter's output back into the host gradient)
+ * ONE host<->device copy: straight into dst when both are contiguous and of one dtype, else src is moved
+ * contiguous to dst's device and copied there. */
 static int copy_into(eng_tensor* dst, eng_tensor* src) {
   if (!dst || !src) { eng_tensor_release(dst); eng_tensor_release(src); return -1; }
-  int rc = dst->numel > 0 ? eng_copy_raw(dst, src, src->stride) : 0;
+  int rc = 0;
+  if (dst->numel > 0 && dst->device != src->device) {
+    if (dst->dtype == src->dtype && eng_tensor_is_contiguous(dst) && eng_tensor_is_contiguous(src)) {
+      int64_t nb = dst->numel * (int64_t)eng_dtype_size(dst->dtype);
+      rc = dst->device == ENG_CUDA ? eng_cuda_memcpy_h2d(eng_ptr(dst), eng_ptr(src), nb)
+                                   : eng_cuda_memcpy_d2h(eng_ptr(dst), eng_ptr(src), nb);
+      eng_tensor_release(dst); eng_tensor_release(src);
+      if (rc) eng_err_prefix("FSDP CPU offload copy");
+      return rc;
+    }
+    eng_tensor* moved = eng_tensor_to_device(src, dst->device);
+    eng_tensor_release(src);
+    if (!moved) { eng_tensor_release(dst); return -1; }
+    src = moved;
+  }
+  rc = dst->numel > 0 ? eng_copy_raw(dst, src, src->stride) : 0;
   eng_tensor_release(dst); eng_tensor_release(src);
   return rc;
 }
@@ -214,7 +236,7 @@ int eng_fsdp_group_unshard(eng_fsdp_group* g, int async_op) {
   int prev = eng_set_grad_enabled(0);
   int rc = -1;
   if (alloc_unsharded(g)) goto out;
-  int dev = g->p[0].sharded->device;
+  int dev = g->dev;
   int L = g->state == ST_POST_FWD && g->kept ? 1 : 0;
   int64_t full = L ? (int64_t)eng_pg_size(g->post_pg) * g->chunk_n : (int64_t)g->W * g->chunk;
   g->ag_out = eng_new(1, &full, g->udtype, dev);
@@ -270,7 +292,7 @@ int eng_fsdp_group_reshard(eng_fsdp_group* g) {
 static int reshard_post_forward(eng_fsdp_group* g) {
   if (g->state != ST_UNSHARDED || !g->post_pg || !g->post_mesh || g->n == 0) return eng_fsdp_group_reshard(g);
   int64_t j = eng_pg_rank(g->post_pg);
-  eng_tensor* kept = eng_new(1, &g->chunk_n, g->udtype, g->p[0].sharded->device);
+  eng_tensor* kept = eng_new(1, &g->chunk_n, g->udtype, g->dev);
   if (!kept) return -1;
   eng_tensor** leaves = malloc((size_t)g->n * sizeof *leaves);
   if (!leaves) { eng_tensor_release(kept); return eng_err("fully_shard: out of memory"); }
@@ -310,7 +332,8 @@ static int rs_finish(eng_fsdp_group* g) {
     if (!q->in_rs) continue;
     q->in_rs = 0;
     eng_tensor* s = q->sharded;
-    eng_tensor* gl = eng_new(s->ndim, s->shape, s->dtype, s->device);
+    /* CPU offload: the gradient goes to the host (pinned with pin_memory), where the optimizer steps */
+    eng_tensor* gl = g->pin && !s->grad ? eng_new_pinned(s->ndim, s->shape, s->dtype) : eng_new(s->ndim, s->shape, s->dtype, s->device);
     if (!gl) { rc = -1; break; }
     if (copy_into(eng_tensor_retain(gl), block_view(g->rs_out, 0, g->chunk, q, s->shape[q->dim], 0)) ||
         (scale != 1.0 && eng_mul_scalar_(gl, scale))) { eng_tensor_release(gl); rc = -1; break; }
@@ -350,7 +373,7 @@ static int post_backward(eng_fsdp_group* g) {
     if (want) {
       if (g->rs_out && rs_finish(g)) return -1;
       int rd = eff_reduce_dtype(g);
-      int dev = g->p[0].sharded->device;
+      int dev = g->dev;
       int64_t full = (int64_t)g->W * g->chunk;
       /* the send buffer: filled as the gradients arrived (post_acc_hook), or made now */
       if (!g->rs_in) g->rs_in = eng_new(1, &full, rd, dev);
@@ -635,7 +658,7 @@ static int ensure_leaves(eng_fsdp_group* g) {
   free_tensor(&g->ubase);
   g->udtype = ud;
   int64_t tot = g->utotal > 0 ? g->utotal : 1;
-  g->ubase = eng_new(1, &tot, ud, g->n ? g->p[0].sharded->device : ENG_CPU);
+  g->ubase = eng_new(1, &tot, ud, g->dev);
   if (!g->ubase) return -1;
   if (!g->post_hooks) g->post_hooks = calloc((size_t)(g->n ? g->n : 1), sizeof *g->post_hooks);
   if (!g->post_hooks) return eng_err("fully_shard: out of memory");
@@ -674,6 +697,7 @@ eng_fsdp_group* eng_fsdp_group_new(eng_mesh* mesh, int n, eng_tensor** params, c
   g->W = eng_mesh_size(mesh, mnd - 1);
   g->dp_size = g->W * (mnd == 2 ? eng_mesh_size(mesh, 0) : 1);
   g->rank = g->pg ? eng_pg_rank(g->pg) : 0;
+  g->dev = eng_mesh_device(mesh);
   g->param_dtype = param_dtype; g->reduce_dtype = reduce_dtype; g->output_dtype = output_dtype;
   g->cast_inputs = cast_forward_inputs;
   g->raf = 1; g->rab = 1; g->sync = 1; g->all_reduce = 1; g->is_last = 1;
@@ -701,6 +725,15 @@ eng_fsdp_group* eng_fsdp_group_new(eng_mesh* mesh, int n, eng_tensor** params, c
       goto fail;
     }
     if (s->numel > 0 && !eng_tensor_is_contiguous(s)) { eng_err("fully_shard: parameter %d's local shard is not contiguous", i + 1); goto fail; }
+    /* its local shard lives on the mesh's device, or (CPU offload on a CUDA mesh) every one on the CPU */
+    int off = s->device == ENG_CPU && g->dev == ENG_CUDA;
+    if ((s->device != g->dev && !off) || (i > 0 && off != g->offload)) {
+      eng_err("fully_shard: parameter %d's local shard %s is on %s on a %s mesh (the sharded parameters live on the "
+              "mesh's device, or all on the CPU with CPUOffloadPolicy)", i + 1, eng_desc(s),
+              s->device == ENG_CUDA ? "cuda" : "cpu", g->dev == ENG_CUDA ? "cuda" : "cpu");
+      goto fail;
+    }
+    g->offload = off;
     eng_dist_spec* us = unsharded_specs ? unsharded_specs[i] : NULL;
     q->sharded = eng_tensor_retain(s);
     q->dim = pl->dim;
@@ -862,6 +895,20 @@ int64_t eng_fsdp_group_count(const eng_fsdp_group* g, int what) {
   if (!g) return -1;
   return what == 0 ? g->n_ag : g->n_rs;
 }
+
+int eng_fsdp_group_set_offload(eng_fsdp_group* g, int cpu_offload, int pin_memory) {
+  if (!g) return eng_err("fully_shard: set_offload: group is NULL");
+  if (g->dev != ENG_CUDA) { g->offload = 0; g->pin = 0; return 0; }  /* a CPU mesh: nothing to offload */
+  if (g->n > 0 && (cpu_offload != 0) != g->offload)
+    return eng_err("fully_shard: offload_policy %s, but the group's sharded parameters are on %s (with "
+                   "CPUOffloadPolicy on a CUDA mesh they live on the CPU, else on the mesh's device)",
+                   cpu_offload ? "CPUOffloadPolicy" : "OffloadPolicy()", g->offload ? "the CPU" : "cuda");
+  g->offload = cpu_offload != 0;
+  g->pin = g->offload && pin_memory != 0;
+  return 0;
+}
+
+int eng_fsdp_group_offload(const eng_fsdp_group* g) { return g ? (g->offload ? 1 + g->pin : 0) : -1; }
 
 int eng_fsdp_group_set_overlap(eng_fsdp_group* g, int implicit_prefetch, int async_reduce) {
   if (!g) return eng_err("set_overlap: group is NULL");

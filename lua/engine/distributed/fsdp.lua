@@ -463,7 +463,7 @@ function M.fully_shard(module, opts)
   if getmetatable(mp) ~= MixedPrecisionPolicy then fail(op .. ": mp_policy must be a dist.MixedPrecisionPolicy{...}") end
   local offload = opts.offload_policy or M.OffloadPolicy()
   if getmetatable(offload) ~= OffloadPolicy then fail(op .. ": offload_policy must be dist.OffloadPolicy() or dist.CPUOffloadPolicy{...}") end
-  if offload.cpu and mesh._device ~= "cuda" and not M._said_offload then
+  if offload.cpu and C.eng_mesh_device(mesh._c) ~= 1 and not M._said_offload then
     M._said_offload = true
     io.stderr:write("fully_shard: CPUOffloadPolicy on a CPU mesh: parameters already live on the CPU (nothing to offload)\n")
   end
@@ -605,14 +605,33 @@ function M.fully_shard(module, opts)
       end
     end
   end
-  -- the sharded parameters and the buffers live on the mesh's device (PyTorch's _move_states_to_device)
+  -- the sharded parameters and the buffers live on the mesh's device (PyTorch's _move_states_to_device);
+  -- with CPUOffloadPolicy on a CUDA mesh the sharded parameters' local shards stay on the CPU, in pinned host
+  -- memory with pin_memory (the C group copies them to the device for each all-gather and its gradients back)
   local mdev = C.eng_mesh_device(mesh._c)
+  local offload_cpu = offload.cpu and mdev == 1
   local function to_mesh_device(c)
     if c.device == mdev then return c end
     local d = C.eng_tensor_to_device(c, mdev)
     C.eng_tensor_release(c)
     if d == nil then core.raise() end
     return d
+  end
+  local function to_shard_home(c)
+    if not offload_cpu then return to_mesh_device(c) end
+    if c.device ~= 0 then
+      local h = C.eng_tensor_to_device(c, 0)
+      C.eng_tensor_release(c)
+      if h == nil then core.raise() end
+      c = h
+    end
+    if offload.pin_memory then
+      local p = C.eng_tensor_pin_memory(c)
+      C.eng_tensor_release(c)
+      if p == nil then core.raise() end
+      c = p
+    end
+    return c
   end
   local prev = C.eng_set_grad_enabled(0)
   local ok, err = pcall(function()
@@ -654,7 +673,7 @@ function M.fully_shard(module, opts)
         local loc = C.eng_tensor_contiguous(cl)
         C.eng_tensor_release(cl)
         if loc == nil then core.raise() end
-        loc = to_mesh_device(loc)
+        loc = to_shard_home(loc)
         local shape = e.p:shape()
         local st = {}
         local acc = 1
@@ -678,7 +697,7 @@ function M.fully_shard(module, opts)
       local loc = C.eng_tensor_contiguous(cl)  -- a clone keeps the narrowed strides
       C.eng_tensor_release(cl)
       if loc == nil then core.raise() end
-      loc = to_mesh_device(loc)
+      loc = to_shard_home(loc)
       local st = {}
       local acc = 1
       for d = #shape, 1, -1 do st[d] = acc; acc = acc * shape[d] end
@@ -696,6 +715,10 @@ function M.fully_shard(module, opts)
   if ok then
     g = C.eng_fsdp_group_new(mesh._c, n, arr, fdims, uspecs, dt(mp.param_dtype), dt(mp.reduce_dtype),
       dt(mp.output_dtype), mp.cast_forward_inputs and 1 or 0)
+    if g ~= nil and C.eng_fsdp_group_set_offload(g, offload.cpu and 1 or 0, offload.pin_memory and 1 or 0) ~= 0 then
+      C.eng_fsdp_group_release(g)
+      g = nil
+    end
   else
     C.eng_set_error_message(tostring(err))
   end
@@ -759,7 +782,9 @@ function M.fsdp_counts(module)
   return { all_gather = tonumber(C.eng_fsdp_group_count(st.group, 0)),
            reduce_scatter = tonumber(C.eng_fsdp_group_count(st.group, 1)),
            state = ({ [0] = "sharded", "unsharded", "post_forward" })[C.eng_fsdp_group_state(st.group)],
-           reduce_pending = C.eng_fsdp_group_reduce_pending(st.group) ~= 0 }
+           reduce_pending = C.eng_fsdp_group_reduce_pending(st.group) ~= 0,
+           -- CPUOffloadPolicy on a CUDA mesh: the sharded parameters and gradients on the CPU (pinned: pin_memory)
+           offload = C.eng_fsdp_group_offload(st.group) > 0, pinned = C.eng_fsdp_group_offload(st.group) == 2 }
 end
 
 return M
