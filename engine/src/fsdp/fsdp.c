@@ -333,7 +333,8 @@ static int rs_finish(eng_fsdp_group* g) {
     q->in_rs = 0;
     eng_tensor* s = q->sharded;
     /* CPU offload: the gradient goes to the host (pinned with pin_memory), where the optimizer steps */
-    eng_tensor* gl = g->pin && !s->grad ? eng_new_pinned(s->ndim, s->shape, s->dtype) : eng_new(s->ndim, s->shape, s->dtype, s->device);
+    eng_tensor* gl = g->pin && s->device == ENG_CPU && !s->grad ? eng_new_pinned(s->ndim, s->shape, s->dtype)
+                                                                 : eng_new(s->ndim, s->shape, s->dtype, s->device);
     if (!gl) { rc = -1; break; }
     if (copy_into(eng_tensor_retain(gl), block_view(g->rs_out, 0, g->chunk, q, s->shape[q->dim], 0)) ||
         (scale != 1.0 && eng_mul_scalar_(gl, scale))) { eng_tensor_release(gl); rc = -1; break; }
