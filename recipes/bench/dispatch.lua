@@ -31,6 +31,9 @@ end
 local a, b = engine.ones(4), engine.full({ 4 }, 2)
 local w = engine.ones(4, { requires_grad = true })
 local i4, m2 = engine.tensor({ 0, 1, 1, 0 }), engine.ones(2, 2)
+local t2, w2 = engine.tensor({ 0, 1 }), engine.tensor({ 0.5, 2 })
+local p2, q2 = engine.full({ 2, 2 }, 0.25), engine.full({ 2, 2 }, 0.5)
+local mk = engine.tensor({ 1, 0, 1, 0 }):eq(1)
 
 local cases = {
   { "add", "c = a + b (new tensor)", function(n) local c; for _ = 1, n do c = a + b end; return c end },
@@ -53,6 +56,31 @@ local cases = {
   { "triu", "c = m2:triu()", function(n) local c; for _ = 1, n do c = m2:triu() end; return c end },
   { "leaky", "c = a:leaky_relu(0.1)", function(n) local c; for _ = 1, n do c = a:leaky_relu(0.1) end; return c end },
   { "index", "c = m2[1] (Torch7 indexing: a select view)", function(n) local c; for _ = 1, n do c = m2[1] end; return c end },
+  -- issue 17 item 5: the other activations (engine/src/ops/unary.c) and glu (narrow x2 + sigmoid + mul)
+  { "elu", "c = a:elu()", function(n) local c; for _ = 1, n do c = a:elu() end; return c end },
+  { "hardtanh", "c = a:hardtanh()", function(n) local c; for _ = 1, n do c = a:hardtanh() end; return c end },
+  { "relu6", "c = a:relu6()", function(n) local c; for _ = 1, n do c = a:relu6() end; return c end },
+  { "softplus", "c = a:softplus()", function(n) local c; for _ = 1, n do c = a:softplus() end; return c end },
+  { "glu", "c = a:glu()", function(n) local c; for _ = 1, n do c = a:glu() end; return c end },
+  -- issue 17 item 5 losses (lua/engine/ops/loss.lua: composites of k dispatches) on [2, 2] inputs, 0-based
+  -- class ids t2; probabilities p2 in (0, 1)
+  { "nll_loss", "c = engine.nll_loss(m2, t2)", function(n) local c; for _ = 1, n do c = engine.nll_loss(m2, t2) end; return c end },
+  { "ce", "c = engine.cross_entropy(m2, t2) (fused op)", function(n) local c; for _ = 1, n do c = engine.cross_entropy(m2, t2) end; return c end },
+  { "ce_ls", "c = engine.cross_entropy(m2, t2, {label_smoothing = 0.1})", function(n) local c; local o = { label_smoothing = 0.1 }; for _ = 1, n do c = engine.cross_entropy(m2, t2, o) end; return c end },
+  { "ce_w", "c = engine.cross_entropy(m2, t2, {weight = w2})", function(n) local c; local o = { weight = w2 }; for _ = 1, n do c = engine.cross_entropy(m2, t2, o) end; return c end },
+  { "bce", "c = engine.binary_cross_entropy(p2, q2)", function(n) local c; for _ = 1, n do c = engine.binary_cross_entropy(p2, q2) end; return c end },
+  { "bce_logits", "c = engine.binary_cross_entropy_with_logits(m2, q2)", function(n) local c; for _ = 1, n do c = engine.binary_cross_entropy_with_logits(m2, q2) end; return c end },
+  { "kl_div", "c = engine.kl_div(m2, q2)", function(n) local c; for _ = 1, n do c = engine.kl_div(m2, q2) end; return c end },
+  { "smooth_l1", "c = engine.smooth_l1_loss(m2, q2)", function(n) local c; for _ = 1, n do c = engine.smooth_l1_loss(m2, q2) end; return c end },
+  { "huber", "c = engine.huber_loss(m2, q2)", function(n) local c; for _ = 1, n do c = engine.huber_loss(m2, q2) end; return c end },
+  -- issue 17 item 4 (lua/engine/ops/index.lua)
+  { "scatter", "c = a:scatter(1, i4, b)", function(n) local c; for _ = 1, n do c = a:scatter(1, i4, b) end; return c end },
+  { "repeat", "c = a:repeat_tensor(2)", function(n) local c; for _ = 1, n do c = a:repeat_tensor(2) end; return c end },
+  { "roll", "c = a:roll(1, 1)", function(n) local c; for _ = 1, n do c = a:roll(1, 1) end; return c end },
+  { "flip", "c = a:flip(1)", function(n) local c; for _ = 1, n do c = a:flip(1) end; return c end },
+  { "one_hot", "c = i4:one_hot(2)", function(n) local c; for _ = 1, n do c = i4:one_hot(2) end; return c end },
+  { "masked_sel", "c = a:masked_select(mk)", function(n) local c; for _ = 1, n do c = a:masked_select(mk) end; return c end },
+  { "unbind", "l = m2:unbind(1) (2 select views)", function(n) local c; for _ = 1, n do c = m2:unbind(1) end; return c end },
 }
 
 local function engine_binary()
@@ -95,6 +123,6 @@ for _, case in ipairs(cases) do
     ts[r] = (engine.time() - t0) * 1e9 / opts.n
   end
   local med = median(ts)
-  print(string.format("  %-9s %8.1f ns/op   (min %.1f, max %.1f)   %s", name, med, ts[1], ts[#ts], desc))
+  print(string.format("  %-10s %8.1f ns/op   (min %.1f, max %.1f)   %s", name, med, ts[1], ts[#ts], desc))
   ::continue::
 end
