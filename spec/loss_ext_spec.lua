@@ -119,6 +119,76 @@ describe("losses and activations: float64 finite differences", function()
   end
 end)
 
+-- At a kink PyTorch's gradient is one of the one-sided derivatives: leaky_relu and elu take the x <= 0
+-- branch at 0 (negative_slope, alpha exp(0)), hardtanh is 0 at both bounds (the constant side),
+-- softplus takes sigmoid(beta x) at x beta == threshold (1 only above).  Each point is checked against
+-- that value and a float64 one-sided finite difference from the named side, in f64 and f32.
+describe("activations at their kinks: PyTorch's one-sided gradients", function()
+  local sig3 = 1 / (1 + math.exp(-3))
+  local cases = {
+    -- name, fn, kink points, expected gradients, side of the finite difference (-1 left, 1 right)
+    { "leaky_relu", function(a) return engine.leaky_relu(a, 0.2) end, { 0, -0.0 }, { 0.2, 0.2 }, { -1, -1 } },
+    { "leaky_relu default", function(a) return engine.leaky_relu(a) end, { 0 }, { 0.01 }, { -1 } },
+    { "elu", function(a) return engine.elu(a, 0.7) end, { 0, -0.0 }, { 0.7, 0.7 }, { -1, -1 } },
+    { "hardtanh", function(a) return engine.hardtanh(a, -1.25, 1.5) end, { -1.25, 1.5 }, { 0, 0 }, { -1, 1 } },
+    { "relu6", function(a) return engine.relu6(a) end, { 0, 6 }, { 0, 0 }, { -1, 1 } },
+    { "softplus", function(a) return engine.softplus(a, 2, 3) end, { 1.5 }, { sig3 }, { -1 } },
+  }
+  for _, cse in ipairs(cases) do
+    it(cse[1], function()
+      local name, fn, pts, want, side = cse[1], cse[2], cse[3], cse[4], cse[5]
+      for _, dt in ipairs({ "f64", "f32" }) do
+        local x = engine.tensor(pts, dt):requires_grad_()
+        fn(x):sum():backward()
+        local g = x.grad:tolist_flat()
+        for i = 1, #pts do
+          local tol = dt == "f64" and 1e-12 or 1e-6
+          assert.is_true(math.abs(g[i] - want[i]) <= tol,
+            string.format("%s %s: gradient at %g is %.17g, PyTorch's is %.17g", name, dt, pts[i], g[i], want[i]))
+        end
+      end
+      local h = 1e-7
+      for i = 1, #pts do
+        local function f(v) return fn(engine.tensor({ v }, "f64")):item() end
+        local fd = side[i] < 0 and (f(pts[i]) - f(pts[i] - h)) / h or (f(pts[i] + h) - f(pts[i])) / h
+        assert.is_true(math.abs(fd - want[i]) <= 1e-6,
+          string.format("%s: one-sided finite difference at %g is %.10g, want %.10g", name, pts[i], fd, want[i]))
+      end
+    end)
+  end
+  it("bf16 is computed in f32 and rounded once; integer hardtanh clamps to truncated bounds", function()
+    local x = engine.tensor({ -7.5, -1.3, -0.25, 0, 0.3, 1.7, 5.9, 30 })
+    local xb = x:to("bf16")
+    local xf = xb:float()
+    for _, f in ipairs({
+      function(t) return engine.leaky_relu(t, 0.3) end, function(t) return engine.elu(t, 0.7) end,
+      function(t) return engine.hardtanh(t, -1.1, 2.2) end, function(t) return engine.softplus(t, 1.5, 4) end,
+    }) do
+      local r = f(xb)
+      assert.are.equal("bf16", r.dtype)
+      assert.are.same(f(xf):to("bf16"):float():totable(), r:float():totable())
+    end
+    -- PyTorch: integer bounds (toLong), the integer dtype kept
+    local i = engine.tensor({ -3, 0, 3 })
+    local r = engine.hardtanh(i, -1.5, 2.7)
+    assert.are.equal("i64", r.dtype)
+    assert.are.same({ -1, 0, 2 }, r:totable())
+  end)
+  it("just off the kinks the gradient is the other side's (central finite differences)", function()
+    local a = engine.tensor({ -1e-3, 1e-3, -1.25 - 1e-3, -1.25 + 1e-3, 1.5 - 1e-3, 1.5 + 1e-3, 1.499, 1.501 }, "f64")
+    local fs = {
+      function(t) return engine.leaky_relu(t:narrow(1, 1, 2), 0.2) end,
+      function(t) return engine.elu(t:narrow(1, 1, 2), 0.7) end,
+      function(t) return engine.hardtanh(t:narrow(1, 3, 4), -1.25, 1.5) end,
+      function(t) return engine.softplus(t:narrow(1, 7, 2), 2, 3) end,
+    }
+    for _, f in ipairs(fs) do
+      local x = a:clone(); x.requires_grad = true
+      assert.is_true(gc.check(f, { x }, { eps = 1e-7, tol = 1e-6 }))
+    end
+  end)
+end)
+
 describe("losses: behaviour", function()
   it("nll_loss mean with every target ignored is nan, sum is 0 (as PyTorch)", function()
     local lp = engine.zeros(2, 3, { dtype = "f64" })

@@ -71,9 +71,12 @@ void kc_index_add(int dt, int64_t outer, int64_t dst_n, int64_t n_idx, int64_t i
 
 
 /* unary.c: elementwise unary functions (f32, f64; neg/abs/relu/clamp also
- * i32, i64, u8).  Strides in BYTES.  p0/p1: clamp bounds (NaN = none). */
+ * i32, i64, u8).  Strides in BYTES.  p0/p1: clamp bounds (NaN = none);
+ * leaky_relu p0 = negative_slope; elu p0 = alpha; hardtanh p0/p1 =
+ * min_val/max_val; softplus p0 = beta, p1 = threshold. */
 enum { KU_NEG = 0, KU_EXP, KU_LOG, KU_SQRT, KU_RSQRT, KU_ABS, KU_TANH, KU_SIGMOID, KU_RELU,
-       KU_GELU, KU_GELU_TANH, KU_SILU, KU_CLAMP, KU_COUNT };
+       KU_GELU, KU_GELU_TANH, KU_SILU, KU_CLAMP, KU_LEAKY_RELU, KU_ELU, KU_HARDTANH, KU_SOFTPLUS,
+       KU_COUNT };
 void kc_unary_row(int op, int dt, int64_t n, char* o, int64_t so, const char* a, int64_t sa,
                   double p0, double p1);
 /* gi = g * f'(x) where y = f(x) (f32, f64).  x or y may be unused by op

@@ -3,7 +3,12 @@
  * neg, abs, relu and clamp also have integer kernels.  Formulas follow
  * PyTorch: gelu exact = x * Phi(x), gelu tanh = 0.5 x (1 + tanh(sqrt(2/pi)
  * (x + 0.044715 x^3))), silu = x * sigmoid(x); clamp = min(max(x, lo), hi)
- * with a NaN bound meaning "no bound" and a NaN input staying NaN. */
+ * with a NaN bound meaning "no bound" and a NaN input staying NaN;
+ * leaky_relu = x > 0 ? x : x s; elu = x <= 0 ? expm1(x) a : x; hardtanh =
+ * clamp; softplus = x b > t ? x : log1p(exp(x b)) / b.  Derivatives as
+ * PyTorch's *_backward kernels: leaky_relu s at and below 0, elu a exp(x) at
+ * and below 0, hardtanh 0 at and outside the bounds, softplus
+ * z / (z + 1), z = exp(x b), up to the threshold and 1 above it. */
 /* Exception flags and errno are not part of the kernels' contract; without
  * them gcc vectorizes the branch-free f32 functions below. */
 #pragma GCC optimize("no-trapping-math", "no-math-errno")
@@ -346,10 +351,17 @@ static void unary_f32(int op, int64_t n, char* o, int64_t so, const char* a, int
     case KU_GELU: UROW(float, k_geluf(x)); break;
     case KU_GELU_TANH: UROW(float, k_gelu_tanhf(x)); break;
     case KU_SILU: UROW(float, x * k_sigmoidf(x)); break;
-    case KU_CLAMP: {
+    case KU_CLAMP: case KU_HARDTANH: {
       float lo = p0 != p0 ? -__builtin_inff() : (float)p0;
       float hi = p1 != p1 ? __builtin_inff() : (float)p1;
       UROW(float, x != x ? x : (x < lo ? lo : x) > hi ? hi : (x < lo ? lo : x));
+      break;
+    }
+    case KU_LEAKY_RELU: { float s = (float)p0; UROW(float, x > 0.0f ? x : x * s); break; }
+    case KU_ELU: { float al = (float)p0; UROW(float, x <= 0.0f ? expm1f(x) * al : x); break; }
+    case KU_SOFTPLUS: {
+      float b = (float)p0, t = (float)p1;
+      UROW(float, x * b > t ? x : log1pf(expf(x * b)) / b);
       break;
     }
   }
@@ -370,12 +382,15 @@ static void unary_f64(int op, int64_t n, char* o, int64_t so, const char* a, int
     case KU_GELU: UROW(double, k_gelu(x)); break;
     case KU_GELU_TANH: UROW(double, k_gelu_tanh(x)); break;
     case KU_SILU: UROW(double, x * k_sigmoid(x)); break;
-    case KU_CLAMP: {
+    case KU_CLAMP: case KU_HARDTANH: {
       double lo = p0 != p0 ? -INFINITY : p0;
       double hi = p1 != p1 ? INFINITY : p1;
       UROW(double, x != x ? x : (x < lo ? lo : x) > hi ? hi : (x < lo ? lo : x));
       break;
     }
+    case KU_LEAKY_RELU: UROW(double, x > 0.0 ? x : x * p0); break;
+    case KU_ELU: UROW(double, x <= 0.0 ? expm1(x) * p0 : x); break;
+    case KU_SOFTPLUS: UROW(double, x * p0 > p1 ? x : log1p(exp(x * p0)) / p0); break;
   }
 }
 
@@ -483,6 +498,18 @@ void kc_unary_grad_row(int op, int dt, int64_t n, char* gi, int64_t sgi, const c
       case KU_GELU_TANH: GROW(float, gv * d_gelu_tanhf(xv)); break;
       case KU_SILU: GROW(float, gv * d_siluf(xv)); break;
       case KU_CLAMP: GROW(float, (xv >= lo && xv <= hi) ? gv : 0.0f); break;
+      case KU_LEAKY_RELU: { float s = (float)p0; GROW(float, xv > 0.0f ? gv : gv * s); break; }
+      case KU_ELU: { float al = (float)p0; GROW(float, xv <= 0.0f ? gv * al * expf(xv) : gv); break; }
+      case KU_HARDTANH: {
+        float l = (float)p0, h = (float)p1;
+        GROW(float, (xv <= l || xv >= h) ? 0.0f : gv);
+        break;
+      }
+      case KU_SOFTPLUS: {
+        float b = (float)p0, t = (float)p1;
+        GROW(float, xv * b > t ? gv : gv * expf(xv * b) / (expf(xv * b) + 1.0f));
+        break;
+      }
     }
   } else {
     double lo = p0 != p0 ? -INFINITY : p0, hi = p1 != p1 ? INFINITY : p1;
@@ -500,6 +527,10 @@ void kc_unary_grad_row(int op, int dt, int64_t n, char* gi, int64_t sgi, const c
       case KU_GELU_TANH: GROW(double, gv * d_gelu_tanh(xv)); break;
       case KU_SILU: GROW(double, gv * d_silu(xv)); break;
       case KU_CLAMP: GROW(double, (xv >= lo && xv <= hi) ? gv : 0.0); break;
+      case KU_LEAKY_RELU: GROW(double, xv > 0.0 ? gv : gv * p0); break;
+      case KU_ELU: GROW(double, xv <= 0.0 ? gv * p0 * exp(xv) : gv); break;
+      case KU_HARDTANH: GROW(double, (xv <= p0 || xv >= p1) ? 0.0 : gv); break;
+      case KU_SOFTPLUS: GROW(double, xv * p0 > p1 ? gv : gv * exp(xv * p0) / (exp(xv * p0) + 1.0)); break;
     }
   }
 }

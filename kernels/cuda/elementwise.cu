@@ -245,8 +245,8 @@ int unary_float(int op, int ndim, const int64_t* shape, void* out, const int64_t
   typedef typename kacc<T>::type A;
   UnaryF<T> f;
   f.op = op;
-  f.lo = p0 != p0 ? (A)-INFINITY : (A)p0;
-  f.hi = p1 != p1 ? (A)INFINITY : (A)p1;
+  f.lo = (op == KCM_CLAMP && p0 != p0) ? (A)-INFINITY : (A)p0; /* NaN = no clamp bound; others' parameters as given */
+  f.hi = (op == KCM_CLAMP && p1 != p1) ? (A)INFINITY : (A)p1;
   const T* in[1] = {(const T*)x};
   const int64_t* sin[1] = {sx};
   return launch_ew<T, 1>(ndim, shape, (T*)out, so, in, sin, f, s);
@@ -271,8 +271,8 @@ int unary_grad_float(int op, int ndim, const int64_t* shape, void* gi, const int
   typedef typename kacc<T>::type A;
   UnaryGradF<T> f;
   f.op = op;
-  f.lo = p0 != p0 ? (A)-INFINITY : (A)p0;
-  f.hi = p1 != p1 ? (A)INFINITY : (A)p1;
+  f.lo = (op == KCM_CLAMP && p0 != p0) ? (A)-INFINITY : (A)p0; /* NaN = no clamp bound; others' parameters as given */
+  f.hi = (op == KCM_CLAMP && p1 != p1) ? (A)INFINITY : (A)p1;
   /* an operand the op does not read is replaced by g (any valid pointer) */
   const T* in[3] = {(const T*)g, x ? (const T*)x : (const T*)g, y ? (const T*)y : (const T*)g};
   const int64_t* sin[3] = {sg, x ? sx : sg, y ? sy : sg};

@@ -146,9 +146,13 @@ KCM_FN void kcm_box_muller(uint32_t w0, uint32_t w1, double* z0, double* z1) {
 
 /* ---------------------------------------------------------------- unary functions
  * Op codes are kcpu.h's KU_*: neg exp log sqrt rsqrt abs tanh sigmoid relu
- * gelu gelu_tanh silu clamp.  lo/hi: clamp bounds (already +-inf when absent). */
+ * gelu gelu_tanh silu clamp leaky_relu elu hardtanh softplus.  lo/hi: clamp
+ * bounds (already +-inf when absent); the parameters of the others (as
+ * given): leaky_relu lo = negative_slope, elu lo = alpha, hardtanh lo/hi =
+ * min_val/max_val, softplus lo = beta, hi = threshold. */
 enum { KCM_NEG = 0, KCM_EXP, KCM_LOG, KCM_SQRT, KCM_RSQRT, KCM_ABS, KCM_TANH, KCM_SIGMOID, KCM_RELU,
-       KCM_GELU, KCM_GELU_TANH, KCM_SILU, KCM_CLAMP, KCM_NUM_UNARY };
+       KCM_GELU, KCM_GELU_TANH, KCM_SILU, KCM_CLAMP, KCM_LEAKY_RELU, KCM_ELU, KCM_HARDTANH, KCM_SOFTPLUS,
+       KCM_NUM_UNARY };
 #define KCM_SQRT1_2 0.70710678118654752440
 #define KCM_SQRT_2_PI 0.79788456080286535588 /* sqrt(2/pi) */
 #define KCM_GELU_C 0.044715
@@ -182,7 +186,10 @@ KCM_FN float kcm_unary_f32(int op, float x, float lo, float hi) {
     case KCM_GELU: return kcm_gelu_f32(x);
     case KCM_GELU_TANH: return kcm_gelu_tanh_f32(x);
     case KCM_SILU: return x * kcm_sigmoid_f32(x);
-    default: { /* clamp; NaN stays NaN */
+    case KCM_LEAKY_RELU: return x > 0.0f ? x : x * lo;
+    case KCM_ELU: return x <= 0.0f ? expm1f(x) * lo : x;
+    case KCM_SOFTPLUS: return x * lo > hi ? x : log1pf(expf(x * lo)) / lo;
+    default: { /* clamp, hardtanh; NaN stays NaN */
       float c = x < lo ? lo : x;
       return x != x ? x : (c > hi ? hi : c);
     }
@@ -202,6 +209,9 @@ KCM_FN double kcm_unary_f64(int op, double x, double lo, double hi) {
     case KCM_GELU: return kcm_gelu_f64(x);
     case KCM_GELU_TANH: return kcm_gelu_tanh_f64(x);
     case KCM_SILU: return x * kcm_sigmoid_f64(x);
+    case KCM_LEAKY_RELU: return x > 0.0 ? x : x * lo;
+    case KCM_ELU: return x <= 0.0 ? expm1(x) * lo : x;
+    case KCM_SOFTPLUS: return x * lo > hi ? x : log1p(exp(x * lo)) / lo;
     default: {
       double c = x < lo ? lo : x;
       return x != x ? x : (c > hi ? hi : c);
@@ -237,6 +247,13 @@ KCM_FN float kcm_unary_grad_f32(int op, float g, float x, float y, float lo, flo
       float s = kcm_sigmoid_f32(x);
       return g * (s * (1.0f + x * (1.0f - s)));
     }
+    case KCM_LEAKY_RELU: return x > 0.0f ? g : g * lo;
+    case KCM_ELU: return x <= 0.0f ? g * lo * expf(x) : g;
+    case KCM_HARDTANH: return (x <= lo || x >= hi) ? 0.0f : g;
+    case KCM_SOFTPLUS: {
+      float z = expf(x * lo);
+      return x * lo > hi ? g : g * z / (z + 1.0f);
+    }
     default: return (x >= lo && x <= hi) ? g : 0.0f;
   }
 }
@@ -266,6 +283,13 @@ KCM_FN double kcm_unary_grad_f64(int op, double g, double x, double y, double lo
     case KCM_SILU: {
       double s = kcm_sigmoid_f64(x);
       return g * (s * (1.0 + x * (1.0 - s)));
+    }
+    case KCM_LEAKY_RELU: return x > 0.0 ? g : g * lo;
+    case KCM_ELU: return x <= 0.0 ? g * lo * exp(x) : g;
+    case KCM_HARDTANH: return (x <= lo || x >= hi) ? 0.0 : g;
+    case KCM_SOFTPLUS: {
+      double z = exp(x * lo);
+      return x * lo > hi ? g : g * z / (z + 1.0);
     }
     default: return (x >= lo && x <= hi) ? g : 0.0;
   }

@@ -175,9 +175,15 @@ static void test_unary(void) {
     gf[i] = (float)gd[i];
   }
   static const char* names[] = {"neg", "exp", "log", "sqrt", "rsqrt", "abs", "tanh", "sigmoid", "relu",
-                                "gelu", "gelu_tanh", "silu", "clamp"};
+                                "gelu", "gelu_tanh", "silu", "clamp", "leaky_relu", "elu", "hardtanh", "softplus"};
+  _Static_assert(sizeof names / sizeof names[0] == KCM_NUM_UNARY, "one name per unary op");
   for (int op = 0; op < KCM_NUM_UNARY; op++) {
-    double p0 = op == KCM_CLAMP ? -0.75 : NAN, p1 = op == KCM_CLAMP ? 1.5 : NAN;
+    /* parameters: clamp/hardtanh bounds, leaky_relu slope, elu alpha, softplus beta and threshold */
+    double p0 = NAN, p1 = NAN;
+    if (op == KCM_CLAMP || op == KCM_HARDTANH) { p0 = -0.75; p1 = 1.5; }
+    if (op == KCM_LEAKY_RELU) p0 = 0.05;
+    if (op == KCM_ELU) p0 = 0.7;
+    if (op == KCM_SOFTPLUS) { p0 = 1.5; p1 = 4.0; }
     int positive = op == KCM_LOG || op == KCM_SQRT || op == KCM_RSQRT;
     static double xs[N];
     static float xsf[N];

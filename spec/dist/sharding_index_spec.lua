@@ -3,7 +3,8 @@
 -- bounded cover of spec/dist/helpers/converter.lua that shards every input)
 -- on a 1-D mesh of the world and (4 ranks) a 2x2 mesh gives the single-process
 -- result, forward and backward (spec/dist/helpers/converter.lua).  gather, scatter,
--- scatter_add, index_add and index_copy run on their rules (sharding/index.c); the
+-- scatter_add, index_add and index_copy run on their rules (sharding/index.c),
+-- softplus / leaky_relu / elu / hardtanh on the pointwise unary rule; the
 -- others are composites of ops with rules; nonzero / masked_select (data-dependent
 -- sizes) come back Replicate.
 local engine = require("engine")
@@ -190,10 +191,12 @@ describe("sharding: losses and activations", function()
   it("softplus / leaky_relu / elu / hardtanh / glu", function()
     engine.manual_seed(9)
     local x = randn(4, 6) * 3
-    conv.check("softplus", function(a) return engine.softplus(a, 2, 3) end, { x })
-    conv.check("leaky_relu", function(a) return engine.leaky_relu(a, 0.1) end, { x })
-    conv.check("elu", function(a) return engine.elu(a) end, { x })
-    conv.check("hardtanh", function(a) return engine.hardtanh(a, -0.5, 0.5) end, { x })
+    -- softplus / leaky_relu / elu / hardtanh are C unary ops on the pointwise rule: Partial inputs too
+    conv.check("softplus", function(a) return engine.softplus(a, 2, 3) end, { x }, COVER)
+    conv.check("leaky_relu", function(a) return engine.leaky_relu(a, 0.1) end, { x }, COVER)
+    conv.check("elu", function(a) return engine.elu(a) end, { x }, COVER)
+    conv.check("hardtanh", function(a) return engine.hardtanh(a, -0.5, 0.5) end, { x }, COVER)
+    conv.check("relu6", function(a) return engine.relu6(a * 3) end, { x }, COVER)
     conv.check("glu", function(a) return engine.glu(a) end, { x })
   end)
 end)

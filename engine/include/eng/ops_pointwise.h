@@ -36,6 +36,14 @@ eng_tensor* eng_relu(eng_tensor* a);
 eng_tensor* eng_gelu(eng_tensor* a, int approximate);
 eng_tensor* eng_silu(eng_tensor* a);
 eng_tensor* eng_clamp(eng_tensor* a, double lo, double hi); /* NaN bound = none */
+/* torch.nn.functional's activations with PyTorch's gradients: leaky_relu
+ * (negative_slope, also at 0), elu (alpha), hardtanh (min_val <= max_val;
+ * gradient 0 at and outside the bounds; integer tensors clamp to the
+ * truncated bounds), softplus (beta, threshold: x where x beta > threshold). */
+eng_tensor* eng_leaky_relu(eng_tensor* a, double negative_slope);
+eng_tensor* eng_elu(eng_tensor* a, double alpha);
+eng_tensor* eng_hardtanh(eng_tensor* a, double min_val, double max_val);
+eng_tensor* eng_softplus(eng_tensor* a, double beta, double threshold);
 
 /* Comparisons give bool tensors; no gradient. */
 typedef enum eng_cmp { ENG_EQ = 0, ENG_NE = 1, ENG_LT = 2, ENG_LE = 3, ENG_GT = 4, ENG_GE = 5 } eng_cmp;

@@ -1,5 +1,6 @@
 /* unary.c: elementwise unary ops (neg, exp, log, sqrt, rsqrt, abs, tanh,
- * sigmoid, relu, gelu, silu, clamp) with autograd.
+ * sigmoid, relu, gelu, silu, clamp, leaky_relu, elu, hardtanh, softplus)
+ * with autograd.
  * Floating inputs keep their dtype (bf16/f16 compute in f32); integer inputs
  * of the float-only functions are promoted to f32 as in PyTorch; neg, abs,
  * relu and clamp with integral bounds keep integer dtypes. */
@@ -10,13 +11,14 @@
 #include <math.h>
 
 static const char* const u_names[KU_COUNT] = {"neg", "exp", "log", "sqrt", "rsqrt", "abs", "tanh",
-                                              "sigmoid", "relu", "gelu", "gelu", "silu", "clamp"};
+                                              "sigmoid", "relu", "gelu", "gelu", "silu", "clamp",
+                                              "leaky_relu", "elu", "hardtanh", "softplus"};
 static const char* const u_bw_names[KU_COUNT] = {
     "NegBackward", "ExpBackward", "LogBackward", "SqrtBackward", "RsqrtBackward", "AbsBackward",
     "TanhBackward", "SigmoidBackward", "ReluBackward", "GeluBackward", "GeluBackward", "SiluBackward",
-    "ClampBackward"};
+    "ClampBackward", "LeakyReluBackward", "EluBackward", "HardtanhBackward", "SoftplusBackward"};
 /* What backward needs: 1 = the input x, 2 = the output y. */
-static const int u_saves[KU_COUNT] = {0, 2, 1, 2, 2, 1, 2, 2, 2, 1, 1, 1, 1};
+static const int u_saves[KU_COUNT] = {0, 2, 1, 2, 2, 1, 2, 2, 2, 1, 1, 1, 1, 1, 1, 1, 1};
 
 static int int_capable(int op) { return op == KU_NEG || op == KU_ABS || op == KU_RELU || op == KU_CLAMP; }
 
@@ -164,4 +166,41 @@ eng_tensor* eng_clamp(eng_tensor* a, double lo, double hi) {
     return eng_errp("clamp: %s: at least one of min and max must be given (both are NaN/nil)", eng_desc(a));
   UN_GUARD(ENG_UN_CLAMP, "clamp", a, 0, lo, hi);
   return unary(KU_CLAMP, a, lo, hi);
+}
+
+/* Activations of torch.nn.functional with their scalar parameters (PyTorch's
+ * forward and *_backward formulas: kernels/cpu/unary.c). */
+eng_tensor* eng_leaky_relu(eng_tensor* a, double negative_slope) {
+  UN_GUARD(ENG_UN_LEAKY_RELU, "leaky_relu", a, 0, negative_slope, NAN);
+  return unary(KU_LEAKY_RELU, a, negative_slope, NAN);
+}
+
+eng_tensor* eng_elu(eng_tensor* a, double alpha) {
+  UN_GUARD(ENG_UN_ELU, "elu", a, 0, alpha, NAN);
+  return unary(KU_ELU, a, alpha, NAN);
+}
+
+eng_tensor* eng_softplus(eng_tensor* a, double beta, double threshold) {
+  UN_GUARD(ENG_UN_SOFTPLUS, "softplus", a, 0, beta, threshold);
+  return unary(KU_SOFTPLUS, a, beta, threshold);
+}
+
+/* Integer tensors: clamp with the bounds truncated to integers (PyTorch's
+ * hardtanh: no promotion by the bounds); no gradient. */
+eng_tensor* eng_hardtanh(eng_tensor* a, double min_val, double max_val) {
+  ENG_CHECK(a, "hardtanh");
+  if (isnan(min_val) || isnan(max_val))
+    return eng_errp("hardtanh: %s: min_val and max_val must be numbers, got %g and %g", eng_desc(a), min_val, max_val);
+  if (min_val > max_val)
+    return eng_errp("hardtanh: min_val (%g) cannot be greater than max_val (%g)", min_val, max_val);
+  if (a->dtype == ENG_BOOL) return eng_errp("hardtanh: not supported for bool tensors (%s)", eng_desc(a));
+  UN_GUARD(ENG_UN_HARDTANH, "hardtanh", a, 0, min_val, max_val);
+  if (!eng_dtype_is_floating(a->dtype)) {
+    double lo = trunc(min_val), hi = trunc(max_val);
+    if (a->dtype == ENG_U8 && (lo < 0 || hi < 0))
+      return eng_errp("hardtanh: cannot do hardtanh on an unsigned type with negative limits (%s, %g, %g)",
+                      eng_desc(a), min_val, max_val);
+    return unary(KU_CLAMP, a, lo, hi);
+  }
+  return unary(KU_HARDTANH, a, min_val, max_val);
 }

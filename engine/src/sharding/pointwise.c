@@ -46,6 +46,10 @@ static eng_tensor* unary_fn(const eng_op_call* c) {
     case ENG_UN_SILU: return eng_silu(a);
     case ENG_UN_GELU: return eng_gelu(a, (int)c->ints[1]);
     case ENG_UN_CLAMP: return eng_clamp(a, c->scalars[0], c->scalars[1]);
+    case ENG_UN_LEAKY_RELU: return eng_leaky_relu(a, c->scalars[0]);
+    case ENG_UN_ELU: return eng_elu(a, c->scalars[0]);
+    case ENG_UN_HARDTANH: return eng_hardtanh(a, c->scalars[0], c->scalars[1]);
+    case ENG_UN_SOFTPLUS: return eng_softplus(a, c->scalars[0], c->scalars[1]);
   }
   return eng_errp("unary: unknown op code %lld", (long long)c->ints[0]);
 }

@@ -192,7 +192,8 @@ extern const eng_op_def eng_opdef_softmax, eng_opdef_norm, eng_opdef_dropout, en
 enum { ENG_SC_ADD, ENG_SC_SUB, ENG_SC_MUL, ENG_SC_DIV, ENG_SC_POW, ENG_SC_RSUB, ENG_SC_RDIV, ENG_SC_RPOW };
 enum { ENG_BIN_ADD, ENG_BIN_SUB, ENG_BIN_MUL, ENG_BIN_DIV, ENG_BIN_POW, ENG_BIN_MAX, ENG_BIN_MIN };
 enum { ENG_UN_NEG, ENG_UN_EXP, ENG_UN_LOG, ENG_UN_SQRT, ENG_UN_RSQRT, ENG_UN_ABS, ENG_UN_TANH, ENG_UN_SIGMOID,
-       ENG_UN_RELU, ENG_UN_SILU, ENG_UN_GELU, ENG_UN_CLAMP };
+       ENG_UN_RELU, ENG_UN_SILU, ENG_UN_GELU, ENG_UN_CLAMP, ENG_UN_LEAKY_RELU, ENG_UN_ELU, ENG_UN_HARDTANH,
+       ENG_UN_SOFTPLUS };
 
 /* ---- autograd glue: dtensor/dispatch.c installs its node marking and
  * backward into autograd through autograd/dist_hooks.h */

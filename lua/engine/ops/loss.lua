@@ -333,31 +333,29 @@ local function args2(a, b, names, defaults, op)
   return num_opt(a, defaults[1], op, names[1]), num_opt(b, defaults[2], op, names[2] or "_")
 end
 
+-- softplus, leaky_relu, elu and hardtanh are single C ops (engine/src/ops/unary.c: one dispatch,
+-- PyTorch's gradients, the pointwise DTensor rule); the Lua side checks the arguments.
+local wrap, ct = core.wrap, core.ct
+
 function M.softplus(x, beta, threshold)
   local op = "softplus"
   need(x, op, 1)
   beta, threshold = args2(beta, threshold, { "beta", "threshold" }, { 1, 20 }, op)
-  local z = beta == 1 and x or x * beta
-  local soft = z:clamp(nil, threshold):exp():log1p()
-  if beta ~= 1 then soft = soft / beta end
-  local r = x:where(z:gt(threshold), soft)
-  return r
+  return wrap(C.eng_softplus(ct(x, op, 1), beta, threshold))
 end
 
 function M.leaky_relu(x, slope)
   local op = "leaky_relu"
   need(x, op, 1)
   slope = args2(slope, nil, { "negative_slope" }, { 0.01 }, op)
-  local r = x:where(x:gt(0), x * slope)
-  return r
+  return wrap(C.eng_leaky_relu(ct(x, op, 1), slope))
 end
 
 function M.elu(x, alpha)
   local op = "elu"
   need(x, op, 1)
   alpha = args2(alpha, nil, { "alpha" }, { 1 }, op)
-  local r = x:where(x:gt(0), (x:clamp(nil, 0):exp() - 1) * alpha)
-  return r
+  return wrap(C.eng_elu(ct(x, op, 1), alpha))
 end
 
 function M.hardtanh(x, lo, hi)
@@ -366,9 +364,7 @@ function M.hardtanh(x, lo, hi)
   lo, hi = args2(lo, hi, { "min_val", "max_val" }, { -1, 1 }, op)
   if lo > hi then fail(string.format("%s: min_val (%g) cannot be greater than max_val (%g)", op, lo, hi)) end
   -- PyTorch's gradient: 1 strictly inside (min_val, max_val), 0 outside AND at the bounds (clamp's is 1 there)
-  local inside = x:gt(lo):logical_and(x:lt(hi))
-  local r = x:where(inside, x:clamp(lo, hi):detach())
-  return r
+  return wrap(C.eng_hardtanh(ct(x, op, 1), lo, hi))
 end
 function M.relu6(x) return M.hardtanh(x, 0, 6) end
 
