@@ -156,6 +156,18 @@ describe("activations at their kinks: PyTorch's one-sided gradients", function()
       end
     end)
   end
+  it("bce_with_logits at x = 0 has PyTorch's gradient sigmoid(0) - target", function()
+    local x = engine.tensor({ 0, 0, 0 }, "f64"):requires_grad_()
+    engine.binary_cross_entropy_with_logits(x, engine.tensor({ 0, 1, 0.25 }, "f64"), { reduction = "sum" }):backward()
+    assert.are.same({ 0.5, -0.5, 0.25 }, x.grad:totable())
+    -- smooth_l1 / huber at |x - y| = beta / delta: PyTorch's gradient (beta: 1, delta: delta)
+    local a = engine.tensor({ 0.7, -0.7, 0.6 }, "f64"):requires_grad_()
+    engine.smooth_l1_loss(a, engine.zeros(3, { dtype = "f64" }), { beta = 0.7, reduction = "sum" }):backward()
+    assert.is_true(math.abs(a.grad[1] - 1) < 1e-15 and math.abs(a.grad[2] + 1) < 1e-15 and math.abs(a.grad[3] - 0.6 / 0.7) < 1e-15)
+    a.grad = nil
+    engine.huber_loss(a, engine.zeros(3, { dtype = "f64" }), { delta = 0.7, reduction = "sum" }):backward()
+    assert.is_true(math.abs(a.grad[1] - 0.7) < 1e-15 and math.abs(a.grad[2] + 0.7) < 1e-15 and math.abs(a.grad[3] - 0.6) < 1e-15)
+  end)
   it("bf16 is computed in f32 and rounded once; integer hardtanh clamps to truncated bounds", function()
     local x = engine.tensor({ -7.5, -1.3, -0.25, 0, 0.3, 1.7, 5.9, 30 })
     local xb = x:to("bf16")

@@ -21,6 +21,7 @@ local core = require("engine.core")
 local Tensor = require("engine.tensor")
 local C = core.C
 local methods = Tensor.methods
+local wrap, ct = core.wrap, core.ct
 
 local M = {}
 local fail = core.fail
@@ -91,7 +92,8 @@ end
 -- ============================================================ nll_loss
 -- logp with classes in dim 2 (or the only dim), target 0-based ids.  Returns the
 -- per-element losses [N, d...] (weights applied, ignored ones 0), the weights
--- per element and the ignore mask.
+-- per element and the ignore mask; weights and mask are nil when there is no
+-- weight and no target equals ignore_index (the common case: fewer dispatches).
 local function nll_parts(logp, target, weight, ignore, op)
   need(logp, op, 1); need(target, op, 2, "target")
   if target:is_floating_point() then
@@ -115,23 +117,29 @@ local function nll_parts(logp, target, weight, ignore, op)
   local x = logp
   if nd == 1 then x = x:unsqueeze(1); target = target:view(1)
   elseif nd > 2 then x = x:movedim(2, -1) end
-  local ign = target:eq(ignore)
-  local safe = target:masked_fill(ign, 0)
-  if safe:numel() > 0 then
-    local lo, hi = number_of(safe:min()), number_of(safe:max())
+  -- the ids' range; only when ignore_index lies inside it can some target be ignored
+  local ign, safe = nil, target
+  if target:numel() > 0 then
+    local lo, hi = number_of(target:min()), number_of(target:max())
+    if ignore >= lo and ignore <= hi then
+      ign = target:eq(ignore)
+      safe = target:masked_fill(ign, 0)
+      lo, hi = number_of(safe:min()), number_of(safe:max())
+    end
     if lo < 0 or hi >= C_ then
       fail(string.format("%s: target %d is out of bounds for %d classes (class ids are 0-based; ignore_index %d)", op,
         lo < 0 and lo or hi, C_, ignore))
     end
   end
   local picked = x:gather(-1, safe:unsqueeze(-1)):squeeze(-1)
+  if not weight and not ign then return -picked, nil, nil, nd end
   local w
   if weight then
     w = weight:index_select(1, safe:reshape(-1)):view(safe:shape())
   else
-    w = core.is_tensor(picked) and require("engine").ones_like(picked):detach() or nil
+    w = require("engine").ones_like(picked):detach()
   end
-  w = w:masked_fill(ign, 0)
+  if ign then w = w:masked_fill(ign, 0) end
   local loss = -(picked * w)
   return loss, w, ign, nd
 end
@@ -148,6 +156,7 @@ function M.nll_loss(logp, target, opts)
     return loss
   end
   if red == "sum" then return loss:sum() end
+  if w == nil then return loss:mean() end  -- every weight 1
   local r = loss:sum() / w:sum()
   return r
 end
@@ -203,7 +212,7 @@ function M.cross_entropy(logits, target, opts)
   local lw = weight and logp * weight:view(wshape) or logp
   local smooth = -lw:sum(cdim)
   if nd == 1 then smooth = smooth:view(1) end
-  smooth = smooth:masked_fill(ign, 0)
+  if ign then smooth = smooth:masked_fill(ign, 0) end
   local nll, sm
   if red == "none" then
     nll, sm = loss, smooth
@@ -228,12 +237,14 @@ function M.binary_cross_entropy(p, target, opts)
     fail(string.format("%s: target %s%s must have the input's shape %s%s", op, target.dtype, shp(target), p.dtype, shp(p)))
   end
   if p:numel() > 0 then
-    local lo, hi = number_of(p:detach():min()), number_of(p:detach():max())
+    local pd = p:detach()
+    local lo, hi = number_of(pd:min()), number_of(pd:max())
     if not (lo >= 0 and hi <= 1) then
       fail(string.format("%s: all elements of input should be between 0 and 1 (got min %g, max %g)", op, lo, hi))
     end
   end
-  local l = -(target * p:log():clamp(-100, nil) + (1 - target) * (1 - p):log():clamp(-100, nil))
+  -- = -(target log p + (1 - target) log(1 - p)), one negation fewer (bitwise the same)
+  local l = (target - 1) * (1 - p):log():clamp(-100, nil) - target * p:log():clamp(-100, nil)
   if opts.weight ~= nil then
     need(opts.weight, op, 3, "weight")
     local w = opts.weight
@@ -252,8 +263,10 @@ function M.binary_cross_entropy_with_logits(x, target, opts)
   if not same_shape(x, target) then
     fail(string.format("%s: target %s%s must have the input's shape %s%s", op, target.dtype, shp(target), x.dtype, shp(x)))
   end
-  -- softplus(-x) = relu(-x) + log1p(exp(-|x|)), stable for any x (PyTorch's form)
-  local sp = (-x):relu() + (-x:abs()):exp():log1p()
+  -- -log_sigmoid(x) = softplus(-x) = log1p(exp(-x)), one C op; its threshold (x returned above it)
+  -- where exp(-threshold) is below the dtype's rounding (f64 37, else 20): the value of PyTorch's
+  -- relu(-x) + log1p(exp(-|x|)) to rounding, and the gradient sigmoid(x) - target also at x = 0
+  local sp = wrap(C.eng_softplus((-x)._c, 1, x.dtype == "f64" and 37 or 20))
   local l
   if opts.pos_weight ~= nil then
     need(opts.pos_weight, op, 3, "pos_weight")
@@ -307,7 +320,13 @@ function M.smooth_l1_loss(x, y, opts)
   local d = (x - y):abs()
   local l
   if beta == 0 then l = d
-  else l = (d * d * (0.5 / beta)):where(d:lt(beta), d - 0.5 * beta) end
+  else
+    -- with u = min(d, beta): u (d - u / 2) / beta is 0.5 d^2 / beta below beta and d - beta / 2 above
+    -- (PyTorch's two branches; gradient d / beta, 1), 2 dispatches fewer than a where of both
+    local u = d:clamp(nil, beta)
+    l = u * (d - u * 0.5)
+    if beta ~= 1 then l = l * (1 / beta) end
+  end
   return reduce(l, red)
 end
 
@@ -320,7 +339,10 @@ function M.huber_loss(x, y, opts)
   local delta = num_opt(opts.delta, 1, op, "delta")
   if not (delta > 0) then fail(op .. ": delta must be positive, got " .. tostring(delta)) end
   local d = (x - y):abs()
-  local l = (d * d * 0.5):where(d:lt(delta), (d - 0.5 * delta) * delta)
+  -- with u = min(d, delta): u (d - u / 2) is 0.5 d^2 below delta and delta (d - delta / 2) above
+  -- (bitwise PyTorch's two branches; gradient d, delta), 2 dispatches fewer than a where of both
+  local u = d:clamp(nil, delta)
+  local l = u * (d - u * 0.5)
   return reduce(l, red)
 end
 
@@ -335,8 +357,6 @@ end
 
 -- softplus, leaky_relu, elu and hardtanh are single C ops (engine/src/ops/unary.c: one dispatch,
 -- PyTorch's gradients, the pointwise DTensor rule); the Lua side checks the arguments.
-local wrap, ct = core.wrap, core.ct
-
 function M.softplus(x, beta, threshold)
   local op = "softplus"
   need(x, op, 1)
