@@ -358,6 +358,26 @@ describe("state dict helpers and checkpoints (issue 11 item 8)", function()
     assert.are_not.equal(engine.tensor_checksum(a), engine.tensor_checksum(c))
     assert.equal("string", type(engine.tensor_checksum(a)))
   end)
+
+  it("XXH64 (distributed checkpoint chunks) is xxHash64 bit for bit, fed whole or in pieces", function()
+    local ffi = require("ffi")
+    local C = require("engine.core").C
+    -- xxhash.xxh64(b).hexdigest() (the reference implementation, seed 0)
+    local big = {}
+    for i = 0, 767 do big[#big + 1] = string.char(i % 256) end
+    big = table.concat(big) .. "xyz"
+    local cases = { { "", "ef46db3751d8e999" }, { "a", "d24ec4f1a98c6e5b" }, { "abc", "44bc2cf5ad770999" },
+      { big, "e921a1b45bd779f8" } }
+    for _, c in ipairs(cases) do assert.equal(c[2], bit.tohex(C.eng_xxh64(c[1], #c[1]), 16)) end
+    local st = ffi.new("eng_xxh64_state")
+    for _, cut in ipairs({ 0, 1, 7, 31, 32, 33, 100, 400, 768 }) do
+      C.eng_xxh64_reset(st)
+      C.eng_xxh64_update(st, big, cut)
+      C.eng_xxh64_update(st, ffi.cast("const char*", big) + cut, 3)
+      C.eng_xxh64_update(st, ffi.cast("const char*", big) + cut + 3, #big - cut - 3)
+      assert.equal("e921a1b45bd779f8", bit.tohex(C.eng_xxh64_digest(st), 16))
+    end
+  end)
 end)
 
 describe("a run whose loss turns NaN stops (issue 11 item 8)", function()

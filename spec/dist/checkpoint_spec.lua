@@ -204,6 +204,48 @@ describe("engine.load_safetensors and checkpoint reads (" .. W .. " ranks)", fun
     assert.equal(4, md.values.step)
     assert.equal(0, diff(ckpt.read_tensor(dir, "model.w"), full))
   end)
+
+  it("chunk checksums are XXH64 of the bytes (format engine-dcp/2); engine-dcp/1 (FNV) still loads, others are refused", function()
+    local ffi = require("ffi")
+    local C = require("engine.core").C
+    local dir = newdir()
+    local full = reference({ 6, 5 }, 29)
+    ckpt.save({ w = full:clone() }, dir)   -- a plain tensor: one chunk, the whole tensor, written once
+    local _, meta = engine.load(dir .. "/.metadata")
+    assert.equal("engine-dcp/2", meta.format)
+    assert.equal("xxh64", meta.checksum)
+    local head, file, off, nb, sum, tail = meta["t:w"]:match("^(f32|6,5|)(%d+):(%d+):(%d+):(%x+):(0,0:6,5)$")
+    assert.is_truthy(head, meta["t:w"])
+    assert.equal(bit.tohex(C.eng_xxh64(ffi.cast("const void*", full:data_ptr()), 120), 16), sum)
+    -- the same checkpoint as engine-dcp/1 wrote it: FNV checksums (engine.tensor_checksum), no "checksum" key
+    local function rewrite(m)
+      dist.barrier()
+      if R == 0 then engine.save(dir .. "/.metadata", {}, m) end
+      dist.barrier()
+    end
+    local v1 = { format = "engine-dcp/1", id = meta.id, world_size = meta.world_size,
+      ["t:w"] = table.concat({ head .. file, off, nb, engine.tensor_checksum(full), tail }, ":") }
+    rewrite(v1)
+    local back = { w = engine.zeros({ 6, 5 }) }
+    ckpt.load(back, dir)
+    assert.equal(0, diff(back.w, full))
+    -- an engine-dcp/1 entry carrying the XXH64 value fails its (FNV) checksum
+    v1["t:w"] = table.concat({ head .. file, off, nb, sum, tail }, ":")
+    rewrite(v1)
+    back = { w = engine.zeros({ 6, 5 }) }
+    local e = errmsg(ckpt.load, back, dir)
+    assert.is_truthy(e:find("fails its checksum", 1, true) and e:find(string.format("__%s_0.distcp", file), 1, true), e)
+    assert.equal(0, back.w:abs():sum():item())
+    -- an unknown checksum name, an unknown format: refused, naming them
+    meta.checksum = "crc32"
+    rewrite(meta)
+    e = errmsg(ckpt.load, { w = engine.zeros({ 6, 5 }) }, dir)
+    assert.is_truthy(e:find("unknown checksum 'crc32'", 1, true), e)
+    meta.checksum, meta.format = "xxh64", "engine-dcp/9"
+    rewrite(meta)
+    e = errmsg(ckpt.load, { w = engine.zeros({ 6, 5 }) }, dir)
+    assert.is_truthy(e:find("format engine-dcp/9", 1, true) and e:find(".metadata", 1, true), e)
+  end)
 end)
 
 describe("dist.checkpoint state (" .. W .. " ranks)", function()

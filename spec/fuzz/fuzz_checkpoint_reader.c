@@ -9,9 +9,11 @@
  *   tensor's), and the round trip holds: eng_ckpt_entry_format of the parsed entry parses again to
  *   the same dtype, shape and chunks.
  * - odd: the next 8 bytes are a chunk (offset, length: 4 little-endian bytes each), the rest the
- *   image of a data file written to a temporary file: eng_ckpt_file_check and eng_ckpt_read_chunk
- *   with the id "fuzz" and the checksum the bytes should have must fail cleanly on a short file, a
- *   bad header or another id, and when they succeed the bytes read are the file's bytes.
+ *   image of a data file written to a temporary file: eng_ckpt_file_check and a reader
+ *   (eng_ckpt_reader_open, _verify with the checksum the bytes should have, XXH64 or FNV as bit 1 of
+ *   the first byte says, then _copy of the whole chunk and of its second half) with the id "fuzz"
+ *   must fail cleanly on a short file, a bad header or another id, and when they succeed the bytes
+ *   copied are the file's bytes.
  *   make fuzz-build && build-fuzz/fuzz/fuzz_checkpoint_reader spec/fuzz/corpus/checkpoint_reader */
 #include <engine.h>
 #include <stdio.h>
@@ -88,7 +90,7 @@ static void entry(const uint8_t* data, size_t n) {
 
 static char path[64];
 
-static void data_file(const uint8_t* data, size_t n) {
+static void data_file(const uint8_t* data, size_t n, int algo) {
   if (n < 8) return;
   uint32_t off = 0, len = 0;
   for (int i = 0; i < 4; i++) { off |= (uint32_t)data[i] << (8 * i); len |= (uint32_t)data[4 + i] << (8 * i); }
@@ -109,14 +111,28 @@ static void data_file(const uint8_t* data, size_t n) {
   CHECK(t);
   /* the checksum the chunk's bytes have when they are there (else 0: then a mismatch) */
   uint64_t want = 0;
-  if ((size_t)off + len <= n) {
-    eng_tensor* src = eng_tensor_empty(1, shape, ENG_U8, ENG_CPU);
-    CHECK(src);
-    memcpy(eng_tensor_data(src), data + off, len);
-    CHECK(eng_tensor_checksum(src, &want) == 0);
-    eng_tensor_release(src);
+  if ((size_t)off + len <= n) CHECK(eng_checksum_bytes(algo, data + off, len, &want) == 0);
+  int rc = -1;
+  eng_ckpt_reader* r = eng_ckpt_reader_open(path, "fuzz", (int64_t)off + len, algo);
+  if (r) {
+    CHECK(ok);
+    rc = eng_ckpt_reader_verify(r, off, len, want);
+    if (rc == 0) rc = eng_ckpt_reader_copy(r, off, ENG_U8, 1, shape, NULL, t);
+    if (rc == 0) {
+      /* the second half as a region of the chunk */
+      int64_t half[1] = {len - len / 2}, start[1] = {len / 2};
+      eng_tensor* h = eng_tensor_empty(1, half, ENG_U8, ENG_CPU);
+      CHECK(h);
+      CHECK(eng_ckpt_reader_copy(r, off, ENG_U8, 1, shape, start, h) == 0);
+      CHECK(memcmp(eng_tensor_data(h), data + off + len / 2, (size_t)half[0]) == 0);
+      /* a region past the chunk's box is refused */
+      start[0] = len / 2 + 1;
+      CHECK(eng_ckpt_reader_copy(r, off, ENG_U8, 1, shape, start, h) != 0);
+      eng_tensor_release(h);
+      CHECK(eng_ckpt_reader_unchanged(r) == 0);
+    }
+    eng_ckpt_reader_close(r);
   }
-  int rc = eng_ckpt_read_chunk(path, "fuzz", off, len, want, t);
   if (rc == 0) {
     CHECK(ok && (size_t)off + len <= n && off >= 64);
     CHECK(memcmp(eng_tensor_data(t), data + off, len) == 0);
@@ -130,6 +146,6 @@ static void data_file(const uint8_t* data, size_t n) {
 int LLVMFuzzerTestOneInput(const uint8_t* data, size_t n) {
   if (n < 1) return 0;
   if (data[0] % 2 == 0) entry(data + 1, n - 1);
-  else data_file(data + 1, n - 1);
+  else data_file(data + 1, n - 1, data[0] & 2 ? ENG_CHECKSUM_FNV : ENG_CHECKSUM_XXH64);
   return 0;
 }

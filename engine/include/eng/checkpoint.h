@@ -28,7 +28,7 @@ int eng_ckpt_writer_start(eng_ckpt_writer* w, int async);
  * temporary file is left); ENGINE_CKPT_TEST_KILL the same, then the process
  * SIGKILLs itself here, before the rename (a rank killed during a save). */
 int eng_ckpt_writer_finish(eng_ckpt_writer* w);
-/* The checksum of chunk i (the io checksum of its bytes), after finish. */
+/* The checksum of chunk i (XXH64 of its bytes, computed while writing), after finish. */
 uint64_t eng_ckpt_writer_checksum(const eng_ckpt_writer* w, int i);
 int eng_ckpt_writer_count(const eng_ckpt_writer* w);
 /* Frees; an unfinished writer waits for its thread and removes its temp file. */
@@ -38,11 +38,25 @@ void eng_ckpt_writer_free(eng_ckpt_writer* w);
  * min_size bytes: 0, or -1 with an error naming the file (missing, short,
  * not a data file, another checkpoint's). */
 int eng_ckpt_file_check(const char* path, const char* id, int64_t min_size);
-/* Reads the nbytes at offset of data file path into out (a contiguous CPU
- * tensor of exactly nbytes, e.g. a view of the destination), verifies the
- * chunk's checksum and the file's id.  -1 with an error naming the file. */
-int eng_ckpt_read_chunk(const char* path, const char* id, int64_t offset, int64_t nbytes, uint64_t checksum,
-                        eng_tensor* out);
+/* Reading: a data file mapped read-only (checked as eng_ckpt_file_check:
+ * header, id, at least min_size bytes); algo is the checksum its chunks carry
+ * (ENG_CHECKSUM_XXH64 for format engine-dcp/2, ENG_CHECKSUM_FNV for /1). */
+typedef struct eng_ckpt_reader eng_ckpt_reader;
+eng_ckpt_reader* eng_ckpt_reader_open(const char* path, const char* id, int64_t min_size, int algo);
+/* Checks the checksum of the nbytes at offset (read once, from the mapping):
+ * 0, or -1 with an error naming the file and the chunk. */
+int eng_ckpt_reader_verify(eng_ckpt_reader* r, int64_t offset, int64_t nbytes, uint64_t checksum);
+/* Copies from the chunk at offset (dtype, its box's ndim sizes, row-major)
+ * the region starting at src_offsets (NULL: 0) of out's shape into out (any
+ * CPU or CUDA tensor, strides and dtype converted).  No checksum: verify the
+ * chunk first. */
+int eng_ckpt_reader_copy(eng_ckpt_reader* r, int64_t offset, int dtype, int ndim, const int64_t* sizes,
+                         const int64_t* src_offsets, eng_tensor* out);
+/* 0 when the file is as it was at open (size, mtime, ctime), else -1 with an
+ * error naming it: after copying, a write in place since the open is caught. */
+int eng_ckpt_reader_unchanged(eng_ckpt_reader* r);
+const char* eng_ckpt_reader_path(const eng_ckpt_reader* r);
+void eng_ckpt_reader_close(eng_ckpt_reader* r);
 /* fsync tmp, rename it to path, fsync the directory: a committed file. */
 int eng_ckpt_commit_file(const char* tmp, const char* path);
 

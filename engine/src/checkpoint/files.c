@@ -19,6 +19,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -163,6 +164,10 @@ static const char* test_hook(const char* path, int* kill_it) {
   return NULL;
 }
 
+/* Chunks go out in blocks: each block is checksummed (XXH64, streaming) and
+ * then written while it is in the cache, so the data is read from memory once. */
+#define WRITE_BLOCK ((int64_t)4 << 20)
+
 static void* run(void* arg) {
   eng_ckpt_writer* w = arg;
   char head[HEADER_BYTES] = {0};
@@ -177,15 +182,18 @@ static void* run(void* arg) {
   for (int i = 0; i < w->n && !w->failed; i++) {
     eng_tensor* c = w->chunks[i];
     int64_t bytes = c->numel * (int64_t)eng_dtype_size(c->dtype);
-    if (eng_tensor_checksum(c, &w->sums[i]) != 0) {
-      fail_w(w, "checkpoint.save: %s: %s", w->path, eng_last_error());
-      break;
+    const char* p = eng_ptr(c);
+    eng_xxh64_state st;
+    eng_xxh64_reset(&st);
+    int64_t limit = simulate ? bytes / 2 : bytes;
+    for (int64_t done = 0; done < bytes && !w->failed; done += WRITE_BLOCK) {
+      int64_t k = bytes - done < WRITE_BLOCK ? bytes - done : WRITE_BLOCK;
+      eng_xxh64_update(&st, p + done, k);
+      int64_t out = done + k <= limit ? k : (limit > done ? limit - done : 0);
+      if (out > 0 && write_all(w->fd, p + done, out) != 0)
+        fail_w(w, "checkpoint.save: write error on '%s': %s", w->tmp, strerror(errno));
     }
-    if (simulate) bytes /= 2;
-    if (write_all(w->fd, eng_ptr(c), bytes) != 0) {
-      fail_w(w, "checkpoint.save: write error on '%s': %s", w->tmp, strerror(errno));
-      break;
-    }
+    w->sums[i] = eng_xxh64_digest(&st);
     if (simulate) fail_w(w, "checkpoint.save: %s: the write was interrupted (test hook ENGINE_CKPT_TEST_FAIL=%s)",
                          w->path, hook);
   }
@@ -301,37 +309,131 @@ int eng_ckpt_file_check(const char* path, const char* id, int64_t min_size) {
   return 0;
 }
 
-int eng_ckpt_read_chunk(const char* path, const char* id, int64_t offset, int64_t nbytes, uint64_t checksum,
-                        eng_tensor* out) {
+/* A reader maps the whole data file read-only: verify hashes a chunk's bytes
+ * straight from the page cache (no copy), copy moves them (or a region of
+ * them) into the destination with one strided copy.  The mapping is of the
+ * inode opened and checked here, so the bytes copied are the bytes verified
+ * even if a later save replaces the file (saves write new files and rename). */
+struct eng_ckpt_reader {
+  char* path;
+  int algo;
+  int fd;
+  int64_t size;
+  char* map;
+  struct stat st; /* at open: a write in place since changes mtime, ctime or size */
+};
+
+eng_ckpt_reader* eng_ckpt_reader_open(const char* path, const char* id, int64_t min_size, int algo) {
   const char* op = "checkpoint.load";
-  if (!path || !id || !out) return eng_err("%s: path, id and output are required", op);
-  if (out->device != ENG_CPU || !eng_tensor_is_contiguous(out) || out->dist ||
-      out->numel * (int64_t)eng_dtype_size(out->dtype) != nbytes)
-    return eng_err("%s: %s: the output %s is not a contiguous CPU tensor of %lld bytes", op, path, eng_desc(out),
-                   (long long)nbytes);
-  if (offset < HEADER_BYTES) return eng_err("%s: %s: chunk offset %lld is inside the header", op, path, (long long)offset);
-  int fd = open_checked(op, path, id, offset + nbytes, NULL);
-  if (fd < 0) return -1;
-  char* p = eng_ptr(out);
-  int64_t done = 0;
-  while (done < nbytes) {
-    int64_t want = nbytes - done;
-    ssize_t k = pread(fd, p + done, want > (1 << 30) ? (1 << 30) : (size_t)want, offset + done);
-    if (k < 0 && errno == EINTR) continue;
-    if (k <= 0) {
-      close(fd);
-      return eng_err("%s: '%s' is truncated: reading %lld bytes at offset %lld", op, path, (long long)nbytes,
-                     (long long)offset);
-    }
-    done += k;
+  if (!path || !id) return eng_errp("%s: path and id are required", op);
+  if (algo != ENG_CHECKSUM_XXH64 && algo != ENG_CHECKSUM_FNV)
+    return eng_errp("%s: %s: unknown checksum algorithm %d", op, path, algo);
+  if (min_size < HEADER_BYTES) min_size = HEADER_BYTES;
+  int64_t size = 0;
+  int fd = open_checked(op, path, id, min_size, &size);
+  if (fd < 0) return NULL;
+  eng_ckpt_reader* r = calloc(1, sizeof *r);
+  char* name = malloc(strlen(path) + 1);
+  void* map = r && name ? mmap(NULL, (size_t)size, PROT_READ, MAP_SHARED, fd, 0) : MAP_FAILED;
+  if (map == MAP_FAILED) {
+    int e = errno;
+    close(fd);
+    free(r);
+    free(name);
+    return eng_errp("%s: cannot map '%s': %s", op, path, name ? strerror(e) : "out of memory");
   }
-  close(fd);
-  uint64_t got;
-  if (eng_tensor_checksum(out, &got) != 0) { eng_err_prefix("%s: %s", op, path); return -1; }
+  strcpy(name, path);
+  if (fstat(fd, &r->st) != 0) memset(&r->st, 0, sizeof r->st);
+  r->path = name;
+  r->algo = algo;
+  r->fd = fd;
+  r->size = size;
+  r->map = map;
+  return r;
+}
+
+static int in_file(const char* op, eng_ckpt_reader* r, int64_t offset, int64_t nbytes) {
+  if (offset < HEADER_BYTES || nbytes < 0 || offset > r->size || nbytes > r->size - offset)
+    return eng_err("%s: '%s' is truncated or the chunk is misplaced: %lld bytes at offset %lld, the file has %lld",
+                   op, r->path, (long long)nbytes, (long long)offset, (long long)r->size);
+  return 0;
+}
+
+int eng_ckpt_reader_verify(eng_ckpt_reader* r, int64_t offset, int64_t nbytes, uint64_t checksum) {
+  const char* op = "checkpoint.load";
+  if (!r) return eng_err("%s: reader is NULL", op);
+  if (in_file(op, r, offset, nbytes) != 0) return -1;
+  const char* p = r->map + offset;
+  /* start reading ahead the whole chunk (a cold file); page-cache hits cost nothing here */
+  int64_t pg = sysconf(_SC_PAGESIZE), a = offset / pg * pg;
+  madvise(r->map + a, (size_t)(offset + nbytes - a), MADV_WILLNEED);
+  uint64_t got = r->algo == ENG_CHECKSUM_XXH64 ? eng_xxh64(p, nbytes) : eng_checksum_fnv(p, nbytes);
   if (got != checksum)
     return eng_err("%s: '%s': the chunk at offset %lld (%lld bytes) fails its checksum (stored %016llx, computed "
-                   "%016llx): the file is corrupt", op, path, (long long)offset, (long long)nbytes,
+                   "%016llx): the file is corrupt", op, r->path, (long long)offset, (long long)nbytes,
                    (unsigned long long)checksum, (unsigned long long)got);
-  eng_bump_version(out);
   return 0;
+}
+
+int eng_ckpt_reader_copy(eng_ckpt_reader* r, int64_t offset, int dtype, int ndim, const int64_t* sizes,
+                         const int64_t* src_offsets, eng_tensor* out) {
+  const char* op = "checkpoint.load";
+  if (!r || !out || ndim < 0 || ndim > 8 || (ndim && !sizes)) return eng_err("%s: bad arguments to the reader", op);
+  ENG_CHECK_I(out, op);
+  if (out->dist) return eng_err("%s: %s is a DTensor: copy into its local shard", op, eng_desc(out));
+  int es = eng_dtype_size(dtype);
+  if (es <= 0) return -1;
+  if (out->ndim != ndim) return eng_err("%s: %s: the output %s has %d dims, the chunk %d", op, r->path, eng_desc(out),
+                                        out->ndim, ndim);
+  int64_t numel = 1;
+  for (int d = 0; d < ndim; d++) {
+    int64_t o = src_offsets ? src_offsets[d] : 0;
+    if (sizes[d] < 0 || o < 0 || out->shape[d] > sizes[d] - o)
+      return eng_err("%s: %s: the output %s does not fit in the chunk's box", op, r->path, eng_desc(out));
+    numel *= sizes[d];
+  }
+  if (in_file(op, r, offset, numel * es) != 0) return -1;
+  if (out->numel == 0) return 0;
+  /* a view of the chunk in the mapping (storage not owned), narrowed to the region */
+  int64_t stride[8], off = 0, st = 1;
+  for (int d = ndim - 1; d >= 0; d--) {
+    stride[d] = st;
+    off += (src_offsets ? src_offsets[d] : 0) * st;
+    st *= sizes[d];
+  }
+  eng_tensor* src;
+  if (offset % es == 0) {
+    src = eng_wrap_external(r->map + offset, numel * es, ndim, out->shape, stride, off, dtype);
+  } else { /* the chunk follows one of an odd byte count: to aligned memory first */
+    eng_tensor* whole = eng_new(ndim, sizes, dtype, ENG_CPU);
+    if (whole) memcpy(eng_ptr(whole), r->map + offset, (size_t)(numel * es));
+    src = whole ? eng_view_of(whole, ndim, out->shape, stride, off) : NULL;
+    eng_tensor_release(whole);
+  }
+  int rc = src ? eng_tensor_copy_(out, src) : -1;
+  eng_tensor_release(src);
+  if (rc != 0) { eng_err_prefix("%s: %s", op, r->path); return -1; }
+  return 0;
+}
+
+int eng_ckpt_reader_unchanged(eng_ckpt_reader* r) {
+  const char* op = "checkpoint.load";
+  if (!r) return eng_err("%s: reader is NULL", op);
+  struct stat now;
+  if (fstat(r->fd, &now) != 0) return eng_err("%s: cannot stat '%s': %s", op, r->path, strerror(errno));
+  if (now.st_size != r->st.st_size || now.st_mtim.tv_sec != r->st.st_mtim.tv_sec ||
+      now.st_mtim.tv_nsec != r->st.st_mtim.tv_nsec || now.st_ctim.tv_sec != r->st.st_ctim.tv_sec ||
+      now.st_ctim.tv_nsec != r->st.st_ctim.tv_nsec)
+    return eng_err("%s: '%s' was written to during the load", op, r->path);
+  return 0;
+}
+
+const char* eng_ckpt_reader_path(const eng_ckpt_reader* r) { return r ? r->path : NULL; }
+
+void eng_ckpt_reader_close(eng_ckpt_reader* r) {
+  if (!r) return;
+  if (r->map) munmap(r->map, (size_t)r->size);
+  if (r->fd >= 0) close(r->fd);
+  free(r->path);
+  free(r);
 }

@@ -67,6 +67,11 @@ eng_tensor* eng_new_pinned(int ndim, const int64_t* shape, int dtype);
 /* A view of base's storage with the given geometry (no autograd). */
 eng_tensor* eng_view_of(const eng_tensor* base, int ndim, const int64_t* shape,
                         const int64_t* stride, int64_t offset);
+/* A CPU tensor over memory the engine does not own (e.g. a mapped file); the
+ * caller keeps data alive while the tensor lives and never writes through a
+ * read-only mapping. */
+eng_tensor* eng_wrap_external(void* data, int64_t nbytes, int ndim, const int64_t* shape, const int64_t* stride,
+                              int64_t offset, int dtype);
 void eng_contiguous_strides(int ndim, const int64_t* shape, int64_t* stride);
 int64_t eng_shape_numel(int ndim, const int64_t* shape);
 /* Checked shape arithmetic: every product of sizes, strides and element

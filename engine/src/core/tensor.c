@@ -138,6 +138,26 @@ eng_tensor* eng_view_of(const eng_tensor* base, int ndim, const int64_t* shape,
   return t;
 }
 
+eng_tensor* eng_wrap_external(void* data, int64_t nbytes, int ndim, const int64_t* shape, const int64_t* stride,
+                              int64_t offset, int dtype) {
+  if (eng_numel_checked(ndim, shape, dtype, NULL, "view")) return NULL;
+  eng_storage* st = calloc(1, sizeof *st);
+  if (!st) return eng_errp("view: out of memory");
+  st->refcount = 1;
+  st->device = ENG_CPU;
+  st->external = 1;
+  st->data = data;
+  st->nbytes = nbytes;
+  eng_tensor base;
+  memset(&base, 0, sizeof base);
+  base.dtype = dtype;
+  base.device = ENG_CPU;
+  base.storage = st;
+  eng_tensor* t = eng_view_of(&base, ndim, shape, stride, offset);
+  eng_storage_release(st); /* the view holds it now (or it is freed) */
+  return t;
+}
+
 eng_tensor* eng_tensor_retain(eng_tensor* t) {
   if (t) __atomic_add_fetch(&t->refcount, 1, __ATOMIC_RELAXED);
   return t;

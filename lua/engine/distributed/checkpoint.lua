@@ -30,11 +30,11 @@
 -- every data file is present, carries the checkpoint's id and is long enough), matches the keys of
 -- `state` (missing keys on either side name them; strict = false skips them), then for each local
 -- shard reads the saved chunks that overlap it (resharding math of engine/src/dtensor/resharding.c)
--- and verifies each chunk's checksum; only when every rank succeeded (agreed) are the chunks read
--- again into the state (straight into the destination when a chunk is the whole local shard) and the
--- values set: a bad directory fails on every rank naming the file and loads nothing (a file changed between
--- the passes fails pass 2 on every rank too, agreed, saying the state is partly loaded).  So a checkpoint saved at any world size, mesh or placements
--- loads into any other.
+-- and verifies each chunk's checksum (XXH64, over the mapped file); only when every rank succeeded
+-- (agreed) are the chunks copied from the mapping into the state (the whole chunk or its overlapping
+-- region) and the values set: a bad directory fails on every rank naming the file and loads nothing (a
+-- file written in place between the passes fails pass 2 on every rank too, agreed, saying the state is
+-- partly loaded).  So a checkpoint saved at any world size, mesh or placements loads into any other.
 --
 -- Async save: the tensors are copied into staging buffers (one memory copy) and a C thread writes
 -- them; save returns a handle whose :wait() (collective) finishes the save (agreement, metadata).  A
@@ -44,10 +44,14 @@ local ffi, C = core.ffi, core.C
 
 local M = {}
 
-local FORMAT = "engine-dcp/1"
+-- engine-dcp/2: chunk checksums are XXH64 ("checksum" = "xxh64" in the metadata); engine-dcp/1 (FNV,
+-- engine.tensor_checksum's function) is still read.
+local FORMAT = "engine-dcp/2"
+M.FORMAT = FORMAT
 -- test hooks (specs only): _test.after_verify(dir) runs on this rank between a load's two passes
 M._test = {}
-M.FORMAT = FORMAT
+local CHECKSUMS = { ["engine-dcp/1"] = { fnv = C.ENG_CHECKSUM_FNV, default = "fnv" },
+  ["engine-dcp/2"] = { xxh64 = C.ENG_CHECKSUM_XXH64 } }
 local META = ".metadata"
 
 local function E() return require("engine") end
@@ -406,7 +410,7 @@ local function finish_save(h)
           c[#c + 1] = { file = r, offset = tonumber(off), nbytes = tonumber(nb), sum = sum, offs = offs, sizes = sizes }
         end
       end
-      local meta = { format = FORMAT, id = h.id, world_size = tostring(nranks()) }
+      local meta = { format = FORMAT, checksum = "xxh64", id = h.id, world_size = tostring(nranks()) }
       for key, info in pairs(h.tensors) do
         local parts = {}
         for i, c in ipairs(chunks[key] or {}) do
@@ -584,15 +588,69 @@ local function read_metadata(dir, op)
   f:close()
   local ok, _, meta = pcall(E().load, path)
   if not ok then error(string.format("%s: the metadata file '%s' is unreadable: %s", op, path, tostring(_)), 0) end
-  if meta.format ~= FORMAT then
-    error(string.format("%s: '%s' is not a distributed checkpoint's metadata (format %s, expected %s)", op, path,
-      tostring(meta.format), FORMAT), 0)
+  local algos = CHECKSUMS[meta.format]
+  if not algos then
+    error(string.format("%s: '%s' is not a distributed checkpoint's metadata this engine reads (format %s, " ..
+      "expected %s or engine-dcp/1)", op, path, tostring(meta.format), FORMAT), 0)
+  end
+  local algo = algos[meta.checksum or algos.default or ""]
+  if not algo then
+    error(string.format("%s: the metadata file '%s' (format %s) names an unknown checksum '%s'", op, path, meta.format,
+      tostring(meta.checksum)), 0)
   end
   local n = tonumber(meta.world_size)
   if not n or n < 1 or n % 1 ~= 0 or type(meta.id) ~= "string" or #meta.id > 55 then
     error(string.format("%s: the metadata file '%s' has a bad world_size or id", op, path), 0)
   end
-  return meta, n
+  return meta, n, algo
+end
+
+-- Readers of the data files (engine/src/checkpoint/files.c: mapped, checked, closed at the end of a load)
+local Readers = {}
+Readers.__index = Readers
+local function new_readers(dir, id, algo, need) return setmetatable({ dir = dir, id = id, algo = algo, need = need, open = {} }, Readers) end
+function Readers:get(file)
+  local r = self.open[file]
+  if r == nil then
+    r = C.eng_ckpt_reader_open(data_file(self.dir, file), self.id, self.need and self.need[file] or 0, self.algo)
+    if r == nil then error(core.last_error(), 0) end
+    r = ffi.gc(r, C.eng_ckpt_reader_close)
+    self.open[file] = r
+  end
+  return r
+end
+function Readers:verify(c)
+  if C.eng_ckpt_reader_verify(self:get(c.file), c.offset, c.nbytes, c.checksum) ~= 0 then error(core.last_error(), 0) end
+end
+-- copy from chunk c of entry e into dst: the region starting at src_off (0-based per dim; nil: the whole chunk)
+local i64s = ffi.typeof("int64_t[8]")
+function Readers:copy(e, c, src_off, dst)
+  local nd = #c.sizes
+  local sz, so = i64s(), nil
+  for d = 1, nd do sz[d - 1] = c.sizes[d] end
+  if src_off then
+    so = i64s()
+    for d = 1, nd do so[d - 1] = src_off[d] end
+  end
+  if C.eng_ckpt_reader_copy(self:get(c.file), c.offset, C.eng_dtype_from_name(e.dtype), nd, sz, so, dst._c) ~= 0 then
+    error(core.last_error(), 0)
+  end
+end
+-- after pass 2: every file unchanged since it was opened (else the error names the file and, when one
+-- fails it now, the chunk's checksum)
+function Readers:check_unchanged(verified)
+  for f, r in pairs(self.open) do
+    if C.eng_ckpt_reader_unchanged(r) ~= 0 then
+      local msg = core.last_error()
+      for _, c in pairs(verified) do
+        if c.file == f then self:verify(c) end
+      end
+      error(msg, 0)
+    end
+  end
+end
+function Readers:close()
+  for f, r in pairs(self.open) do C.eng_ckpt_reader_close(ffi.gc(r, nil)); self.open[f] = nil end
 end
 
 -- The parsed entry of key: {dtype, shape, chunks = {{file, offset, nbytes, checksum, offsets, sizes}}}
@@ -622,52 +680,13 @@ local function same_list(a, b)
   return true
 end
 
--- fill box.tensor-shaped staging from the chunks of entry e (those that overlap the box)
-local function read_box(dir, id, e, box, op)
-  local engine = E()
-  local staging = engine.empty(box.sizes, { dtype = e.dtype })
-  if numel_of(box.sizes) == 0 then return staging end
-  local nd = #box.sizes
-  local bo = ffi.new("int64_t[8]")
-  local bs = ffi.new("int64_t[8]")
-  for d = 1, nd do bo[d - 1] = box.offsets[d]; bs[d - 1] = box.sizes[d] end
-  local co, cs = ffi.new("int64_t[8]"), ffi.new("int64_t[8]")
-  local region = ffi.new("int64_t[32]")
-  for _, c in ipairs(e.chunks) do
-    for d = 1, nd do co[d - 1] = c.offsets[d]; cs[d - 1] = c.sizes[d] end
-    local hit = nd == 0 and 1 or C.eng_shard_boxes_overlap(nd, co, cs, bo, bs)
-    if hit < 0 then error(core.last_error(), 0) end
-    if hit == 1 then
-      local path = data_file(dir, c.file)
-      if nd == 0 or (same_list(c.offsets, box.offsets) and same_list(c.sizes, box.sizes)) then
-        if C.eng_ckpt_read_chunk(path, id, c.offset, c.nbytes, c.checksum, staging._c) ~= 0 then
-          error(core.last_error(), 0)
-        end
-      else
-        local buf = engine.empty(c.sizes, { dtype = e.dtype })
-        if C.eng_ckpt_read_chunk(path, id, c.offset, c.nbytes, c.checksum, buf._c) ~= 0 then
-          error(core.last_error(), 0)
-        end
-        if C.eng_shard_overlap_region(nd, co, cs, bo, bs, region) ~= 0 then error(core.last_error(), 0) end
-        local src, dst = buf, staging
-        for d = 0, nd - 1 do
-          local so, doff, len = tonumber(region[4 * d + 1]), tonumber(region[4 * d + 2]), tonumber(region[4 * d + 3])
-          src = src:narrow(d + 1, so + 1, len)
-          dst = dst:narrow(d + 1, doff + 1, len)
-        end
-        dst:copy_(src)
-      end
-    end
-  end
-  return staging
-end
-
--- The loader in two passes, so that nothing is written into the state before every rank has checked
--- every chunk it needs, without holding a second copy of the state: (1) each saved chunk that
--- overlaps a local box is read into a reusable scratch buffer and its checksum verified; (2) after the
--- ranks agreed, each overlap is read again (from the page cache) straight into the destination when
--- the chunk is the whole box, the dtypes agree and the destination is contiguous, else through the
--- scratch buffer and a copy of the overlapping region.
+-- The loader, so that nothing is written into the state before every rank has checked every chunk it
+-- needs, without a second copy of the state in memory and reading every byte once from the files:
+-- the data files are mapped (engine/src/checkpoint/files.c); (1) the checksum of each saved chunk that
+-- overlaps a local box is computed over the mapping (page cache, no copy); (2) after the ranks agreed,
+-- each overlap is copied from the mapping into the destination (the whole chunk, or the overlapping
+-- region of it: one strided copy, dtypes converted).  The mapping holds the inode checked in (1), so
+-- (2) copies the bytes that were verified.
 local function overlaps(e, box)
   local nd = #box.sizes
   local out = {}
@@ -695,49 +714,33 @@ local function overlaps(e, box)
   return out
 end
 
-local Scratch = {}
-Scratch.__index = Scratch
-local function new_scratch() return setmetatable({ bufs = {} }, Scratch) end
-function Scratch:get(dtype, sizes)
-  local n = math.max(numel_of(sizes), 1)
-  local b = self.bufs[dtype]
-  if not b or b:numel() < n then b = E().empty({ n }, { dtype = dtype }); self.bufs[dtype] = b end
-  return b:narrow(1, 1, numel_of(sizes)):view(sizes)
-end
-
-local function read_into(dir, id, c, t)
-  if C.eng_ckpt_read_chunk(data_file(dir, c.file), id, c.offset, c.nbytes, c.checksum, t._c) ~= 0 then
-    error(core.last_error(), 0)
-  end
-end
-
-local function fill(dir, id, e, dst, ov, scratch)
+-- copy the overlap ov of a saved chunk (entry e) into the local box tensor dst
+local function fill(readers, e, dst, ov)
   local c = ov.chunk
-  if ov.whole and dst.dtype == e.dtype and dst:is_contiguous() and dst.device == "cpu" then
-    read_into(dir, id, c, dst)
-    return
-  end
-  if not ov.whole then
-    -- a chunk that lies wholly inside the box, over a contiguous part of it (e.g. rows): read in place
-    local inside, d2 = true, dst
-    for d, r in ipairs(ov.region) do
-      if r[1] ~= 0 or r[3] ~= c.sizes[d] then inside = false end
-      d2 = d2:narrow(d, r[2] + 1, r[3])
-    end
-    if inside and dst.dtype == e.dtype and dst.device == "cpu" and d2:is_contiguous() then
-      read_into(dir, id, c, d2)
-      return
-    end
-  end
-  local buf = scratch:get(e.dtype, c.sizes)
-  read_into(dir, id, c, buf)
-  if ov.whole then dst:copy_(buf); return end
-  local src, d2 = buf, dst
+  if ov.whole then readers:copy(e, c, nil, dst); return end
+  local src_off, d2 = {}, dst
   for d, r in ipairs(ov.region) do
-    src = src:narrow(d, r[1] + 1, r[3])
+    src_off[d] = r[1]
     d2 = d2:narrow(d, r[2] + 1, r[3])
   end
-  d2:copy_(src)
+  readers:copy(e, c, src_off, d2)
+end
+
+-- a new tensor of box (offsets, sizes) of entry e from its chunks (each overlapping chunk verified)
+local function read_box(dir, id, algo, e, box)
+  local staging = E().empty(box.sizes, { dtype = e.dtype })
+  if numel_of(box.sizes) == 0 then return staging end
+  local readers = new_readers(dir, id, algo, nil)
+  local ok, err = pcall(function()
+    local ovs = overlaps(e, box)
+    for _, ov in ipairs(ovs) do readers:verify(ov.chunk) end
+    E().no_grad(function()
+      for _, ov in ipairs(ovs) do fill(readers, e, staging, ov) end
+    end)
+  end)
+  readers:close()
+  if not ok then error(err, 0) end
+  return staging
 end
 
 -- load(state, dir, {strict = true}) -> state (filled in place; values replaced).  Collective.
@@ -748,12 +751,12 @@ function M.load(state, dir, opts)
   local strict = opts.strict ~= false
   wait_pending()
   local rank = myrank()
-  local meta, n_files, id
+  local meta, n_files, id, algo
   local stage = {}   -- {dst = local tensor, e = entry, ov = overlap}: pass 2
-  local scratch, verified = new_scratch(), {}
+  local readers, verified
   local sets = {}    -- {item, value}
   local ok, err = pcall(function()
-    meta, n_files = read_metadata(dir, op)
+    meta, n_files, algo = read_metadata(dir, op)
     id = meta.id
     -- every data file present, of this checkpoint, long enough for its chunks
     local items, keys = flatten(state, op)
@@ -769,6 +772,7 @@ function M.load(state, dir, opts)
     for r = 0, n_files - 1 do
       if C.eng_ckpt_file_check(data_file(dir, r), id, need[r] or 0) ~= 0 then error(core.last_error(), 0) end
     end
+    readers, verified = new_readers(dir, id, algo, need), {}
     -- keys on both sides
     local missing, unexpected = {}, {}
     for _, key in ipairs(keys) do
@@ -803,9 +807,9 @@ function M.load(state, dir, opts)
           for _, ov in ipairs(overlaps(e, b)) do
             local c = ov.chunk
             local ck = c.file .. ":" .. tostring(c.offset)
-            if not verified[ck] then            -- pass 1: every needed chunk read and checksummed once
-              read_into(dir, id, c, scratch:get(e.dtype, c.sizes))
-              verified[ck] = true
+            if not verified[ck] then            -- pass 1: every needed chunk checksummed once
+              readers:verify(c)
+              verified[ck] = c
             end
             stage[#stage + 1] = { dst = b.tensor, e = e, ov = ov }
           end
@@ -816,17 +820,21 @@ function M.load(state, dir, opts)
     end
   end)
   -- nothing is changed unless every rank read everything
+  if not ok and readers then readers:close() end
   agree(not ok and tostring(err) or nil, op, str_hash(meta and meta.id or ""))
   if M._test.after_verify then M._test.after_verify(dir) end
-  -- pass 2 can still fail if a file changed or vanished since pass 1: the ranks agree on its outcome too, so
-  -- every rank raises (saying the state is partly loaded; the values are not set) instead of one rank stopping
-  -- half-filled while the others go on to their next collective
-  local ok2, err2
-  E().no_grad(function()
-    ok2, err2 = pcall(function()
-      for _, s in ipairs(stage) do fill(dir, id, s.e, s.dst, s.ov, scratch) end
+  -- pass 2 copies without checksumming again; a data file written in place since pass 1 (its mtime,
+  -- ctime or size changed; a replaced file is no concern: the mapping holds the verified inode) fails
+  -- the load, naming the chunk whose checksum no longer holds.  The ranks agree on the outcome, so
+  -- every rank raises (saying the state is partly loaded; the values are not set) instead of one rank
+  -- stopping half-filled while the others go on to their next collective.
+  local ok2, err2 = pcall(function()
+    E().no_grad(function()
+      for _, s in ipairs(stage) do fill(readers, s.e, s.dst, s.ov) end
     end)
+    readers:check_unchanged(verified)
   end)
+  if readers then readers:close() end
   agree(not ok2 and string.format("%s: '%s' changed during the load, after its chunks were verified (the tensors of "
     .. "the state are partly loaded): %s", op, dir, tostring(err2)) or nil, op, str_hash(id))
   for _, s in ipairs(sets) do s.it.parent[s.it.pkey] = s.value end
@@ -855,13 +863,13 @@ end
 
 function M.read_tensor(dir, key)
   local op = "checkpoint.read_tensor"
-  local meta, n = read_metadata(dir, op)
+  local meta, n, algo = read_metadata(dir, op)
   local text = meta["t:" .. key]
   if not text then error(string.format("%s: '%s' has no tensor '%s'", op, dir, tostring(key)), 2) end
   local e = parse_entry(text, n, key, op)
   local off = {}
   for d = 1, #e.shape do off[d] = 0 end
-  return read_box(dir, meta.id, e, { offsets = off, sizes = e.shape }, op)
+  return read_box(dir, meta.id, algo, e, { offsets = off, sizes = e.shape })
 end
 
 -- load_safetensors(path, state, {strict = true}) (engine.load_safetensors): fills the tensors of
