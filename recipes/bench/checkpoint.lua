@@ -1,6 +1,6 @@
 -- recipes/bench/checkpoint.lua: distributed checkpoint throughput (issue 16, Performance).
 --
---   mpirun -np 4 build/engine recipes/bench/checkpoint.lua [--mib=1024] [--dir=/tmp/ckpt_bench] [--reps=3]
+--   mpirun -np 4 build/engine recipes/bench/checkpoint.lua [--mib=1024] [--dir=/tmp/ckpt_bench] [--reps=3] [--cold=0]
 --
 -- State: --mib MiB of f32 in 8 DTensors sharded Shard(1) over all ranks (each rank holds mib/ranks).
 -- Medians of --reps, rank 0 prints:
@@ -8,7 +8,12 @@
 --            `dd bs=1M conv=fsync` of the same bytes (every rank its share, at the same time) to the same
 --            directory
 --   load     dist.checkpoint.load into the same layout, beside `dd` reading the same files back (both
---            mostly from the page cache right after writing: the numbers compare the software paths)
+--            mostly from the page cache right after writing: the numbers compare the software paths);
+--            --cold=1 first drops each rank's data file and dd file from the page cache
+--            (posix_fadvise DONTNEED: clean pages of these files only), so both read the disk
+--   read     each rank's data file read (pread, no checksum) into memory of the size of its shards:
+--            the least a load into the state does (dd reads into one 1 MiB buffer that stays in the
+--            cache; a load writes every byte to the state's memory)
 --   reshard  the 4-rank checkpoint loaded on a 2-rank sub-mesh (Shard(1) there), against a same-layout
 --            load of the same bytes per rank (a checkpoint saved on that sub-mesh, loaded there; the ranks
 --            outside the sub-mesh load nothing; the time is the slowest rank's)
@@ -18,10 +23,10 @@ local engine = require("engine")
 local dist = engine.distributed
 local ckpt = dist.checkpoint
 
-local o = { mib = 1024, dir = (os.getenv("TMPDIR") or "/tmp") .. "/ckpt_bench", reps = 3 }
+local o = { mib = 1024, dir = (os.getenv("TMPDIR") or "/tmp") .. "/ckpt_bench", reps = 3, cold = 0 }
 for _, a in ipairs(arg or {}) do
   local k, v = a:match("^%-%-([%w_]+)=(.*)$")
-  if not k or o[k] == nil then error("bench/checkpoint: bad argument " .. a .. " (--mib, --dir, --reps)", 0) end
+  if not k or o[k] == nil then error("bench/checkpoint: bad argument " .. a .. " (--mib, --dir, --reps, --cold)", 0) end
   o[k] = type(o[k]) == "number" and assert(tonumber(v), a) or v
 end
 
@@ -44,6 +49,32 @@ local function timed(fn)
   return dt:item()
 end
 
+local ffi = require("ffi")
+pcall(ffi.cdef, [[
+int open(const char* path, int flags, ...);
+int close(int fd);
+int posix_fadvise(int fd, int64_t offset, int64_t len, int advice);
+int64_t pread(int fd, void* buf, size_t n, int64_t offset);
+]])
+-- drop a file's clean pages from the page cache (--cold=1)
+local function evict(path)
+  if o.cold == 0 then return end
+  local fd = ffi.C.open(path, 0)
+  if fd >= 0 then ffi.C.posix_fadvise(fd, 0, 0, 4); ffi.C.close(fd) end
+end
+-- pread the whole file into buf (a tensor of at least its size)
+local function read_file(path, buf)
+  local fd = ffi.C.open(path, 0)
+  assert(fd >= 0, path)
+  local p, cap, off = ffi.cast("char*", buf:data_ptr()), buf:numel() * 4, 0
+  while off < cap do
+    local k = ffi.C.pread(fd, p + off, math.min(cap - off, 2 ^ 30), off)
+    if k <= 0 then break end
+    off = off + tonumber(k)
+  end
+  ffi.C.close(fd)
+end
+
 local N_T = 8
 local cols = 1024
 local rows = math.floor(o.mib * 2 ^ 20 / 4 / N_T / cols)
@@ -59,8 +90,8 @@ for i = 1, N_T do st["w" .. i] = dist.rand({ rows, cols }, { mesh = mesh, placem
 local local_bytes = 0
 for i = 1, N_T do local_bytes = local_bytes + st["w" .. i]:to_local():numel() * 4 end
 
-log("bench/checkpoint: %d ranks, state %.0f MiB (%d x f32[%d,%d] Shard(1)), %.0f MiB per rank, dir %s, medians of %d",
-  W, bytes / 2 ^ 20, N_T, rows, cols, local_bytes / 2 ^ 20, o.dir, o.reps)
+log("bench/checkpoint: %d ranks, state %.0f MiB (%d x f32[%d,%d] Shard(1)), %.0f MiB per rank, dir %s, medians of %d%s",
+  W, bytes / 2 ^ 20, N_T, rows, cols, local_bytes / 2 ^ 20, o.dir, o.reps, o.cold ~= 0 and ", cold reads" or "")
 if R == 0 then os.execute("rm -rf '" .. o.dir .. "' && mkdir -p '" .. o.dir .. "'") end
 dist.barrier()
 
@@ -68,13 +99,20 @@ local dir = o.dir .. "/ck"
 local ddfile = string.format("%s/dd_%d.bin", o.dir, R)
 local mb = math.max(1, math.floor(local_bytes / 2 ^ 20 + 0.5))
 local save_t, dd_w, load_t, dd_r, resh_t, same_t, async_block, async_total, memcpy_t = {}, {}, {}, {}, {}, {}, {}, {}, {}
+local read_t = {}
+local my_file = ckpt.data_file(dir, R)
+local read_buf = engine.zeros({ local_bytes / 4 + 16 })
 for rep = 1, o.reps do
   save_t[rep] = timed(function() ckpt.save(st, dir) end)
   dd_w[rep] = timed(function()
     os.execute(string.format("dd if=/dev/zero of='%s' bs=1M count=%d conv=fsync status=none", ddfile, mb))
   end)
   local back = state(mesh, { dist.Shard(1) })
+  evict(my_file)
   load_t[rep] = timed(function() ckpt.load(back, dir) end)
+  evict(my_file)
+  read_t[rep] = timed(function() read_file(my_file, read_buf) end)
+  evict(ddfile)
   dd_r[rep] = timed(function()
     os.execute(string.format("dd if='%s' of=/dev/null bs=1M status=none", ddfile))
   end)
@@ -107,6 +145,8 @@ log("save     %.3f s  %.2f GB/s   | dd conv=fsync %.3f s  %.2f GB/s   | ratio %.
   median(dd_w), gbs(median(dd_w)), median(dd_w) / median(save_t))
 log("load     %.3f s  %.2f GB/s   | dd read       %.3f s  %.2f GB/s   | ratio %.2f", median(load_t), gbs(median(load_t)),
   median(dd_r), gbs(median(dd_r)), median(dd_r) / median(load_t))
+log("read     %.3f s  %.2f GB/s   | pread of each rank's data file into memory, no checksum | the load at %.2fx of it",
+  median(read_t), gbs(median(read_t)), median(read_t) / median(load_t))
 log("reshard  %d -> %d ranks %.3f s  %.2f GB/s | same-layout load on the %d ranks %.3f s | ratio %.2f", W,
   math.max(1, math.floor(W / 2)), median(resh_t), gbs(median(resh_t)), math.max(1, math.floor(W / 2)), median(same_t),
   median(resh_t) / median(same_t))

@@ -246,6 +246,31 @@ describe("engine.load_safetensors and checkpoint reads (" .. W .. " ranks)", fun
     e = errmsg(ckpt.load, { w = engine.zeros({ 6, 5 }) }, dir)
     assert.is_truthy(e:find("format engine-dcp/9", 1, true) and e:find(".metadata", 1, true), e)
   end)
+
+  it("a second save into the same directory replaces the first; a reader of the old files keeps them", function()
+    local ffi = require("ffi")
+    local C = require("engine.core").C
+    local dir = newdir()
+    local a, b = reference({ 8, 4 }, 31), reference({ 8, 4 }, 37)
+    ckpt.save({ w = dist.distribute_tensor(a, world_mesh, { Shard(2) }) }, dir)
+    local _, meta = engine.load(dir .. "/.metadata")
+    local mine
+    for _, c in ipairs(ckpt._parse_entry(meta["t:w"], W, "w", "spec").chunks) do
+      if c.file == R then mine = c end
+    end
+    assert.is_truthy(mine)
+    local r = ffi.gc(C.eng_ckpt_reader_open(ckpt.data_file(dir, R), meta.id, 0, C.ENG_CHECKSUM_XXH64),
+      C.eng_ckpt_reader_close)
+    assert.is_truthy(r ~= nil)
+    ckpt.save({ w = dist.distribute_tensor(b, world_mesh, { Shard(2) }) }, dir)
+    -- the old file, deleted and replaced, is intact and unchanged for its reader
+    assert.equal(0, C.eng_ckpt_reader_verify(r, mine.offset, mine.nbytes, mine.checksum))
+    assert.equal(0, C.eng_ckpt_reader_unchanged(r))
+    C.eng_ckpt_reader_close(ffi.gc(r, nil))
+    local back = { w = dist.zeros({ 8, 4 }, { mesh = world_mesh, placements = { Replicate() } }) }
+    ckpt.load(back, dir)
+    assert.equal(0, diff(back.w:full_tensor(), b))
+  end)
 end)
 
 describe("dist.checkpoint state (" .. W .. " ranks)", function()

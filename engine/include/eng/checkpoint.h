@@ -52,8 +52,9 @@ int eng_ckpt_reader_verify(eng_ckpt_reader* r, int64_t offset, int64_t nbytes, u
  * chunk first. */
 int eng_ckpt_reader_copy(eng_ckpt_reader* r, int64_t offset, int dtype, int ndim, const int64_t* sizes,
                          const int64_t* src_offsets, eng_tensor* out);
-/* 0 when the file is as it was at open (size, mtime, ctime), else -1 with an
- * error naming it: after copying, a write in place since the open is caught. */
+/* 0 when the file's bytes are as they were at open (size, mtime), else -1
+ * with an error naming it: after copying, a write in place since the open is
+ * caught (a later save deleting or renaming over the file is not a change). */
 int eng_ckpt_reader_unchanged(eng_ckpt_reader* r);
 const char* eng_ckpt_reader_path(const eng_ckpt_reader* r);
 void eng_ckpt_reader_close(eng_ckpt_reader* r);

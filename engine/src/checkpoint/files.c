@@ -320,7 +320,7 @@ struct eng_ckpt_reader {
   int fd;
   int64_t size;
   char* map;
-  struct stat st; /* at open: a write in place since changes mtime, ctime or size */
+  struct stat st; /* at open: a write in place since changes mtime or size */
 };
 
 eng_ckpt_reader* eng_ckpt_reader_open(const char* path, const char* id, int64_t min_size, int algo) {
@@ -421,9 +421,9 @@ int eng_ckpt_reader_unchanged(eng_ckpt_reader* r) {
   if (!r) return eng_err("%s: reader is NULL", op);
   struct stat now;
   if (fstat(r->fd, &now) != 0) return eng_err("%s: cannot stat '%s': %s", op, r->path, strerror(errno));
+  /* not ctime: unlinking or renaming over the file (a later save) changes it, not the bytes */
   if (now.st_size != r->st.st_size || now.st_mtim.tv_sec != r->st.st_mtim.tv_sec ||
-      now.st_mtim.tv_nsec != r->st.st_mtim.tv_nsec || now.st_ctim.tv_sec != r->st.st_ctim.tv_sec ||
-      now.st_ctim.tv_nsec != r->st.st_ctim.tv_nsec)
+      now.st_mtim.tv_nsec != r->st.st_mtim.tv_nsec)
     return eng_err("%s: '%s' was written to during the load", op, r->path);
   return 0;
 }
