@@ -14,6 +14,8 @@
 --   read     each rank's data file read (pread, no checksum) into memory of the size of its shards:
 --            the least a load into the state does (dd reads into one 1 MiB buffer that stays in the
 --            cache; a load writes every byte to the state's memory)
+--   checksum XXH64 (the chunks' checksum) and the FNV of engine.tensor_checksum (format engine-dcp/1)
+--            over the local shards, every rank at once, in GB/s of the state
 --   reshard  the 4-rank checkpoint loaded on a 2-rank sub-mesh (Shard(1) there), against a same-layout
 --            load of the same bytes per rank (a checkpoint saved on that sub-mesh, loaded there; the ranks
 --            outside the sub-mesh load nothing; the time is the slowest rank's)
@@ -99,7 +101,8 @@ local dir = o.dir .. "/ck"
 local ddfile = string.format("%s/dd_%d.bin", o.dir, R)
 local mb = math.max(1, math.floor(local_bytes / 2 ^ 20 + 0.5))
 local save_t, dd_w, load_t, dd_r, resh_t, same_t, async_block, async_total, memcpy_t = {}, {}, {}, {}, {}, {}, {}, {}, {}
-local read_t = {}
+local read_t, xxh_t, fnv_t = {}, {}, {}
+local C = require("engine.core").C
 local my_file = ckpt.data_file(dir, R)
 local read_buf = engine.zeros({ local_bytes / 4 + 16 })
 for rep = 1, o.reps do
@@ -112,6 +115,18 @@ for rep = 1, o.reps do
   load_t[rep] = timed(function() ckpt.load(back, dir) end)
   evict(my_file)
   read_t[rep] = timed(function() read_file(my_file, read_buf) end)
+  xxh_t[rep] = timed(function()
+    for i = 1, N_T do
+      local l = st["w" .. i]:to_local():contiguous()
+      C.eng_xxh64(ffi.cast("const void*", l:data_ptr()), l:numel() * 4)
+    end
+  end)
+  fnv_t[rep] = timed(function()
+    for i = 1, N_T do
+      local l = st["w" .. i]:to_local():contiguous()
+      C.eng_checksum_fnv(ffi.cast("const void*", l:data_ptr()), l:numel() * 4)
+    end
+  end)
   evict(ddfile)
   dd_r[rep] = timed(function()
     os.execute(string.format("dd if='%s' of=/dev/null bs=1M status=none", ddfile))
@@ -147,6 +162,8 @@ log("load     %.3f s  %.2f GB/s   | dd read       %.3f s  %.2f GB/s   | ratio %.
   median(dd_r), gbs(median(dd_r)), median(dd_r) / median(load_t))
 log("read     %.3f s  %.2f GB/s   | pread of each rank's data file into memory, no checksum | the load at %.2fx of it",
   median(read_t), gbs(median(read_t)), median(read_t) / median(load_t))
+log("checksum XXH64 %.3f s  %.2f GB/s | FNV (engine-dcp/1) %.3f s  %.2f GB/s", median(xxh_t), gbs(median(xxh_t)),
+  median(fnv_t), gbs(median(fnv_t)))
 log("reshard  %d -> %d ranks %.3f s  %.2f GB/s | same-layout load on the %d ranks %.3f s | ratio %.2f", W,
   math.max(1, math.floor(W / 2)), median(resh_t), gbs(median(resh_t)), math.max(1, math.floor(W / 2)), median(same_t),
   median(resh_t) / median(same_t))

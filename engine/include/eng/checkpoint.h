@@ -19,7 +19,9 @@ eng_ckpt_writer* eng_ckpt_writer_open(const char* path, const char* id);
  * buffer (t may change afterwards: async saves); copy = 0: t (or a contiguous
  * copy) is retained and written by start/finish, so t must not change before. */
 int64_t eng_ckpt_writer_add(eng_ckpt_writer* w, eng_tensor* t, int copy);
-/* Begins writing the queued chunks: in a new thread when async, else now. */
+/* Begins writing the queued chunks: in a new thread when async, else now.
+ * A file already at path is deleted first (the caller has voided its
+ * checkpoint). */
 int eng_ckpt_writer_start(eng_ckpt_writer* w, int async);
 /* Waits for the writes, fsyncs, renames to the final name and fsyncs the
  * directory.  0, or -1 with an error naming the file (the temporary file is

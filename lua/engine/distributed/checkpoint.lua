@@ -534,13 +534,10 @@ function M.save(state, dir, opts)
     end
     h.plan = kept
   end
-  -- the previous checkpoint in dir stops being one before its files are replaced; then each rank
-  -- deletes its old data file before writing the new one (a reader that has it open keeps it): the
-  -- disk holds one copy, not two, and the new file may reuse the freed space (writing into space the
-  -- old file still held was 2-4x slower on the VM's thin-provisioned disk, dd alike)
+  -- the previous checkpoint in dir stops being one before its files are replaced (the writer then
+  -- deletes each rank's old data file first, in its thread)
   if rank == 0 then os.remove(dir .. "/" .. META) end
   if nranks() > 1 then D().barrier() end
-  os.remove(data_file(dir, rank))
   local w = C.eng_ckpt_writer_open(data_file(dir, rank), h.id)
   if w == nil then
     h.err = core.last_error()
