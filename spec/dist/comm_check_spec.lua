@@ -68,6 +68,13 @@ describe("collective signatures (always on)", function()
     still_usable()
   end)
 
+  it("a gather dst mismatch is an error on every rank", function()
+    multi()
+    local err = fails(function() dist.gather(engine.ones(2), R == 0 and engine.empty(2 * W) or nil, R == 0 and 0 or 1) end)
+    assert.matches("gather f32%[2%] root=0; ranks? 1[%d,]*: #%d+ gather f32%[2%] root=1", err)
+    still_usable()
+  end)
+
   it("dtype and shape mismatches are errors, async ones at issue", function()
     multi()
     local err = fails(function() dist.all_gather(engine.ones(2, { dtype = R == 0 and "f32" or "bf16" })) end)

@@ -518,6 +518,102 @@ describe("scatter", function()
   end)
 end)
 
+describe("gather", function()
+  for _, dt in ipairs(DTYPES) do
+    it(dt .. ": the last rank gets every rank's input in rank order, the others nil", function()
+      local dst = W - 1
+      local function row(r) local l = {} for i = 0, 5 do l[#l + 1] = dt == "bool" and ((r + i) % 2) or (10 * r + i) % 100 end return l end
+      local c0 = dist.comm_count("gather")
+      local g = dist.gather(mk(row(R), dt, { 2, 3 }), nil, dst)
+      assert.equal(c0 + 1, dist.comm_count("gather"))
+      if R == dst then
+        local want = {}
+        for r = 0, W - 1 do for _, v in ipairs(row(r)) do want[#want + 1] = v end end
+        assert.same({ 2 * W, 3 }, g:shape())
+        assert.equal(dt, g.dtype)
+        assert.same(want, flat(g))
+      else
+        assert.is_nil(g)
+      end
+    end)
+  end
+
+  it("uneven sizes (opts.sizes, gatherv): rank r sends r rows into dst's out; non-dst ranks allocate nothing", function()
+    local sizes, total = {}, 0
+    for r = 0, W - 1 do sizes[r + 1] = r; total = total + r end
+    local t = engine.full({ R, 3 }, R + 0.5, { dtype = "f64" })
+    local out = R == 0 and engine.zeros(total, 3, { dtype = "f64" }) or nil
+    engine.reset_peak_memory()
+    local before = engine.memory_stats()
+    local g = dist.gather(t, out, 0, { sizes = sizes })
+    local after = engine.memory_stats()
+    if R == 0 then
+      assert.equal(out, g)
+      local want = {}
+      for r = 0, W - 1 do for _ = 1, 3 * r do want[#want + 1] = r + 0.5 end end
+      assert.same(want, flat(g))
+    else
+      assert.is_nil(g)
+      assert.equal(before.allocated, after.peak_allocated)
+    end
+    -- a new output on dst when none is given; empty inputs everywhere
+    g = dist.gather(engine.zeros(0, 2), nil, 0, { sizes = (function() local z = {} for i = 1, W do z[i] = 0 end return z end)() })
+    if R == 0 then assert.same({ 0, 2 }, g:shape()) end
+  end)
+
+  it("gather_list (as torch.distributed.gather), group_dst, 0-d inputs", function()
+    local list
+    if R == 0 then list = {} for i = 1, W do list[i] = engine.zeros(2, { dtype = "i64" }) end end
+    local r = dist.gather(engine.tensor({ R, -R }, "i64"), list, 0)
+    if R == 0 then
+      assert.equal(list, r)
+      for i = 1, W do assert.same({ i - 1, 1 - i }, flat(list[i])) end
+    else assert.is_nil(r) end
+    local g = dist.gather(engine.tensor(R + 1, "f32"), nil, nil, { group_dst = W - 1 })
+    if R == W - 1 then assert.same(range(W + 1), { 0, unpack(flat(g)) }) end
+  end)
+
+  it("async and non-contiguous input and output", function()
+    local base = engine.arange(2 * 3, { dtype = "f32" }):view(2, 3) + 100 * R
+    local outb = R == 0 and engine.zeros(2, 3 * W) or nil
+    local w = dist.gather(base:t(), outb and outb:t() or nil, 0, { async = true })
+    local g = w:wait()
+    if R == 0 then
+      assert.equal(0, (g - outb:t()):abs():sum():item())
+      for r = 0, W - 1 do
+        local want = (engine.arange(6, { dtype = "f32" }):view(2, 3) + 100 * r):t()
+        assert.equal(0, (outb:narrow(2, 3 * r + 1, 3):t() - want):abs():sum():item())
+      end
+    else
+      assert.is_nil(g)
+    end
+  end)
+
+  it("errors on every rank: dst's output, sizes that disagree or do not match the input", function()
+    local ok, err = pcall(dist.gather, engine.zeros(2), R == 0 and engine.zeros(3) or nil, 0)
+    assert.is_false(ok)
+    assert.matches("gather: .*output f32%[3%] on the destination does not match input f32%[2%]", err)
+    ok, err = pcall(dist.gather, engine.zeros(2), nil, W)
+    assert.is_false(ok)
+    assert.matches("gather: dst: global rank " .. W .. " is not part of group world", err)
+    if W > 1 then
+      local sizes = {}
+      for i = 1, W do sizes[i] = 1 end
+      sizes[1] = R == W - 1 and 2 or 1
+      ok, err = pcall(dist.gather, engine.zeros(sizes[R + 1], 2), nil, 0, { sizes = sizes })
+      assert.is_false(ok)
+      assert.matches("gather: collective mismatch on group world", err)
+      sizes[1] = 1
+      ok, err = pcall(dist.gather, engine.zeros(R == W - 1 and 2 or 1, 2), nil, 0, { sizes = sizes })
+      assert.is_false(ok)
+      assert.matches("input f32%[2,2%] has 2 rows, but sizes%[" .. W .. "%] %(this rank's%) says 1", err)
+    end
+    -- the group is still usable
+    local g = dist.gather(engine.ones(1), nil, 0)
+    if R == 0 then assert.same({ W }, g:shape()) end
+  end)
+end)
+
 describe("barrier", function()
   it("sync and async", function()
     dist.barrier()

@@ -55,7 +55,7 @@ typedef enum eng_reduce_op {
 typedef enum eng_coll_kind {
   ENG_COLL_ALL_REDUCE = 0, ENG_COLL_ALL_GATHER = 1, ENG_COLL_REDUCE_SCATTER = 2,
   ENG_COLL_ALL_TO_ALL = 3, ENG_COLL_BROADCAST = 4, ENG_COLL_SCATTER = 5,
-  ENG_COLL_BARRIER = 6, ENG_NUM_COLL_KINDS = 7
+  ENG_COLL_BARRIER = 6, ENG_COLL_GATHER = 7, ENG_NUM_COLL_KINDS = 8
 } eng_coll_kind;
 
 /* "sum", "avg", ... (borrowed; NULL for an invalid code) and back (-1 and an
@@ -122,6 +122,16 @@ int eng_pg_broadcast(eng_pg* pg, eng_tensor* t, int root, eng_work** work);
 /* out [c, d1, ...] on every member receives chunk (group rank) of root's
  * in [size*c, d1, ...]; in is ignored (may be NULL) on the other ranks. */
 int eng_pg_scatter(eng_pg* pg, eng_tensor* out, eng_tensor* in, int root, eng_work** work);
+/* The converse (MPI_Gather): in [c, d1, ...] on every member (the same shape
+ * everywhere, checked by the signature); out [size*c, d1, ...] on root receives
+ * the members' inputs concatenated along dim 0 in group-rank order.  out is
+ * ignored (may be NULL) on the other ranks, which allocate nothing beyond
+ * their own input (a non-contiguous input is staged once). */
+int eng_pg_gather(eng_pg* pg, eng_tensor* out, eng_tensor* in, int root, eng_work** work);
+/* The same with inputs that differ in dim 0 (MPI_Gatherv): sizes[i] is the
+ * dim-0 length of group rank i's input (size entries, the same list on every
+ * member, part of the signature), out on root is [sum of sizes, d1, ...]. */
+int eng_pg_gatherv(eng_pg* pg, eng_tensor* out, eng_tensor* in, const int64_t* sizes, int root, eng_work** work);
 int eng_pg_barrier(eng_pg* pg, eng_work** work);
 /* For checks made outside C (e.g. by the Lua layer) on a collective of
  * kind `kind` about to be issued on pg: sets msg as the error and returns -1.
@@ -142,8 +152,9 @@ int eng_pg_agree(eng_pg* pg, int local_err, uint64_t key, const char* op);
 /* The bare MPI collective on raw contiguous CPU buffers, for benchmarks that
  * compare against the checked path above: no staging, no counters, no
  * recorder, no debug checks; blocking.  count: elements (all_reduce,
- * broadcast), per rank (all_gather send, reduce_scatter receive, scatter
- * receive) or per peer (all_to_all).  send NULL means in place (all_reduce).
+ * broadcast), per rank (all_gather and gather send, reduce_scatter receive,
+ * scatter receive) or per peer (all_to_all); recv of a gather is read only on
+ * root.  send NULL means in place (all_reduce).
  * dtype: f32, f64, i32, i64, u8 (sum/max/min/prod; no avg). */
 int eng_pg_raw_collective(eng_pg* pg, int kind, const void* send, void* recv, int64_t count,
                           int dtype, int op, int root);
@@ -199,7 +210,7 @@ int eng_pg_single_copy_usable(eng_pg* pg);
  * whichever side holds it in fewer pieces), with no pack, padding or unpack.
  * Destination boxes must not overlap.  Collective on the members of pg,
  * counted as one collective of `kind` (ENG_COLL_ALL_TO_ALL for a reshard,
- * ALL_GATHER for a gather, SCATTER for a scatter; bytes: the boxes this rank
+ * GATHER for a gather to one rank, SCATTER for a scatter; bytes: the boxes this rank
  * sends).  Returns 0
  * done; 1 declined, the same on every member (single copy not usable on pg,
  * see eng_pg_single_copy_usable; a tensor not on the CPU; a strided run of a

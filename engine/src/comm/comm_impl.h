@@ -26,7 +26,7 @@ struct eng_pg {
 };
 
 /* One collective on raw contiguous buffers, as handed to a backend.
- * count: all_reduce/broadcast: elements; all_gather: elements sent per rank;
+ * count: all_reduce/broadcast: elements; all_gather, gather: elements sent per rank;
  * reduce_scatter/scatter: elements received per rank; all_to_all: elements
  * per peer.  send == recv (or send NULL) means in place.  op is already
  * mapped for bool (sum -> max, prod -> min); avg reaches the MPI backend as
@@ -36,6 +36,10 @@ typedef struct comm_args {
   const void* send;
   void* recv;
   int64_t count;
+  /* gather with per-rank sizes (root only; NULL: count from every rank):
+   * elements received from group rank i and their offset in recv */
+  const int* vcounts;
+  const int* vdispls;
 } comm_args;
 
 /* Backend: MPI (comm/mpi.c).  req NULL: blocking. */

@@ -134,6 +134,14 @@ int comm_mpi_issue(eng_pg* pg, const comm_args* a, MPI_Request* req) {
       rc = req ? MPI_Iscatter(send, n, dt, a->recv, n, dt, a->root, c, req)
                : MPI_Scatter(send, n, dt, a->recv, n, dt, a->root, c);
       break;
+    case ENG_COLL_GATHER:
+      if (a->vcounts) /* per-rank sizes: set on every rank (MPI reads them on the root) */
+        rc = req ? MPI_Igatherv(send, n, dt, a->recv, a->vcounts, a->vdispls, dt, a->root, c, req)
+                 : MPI_Gatherv(send, n, dt, a->recv, a->vcounts, a->vdispls, dt, a->root, c);
+      else
+        rc = req ? MPI_Igather(send, n, dt, a->recv, n, dt, a->root, c, req)
+                 : MPI_Gather(send, n, dt, a->recv, n, dt, a->root, c);
+      break;
     case ENG_COLL_BARRIER:
       rc = req ? MPI_Ibarrier(c, req) : MPI_Barrier(c);
       break;

@@ -165,6 +165,20 @@ int comm_nccl_issue(eng_pg* pg, const comm_args* a, void** event) {
         if (r == ncclSuccess) r = e;
       }
       break;
+    case ENG_COLL_GATHER:
+      /* per-rank sizes (vcounts): a rank with nothing to send takes no part */
+      r = ncclGroupStart();
+      if (pg->rank == a->root)
+        for (int p = 0; p < pg->size && r == ncclSuccess; p++) {
+          size_t cnt = a->vcounts ? (size_t)a->vcounts[p] : n, off = a->vcounts ? (size_t)a->vdispls[p] : (size_t)p * n;
+          if (cnt) r = ncclRecv(recv + off * es, cnt, dt, p, s->comm, stream);
+        }
+      if (r == ncclSuccess && n) r = ncclSend(send, n, dt, a->root, s->comm, stream);
+      {
+        ncclResult_t e = ncclGroupEnd();
+        if (r == ncclSuccess) r = e;
+      }
+      break;
     default:
       return eng_err("%s: the NCCL backend does not run this collective", kind ? kind : "?");
   }

@@ -15,7 +15,7 @@
 /* ------------------------------------------------------------------ names */
 static const char* const g_op_names[ENG_NUM_REDUCE_OPS] = {"sum", "avg", "max", "min", "prod"};
 static const char* const g_kind_names[ENG_NUM_COLL_KINDS] = {
-    "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "scatter", "barrier"};
+    "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "scatter", "barrier", "gather"};
 
 const char* eng_reduce_op_name(int op) { return op >= 0 && op < ENG_NUM_REDUCE_OPS ? g_op_names[op] : NULL; }
 const char* eng_coll_kind_name(int kind) {
@@ -146,6 +146,9 @@ const char* eng_comm_history_group_name(int i) {
   return s < 0 ? "?" : g_hist_group[s];
 }
 
+/* Collectives with a root (broadcast, scatter, gather). */
+static int rooted(int kind) { return kind == ENG_COLL_BROADCAST || kind == ENG_COLL_SCATTER || kind == ENG_COLL_GATHER; }
+
 static const char* state_name(int s) { return s == 0 ? "issued" : s == 1 ? "completed" : "failed"; }
 
 static int format_record(char* b, int cap, const eng_coll_record* r, const char* group) {
@@ -156,8 +159,7 @@ static int format_record(char* b, int cap, const eng_coll_record* r, const char*
                    r->kind == ENG_COLL_BARRIER ? "" : eng_shape_str(r->ndim, r->shape));
   if (k < cap && (r->kind == ENG_COLL_ALL_REDUCE || r->kind == ENG_COLL_REDUCE_SCATTER))
     k += snprintf(b + k, cap - k, " op=%s", eng_reduce_op_name(r->op) ? eng_reduce_op_name(r->op) : "?");
-  if (k < cap && (r->kind == ENG_COLL_BROADCAST || r->kind == ENG_COLL_SCATTER))
-    k += snprintf(b + k, cap - k, " root=%d", r->root);
+  if (k < cap && rooted(r->kind)) k += snprintf(b + k, cap - k, " root=%d", r->root);
   if (k < cap)
     k += snprintf(b + k, cap - k, "%s %s", r->async ? " async" : "", state_name(r->state));
   if (k < cap && r->state != 0) k += snprintf(b + k, cap - k, " %.3f ms", 1e3 * (r->t_end - r->t_start));
@@ -417,6 +419,7 @@ typedef struct fin {
   const void* res; int res_dt; eng_tensor* target; /* copy res -> target */
   void* scale_p; int64_t scale_n; int scale_dt; double divisor; /* avg */
   eng_tensor* bump; /* written in place */
+  int* v;           /* gather with per-rank sizes: counts and displacements (malloc) */
 } fin;
 
 struct eng_work {
@@ -489,9 +492,11 @@ static void fin_run(fin* f) {
   if (f->bump) eng_bump_version(f->bump);
   pool_put(&f->buf[0]);
   pool_put(&f->buf[1]);
+  free(f->v);
+  f->v = NULL;
 }
 
-static void fin_abort(fin* f) { pool_put(&f->buf[0]); pool_put(&f->buf[1]); }
+static void fin_abort(fin* f) { pool_put(&f->buf[0]); pool_put(&f->buf[1]); free(f->v); f->v = NULL; }
 
 /* Byte range [lo, hi) of t in its storage. */
 static void byte_range(const eng_tensor* t, int64_t* lo, int64_t* hi) {
@@ -527,6 +532,7 @@ typedef struct coll {
   eng_pg* pg;
   eng_tensor* in;
   eng_tensor* out;
+  const int64_t* rows; /* gather: dim-0 length of each group rank's input (NULL: all alike) */
 } coll;
 
 static int is_float(int dt) { return dt == ENG_F32 || dt == ENG_F64 || dt == ENG_BF16 || dt == ENG_F16; }
@@ -558,7 +564,7 @@ static int validate(const coll* c) {
   if (c->kind == ENG_COLL_ALL_REDUCE || c->kind == ENG_COLL_REDUCE_SCATTER) {
     if (c->op < 0 || c->op >= ENG_NUM_REDUCE_OPS) return eng_err("%s: invalid reduce op code %d", c->name, c->op);
   }
-  if ((c->kind == ENG_COLL_BROADCAST || c->kind == ENG_COLL_SCATTER) && (c->root < 0 || c->root >= W))
+  if (rooted(c->kind) && (c->root < 0 || c->root >= W))
     return eng_err("%s: root %d is out of range for group %s of size %d (roots are group ranks)", c->name, c->root,
                    c->pg->name, W);
   switch (c->kind) {
@@ -619,6 +625,33 @@ static int validate(const coll* c) {
                          eng_dtype_name(c->out->dtype), (long long)(W * rows(c->out)));
       }
       return 0;
+    case ENG_COLL_GATHER: {
+      if (check_tensor(c, c->in, "input")) return -1;
+      int64_t total = W * rows(c->in);
+      if (c->rows) {
+        total = 0;
+        for (int i = 0; i < W; i++) {
+          if (c->rows[i] < 0) return eng_err("%s: sizes[%d] is %lld (negative)", c->name, i + 1, (long long)c->rows[i]);
+          total += c->rows[i];
+        }
+        if (c->rows[c->pg->rank] != rows(c->in))
+          return eng_err("%s: input %s has %lld rows, but sizes[%d] (this rank's) says %lld", c->name, eng_desc(c->in),
+                         (long long)rows(c->in), c->pg->rank + 1, (long long)c->rows[c->pg->rank]);
+      }
+      if (c->pg->rank == c->root) {
+        if (!c->out) return eng_err("%s: the destination (group rank %d) must pass the output tensor", c->name, c->root);
+        if (check_tensor(c, c->out, "output")) return -1;
+        if (c->out->dtype != c->in->dtype || c->out->device != c->in->device ||
+            c->out->ndim != (c->in->ndim ? c->in->ndim : 1) || c->out->shape[0] != total ||
+            !same_rest(c->in, c->out))
+          return eng_err("%s: output %s on the destination does not match input %s gathered over group %s of size %d "
+                         "(expected %s[%lld,...] with the input's trailing dims)", c->name, eng_desc(c->out),
+                         eng_desc(c->in), c->pg->name, W, eng_dtype_name(c->in->dtype), (long long)total);
+        if (overlaps(c->in, c->out))
+          return eng_err("%s: output %s and input %s share memory", c->name, eng_desc(c->out), eng_desc(c->in));
+      }
+      return 0;
+    }
   }
   return eng_err("%s: invalid collective kind %d", c->name, c->kind);
 }
@@ -659,7 +692,7 @@ static void fp_make(fprint* f, eng_pg* pg, int kind, int op, int root, const eng
   memset(f, 0, sizeof *f);
   f->seq = pg->seq; f->kind = kind; f->err = err ? (err == 2 ? 2 : 1) : 0; /* 1 failed here, 2 relayed */
   f->op = (kind == ENG_COLL_ALL_REDUCE || kind == ENG_COLL_REDUCE_SCATTER) ? op : -1;
-  f->root = (kind == ENG_COLL_BROADCAST || kind == ENG_COLL_SCATTER) ? root : -1;
+  f->root = rooted(kind) ? root : -1;
   f->dtype = t ? t->dtype : -1;
   if (t) { f->ndim = t->ndim; for (int d = 0; d < t->ndim && d < 8; d++) f->shape[d] = t->shape[d]; }
 }
@@ -963,12 +996,35 @@ static eng_work* work_done(eng_pg* pg, int kind, eng_tensor* result) {
 
 static int64_t tbytes(const eng_tensor* t) { return t ? t->numel * eng_dtype_size(t->dtype) : 0; }
 
+/* gather with per-rank sizes: element counts and offsets of each rank's rows
+ * in the output (on every rank: MPI_Gatherv is a collective of its own). */
+static int gather_counts(const coll* c, comm_args* a, fin* f) {
+  int W = c->pg->size;
+  int64_t inner = 1;
+  for (int d = 1; d < c->in->ndim; d++) inner *= c->in->shape[d];
+  f->v = malloc(sizeof(int) * 2 * (size_t)W);
+  if (!f->v) return eng_err("%s: out of memory", c->name);
+  int64_t off = 0;
+  for (int i = 0; i < W; i++) {
+    int64_t n = c->rows[i] * inner;
+    if (n > INT_MAX || off > INT_MAX)
+      return eng_err("%s: %lld elements from rank %d at offset %lld exceed the MPI limit of %d", c->name, (long long)n,
+                     i, (long long)off, INT_MAX);
+    f->v[i] = (int)n;
+    f->v[W + i] = (int)off;
+    off += n;
+  }
+  a->vcounts = f->v;
+  a->vdispls = f->v + W;
+  return 0;
+}
+
 /* Sets up buffers for the CPU path; fills a and f. */
 static int plan_cpu(const coll* c, comm_args* a, fin* f) {
   int W = c->pg->size;
   eng_tensor* in = c->in;
   eng_tensor* out = c->out;
-  int dt = out ? out->dtype : ENG_F32;
+  int dt = out ? out->dtype : in ? in->dtype : ENG_F32;
   int op = c->op;
   a->kind = c->kind; a->root = c->root; a->dtype = dt;
   if (dt == ENG_BOOL && (c->kind == ENG_COLL_ALL_REDUCE || c->kind == ENG_COLL_REDUCE_SCATTER))
@@ -1035,6 +1091,28 @@ static int plan_cpu(const coll* c, comm_args* a, fin* f) {
       f->bump = out;
       return 0;
     }
+    case ENG_COLL_GATHER: {
+      /* every rank sends its input; only root receives (out is NULL elsewhere) */
+      if (eng_tensor_is_contiguous(in)) a->send = eng_ptr(in);
+      else {
+        if (pool_get(in->numel * wes, &f->buf[0])) return -1;
+        copy_to_buf(in, f->buf[0].p, wdt);
+        a->send = f->buf[0].p;
+      }
+      a->recv = NULL;
+      if (c->pg->rank == c->root) {
+        if (eng_tensor_is_contiguous(out)) a->recv = eng_ptr(out);
+        else {
+          if (pool_get(out->numel * wes, &f->buf[1])) { pool_put(&f->buf[0]); return -1; }
+          a->recv = f->buf[1].p;
+          f->res = a->recv; f->res_dt = wdt; f->target = out;
+        }
+        f->bump = out;
+      }
+      a->count = in->numel;
+      if (c->rows && gather_counts(c, a, f)) { pool_put(&f->buf[0]); pool_put(&f->buf[1]); return -1; }
+      return 0;
+    }
   }
   return eng_err("%s: invalid collective kind %d", c->name, c->kind);
 }
@@ -1050,7 +1128,7 @@ static int plan_cuda(const coll* c, comm_args* a, fin* f) {
   if (in && out && !same_view(in, out) && c->kind != ENG_COLL_SCATTER && overlaps(in, out))
     return eng_err("%s: output %s and input %s share memory", c->name, eng_desc(out), eng_desc(in));
   int op = c->op;
-  int dt = out ? out->dtype : ENG_F32;
+  int dt = out ? out->dtype : in ? in->dtype : ENG_F32;
   if (dt == ENG_BOOL) op = op == ENG_REDUCE_SUM ? ENG_REDUCE_MAX : op == ENG_REDUCE_PROD ? ENG_REDUCE_MIN : op;
   a->kind = c->kind; a->op = op; a->root = c->root; a->dtype = dt;
   a->send = in ? eng_ptr(in) : NULL;
@@ -1061,6 +1139,10 @@ static int plan_cuda(const coll* c, comm_args* a, fin* f) {
       if (c->kind == ENG_COLL_BROADCAST || !in || same_view(in, out)) a->send = a->recv;
       break;
     case ENG_COLL_ALL_GATHER: a->count = in->numel; break;
+    case ENG_COLL_GATHER:
+      a->count = in->numel;
+      if (c->rows && gather_counts(c, a, f)) return -1;
+      break;
     case ENG_COLL_ALL_TO_ALL: a->count = in->numel / W; break;
     case ENG_COLL_REDUCE_SCATTER: case ENG_COLL_SCATTER: a->count = out->numel; break;
     default: a->count = 0;
@@ -1085,6 +1167,12 @@ static int run(const coll* c, eng_work** work) {
   if (check_on()) {
     fprint f;
     fp_make(&f, c->pg, c->kind, c->op, c->root, kt, err);
+    if (c->rows && !err) { /* inputs differ in dim 0: the signature carries the sizes and the gathered shape */
+      f.key = fnv(c->rows, sizeof(int64_t) * (size_t)c->pg->size, 1469598103934665603ull);
+      int64_t total = 0;
+      for (int i = 0; i < c->pg->size; i++) total += c->rows[i];
+      if (f.ndim) f.shape[0] = total;
+    }
     if (debug_on()) debug_log(c->pg, c->name, &f);
     int rc = check_run(c->pg, c->name, &f, err);
     /* every rank took part in the check, so every rank counts it */
@@ -1192,6 +1280,16 @@ int eng_pg_all_to_all_into(eng_pg* pg, eng_tensor* out, eng_tensor* in, eng_work
 
 int eng_pg_scatter(eng_pg* pg, eng_tensor* out, eng_tensor* in, int root, eng_work** work) {
   coll c = {"scatter", ENG_COLL_SCATTER, 0, root, pg, in, out};
+  return run(&c, work);
+}
+
+int eng_pg_gather(eng_pg* pg, eng_tensor* out, eng_tensor* in, int root, eng_work** work) {
+  return eng_pg_gatherv(pg, out, in, NULL, root, work);
+}
+
+int eng_pg_gatherv(eng_pg* pg, eng_tensor* out, eng_tensor* in, const int64_t* sizes, int root, eng_work** work) {
+  /* out is ignored away from root */
+  coll c = {"gather", ENG_COLL_GATHER, 0, root, pg, in, pg && pg->member && pg->rank == root ? out : NULL, sizes};
   return run(&c, work);
 }
 

@@ -117,7 +117,7 @@ local op_codes = {}
 M.ReduceOp = { SUM = "sum", AVG = "avg", MAX = "max", MIN = "min", PRODUCT = "prod", PROD = "prod" }
 
 local KIND = { all_reduce = 0, all_gather = 1, reduce_scatter = 2, all_to_all = 3, broadcast = 4, scatter = 5,
-  barrier = 6 }
+  barrier = 6, gather = 7 }
 
 -- Argument checks return (value) or (nil, message); fail() raises the message
 -- after telling the group (in debug mode the other ranks then fail too).
@@ -336,7 +336,7 @@ end
 -- usable here (other nodes, ptrace rules, set_single_copy(false), non-CPU tensors, runs under 256
 -- bytes): move the boxes another way.  Errors (differing lists, boxes outside a tensor) on every rank.
 -- opts: group, dtype and ndim of the boxes (pass them: a rank may hold no tensor), op (names errors),
--- kind (the collective it counts as: "all_to_all" by default, "all_gather", "scatter").
+-- kind (the collective it counts as: "all_to_all" by default, "all_gather", "gather", "scatter").
 function M.box_exchange(moves, srcs, dsts, opts)
   local name = "box_exchange"
   opts = check_opts(opts, name, 2)
@@ -371,21 +371,24 @@ function M.box_exchange(moves, srcs, dsts, opts)
   return rc == 0
 end
 
--- The root as a group rank: src is a global rank, opts.group_src a group rank.
-local function root_of(pg, src, opts, name)
-  if opts.group_src ~= nil then
-    if src ~= nil then return nil, name .. ": give either src (global rank) or opts.group_src, not both" end
-    if type(opts.group_src) ~= "number" or opts.group_src % 1 ~= 0 then
-      return nil, name .. ": opts.group_src must be an integer group rank"
+-- The root as a group rank: src is a global rank, opts.group_src a group rank (for gather: dst and
+-- opts.group_dst).
+local function root_of(pg, src, opts, name, word)
+  word = word or "src"
+  local gkey = "group_" .. word
+  if opts[gkey] ~= nil then
+    if src ~= nil then return nil, string.format("%s: give either %s (global rank) or opts.%s, not both", name, word, gkey) end
+    if type(opts[gkey]) ~= "number" or opts[gkey] % 1 ~= 0 then
+      return nil, string.format("%s: opts.%s must be an integer group rank", name, gkey)
     end
-    return opts.group_src
+    return opts[gkey]
   end
   if type(src) ~= "number" or src % 1 ~= 0 then
-    return nil, string.format("%s: src must be an integer global rank (0-based), got %s", name, tostring(src))
+    return nil, string.format("%s: %s must be an integer global rank (0-based), got %s", name, word, tostring(src))
   end
   if C.eng_pg_is_member(pg._c) == 0 then return 0 end -- skipped anyway
   local r = C.eng_pg_group_rank(pg._c, src)
-  if r < 0 then return nil, name .. ": src: " .. core.last_error() end
+  if r < 0 then return nil, name .. ": " .. word .. ": " .. core.last_error() end
   return r
 end
 
@@ -424,6 +427,91 @@ function M.scatter(out, input, src, opts)
   return r
 end
 
+-- gather(t, out, dst = 0, opts): the converse of scatter (torch.distributed.gather): every rank's t
+-- (the same shape on every rank) is sent to dst (a global rank; opts.group_dst: a group rank), which
+-- receives them concatenated along dim 1 in group-rank order.  out on dst: a tensor [size*d1, ...]
+-- (filled and returned), a list of size tensors each of t's shape (PyTorch's gather_list: filled and
+-- returned; not with async), or nil (a new tensor is returned).  The other ranks pass nil (out is
+-- ignored there), allocate nothing and get nil.  opts.sizes: the inputs differ in dim 1 (gatherv):
+-- the list of each group rank's dim-1 length, the same on every rank (out is [sum, ...]; no
+-- gather_list).  One "gather" collective (MPI_Gather(v); NCCL sends and receives).
+function M.gather(t, out, dst, opts)
+  local name = "gather"
+  if type(dst) == "table" and opts == nil then dst, opts = nil, dst end
+  opts = check_opts(opts, name, 2)
+  local pg = group_of(opts, name, 2)
+  local ci, e = tensor_arg(t, name, 1)
+  if not ci then fail(pg, name, e, 2) end
+  if dst == nil and opts.group_dst == nil then dst = 0 end
+  local root
+  root, e = root_of(pg, dst, opts, name, "dst")
+  if not root then fail(pg, name, e, 2) end
+  local member = C.eng_pg_is_member(pg._c) ~= 0
+  local W = member and C.eng_pg_size(pg._c) or 0
+  local sizes, total = nil, nil
+  if opts.sizes ~= nil and member then
+    local sz = opts.sizes
+    if type(sz) ~= "table" or #sz ~= W then
+      fail(pg, name, string.format("%s: opts.sizes must list the dim-1 length of each of the group's %d ranks", name, W), 2)
+    end
+    sizes, total = ffi.new("int64_t[?]", W), 0
+    for i = 1, W do
+      local v = sz[i]
+      if type(v) ~= "number" or v % 1 ~= 0 or v < 0 then
+        fail(pg, name, string.format("%s: opts.sizes[%d] must be a non-negative integer, got %s", name, i, tostring(v)), 2)
+      end
+      sizes[i - 1], total = v, total + v
+    end
+  end
+  local function call(co, w)
+    if sizes then return C.eng_pg_gatherv(pg._c, co, ci, sizes, root, w) end
+    return C.eng_pg_gather(pg._c, co, ci, root, w)
+  end
+  local here = member and C.eng_pg_rank(pg._c) == root
+  if not here then
+    local r = finish(opts, function(w) rc_check(call(nil, w)) end, function() return nil end)
+    return r
+  end
+  local list, co = nil, nil
+  if type(out) == "table" and out._c == nil and getmetatable(out) == nil then
+    list = out
+    if sizes then fail(pg, name, name .. ": a gather_list with opts.sizes is not supported (pass one out tensor)", 2) end
+    local W = C.eng_pg_size(pg._c)
+    if #list ~= W then
+      fail(pg, name, string.format("%s: gather_list has %d tensors, the group %d ranks", name, #list, W), 2)
+    end
+    if opts.async then fail(pg, name, name .. ": async with a gather_list is not supported (pass one out tensor)", 2) end
+    for i, x in ipairs(list) do
+      local cx
+      cx, e = tensor_arg(x, name, "gather_list[" .. i .. "]")
+      if not cx then fail(pg, name, e, 2) end
+      local xs, ts = x:shape(), t:shape()
+      if table.concat(xs, ",") ~= table.concat(ts, ",") or x.dtype ~= t.dtype then
+        fail(pg, name, string.format("%s: gather_list[%d] %s[%s] does not match the input %s[%s]", name, i, x.dtype,
+          table.concat(xs, ","), t.dtype, table.concat(ts, ",")), 2)
+      end
+    end
+  elseif out ~= nil then
+    co, e = tensor_arg(out, name, 2)
+    if not co then fail(pg, name, e, 2) end
+  end
+  local full = out
+  if co == nil then
+    local shape = t:shape()
+    if #shape == 0 then shape = { 1 } end
+    shape[1] = total or shape[1] * W
+    full = require("engine").empty(shape, { dtype = t.dtype, device = t.device })
+    co = full._c
+  end
+  local r = finish(opts, function(w) rc_check(call(co, w)) end, function() return list or full end)
+  if list then
+    local ts = t:shape()
+    local rows = #ts == 0 and 1 or ts[1]
+    for i, x in ipairs(list) do x:copy_(full:narrow(1, (i - 1) * rows + 1, rows):view_as(x)) end
+  end
+  return r
+end
+
 function M.barrier(opts)
   opts = check_opts(opts, "barrier", 2)
   local pg = group_of(opts, "barrier", 2)
@@ -432,7 +520,8 @@ function M.barrier(opts)
 end
 
 -- ---------------------------------------------------------------- counters
-local kinds = { "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "scatter", "barrier" }
+local kinds = { "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "scatter", "barrier",
+  "gather" }
 local kind_code = {}
 for i, k in ipairs(kinds) do kind_code[k] = i - 1 end
 M.collective_kinds = kinds
