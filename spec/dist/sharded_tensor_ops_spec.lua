@@ -147,7 +147,7 @@ describe("ShardedTensor ops", function()
         assert(ok2, c2)
         if W > 1 then
           assert.are.same({ scatter = 1 }, c1, what)
-          assert.are.same({ all_gather = 1 }, c2, what)
+          assert.are.same({ gather = 1 }, c2, what)
         end
         local want = (on and usable and W > 1) and 1 or 0
         assert.are.equal(want, n1, what)

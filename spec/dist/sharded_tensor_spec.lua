@@ -41,6 +41,53 @@ describe("ShardedTensor", function()
     assert.are.equal(s.tensor, st:local_tensor())
   end)
 
+  it("gather(dst) is one gather collective: the full tensor on dst, nothing the size of it allocated elsewhere", function()
+    local sm = function(o, z, r) return dist.ShardMetadata{ shard_offsets = o, shard_sizes = z, placement = "rank:" .. r .. "/cpu" } end
+    local cases = {
+      { "chunks on dim 1 in rank order", dist.ChunkShardingSpec{ dim = 1, placements = ranks(all_ranks()) }, { 64 * W, 96 } },
+      { "uneven chunks (10 rows)", dist.ChunkShardingSpec{ dim = 1, placements = ranks(all_ranks()) }, { 10, 300 } },
+      { "leading unit dim, chunks on dim 2", dist.ChunkShardingSpec{ dim = 2, placements = ranks(all_ranks()) }, { 1, 7 * W + 3, 50 } },
+      { "chunks on dim 2 (columns)", dist.ChunkShardingSpec{ dim = 2, placements = ranks(all_ranks()) }, { 40, 32 * W } },
+      { "two shards per rank", dist.ChunkShardingSpec{ dim = 1, placements = ranks(all_ranks(2)) }, { 30 * W, 70 } },
+      { "all on rank 0", dist.ChunkShardingSpec{ dim = 1, placements = ranks({ 0 }) }, { 50, 60 } },
+      { "enumerable, reversed", dist.EnumerableShardingSpec{ sm({ 0, 0 }, { 20, 64 }, W - 1), sm({ 20, 0 }, { 20, 64 }, 0) }, { 40, 64 } },
+    }
+    local dst = 1 % W
+    for _, case in ipairs(cases) do
+      for _, single in ipairs({ true, false }) do
+        local what = case[1] .. (single and "" or ", single copy off")
+        engine.manual_seed(9)
+        local full = engine.randn(case[3], { dtype = "f64" })
+        local st = dist.sharded_tensor.zeros(case[2], case[3], { dtype = "f64" })
+        for _, sh in ipairs(st:local_shards()) do
+          local box = full
+          for k = 1, #case[3] do box = box:narrow(k, sh.metadata.shard_offsets[k] + 1, sh.metadata.shard_sizes[k]) end
+          sh.tensor:copy_(box)
+        end
+        dist.set_single_copy(single)
+        local mine = 0
+        for _, sh in ipairs(st:local_shards()) do mine = mine + sh.tensor:numel() * 8 end
+        collectgarbage(); collectgarbage()
+        engine.reset_peak_memory()
+        local before = engine.memory_stats().allocated
+        local ok, counts, g = pcall(dist.count_collectives, st.gather, st, dst)
+        local peak = engine.memory_stats().peak_allocated - before
+        dist.set_single_copy(true)
+        assert(ok, counts)
+        if W > 1 then assert.are.same({ gather = 1 }, counts, what) end
+        if R == dst then
+          assert.are.equal(0, util.diff(g, full), what)
+        else
+          assert.is_nil(g, what)
+          -- at most a buffer of this rank's own shards (packed, or a copy of a strided shard), in the
+          -- allocator's size classes (at most 1/8 more, page-rounded)
+          assert.is_true(peak <= mine + mine / 8 + 4096, string.format("%s: rank %d allocated %d bytes (its shards: %d, the tensor: %d)",
+            what, R, peak, mine, full:numel() * 8))
+        end
+      end
+    end
+  end)
+
   it("chunk spec on dim -2 over a subset of ranks: ranks outside hold no shards", function()
     local spec = dist.ChunkShardingSpec{ dim = -2, placements = ranks({ 0 }) }
     local st = dist.sharded_tensor.ones(spec, { 3, 4 }, { dtype = "f64" })
@@ -172,12 +219,16 @@ describe("ShardedTensor", function()
     local st = dist.sharded_tensor.zeros(dist.ChunkShardingSpec{ dim = 1, placements = ranks(all_ranks()) }, { 4, 2 })
     e = util.errmsg(st.gather, st, W)
     assert.is_truthy(e:find("dst must be a rank of the process group", 1, true), e)
-    if R == 0 then
-      e = util.errmsg(st.gather, st, 0, engine.empty(2, 2))
-      assert.is_truthy(e:find("out has shape [2,2], the ShardedTensor [4,2]", 1, true), e)
-    else
-      st:gather(0)
+    -- a bad out on dst fails the gather on every rank
+    e = util.errmsg(st.gather, st, 0, R == 0 and engine.empty(2, 2) or nil)
+    assert.is_truthy(e:find("out has shape [2,2], the ShardedTensor [4,2]", 1, true), e)
+    -- so does a dst that differs between the ranks (the gather's signature check)
+    if W > 1 then
+      e = util.errmsg(st.gather, st, R == 0 and 0 or 1)
+      assert.is_truthy(e:find("gather: collective mismatch on group world", 1, true), e)
     end
+    local g = st:gather(0)   -- still usable
+    if R == 0 then assert.are.same({ 4, 2 }, g:shape()) end
     assert.is_truthy(tostring(st):find("ShardedTensor(f32[4,2], ChunkShardingSpec(dim=1", 1, true))
   end)
 end)

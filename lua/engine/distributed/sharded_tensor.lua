@@ -861,33 +861,38 @@ function M.full_like(st, value, opts)
   return M.full(st._spec, st._size, value, like_opts(st, opts, "sharded_tensor.full_like"))
 end
 
--- True when the shards are the row-major memory of the tensor in group-rank order, one equal block
--- per rank (chunks on the leading non-unit dim, placements 0..world-1, even sizes): then a collective
--- can read from or write into the full tensor directly.
-local function direct_layout(shards, size, world)
-  if #shards ~= world then return false end
-  local nd = #size
+-- The shards are slabs of the row-major memory of the tensor in group-rank order: chunks on the
+-- leading non-unit dim d (torch.chunk sizes, even or not), shard i on group rank i - 1, at most one per
+-- rank (ranks past the last chunk hold none).  Returns d and each group rank's length along d, or nil.
+local function slab_layout(shards, size, world)
+  local n, nd = #shards, #size
+  if n == 0 or n > world then return nil end
   local d = 1
   while d < nd and size[d] == 1 do d = d + 1 end
-  if size[d] % world ~= 0 then return false end
-  local c = size[d] / world
+  local rows, pos = {}, 0
+  for r = 1, world do rows[r] = 0 end
   for i, sh in ipairs(shards) do
-    if sh.placement.rank ~= i - 1 then return false end
+    if sh.placement.rank ~= i - 1 then return nil end
     for k = 1, nd do
-      local want_off, want_sz = 0, size[k]
-      if k == d then want_off, want_sz = (i - 1) * c, c end
-      if sh.shard_offsets[k] ~= want_off or sh.shard_sizes[k] ~= want_sz then return false end
+      if k ~= d and (sh.shard_offsets[k] ~= 0 or sh.shard_sizes[k] ~= size[k]) then return nil end
     end
+    local z = sh.shard_sizes[d]
+    if z > 0 and sh.shard_offsets[d] ~= pos then return nil end
+    rows[i], pos = z, pos + z
   end
-  return true
+  if pos ~= size[d] then return nil end
+  return d, rows
 end
 
 -- ---------------------------------------------------------------- gather
 -- gather(dst [, out]): the full tensor on group rank dst (written into out when given), nil on the
--- other ranks.  Collective over the process group, one all_gather: straight from the shards into the
--- full tensor when they are its memory in rank order; else each shard moved once into it on dst
--- when the group shares a node (comm.box_exchange, counted as the all_gather); else every rank packs
--- its shards into one buffer, padded to the largest rank's, and one all_gather brings them together.
+-- other ranks, which allocate nothing the size of the full tensor.  Collective over the process
+-- group, one "gather" (torch.distributed.gather): when the shards are slabs of the full tensor in rank
+-- order (chunk specs on the leading dim over the ranks in order, even or uneven), each rank's shard
+-- goes straight into the full tensor on dst (MPI_Gatherv); else each shard moves once into it on dst
+-- when the group shares a node (comm.box_exchange, counted as the gather); else every rank packs its
+-- shards into one buffer of its own size and one gatherv brings them to dst.  A bad out on dst fails
+-- the gather on every rank.
 function ShardedTensor:gather(dst, out)
   dst = dst or 0
   local op = "gather"
@@ -898,41 +903,46 @@ function ShardedTensor:gather(dst, out)
     fail(string.format("%s: dst must be a rank of the process group (0..%d), got %s", op, world - 1, tostring(dst)))
   end
   local md = self:metadata()
-  -- elements each rank holds, from the metadata (the same on every rank)
-  local per_rank = {}
-  for r = 0, world - 1 do per_rank[r] = 0 end
-  for _, s in ipairs(md.shards_metadata) do per_rank[s.placement.rank] = per_rank[s.placement.rank] + s:numel() end
-  local maxn = 1
-  for r = 0, world - 1 do maxn = math.max(maxn, per_rank[r]) end
-  local copts = pg and { group = pg } or nil
-  local function check_out()   -- after the collective: a bad out on dst must not leave the others waiting
-    if not same_list(out:shape(), md.size) then
-      fail(string.format("%s: out has shape [%s], the ShardedTensor [%s]", op, table.concat(out:shape(), ","),
-        table.concat(md.size, ",")))
+  local gpg = pg or comm.world_group()
+  local copts = { group = gpg, group_dst = dst }
+  local d, rows = slab_layout(md.shards_metadata, md.size, world)
+  -- the way taken (the same on every rank: the metadata and the group's single-copy probe agree)
+  local boxes = not d and world > 1 and gpg:single_copy_usable()
+  local full
+  if me == dst then
+    if out ~= nil and not (core.is_tensor(out) and same_list(out:shape(), md.size)) then
+      local msg = core.is_tensor(out) and string.format("%s: out has shape [%s], the ShardedTensor [%s]", op,
+        table.concat(out:shape(), ","), table.concat(md.size, ",")) or
+        string.format("%s: out must be a tensor, got %s", op, type(out))
+      core.C.eng_pg_report_error(gpg._c, 7, msg) -- the others' gather fails with it
+      fail(msg)
     end
+    local fits = out ~= nil and out.dtype == self.dtype
+    if fits and d and d > 1 then fits = out:is_contiguous() end
+    full = fits and out or E().empty(md.size, { dtype = self.dtype })
   end
-  if direct_layout(md.shards_metadata, md.size, world) and md.shards_metadata[1]:numel() > 0 then
-    -- one all_gather straight from the shard into the full tensor (on dst)
-    local loc = shards_of(self)[1].tensor:detach():contiguous():view(-1)
-    local full
-    if me == dst then
-      local fits = out ~= nil and out:is_contiguous() and same_list(out:shape(), md.size)
-      full = fits and out or E().empty(md.size, { dtype = self.dtype })
-    else
-      full = E().empty({ world * maxn }, { dtype = self.dtype })
-    end
-    comm.all_gather_into(full:view(-1), loc, copts)
+  local function done()
     if me ~= dst then return nil end
-    if out ~= nil and out ~= full then check_out(); out:copy_(full); return out end
+    if out ~= nil and out ~= full then out:copy_(full); return out end
     return full
   end
-  if world > 1 then
+  if d then
+    -- straight from each rank's shard into the full tensor on dst (dims before d have size 1)
+    local rest = {}
+    for k = d + 1, #md.size do rest[#rest + 1] = md.size[k] end
+    local mine = shards_of(self)[1]
+    local send
+    if mine == nil then send = E().empty({ 0, unpack(rest) }, { dtype = self.dtype })
+    elseif d == 1 then send = mine.tensor:detach()
+    else send = mine.tensor:detach():reshape({ rows[me + 1], unpack(rest) }) end
+    local recv = full
+    if full and d > 1 then recv = full:view({ md.size[d], unpack(rest) }) end
+    copts.sizes = rows
+    comm.gather(send, recv, nil, copts)
+    return done()
+  end
+  if boxes then
     -- single copy: each shard moves once, straight into the full tensor on dst (comm.box_exchange)
-    local full
-    if me == dst then
-      local fits = out ~= nil and out.dtype == self.dtype and same_list(out:shape(), md.size)
-      full = fits and out or E().empty(md.size, { dtype = self.dtype })
-    end
     local idx, srcs = box_numbering(md.shards_metadata, me, local_by_box(shards_of(self)))
     local moves = {}
     for i, s in ipairs(md.shards_metadata) do
@@ -942,36 +952,43 @@ function ShardedTensor:gather(dst, out)
       end
     end
     if comm.box_exchange(moves, srcs, full and { full } or {},
-      { group = pg, dtype = self.dtype, ndim = #md.size, op = op, kind = "all_gather" }) then
-      if me ~= dst then return nil end
-      if out ~= nil and out ~= full then check_out(); out:copy_(full); return out end
-      return full
+      { group = pg, dtype = self.dtype, ndim = #md.size, op = op, kind = "gather" }) then
+      return done()
     end
   end
-  local send = E().empty({ maxn }, { dtype = self.dtype })
+  -- packed: each rank's shards in one buffer of its own size, one gatherv to dst
+  local per_rank = {}
+  for r = 1, world do per_rank[r] = 0 end
+  for _, s in ipairs(md.shards_metadata) do per_rank[s.placement.rank + 1] = per_rank[s.placement.rank + 1] + s:numel() end
+  local send = E().empty({ per_rank[me + 1] }, { dtype = self.dtype })
   local pos = 0
   for _, s in ipairs(shards_of(self)) do
     local n = s.metadata:numel()
     if n > 0 then send:narrow(1, pos + 1, n):view(unpack(s.metadata.shard_sizes)):copy_(s.tensor:detach()); pos = pos + n end
   end
-  local recv = E().empty({ world * maxn }, { dtype = self.dtype })
-  comm.all_gather_into(recv, send, copts)
+  local recv
+  if me == dst then
+    local total = 0
+    for r = 1, world do total = total + per_rank[r] end
+    recv = E().empty({ total }, { dtype = self.dtype })
+  end
+  copts.sizes = per_rank
+  comm.gather(send, recv, nil, copts)
   if me ~= dst then return nil end
-  if out == nil then out = E().empty(md.size, { dtype = self.dtype }) else check_out() end
-  local cursor = {}
-  for r = 0, world - 1 do cursor[r] = r * maxn end
+  local cursor, at = {}, 0
+  for r = 0, world - 1 do cursor[r] = at; at = at + per_rank[r + 1] end
   for _, s in ipairs(md.shards_metadata) do
     local n = s:numel()
     local r = s.placement.rank
     if n > 0 then
       local piece = recv:narrow(1, cursor[r] + 1, n):view(unpack(s.shard_sizes))
-      local box = out
-      for d = 1, #md.size do box = box:narrow(d, s.shard_offsets[d] + 1, s.shard_sizes[d]) end
+      local box = full
+      for k = 1, #md.size do box = box:narrow(k, s.shard_offsets[k] + 1, s.shard_sizes[k]) end
       box:copy_(piece)
     end
     cursor[r] = cursor[r] + n
   end
-  return out
+  return done()
 end
 
 -- ---------------------------------------------------------------- reshard
