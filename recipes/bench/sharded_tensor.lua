@@ -1,5 +1,6 @@
 -- ShardedTensor costs (issue 14's Performance): creating (dist.shard_tensor: one scatter from src_rank
--- straight into each rank's chunk), gathering (gather(0)) and resharding (dim 1 -> dim 2) a `MiB` f32
+-- straight into each rank's chunk), gathering (gather(0): one gather straight from each rank's chunk
+-- into the full tensor on rank 0, beside a bare MPI_Gather) and resharding (dim 1 -> dim 2) a `MiB` f32
 -- ShardedTensor over the ranks, each beside the bare MPI collective of the same bytes in the same run
 -- (eng_pg_raw_collective: no staging, counters or checks), and the per-op overhead of a DTensor-backed
 -- ShardedTensor over the same op on its DTensor (alternating rounds of 2000 ops, median of 11, and the
@@ -24,7 +25,7 @@ for r = 0, W - 1 do pls[#pls + 1] = "rank:" .. r .. "/cpu" end
 local spec1 = dist.ChunkShardingSpec{ dim = 1, placements = pls }
 local spec2 = dist.ChunkShardingSpec{ dim = 2, placements = pls }
 local pg = dist.world_group()
-local F32, ALL_GATHER, ALL_TO_ALL, SCATTER = 0, 1, 3, 5
+local F32, ALL_TO_ALL, SCATTER, GATHER = 0, 3, 5, 7
 
 local function median(xs)
   local s = {}
@@ -47,8 +48,9 @@ local function timed(fn)
   return median(t), math.min(unpack(t))
 end
 
-local function raw(kind, send, recv, count, root)
-  if C.eng_pg_raw_collective(pg._c, kind, send and send:data_ptr() or nil, recv:data_ptr(), count, F32, 0, root or 0) ~= 0 then
+local function raw(kind, send, recv, count, root, op)
+  if C.eng_pg_raw_collective(pg._c, kind, send and send:data_ptr() or nil, recv:data_ptr(), count, F32, op or 0,
+    root or 0) ~= 0 then
     error(engine.ffi.string(C.eng_last_error()))
   end
 end
@@ -69,12 +71,32 @@ report(string.format("create (shard_tensor, %d MiB)", mib), t_create, t_bare)
 local t_zeros = timed(function() dist.sharded_tensor.zeros(spec1, { rows, cols }) end)
 lines[#lines + 1] = string.format("%-44s %9.2f ms   (no communication)", "create (sharded_tensor.zeros)", t_zeros)
 
--- gather to rank 0: one all_gather of each rank's packed shards
-local gsend, grecv = engine.ones(n_local), engine.empty(rows * cols)
-t_bare = timed(function() raw(ALL_GATHER, gsend, grecv, n_local) end)
-local out = engine.empty(rows, cols)
-local t_gather = timed(function() st:gather(0, out) end)
-report("gather(0)", t_gather, t_bare)
+-- gather to rank 0: one gather (MPI_Gatherv) from each rank's chunk straight into out on rank 0;
+-- bare: MPI_Gather and MPI_Gatherv of the same bytes into a buffer on rank 0 only (Open MPI picks
+-- different algorithms for the two: a tree for large MPI_Gather, linear for MPI_Gatherv)
+-- (the four alternate within each iteration, so that a change in the machine's load hits them alike)
+local gsend, grecv = engine.ones(n_local), R == 0 and engine.empty(rows * cols) or engine.empty(1)
+local out = R == 0 and engine.empty(rows, cols) or nil
+local gt = { {}, {}, {}, {} }
+local gfn = {
+  function() raw(GATHER, gsend, grecv, n_local) end,
+  function() raw(GATHER, gsend, grecv, n_local, 0, 1) end,
+  function() st:gather(0, out) end,
+  function() st:gather(0) end,
+}
+for i = 1, iters do
+  for k, fn in ipairs(gfn) do
+    collectgarbage()
+    dist.barrier()
+    local t0 = engine.time()
+    fn()
+    gt[k][i] = (engine.time() - t0) * 1e3
+  end
+end
+local t_bare_g, t_bare_v, t_gather, t_gather_new = median(gt[1]), median(gt[2]), median(gt[3]), median(gt[4])
+report("gather(0) into out vs MPI_Gather", t_gather, t_bare_g)
+report("gather(0) into out vs MPI_Gatherv", t_gather, t_bare_v)
+report("gather(0), new tensor vs MPI_Gatherv", t_gather_new, t_bare_v)
 
 -- reshard dim 1 -> dim 2: one all_to_all (the DTensor's S(1)->S(2) for one chunk per rank).
 -- Bare: the contiguous all_to_all of the local bytes, and MPI's own layout change (a vector datatype

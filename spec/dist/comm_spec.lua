@@ -919,6 +919,12 @@ describe("bare MPI collective (benchmark baseline)", function()
     for i = 0, W - 1 do assert.equal(i, tonumber(dst[i])) end
     assert.equal(-1, C.eng_pg_raw_collective(g._c, 0, nil, buf, 4, 2, 0, 0))
     assert.matches("dtype bf16 is not supported", ffi.string(C.eng_last_error()))
+    -- gather to the last rank: MPI_Gather (op 0) and MPI_Gatherv (op 1)
+    for op = 0, 1 do
+      local gdst = ffi.new("int64_t[?]", W)
+      assert.equal(0, C.eng_pg_raw_collective(g._c, 7, src, gdst, 1, 5, op, W - 1))
+      if R == W - 1 then for i = 0, W - 1 do assert.equal(i, tonumber(gdst[i])) end end
+    end
   end)
 
   it("all_to_all of strided column blocks on raw buffers (vector datatype)", function()

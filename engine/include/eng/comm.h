@@ -154,7 +154,8 @@ int eng_pg_agree(eng_pg* pg, int local_err, uint64_t key, const char* op);
  * recorder, no debug checks; blocking.  count: elements (all_reduce,
  * broadcast), per rank (all_gather and gather send, reduce_scatter receive,
  * scatter receive) or per peer (all_to_all); recv of a gather is read only on
- * root.  send NULL means in place (all_reduce).
+ * root, and op 1 issues a gather as MPI_Gatherv (equal counts) instead of
+ * MPI_Gather.  send NULL means in place (all_reduce).
  * dtype: f32, f64, i32, i64, u8 (sum/max/min/prod; no avg). */
 int eng_pg_raw_collective(eng_pg* pg, int kind, const void* send, void* recv, int64_t count,
                           int dtype, int op, int root);

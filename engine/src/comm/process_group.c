@@ -1359,7 +1359,17 @@ int eng_pg_raw_collective(eng_pg* pg, int kind, const void* send, void* recv, in
       (op < 0 || op >= ENG_NUM_REDUCE_OPS || op == ENG_REDUCE_AVG))
     return eng_err("raw_collective: op %d is not supported (sum, max, min, prod)", op);
   if (root < 0 || root >= pg->size) return eng_err("raw_collective: root %d out of range", root);
-  comm_args a = {kind, op, root, dtype, send, recv, count};
+  comm_args a = {kind, op, root, dtype, send, recv, count, NULL, NULL};
+  if (kind == ENG_COLL_GATHER && op == 1) { /* as MPI_Gatherv with equal counts */
+    if (count > INT_MAX || count * pg->size > INT_MAX) return eng_err("raw_collective: count %lld too large", (long long)count);
+    int* v = malloc(sizeof(int) * 2 * (size_t)pg->size);
+    if (!v) return eng_err("raw_collective: out of memory");
+    for (int i = 0; i < pg->size; i++) { v[i] = (int)count; v[pg->size + i] = (int)(count * i); }
+    a.vcounts = v; a.vdispls = v + pg->size;
+    int rc = comm_mpi_issue(pg, &a, NULL);
+    free(v);
+    return rc;
+  }
   return comm_mpi_issue(pg, &a, NULL);
 }
 
