@@ -119,6 +119,77 @@ describe("losses and activations: float64 finite differences", function()
   end
 end)
 
+-- The fused C losses (engine/src/ops/loss_ext.c): every option and reduction of their backward
+-- kernels, gradients to the input and (elementwise losses) to the target.
+describe("fused losses: float64 finite differences of every option", function()
+  engine.manual_seed(4)
+  local x = engine.randn(3, 4, { dtype = "f64" })
+  local y = engine.randn(3, 4, { dtype = "f64" })
+  local x3 = engine.randn(2, 3, 2, { dtype = "f64" })
+  local t = engine.tensor({ 1, -100, 3 })
+  local t3 = engine.tensor({ { 0, 2 }, { 7, 1 } })
+  local w = engine.tensor({ 0.3, 1, 2, 0.5 }, "f64")
+  local w3 = engine.tensor({ 2, 0.5, 1.5 }, "f64")
+  local u = engine.rand(3, 4, { dtype = "f64" }) * 0.8 + 0.1
+  local cases = {
+    { "nll_loss mean", function(a) return engine.nll_loss(a, t) end },
+    { "nll_loss weight mean", function(a) return engine.nll_loss(a, t, { weight = w }) end },
+    { "nll_loss weight sum", function(a) return engine.nll_loss(a, t, { weight = w, reduction = "sum" }) end },
+    { "nll_loss weight none", function(a) return engine.nll_loss(a, t, { weight = w, reduction = "none" }) end },
+    { "nll_loss 1-d none", function(a) return engine.nll_loss(a:select(1, 1), engine.tensor(2), { reduction = "none" }) end },
+    { "nll_loss 3-d weight ignore 7", function(a) return engine.nll_loss(x3 * a:sum(), t3, { weight = w3, ignore_index = 7 }) end },
+    { "bce mean (input and target)", function(a, b) return engine.binary_cross_entropy(a:sigmoid(), b:sigmoid()) end, true },
+    { "bce weight sum", function(a, b) return engine.binary_cross_entropy(a:sigmoid(), b:sigmoid(), { weight = w, reduction = "sum" }) end, true },
+    { "bce none", function(a, b) return engine.binary_cross_entropy(a:sigmoid(), b:sigmoid(), { reduction = "none" }) end, true },
+    { "bce_with_logits weight none", function(a, b) return engine.binary_cross_entropy_with_logits(a, b:sigmoid(), { weight = w, reduction = "none" }) end, true },
+    { "bce_with_logits weight pos_weight mean", function(a, b) return engine.binary_cross_entropy_with_logits(a, b:sigmoid(), { weight = u, pos_weight = w }) end, true },
+    { "kl_div sum", function(a, b) return engine.kl_div(a, b:softmax(2), { reduction = "sum" }) end, true },
+    { "kl_div none log_target", function(a, b) return engine.kl_div(a, b, { reduction = "none", log_target = true }) end, true },
+    { "kl_div batchmean log_target", function(a, b) return engine.kl_div(a, b, { reduction = "batchmean", log_target = true }) end, true },
+    { "smooth_l1_loss beta 0 sum", function(a, b) return engine.smooth_l1_loss(a, b, { beta = 0, reduction = "sum" }) end, true },
+    { "smooth_l1_loss beta 2 none", function(a, b) return engine.smooth_l1_loss(a, b, { beta = 2, reduction = "none" }) end, true },
+    { "huber_loss delta 0.5 mean", function(a, b) return engine.huber_loss(a, b, { delta = 0.5 }) end, true },
+  }
+  for _, cse in ipairs(cases) do
+    it(cse[1], function()
+      local a = x:clone(); a.requires_grad = true
+      local ins = { a }
+      if cse[3] then local b = y:clone(); b.requires_grad = true; ins[2] = b end
+      assert.is_true(gc.check(cse[2], ins, { eps = 1e-6, tol = 1e-6 }))
+      local out = cse[2](table.unpack(ins))
+      assert.is_truthy(out.grad_fn:find("NllLoss") or out.grad_fn:find("PointwiseLoss") or out.grad_fn:find("Mul"), out.grad_fn)
+    end)
+  end
+  it("the fused ops: one node; f32 / bf16 agree with f64; integer or mixed inputs keep the composite", function()
+    local a = x:clone(); a.requires_grad = true
+    assert.are.equal("NllLossBackward", engine.nll_loss(a, t, { weight = w }).grad_fn)
+    assert.are.equal("PointwiseLossBackward", engine.huber_loss(a, y).grad_fn)
+    assert.are.equal("PointwiseLossBackward", engine.binary_cross_entropy_with_logits(a, u, { pos_weight = w }).grad_fn)
+    for _, dt in ipairs({ "f32", "bf16" }) do
+      local tol = dt == "f32" and 1e-5 or 3e-2
+      local pairs_ = {
+        { engine.nll_loss(x, t, { weight = w }), engine.nll_loss(x:to(dt), t, { weight = w }) },
+        { engine.kl_div(x, u), engine.kl_div(x:to(dt), u:to(dt)) },
+        { engine.binary_cross_entropy(u, u), engine.binary_cross_entropy(u:to(dt), u:to(dt)) },
+      }
+      for i, pr in ipairs(pairs_) do
+        assert.are.equal(dt, pr[2].dtype)
+        assert.is_true(math.abs(pr[1]:item() - pr[2]:double():item()) < tol * (1 + math.abs(pr[1]:item())), dt .. " case " .. i)
+      end
+    end
+    -- a weight that requires grad gets its gradient through the composite
+    local wg = w:clone(); wg.requires_grad = true
+    engine.nll_loss(x, t, { weight = wg }):backward()
+    assert.is_not_nil(wg.grad)
+    -- broadcast targets (kl_div / smooth_l1 / huber) keep the composite's broadcasting
+    assert.are.same({ 3, 4 }, engine.smooth_l1_loss(x, y:select(1, 1), { reduction = "none" }):shape())
+    -- a range error in binary_cross_entropy names the extremes
+    local ok, e = pcall(engine.binary_cross_entropy, engine.tensor({ 0.5, 1.5, -0.25 }), engine.tensor({ 0, 1, 0 }))
+    assert.is_false(ok)
+    assert.is_truthy(tostring(e):find("binary_cross_entropy: all elements of input should be between 0 and 1 (got min -0.25, max 1.5)", 1, true), tostring(e))
+  end)
+end)
+
 -- At a kink PyTorch's gradient is one of the one-sided derivatives: leaky_relu and elu take the x <= 0
 -- branch at 0 (negative_slope, alpha exp(0)), hardtanh is 0 at both bounds (the constant side),
 -- softplus takes sigmoid(beta x) at x beta == threshold (1 only above).  Each point is checked against

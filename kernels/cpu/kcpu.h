@@ -250,6 +250,46 @@ int kc_cross_entropy_bw_f64(int64_t N, int64_t C, int64_t inner, const double* x
                             int64_t ignore, double eps, const double* lse, const double* gs,
                             double gconst, double* gx);
 
+/* loss.c: nll_loss over contiguous [N, C, inner] log-probabilities (tgt
+ * validated by the caller): loss[i] = -w[t_i] x[n, t_i, j] (w NULL: 1), 0 where
+ * t_i == ignore, into out (per position) or summed into *sum; *wsum = the sum
+ * of w[t_i] over the non-ignored positions.  Backward writes all of gx. */
+void kc_nll_f32(int64_t N, int64_t C, int64_t inner, const float* x, const int64_t* tgt, int64_t ignore,
+                const float* w, float* out, double* sum, double* wsum);
+void kc_nll_f64(int64_t N, int64_t C, int64_t inner, const double* x, const int64_t* tgt, int64_t ignore,
+                const double* w, double* out, double* sum, double* wsum);
+void kc_nll_bw_f32(int64_t N, int64_t C, int64_t inner, const int64_t* tgt, int64_t ignore, const float* w,
+                   const float* gs, double gconst, float* gx);
+void kc_nll_bw_f64(int64_t N, int64_t C, int64_t inner, const int64_t* tgt, int64_t ignore, const double* w,
+                   const double* gs, double gconst, double* gx);
+/* loss.c: elementwise losses of n contiguous x, y (w, pw: NULL or n entries;
+ * pw for KC_PL_BCE_LOGITS only; param: beta / delta).  Per-element losses into
+ * out, or (out NULL) their sum into *sum.  Returns 1 when KC_PL_BCE met an x
+ * outside [0, 1].  Backward: gx / gy (either NULL) for upstream gs[i] or gconst. */
+enum { KC_PL_BCE = 0, KC_PL_BCE_LOGITS = 1, KC_PL_KL_DIV = 2, KC_PL_KL_DIV_LOG = 3, KC_PL_SMOOTH_L1 = 4,
+       KC_PL_HUBER = 5 };
+int kc_ploss_f32(int kind, int64_t n, const float* x, const float* y, const float* w, const float* pw,
+                 double param, float* out, double* sum);
+int kc_ploss_f64(int kind, int64_t n, const double* x, const double* y, const double* w, const double* pw,
+                 double param, double* out, double* sum);
+void kc_ploss_bw_f32(int kind, int64_t n, const float* x, const float* y, const float* w, const float* pw,
+                     double param, const float* gs, double gconst, float* gx, float* gy);
+void kc_ploss_bw_f64(int kind, int64_t n, const double* x, const double* y, const double* w, const double* pw,
+                     double param, const double* gs, double gconst, double* gx, double* gy);
+
+/* loss.c: cross entropy with class weights w [C] (PyTorch's formula with label
+ * smoothing eps; see loss.c); lse per position; out / *sum / *wsum as kc_nll_*. */
+void kc_cross_entropy_w_f32(int64_t N, int64_t C, int64_t inner, const float* x, const int64_t* tgt, int64_t ignore,
+                            double eps, const float* w, float* out, float* lse, double* sum, double* wsum);
+void kc_cross_entropy_w_f64(int64_t N, int64_t C, int64_t inner, const double* x, const int64_t* tgt, int64_t ignore,
+                            double eps, const double* w, double* out, double* lse, double* sum, double* wsum);
+void kc_cross_entropy_w_bw_f32(int64_t N, int64_t C, int64_t inner, const float* x, const int64_t* tgt,
+                               int64_t ignore, double eps, const float* w, const float* lse, const float* gs,
+                               double gconst, float* gx);
+void kc_cross_entropy_w_bw_f64(int64_t N, int64_t C, int64_t inner, const double* x, const int64_t* tgt,
+                               int64_t ignore, double eps, const double* w, const double* lse, const double* gs,
+                               double gconst, double* gx);
+
 /* attention.c: in-place masked softmax of an L x S score block (row stride
  * lds).  mkind 0: no mask; 1: bool/u8 mask (nonzero = attend); 2: additive
  * mask of the block's dtype.  Mask element (i, j) at mask + i*mrs + j*mcs

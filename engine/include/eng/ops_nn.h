@@ -28,6 +28,23 @@ eng_tensor* eng_embedding_masked(eng_tensor* weight_shard, eng_tensor* indices, 
  * ignore_index contribute nothing (mean divides by the non-ignored count). */
 eng_tensor* eng_cross_entropy(eng_tensor* logits, eng_tensor* target, int64_t ignore_index,
                               int reduction, double label_smoothing);
+/* nll_loss (PyTorch's): logp [C] / [N, C] / [N, C, d1, ...] (classes in dim
+ * 1), target i32/i64 class ids of logp's shape without the class dim,
+ * weight NULL or [C] (a constant: no gradient).  reduction 0 none, 1 mean
+ * (sum(w_i l_i) / sum(w_i) over the non-ignored targets), 2 sum. */
+eng_tensor* eng_nll_loss(eng_tensor* logp, eng_tensor* target, eng_tensor* weight, int64_t ignore_index,
+                         int reduction);
+/* Elementwise losses (PyTorch's formulas), input and target of one shape and
+ * floating dtype, gradients to both; weight / pos_weight NULL or broadcastable
+ * to the input (constants: no gradient).  reduction 0 none, 1 mean, 2 sum
+ * (kl_div also 3 batchmean: the sum / the size of dim 1).  binary_cross_entropy
+ * fails unless every input element is in [0, 1]. */
+eng_tensor* eng_binary_cross_entropy(eng_tensor* p, eng_tensor* target, eng_tensor* weight, int reduction);
+eng_tensor* eng_binary_cross_entropy_with_logits(eng_tensor* x, eng_tensor* target, eng_tensor* weight,
+                                                 eng_tensor* pos_weight, int reduction);
+eng_tensor* eng_kl_div(eng_tensor* input, eng_tensor* target, int reduction, int log_target);
+eng_tensor* eng_smooth_l1_loss(eng_tensor* x, eng_tensor* y, int reduction, double beta);
+eng_tensor* eng_huber_loss(eng_tensor* x, eng_tensor* y, int reduction, double delta);
 /* Vocab-parallel cross entropy (Megatron's): logits_local [..., V_local]
  * holds classes [vocab_offset, vocab_offset + V_local) of vocab_total (class
  * dim LAST); targets [...] (the same on every rank of group) hold global

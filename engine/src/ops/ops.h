@@ -18,4 +18,16 @@ eng_tensor* eng_dropout_shard(eng_tensor* x, double p, const eng_dist_spec* spec
 eng_tensor* eng_sdpa_shard(eng_tensor* q, eng_tensor* k, eng_tensor* v, eng_tensor* mask, double dropout_p,
                            int is_causal, double scale, const int64_t* pshape, const int64_t* pstart);
 
+/* loss_ext.c: the fused losses on local tensors, for their sharding rules
+ * (sharding/loss.c).  nll: red 0 none, 1 mean, 2 sum; *wsum_out (if non-NULL)
+ * gets the local sum of the non-ignored targets' weights.  Elementwise losses
+ * (kind KC_PL_* of kernels/cpu/kcpu.h; w / pw NULL or x's shape): red 0 none,
+ * else the sum divided by divisor (eng_ploss_divisor of the GLOBAL shape:
+ * red 1 mean -> numel, 3 batchmean -> shape[0], 2 sum -> 1). */
+eng_tensor* eng_nll_loss_local(eng_tensor* x, eng_tensor* target, eng_tensor* weight, int64_t ignore, int red,
+                               double* wsum_out);
+eng_tensor* eng_ploss_local(int kind, eng_tensor* x, eng_tensor* y, eng_tensor* w, eng_tensor* pw, int red,
+                            double param, double divisor);
+double eng_ploss_divisor(int red, int ndim, const int64_t* shape, int64_t numel);
+
 #endif

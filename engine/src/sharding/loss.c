@@ -14,6 +14,7 @@
  * Partial logits are replicated first (the loss is not linear). */
 #include "dtensor/dtensor_impl.h"
 #include "sharding/sharding.h"
+#include "ops/ops.h"
 
 enum { RED_NONE = 0, RED_MEAN = 1, RED_SUM = 2 };
 
@@ -77,6 +78,35 @@ static int local_count(eng_tensor* t, int64_t ignore, double* out) {
   return 0;
 }
 
+/* mean over a sharded batch: outs[0] = r (this rank's sum) / the sum over the
+ * batch groups of den (this rank's part of the divisor: the count, or the
+ * weights, of its non-ignored targets); rc != 0 when this rank failed.  The
+ * local loss may fail on some ranks only (their targets out of range): agree
+ * over the batch groups first, so that every rank fails (naming the rank)
+ * instead of the others waiting in the divisor's all_reduce.  Consumes r. */
+static int batch_mean(const eng_dist_spec* x, const int* batch, int nb, eng_tensor* r, int rc, double den,
+                      eng_tensor** outs) {
+  eng_tensor* ct = NULL;
+  int agreed = rc ? 1 : 0;
+  for (int i = 0; i < nb; i++) {
+    eng_pg* g = eng_mesh_get_group(x->mesh, batch[i]);
+    if (eng_pg_agree(g, agreed, 0, "mean over the sharded batch") && !agreed) agreed = 2;
+    eng_pg_release(g);
+  }
+  if (agreed && !rc) rc = -1;
+  if (!rc) rc = (ct = eng_tensor_full(0, NULL, den, ENG_F64, ENG_CPU)) ? 0 : -1;
+  for (int i = 0; i < nb && !rc; i++) {
+    eng_pg* g = eng_mesh_get_group(x->mesh, batch[i]);
+    rc = eng_pg_all_reduce(g, ct, ENG_REDUCE_SUM, NULL);
+    eng_pg_release(g);
+  }
+  if (!rc) rc = eng_tensor_item(ct, &den);
+  eng_tensor_release(ct);
+  if (!rc) outs[0] = eng_mul_scalar(r, den != 0 ? 1.0 / den : (0.0 / 0.0));
+  eng_tensor_release(r);
+  return rc ? -1 : (outs[0] ? 0 : -1);
+}
+
 static int ce_local(const eng_op_call* c, const eng_dist_spec* const* is, const eng_dist_spec* const* os,
                     eng_tensor** outs) {
   (void)os;
@@ -101,31 +131,102 @@ static int ce_local(const eng_op_call* c, const eng_dist_spec* const* is, const 
   } else
     r = eng_cross_entropy(logits, target, ignore, rd, c->scalars[0]);
   if (rd == red) { outs[0] = r; return r ? 0 : -1; }
-  /* mean over a sharded batch: local sum / global count of non-ignored
-   * targets.  The local loss may fail on some ranks only (their targets out
-   * of range): agree over the batch groups first, so that every rank fails
-   * (naming the rank) instead of the others waiting in the count all_reduce. */
-  double cnt;
-  eng_tensor* ct = NULL;
+  double cnt = 0;
   int rc = r ? local_count(target, ignore, &cnt) : -1;
-  int agreed = rc ? 1 : 0;
-  for (int i = 0; i < nb; i++) {
-    eng_pg* g = eng_mesh_get_group(x->mesh, batch[i]);
-    if (eng_pg_agree(g, agreed, 0, "mean over the sharded batch") && !agreed) agreed = 2;
-    eng_pg_release(g);
-  }
-  if (agreed && !rc) rc = -1;
-  if (!rc) rc = (ct = eng_tensor_full(0, NULL, cnt, ENG_F64, ENG_CPU)) ? 0 : -1;
-  for (int i = 0; i < nb && !rc; i++) {
-    eng_pg* g = eng_mesh_get_group(x->mesh, batch[i]);
-    rc = eng_pg_all_reduce(g, ct, ENG_REDUCE_SUM, NULL);
-    eng_pg_release(g);
-  }
-  if (!rc) rc = eng_tensor_item(ct, &cnt);
-  eng_tensor_release(ct);
-  if (!rc) outs[0] = eng_mul_scalar(r, cnt > 0 ? 1.0 / cnt : (0.0 / 0.0));
-  eng_tensor_release(r);
-  return rc ? -1 : (outs[0] ? 0 : -1);
+  return batch_mean(x, batch, nb, r, rc, cnt, outs);
 }
 
 const eng_op_def eng_opdef_cross_entropy = {"cross_entropy", 1, ce_rule, ce_shape, NULL, ce_local, 1, 0, 1};
+
+/* ------------------------------------------------------------ nll_loss
+ * nll_loss(logp, target, weight): as cross_entropy's batch rule (logp S(d),
+ * d not the class dim, target S(d'), weight R -> none: S(d'); sum:
+ * Partial(sum); mean: Partial(sum) of the local sum / the GLOBAL sum of the
+ * non-ignored targets' weights: one all_reduce per batch mesh dim).  A
+ * sharded class dim is replicated first (the all-Replicate strategy). */
+static int nll_rule(const eng_op_call* c, const eng_dist_spec* const* s, int m, eng_strategy* out, int cap) {
+  (void)m;
+  const eng_dist_spec* x = s[0];
+  int cd = class_dim(x), red = (int)c->ints[1], n = 0;
+  for (int d = 0; d < x->ndim && n >= 0; d++) {
+    if (d == cd) continue;
+    int td = target_dim(cd, d);
+    eng_strategy st;
+    memset(&st, 0, sizeof st);
+    st.in[0] = sh_S(d); st.in[1] = sh_S(td); st.in[2] = sh_R();
+    st.out[0] = red == RED_NONE ? sh_S(td) : sh_P(ENG_REDUCE_SUM);
+    n = sh_push(out, cap, n, &st);
+  }
+  if (n < 0) return n;
+  return sh_all_replicate(out, cap, n, 3, 1);
+}
+
+static int nll_local(const eng_op_call* c, const eng_dist_spec* const* is, const eng_dist_spec* const* os,
+                     eng_tensor** outs) {
+  (void)os;
+  const eng_dist_spec* x = is[0];
+  int red = (int)c->ints[1], batch[8], nb = 0;
+  for (int m = 0; m < x->mesh_ndim; m++)
+    if (sh_is_S(&x->placements[m])) batch[nb++] = m;
+  if (!x->member) return eng_err("not a member of the mesh");
+  if (red != RED_MEAN || nb == 0) {
+    outs[0] = eng_nll_loss_local(c->in[0], c->in[1], c->in[2], c->ints[0], red, NULL);
+    return outs[0] ? 0 : -1;
+  }
+  double ws = 0;
+  eng_tensor* r = eng_nll_loss_local(c->in[0], c->in[1], c->in[2], c->ints[0], RED_SUM, &ws);
+  return batch_mean(x, batch, nb, r, r ? 0 : -1, ws, outs);
+}
+
+static eng_tensor* nll_fn(const eng_op_call* c) {
+  return eng_nll_loss_local(c->in[0], c->in[1], c->in[2], c->ints[0], (int)c->ints[1], NULL);
+}
+
+/* agree_local: the targets (data) may be out of range on some ranks only */
+const eng_op_def eng_opdef_nll_loss = {"nll_loss", 1, nll_rule, ce_shape, nll_fn, nll_local, 0, 0, 1};
+
+/* ------------------------------------------------------------ elementwise losses
+ * (x, y, w, pw) of one shape (w / pw expanded by the op; NULL when absent):
+ * every input S(d) -> none: S(d); mean / sum / batchmean: Partial(sum) of the
+ * local sum / the divisor of the GLOBAL shape (no communication).  Partial
+ * inputs are replicated first (the losses are not linear). */
+static int ploss_rule(const eng_op_call* c, const eng_dist_spec* const* s, int m, eng_strategy* out, int cap) {
+  (void)m;
+  const eng_dist_spec* x = s[0];
+  int red = (int)c->ints[1], n = 0;
+  for (int d = 0; d < x->ndim && n >= 0; d++) {
+    eng_strategy st;
+    memset(&st, 0, sizeof st);
+    for (int i = 0; i < 4; i++) st.in[i] = sh_S(d);
+    st.out[0] = red == RED_NONE ? sh_S(d) : sh_P(ENG_REDUCE_SUM);
+    n = sh_push(out, cap, n, &st);
+  }
+  if (n < 0) return n;
+  return sh_all_replicate(out, cap, n, 4, 1);
+}
+
+static int ploss_shape(const eng_op_call* c, const eng_dist_spec* const* s, int* nd, int64_t (*shapes)[8]) {
+  if (c->ints[1] == RED_NONE) return sh_shape_same0(c, s, nd, shapes);
+  nd[0] = 0;
+  return 0;
+}
+
+static int ploss_local(const eng_op_call* c, const eng_dist_spec* const* is, const eng_dist_spec* const* os,
+                       eng_tensor** outs) {
+  (void)os;
+  const eng_dist_spec* x = is[0];
+  int red = (int)c->ints[1];
+  outs[0] = eng_ploss_local((int)c->ints[0], c->in[0], c->in[1], c->in[2], c->in[3], red == RED_NONE ? RED_NONE : RED_SUM,
+                            c->scalars[0], eng_ploss_divisor(red, x->ndim, x->shape, x->numel));
+  return outs[0] ? 0 : -1;
+}
+
+static eng_tensor* ploss_fn(const eng_op_call* c) {
+  return eng_ploss_local((int)c->ints[0], c->in[0], c->in[1], c->in[2], c->in[3],
+                         c->ints[1] == RED_NONE ? RED_NONE : RED_SUM, c->scalars[0], 1.0);
+}
+
+const eng_op_def eng_opdef_ploss = {"pointwise_loss", 1, ploss_rule, ploss_shape, ploss_fn, ploss_local, 0, 0, 0};
+/* binary_cross_entropy: its input range check may fail on some ranks only */
+const eng_op_def eng_opdef_ploss_checked = {"pointwise_loss", 1, ploss_rule, ploss_shape, ploss_fn, ploss_local,
+                                            0, 0, 1};

@@ -183,6 +183,10 @@ extern const eng_op_def eng_opdef_matmul, eng_opdef_linear;
 /* sharding/embedding.c: ints[0] = padding_idx (-1 none); sharding/loss.c: cross_entropy ints[0] = ignore_index,
  * ints[1] = reduction (0 none, 1 mean, 2 sum), scalars[0] = label_smoothing (R3) */
 extern const eng_op_def eng_opdef_embedding, eng_opdef_cross_entropy;
+/* sharding/loss.c: nll_loss (logp, target, weight) ints as cross_entropy; the elementwise losses (x, y,
+ * weight, pos_weight; ops/loss_ext.c) ints[0] = kind (KC_PL_*), ints[1] = reduction (0 none, 1 mean, 2 sum,
+ * 3 batchmean), scalars[0] = beta / delta; _checked: binary_cross_entropy (agree_local) */
+extern const eng_op_def eng_opdef_nll_loss, eng_opdef_ploss, eng_opdef_ploss_checked;
 /* R1: softmax ints[0] = dim, ints[1] = log; norm (layer_norm/rms_norm, inputs x, w, b) ints[0] = n_norm,
  * ints[1] = rms, scalars[0] = eps; dropout scalars[0] = p; sdpa (q, k, v, mask) ints[0] = is_causal,
  * scalars[0] = dropout_p, scalars[1] = scale */

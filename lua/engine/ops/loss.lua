@@ -43,6 +43,25 @@ local function same_shape(a, b)
   return true
 end
 
+-- the fused C ops (engine/src/ops/loss_ext.c) take tensors of one floating dtype and shape, and
+-- weights that need no gradient; anything else takes the composite path below
+local red_code = { none = 0, mean = 1, sum = 2, batchmean = 3 }
+local function float_alike(a, b)
+  local ca, cb = a._c, b._c
+  if ca.ndim ~= cb.ndim or ca.dtype ~= cb.dtype or C.eng_dtype_is_floating(ca.dtype) == 0 then return false end
+  local sa, sb = ca.shape, cb.shape  -- a DTensor's global shape is in its spec
+  if ca.dist ~= nil then sa = ca.dist.shape end
+  if cb.dist ~= nil then sb = cb.dist.shape end
+  for i = 0, ca.ndim - 1 do if sa[i] ~= sb[i] then return false end end
+  return true
+end
+local function const_weight(w) return w == nil or (core.is_tensor(w) and w._c.requires_grad == 0) end
+local function weight_c(w, like)
+  if w == nil then return nil end
+  if like._c.dist ~= nil and w._c.dist == nil then w = lift(w, like) end
+  return w._c
+end
+
 local function opts_of(opts, op, allowed)
   if opts == nil then return {} end
   if type(opts) ~= "table" or core.is_tensor(opts) then
@@ -150,7 +169,12 @@ function M.nll_loss(logp, target, opts)
   opts = opts_of(opts, op, nll_opts)
   local red = reduction_of(opts, op)
   local ignore = num_opt(opts.ignore_index, -100, op, "ignore_index")
-  local loss, w, _, nd = nll_parts(logp, target, opts.weight, ignore, op)
+  local weight = opts.weight
+  if core.is_tensor(logp) and core.is_tensor(target) and logp:is_floating_point() and const_weight(weight) then
+    -- one fused op (engine/src/ops/loss_ext.c) with the same checks and messages
+    return wrap(C.eng_nll_loss(logp._c, target._c, weight_c(weight, logp), ignore, red_code[red]))
+  end
+  local loss, w, _, nd = nll_parts(logp, target, weight, ignore, op)
   if red == "none" then
     if nd == 1 then return loss:view({}) end
     return loss
@@ -233,6 +257,12 @@ function M.binary_cross_entropy(p, target, opts)
   opts = opts_of(opts, op, bce_opts)
   need(p, op, 1); need(target, op, 2, "target")
   local red = reduction_of(opts, op)
+  local weight = opts.weight
+  if weight ~= nil then need(weight, op, 3, "weight") end
+  if float_alike(p, target) and const_weight(weight) then
+    -- one fused op: the 0..1 check in its kernel (agreed across ranks on DTensors)
+    return wrap(C.eng_binary_cross_entropy(p._c, target._c, weight_c(weight, p), red_code[red]))
+  end
   if not same_shape(p, target) then
     fail(string.format("%s: target %s%s must have the input's shape %s%s", op, target.dtype, shp(target), p.dtype, shp(p)))
   end
@@ -260,6 +290,13 @@ function M.binary_cross_entropy_with_logits(x, target, opts)
   opts = opts_of(opts, op, bcel_opts)
   need(x, op, 1); need(target, op, 2, "target")
   local red = reduction_of(opts, op)
+  local weight, pw = opts.weight, opts.pos_weight
+  if weight ~= nil then need(weight, op, 3, "weight") end
+  if pw ~= nil then need(pw, op, 3, "pos_weight") end
+  if float_alike(x, target) and const_weight(weight) and const_weight(pw) then
+    return wrap(C.eng_binary_cross_entropy_with_logits(x._c, target._c, weight_c(weight, x), weight_c(pw, x),
+      red_code[red]))
+  end
   if not same_shape(x, target) then
     fail(string.format("%s: target %s%s must have the input's shape %s%s", op, target.dtype, shp(target), x.dtype, shp(x)))
   end
@@ -293,6 +330,9 @@ function M.kl_div(input, target, opts)
   opts = opts_of(opts, op, kl_opts)
   need(input, op, 1); need(target, op, 2, "target")
   local red = reduction_of(opts, op, "batchmean")
+  if float_alike(input, target) then
+    return wrap(C.eng_kl_div(input._c, target._c, red_code[red], opts.log_target and 1 or 0))
+  end
   local l
   if opts.log_target then
     l = target:exp() * (target - input)
@@ -317,6 +357,7 @@ function M.smooth_l1_loss(x, y, opts)
   local red = reduction_of(opts, op)
   local beta = num_opt(opts.beta, 1, op, "beta")
   if beta < 0 then fail(op .. ": beta must be non-negative, got " .. beta) end
+  if float_alike(x, y) then return wrap(C.eng_smooth_l1_loss(x._c, y._c, red_code[red], beta)) end
   local d = (x - y):abs()
   local l
   if beta == 0 then l = d
@@ -338,6 +379,7 @@ function M.huber_loss(x, y, opts)
   local red = reduction_of(opts, op)
   local delta = num_opt(opts.delta, 1, op, "delta")
   if not (delta > 0) then fail(op .. ": delta must be positive, got " .. tostring(delta)) end
+  if float_alike(x, y) then return wrap(C.eng_huber_loss(x._c, y._c, red_code[red], delta)) end
   local d = (x - y):abs()
   -- with u = min(d, delta): u (d - u / 2) is 0.5 d^2 below delta and delta (d - delta / 2) above
   -- (bitwise PyTorch's two branches; gradient d, delta), 2 dispatches fewer than a where of both
