@@ -138,6 +138,10 @@ describe("fused losses: float64 finite differences of every option", function()
     { "nll_loss weight none", function(a) return engine.nll_loss(a, t, { weight = w, reduction = "none" }) end },
     { "nll_loss 1-d none", function(a) return engine.nll_loss(a:select(1, 1), engine.tensor(2), { reduction = "none" }) end },
     { "nll_loss 3-d weight ignore 7", function(a) return engine.nll_loss(x3 * a:sum(), t3, { weight = w3, ignore_index = 7 }) end },
+    { "cross_entropy weight mean", function(a) return engine.cross_entropy(a, t, { weight = w }) end },
+    { "cross_entropy weight smoothing sum", function(a) return engine.cross_entropy(a, t, { weight = w, label_smoothing = 0.2, reduction = "sum" }) end },
+    { "cross_entropy weight smoothing none", function(a) return engine.cross_entropy(a, t, { weight = w, label_smoothing = 0.3, reduction = "none" }) end },
+    { "cross_entropy 3-d weight smoothing ignore 7", function(a) return engine.cross_entropy(x3 * a:sum(), t3, { weight = w3, ignore_index = 7, label_smoothing = 0.1 }) end },
     { "bce mean (input and target)", function(a, b) return engine.binary_cross_entropy(a:sigmoid(), b:sigmoid()) end, true },
     { "bce weight sum", function(a, b) return engine.binary_cross_entropy(a:sigmoid(), b:sigmoid(), { weight = w, reduction = "sum" }) end, true },
     { "bce none", function(a, b) return engine.binary_cross_entropy(a:sigmoid(), b:sigmoid(), { reduction = "none" }) end, true },
@@ -157,19 +161,22 @@ describe("fused losses: float64 finite differences of every option", function()
       if cse[3] then local b = y:clone(); b.requires_grad = true; ins[2] = b end
       assert.is_true(gc.check(cse[2], ins, { eps = 1e-6, tol = 1e-6 }))
       local out = cse[2](table.unpack(ins))
-      assert.is_truthy(out.grad_fn:find("NllLoss") or out.grad_fn:find("PointwiseLoss") or out.grad_fn:find("Mul"), out.grad_fn)
+      assert.is_truthy(out.grad_fn:find("NllLoss") or out.grad_fn:find("PointwiseLoss") or out.grad_fn:find("CrossEntropy")
+        or out.grad_fn:find("Mul"), out.grad_fn)
     end)
   end
   it("the fused ops: one node; f32 / bf16 agree with f64; integer or mixed inputs keep the composite", function()
     local a = x:clone(); a.requires_grad = true
     assert.are.equal("NllLossBackward", engine.nll_loss(a, t, { weight = w }).grad_fn)
     assert.are.equal("PointwiseLossBackward", engine.huber_loss(a, y).grad_fn)
+    assert.are.equal("CrossEntropyBackward", engine.cross_entropy(a, t, { weight = w, label_smoothing = 0.1 }).grad_fn)
     assert.are.equal("PointwiseLossBackward", engine.binary_cross_entropy_with_logits(a, u, { pos_weight = w }).grad_fn)
     for _, dt in ipairs({ "f32", "bf16" }) do
       local tol = dt == "f32" and 1e-5 or 3e-2
       local pairs_ = {
         { engine.nll_loss(x, t, { weight = w }), engine.nll_loss(x:to(dt), t, { weight = w }) },
         { engine.kl_div(x, u), engine.kl_div(x:to(dt), u:to(dt)) },
+        { engine.cross_entropy(x, t, { weight = w, label_smoothing = 0.1 }), engine.cross_entropy(x:to(dt), t, { weight = w, label_smoothing = 0.1 }) },
         { engine.binary_cross_entropy(u, u), engine.binary_cross_entropy(u:to(dt), u:to(dt)) },
       }
       for i, pr in ipairs(pairs_) do

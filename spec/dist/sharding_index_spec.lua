@@ -182,7 +182,12 @@ describe("sharding: losses and activations", function()
     conv.check("nll_loss 3-d ignore 2", function(a, tt) return engine.nll_loss(a, tt, { weight = engine.tensor({ 1, 2, 0.5 }, "f64"), ignore_index = 2 }) end,
       { randn(4, 3, 2), engine.tensor({ { 0, 2 }, { 1, 1 }, { 2, 2 }, { 0, 1 } }) }, COVER)
     conv.check("cross_entropy weight smoothing", function(a, tt)
-      return engine.cross_entropy(a, tt, { weight = w, label_smoothing = 0.1 }) end, { x, t })
+      return engine.cross_entropy(a, tt, { weight = w, label_smoothing = 0.1 }) end, { x, t }, COVER)
+    conv.check("cross_entropy weight none", function(a, tt)
+      return engine.cross_entropy(a, tt, { weight = w, reduction = "none" }) end, { x, t }, COVER)
+    conv.check("cross_entropy 3-d weight smoothing sum", function(a, tt)
+      return engine.cross_entropy(a, tt, { weight = engine.tensor({ 1, 2, 0.5 }, "f64"), label_smoothing = 0.2, reduction = "sum" }) end,
+      { randn(4, 3, 2), engine.tensor({ { 0, 2 }, { 1, 1 }, { 2, -100 }, { 0, 1 } }) }, COVER)
     conv.check("cross_entropy probabilities", function(a, p) return engine.cross_entropy(a, p) end, { x, randn(4, 5):softmax(2) })
   end)
   it("bce / bce_with_logits / kl_div / smooth_l1 / huber", function()

@@ -34,6 +34,11 @@ eng_tensor* eng_cross_entropy(eng_tensor* logits, eng_tensor* target, int64_t ig
  * (sum(w_i l_i) / sum(w_i) over the non-ignored targets), 2 sum. */
 eng_tensor* eng_nll_loss(eng_tensor* logp, eng_tensor* target, eng_tensor* weight, int64_t ignore_index,
                          int reduction);
+/* cross_entropy with class weights [C] (weight NULL: eng_cross_entropy):
+ * PyTorch's weighted loss with label smoothing, mean = sum / sum of the
+ * non-ignored targets' weights (weight a constant: no gradient). */
+eng_tensor* eng_cross_entropy_weighted(eng_tensor* logits, eng_tensor* target, eng_tensor* weight,
+                                       int64_t ignore_index, int reduction, double label_smoothing);
 /* Elementwise losses (PyTorch's formulas), input and target of one shape and
  * floating dtype, gradients to both; weight / pos_weight NULL or broadcastable
  * to the input (constants: no gradient).  reduction 0 none, 1 mean, 2 sum

@@ -77,6 +77,28 @@ static int upstream(eng_tensor* go, int red, double divisor, int cdt, eng_tensor
 }
 
 /* ============================================================ nll_loss */
+/* The targets as a host i64 tensor, checked in range (the message of the
+ * composite: its range with ignored ids read as 0). */
+static eng_tensor* read_targets(const char* op, eng_tensor* target, int64_t C, int64_t ignore) {
+  eng_tensor* T = host(target, ENG_I64);
+  if (!T) return NULL;
+  const int64_t* tg = (const int64_t*)eng_ptr(T);
+  int64_t lo = INT64_MAX, hi = INT64_MIN;
+  for (int64_t i = 0; i < T->numel; i++) {
+    int64_t v = tg[i] == ignore ? 0 : tg[i];
+    if (v < lo) lo = v;
+    if (v > hi) hi = v;
+  }
+  if (T->numel > 0 && (lo < 0 || hi >= C)) {
+    eng_errp("%s: target %lld is out of bounds for %lld classes (class ids are 0-based; ignore_index %lld)", op,
+             (long long)(lo < 0 ? lo : hi), (long long)C, (long long)ignore);
+    eng_tensor_release(T);
+    return NULL;
+  }
+  return T;
+}
+#define PTR(T, t) ((t) ? (T*)eng_ptr(t) : NULL)
+
 /* saved: 0 target (host i64), [1 weight (host cdt)].  ints: 0 N, 1 C, 2 inner,
  * 3 ignore, 4 reduction (none / sum), 5 device, 6 has weight.  scalars: 0 divisor. */
 static int nll_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
@@ -118,20 +140,8 @@ eng_tensor* eng_nll_loss_local(eng_tensor* x, eng_tensor* target, eng_tensor* we
   for (int d = 2; d < nd; d++) inner *= x->shape[d];
   int rdt = x->dtype, cdt = compute_dtype(rdt);
   eng_tensor *T = NULL, *X = NULL, *W = NULL, *out = NULL;
-  if (!(T = host(target, ENG_I64))) goto fail;
+  if (!(T = read_targets(op, target, C, ignore))) goto fail;
   const int64_t* tg = (const int64_t*)eng_ptr(T);
-  /* the range of the class ids (ignored ones read as 0, as the composite's masked_fill) */
-  int64_t lo = INT64_MAX, hi = INT64_MIN;
-  for (int64_t i = 0; i < T->numel; i++) {
-    int64_t v = tg[i] == ignore ? 0 : tg[i];
-    if (v < lo) lo = v;
-    if (v > hi) hi = v;
-  }
-  if (T->numel > 0 && (lo < 0 || hi >= C)) {
-    eng_errp("%s: target %lld is out of bounds for %lld classes (class ids are 0-based; ignore_index %lld)", op,
-             (long long)(lo < 0 ? lo : hi), (long long)C, (long long)ignore);
-    goto fail;
-  }
   if (!(X = host(x, cdt)) || (weight && !(W = host(weight, cdt)))) goto fail;
   double s = 0, ws = 0;
   if (red == RED_NONE) {
@@ -164,35 +174,143 @@ fail:
   return NULL;
 }
 
+/* The checks of nll_loss / weighted cross_entropy on global shapes, in the
+ * composites' order (cross_entropy checks the weight first). */
+static int nll_args(const char* op, eng_tensor* x, eng_tensor* target, eng_tensor* weight, int reduction,
+                    int weight_first) {
+  if (eng_meta_check_local(x, op) || eng_meta_check_local(target, op)) return -1;
+  if (reduction < RED_NONE || reduction > RED_SUM)
+    return eng_err("%s: reduction code %d is invalid (0 none, 1 mean, 2 sum)", op, reduction);
+  int nd = x->ndim;
+  if (nd == 0) return eng_err("%s: input must have at least 1 dim ([C], [N, C] or [N, C, d1, ...])", op);
+  int cdim = nd == 1 ? 0 : 1;
+  const int64_t *xs = gsh(x), *tsh = gsh(target);
+  for (int pass = 0; pass < 2; pass++) {
+    if (pass == (weight_first ? 0 : 1)) {
+      if (weight && (weight->ndim != 1 || gsh(weight)[0] != xs[cdim]))
+        return eng_err("%s: weight must be a 1-D tensor of %lld entries (one per class), got %s", op,
+                       (long long)xs[cdim], gdesc(weight));
+      continue;
+    }
+    if (eng_dtype_is_floating(target->dtype) || target->dtype == ENG_BOOL)
+      return eng_err("%s: target must hold class ids (i64/i32), got %s", op, gdesc(target));
+    int64_t ts[ENG_MAX_DIMS];
+    int k = 0;
+    for (int d = 0; d < nd; d++) if (d != cdim) ts[k++] = xs[d];
+    int ok = target->ndim == k;
+    for (int d = 0; ok && d < k; d++) ok = tsh[d] == ts[d];
+    if (!ok)
+      return eng_err("%s: input %s (classes in dim %d) expects target of shape %s, got %s", op, gdesc(x), cdim + 1,
+                     eng_shape_str(k, ts), gdesc(target));
+  }
+  return 0;
+}
+
 eng_tensor* eng_nll_loss(eng_tensor* x, eng_tensor* target, eng_tensor* weight, int64_t ignore_index,
                          int reduction) {
   const char* op = "nll_loss";
   ENG_CHECK(x, op); ENG_CHECK(target, op);
-  if (eng_meta_check_local(x, op) || eng_meta_check_local(target, op)) return NULL;
-  if (reduction < RED_NONE || reduction > RED_SUM)
-    return eng_errp("%s: reduction code %d is invalid (0 none, 1 mean, 2 sum)", op, reduction);
-  if (eng_dtype_is_floating(target->dtype) || target->dtype == ENG_BOOL)
-    return eng_errp("%s: target must hold class ids (i64/i32), got %s", op, eng_desc(target));
-  int nd = x->ndim;
-  if (nd == 0) return eng_errp("%s: input must have at least 1 dim ([C], [N, C] or [N, C, d1, ...])", op);
-  int cdim = nd == 1 ? 0 : 1;
-  const int64_t *xs = gsh(x), *tsh = gsh(target);
-  int64_t ts[ENG_MAX_DIMS];
-  int k = 0;
-  for (int d = 0; d < nd; d++) if (d != cdim) ts[k++] = xs[d];
-  int ok = target->ndim == k;
-  for (int d = 0; ok && d < k; d++) ok = tsh[d] == ts[d];
-  if (!ok)
-    return eng_errp("%s: input %s (classes in dim %d) expects target of shape %s, got %s", op, gdesc(x), cdim + 1,
-                    eng_shape_str(k, ts), gdesc(target));
-  if (weight && (weight->ndim != 1 || gsh(weight)[0] != xs[cdim]))
-    return eng_errp("%s: weight must be a 1-D tensor of %lld entries (one per class), got %s", op,
-                    (long long)xs[cdim], gdesc(weight));
+  if (nll_args(op, x, target, weight, reduction, 0)) return NULL;
   if (ENG_DT_ACTIVE(x->dist || target->dist || (weight && weight->dist) || ENG_META_T(x) || ENG_META_T(target) ||
                     ENG_META_T(weight)))
     return eng_dispatch(&eng_opdef_nll_loss, &(eng_op_call){.name = op, .n_in = 3, .in = {x, target, weight},
-                                                             .ints = {ignore_index, reduction}});
+                                                             .ints = {ignore_index, reduction, 0}});
   return eng_nll_loss_local(x, target, weight, ignore_index, reduction, NULL);
+}
+
+/* ============================================================ cross_entropy with class weights */
+/* saved: 0 logits, 1 target (i64), 2 lse, 3 weight (host).  ints: 0 N, 1 C,
+ * 2 inner, 3 ignore, 4 reduction (none / sum), 5 device.  scalars: 0
+ * label_smoothing, 1 divisor. */
+static int cew_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
+  eng_tensor *X = eng_node_saved(n, 0), *T = eng_node_saved(n, 1), *L = eng_node_saved(n, 2),
+             *W = eng_node_saved(n, 3);
+  if (!X || !T || !L || !W) return -1;
+  if (!eng_node_needs_grad(n, 0) || !go[0]) return 0;
+  int64_t N = n->ints[0], C = n->ints[1], inner = n->ints[2], ignore = n->ints[3];
+  int red = (int)n->ints[4], cdt = X->dtype;
+  eng_tensor *G = NULL, *gx = NULL;
+  double gc;
+  int rc = -1;
+  if (upstream(go[0], red, n->scalars[1], cdt, &G, &gc)) goto done;
+  if (!(gx = eng_new(X->ndim, X->shape, cdt, ENG_CPU))) goto done;
+  const int64_t* t = (const int64_t*)eng_ptr(T);
+  if (cdt == ENG_F32)
+    kc_cross_entropy_w_bw_f32(N, C, inner, PTR(const float, X), t, ignore, n->scalars[0], PTR(const float, W),
+                              PTR(const float, L), PTR(const float, G), gc, PTR(float, gx));
+  else
+    kc_cross_entropy_w_bw_f64(N, C, inner, PTR(const double, X), t, ignore, n->scalars[0], PTR(const double, W),
+                              PTR(const double, L), PTR(const double, G), gc, PTR(double, gx));
+  if (!(gx = finish(gx, cdt, (int)n->ints[5]))) goto done;
+  rc = (gi[0] = eng_grad_to_input(n, 0, gx)) ? 0 : -1;
+done:
+  eng_tensor_release(G); eng_tensor_release(gx);
+  return rc;
+}
+
+eng_tensor* eng_cross_entropy_weighted_local(eng_tensor* x, eng_tensor* target, eng_tensor* weight, int64_t ignore,
+                                             int red, double eps, double* wsum_out) {
+  const char* op = "cross_entropy";
+  if (!eng_dtype_is_floating(x->dtype)) return eng_errp("%s: logits %s must be floating point", op, eng_desc(x));
+  if (x->device != target->device || weight->device != x->device)
+    return eng_errp("%s: logits %s, target %s and weight %s on different devices", op, eng_desc(x),
+                    eng_desc(target), eng_desc(weight));
+  int nd = x->ndim, cdim = nd == 1 ? 0 : 1;
+  int64_t C = x->shape[cdim], N = nd == 1 ? 1 : x->shape[0], inner = 1;
+  for (int d = 2; d < nd; d++) inner *= x->shape[d];
+  int rdt = x->dtype, cdt = compute_dtype(rdt);
+  eng_tensor *T = NULL, *X = NULL, *W = NULL, *L = NULL, *out = NULL;
+  if (!(T = read_targets(op, target, C, ignore))) goto fail;
+  if (!(X = host(x, cdt)) || !(W = host(weight, cdt))) goto fail;
+  int64_t np = N * inner;
+  if (!(L = eng_new(1, &np, cdt, ENG_CPU))) goto fail;
+  double s = 0, ws = 0;
+  if (red == RED_NONE) {
+    int64_t ts[ENG_MAX_DIMS];
+    int k = 0;
+    for (int d = 0; d < nd; d++) if (d != cdim) ts[k++] = x->shape[d];
+    if (!(out = eng_new(k, ts, cdt, ENG_CPU))) goto fail;
+  }
+  const int64_t* tg = (const int64_t*)eng_ptr(T);
+  if (cdt == ENG_F32)
+    kc_cross_entropy_w_f32(N, C, inner, PTR(const float, X), tg, ignore, eps, PTR(const float, W), PTR(float, out),
+                           PTR(float, L), &s, &ws);
+  else
+    kc_cross_entropy_w_f64(N, C, inner, PTR(const double, X), tg, ignore, eps, PTR(const double, W),
+                           PTR(double, out), PTR(double, L), &s, &ws);
+  double divisor = red == RED_MEAN ? ws : 1.0;
+  if (wsum_out) *wsum_out = ws;
+  if (!out && !(out = eng_tensor_full(0, NULL, s / divisor, cdt, ENG_CPU))) goto fail;
+  if (!(out = finish(out, rdt, x->device))) goto fail;
+  if (eng_any_requires_grad(1, &x)) {
+    eng_node* n = eng_record("CrossEntropyBackward", cew_bw, 1, &x, out);
+    if (!n || eng_node_save(n, X) || eng_node_save(n, T) || eng_node_save(n, L) || eng_node_save(n, W)) goto fail;
+    n->ints[0] = N; n->ints[1] = C; n->ints[2] = inner; n->ints[3] = ignore;
+    n->ints[4] = red == RED_MEAN ? RED_SUM : red; n->ints[5] = x->device;
+    n->scalars[0] = eps; n->scalars[1] = divisor;
+  }
+  eng_tensor_release(T); eng_tensor_release(X); eng_tensor_release(W); eng_tensor_release(L);
+  return out;
+fail:
+  eng_tensor_release(T); eng_tensor_release(X); eng_tensor_release(W); eng_tensor_release(L);
+  eng_tensor_release(out);
+  return NULL;
+}
+
+eng_tensor* eng_cross_entropy_weighted(eng_tensor* logits, eng_tensor* target, eng_tensor* weight,
+                                       int64_t ignore_index, int reduction, double label_smoothing) {
+  const char* op = "cross_entropy";
+  ENG_CHECK(logits, op); ENG_CHECK(target, op);
+  if (!weight) return eng_cross_entropy(logits, target, ignore_index, reduction, label_smoothing);
+  if (!(label_smoothing >= 0.0 && label_smoothing <= 1.0))
+    return eng_errp("%s: label_smoothing must be between 0.0 and 1.0, got %g", op, label_smoothing);
+  if (nll_args(op, logits, target, weight, reduction, 1)) return NULL;
+  if (ENG_DT_ACTIVE(logits->dist || target->dist || weight->dist || ENG_META_T(logits) || ENG_META_T(target) ||
+                    ENG_META_T(weight)))
+    return eng_dispatch(&eng_opdef_nll_loss, &(eng_op_call){.name = op, .n_in = 3, .in = {logits, target, weight},
+                                                             .ints = {ignore_index, reduction, 1},
+                                                             .scalars = {label_smoothing}});
+  return eng_cross_entropy_weighted_local(logits, target, weight, ignore_index, reduction, label_smoothing, NULL);
 }
 
 /* ============================================================ elementwise losses */
@@ -222,7 +340,6 @@ static int ploss_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
   if (upstream(go[0], red, n->scalars[1], cdt, &G, &gc)) goto done;
   if ((nx && !(gx = eng_new(X->ndim, X->shape, cdt, ENG_CPU))) || (ny && !(gy = eng_new(X->ndim, X->shape, cdt, ENG_CPU))))
     goto done;
-#define PTR(T, t) ((t) ? (T*)eng_ptr(t) : NULL)
   if (cdt == ENG_F32)
     kc_ploss_bw_f32(kind, X->numel, PTR(const float, X), PTR(const float, Y), PTR(const float, W),
                     PTR(const float, PW), n->scalars[0], PTR(const float, G), gc, PTR(float, gx), PTR(float, gy));

@@ -26,6 +26,9 @@ eng_tensor* eng_sdpa_shard(eng_tensor* q, eng_tensor* k, eng_tensor* v, eng_tens
  * red 1 mean -> numel, 3 batchmean -> shape[0], 2 sum -> 1). */
 eng_tensor* eng_nll_loss_local(eng_tensor* x, eng_tensor* target, eng_tensor* weight, int64_t ignore, int red,
                                double* wsum_out);
+/* cross_entropy with class weights (weight non-NULL), as eng_nll_loss_local. */
+eng_tensor* eng_cross_entropy_weighted_local(eng_tensor* x, eng_tensor* target, eng_tensor* weight, int64_t ignore,
+                                             int red, double eps, double* wsum_out);
 eng_tensor* eng_ploss_local(int kind, eng_tensor* x, eng_tensor* y, eng_tensor* w, eng_tensor* pw, int red,
                             double param, double divisor);
 double eng_ploss_divisor(int red, int ndim, const int64_t* shape, int64_t numel);

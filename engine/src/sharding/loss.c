@@ -139,7 +139,8 @@ static int ce_local(const eng_op_call* c, const eng_dist_spec* const* is, const 
 const eng_op_def eng_opdef_cross_entropy = {"cross_entropy", 1, ce_rule, ce_shape, NULL, ce_local, 1, 0, 1};
 
 /* ------------------------------------------------------------ nll_loss
- * nll_loss(logp, target, weight): as cross_entropy's batch rule (logp S(d),
+ * nll_loss(logp, target, weight) and (ints[2] = 1) cross_entropy(logits,
+ * target, weight) with class weights (scalars[0] = label_smoothing): as cross_entropy's batch rule (logp S(d),
  * d not the class dim, target S(d'), weight R -> none: S(d'); sum:
  * Partial(sum); mean: Partial(sum) of the local sum / the GLOBAL sum of the
  * non-ignored targets' weights: one all_reduce per batch mesh dim).  A
@@ -169,16 +170,19 @@ static int nll_local(const eng_op_call* c, const eng_dist_spec* const* is, const
   for (int m = 0; m < x->mesh_ndim; m++)
     if (sh_is_S(&x->placements[m])) batch[nb++] = m;
   if (!x->member) return eng_err("not a member of the mesh");
-  if (red != RED_MEAN || nb == 0) {
-    outs[0] = eng_nll_loss_local(c->in[0], c->in[1], c->in[2], c->ints[0], red, NULL);
-    return outs[0] ? 0 : -1;
-  }
+  int rd = red == RED_MEAN && nb > 0 ? RED_SUM : red;
   double ws = 0;
-  eng_tensor* r = eng_nll_loss_local(c->in[0], c->in[1], c->in[2], c->ints[0], RED_SUM, &ws);
+  eng_tensor* r = c->ints[2] ? eng_cross_entropy_weighted_local(c->in[0], c->in[1], c->in[2], c->ints[0], rd,
+                                                                c->scalars[0], &ws)
+                             : eng_nll_loss_local(c->in[0], c->in[1], c->in[2], c->ints[0], rd, &ws);
+  if (rd == red) { outs[0] = r; return r ? 0 : -1; }
   return batch_mean(x, batch, nb, r, r ? 0 : -1, ws, outs);
 }
 
 static eng_tensor* nll_fn(const eng_op_call* c) {
+  if (c->ints[2])
+    return eng_cross_entropy_weighted_local(c->in[0], c->in[1], c->in[2], c->ints[0], (int)c->ints[1], c->scalars[0],
+                                            NULL);
   return eng_nll_loss_local(c->in[0], c->in[1], c->in[2], c->ints[0], (int)c->ints[1], NULL);
 }
 

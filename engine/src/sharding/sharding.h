@@ -183,7 +183,8 @@ extern const eng_op_def eng_opdef_matmul, eng_opdef_linear;
 /* sharding/embedding.c: ints[0] = padding_idx (-1 none); sharding/loss.c: cross_entropy ints[0] = ignore_index,
  * ints[1] = reduction (0 none, 1 mean, 2 sum), scalars[0] = label_smoothing (R3) */
 extern const eng_op_def eng_opdef_embedding, eng_opdef_cross_entropy;
-/* sharding/loss.c: nll_loss (logp, target, weight) ints as cross_entropy; the elementwise losses (x, y,
+/* sharding/loss.c: nll_loss (logp, target, weight) ints as cross_entropy, ints[2] = 1: cross_entropy with
+ * class weights (scalars[0] = label_smoothing); the elementwise losses (x, y,
  * weight, pos_weight; ops/loss_ext.c) ints[0] = kind (KC_PL_*), ints[1] = reduction (0 none, 1 mean, 2 sum,
  * 3 batchmean), scalars[0] = beta / delta; _checked: binary_cross_entropy (agree_local) */
 extern const eng_op_def eng_opdef_nll_loss, eng_opdef_ploss, eng_opdef_ploss_checked;

@@ -201,6 +201,11 @@ function M.cross_entropy(logits, target, opts)
   local ignore = num_opt(opts.ignore_index, -100, op, "ignore_index")
   local ls = num_opt(opts.label_smoothing, 0, op, "label_smoothing")
   if ls < 0 or ls > 1 then fail(op .. ": label_smoothing must be between 0.0 and 1.0, got " .. ls) end
+  local cw = opts.weight
+  if not prob and logits:is_floating_point() and core.is_tensor(cw) and cw._c.requires_grad == 0 then
+    -- one fused op (engine/src/ops/loss_ext.c): PyTorch's weighted formula with label smoothing
+    return wrap(C.eng_cross_entropy_weighted(logits._c, target._c, weight_c(cw, logits), ignore, red_code[red], ls))
+  end
   local nd = logits:dim()
   if nd == 0 then fail(op .. ": input must have at least 1 dim ([C], [N, C] or [N, C, d1, ...])") end
   local cdim = nd == 1 and 1 or 2
