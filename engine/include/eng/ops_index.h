@@ -23,5 +23,11 @@ eng_tensor* eng_index_copy(eng_tensor* x, int dim, eng_tensor* index, eng_tensor
 /* torch.nonzero: i64 [count, ndim] of the 0-based coordinates of the nonzero
  * elements in row-major order (plain tensors only). */
 eng_tensor* eng_nonzero(eng_tensor* x);
+/* Plain tensors only (the Lua API takes composites for DTensors).  one_hot:
+ * integer classes (>= 0) -> i64 [..., num_classes]; num_classes -1 infers
+ * max + 1.  masked_select: the elements of x where the bool mask (broadcast
+ * together with x) is true, 1-D, with autograd to x. */
+eng_tensor* eng_one_hot(eng_tensor* t, int64_t num_classes);
+eng_tensor* eng_masked_select(eng_tensor* x, eng_tensor* mask);
 
 #endif

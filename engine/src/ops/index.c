@@ -351,3 +351,73 @@ eng_tensor* eng_nonzero(eng_tensor* x) {
   eng_tensor_release(X);
   return to_dev(out, x->device);
 }
+
+/* ------------------------------------------------------------------ one_hot / masked_select
+ * Plain tensors (engine.ops.index keeps its composites for DTensors).
+ * one_hot: integer classes -> i64 [..., num_classes] (num_classes -1: max + 1),
+ * computed on the host (CUDA: the documented fallback, result moved back).
+ * masked_select: expand both to the broadcast shape, the flat positions of
+ * the mask's true entries (nonzero), index_select of the flat input: one
+ * dispatch from Lua, autograd through index_select. */
+eng_tensor* eng_one_hot(eng_tensor* t, int64_t num_classes) {
+  const char* op = "one_hot";
+  ENG_CHECK(t, op);
+  if (t->dist) return eng_errp("%s: DTensor inputs are not supported here (engine.one_hot handles them)", op);
+  if (eng_dtype_is_floating(t->dtype) || t->dtype == ENG_BOOL)
+    return eng_errp("%s: one_hot is only applicable to index tensors (i32/i64/u8), got %s", op, eng_desc(t));
+  if (num_classes < -1) return eng_errp("%s: num_classes must be a non-negative integer or -1, got %lld", op,
+                                        (long long)num_classes);
+  if (t->ndim >= ENG_MAX_DIMS) return eng_errp("%s: %s has too many dims", op, eng_desc(t));
+  eng_tensor* I = host(t, ENG_I64);
+  if (!I) return NULL;
+  const int64_t* p = (const int64_t*)eng_ptr(I);
+  int64_t mn = INT64_MAX, mx = INT64_MIN, n = I->numel;
+  for (int64_t i = 0; i < n; i++) { if (p[i] < mn) mn = p[i]; if (p[i] > mx) mx = p[i]; }
+  eng_tensor* out = NULL;
+  if (n == 0 && num_classes == -1) {
+    eng_errp("%s: can not infer total number of classes from an empty tensor", op);
+  } else if (n > 0 && mn < 0) {
+    eng_errp("%s: class values must be non-negative, got %lld", op, (long long)mn);
+  } else if (n > 0 && num_classes != -1 && mx >= num_classes) {
+    eng_errp("%s: class values must be smaller than num_classes %lld, got %lld", op, (long long)num_classes,
+             (long long)mx);
+  } else {
+    int64_t K = num_classes == -1 ? mx + 1 : num_classes, sh[ENG_MAX_DIMS];
+    for (int d = 0; d < t->ndim; d++) sh[d] = t->shape[d];
+    sh[t->ndim] = K;
+    if ((out = eng_tensor_zeros(t->ndim + 1, sh, ENG_I64, ENG_CPU))) {
+      int64_t* o = (int64_t*)eng_ptr(out);
+      for (int64_t i = 0; i < n; i++) o[i * K + p[i]] = 1;
+      out = to_dev(out, t->device);
+    }
+  }
+  eng_tensor_release(I);
+  return out;
+}
+
+eng_tensor* eng_masked_select(eng_tensor* t, eng_tensor* mask) {
+  const char* op = "masked_select";
+  ENG_CHECK(t, op); ENG_CHECK(mask, op);
+  if (t->dist || mask->dist)
+    return eng_errp("%s: DTensor inputs are not supported here (Tensor:masked_select handles them)", op);
+  if (mask->dtype != ENG_BOOL) return eng_errp("%s: mask must be a bool tensor, got %s", op, eng_desc(mask));
+  int n = t->ndim > mask->ndim ? t->ndim : mask->ndim;
+  int64_t sh[ENG_MAX_DIMS];
+  for (int i = 0; i < n; i++) {
+    int a = t->ndim - n + i, b = mask->ndim - n + i;
+    int64_t x = a >= 0 ? t->shape[a] : 1, y = b >= 0 ? mask->shape[b] : 1;
+    if (x != y && x != 1 && y != 1)
+      return eng_errp("%s: shapes %s and %s cannot be broadcast together (dim %d: %lld vs %lld)", op,
+                      eng_shape_str(t->ndim, t->shape), eng_shape_str(mask->ndim, mask->shape), i + 1,
+                      (long long)x, (long long)y);
+    sh[i] = x == 1 ? y : x;
+  }
+  int64_t flat = -1;
+  eng_tensor *tb = eng_expand(t, n, sh), *mb = tb ? eng_expand(mask, n, sh) : NULL;
+  eng_tensor *mf = mb ? eng_reshape(mb, 1, &flat) : NULL, *nz = mf ? eng_nonzero(mf) : NULL;
+  eng_tensor *idx = nz ? eng_view(nz, 1, &flat) : NULL, *tf = idx ? eng_reshape(tb, 1, &flat) : NULL;
+  eng_tensor* r = tf ? eng_index_select(tf, 0, idx) : NULL;
+  eng_tensor_release(tb); eng_tensor_release(mb); eng_tensor_release(mf); eng_tensor_release(nz);
+  eng_tensor_release(idx); eng_tensor_release(tf);
+  return r;
+}

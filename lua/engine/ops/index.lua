@@ -158,21 +158,6 @@ end
 M.argwhere = methods.nonzero
 methods.argwhere = methods.nonzero
 
-local function broadcast_shape(a, b, op)
-  local n = math.max(#a, #b)
-  local out = {}
-  for i = 1, n do
-    local x = a[#a - n + i] or 1
-    local y = b[#b - n + i] or 1
-    if x ~= y and x ~= 1 and y ~= 1 then
-      fail(string.format("%s: shapes [%s] and [%s] cannot be broadcast together (dim %d: %d vs %d)", op,
-        table.concat(a, ","), table.concat(b, ","), i, x, y))
-    end
-    out[i] = x == 1 and y or x
-  end
-  return out
-end
-
 -- masked_select(mask): the elements of t where mask (bool, broadcastable) is true, 1-D.
 function methods.masked_select(t, mask)
   ct(t, "masked_select", 1)
@@ -184,11 +169,8 @@ function methods.masked_select(t, mask)
     local fm = is_dt(mask) and grad_off(function() return mask:full_tensor() end) or mask
     return replicate_like(methods.masked_select(ft, fm), like)
   end
-  local shape = broadcast_shape(t:shape(), mask:shape(), "masked_select")
-  local tb, mb = t:expand(shape), mask:expand(shape)
-  local idx = wrap(C.eng_nonzero(mb:reshape(-1)._c)):view(-1)
-  local r = tb:reshape(-1):index_select(1, idx)
-  return r
+  -- one C call (engine/src/ops/index.c): broadcast, nonzero of the mask, index_select
+  return wrap(C.eng_masked_select(t._c, m))
 end
 
 -- ============================================================ triu / tril
@@ -374,6 +356,7 @@ function M.one_hot(t, num_classes)
   if not is_num(num_classes) or num_classes % 1 ~= 0 or num_classes < -1 then
     fail(op .. ": num_classes must be a non-negative integer or -1, got " .. tostring(num_classes))
   end
+  if not is_dt(t) then return wrap(C.eng_one_hot(c, num_classes)) end  -- one C op (engine/src/ops/index.c)
   local E = require("engine")
   if t:numel() > 0 then
     local mn, mx = number_of(t:min()), number_of(t:max())
