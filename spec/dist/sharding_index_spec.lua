@@ -4,8 +4,8 @@
 -- on a 1-D mesh of the world and (4 ranks) a 2x2 mesh gives the single-process
 -- result, forward and backward (spec/dist/helpers/converter.lua).  gather, scatter,
 -- scatter_add, index_add and index_copy run on their rules (sharding/index.c),
--- softplus / leaky_relu / elu / hardtanh on the pointwise unary rule; the
--- others are composites of ops with rules; nonzero / masked_select (data-dependent
+-- softplus / leaky_relu / elu / hardtanh on the pointwise unary rule, the losses
+-- on the rules of sharding/loss.c; the others are composites of ops with rules; nonzero / masked_select (data-dependent
 -- sizes) come back Replicate.
 local engine = require("engine")
 local dist = engine.distributed

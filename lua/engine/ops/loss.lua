@@ -1,7 +1,8 @@
--- engine.ops.loss: the losses and activations of issue 17 item 5, composites of
--- ops that have DTensor rules, autograd, every floating dtype and CUDA kernels
--- (log_softmax, gather, where, masked_fill, clamp, exp/log, sums), so they
--- inherit all of it.  Class targets are 0-BASED ids (data, like token ids);
+-- engine.ops.loss: the losses and activations of issue 17 item 5.  The losses are
+-- fused C ops (engine/src/ops/loss_ext.c: one dispatch, their own DTensor rules);
+-- weights that require grad, mixed dtypes, broadcast targets and probability
+-- targets take the composites below (ops with DTensor rules, autograd, every
+-- floating dtype and CUDA kernels).  Class targets are 0-BASED ids (data, like token ids);
 -- dims are 1-based.  Options are tables; reductions "mean" (default), "sum",
 -- "none" (kl_div also "batchmean").
 --
