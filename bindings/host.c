@@ -13,6 +13,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <unistd.h>
 #include <limits.h>
 #include <libgen.h>
@@ -81,7 +82,42 @@ static void usage(void) {
           "Under mpirun each rank runs the script: mpirun -np 4 engine recipe.lua\n");
 }
 
+/* OpenBLAS chooses its kernels when the library loads, before main, from OPENBLAS_CORETYPE or else the CPU.
+ * The project machines preset OPENBLAS_CORETYPE=Haswell (AVX2) on CPUs that have AVX-512, where OpenBLAS's
+ * SkylakeX kernels run sgemm 1.75-1.85x faster (shared/reference/environment.md, section 5; PyTorch's MKL uses
+ * AVX-512 there regardless).  ENGINE_BLAS_CORETYPE decides: "auto" (the default) re-executes the engine once
+ * with OPENBLAS_CORETYPE=SkylakeX when the CPU has avx512f and the preset names an AVX2-or-older core
+ * (Haswell, Zen, SandyBridge); "keep" leaves OPENBLAS_CORETYPE alone; another value is used as
+ * OPENBLAS_CORETYPE.  An unset OPENBLAS_CORETYPE already gets the CPU's best core.  engine.blas_corename()
+ * reports the result (docs/design.md, "BLAS kernels"). */
+static void choose_blas_core(char** argv) {
+  if (getenv("ENGINE_BLAS_REEXEC")) { unsetenv("ENGINE_BLAS_REEXEC"); return; }
+  const char* pref = getenv("ENGINE_BLAS_CORETYPE");
+  const char* cur = getenv("OPENBLAS_CORETYPE");
+  const char* want;
+  if (pref && *pref && strcmp(pref, "auto")) {
+    if (!strcmp(pref, "keep")) return;
+    want = pref;
+  } else {
+    if (!cur || !*cur) return;
+    if (strcasecmp(cur, "Haswell") && strcasecmp(cur, "Zen") && strcasecmp(cur, "SandyBridge")) return;
+#if defined(__x86_64__) && defined(__GNUC__)
+    __builtin_cpu_init();
+    if (!__builtin_cpu_supports("avx512f")) return;
+#else
+    return;
+#endif
+    want = "SkylakeX";
+  }
+  if (cur && !strcasecmp(cur, want)) return;
+  setenv("OPENBLAS_CORETYPE", want, 1);
+  setenv("ENGINE_BLAS_REEXEC", "1", 1);
+  execv("/proc/self/exe", argv);
+  unsetenv("ENGINE_BLAS_REEXEC");   /* exec failed: go on with the kernels already loaded */
+}
+
 int main(int argc, char** argv) {
+  choose_blas_core(argv);
   if (argc >= 2 && (!strcmp(argv[1], "--version") || !strcmp(argv[1], "-v"))) {
     printf("%s\n", eng_version());
     return 0;
