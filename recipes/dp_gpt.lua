@@ -18,6 +18,8 @@
 local engine = require("engine")
 local nn, optim, data, dist = engine.nn, engine.optim, engine.data, engine.distributed
 local F = nn.functional
+-- distributed checkpoints as recipes/gpt.lua's (recipes/common.lua)
+local C = dofile((debug.getinfo(1, "S").source:match("^@(.*)/[^/]*$") or ".") .. "/common.lua")
 
 local HOME = (ENGINE_HOME and ENGINE_HOME ~= "") and ENGINE_HOME or "."
 
@@ -79,29 +81,12 @@ local function main(argv)
 
   -- distributed checkpoints (dist.checkpoint): {model, optim (keyed by parameter names), step, rng,
   -- data}; a checkpoint resumes at any world size (keep ranks x batch)
-  local ckpt = dist.checkpoint
-  local function ck_state(at)
-    return { model = model:state_dict(), optim = ckpt.get_optimizer_state_dict(model, opt), step = at,
-      rng = engine.get_rng_state(), data = train:state() }
-  end
-  local first, last_ckpt = 1, nil
-  if o.resume ~= "" then
-    local path = o.resume == "latest" and ckpt.latest(o.ckpt_dir) or o.resume
-    if not path then error("dp_gpt: --resume=latest: no checkpoint in " .. o.ckpt_dir, 0) end
-    local st = ck_state(0)
-    ckpt.load(st, path)
-    ckpt.set_optimizer_state_dict(model, opt, st.optim)
-    engine.set_rng_state(st.rng)
-    train:set_state(st.data)
-    first, last_ckpt = st.step + 1, path
-    log("dp_gpt: resumed from %s at step %d", path, st.step)
-  end
+  local ck = C.checkpointer{ name = "dp_gpt", log = log, rank = rank, model = model, opt = opt, sampler = train,
+    dir = o.ckpt_dir, keep = o.ckpt_keep, async = false }
+  local first = 1
+  if o.resume ~= "" then first = ck:resume(o.resume) + 1 end
   local function save(at)
-    if o.ckpt_dir == "" then return end
-    last_ckpt = ckpt.path(o.ckpt_dir, at)
-    ckpt.save(ck_state(at), last_ckpt)
-    log("dp_gpt: saved %s", last_ckpt)
-    if o.ckpt_keep > 0 and rank == 0 then ckpt.prune(o.ckpt_dir, o.ckpt_keep) end
+    if o.ckpt_dir ~= "" then ck:save(at) end
   end
 
   local S = dist.Shard
@@ -119,7 +104,7 @@ local function main(argv)
     local l = loss:full_tensor():item()             -- collective: every rank calls it
     if l ~= l or l == math.huge then                -- the same on every rank: all stop together
       error(string.format("dp_gpt: the loss is %s at step %d: training diverged (lower --lr; last good checkpoint: %s)",
-        tostring(l), step, last_ckpt or "none"), 0)
+        tostring(l), step, ck.last or "none"), 0)
     end
     if step % o.log_every == 0 or step == 1 or step == o.steps then
       log("step %5d | loss %.6f | grad norm %.4f | %.1f ms/step", step, l, gnorm, (engine.time() - t0) * 1e3)

@@ -41,8 +41,9 @@
 local engine = require("engine")
 local nn, optim, data, dist = engine.nn, engine.optim, engine.data, engine.distributed
 local F = nn.functional
+-- the options, logging, validation, checkpoints, loop and sample shared with recipes/gpt.lua
+local C = dofile((debug.getinfo(1, "S").source:match("^@(.*)/[^/]*$") or ".") .. "/common.lua")
 
-local HOME = (ENGINE_HOME and ENGINE_HOME ~= "") and ENGINE_HOME or "."
 -- recipes/gpt_2d.lua runs this file with FSDP_GPT = {name = "gpt_2d", defaults = {tp = 2, sp = 0}, two_d = true}:
 -- the extra options --tp (ranks per tensor-parallel group) and --sp (sequence parallelism), always on a (dp, tp)
 -- mesh ((replicate, shard, tp) with --hsdp): TP (models.Transformer.parallelize on mesh["tp"]) under FSDP on the
@@ -50,41 +51,13 @@ local HOME = (ENGINE_HOME and ENGINE_HOME ~= "") and ENGINE_HOME or "."
 local CFG = rawget(_G, "FSDP_GPT")
 local NAME = CFG and CFG.name or "fsdp_gpt"
 
-local defaults = {
-  n_layers = 4, dim = 256, n_heads = 4, seq = 128, dropout = 0.0,
-  batch = 8, steps = 600, lr = 2e-3, warmup = 30, min_lr_ratio = 0.1, weight_decay = 0.1,
-  beta1 = 0.9, beta2 = 0.95, grad_clip = 1.0, seed = 1337, threads = 0,
-  train = HOME .. "/data/kjv_train.bin", val = HOME .. "/data/kjv_val.bin",
-  log_every = 10, eval_every = 100, eval_batches = 20,
-  ckpt_dir = HOME .. "/checkpoints", ckpt_every = 0, resume = "", ckpt_keep = 0, ckpt_async = 0,
-  sample_len = 300, temperature = 0.8, prompt = "And God said",
-  reshard_after_forward = "true", param_dtype = "", reduce_dtype = "", hsdp = 1, grad_accum = 1, log_exact = 0,
-}
+local defaults = C.defaults{ reshard_after_forward = "true", param_dtype = "", reduce_dtype = "", hsdp = 1,
+  grad_accum = 1 }
 for k, v in pairs(CFG and CFG.defaults or {}) do defaults[k] = v end
 
 local function parse_args(argv)
-  local o = {}
-  for k, v in pairs(defaults) do o[k] = v end
-  for _, a in ipairs(argv) do
-    local k, v = a:match("^%-%-([%w_]+)=(.*)$")
-    if not k then error(NAME .. ": bad argument '" .. a .. "' (expected --key=value)", 0) end
-    local d = defaults[k]
-    if d == nil then
-      local names = {}
-      for n in pairs(defaults) do names[#names + 1] = n end
-      table.sort(names)
-      error(NAME .. ": unknown option --" .. k .. " (options: " .. table.concat(names, ", ") .. ")", 0)
-    end
-    if type(d) == "number" then
-      o[k] = tonumber(v) or error(NAME .. ": --" .. k .. " must be a number, got '" .. v .. "'", 0)
-    else
-      o[k] = v
-    end
-  end
-  for _, k in ipairs({ "n_layers", "dim", "n_heads", "seq", "batch", "steps", "log_every", "eval_batches", "hsdp",
-    "grad_accum", "tp" }) do
-    if o[k] ~= nil and (o[k] < 1 or o[k] % 1 ~= 0) then error(NAME .. ": --" .. k .. " must be a positive integer", 0) end
-  end
+  local o = C.parse_args(NAME, defaults, argv, { "n_layers", "dim", "n_heads", "seq", "batch", "steps", "log_every",
+    "eval_batches", "hsdp", "grad_accum", "tp" })
   o.tp, o.sp = o.tp or 1, o.sp or 0
   if o.sp ~= 0 and o.sp ~= 1 then error(NAME .. ": --sp must be 0 or 1", 0) end
   if o.warmup < 0 then error(NAME .. ": --warmup must be >= 0", 0) end
@@ -100,25 +73,6 @@ local function parse_args(argv)
   return o
 end
 
-local function median(t)
-  local s = { unpack(t) }
-  table.sort(s)
-  local n = #s
-  if n == 0 then return 0 end
-  return n % 2 == 1 and s[(n + 1) / 2] or 0.5 * (s[n / 2] + s[n / 2 + 1])
-end
-
--- recipes/gpt.lua's GPT-2 style initialisation (the same weights as that recipe for the same seed)
-local function init_weights(model, n_layers)
-  for name, p in model:named_parameters() do
-    if name:match("norm%.weight$") then nn.init.ones_(p)
-    elseif name:match("bias$") then nn.init.zeros_(p)
-    elseif name:match("attention%.wo%.weight$") or name:match("feed_forward%.w2%.weight$") then
-      nn.init.normal_(p, 0, 0.02 / math.sqrt(2 * n_layers))
-    else nn.init.normal_(p, 0, 0.02) end
-  end
-end
-
 -- bytes of this rank's part of a tensor (the local shard of a DTensor)
 local function local_bytes(t)
   if t == nil or not engine.is_tensor(t) then return 0 end
@@ -126,36 +80,12 @@ local function local_bytes(t)
   return t:numel() * t:element_size()
 end
 
--- recipes/gpt.lua's digest of the parameters (each full tensor's checksum in name order, FNV-1a): the same
--- bits give the same digest whatever the layout.  Collective (full_tensor).
-local function parameter_digest(model)
-  local by_name, names = {}, {}
-  for name, p in model:named_parameters() do
-    if not by_name[name] then by_name[name] = p; names[#names + 1] = name end
-  end
-  table.sort(names)
-  local h = 1469598103934665603ULL
-  for _, name in ipairs(names) do
-    local p = by_name[name]
-    local s = name .. "=" .. engine.tensor_checksum(dist.is_dtensor(p) and p:full_tensor() or p) .. ";"
-    for i = 1, #s do h = bit.bxor(h, s:byte(i)) * 1099511628211ULL end
-  end
-  return bit.tohex(h, 16)
-end
-
 local function main(argv)
   local o = parse_args(argv)
   dist.init()
   local rank, world = dist.rank(), dist.world_size()
-  local function log(...) if rank == 0 then print(string.format(...)); io.stdout:flush() end end
-  if o.threads > 0 then
-    engine.set_num_threads(o.threads)
-  elseif world > 1 then
-    local p = io.popen("nproc 2>/dev/null")
-    local cores = tonumber(p and p:read("*l") or "") or 1
-    if p then p:close() end
-    engine.set_num_threads(math.max(1, math.floor(cores / world)))
-  end
+  local log = C.logger(rank)
+  C.set_threads(o.threads, world)
 
   -- the mesh: 1-D over the world, or HSDP (replicate, shard); with FSDP_GPT.two_d (recipes/gpt_2d.lua) a
   -- (dp, tp) mesh, or (replicate, shard, tp) with --hsdp: FSDP on the data-parallel dims, TP on "tp"
@@ -201,7 +131,7 @@ local function main(argv)
   else
     model = nn.Transformer{ n_layers = o.n_layers, dim = o.dim, n_heads = o.n_heads, vocab_size = 256,
       max_seq_len = o.seq, dropout_p = o.dropout }
-    init_weights(model, o.n_layers)
+    C.init_weights(model, o.n_layers)
   end
   local n_params = model:num_parameters()
   -- 2-D: tensor parallelism first (each rank keeps its tp shard), then FSDP shards those over the dp dims
@@ -245,29 +175,9 @@ local function main(argv)
   log(NAME .. ": train %s (%d tokens), val %s (%d tokens, %d batches per evaluation)", o.train, train.total + o.seq,
     o.val, val_shard.n, val:num_batches())
 
-  local function all_reduce_num(x, op)
-    if world == 1 then return x end
-    local t = engine.tensor({ x }, "f64")
-    dist.all_reduce(t, op or "avg")
-    return t:item()
-  end
-
   -- every rank evaluates its own validation batches (the forward all-gathers: the same count everywhere; the
   -- tp ranks of one dp row evaluate the same batches, so the average over all ranks is the dp average)
-  local n_val = math.floor(all_reduce_num(val:num_batches(), "min"))
-  local function evaluate()
-    model:eval()
-    local sum, n = 0, 0
-    engine.no_grad(function()
-      for x, y in val:batches() do
-        if n >= n_val then break end
-        sum = sum + F.cross_entropy(model(x), y):item()
-        n = n + 1
-      end
-    end)
-    model:train()
-    return all_reduce_num(sum / math.max(n, 1))
-  end
+  local n_val = math.floor(C.all_reduce_num(val:num_batches(), "min"))
 
   -- each rank's bytes of local shards (parameters, gradients, AdamW states), printed by rank 0
   local function log_shard_memory()
@@ -292,144 +202,40 @@ local function main(argv)
   end
 
   -- distributed checkpoints: each rank its shards (recipes/gpt.lua's --ckpt_format=dcp)
-  local dcp = dist.checkpoint
-  local function dcp_state(at_step)
-    return { model = model:state_dict(), optim = dcp.get_optimizer_state_dict(model, opt), step = at_step,
-      rng = engine.get_rng_state(), data = train:state() }
-  end
+  local ck = C.checkpointer{ name = NAME, log = log, rank = rank, model = model, opt = opt, sampler = train,
+    dir = o.ckpt_dir, keep = o.ckpt_keep, async = o.ckpt_async == 1 }
   local step = 0
-  local last_ckpt = nil    -- the newest checkpoint saved or resumed from (named when training diverges)
-  if o.resume ~= "" then
-    local path = o.resume
-    if path == "latest" then
-      path = dcp.latest(o.ckpt_dir)
-      if not path then error(NAME .. ": --resume=latest: no checkpoint in " .. o.ckpt_dir, 0) end
-    end
-    local st = dcp_state(0)
-    dcp.load(st, path)
-    dcp.set_optimizer_state_dict(model, opt, st.optim)
-    engine.set_rng_state(st.rng)
-    train:set_state(st.data)
-    step = st.step
-    last_ckpt = path
-    log(NAME .. ": resumed from %s at step %d", path, step)
-  end
-  local pending_save = nil   -- an async save in flight: finished (collectively) before the next one
-  local function finish_save()
-    if pending_save then
-      pending_save.h:wait()
-      pending_save.done()
-      pending_save = nil
-    end
-  end
-  local function save(at_step)
-    if o.ckpt_every < 0 then return end
-    finish_save()
-    local path = dcp.path(o.ckpt_dir, at_step)
-    local h = dcp.save(dcp_state(at_step), path, { async = o.ckpt_async == 1 })
-    local function done()
-      last_ckpt = path
-      log(NAME .. ": saved %s", path)
-      if o.ckpt_keep > 0 and rank == 0 then dcp.prune(o.ckpt_dir, o.ckpt_keep) end
-    end
-    if o.ckpt_async == 1 then pending_save = { h = h, done = done } else done() end
-  end
+  if o.resume ~= "" then step = ck:resume(o.resume) end
 
-  if step == 0 or step >= o.steps then log("step %5d | val loss %.4f", step, evaluate()) end
-
-  engine.reset_peak_memory()
-  local t_log, n_log = engine.time(), 0
-  local times = {}
-  while step < o.steps do
-    local t0 = engine.time()
-    local lr = o.lr * lr_at(step)
-    for _, g in ipairs(opt.param_groups) do g.lr = lr end
-    local x, y = train:next()
-    local l = 0
-    for k = 1, o.grad_accum do
-      -- gradients reduce-scattered only on the last microbatch (accumulated unsharded before that)
-      if o.grad_accum > 1 then model:set_requires_gradient_sync(k == o.grad_accum) end
-      local xk, yk = x, y
-      if o.grad_accum > 1 then
-        xk, yk = x:narrow(1, (k - 1) * o.batch + 1, o.batch), y:narrow(1, (k - 1) * o.batch + 1, o.batch)
+  C.train{ name = NAME, o = o, log = log, model = model, opt = opt, params = params, train = train, step = step,
+    lr_at = lr_at, tokens = tokens_per_step, ck = ck, save = function(at_step) ck:save(at_step) end,
+    evaluate = function()
+      return C.evaluate(model, val, function(x, y) return F.cross_entropy(model(x), y):item() end, n_val)
+    end,
+    backward = function(x, y)
+      local l = 0
+      for k = 1, o.grad_accum do
+        -- gradients reduce-scattered only on the last microbatch (accumulated unsharded before that)
+        if o.grad_accum > 1 then model:set_requires_gradient_sync(k == o.grad_accum) end
+        local xk, yk = x, y
+        if o.grad_accum > 1 then
+          xk, yk = x:narrow(1, (k - 1) * o.batch + 1, o.batch), y:narrow(1, (k - 1) * o.batch + 1, o.batch)
+        end
+        local loss = F.cross_entropy(model(xk), yk)
+        if o.grad_accum > 1 then loss = loss * (1 / o.grad_accum) end
+        loss:backward()
+        l = l + loss:item()
       end
-      local loss = F.cross_entropy(model(xk), yk)
-      if o.grad_accum > 1 then loss = loss * (1 / o.grad_accum) end
-      loss:backward()
-      l = l + loss:item()
-    end
-    local gnorm = o.grad_clip > 0 and optim.clip_grad_norm_(params, o.grad_clip) or optim.grad_norm(params)
-    opt:step()
-    if #times == 0 then log_shard_memory() end
-    opt:zero_grad()
-    l = all_reduce_num(l)   -- (the tp ranks of one dp row hold the same loss)
-    if l ~= l or l == math.huge or l == -math.huge then -- the same on every rank (averaged): all stop together
-      finish_save()
-      error(string.format(NAME .. ": the loss is %s at step %d (lr %.3e): training diverged; lower --lr, raise "
-        .. "--warmup or --grad_clip, or resume from an earlier checkpoint (last good checkpoint: %s)", tostring(l),
-        step + 1, lr, last_ckpt or "none"), 0)
-    end
-    step = step + 1
-    times[#times + 1] = engine.time() - t0
-    n_log = n_log + 1
-    if step % o.log_every == 0 or step == o.steps then
-      local dt = (engine.time() - t_log) / n_log
-      log("step %5d | loss " .. (o.log_exact == 1 and "%.17g" or "%.6f") .. " | lr %.3e | grad norm %.4f | %.1f ms/step "
-        .. "| %.0f tok/s | peak %.1f MiB", step, l, lr, gnorm, dt * 1e3, tokens_per_step / dt, engine.memory_stats().peak_allocated / 2 ^ 20)
-      t_log, n_log = engine.time(), 0
-    end
-    if o.eval_every > 0 and step % o.eval_every == 0 and step ~= o.steps then
-      local te = engine.time()
-      log("step %5d | val loss %.4f | (eval %.1f s)", step, evaluate(), engine.time() - te)
-      t_log = t_log + (engine.time() - te)
-    end
-    if o.ckpt_every > 0 and step % o.ckpt_every == 0 and step ~= o.steps then save(step) end
-  end
-  if #times > 0 then
-    log("step %5d | val loss %.4f", step, evaluate())
-    log(NAME .. ": median %.1f ms/step over %d steps (%.0f tok/s)", median(times) * 1e3, #times,
-      tokens_per_step / median(times))
-    save(step)
-  end
-  finish_save()
-  if o.log_exact == 1 then log(NAME .. ": parameter digest %s", parameter_digest(model)) end
+      return l
+    end,
+    after_step = function(first) if first then log_shard_memory() end end,
+    loss_value = C.all_reduce_num }   -- (the tp ranks of one dp row hold the same loss)
 
   -- a sample (seeded: the same run prints the same text); every rank runs the forward (it all-gathers) and
   -- draws the same tokens, rank 0 prints them; with --sp the context is padded on the right to a multiple of
   -- tp (causal attention: the padding does not change the logits read)
   if o.sample_len > 0 then
-    model:eval()
-    engine.manual_seed(o.seed + 1)
-    local ids = data.encode(o.prompt)
-    if #ids == 0 then ids = { 10 } end
-    engine.no_grad(function()
-      for _ = 1, o.sample_len do
-        local ctx = {}
-        for i = math.max(1, #ids - o.seq + 1), #ids do ctx[#ctx + 1] = ids[i] end
-        local n = #ctx
-        if o.sp == 1 then while #ctx % tp ~= 0 do ctx[#ctx + 1] = 10 end end
-        local logits = model(engine.tensor({ ctx })) -- [1, t, 256]
-        local last = logits:narrow(2, n, 1):tolist_flat()
-        local nxt
-        if o.temperature <= 0 then
-          nxt = 0
-          for i = 2, #last do if last[i] > last[nxt + 1] then nxt = i - 1 end end
-        else
-          local mx = -math.huge
-          for i = 1, #last do mx = math.max(mx, last[i]) end
-          local w, total = {}, 0
-          for i = 1, #last do w[i] = math.exp((last[i] - mx) / o.temperature); total = total + w[i] end
-          local u = engine.rand(1):item() * total
-          nxt = #last - 1
-          for i = 1, #last do
-            u = u - w[i]
-            if u <= 0 then nxt = i - 1; break end
-          end
-        end
-        ids[#ids + 1] = nxt
-      end
-    end)
-    log(NAME .. ": sample (temperature %g):\n%s\n", o.temperature, data.decode(ids))
+    log(NAME .. ": sample (temperature %g):\n%s\n", o.temperature, C.sample(o, model, model, o.sp == 1 and tp or nil))
   end
 end
 

@@ -52,8 +52,8 @@ local engine = require("engine")
 local nn, optim, data, dist = engine.nn, engine.optim, engine.data, engine.distributed
 local checkpoint = require("engine.checkpoint")
 local F = nn.functional
-
-local HOME = (ENGINE_HOME and ENGINE_HOME ~= "") and ENGINE_HOME or "."
+-- the options, logging, validation, checkpoints, loop and sample shared with recipes/fsdp_gpt.lua
+local C = dofile((debug.getinfo(1, "S").source:match("^@(.*)/[^/]*$") or ".") .. "/common.lua")
 
 -- Another model through this recipe (recipes/llama.lua): GPT_MODEL = {name = "llama", defaults = {extra
 -- options}, build = function(o) -> model (initialised), parallelize = function(model, tp_mesh, o),
@@ -61,41 +61,14 @@ local HOME = (ENGINE_HOME and ENGINE_HOME ~= "") and ENGINE_HOME or "."
 local MODEL = rawget(_G, "GPT_MODEL")
 local NAME = MODEL and MODEL.name or "gpt"
 
-local defaults = {
-  n_layers = 4, dim = 256, n_heads = 4, seq = 128, dropout = 0.0,
-  batch = 8, steps = 600, lr = 2e-3, warmup = 30, min_lr_ratio = 0.1, weight_decay = 0.1,
-  beta1 = 0.9, beta2 = 0.95, grad_clip = 1.0, seed = 1337, threads = 0,
-  train = HOME .. "/data/kjv_train.bin", val = HOME .. "/data/kjv_val.bin",
-  log_every = 10, eval_every = 100, eval_batches = 20,
-  ckpt_dir = HOME .. "/checkpoints", ckpt_every = 0, resume = "", ckpt_format = "dcp", ckpt_keep = 0, ckpt_async = 0,
-  sample_len = 300, temperature = 0.8, prompt = "And God said", tp = 1, sp = 0, dtensor_dp = 0, log_exact = 0,
-}
+local defaults = C.defaults{ ckpt_format = "dcp", tp = 1, sp = 0, dtensor_dp = 0 }
 for k, v in pairs(MODEL and MODEL.defaults or {}) do defaults[k] = v end
 -- recipes/tp_gpt.lua sets GPT_DEFAULTS (e.g. {tp = 0}) before running this file
 for k, v in pairs(rawget(_G, "GPT_DEFAULTS") or {}) do defaults[k] = v end
 
 local function parse_args(argv)
-  local o = {}
-  for k, v in pairs(defaults) do o[k] = v end
-  for _, a in ipairs(argv) do
-    local k, v = a:match("^%-%-([%w_]+)=(.*)$")
-    if not k then error(NAME .. ": bad argument '" .. a .. "' (expected --key=value)", 0) end
-    local d = defaults[k]
-    if d == nil then
-      local names = {}
-      for n in pairs(defaults) do names[#names + 1] = n end
-      table.sort(names)
-      error(NAME .. ": unknown option --" .. k .. " (options: " .. table.concat(names, ", ") .. ")", 0)
-    end
-    if type(d) == "number" then
-      o[k] = tonumber(v) or error(NAME .. ": --" .. k .. " must be a number, got '" .. v .. "'", 0)
-    else
-      o[k] = v
-    end
-  end
-  for _, k in ipairs({ "n_layers", "dim", "n_heads", "seq", "batch", "steps", "log_every", "eval_batches" }) do
-    if o[k] < 1 or o[k] % 1 ~= 0 then error(NAME .. ": --" .. k .. " must be a positive integer", 0) end
-  end
+  local o = C.parse_args(NAME, defaults, argv,
+    { "n_layers", "dim", "n_heads", "seq", "batch", "steps", "log_every", "eval_batches" })
   if o.warmup < 0 then error(NAME .. ": --warmup must be >= 0", 0) end
   if o.tp < 0 or o.tp % 1 ~= 0 then error(NAME .. ": --tp must be 0 (all ranks) or a positive integer", 0) end
   if o.sp ~= 0 and o.sp ~= 1 then error(NAME .. ": --sp must be 0 or 1", 0) end
@@ -107,57 +80,12 @@ local function parse_args(argv)
   return o
 end
 
-local function median(t)
-  local s = { unpack(t) }
-  table.sort(s)
-  local n = #s
-  if n == 0 then return 0 end
-  return n % 2 == 1 and s[(n + 1) / 2] or 0.5 * (s[n / 2] + s[n / 2 + 1])
-end
-
--- GPT-2 style initialisation: N(0, 0.02) for embeddings and linear weights, N(0, 0.02/sqrt(2 L)) for
--- the projections into the residual stream (attention.wo, feed_forward.w2), zero biases, LayerNorm 1/0.
--- (PyTorch's defaults give N(0, 1) embeddings, which with tied output weights start at a loss of ~170.)
-local function init_weights(model, n_layers)
-  for name, p in model:named_parameters() do
-    if name:match("norm%.weight$") then nn.init.ones_(p)
-    elseif name:match("bias$") then nn.init.zeros_(p)
-    elseif name:match("attention%.wo%.weight$") or name:match("feed_forward%.w2%.weight$") then
-      nn.init.normal_(p, 0, 0.02 / math.sqrt(2 * n_layers))
-    else nn.init.normal_(p, 0, 0.02) end
-  end
-end
-
--- a digest of the model's parameters: each full tensor's checksum (engine.tensor_checksum), in name order, hashed
--- (FNV-1a); the same bits give the same digest whatever the layout.  Collective (full_tensor of DTensors).
-local function parameter_digest(model)
-  local by_name, names = {}, {}
-  for name, p in model:named_parameters() do
-    if not by_name[name] then by_name[name] = p; names[#names + 1] = name end
-  end
-  table.sort(names)
-  local h = 1469598103934665603ULL
-  for _, name in ipairs(names) do
-    local p = by_name[name]
-    local s = name .. "=" .. engine.tensor_checksum(dist.is_dtensor(p) and p:full_tensor() or p) .. ";"
-    for i = 1, #s do h = bit.bxor(h, s:byte(i)) * 1099511628211ULL end
-  end
-  return bit.tohex(h, 16)
-end
-
 local function main(argv)
   local o = parse_args(argv)
   dist.init()
   local rank, world = dist.rank(), dist.world_size()
-  local function log(...) if rank == 0 then print(string.format(...)); io.stdout:flush() end end
-  if o.threads > 0 then
-    engine.set_num_threads(o.threads)
-  elseif world > 1 then
-    local p = io.popen("nproc 2>/dev/null")
-    local cores = tonumber(p and p:read("*l") or "") or 1
-    if p then p:close() end
-    engine.set_num_threads(math.max(1, math.floor(cores / world)))
-  end
+  local log = C.logger(rank)
+  C.set_threads(o.threads, world)
 
   -- layout: tp ranks per tensor-parallel group, dp = world / tp groups of data parallelism
   local tp = o.tp == 0 and world or o.tp
@@ -182,7 +110,7 @@ local function main(argv)
     if MODEL then return MODEL.build(o) end
     local m = nn.Transformer{ n_layers = o.n_layers, dim = o.dim, n_heads = o.n_heads, vocab_size = 256,
       max_seq_len = o.seq, dropout_p = o.dropout }
-    init_weights(m, o.n_layers)
+    C.init_weights(m, o.n_layers)
     return m
   end
   engine.manual_seed(o.seed)
@@ -284,42 +212,21 @@ local function main(argv)
   -- Distributed checkpoints (--ckpt_format=dcp): every rank saves its own shards of the model and the
   -- optimizer state (keyed by parameter names), plus the step, the RNG state and the data position; a
   -- load fills the current layout whatever the layout at save time (world size, --tp, --dtensor_dp).
-  local dcp = dist.checkpoint
-  local function dcp_state(at_step)
-    return { model = model:state_dict(), optim = dcp.get_optimizer_state_dict(model, opt), step = at_step,
-      rng = engine.get_rng_state(), data = train:state() }
-  end
-  local function is_dcp_dir(path)
-    local f = io.open(path .. "/.metadata", "rb")
-    if f then f:close() end
-    return f ~= nil
-  end
+  local ck = C.checkpointer{ name = NAME, log = log, rank = rank, model = model, opt = opt, sampler = train,
+    dir = o.ckpt_dir, keep = o.ckpt_keep, async = o.ckpt_async == 1 }
 
   local step = 0
-  local last_ckpt = nil    -- the newest checkpoint saved or resumed from (named when training diverges)
   if o.resume ~= "" then
-    local path = o.resume
-    if path == "latest" then
-      local p_dcp, s_dcp = dcp.latest(o.ckpt_dir)
-      local p_full, s_full = checkpoint.latest(o.ckpt_dir)
-      path = p_dcp
-      if p_full and (not s_dcp or s_full > s_dcp) then path = p_full end
-      if not path then error(NAME .. ": --resume=latest: no checkpoint in " .. o.ckpt_dir, 0) end
-    end
-    if is_dcp_dir(path) then
-      local st = dcp_state(0)
-      dcp.load(st, path)
-      dcp.set_optimizer_state_dict(model, opt, st.optim)
-      engine.set_rng_state(st.rng)
-      train:set_state(st.data)
-      step = st.step
-    else
+    step = ck:resume(o.resume, function(dir)   -- the newest checkpoint of either format
+      local p_dcp, s_dcp = dist.checkpoint.latest(dir)
+      local p_full, s_full = checkpoint.latest(dir)
+      if p_full and (not s_dcp or s_full > s_dcp) then return p_full end
+      return p_dcp
+    end, function(path)
       local info = checkpoint.load(path, { model = ck_model, optimizer = ck_opt, sampler = train })
       from_full()
-      step = info.step
-    end
-    last_ckpt = path
-    log(NAME .. ": resumed from %s at step %d", path, step)
+      return info.step
+    end)
   end
 
   -- the model on this rank's batch: with --dtensor_dp a plain batch is this rank's Shard(1) rows of the
@@ -336,48 +243,9 @@ local function main(argv)
     return dist.implicit_replication(function() return F.cross_entropy(model(x), y) end):to_local():item()
   end
 
-  local function all_avg(x)   -- (the ranks of one tp group hold the same value)
-    if world == 1 then return x end
-    local t = engine.tensor({ x }, "f64")
-    dist.all_reduce(t, "avg")
-    return t:item()
-  end
-
-  local function evaluate()
-    model:eval()
-    local sum, n = 0, 0
-    engine.no_grad(function()
-      for x, y in val:batches() do
-        sum = sum + eval_loss(x, y)
-        n = n + 1
-      end
-    end)
-    model:train()
-    return all_avg(sum / math.max(n, 1))
-  end
-
-  local pending_save = nil   -- an async save in flight: finished (collectively) before the next one
-  local function finish_save()
-    if pending_save then
-      pending_save.h:wait()
-      pending_save.done()
-      pending_save = nil
-    end
-  end
   local function save(at_step)
-    if o.ckpt_every < 0 then return end
-    finish_save()
-    if o.ckpt_format == "dcp" then
-      local path = dcp.path(o.ckpt_dir, at_step)
-      local h = dcp.save(dcp_state(at_step), path, { async = o.ckpt_async == 1 })
-      local function done()
-        last_ckpt = path
-        log(NAME .. ": saved %s", path)
-        if o.ckpt_keep > 0 and rank == 0 then dcp.prune(o.ckpt_dir, o.ckpt_keep) end
-      end
-      if o.ckpt_async == 1 then pending_save = { h = h, done = done } else done() end
-      return
-    end
+    if o.ckpt_format == "dcp" then return ck:save(at_step) end
+    ck:finish()
     to_full()
     if rank == 0 then
       os.execute("mkdir -p '" .. o.ckpt_dir:gsub("'", "'\\''") .. "'")
@@ -385,105 +253,37 @@ local function main(argv)
         { model = ck_model, optimizer = ck_opt, sampler = train, step = at_step })
       log(NAME .. ": saved %s", path)
     end
-    last_ckpt = checkpoint.path(o.ckpt_dir, at_step)
+    ck.last = checkpoint.path(o.ckpt_dir, at_step)
     if world > 1 then dist.barrier() end
   end
 
-  if step == 0 or step >= o.steps then log("step %5d | val loss %.4f", step, evaluate()) end
-
-  engine.reset_peak_memory()
-  local t_log, n_log = engine.time(), 0
-  local times = {}
-  while step < o.steps do
-    local t0 = engine.time()
-    local lr = o.lr * lr_at(step)
-    for _, g in ipairs(opt.param_groups) do g.lr = lr end
-    local x, y = train:next()
-    local loss
-    if ddp then
-      loss = F.cross_entropy(forward(x, true), dist.from_local(y, mesh, { dist.Shard(1) }))  -- Partial: global mean
-    else
-      loss = F.cross_entropy(model(x), y)
-    end
-    loss:backward()
-    if ddp then -- the gradients are already all-reduced (AccumulateGrad of Replicate parameters)
-    elseif tp > 1 then
-      if dp > 1 then dist.all_reduce_gradients(model, mesh["dp"]) end
-    elseif world > 1 then
-      for _, p in ipairs(params) do dist.all_reduce(p.grad, "avg") end
-    end
-    local gnorm = o.grad_clip > 0 and optim.clip_grad_norm_(params, o.grad_clip) or optim.grad_norm(params)
-    opt:step()
-    opt:zero_grad()
-    local l = ddp and loss:full_tensor():item() or all_avg(loss:item())
-    if l ~= l or l == math.huge then -- the same on every rank (averaged): all stop together
-      finish_save()
-      error(string.format(NAME .. ": the loss is %s at step %d (lr %.3e): training diverged; lower --lr, raise " ..
-        "--warmup or --grad_clip, or resume from an earlier checkpoint (last good checkpoint: %s)", tostring(l),
-        step + 1, lr, last_ckpt or "none"), 0)
-    end
-    loss = nil
-    step = step + 1
-    times[#times + 1] = engine.time() - t0
-    n_log = n_log + 1
-    if step % o.log_every == 0 or step == o.steps then
-      local dt = (engine.time() - t_log) / n_log
-      log("step %5d | loss " .. (o.log_exact == 1 and "%.17g" or "%.6f") .. " | lr %.3e | grad norm %.4f | %.1f ms/step "
-        .. "| %.0f tok/s | peak %.1f MiB", step, l, lr, gnorm, dt * 1e3, dp * o.batch * o.seq / dt,
-        engine.memory_stats().peak_allocated / 2 ^ 20)
-      t_log, n_log = engine.time(), 0
-    end
-    if o.eval_every > 0 and step % o.eval_every == 0 and step ~= o.steps then
-      local te = engine.time()
-      log("step %5d | val loss %.4f | (eval %.1f s)", step, evaluate(), engine.time() - te)
-      t_log = t_log + (engine.time() - te)
-    end
-    if o.ckpt_every > 0 and step % o.ckpt_every == 0 and step ~= o.steps then save(step) end
-  end
-  if #times > 0 then
-    log("step %5d | val loss %.4f", step, evaluate())
-    log(NAME .. ": median %.1f ms/step over %d steps (%.0f tok/s)", median(times) * 1e3, #times,
-      dp * o.batch * o.seq / median(times))
-    if o.ckpt_every >= 0 then save(step) end
-  end
-  finish_save()
-  if o.log_exact == 1 then log(NAME .. ": parameter digest %s", parameter_digest(model)) end
+  C.train{ name = NAME, o = o, log = log, model = model, opt = opt, params = params, train = train, step = step,
+    lr_at = lr_at, tokens = dp * o.batch * o.seq, ck = ck, save = save,
+    evaluate = function() return C.evaluate(model, val, eval_loss) end,
+    backward = function(x, y)
+      local loss
+      if ddp then
+        loss = F.cross_entropy(forward(x, true), dist.from_local(y, mesh, { dist.Shard(1) }))  -- Partial: global mean
+      else
+        loss = F.cross_entropy(model(x), y)
+      end
+      loss:backward()
+      if ddp then -- the gradients are already all-reduced (AccumulateGrad of Replicate parameters)
+      elseif tp > 1 then
+        if dp > 1 then dist.all_reduce_gradients(model, mesh["dp"]) end
+      elseif world > 1 then
+        for _, p in ipairs(params) do dist.all_reduce(p.grad, "avg") end
+      end
+      return loss
+    end,
+    -- (the ranks of one tp group hold the same value)
+    loss_value = function(loss) return ddp and loss:full_tensor():item() or C.all_reduce_num(loss:item()) end }
 
   -- a sample from rank 0 (seeded: the same run prints the same text); with TP every rank runs the
   -- forward (it is collective), with SP on a context padded on the right to a multiple of tp
   if o.sample_len > 0 and (rank == 0 or tp > 1) then
-    model:eval()
-    engine.manual_seed(o.seed + 1)
-    local ids = data.encode(o.prompt)
-    if #ids == 0 then ids = { 10 } end
-    engine.no_grad(function()
-      for _ = 1, o.sample_len do
-        local ctx = {}
-        for i = math.max(1, #ids - o.seq + 1), #ids do ctx[#ctx + 1] = ids[i] end
-        local n = #ctx
-        if o.sp == 1 then while #ctx % tp ~= 0 do ctx[#ctx + 1] = 10 end end  -- causal: later tokens do not matter
-        local logits = local_value(forward(engine.tensor({ ctx }))) -- [1, t, 256]
-        local last = logits:narrow(2, n, 1):tolist_flat()
-        local nxt
-        if o.temperature <= 0 then
-          nxt = 0
-          for i = 2, #last do if last[i] > last[nxt + 1] then nxt = i - 1 end end
-        else
-          local mx = -math.huge
-          for i = 1, #last do mx = math.max(mx, last[i]) end
-          local w, total = {}, 0
-          for i = 1, #last do w[i] = math.exp((last[i] - mx) / o.temperature); total = total + w[i] end
-          local u = engine.rand(1):item() * total
-          nxt = #last - 1
-          for i = 1, #last do
-            u = u - w[i]
-            if u <= 0 then nxt = i - 1; break end
-          end
-        end
-        ids[#ids + 1] = nxt
-      end
-    end)
-    log(NAME .. ": sample (temperature %g):\n%s\n", o.temperature, data.decode(ids))
+    local text = C.sample(o, model, function(ids) return local_value(forward(ids)) end, o.sp == 1 and tp or nil)
+    log(NAME .. ": sample (temperature %g):\n%s\n", o.temperature, text)
   end
 end
 
