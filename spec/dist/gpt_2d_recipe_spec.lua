@@ -11,7 +11,6 @@ local dist = engine.distributed
 local W, R = dist.world_size(), dist.rank()
 
 local STEPS = 3
-local HOME = (ENGINE_HOME and ENGINE_HOME ~= "") and ENGINE_HOME or "."
 
 local rhelp = require("spec.dist.helpers.recipe")
 local function run(file, argv, nsteps) return rhelp.run(file, argv, nsteps or STEPS) end
@@ -19,20 +18,9 @@ local function run(file, argv, nsteps) return rhelp.run(file, argv, nsteps or ST
 local base_path, train_bin, val_bin = rhelp.tiny_data("gpt_2d_recipe", 7)
 
 local B = 2    -- rows per data-parallel rank
-local common = { "--n_layers=2", "--dim=32", "--n_heads=4", "--seq=16", "--log_every=1", "--eval_every=0",
-  "--eval_batches=1", "--warmup=1", "--lr=3e-3", "--threads=1", "--train=" .. train_bin,
-  "--val=" .. val_bin }
-local function argv(extra)
-  local a = {}
-  for _, v in ipairs(common) do a[#a + 1] = v end
-  for _, v in ipairs(extra) do a[#a + 1] = v end
-  local has = {}
-  for _, v in ipairs(a) do has[v:match("^%-%-([%w_]+)=") or ""] = true end
-  if not has.steps then a[#a + 1] = "--steps=" .. STEPS end
-  if not has.ckpt_every then a[#a + 1] = "--ckpt_every=-1" end
-  if not has.sample_len then a[#a + 1] = "--sample_len=0" end
-  return a
-end
+local argv = rhelp.argv_builder({ "--n_layers=2", "--dim=32", "--n_heads=4", "--seq=16", "--log_every=1",
+  "--eval_every=0", "--eval_batches=1", "--warmup=1", "--lr=3e-3", "--threads=1", "--train=" .. train_bin,
+  "--val=" .. val_bin }, { { "steps", STEPS }, { "ckpt_every", -1 }, { "sample_len", 0 } })
 
 -- the meshes of this world size: {name, args, dp (the data-parallel size: the reference's batch is B x dp)}
 local configs
@@ -57,77 +45,14 @@ local ref_rows, ref_of = {}, {}
 for _, c in ipairs(configs) do
   if not ref_of[c.dp] then ref_rows[#ref_rows + 1] = B * c.dp; ref_of[c.dp] = #ref_rows end
 end
-local function ref_argv(rows) return argv({ "--batch=" .. rows }) end
-
--- rank 0 starts the child now and reads it at the end (it runs while this process trains)
-local child
-if R == 0 and W > 1 then
-  local exe = require("spec.helpers.proc").self_exe()
-  local code = {}
-  for i, rows in ipairs(ref_rows) do
-    local a = {}
-    for _, v in ipairs(ref_argv(rows)) do a[#a + 1] = string.format("%q", v) end
-    code[#code + 1] = string.format("arg = { [0] = 'recipes/gpt.lua', %s }; print('__ref %d'); dofile('recipes/gpt.lua')",
-      table.concat(a, ", "), i)
-  end
-  local script = base_path .. "_ref.lua"
-  local f = assert(io.open(script, "w"))
-  f:write(table.concat(code, "\n"), "\n")
-  f:close()
-  -- the MPI launcher's environment (OMPI_*, PMIX_*) must not leak into the child (else MPI_Init joins this job)
-  child = io.popen(string.format("cd '%s' && env $(env | sed -n 's/^\\(OMPI_[^=]*\\|PMIX_[^=]*\\)=.*/-u \\1/p') "
-    .. "'%s' '%s' 2>&1; echo __rc=$?", HOME, exe, script))
-end
-
-local refs     -- refs[i][step] on every rank
-local function references()
-  if refs then return refs end
-  refs = {}
-  if W == 1 then
-    for i, rows in ipairs(ref_rows) do refs[i] = run("recipes/gpt.lua", ref_argv(rows)) end
-    return refs
-  end
-  local vals = {}
-  if R == 0 then
-    local out = child:read("*a")
-    child:close()
-    child = nil
-    local which, per = 0, {}
-    for line in out:gmatch("[^\n]+") do
-      local k = line:match("^__ref (%d+)")
-      if k then which = tonumber(k); per[which] = {} end
-      local step, loss = line:match("^step%s+(%d+) | loss ([%d.]+)")
-      if step and which > 0 then per[which][tonumber(step)] = tonumber(loss) end
-    end
-    local ok = out:match("__rc=0") and per[#ref_rows] and per[#ref_rows][STEPS]
-    for i = 1, #ref_rows do
-      for s = 1, STEPS do vals[#vals + 1] = ok and per[i][s] or 0 / 0 end
-    end
-    if not ok then io.stderr:write("gpt_2d_recipe_spec: the single-process reference failed:\n" .. out .. "\n") end
-  else
-    for _ = 1, #ref_rows * STEPS do vals[#vals + 1] = 0 end
-  end
-  local t = engine.tensor(vals, "f64")
-  dist.all_reduce(t, "sum")
-  local tl = t:totable()
-  for i = 1, #ref_rows do
-    refs[i] = {}
-    for s = 1, STEPS do refs[i][s] = tl[(i - 1) * STEPS + s] end
-  end
-  return refs
-end
-
-local function check_equal(name, got, want)
-  for s = 1, STEPS do
-    assert.is_true(want[s] == want[s], name .. ": no single-process reference (see stderr)")
-    assert.is_true(math.abs(got[s] - want[s]) <= 1e-5 * math.abs(want[s]),
-      string.format("%s step %d: %.7f with FSDP + TP at %d ranks vs %.7f on one process", name, s, got[s], W, want[s]))
-  end
-end
+-- (started now by rank 0 in a child engine)
+local ref_argvs = {}
+for i, rows in ipairs(ref_rows) do ref_argvs[i] = argv({ "--batch=" .. rows }) end
+local ref = rhelp.references("gpt_2d_recipe_spec", base_path, ref_argvs, STEPS)
 
 describe("recipes/gpt_2d.lua", function()
   teardown(function()
-    if child then pcall(function() child:read("*a"); child:close() end) end
+    ref.close()
     if W > 1 then dist.barrier() end
     if R == 0 then os.execute("rm -rf '" .. base_path .. "'_* 2>/dev/null") end
   end)
@@ -140,7 +65,7 @@ describe("recipes/gpt_2d.lua", function()
       local losses, lines = run("recipes/gpt_2d.lua", argv(extra))
       results[#results + 1] = { cfg = cfg, lines = lines }
       assert.is_true(losses[STEPS] < losses[1], "the loss does not fall")
-      check_equal(cfg.name, losses, references()[ref_of[cfg.dp]])
+      rhelp.check_equal(cfg.name, losses, ref.get()[ref_of[cfg.dp]], "FSDP + TP")
     end)
   end
 
@@ -149,16 +74,9 @@ describe("recipes/gpt_2d.lua", function()
     assert.is_truthy(r and r.cfg == configs[1], "the first run did not complete")
     if R ~= 0 then return end
     local tp = W / r.cfg.dp
-    local mem, val, sample, mesh_line = 0, 0, false, false
+    local mem, val, sample = rhelp.shard_log("gpt_2d", r.lines)
+    local mesh_line = false
     for _, l in ipairs(r.lines) do
-      local p, g, o = l:match("^gpt_2d: rank %d+ local shards: parameters ([%d.]+) MiB, gradients ([%d.]+) MiB, "
-        .. "optimizer state ([%d.]+) MiB")
-      if p then
-        mem = mem + 1
-        assert.is_true(math.abs(tonumber(o) - 2 * tonumber(p)) <= 0.02 and math.abs(tonumber(g) - tonumber(p)) <= 0.01, l)
-      end
-      if l:match("^step +%d+ | val loss [%d.]+") then val = val + 1 end
-      if l:match("^gpt_2d: sample") then sample = true end
       if l:find(string.format("tensor parallel over %d rank(s)", tp), 1, true)
         and l:find(string.format("data parallel over %d", r.cfg.dp), 1, true) then mesh_line = true end
     end
@@ -171,14 +89,9 @@ describe("recipes/gpt_2d.lua", function()
   it("resumes from its distributed checkpoint with the uninterrupted run's losses", function()
     local d = base_path .. "_ckpt"
     local tp = W >= 2 and "--tp=2" or "--tp=1"
-    local full_run = run("recipes/gpt_2d.lua", argv({ tp, "--batch=" .. B, "--steps=4", "--ckpt_every=2",
-      "--ckpt_dir=" .. d }), 4)
-    local resumed = run("recipes/gpt_2d.lua", argv({ tp, "--batch=" .. B, "--steps=4", "--ckpt_every=-1",
-      "--resume=" .. d .. "/step_00000002" }), 4)
-    for s = 3, 4 do
-      assert.is_true(math.abs(resumed[s] - full_run[s]) <= 1e-6 * full_run[s],
-        string.format("step %d: %.7f resumed vs %.7f", s, resumed[s], full_run[s]))
-    end
+    rhelp.check_resume("gpt_2d", "recipes/gpt_2d.lua",
+      argv({ tp, "--batch=" .. B, "--steps=4", "--ckpt_every=2", "--ckpt_dir=" .. d }),
+      argv({ tp, "--batch=" .. B, "--steps=4", "--ckpt_every=-1", "--resume=" .. d .. "/step_00000002" }), 3, 4)
     if W > 1 then dist.barrier() end
     if R == 0 then os.execute("rm -rf '" .. d .. "'") end
   end)

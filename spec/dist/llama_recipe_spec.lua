@@ -6,64 +6,17 @@ local engine = require("engine")
 local dist = engine.distributed
 local W, R = dist.world_size(), dist.rank()
 
--- Runs the recipe in this process with argv; returns the training losses rank 0 printed (on every
--- rank: summed over ranks with rank 0's values only) and the printed lines.
-local function run(argv, nsteps)
-  local lines = {}
-  local G = _G              -- the recipe runs in the global environment, not this spec's
-  local real_print = G.print
-  G.print = function(...)
-    local t = {}
-    for i = 1, select("#", ...) do t[i] = tostring(select(i, ...)) end
-    lines[#lines + 1] = table.concat(t, "\t")
-  end
-  local saved_arg = G.arg
-  G.arg = argv
-  argv[0] = "recipes/llama.lua"
-  local ok, err = pcall(dofile, "recipes/llama.lua")
-  G.print, G.arg = real_print, saved_arg
-  G.GPT_MODEL = nil
-  assert(ok, tostring(err))
-  local losses = {}
-  for _, l in ipairs(lines) do
-    local step, loss = l:match("^step%s+(%d+) | loss ([%d.]+)")
-    if step then losses[tonumber(step)] = tonumber(loss) end
-  end
-  local vals = {}
-  for k = 1, nsteps do vals[k] = (R == 0 and losses[k]) or 0 end
-  local t = engine.tensor(vals, "f64")
-  dist.all_reduce(t, "sum")
-  return t:totable(), lines
-end
-
-local dir = os.getenv("TMPDIR") or "/tmp"
-local stamp = engine.tensor({ math.floor(engine.time() * 1000) % 100000000 }, "f64")
-dist.broadcast(stamp, 0)
-local ck = string.format("%s/llama_recipe_%d", dir, stamp:item())
-local train_bin, val_bin = ck .. "_train.bin", ck .. "_val.bin"
-if R == 0 then   -- its own small token shards (the suite does not need data/)
-  local words = { "In", "the", "beginning", "God", "created", "heaven", "and", "earth.", "And", "was", "without",
-    "form,", "void;", "darkness", "upon", "face", "of", "deep." }
-  local text, x = {}, 13
-  for i = 1, 4000 do
-    x = (x * 1103515245 + 12345) % 2147483648
-    text[i] = words[x % #words + 1]
-  end
-  local s = table.concat(text, " ")
-  engine.data.write_shard(train_bin, engine.data.encode(s:sub(1, 20000)))
-  engine.data.write_shard(val_bin, engine.data.encode(s:sub(20001, 24000)))
-end
-dist.barrier()
+local rhelp = require("spec.dist.helpers.recipe")
+-- Runs the recipe in this process with argv; returns the training losses rank 0 printed (on every rank) and the
+-- printed lines.
+local function run(argv, nsteps) return rhelp.run("recipes/llama.lua", argv, nsteps) end
+-- its own small token shards (the suite does not need data/), written by rank 0; ck: the base of the paths
+local ck, train_bin, val_bin = rhelp.tiny_data("llama_recipe", 13)
 
 local base = { "--n_layers=1", "--dim=32", "--n_heads=4", "--n_kv_heads=2", "--multiple_of=16", "--seq=16", "--batch=2",
   "--log_every=1", "--eval_every=0", "--eval_batches=1", "--warmup=2", "--lr=3e-3", "--train=" .. train_bin,
   "--val=" .. val_bin }
-local function argv(extra)
-  local a = {}
-  for _, v in ipairs(base) do a[#a + 1] = v end
-  for _, v in ipairs(extra) do a[#a + 1] = v end
-  return a
-end
+local argv = rhelp.argv_builder(base)
 
 describe("recipes/llama.lua", function()
   teardown(function()
@@ -79,7 +32,10 @@ describe("recipes/llama.lua", function()
       local d = ck .. "_" .. cfg.name:gsub("%W", "")
       local a = argv({ "--steps=6", "--ckpt_every=3", "--sample_len=8", "--ckpt_dir=" .. d })
       for _, x in ipairs(cfg.args) do a[#a + 1] = x end
-      local full_run, lines = run(a, 6)
+      local b = argv({ "--steps=6", "--ckpt_every=-1", "--sample_len=0", "--ckpt_dir=" .. d,
+        "--resume=" .. d .. "/step_00000003" })
+      for _, x in ipairs(cfg.args) do b[#b + 1] = x end
+      local full_run, lines = rhelp.check_resume(cfg.name, "recipes/llama.lua", a, b, 4, 6)
       if R == 0 then
         local sampled, described = false, false
         for _, l in ipairs(lines) do
@@ -90,14 +46,6 @@ describe("recipes/llama.lua", function()
         assert.is_true(described, "no model line printed")
       end
       assert.is_true(full_run[6] < full_run[1], "the loss does not fall")
-      local b = argv({ "--steps=6", "--ckpt_every=-1", "--sample_len=0", "--ckpt_dir=" .. d,
-        "--resume=" .. d .. "/step_00000003" })
-      for _, x in ipairs(cfg.args) do b[#b + 1] = x end
-      local resumed = run(b, 6)
-      for s = 4, 6 do
-        assert.is_true(math.abs(resumed[s] - full_run[s]) <= 1e-6 * math.max(1, full_run[s]),
-          string.format("%s step %d: %.7f resumed vs %.7f", cfg.name, s, resumed[s], full_run[s]))
-      end
     end)
   end
 
