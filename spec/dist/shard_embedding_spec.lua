@@ -24,13 +24,7 @@ local function features(B)
   return f
 end
 
-local function counted(fn)
-  local c, r = dist.count_collectives(fn)
-  local keys = {}
-  for k, v in pairs(c) do keys[#keys + 1] = k .. "=" .. v end
-  table.sort(keys)
-  return table.concat(keys, " "), r
-end
+local counted = util.counted
 
 describe("EmbeddingCollectionSharder", function()
   it("shards tables row-wise and column-wise; lookups and gradients equal the unsharded collection", function()

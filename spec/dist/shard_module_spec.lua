@@ -8,26 +8,11 @@ local dist = engine.distributed
 local util = require("spec.dist.helpers.util")
 local W, R = dist.world_size(), dist.rank()
 
-local function ranks(list)
-  local r = {}
-  for i, k in ipairs(list) do r[i] = "rank:" .. k .. "/cpu" end
-  return r
-end
-local function all_ranks(times)
-  local l = {}
-  for _ = 1, times or 1 do for k = 0, W - 1 do l[#l + 1] = k end end
-  return l
-end
-local function chunk(dim, list) return dist.ChunkShardingSpec{ dim = dim, placements = ranks(list or all_ranks()) } end
+local sharded = require("spec.dist.helpers.sharded")
+local ranks, all_ranks, chunk = sharded.ranks, sharded.all_ranks, sharded.chunk
 -- max |a - b| relative to max(1, max |b|)
 local function rdiff(a, b) return util.diff(a, b) / math.max(1, b:abs():max():item()) end
-local function counted(fn)
-  local c, r1 = dist.count_collectives(fn)
-  local keys = {}
-  for k, v in pairs(c) do keys[#keys + 1] = k .. "=" .. v end
-  table.sort(keys)
-  return table.concat(keys, " "), r1
-end
+local counted = util.counted
 
 local MLP = nn.Module:extend("MegatronMLP")
 function MLP:__init(d, h)

@@ -6,17 +6,8 @@ local dist = engine.distributed
 local util = require("spec.dist.helpers.util")
 local W, R = dist.world_size(), dist.rank()
 
-local function ranks(list)
-  local r = {}
-  for i, k in ipairs(list) do r[i] = "rank:" .. k .. "/cpu" end
-  return r
-end
-local function all_ranks(times)
-  local l = {}
-  for _ = 1, times or 1 do for k = 0, W - 1 do l[#l + 1] = k end end
-  return l
-end
-local function chunk(dim, list) return dist.ChunkShardingSpec{ dim = dim, placements = ranks(list or all_ranks()) } end
+local sharded = require("spec.dist.helpers.sharded")
+local ranks, all_ranks, chunk = sharded.ranks, sharded.all_ranks, sharded.chunk
 
 -- The full tensor of st on every rank (gather to 0, then broadcast).
 local function full_of(st)

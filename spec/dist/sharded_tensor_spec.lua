@@ -5,16 +5,8 @@ local dist = engine.distributed
 local util = require("spec.dist.helpers.util")
 local W, R = dist.world_size(), dist.rank()
 
-local function ranks(list)
-  local r = {}
-  for i, k in ipairs(list) do r[i] = "rank:" .. k .. "/cpu" end
-  return r
-end
-local function all_ranks(times)
-  local l = {}
-  for t = 1, times or 1 do for k = 0, W - 1 do l[#l + 1] = k end end
-  return l
-end
+local sharded = require("spec.dist.helpers.sharded")
+local ranks, all_ranks = sharded.ranks, sharded.all_ranks
 
 describe("ShardedTensor", function()
   it("chunk spec on dim 1, 10x20 over the ranks: local shards as torch.chunk, gather to the last rank", function()

@@ -23,13 +23,7 @@ local function diff(a, b) return util.diff(full(a), full(b)) end
 local function rel(a, b) return math.abs(a - b) / math.max(1, math.abs(b)) end
 
 -- counts of fn's collectives, as "kind=n" sorted (W > 1), and fn's results
-local function counted(fn)
-  local c, r1, r2 = dist.count_collectives(fn)
-  local keys = {}
-  for k, v in pairs(c) do keys[#keys + 1] = k .. "=" .. v end
-  table.sort(keys)
-  return table.concat(keys, " "), r1, r2
-end
+local counted = util.counted
 local function expect_counts(want, got)
   if W > 1 then assert.are.equal(want, got) end
 end

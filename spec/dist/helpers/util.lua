@@ -17,4 +17,14 @@ function M.errmsg(fn, ...)
   return tostring(e)
 end
 
+-- counted(fn) -> the collectives fn issued on this rank as "kind=n" sorted by kind (dist.count_collectives),
+-- then fn's results
+function M.counted(fn)
+  local res = { require("engine").distributed.count_collectives(fn) }
+  local keys = {}
+  for k, v in pairs(res[1]) do keys[#keys + 1] = k .. "=" .. v end
+  table.sort(keys)
+  return table.concat(keys, " "), unpack(res, 2, table.maxn(res))
+end
+
 return M
