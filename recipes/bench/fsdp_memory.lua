@@ -15,25 +15,12 @@ local engine = require("engine")
 local nn, optim = engine.nn, engine.optim
 local F = nn.functional
 local models = require("engine.models")
+local U = dofile((debug.getinfo(1, "S").source:match("^@(.*)/[^/]*$") or ".") .. "/util.lua")
 
 local o = { ranks = "1,2,4", steps = 5, warmup = 2, worker = 0, reshard_after_forward = 1, n_layers = 4, dim = 256,
   n_heads = 4, seq = 128, batch = 8, vocab = 256 }
 local argv = {}
-for _, a in ipairs(arg or {}) do
-  local k, v = a:match("^%-%-([%w_]+)=(.*)$")
-  if not k or o[k] == nil then
-    local names = {}
-    for n in pairs(o) do names[#names + 1] = "--" .. n end
-    table.sort(names)
-    error("bench/fsdp_memory: bad argument '" .. a .. "' (options: " .. table.concat(names, " ") .. ")", 0)
-  end
-  if type(o[k]) == "number" then
-    o[k] = tonumber(v) or error("bench/fsdp_memory: --" .. k .. " must be a number", 0)
-  else
-    o[k] = v
-  end
-  if k ~= "worker" then argv[#argv + 1] = a end
-end
+U.parse_args("bench/fsdp_memory", o, arg, function(k, _, a) if k ~= "worker" then argv[#argv + 1] = a end end)
 local MiB = 2 ^ 20
 
 if o.worker == 0 then
@@ -54,7 +41,7 @@ if o.worker == 0 then
   local rows = {}
   for n in o.ranks:gmatch("%d+") do
     -- (the engine started MPI as a singleton: its OMPI_*/PMIX_* environment must not reach mpirun)
-    local cmd = string.format("env $(env | sed -n 's/^\\(OMPI_[^=]*\\|PMIX_[^=]*\\)=.*/-u \\1/p') mpirun --allow-run-as-root --oversubscribe --bind-to none --mca btl self,vader "
+    local cmd = string.format(U.no_mpi_env .. " mpirun --allow-run-as-root --oversubscribe --bind-to none --mca btl self,vader "
       .. "--mca pml ob1 -x MALLOC_MMAP_MAX_=0 -x MALLOC_TRIM_THRESHOLD_=1073741824 -np %s '%s' '%s' --worker=1 %s 2>&1",
       n, exe, script, table.concat(argv, " "))
     local p = io.popen(cmd)
@@ -88,11 +75,7 @@ local rank, W = dist.rank(), dist.world_size()
 if o.batch % W ~= 0 then error(string.format("bench/fsdp_memory: --batch=%d is not divisible by %d ranks", o.batch, W), 0) end
 engine.set_num_threads(1)
 local lb = o.batch / W
-engine.manual_seed(1)
-local seq = (engine.rand(o.batch, o.seq + 1) * o.vocab):long():clamp(0, o.vocab - 1)
-local x = seq:narrow(2, 1, o.seq):narrow(1, rank * lb + 1, lb):contiguous()
-local y = seq:narrow(2, 2, o.seq):narrow(1, rank * lb + 1, lb):contiguous()
-seq = nil
+local x, y = U.batch(o, rank, W)
 
 engine.manual_seed(0)
 local model = models.Transformer{ n_layers = o.n_layers, dim = o.dim, n_heads = o.n_heads, vocab_size = o.vocab,

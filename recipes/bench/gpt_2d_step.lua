@@ -32,25 +32,13 @@ local nn, optim = engine.nn, engine.optim
 local F = nn.functional
 local dist = engine.distributed
 local models = require("engine.models")
+local U = dofile((debug.getinfo(1, "S").source:match("^@(.*)/[^/]*$") or ".") .. "/util.lua")
 
 local NAME = "bench/gpt_2d_step"
 local o = { runs = 3, steps = 20, warmup = 3, parts = "2d,fsdp,tp", torch = 1, torch_parts = "2d,fsdp,tp",
   python = "tools/.venv/bin/python", local_attn = 1, sp = 0, reshard_after_forward = 1, threads = 1, n_layers = 4,
   dim = 256, n_heads = 4, seq = 128, batch = 8, vocab = 256 }
-for _, a in ipairs(arg or {}) do
-  local k, v = a:match("^%-%-([%w_]+)=(.*)$")
-  if not k or o[k] == nil then
-    local names = {}
-    for n in pairs(o) do names[#names + 1] = "--" .. n end
-    table.sort(names)
-    error(NAME .. ": bad argument '" .. a .. "' (options: " .. table.concat(names, " ") .. ")", 0)
-  end
-  if type(o[k]) == "number" then
-    o[k] = tonumber(v) or error(NAME .. ": --" .. k .. " must be a number", 0)
-  else
-    o[k] = v
-  end
-end
+U.parse_args(NAME, o, arg)
 
 local rank, W = dist.rank(), dist.world_size()
 if W ~= 4 then error(string.format(NAME .. ": run it on 4 ranks (mpirun -np 4 ...), got %d", W), 0) end
@@ -64,24 +52,8 @@ for w in o.parts:gmatch("[^,]+") do
   order[#order + 1] = w
 end
 local function say(...) if rank == 0 then print(string.format(...)); io.stdout:flush() end end
-local function loadavg()
-  local f = io.open("/proc/loadavg")
-  if not f then return "?" end
-  local s = f:read("*l") or "?"
-  f:close()
-  return s
-end
+local loadavg, median, idle_barrier = U.loadavg, U.median, U.idle_barrier
 
-local function median(t)
-  local s = { unpack(t) }
-  table.sort(s)
-  local n = #s
-  if n == 0 then return 0 / 0 end
-  return n % 2 == 1 and s[(n + 1) / 2] or 0.5 * (s[n / 2] + s[n / 2 + 1])
-end
-
--- A barrier that sleeps instead of spinning (MPI_Barrier polls a core at 100% under ob1/vader).
-ffi.cdef("int usleep(unsigned int usec);")
 -- this process's CPU time (all its threads): clock_gettime(CLOCK_PROCESS_CPUTIME_ID)
 pcall(ffi.cdef, "typedef struct { long tv_sec; long tv_nsec; } gpt2d_timespec; int clock_gettime(int clk, gpt2d_timespec* ts);")
 local ts_buf = ffi.new("gpt2d_timespec")
@@ -89,27 +61,10 @@ local function cpu_time()
   ffi.C.clock_gettime(2, ts_buf)
   return tonumber(ts_buf.tv_sec) + tonumber(ts_buf.tv_nsec) * 1e-9
 end
-local function idle_barrier()
-  local w = dist.barrier{ async = true }
-  while not w:is_completed() do ffi.C.usleep(2000) end
-end
-
-local function build_model()
-  engine.manual_seed(0)
-  local model = models.Transformer{ n_layers = o.n_layers, dim = o.dim, n_heads = o.n_heads, vocab_size = o.vocab,
-    max_seq_len = o.seq, dropout_p = 0 }
-  for name, p in model:named_parameters() do  -- GPT-2 style init, as recipes/bench/step.lua
-    if name:match("embeddings%.weight$") then nn.init.normal_(p, 0, 0.02) end
-  end
-  model:train()
-  return model
-end
+local function build_model() return U.build_model(o) end
 
 -- the same fixed global batch on every rank; each part takes its rows
-engine.manual_seed(1)
-local seq = (engine.rand(o.batch, o.seq + 1) * o.vocab):long():clamp(0, o.vocab - 1)
-local x = seq:narrow(2, 1, o.seq):contiguous()
-local y = seq:narrow(2, 2, o.seq):contiguous()
+local x, y = U.batch(o)
 local function rows(t, i, n)
   local b = o.batch / n
   return t:narrow(1, i * b + 1, b):contiguous()
@@ -173,19 +128,14 @@ local function time_part(name)
   -- machine the wall time also holds the time the ranks wait for a core)
   local cpu = engine.tensor({ cpu_time() - cpu0 }, "f64")
   dist.all_reduce(cpu, "sum")
-  local keys, total = {}, 0
-  for k, v in pairs(counts) do
-    keys[#keys + 1] = string.format("%s=%g", k, v / o.steps)
-    total = total + v / o.steps
-  end
-  table.sort(keys)
+  local total, kinds = U.count_summary(counts, o.steps)
   local med = median(times)
   table.sort(times)
   model, opt = nil, nil
   collectgarbage(); collectgarbage()
   dist.barrier()
   return { ms = med, min = times[1], max = times[#times], coll = total, cpu_ms = cpu:item() * 1e3 / o.steps,
-    coll_kinds = #keys > 0 and table.concat(keys, " ") or "none", loss0 = losses[1], lossN = losses[#losses] }
+    coll_kinds = kinds, loss0 = losses[1], lossN = losses[#losses] }
 end
 
 local labels = { ["2d"] = "FSDP+TP", fsdp = "FSDP", tp = "TP" }
@@ -227,22 +177,11 @@ local th = {}
 if o.torch ~= 0 then
   if rank == 0 then
     local home = (ENGINE_HOME and ENGINE_HOME ~= "") and ENGINE_HOME or "."
-    local py = o.python
-    local function exists(path)
-      local fh = io.open(path)
-      if fh then fh:close() end
-      return fh ~= nil
-    end
-    if not py:match("^/") and not exists(py) then py = home .. "/" .. py end
-    local has = false
-    if exists(py) then
-      local rc = os.execute("'" .. py .. "' -c 'from torch.distributed.fsdp import fully_shard' >/dev/null 2>&1")
-      has = rc == 0 or rc == true
-    end
+    local found, py = U.python_with(o.python, "from torch.distributed.fsdp import fully_shard")
+    local has = found ~= nil
     if has then
       -- the MPI launcher's environment (OMPI_*, PMIX_*) must not leak into torch's processes
-      local cmd = string.format("env $(env | sed -n 's/^\\(OMPI_[^=]*\\|PMIX_[^=]*\\)=.*/-u \\1/p') "
-        .. "'%s' '%s/tools/bench_2d_torch.py' --runs=%d --steps=%d --warmup=%d --parts=%s --local_attn=%d --sp=%d "
+      local cmd = string.format(U.no_mpi_env .. " '%s' '%s/tools/bench_2d_torch.py' --runs=%d --steps=%d --warmup=%d --parts=%s --local_attn=%d --sp=%d "
         .. "--reshard_after_forward=%d --threads=%d --n_layers=%d --dim=%d --n_heads=%d --seq=%d --batch=%d "
         .. "--vocab=%d 2>&1", py, home, o.runs, o.steps, o.warmup, o.torch_parts, o.local_attn, o.sp,
         o.reshard_after_forward, o.threads, o.n_layers, o.dim, o.n_heads, o.seq, o.batch, o.vocab)

@@ -31,23 +31,11 @@ local nn, optim = engine.nn, engine.optim
 local F = nn.functional
 local dist = engine.distributed
 local models = require("engine.models")
+local U = dofile((debug.getinfo(1, "S").source:match("^@(.*)/[^/]*$") or ".") .. "/util.lua")
 
 local o = { parts = "single,tp,tpsp", steps = 20, warmup = 3, torch = 1, python = "tools/.venv/bin/python", single_threads = 2,
   local_attn = 1, n_layers = 4, dim = 256, n_heads = 4, seq = 128, batch = 8, vocab = 256 }
-for _, a in ipairs(arg or {}) do
-  local k, v = a:match("^%-%-([%w_]+)=(.*)$")
-  if not k or o[k] == nil then
-    local names = {}
-    for n in pairs(o) do names[#names + 1] = "--" .. n end
-    table.sort(names)
-    error("bench/tp_step: bad argument '" .. a .. "' (options: " .. table.concat(names, " ") .. ")", 0)
-  end
-  if type(o[k]) == "number" then
-    o[k] = tonumber(v) or error("bench/tp_step: --" .. k .. " must be a number", 0)
-  else
-    o[k] = v
-  end
-end
+U.parse_args("bench/tp_step", o, arg)
 
 local rank, W = dist.rank(), dist.world_size()
 if W ~= 2 then
@@ -57,36 +45,11 @@ local part = {}
 for w in o.parts:gmatch("[^,]+") do part[w] = true end
 local function say(...) if rank == 0 then print(string.format(...)) end end
 
-local function median(t)
-  local s = { unpack(t) }
-  table.sort(s)
-  local n = #s
-  return n % 2 == 1 and s[(n + 1) / 2] or 0.5 * (s[n / 2] + s[n / 2 + 1])
-end
-
--- A barrier that sleeps instead of spinning (MPI_Barrier polls a core at 100% under ob1/vader).
-ffi.cdef("int usleep(unsigned int usec);")
-local function idle_barrier()
-  local w = dist.barrier{ async = true }
-  while not w:is_completed() do ffi.C.usleep(2000) end
-end
-
-local function build_model()
-  engine.manual_seed(0)
-  local model = models.Transformer{ n_layers = o.n_layers, dim = o.dim, n_heads = o.n_heads, vocab_size = o.vocab,
-    max_seq_len = o.seq, dropout_p = 0 }
-  for name, p in model:named_parameters() do  -- GPT-2 style init, as recipes/bench/step.lua
-    if name:match("embeddings%.weight$") then nn.init.normal_(p, 0, 0.02) end
-  end
-  model:train()
-  return model
-end
+local median, idle_barrier = U.median, U.idle_barrier
+local function build_model() return U.build_model(o) end
 
 -- the same fixed batch on every rank
-engine.manual_seed(1)
-local seq = (engine.rand(o.batch, o.seq + 1) * o.vocab):long():clamp(0, o.vocab - 1)
-local x = seq:narrow(2, 1, o.seq):contiguous()
-local y = seq:narrow(2, 2, o.seq):contiguous()
+local x, y = U.batch(o)
 local tokens = o.batch * o.seq
 
 -- Times warmup + steps training steps; returns median ms, min, max, collectives per timed step
@@ -112,16 +75,11 @@ local function time_steps(model, sync)
       for k, v in pairs(c) do counts[k] = (counts[k] or 0) + v end
     end
   end
-  local keys, total = {}, 0
-  for k, v in pairs(counts) do
-    keys[#keys + 1] = string.format("%s=%g", k, v / o.steps)
-    total = total + v / o.steps
-  end
-  table.sort(keys)
+  local total, kinds = U.count_summary(counts, o.steps)
   local med = median(times)
   table.sort(times)
-  return { ms = med, min = times[1], max = times[#times], coll = total,
-    coll_kinds = #keys > 0 and table.concat(keys, " ") or "none", loss0 = losses[1], lossN = losses[#losses] }
+  return { ms = med, min = times[1], max = times[#times], coll = total, coll_kinds = kinds, loss0 = losses[1],
+    lossN = losses[#losses] }
 end
 
 local function report(label, r, threads)
@@ -132,8 +90,7 @@ end
 say("bench/tp_step: engine %s, BLAS core %s, %d ranks, %d steps after %d warm-up, %d layers, dim %d, %d heads, "
   .. "seq %d, batch %d, vocab %d, %d tokens/step", engine.version, engine.blas_corename(), W, o.steps, o.warmup,
   o.n_layers, o.dim, o.n_heads, o.seq, o.batch, o.vocab, tokens)
-local f = io.open("/proc/loadavg")
-if f and rank == 0 then say("load average at start: %s", (f:read("*l") or "?")); f:close() elseif f then f:close() end
+say("load average at start: %s", U.loadavg())
 
 -- ---------------------------------------------------------------- (a) single process on rank 0
 local single
@@ -174,24 +131,11 @@ if o.torch ~= 0 then
     print("bench/tp_step: PyTorch skipped: --local_attn=0 does not run in PyTorch on CPU (no DTensor SDPA strategy)")
   elseif rank == 0 then
     local home = (ENGINE_HOME and ENGINE_HOME ~= "") and ENGINE_HOME or "."
-    local py = o.python
-    local function exists(path)
-      local fh = io.open(path)
-      if fh then fh:close() end
-      return fh ~= nil
-    end
-    if not py:match("^/") and not exists(py) then py = home .. "/" .. py end
-    local fpy = io.open(py)
-    local has = false
-    if fpy then
-      fpy:close()
-      local rc = os.execute("'" .. py .. "' -c 'import torch' >/dev/null 2>&1")
-      has = rc == 0 or rc == true
-    end
+    local found, py = U.python_with(o.python, "import torch")
+    local has = found ~= nil
     if has then
       -- the MPI launcher's environment (OMPI_*, PMIX_*) must not leak into torch's processes
-      local cmd = string.format("env $(env | sed -n 's/^\\(OMPI_[^=]*\\|PMIX_[^=]*\\)=.*/-u \\1/p') "
-        .. "'%s' '%s/tools/bench_tp_torch.py' --steps=%d --warmup=%d --single_threads=%d --local_attn=%d "
+      local cmd = string.format(U.no_mpi_env .. " '%s' '%s/tools/bench_tp_torch.py' --steps=%d --warmup=%d --single_threads=%d --local_attn=%d "
         .. "--n_layers=%d --dim=%d --n_heads=%d --seq=%d --batch=%d --vocab=%d 2>&1",
         py, home, o.steps, o.warmup, o.single_threads, o.local_attn, o.n_layers, o.dim, o.n_heads, o.seq, o.batch,
         o.vocab)
@@ -222,8 +166,7 @@ if rank == 0 then
       .. "TP+SP %s (target <= 0.5)", ratio(th.tp, th.single), ratio(th.tpsp, th.single), ratio(single.ms, th.single),
       ratio(tp.ms, th.tp), ratio(tpsp.ms, th.tpsp))
   end
-  local f2 = io.open("/proc/loadavg")
-  if f2 then say("load average at end: %s", (f2:read("*l") or "?")); f2:close() end
+  say("load average at end: %s", U.loadavg())
   say("summary: engine single %.1f | TP %.1f (%g coll) | TP+SP %.1f (%g coll) ms/step; TP/single %.2f "
     .. "TP+SP/single %.2f | PyTorch single %s | TP %s (%s coll) | TP+SP %s (%s coll) ms/step; "
     .. "engine/PyTorch TP %s TP+SP %s", single.ms, tp.ms, tp.coll, tpsp.ms, tpsp.coll, tp.ms / single.ms,

@@ -1,0 +1,118 @@
+-- recipes/bench/util.lua: what the training-step benches (fsdp_step, tp_step, gpt_2d_step, fsdp_memory) share:
+-- --key=value parsing, the median, a sleeping barrier, the reference GPT and its fixed random batch, collective
+-- counts per step, the load average, and finding a Python that imports torch.  Not a bench: a bench loads it with
+--   local U = dofile((debug.getinfo(1, "S").source:match("^@(.*)/[^/]*$") or ".") .. "/util.lua")
+local ffi = require("ffi")
+local engine = require("engine")
+local nn = engine.nn
+local models = require("engine.models")
+
+local M = {}
+
+-- parse_args(name, o, argv, each): --key=value into the defaults table o (numbers where the default is one);
+-- each(k, v, a) (optional) sees every argument
+function M.parse_args(name, o, argv, each)
+  for _, a in ipairs(argv or {}) do
+    local k, v = a:match("^%-%-([%w_]+)=(.*)$")
+    if not k or o[k] == nil then
+      local names = {}
+      for n in pairs(o) do names[#names + 1] = "--" .. n end
+      table.sort(names)
+      error(name .. ": bad argument '" .. a .. "' (options: " .. table.concat(names, " ") .. ")", 0)
+    end
+    if type(o[k]) == "number" then
+      o[k] = tonumber(v) or error(name .. ": --" .. k .. " must be a number", 0)
+    else
+      o[k] = v
+    end
+    if each then each(k, v, a) end
+  end
+  return o
+end
+
+-- the median of a list of numbers (NaN when empty)
+function M.median(t)
+  local s = { unpack(t) }
+  table.sort(s)
+  local n = #s
+  if n == 0 then return 0 / 0 end
+  return n % 2 == 1 and s[(n + 1) / 2] or 0.5 * (s[n / 2] + s[n / 2 + 1])
+end
+
+-- A barrier that sleeps instead of spinning (MPI_Barrier polls a core at 100% under ob1/vader): an asynchronous
+-- barrier polled every 2 ms.
+pcall(ffi.cdef, "int usleep(unsigned int usec);")
+function M.idle_barrier()
+  local w = engine.distributed.barrier{ async = true }
+  while not w:is_completed() do ffi.C.usleep(2000) end
+end
+
+-- the reference GPT of the options (n_layers, dim, n_heads, vocab, seq): seed 003's Transformer, seed 0, dropout 0,
+-- N(0, 0.02) embeddings (GPT-2 style, as recipes/bench/step.lua), in train mode
+function M.build_model(o)
+  engine.manual_seed(0)
+  local model = models.Transformer{ n_layers = o.n_layers, dim = o.dim, n_heads = o.n_heads, vocab_size = o.vocab,
+    max_seq_len = o.seq, dropout_p = 0 }
+  for name, p in model:named_parameters() do
+    if name:match("embeddings%.weight$") then nn.init.normal_(p, 0, 0.02) end
+  end
+  model:train()
+  return model
+end
+
+-- the fixed random global batch (seed 1) of o.batch rows of o.seq + 1 tokens < o.vocab: inputs x, targets y
+-- [batch, seq], the same on every rank, and the tokens [batch, seq + 1] they were copied from; batch(o, r, n):
+-- the rows of part r (0-based) of n equal parts only
+function M.batch(o, r, n)
+  engine.manual_seed(1)
+  local seq = (engine.rand(o.batch, o.seq + 1) * o.vocab):long():clamp(0, o.vocab - 1)
+  local x, y = seq:narrow(2, 1, o.seq), seq:narrow(2, 2, o.seq)
+  if n then
+    local b = o.batch / n
+    x, y = x:narrow(1, r * b + 1, b), y:narrow(1, r * b + 1, b)
+  end
+  return x:contiguous(), y:contiguous(), seq
+end
+
+-- count_summary(counts, steps) -> collectives per step in all, and "kind=n ..." per step sorted by kind ("none")
+function M.count_summary(counts, steps)
+  local keys, total = {}, 0
+  for k, v in pairs(counts) do
+    keys[#keys + 1] = string.format("%s=%g", k, v / steps)
+    total = total + v / steps
+  end
+  table.sort(keys)
+  return total, #keys > 0 and table.concat(keys, " ") or "none"
+end
+
+-- the first line of /proc/loadavg ("?" without one)
+function M.loadavg()
+  local f = io.open("/proc/loadavg")
+  if not f then return "?" end
+  local s = f:read("*l") or "?"
+  f:close()
+  return s
+end
+
+-- a shell prefix that removes the MPI launcher's environment (OMPI_*, PMIX_*), so that a child (PyTorch's
+-- processes, another mpirun) does not join this job
+M.no_mpi_env = "env $(env | sed -n 's/^\\(OMPI_[^=]*\\|PMIX_[^=]*\\)=.*/-u \\1/p')"
+
+-- python_with(python, import) -> the interpreter path (relative paths also under ENGINE_HOME) when it runs
+-- `import` (a Python statement), else nil and the path tried
+function M.python_with(python, import)
+  local home = (ENGINE_HOME and ENGINE_HOME ~= "") and ENGINE_HOME or "."
+  local function exists(path)
+    local fh = io.open(path)
+    if fh then fh:close() end
+    return fh ~= nil
+  end
+  local py = python
+  if not py:match("^/") and not exists(py) then py = home .. "/" .. py end
+  if not exists(py) then return nil, py end
+  local rc = os.execute("'" .. py .. "' -c '" .. import .. "' >/dev/null 2>&1")
+  if rc == 0 or rc == true then return py end
+  return nil, py
+end
+
+return M
