@@ -98,8 +98,8 @@ end
 -- processes, another mpirun) does not join this job
 M.no_mpi_env = "env $(env | sed -n 's/^\\(OMPI_[^=]*\\|PMIX_[^=]*\\)=.*/-u \\1/p')"
 
--- python_with(python, import) -> the interpreter path (relative paths also under ENGINE_HOME) when it runs
--- `import` (a Python statement), else nil and the path tried
+-- python_with(python, import) -> the interpreter path twice (relative paths also under ENGINE_HOME) when it
+-- runs `import` (a Python statement), else nil and the path tried
 function M.python_with(python, import)
   local home = (ENGINE_HOME and ENGINE_HOME ~= "") and ENGINE_HOME or "."
   local function exists(path)
@@ -111,7 +111,7 @@ function M.python_with(python, import)
   if not py:match("^/") and not exists(py) then py = home .. "/" .. py end
   if not exists(py) then return nil, py end
   local rc = os.execute("'" .. py .. "' -c '" .. import .. "' >/dev/null 2>&1")
-  if rc == 0 or rc == true then return py end
+  if rc == 0 or rc == true then return py, py end
   return nil, py
 end
 
