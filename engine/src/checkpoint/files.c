@@ -21,6 +21,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -211,12 +213,23 @@ static void* run(void* arg) {
   return NULL;
 }
 
+/* An async save's writer yields the CPU to training: it runs at a lower priority (nice +10 for this thread
+ * only; Linux applies setpriority to a thread id).  Where cores are free this changes nothing; where the ranks
+ * use every core, a rank that finished its staging copies no longer slows a peer still copying (4 ranks on 2
+ * cores: the async save blocked 1.2-1.9x one copy of the local shards, about 1.0x at 1 and 2 ranks). */
+static void* run_background(void* arg) {
+#ifdef SYS_gettid
+  (void)setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), 10);
+#endif
+  return run(arg);
+}
+
 int eng_ckpt_writer_start(eng_ckpt_writer* w, int async) {
   if (!w) return eng_err("checkpoint.save: writer is NULL");
   if (w->started) return eng_err("checkpoint.save: %s: started twice", w->path);
   w->started = 1;
   if (async) {
-    if (pthread_create(&w->thread, NULL, run, w) != 0) {
+    if (pthread_create(&w->thread, NULL, run_background, w) != 0) {
       w->started = 0;
       return eng_err("checkpoint.save: %s: cannot start the writer thread", w->path);
     }
