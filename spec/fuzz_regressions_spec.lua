@@ -45,6 +45,17 @@ describe("fuzz regressions: safetensors and checkpoint metadata", function()
     assert.equal(0, engine.zeros(0, 2 ^ 62):numel())
   end)
 
+  it("copies an empty tensor whose leading dims have byte strides past int64 ([5, 0, 1, 2^62]: UBSan in the copy)", function()
+    local h = '{"a":{"dtype":"F32","shape":[5,0,1,4611686018427387904],"data_offsets":[0,0]}}'
+    write(path, le64(#h) .. h)
+    local t = engine.load(path).a
+    assert.equal(0, t:numel())
+    assert.same({ 5, 0, 1, 4611686018427387904 }, t:shape())
+    assert.equal(0, t:clone():numel())                      -- a strided copy of the empty space
+    assert.equal(0, t:transpose(1, 4):contiguous():numel())
+    assert.equal(0, engine.zeros(5, 0, 1, 2 ^ 62):add(1):numel())
+  end)
+
   it("finds duplicate tensor names among many in n log n", function()
     local parts = {}
     for i = 1, 20000 do parts[i] = string.format('"t%05d":{"dtype":"U8","shape":[0],"data_offsets":[0,0]}', i) end

@@ -9,9 +9,11 @@
  * Returns the dim count (0: a single element), -1 if the space is empty. */
 static int coalesce(int ndim, const int64_t* shape, int k, const int64_t* const* strides, const int* esz,
                     int64_t* sh, int64_t (*st)[KMAX]) {
+  /* an empty space first: the strides of an empty tensor's other dims may be huge (max(size, 1) products),
+   * so scaling them to bytes before seeing the zero could overflow (found by fuzz_safetensors) */
+  for (int d = 0; d < ndim; d++) if (shape[d] == 0) return -1;
   int nd = 0;
   for (int d = 0; d < ndim; d++) {
-    if (shape[d] == 0) return -1;
     if (shape[d] == 1) continue;
     sh[nd] = shape[d];
     for (int j = 0; j < k; j++) st[j][nd] = strides[j][d] * esz[j];
