@@ -79,14 +79,14 @@ end
 -- saved tensors as backward runs would free nothing until the next
 -- collection (backward itself is C and wraps no tensors).  backward() and
 -- autograd.grad() therefore call gc_backward() first: a full collection when
--- tensors hold more than `backward` MiB, unless the last collection took more
--- than backward_fraction of the process's CPU time since it (so their cost
+-- tensors hold more than `backward` MiB, unless the last such collection took
+-- more than backward_fraction of the process's CPU time since it (so their cost
 -- stays under that fraction: one collection per training step of a real
 -- model, few in a loop of tiny backward passes).  backward = 0 turns it off
 -- (ENGINE_GC_BACKWARD in MiB, ENGINE_GC_BACKWARD_FRACTION).
 local gc_flag = C.eng_alloc_gc_flag()
 local gc = { ratio = 2, min_bytes = 64 * 2 ^ 20, max_fraction = 0.01, backward = 4, backward_fraction = 0.05, floor = 64 * 2 ^ 20,
-  live = 0, last = 0, cpu_last = 0, cpu_took = 0, collections = 0, seconds = 0 }
+  live = 0, last = 0, cpu_last = 0, cpu_took = 0, bw_last = 0, bw_took = 0, collections = 0, seconds = 0 }
 M.gc = gc
 
 local function gc_arm()
@@ -124,9 +124,11 @@ local gc_collect = M.gc_collect
 function M.gc_backward()
   if gc.ratio <= 0 or gc.backward <= 0 then return end
   if tonumber(C.eng_alloc_gc_bytes()) <= gc.backward * 2 ^ 20 then return end
-  if gc.cpu_took > gc.backward_fraction * (os.clock() - gc.cpu_last) then return end
+  -- its own budget: a pressure collection earlier in the forward must not make this one look too recent
+  if gc.bw_took > gc.backward_fraction * (os.clock() - gc.bw_last) then return end
   gc.backward_collections = (gc.backward_collections or 0) + 1
   gc_collect()
+  gc.bw_last, gc.bw_took = gc.cpu_last, gc.cpu_took
 end
 
 -- Sets the policy above (fields left out keep their values); returns the
