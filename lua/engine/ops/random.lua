@@ -10,6 +10,7 @@
 --   local g = engine.Generator():manual_seed(42)           a user generator (PyTorch's torch.Generator)
 --   engine.rand(2, 3, {generator = g}); t:normal_(0, 1, {generator = g}); nn.init.normal_(w, 0, 0.02, g)
 --   engine.rand_like(t, {generator = g}); engine.dropout(x, 0.1, true, {generator = g}); nn.Dropout(0.1, {generator = g})
+--   engine.scaled_dot_product_attention(q, k, v, {dropout_p = 0.1, generator = g})
 --   dist.rand / dist.randn(shape, {mesh =, placements =, generator = g}); dist.sharded_tensor.rand(spec, size, {generator = g})
 --
 -- A generator is a (seed, offset) pair like the global one: its draws are the numbers the global
@@ -180,6 +181,23 @@ do
     local g = trailing_generator(gen, "dropout")
     if g == nil then return base(x, p, training) end
     return with_generator(g, base, x, p, training)
+  end
+end
+
+-- engine.scaled_dot_product_attention(q, k, v, {..., dropout_p =, generator = g}): the attention-weight
+-- dropout drawn from g (an extension, as dropout's: PyTorch's SDPA takes no generator); F.scaled_dot_product_attention
+-- passes the option table through.
+do
+  local nnops = require("engine.ops.nn")
+  local base = nnops.scaled_dot_product_attention
+  M.scaled_dot_product_attention = function(q, k, v, opts)
+    if type(opts) == "table" and getmetatable(opts) == nil and opts.generator ~= nil then
+      local g = check_generator(opts.generator, "scaled_dot_product_attention")
+      local o = {}
+      for key, val in pairs(opts) do if key ~= "generator" then o[key] = val end end
+      return with_generator(g, base, q, k, v, o)
+    end
+    return base(q, k, v, opts)
   end
 end
 
