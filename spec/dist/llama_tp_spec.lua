@@ -41,7 +41,30 @@ local function compare(label, m, ref, step, lv, lr)
   end
 end
 
+-- every parameter of m equal to ref's (Adam divides by sqrt(v): a rounding difference in a small gradient
+-- moves a weight by up to ~lr times its relative size, so parameters are held to 1e-4 = 1% of one step of
+-- lr 1e-2)
+local function same_parameters(m, ref)
+  for name, p in m:named_parameters() do
+    local d = diff(p, ref:get_parameter(name))
+    assert.is_true(d <= 1e-4, "parameter " .. name .. " differs by " .. d)
+  end
+end
+
 describe("Llama tensor parallel (torchtitan's plan)", function()
+  -- m's vocab-sharded logits (Shard(3)) through loss_parallel: the loss and gradients of ref on one process
+  local function check_loss_parallel(label, m, ref, x, y)
+    local logits = m(x)
+    assert.is_true(dist.is_dtensor(logits))
+    assert.are.equal("Shard(3)", tostring(logits.placements[1]))
+    local lm = dist.loss_parallel(function()
+      return F.cross_entropy(logits:reshape(-1, V), dist.DTensor.from_local(y:reshape(-1), mesh, { Rep() }))
+    end)
+    lm:backward()
+    local lr = F.cross_entropy(ref(x):reshape(-1, V), y:reshape(-1)); lr:backward()
+    compare(label, m, ref, 1, full(lm):item(), lr:item())
+  end
+
   it("lays out the weights as torchtitan: Colwise Shard(1), Rowwise Shard(2), local heads", function()
     local m = make()
     models.Llama.parallelize(m, mesh)
@@ -81,27 +104,14 @@ describe("Llama tensor parallel (torchtitan's plan)", function()
       compare("TP", m, ref, step, full(lm):item(), lr:item())
       opt_m:step(); opt_m:zero_grad(); opt_r:step(); opt_r:zero_grad()
     end
-    for name, p in m:named_parameters() do
-      -- (Adam divides by sqrt(v): a rounding difference in a small gradient moves a weight by up to ~lr
-      -- times its relative size, so parameters are held to 1e-4 = 1% of one step of lr 1e-2)
-      local d = diff(p, ref:get_parameter(name))
-      assert.is_true(d <= 1e-4, "parameter " .. name .. " differs by " .. d)
-    end
+    same_parameters(m, ref)
   end)
 
   it("loss_parallel: vocab-sharded logits, the same loss and gradients", function()
     local ref, m = make(), make()
     models.Llama.parallelize(m, mesh, { loss_parallel = true })
     local x, y = tokens(2, T, 11), tokens(2, T, 12)
-    local logits = m(x)
-    assert.is_true(dist.is_dtensor(logits))
-    assert.are.equal("Shard(3)", tostring(logits.placements[1]))
-    local lm = dist.loss_parallel(function()
-      return F.cross_entropy(logits:reshape(-1, V), dist.DTensor.from_local(y:reshape(-1), mesh, { Rep() }))
-    end)
-    lm:backward()
-    local lr = F.cross_entropy(ref(x):reshape(-1, V), y:reshape(-1)); lr:backward()
-    compare("loss_parallel", m, ref, 1, full(lm):item(), lr:item())
+    check_loss_parallel("loss_parallel", m, ref, x, y)
   end)
 
   it("sequence parallelism (use_seq_parallel): torchtitan's layouts, and one process over 5 AdamW steps", function()
@@ -141,24 +151,14 @@ describe("Llama tensor parallel (torchtitan's plan)", function()
         end
       end
     end
-    for name, p in m:named_parameters() do
-      local d = diff(p, ref:get_parameter(name))
-      assert.is_true(d <= 1e-4, "parameter " .. name .. " differs by " .. d)
-    end
+    same_parameters(m, ref)
   end)
 
   it("sequence parallelism with loss_parallel: vocab-sharded logits, the same loss and gradients", function()
     local ref, m = make(), make()
     models.Llama.parallelize(m, mesh, { use_seq_parallel = true, loss_parallel = true })
     local x, y = tokens(2, T, 13), tokens(2, T, 14)
-    local logits = m(x)
-    assert.are.equal("Shard(3)", tostring(logits.placements[1]))
-    local lm = dist.loss_parallel(function()
-      return F.cross_entropy(logits:reshape(-1, V), dist.DTensor.from_local(y:reshape(-1), mesh, { Rep() }))
-    end)
-    lm:backward()
-    local lr = F.cross_entropy(ref(x):reshape(-1, V), y:reshape(-1)); lr:backward()
-    compare("SP loss_parallel", m, ref, 1, full(lm):item(), lr:item())
+    check_loss_parallel("SP loss_parallel", m, ref, x, y)
   end)
 
   it("bad input: heads not divisible by the tp size, unknown options, wrong module", function()
@@ -194,11 +194,6 @@ describe("Llama DTensor data parallelism", function()
       compare("DP", m, ref, step, lm:full_tensor():item(), lr:item())
       opt_m:step(); opt_m:zero_grad(); opt_r:step(); opt_r:zero_grad()
     end
-    for name, p in m:named_parameters() do
-      -- (Adam divides by sqrt(v): a rounding difference in a small gradient moves a weight by up to ~lr
-      -- times its relative size, so parameters are held to 1e-4 = 1% of one step of lr 1e-2)
-      local d = diff(p, ref:get_parameter(name))
-      assert.is_true(d <= 1e-4, "parameter " .. name .. " differs by " .. d)
-    end
+    same_parameters(m, ref)
   end)
 end)

@@ -17,13 +17,14 @@
  * kernel runs there and the result goes back to the device.  The DTensor
  * rules are in sharding/index.c. */
 #include "core/internal.h"
+#include "ops/ops.h"
 #include "sharding/sharding.h"
 #include "sharding/sharding_index.h"
 #include "kernels/cpu/kindex.h"
 #include "cuda/cuda_index.h"
 
-/* A contiguous host copy of t in dtype (no autograd; new reference). */
-static eng_tensor* host(eng_tensor* t, int dtype) {
+/* The host fallback's copies (ops.h). */
+eng_tensor* eng_op_host(eng_tensor* t, int dtype) {
   eng_tensor* c = eng_as_contig(t, dtype);
   if (!c || c->device == ENG_CPU) return c;
   int prev = eng_set_grad_enabled(0);
@@ -33,8 +34,7 @@ static eng_tensor* host(eng_tensor* t, int dtype) {
   return h;
 }
 
-/* r (a host result) moved to device (no autograd; consumes r). */
-static eng_tensor* to_dev(eng_tensor* r, int device) {
+eng_tensor* eng_op_to_device(eng_tensor* r, int device) {
   if (!r || device == ENG_CPU) return r;
   int prev = eng_set_grad_enabled(0);
   eng_tensor* d = eng_tensor_to_device(r, device);
@@ -45,7 +45,7 @@ static eng_tensor* to_dev(eng_tensor* r, int device) {
 
 /* The index values as a host i64 tensor, each checked in [0, size). */
 static eng_tensor* read_index(eng_tensor* index, int64_t size, const char* op, int d, const eng_tensor* x) {
-  eng_tensor* h = host(index, ENG_I64);
+  eng_tensor* h = eng_op_host(index, ENG_I64);
   if (!h) return NULL;
   const int64_t* p = (const int64_t*)eng_ptr(h);
   for (int64_t j = 0; j < h->numel; j++)
@@ -110,11 +110,11 @@ eng_tensor* eng_gather(eng_tensor* x, int dim, eng_tensor* index) {
     if (rc < 0) { eng_tensor_release(I); return NULL; }
   }
   if (rc == 1) { /* CPU, or the host fallback */
-    eng_tensor* X = host(x, x->dtype);
+    eng_tensor* X = eng_op_host(x, x->dtype);
     out = X ? eng_new(index->ndim, index->shape, x->dtype, ENG_CPU) : NULL;
     if (out)
       kc_gather(eng_dtype_size(x->dtype), nd, ish, xsh, d, eng_ptr(out), eng_ptr(X), (const int64_t*)eng_ptr(I));
-    out = to_dev(out, x->device);
+    out = eng_op_to_device(out, x->device);
     eng_tensor_release(X);
   }
   if (out && eng_dtype_is_floating(x->dtype) && eng_any_requires_grad(1, &x)) {
@@ -208,14 +208,14 @@ eng_tensor* eng_scatter(eng_tensor* x, int dim, eng_tensor* index, eng_tensor* s
     if (rc < 0) { eng_tensor_release(I); eng_tensor_release(S); return NULL; }
   }
   if (rc == 1) { /* CPU, or the host fallback */
-    eng_tensor* X = host(x, x->dtype);
-    eng_tensor* Sh = X ? host(S, x->dtype) : NULL;
+    eng_tensor* X = eng_op_host(x, x->dtype);
+    eng_tensor* Sh = X ? eng_op_host(S, x->dtype) : NULL;
     out = Sh ? eng_new(x->ndim, x->shape, x->dtype, ENG_CPU) : NULL;
     if (out) {
       memcpy(eng_ptr(out), eng_ptr(X), (size_t)(out->numel * eng_dtype_size(out->dtype)));
       kc_scatter(x->dtype, reduce, nd, ish, xsh, d, eng_ptr(out), eng_ptr(Sh), (const int64_t*)eng_ptr(I));
     }
-    out = to_dev(out, x->device);
+    out = eng_op_to_device(out, x->device);
     eng_tensor_release(X); eng_tensor_release(Sh);
   }
   eng_tensor* ins[2] = {x, S};
@@ -305,15 +305,15 @@ static eng_tensor* index_put(eng_tensor* x, int dim, eng_tensor* index, eng_tens
     if (rc < 0) { eng_tensor_release(I); return NULL; }
   }
   if (rc == 1) { /* CPU, or the host fallback */
-    eng_tensor* X = host(x, x->dtype);
-    eng_tensor* Sh = X ? host(src, x->dtype) : NULL;
+    eng_tensor* X = eng_op_host(x, x->dtype);
+    eng_tensor* Sh = X ? eng_op_host(src, x->dtype) : NULL;
     out = Sh ? eng_new(x->ndim, x->shape, x->dtype, ENG_CPU) : NULL;
     if (out) {
       memcpy(eng_ptr(out), eng_ptr(X), (size_t)(out->numel * eng_dtype_size(out->dtype)));
       kc_index_put(x->dtype, acc, acc ? alpha : 1.0, outer, shp(x, d), index->numel, inner, eng_ptr(out),
                    eng_ptr(Sh), (const int64_t*)eng_ptr(I));
     }
-    out = to_dev(out, x->device);
+    out = eng_op_to_device(out, x->device);
     eng_tensor_release(X); eng_tensor_release(Sh);
   }
   eng_tensor* ins[2] = {x, src};
@@ -341,7 +341,7 @@ eng_tensor* eng_nonzero(eng_tensor* x) {
   if (x->dist && !eng_dtensor_local_mode())
     return eng_errp("%s: %s is a DTensor: the output's size depends on the data; use nonzero on full_tensor() "
                     "(engine.nonzero does that for DTensors and returns a Replicate DTensor)", op, eng_desc(x));
-  eng_tensor* X = host(x, x->dtype);
+  eng_tensor* X = eng_op_host(x, x->dtype);
   if (!X) return NULL;
   int nd = X->ndim;
   int64_t cnt = kc_count_nonzero(X->dtype, X->numel, eng_ptr(X));
@@ -349,7 +349,7 @@ eng_tensor* eng_nonzero(eng_tensor* x) {
   eng_tensor* out = eng_new(2, sh, ENG_I64, ENG_CPU);
   if (out && cnt > 0 && nd > 0) kc_nonzero(X->dtype, nd, X->shape, eng_ptr(X), (int64_t*)eng_ptr(out));
   eng_tensor_release(X);
-  return to_dev(out, x->device);
+  return eng_op_to_device(out, x->device);
 }
 
 /* ------------------------------------------------------------------ one_hot / masked_select
@@ -368,7 +368,7 @@ eng_tensor* eng_one_hot(eng_tensor* t, int64_t num_classes) {
   if (num_classes < -1) return eng_errp("%s: num_classes must be a non-negative integer or -1, got %lld", op,
                                         (long long)num_classes);
   if (t->ndim >= ENG_MAX_DIMS) return eng_errp("%s: %s has too many dims", op, eng_desc(t));
-  eng_tensor* I = host(t, ENG_I64);
+  eng_tensor* I = eng_op_host(t, ENG_I64);
   if (!I) return NULL;
   const int64_t* p = (const int64_t*)eng_ptr(I);
   int64_t mn = INT64_MAX, mx = INT64_MIN, n = I->numel;
@@ -388,7 +388,7 @@ eng_tensor* eng_one_hot(eng_tensor* t, int64_t num_classes) {
     if ((out = eng_tensor_zeros(t->ndim + 1, sh, ENG_I64, ENG_CPU))) {
       int64_t* o = (int64_t*)eng_ptr(out);
       for (int64_t i = 0; i < n; i++) o[i * K + p[i]] = 1;
-      out = to_dev(out, t->device);
+      out = eng_op_to_device(out, t->device);
     }
   }
   eng_tensor_release(I);

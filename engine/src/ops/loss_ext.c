@@ -25,33 +25,16 @@ enum { RED_NONE = 0, RED_MEAN = 1, RED_SUM = 2, RED_BATCHMEAN = 3 };
 
 static int compute_dtype(int dt) { return dt == ENG_F64 ? ENG_F64 : ENG_F32; }
 
-/* A contiguous host copy of t in dtype (no autograd; new reference). */
-static eng_tensor* host(eng_tensor* t, int dtype) {
-  eng_tensor* c = eng_as_contig(t, dtype);
-  if (!c || c->device == ENG_CPU) return c;
-  int prev = eng_set_grad_enabled(0);
-  eng_tensor* h = eng_tensor_to_device(c, ENG_CPU);
-  eng_set_grad_enabled(prev);
-  eng_tensor_release(c);
-  return h;
-}
-
 /* r (a host result in the compute dtype) as dtype on device (no autograd; consumes r). */
 static eng_tensor* finish(eng_tensor* r, int dtype, int device) {
-  if (!r) return NULL;
-  int prev = eng_set_grad_enabled(0);
-  if (r->dtype != dtype) {
+  if (r && r->dtype != dtype) {
+    int prev = eng_set_grad_enabled(0);
     eng_tensor* t = eng_as_contig(r, dtype);
+    eng_set_grad_enabled(prev);
     eng_tensor_release(r);
     r = t;
   }
-  if (r && device != ENG_CPU) {
-    eng_tensor* d = eng_tensor_to_device(r, device);
-    eng_tensor_release(r);
-    r = d;
-  }
-  eng_set_grad_enabled(prev);
-  return r;
+  return eng_op_to_device(r, device);
 }
 
 /* Global shape and description (a DTensor's eng_tensor holds its local shard). */
@@ -69,7 +52,7 @@ static const char* gdesc(const eng_tensor* t) {
  * *gconst = g / divisor. */
 static int upstream(eng_tensor* go, int red, double divisor, int cdt, eng_tensor** G, double* gconst) {
   *G = NULL; *gconst = 0;
-  if (red == RED_NONE) return (*G = host(go, cdt)) ? 0 : -1;
+  if (red == RED_NONE) return (*G = eng_op_host(go, cdt)) ? 0 : -1;
   double g;
   if (eng_tensor_item(go, &g)) return -1;
   *gconst = g / divisor;
@@ -80,7 +63,7 @@ static int upstream(eng_tensor* go, int red, double divisor, int cdt, eng_tensor
 /* The targets as a host i64 tensor, checked in range (the message of the
  * composite: its range with ignored ids read as 0). */
 static eng_tensor* read_targets(const char* op, eng_tensor* target, int64_t C, int64_t ignore) {
-  eng_tensor* T = host(target, ENG_I64);
+  eng_tensor* T = eng_op_host(target, ENG_I64);
   if (!T) return NULL;
   const int64_t* tg = (const int64_t*)eng_ptr(T);
   int64_t lo = INT64_MAX, hi = INT64_MIN;
@@ -142,7 +125,7 @@ eng_tensor* eng_nll_loss_local(eng_tensor* x, eng_tensor* target, eng_tensor* we
   eng_tensor *T = NULL, *X = NULL, *W = NULL, *out = NULL;
   if (!(T = read_targets(op, target, C, ignore))) goto fail;
   const int64_t* tg = (const int64_t*)eng_ptr(T);
-  if (!(X = host(x, cdt)) || (weight && !(W = host(weight, cdt)))) goto fail;
+  if (!(X = eng_op_host(x, cdt)) || (weight && !(W = eng_op_host(weight, cdt)))) goto fail;
   double s = 0, ws = 0;
   if (red == RED_NONE) {
     int64_t ts[ENG_MAX_DIMS];
@@ -261,7 +244,7 @@ eng_tensor* eng_cross_entropy_weighted_local(eng_tensor* x, eng_tensor* target, 
   int rdt = x->dtype, cdt = compute_dtype(rdt);
   eng_tensor *T = NULL, *X = NULL, *W = NULL, *L = NULL, *out = NULL;
   if (!(T = read_targets(op, target, C, ignore))) goto fail;
-  if (!(X = host(x, cdt)) || !(W = host(weight, cdt))) goto fail;
+  if (!(X = eng_op_host(x, cdt)) || !(W = eng_op_host(weight, cdt))) goto fail;
   int64_t np = N * inner;
   if (!(L = eng_new(1, &np, cdt, ENG_CPU))) goto fail;
   double s = 0, ws = 0;
@@ -380,7 +363,8 @@ eng_tensor* eng_ploss_local(int kind, eng_tensor* x, eng_tensor* y, eng_tensor* 
     return eng_errp("%s: input %s and target %s (and weights) on different devices", op, eng_desc(x), eng_desc(y));
   int rdt = x->dtype, cdt = compute_dtype(rdt);
   eng_tensor *X = NULL, *Y = NULL, *W = NULL, *PW = NULL, *out = NULL;
-  if (!(X = host(x, cdt)) || !(Y = host(y, cdt)) || (w && !(W = host(w, cdt))) || (pw && !(PW = host(pw, cdt))))
+  if (!(X = eng_op_host(x, cdt)) || !(Y = eng_op_host(y, cdt)) || (w && !(W = eng_op_host(w, cdt))) ||
+      (pw && !(PW = eng_op_host(pw, cdt))))
     goto fail;
   if (red == RED_NONE && !(out = eng_new(x->ndim, x->shape, cdt, ENG_CPU))) goto fail;
   double s = 0;

@@ -18,6 +18,11 @@ eng_tensor* eng_dropout_shard(eng_tensor* x, double p, const eng_dist_spec* spec
 eng_tensor* eng_sdpa_shard(eng_tensor* q, eng_tensor* k, eng_tensor* v, eng_tensor* mask, double dropout_p,
                            int is_causal, double scale, const int64_t* pshape, const int64_t* pstart);
 
+/* The CUDA host fallback of ops without device kernels (index.c; used by loss_ext.c): a contiguous host copy
+ * of t in dtype (new reference), and a host result moved to device (consumes r); neither records autograd. */
+eng_tensor* eng_op_host(eng_tensor* t, int dtype);
+eng_tensor* eng_op_to_device(eng_tensor* r, int device);
+
 /* loss_ext.c: the fused losses on local tensors, for their sharding rules
  * (sharding/loss.c).  nll: red 0 none, 1 mean, 2 sum; *wsum_out (if non-NULL)
  * gets the local sum of the non-ignored targets' weights.  Elementwise losses
