@@ -26,16 +26,8 @@ local C = engine.C
 
 local o = { steps = 20, warmup = 5, batch = 8, seq = 1024, n_layers = 12, dim = 768, n_heads = 12, vocab = 50304,
   torch = 1, compile = 1, peak_n = 8192 }
-for _, a in ipairs(arg or {}) do
-  local k, v = a:match("^%-%-([%w_]+)=(.*)$")
-  if not k or o[k] == nil then
-    local names = {}
-    for n in pairs(o) do names[#names + 1] = "--" .. n end
-    table.sort(names)
-    error("bench/gpu_step: bad argument '" .. a .. "' (options: " .. table.concat(names, " ") .. ")", 0)
-  end
-  o[k] = tonumber(v) or error("bench/gpu_step: --" .. k .. " must be a number", 0)
-end
+local U = dofile((debug.getinfo(1, "S").source:match("^@(.*)/[^/]*$") or ".") .. "/util.lua")
+U.parse_args("bench/gpu_step", o, arg)
 
 if C.eng_cuda_is_available() ~= 1 then
   print("bench/gpu_step: no GPU, nothing to measure: " .. ffi.string(C.eng_cuda_unavailable_reason()))
