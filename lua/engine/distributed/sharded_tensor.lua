@@ -428,8 +428,10 @@ end
 
 -- ---------------------------------------------------------------- accessors
 -- A ShardedTensor: _spec, _size, dtype, _pg (nil: the world), and its local shards (_shards, a list
--- of {tensor, metadata}) and/or its DTensor (_dt on the 1-D mesh _mesh).  _metadata and _shards of a
--- DTensor-backed one are made on first use (an op's result carries neither).
+-- of {tensor, metadata}) and/or its DTensor (_dt, on its 1-D mesh; _mesh is set only where to_dtensor
+-- made it).  _metadata and _shards of a DTensor-backed one are made on first use (an op's result carries
+-- neither: it is a 4-field table, whose hash part is half a 6-field one's; the allocation is most of what
+-- a ShardedTensor op costs over the DTensor op, through the garbage collector).
 function ShardedTensor:metadata()
   local md = self._metadata
   if md == nil then
@@ -629,7 +631,7 @@ function M.from_dtensor(dt)
   local size = {}
   for i = 0, s.ndim - 1 do size[i + 1] = tonumber(s.shape[i]) end
   local spec = specs.ChunkShardingSpec{ dim = s.placements[0].dim + 1, placements = pls }
-  return setmetatable({ _spec = spec, _size = size, dtype = dt.dtype, _dt = dt, _mesh = mesh }, ShardedTensor)
+  return setmetatable({ _spec = spec, _size = size, dtype = dt.dtype, _dt = dt }, ShardedTensor)
 end
 ShardedTensor.from_dtensor = M.from_dtensor
 
@@ -652,10 +654,10 @@ end
 local function fast_wrap(src, r, dtype)
   local pg = src._pg
   if pg then
-    return setmetatable({ _spec = src._spec, _size = src._size, dtype = dtype, _dt = r, _mesh = src._mesh, _pg = pg },
+    return setmetatable({ _spec = src._spec, _size = src._size, dtype = dtype, _dt = r, _pg = pg },
       ShardedTensor)
   end
-  return setmetatable({ _spec = src._spec, _size = src._size, dtype = dtype, _dt = r, _mesh = src._mesh }, ShardedTensor)
+  return setmetatable({ _spec = src._spec, _size = src._size, dtype = dtype, _dt = r }, ShardedTensor)
 end
 -- same: the caller knows r is laid out as src's DTensor (a pointwise op of same-layout operands keeps
 -- the layout), so only the dtype is read (the check costs ~1 us where LuaJIT interprets).
@@ -706,10 +708,10 @@ local function unary(name, to)
       if FLOAT[dtype] then   -- fast_wrap, inlined (a Lua frame costs ~0.1 us where LuaJIT interprets)
         local r, pg = m(dt, x, y), self._pg
         if pg then
-          return setmetatable({ _spec = self._spec, _size = self._size, dtype = to or dtype, _dt = r, _mesh = self._mesh,
+          return setmetatable({ _spec = self._spec, _size = self._size, dtype = to or dtype, _dt = r,
             _pg = pg }, ShardedTensor)
         end
-        return setmetatable({ _spec = self._spec, _size = self._size, dtype = to or dtype, _dt = r, _mesh = self._mesh },
+        return setmetatable({ _spec = self._spec, _size = self._size, dtype = to or dtype, _dt = r },
           ShardedTensor)
       end
     end
@@ -751,10 +753,10 @@ local function binary(name)
         if r then
           local pg = a._pg
           if pg then
-            return setmetatable({ _spec = a._spec, _size = a._size, dtype = cmp and "bool" or dtype, _dt = r, _mesh = a._mesh,
+            return setmetatable({ _spec = a._spec, _size = a._size, dtype = cmp and "bool" or dtype, _dt = r,
               _pg = pg }, ShardedTensor)
           end
-          return setmetatable({ _spec = a._spec, _size = a._size, dtype = cmp and "bool" or dtype, _dt = r, _mesh = a._mesh },
+          return setmetatable({ _spec = a._spec, _size = a._size, dtype = cmp and "bool" or dtype, _dt = r },
             ShardedTensor)
         end
       end
@@ -1018,9 +1020,9 @@ function ShardedTensor:reshard(spec)
   end
   if dt then
     local ranks, d = dt_layout(target)
-    if ranks and same_list(ranks, self._mesh:flat_ranks()) then
+    if ranks and same_list(ranks, (self._mesh or dt.device_mesh):flat_ranks()) then
       local r = dt:redistribute({ require("engine.distributed.placements").Shard(d) })
-      return setmetatable({ _spec = spec, _size = self._size, dtype = self.dtype, _pg = pg, _dt = r, _mesh = self._mesh },
+      return setmetatable({ _spec = spec, _size = self._size, dtype = self.dtype, _pg = pg, _dt = r },
         ShardedTensor)
     end
   end
