@@ -48,11 +48,6 @@ eng_ckpt_reader* eng_ckpt_reader_open(const char* path, const char* id, int64_t 
 /* Checks the checksum of the nbytes at offset (read once, from the mapping):
  * 0, or -1 with an error naming the file and the chunk. */
 int eng_ckpt_reader_verify(eng_ckpt_reader* r, int64_t offset, int64_t nbytes, uint64_t checksum);
-/* Starts reading the nbytes at offset into the page cache (a cold file) and
- * returns at once: a load asks for the next chunks while it checksums this
- * one, so the disk and the checksum overlap.  0, or -1 when the range is not
- * in the file. */
-int eng_ckpt_reader_prefetch(eng_ckpt_reader* r, int64_t offset, int64_t nbytes);
 /* Copies from the chunk at offset (dtype, its box's ndim sizes, row-major)
  * the region starting at src_offsets (NULL: 0) of out's shape into out (any
  * CPU or CUDA tensor, strides and dtype converted).  No checksum: verify the

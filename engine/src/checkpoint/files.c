@@ -379,26 +379,14 @@ static int in_file(const char* op, eng_ckpt_reader* r, int64_t offset, int64_t n
   return 0;
 }
 
-static void advise_willneed(eng_ckpt_reader* r, int64_t offset, int64_t nbytes) {
-  int64_t pg = sysconf(_SC_PAGESIZE), a = offset / pg * pg;
-  if (nbytes > 0) madvise(r->map + a, (size_t)(offset + nbytes - a), MADV_WILLNEED);
-}
-
-int eng_ckpt_reader_prefetch(eng_ckpt_reader* r, int64_t offset, int64_t nbytes) {
-  const char* op = "checkpoint.load";
-  if (!r) return eng_err("%s: reader is NULL", op);
-  if (in_file(op, r, offset, nbytes) != 0) return -1;
-  advise_willneed(r, offset, nbytes);
-  return 0;
-}
-
 int eng_ckpt_reader_verify(eng_ckpt_reader* r, int64_t offset, int64_t nbytes, uint64_t checksum) {
   const char* op = "checkpoint.load";
   if (!r) return eng_err("%s: reader is NULL", op);
   if (in_file(op, r, offset, nbytes) != 0) return -1;
   const char* p = r->map + offset;
   /* start reading ahead the whole chunk (a cold file); page-cache hits cost nothing here */
-  advise_willneed(r, offset, nbytes);
+  int64_t pg = sysconf(_SC_PAGESIZE), a = offset / pg * pg;
+  madvise(r->map + a, (size_t)(offset + nbytes - a), MADV_WILLNEED);
   uint64_t got = r->algo == ENG_CHECKSUM_XXH64 ? eng_xxh64(p, nbytes) : eng_checksum_fnv(p, nbytes);
   if (got != checksum)
     return eng_err("%s: '%s': the chunk at offset %lld (%lld bytes) fails its checksum (stored %016llx, computed "

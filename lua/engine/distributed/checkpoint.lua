@@ -623,21 +623,6 @@ end
 function Readers:verify(c)
   if C.eng_ckpt_reader_verify(self:get(c.file), c.offset, c.nbytes, c.checksum) ~= 0 then error(core.last_error(), 0) end
 end
--- verifies the chunks of list in order, asking for up to PREFETCH bytes of the next ones while it
--- checksums each (a cold checkpoint: the disk reads on while the CPU hashes)
-local PREFETCH = 64 * 2 ^ 20
-function Readers:verify_all(list)
-  local ahead, asked = 0, 0   -- bytes asked for beyond the chunk being verified; chunks asked for
-  for i, c in ipairs(list) do
-    if asked < i then asked = i else ahead = ahead - c.nbytes end
-    while asked < #list and ahead < PREFETCH do
-      local n = list[asked + 1]
-      if C.eng_ckpt_reader_prefetch(self:get(n.file), n.offset, n.nbytes) ~= 0 then error(core.last_error(), 0) end
-      asked, ahead = asked + 1, ahead + n.nbytes
-    end
-    self:verify(c)
-  end
-end
 -- copy from chunk c of entry e into dst: the region starting at src_off (0-based per dim; nil: the whole chunk)
 local i64s = ffi.typeof("int64_t[8]")
 function Readers:copy(e, c, src_off, dst)
@@ -749,9 +734,7 @@ local function read_box(dir, id, algo, e, box)
   local readers = new_readers(dir, id, algo, nil)
   local ok, err = pcall(function()
     local ovs = overlaps(e, box)
-    local list = {}
-    for i, ov in ipairs(ovs) do list[i] = ov.chunk end
-    readers:verify_all(list)
+    for _, ov in ipairs(ovs) do readers:verify(ov.chunk) end
     E().no_grad(function()
       for _, ov in ipairs(ovs) do fill(readers, e, staging, ov) end
     end)
@@ -791,7 +774,6 @@ function M.load(state, dir, opts)
       if C.eng_ckpt_file_check(data_file(dir, r), id, need[r] or 0) ~= 0 then error(core.last_error(), 0) end
     end
     readers, verified = new_readers(dir, id, algo, need), {}
-    local todo = {}   -- the chunks to verify, in the order met (pass 1)
     -- keys on both sides
     local missing, unexpected = {}, {}
     for _, key in ipairs(keys) do
@@ -827,8 +809,8 @@ function M.load(state, dir, opts)
             local c = ov.chunk
             local ck = c.file .. ":" .. tostring(c.offset)
             if not verified[ck] then            -- pass 1: every needed chunk checksummed once
+              readers:verify(c)
               verified[ck] = c
-              todo[#todo + 1] = c
             end
             stage[#stage + 1] = { dst = b.tensor, e = e, ov = ov }
           end
@@ -837,7 +819,6 @@ function M.load(state, dir, opts)
         sets[#sets + 1] = { it = it, value = deserialize(meta["v:" .. key], key) }
       end
     end
-    readers:verify_all(todo)
   end)
   -- nothing is changed unless every rank read everything
   if not ok and readers then readers:close() end
