@@ -45,13 +45,15 @@ int eng_ckpt_file_check(const char* path, const char* id, int64_t min_size);
  * (ENG_CHECKSUM_XXH64 for format engine-dcp/2, ENG_CHECKSUM_FNV for /1). */
 typedef struct eng_ckpt_reader eng_ckpt_reader;
 eng_ckpt_reader* eng_ckpt_reader_open(const char* path, const char* id, int64_t min_size, int algo);
-/* Checks the checksum of the nbytes at offset (read once, from the mapping):
- * 0, or -1 with an error naming the file and the chunk. */
+/* Checks the checksum of the nbytes at offset (read once: pread in 4 MiB
+ * blocks, each hashed while in the cache): 0, or -1 with an error naming the
+ * file and the chunk. */
 int eng_ckpt_reader_verify(eng_ckpt_reader* r, int64_t offset, int64_t nbytes, uint64_t checksum);
 /* Copies from the chunk at offset (dtype, its box's ndim sizes, row-major)
  * the region starting at src_offsets (NULL: 0) of out's shape into out (any
- * CPU or CUDA tensor, strides and dtype converted).  No checksum: verify the
- * chunk first. */
+ * CPU or CUDA tensor, strides and dtype converted; a region contiguous in the
+ * chunk is read straight into a contiguous CPU out of the same dtype).  No
+ * checksum: verify the chunk first. */
 int eng_ckpt_reader_copy(eng_ckpt_reader* r, int64_t offset, int dtype, int ndim, const int64_t* sizes,
                          const int64_t* src_offsets, eng_tensor* out);
 /* 0 when the file's bytes are as they were at open (size, mtime), else -1

@@ -329,19 +329,43 @@ int eng_ckpt_file_check(const char* path, const char* id, int64_t min_size) {
   return 0;
 }
 
-/* A reader maps the whole data file read-only: verify hashes a chunk's bytes
- * straight from the page cache (no copy), copy moves them (or a region of
- * them) into the destination with one strided copy.  The mapping is of the
- * inode opened and checked here, so the bytes copied are the bytes verified
- * even if a later save replaces the file (saves write new files and rename). */
+/* A reader holds the data file open and mapped read-only.  verify reads a chunk
+ * with pread in blocks of READ_BLOCK bytes into one reused buffer and hashes
+ * each block while it is in the cache (XXH64; the FNV of format engine-dcp/1
+ * hashes the mapping); copy preads a region that is contiguous in the chunk
+ * straight into a contiguous destination of the chunk's dtype (one kernel
+ * copy), and moves any other region out of the mapping with one strided copy.
+ * Both read the inode opened and checked here, so the bytes copied are the
+ * bytes verified even if a later save replaces the file (saves write new files
+ * and rename).  Why pread for the checksum pass: 4 ranks reading 256 MiB cold
+ * files at once, medians of 8 alternating runs: pread of 4 MiB blocks + XXH64
+ * 0.57 s, the mapping with MADV_WILLNEED per chunk 0.67 s (with 64 MiB more
+ * asked for ahead: 0.82 s), 1 MiB reads without a hash (dd's) 0.62 s. */
+#define READ_BLOCK (4 << 20)
 struct eng_ckpt_reader {
   char* path;
   int algo;
   int fd;
   int64_t size;
   char* map;
+  char* buf; /* READ_BLOCK bytes, made on the first verify */
   struct stat st; /* at open: a write in place since changes mtime or size */
 };
+
+/* pread all n bytes at off into dst: 0, or -1 with an error naming the file */
+static int read_exact(const char* op, eng_ckpt_reader* r, char* dst, int64_t n, int64_t off) {
+  while (n > 0) {
+    ssize_t k = pread(r->fd, dst, (size_t)(n > (1 << 30) ? (1 << 30) : n), off);
+    if (k < 0 && errno == EINTR) continue;
+    if (k <= 0)
+      return eng_err("%s: cannot read '%s' at offset %lld: %s", op, r->path, (long long)off,
+                     k < 0 ? strerror(errno) : "the file ends early");
+    dst += k;
+    off += k;
+    n -= k;
+  }
+  return 0;
+}
 
 eng_ckpt_reader* eng_ckpt_reader_open(const char* path, const char* id, int64_t min_size, int algo) {
   const char* op = "checkpoint.load";
@@ -383,11 +407,23 @@ int eng_ckpt_reader_verify(eng_ckpt_reader* r, int64_t offset, int64_t nbytes, u
   const char* op = "checkpoint.load";
   if (!r) return eng_err("%s: reader is NULL", op);
   if (in_file(op, r, offset, nbytes) != 0) return -1;
-  const char* p = r->map + offset;
-  /* start reading ahead the whole chunk (a cold file); page-cache hits cost nothing here */
-  int64_t pg = sysconf(_SC_PAGESIZE), a = offset / pg * pg;
-  madvise(r->map + a, (size_t)(offset + nbytes - a), MADV_WILLNEED);
-  uint64_t got = r->algo == ENG_CHECKSUM_XXH64 ? eng_xxh64(p, nbytes) : eng_checksum_fnv(p, nbytes);
+  uint64_t got;
+  if (r->algo == ENG_CHECKSUM_XXH64) {
+    if (!r->buf && !(r->buf = malloc(READ_BLOCK))) return eng_err("%s: out of memory", op);
+    eng_xxh64_state hs;
+    eng_xxh64_reset(&hs);
+    for (int64_t o = 0; o < nbytes; o += READ_BLOCK) {
+      int64_t n = nbytes - o < READ_BLOCK ? nbytes - o : READ_BLOCK;
+      if (read_exact(op, r, r->buf, n, offset + o) != 0) return -1;
+      eng_xxh64_update(&hs, r->buf, n);
+    }
+    got = eng_xxh64_digest(&hs);
+  } else {
+    /* start reading ahead the whole chunk (a cold file); page-cache hits cost nothing here */
+    int64_t pg = sysconf(_SC_PAGESIZE), a = offset / pg * pg;
+    madvise(r->map + a, (size_t)(offset + nbytes - a), MADV_WILLNEED);
+    got = eng_checksum_fnv(r->map + offset, nbytes);
+  }
   if (got != checksum)
     return eng_err("%s: '%s': the chunk at offset %lld (%lld bytes) fails its checksum (stored %016llx, computed "
                    "%016llx): the file is corrupt", op, r->path, (long long)offset, (long long)nbytes,
@@ -414,13 +450,24 @@ int eng_ckpt_reader_copy(eng_ckpt_reader* r, int64_t offset, int dtype, int ndim
   }
   if (in_file(op, r, offset, numel * es) != 0) return -1;
   if (out->numel == 0) return 0;
-  /* a view of the chunk in the mapping (storage not owned), narrowed to the region */
   int64_t stride[8], off = 0, st = 1;
   for (int d = ndim - 1; d >= 0; d--) {
     stride[d] = st;
     off += (src_offsets ? src_offsets[d] : 0) * st;
     st *= sizes[d];
   }
+  /* a region contiguous in the chunk (full trailing dims, extent 1 before the first partial one) into a
+   * contiguous CPU destination of the same dtype: read straight into it */
+  int contig = out->device == ENG_CPU && out->dtype == dtype && eng_tensor_is_contiguous(out);
+  for (int d = ndim - 1, partial = 0; contig && d >= 0; d--) {
+    if (partial) contig = out->shape[d] == 1;
+    else partial = out->shape[d] != sizes[d];
+  }
+  if (contig) {
+    if (read_exact(op, r, (char*)eng_ptr(out), out->numel * es, offset + off * es) != 0) return -1;
+    return 0;
+  }
+  /* else a view of the chunk in the mapping (storage not owned), narrowed to the region */
   eng_tensor* src;
   if (offset % es == 0) {
     src = eng_wrap_external(r->map + offset, numel * es, ndim, out->shape, stride, off, dtype);
@@ -453,6 +500,7 @@ const char* eng_ckpt_reader_path(const eng_ckpt_reader* r) { return r ? r->path 
 void eng_ckpt_reader_close(eng_ckpt_reader* r) {
   if (!r) return;
   if (r->map) munmap(r->map, (size_t)r->size);
+  free(r->buf);
   if (r->fd >= 0) close(r->fd);
   free(r->path);
   free(r);
