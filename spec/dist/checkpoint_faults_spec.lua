@@ -1,6 +1,7 @@
 -- dist.checkpoint faults (issue 16): a truncated data file, a flipped byte, a missing metadata file, a
 -- save interrupted on one rank (the previous checkpoint still loads), metadata of another checkpoint or
--- another model, a missing rank file, a metadata file that is not one.  Every rank fails with a message
+-- another model, a missing rank file, a metadata file that is not one, a data file cut short between the
+-- load's passes.  Every rank fails with a message
 -- naming the file, nothing is loaded half (the state keeps its values), no hang.  1, 2 and 4 ranks.
 local engine = require("engine")
 local ffi = require("ffi")
@@ -121,6 +122,26 @@ describe("dist.checkpoint faults (" .. W .. " ranks)", function()
     if R == 0 then assert.is_truthy(e:find("__0_0.distcp", 1, true) and e:find("checksum", 1, true), e) end
     assert.equal(0, st.step)
     -- the next collective is in step on every rank
+    dist.barrier()
+  end)
+
+  it("a data file truncated after the checksum pass: a read error on every rank, no crash", function()
+    local dir = newdir()
+    -- chunks of several pages (64 KiB per rank): read through a mapping, the pages past the new end
+    -- would fault with SIGBUS; the second pass reads with pread and fails with the file's name
+    local function big(fill) return dist.full({ 128, 128 * W }, fill, { mesh = mesh, placements = { Shard(2) } }) end
+    ckpt.save({ w = big(1), step = 7 }, dir)
+    if R == 0 then
+      ckpt._test.after_verify = function(d)
+        assert(os.execute("truncate -s 64 '" .. d .. "/__0_0.distcp'") == 0)
+      end
+    end
+    local st = { w = big(0), step = 0 }
+    local e = errmsg(ckpt.load, st, dir)
+    ckpt._test.after_verify = nil
+    assert.is_truthy(e:find(dir .. "' changed during the load", 1, true) and e:find("partly loaded", 1, true), e)
+    if R == 0 then assert.is_truthy(e:find("__0_0.distcp", 1, true) and e:find("ends early", 1, true), e) end
+    assert.equal(0, st.step)
     dist.barrier()
   end)
 
