@@ -247,6 +247,37 @@ describe("engine.load_safetensors and checkpoint reads (" .. W .. " ranks)", fun
     assert.is_truthy(e:find("format engine-dcp/9", 1, true) and e:find(".metadata", 1, true), e)
   end)
 
+  it("the reader copies regions larger than its 4 MiB read buffer: strided, index by index, converted, direct", function()
+    local ffi = require("ffi")
+    local C = require("engine.core").C
+    local dir = newdir()
+    local a, b = reference({ 2048, 1024 }, 41), reference({ 3, 1100000 }, 43)   -- rows of 4 KiB; rows of 4.4 MB
+    ckpt.save({ a = a, b = b }, dir)   -- plain tensors: each written once, by one rank
+    local _, meta = engine.load(dir .. "/.metadata")
+    local cases = {
+      { "a", a, { 2048, 300 }, { 0, 500 } },            -- strided, a byte span of 8 MiB: parts of 1024 rows
+      { "a", a, { 2048, 300 }, { 0, 500 }, "f64" },     -- the same, converted to f64
+      { "a", a, { 1000, 1024 }, { 100, 0 } },           -- contiguous: read straight into out
+      { "b", b, { 3, 1000000 }, { 0, 50000 } },         -- one row spans more than the buffer: row by row
+      { "b", b, { 2, 7 }, { 1, 1099993 } },             -- a small region at the end of the chunk
+    }
+    for _, case in ipairs(cases) do
+      local key, full, shape, offs, dtype = unpack(case)
+      local c = ckpt._parse_entry(meta["t:" .. key], W, key, "spec").chunks[1]
+      if c.file == R then
+        local r = ffi.gc(C.eng_ckpt_reader_open(ckpt.data_file(dir, R), meta.id, 0, C.ENG_CHECKSUM_XXH64),
+          C.eng_ckpt_reader_close)
+        assert.equal(0, C.eng_ckpt_reader_verify(r, c.offset, c.nbytes, c.checksum))
+        local out = engine.zeros(shape, { dtype = dtype or "f32" })
+        local sz, so = ffi.new("int64_t[8]"), ffi.new("int64_t[8]")
+        for d = 1, 2 do sz[d - 1], so[d - 1] = full:shape()[d], offs[d] end
+        assert.equal(0, C.eng_ckpt_reader_copy(r, c.offset, C.eng_dtype_from_name("f32"), 2, sz, so, out._c))
+        local want = full:narrow(1, offs[1] + 1, shape[1]):narrow(2, offs[2] + 1, shape[2])
+        assert.equal(0, diff(out:float(), want), key .. " " .. table.concat(shape, "x"))
+      end
+    end
+  end)
+
   it("a second save into the same directory replaces the first; a reader of the old files keeps them", function()
     local ffi = require("ffi")
     local C = require("engine.core").C

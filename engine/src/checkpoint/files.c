@@ -10,8 +10,8 @@
  * each chunk's checksum as it goes; finish joins, fsyncs, renames the
  * temporary file to its final name and fsyncs the directory.  Errors raised
  * in the thread are kept in the writer and set on the caller's thread by
- * finish (error messages are thread-local).  A reader maps a data file for
- * a load: chunks are checksummed over the mapping, then copied from it. */
+ * finish (error messages are thread-local).  A reader preads a data file
+ * for a load: every needed chunk is checksummed, then copied. */
 #include "core/internal.h"
 #include <errno.h>
 #include <fcntl.h>
@@ -20,7 +20,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/syscall.h>
 #include <sys/stat.h>
@@ -329,17 +328,19 @@ int eng_ckpt_file_check(const char* path, const char* id, int64_t min_size) {
   return 0;
 }
 
-/* A reader holds the data file open and mapped read-only.  verify reads a chunk
- * with pread in blocks of READ_BLOCK bytes into one reused buffer and hashes
- * each block while it is in the cache (XXH64; the FNV of format engine-dcp/1
- * hashes the mapping); copy preads a region that is contiguous in the chunk
- * straight into a contiguous destination of the chunk's dtype (one kernel
- * copy), and moves any other region out of the mapping with one strided copy.
+/* A reader holds the data file open (no mapping).  verify reads a chunk with
+ * pread in blocks of READ_BLOCK bytes into one reused buffer and hashes each
+ * block while it is in the cache (XXH64; the FNV of format engine-dcp/1, not
+ * streamable, hashes the whole chunk read into memory); copy preads a region
+ * that is contiguous in the chunk straight into a contiguous destination of
+ * the chunk's dtype (one kernel copy), and any other region through the
+ * buffer, in parts whose byte span fits it, with one strided copy per part.
  * Both read the inode opened and checked here, so the bytes copied are the
  * bytes verified even if a later save replaces the file (saves write new files
- * and rename).  Why pread for the checksum pass: 4 ranks reading 256 MiB cold
- * files at once, medians of 8 alternating runs: pread of 4 MiB blocks + XXH64
- * 0.57 s, the mapping with MADV_WILLNEED per chunk 0.67 s (with 64 MiB more
+ * and rename); a file cut short meanwhile is a read error (a mapping would
+ * fault with SIGBUS).  Why pread for the checksum pass: 4 ranks reading 256 MiB
+ * cold files at once, medians of 8 alternating runs: pread of 4 MiB blocks +
+ * XXH64 0.57 s, a mapping with MADV_WILLNEED per chunk 0.67 s (with 64 MiB more
  * asked for ahead: 0.82 s), 1 MiB reads without a hash (dd's) 0.62 s. */
 #define READ_BLOCK (4 << 20)
 struct eng_ckpt_reader {
@@ -347,8 +348,7 @@ struct eng_ckpt_reader {
   int algo;
   int fd;
   int64_t size;
-  char* map;
-  char* buf; /* READ_BLOCK bytes, made on the first verify */
+  char* buf; /* READ_BLOCK bytes, made on first use */
   struct stat st; /* at open: a write in place since changes mtime or size */
 };
 
@@ -378,13 +378,11 @@ eng_ckpt_reader* eng_ckpt_reader_open(const char* path, const char* id, int64_t 
   if (fd < 0) return NULL;
   eng_ckpt_reader* r = calloc(1, sizeof *r);
   char* name = malloc(strlen(path) + 1);
-  void* map = r && name ? mmap(NULL, (size_t)size, PROT_READ, MAP_SHARED, fd, 0) : MAP_FAILED;
-  if (map == MAP_FAILED) {
-    int e = errno;
+  if (!r || !name) {
     close(fd);
     free(r);
     free(name);
-    return eng_errp("%s: cannot map '%s': %s", op, path, name ? strerror(e) : "out of memory");
+    return eng_errp("%s: %s: out of memory", op, path);
   }
   strcpy(name, path);
   if (fstat(fd, &r->st) != 0) memset(&r->st, 0, sizeof r->st);
@@ -392,7 +390,6 @@ eng_ckpt_reader* eng_ckpt_reader_open(const char* path, const char* id, int64_t 
   r->algo = algo;
   r->fd = fd;
   r->size = size;
-  r->map = map;
   return r;
 }
 
@@ -409,7 +406,7 @@ int eng_ckpt_reader_verify(eng_ckpt_reader* r, int64_t offset, int64_t nbytes, u
   if (in_file(op, r, offset, nbytes) != 0) return -1;
   uint64_t got;
   if (r->algo == ENG_CHECKSUM_XXH64) {
-    if (!r->buf && !(r->buf = malloc(READ_BLOCK))) return eng_err("%s: out of memory", op);
+    if (!r->buf && !(r->buf = malloc(READ_BLOCK))) return eng_err("%s: %s: out of memory", op, r->path);
     eng_xxh64_state hs;
     eng_xxh64_reset(&hs);
     for (int64_t o = 0; o < nbytes; o += READ_BLOCK) {
@@ -419,15 +416,55 @@ int eng_ckpt_reader_verify(eng_ckpt_reader* r, int64_t offset, int64_t nbytes, u
     }
     got = eng_xxh64_digest(&hs);
   } else {
-    /* start reading ahead the whole chunk (a cold file); page-cache hits cost nothing here */
-    int64_t pg = sysconf(_SC_PAGESIZE), a = offset / pg * pg;
-    madvise(r->map + a, (size_t)(offset + nbytes - a), MADV_WILLNEED);
-    got = eng_checksum_fnv(r->map + offset, nbytes);
+    char* whole = malloc(nbytes > 0 ? (size_t)nbytes : 1);
+    if (!whole) return eng_err("%s: %s: out of memory for a chunk of %lld bytes", op, r->path, (long long)nbytes);
+    if (read_exact(op, r, whole, nbytes, offset) != 0) { free(whole); return -1; }
+    got = eng_checksum_fnv(whole, nbytes);
+    free(whole);
   }
   if (got != checksum)
     return eng_err("%s: '%s': the chunk at offset %lld (%lld bytes) fails its checksum (stored %016llx, computed "
                    "%016llx): the file is corrupt", op, r->path, (long long)offset, (long long)nbytes,
                    (unsigned long long)checksum, (unsigned long long)got);
+  return 0;
+}
+
+/* Copies into out (a view of the destination; its shape is the region's) the region of the chunk at file
+ * offset chunk_off whose first element is element off of the chunk (row-major strides cstride): a region whose
+ * byte span fits the buffer is read at once and copied from it; a larger one is split on its outermost dim, in
+ * parts of as many indices as fit, or index by index (one dim fewer) when one index spans more than the buffer. */
+static int copy_part(const char* op, eng_ckpt_reader* r, int64_t chunk_off, int es, int dtype, int ndim,
+                     const int64_t* cstride, int64_t off, eng_tensor* out) {
+  int64_t span = 1; /* elements from the region's first to its last, inclusive */
+  for (int d = 0; d < ndim; d++) span += (out->shape[d] - 1) * cstride[d];
+  if (span * es <= READ_BLOCK) {
+    if (read_exact(op, r, r->buf, span * es, chunk_off + off * es) != 0) return -1;
+    eng_tensor* src = eng_wrap_external(r->buf, span * es, ndim, out->shape, cstride, 0, dtype);
+    int rc = src ? eng_tensor_copy_(out, src) : -1;
+    eng_tensor_release(src);
+    if (rc != 0) { eng_err_prefix("%s: %s", op, r->path); return -1; }
+    return 0;
+  }
+  /* ndim >= 1 here (a 0-dim span is one element); the last dim's chunk stride is 1, so k >= 1 for it */
+  int64_t k = READ_BLOCK / (cstride[0] * es);
+  if (k >= 1) {
+    int64_t shape[8];
+    for (int d = 0; d < ndim; d++) shape[d] = out->shape[d];
+    for (int64_t i = 0; i < out->shape[0]; i += k) {
+      shape[0] = out->shape[0] - i < k ? out->shape[0] - i : k;
+      eng_tensor* part = eng_view_of(out, ndim, shape, out->stride, out->offset + i * out->stride[0]);
+      int rc = part ? copy_part(op, r, chunk_off, es, dtype, ndim, cstride, off + i * cstride[0], part) : -1;
+      eng_tensor_release(part);
+      if (rc != 0) return -1;
+    }
+    return 0;
+  }
+  for (int64_t i = 0; i < out->shape[0]; i++) {
+    eng_tensor* part = eng_view_of(out, ndim - 1, out->shape + 1, out->stride + 1, out->offset + i * out->stride[0]);
+    int rc = part ? copy_part(op, r, chunk_off, es, dtype, ndim - 1, cstride + 1, off + i * cstride[0], part) : -1;
+    eng_tensor_release(part);
+    if (rc != 0) return -1;
+  }
   return 0;
 }
 
@@ -467,20 +504,8 @@ int eng_ckpt_reader_copy(eng_ckpt_reader* r, int64_t offset, int dtype, int ndim
     if (read_exact(op, r, (char*)eng_ptr(out), out->numel * es, offset + off * es) != 0) return -1;
     return 0;
   }
-  /* else a view of the chunk in the mapping (storage not owned), narrowed to the region */
-  eng_tensor* src;
-  if (offset % es == 0) {
-    src = eng_wrap_external(r->map + offset, numel * es, ndim, out->shape, stride, off, dtype);
-  } else { /* the chunk follows one of an odd byte count: to aligned memory first */
-    eng_tensor* whole = eng_new(ndim, sizes, dtype, ENG_CPU);
-    if (whole) memcpy(eng_ptr(whole), r->map + offset, (size_t)(numel * es));
-    src = whole ? eng_view_of(whole, ndim, out->shape, stride, off) : NULL;
-    eng_tensor_release(whole);
-  }
-  int rc = src ? eng_tensor_copy_(out, src) : -1;
-  eng_tensor_release(src);
-  if (rc != 0) { eng_err_prefix("%s: %s", op, r->path); return -1; }
-  return 0;
+  if (!r->buf && !(r->buf = malloc(READ_BLOCK))) return eng_err("%s: %s: out of memory", op, r->path);
+  return copy_part(op, r, offset, es, dtype, ndim, stride, off, out);
 }
 
 int eng_ckpt_reader_unchanged(eng_ckpt_reader* r) {
@@ -499,7 +524,6 @@ const char* eng_ckpt_reader_path(const eng_ckpt_reader* r) { return r ? r->path 
 
 void eng_ckpt_reader_close(eng_ckpt_reader* r) {
   if (!r) return;
-  if (r->map) munmap(r->map, (size_t)r->size);
   free(r->buf);
   if (r->fd >= 0) close(r->fd);
   free(r->path);

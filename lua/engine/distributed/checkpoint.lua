@@ -30,9 +30,9 @@
 -- every data file is present, carries the checkpoint's id and is long enough), matches the keys of
 -- `state` (missing keys on either side name them; strict = false skips them), then for each local
 -- shard reads the saved chunks that overlap it (resharding math of engine/src/dtensor/resharding.c)
--- and verifies each chunk's checksum (XXH64, over the mapped file); only when every rank succeeded
--- (agreed) are the chunks copied from the mapping into the state (the whole chunk or its overlapping
--- region) and the values set: a bad directory fails on every rank naming the file and loads nothing (a
+-- and verifies each chunk's checksum (XXH64, read with pread in 4 MiB blocks); only when every rank
+-- succeeded (agreed) are the chunks read into the state (the whole chunk or its overlapping region) and
+-- the values set: a bad directory fails on every rank naming the file and loads nothing (a
 -- file written in place between the passes fails pass 2 on every rank too, agreed, saying the state is
 -- partly loaded).  So a checkpoint saved at any world size, mesh or placements loads into any other.
 --
@@ -606,7 +606,7 @@ local function read_metadata(dir, op)
   return meta, n, algo
 end
 
--- Readers of the data files (engine/src/checkpoint/files.c: mapped, checked, closed at the end of a load)
+-- Readers of the data files (engine/src/checkpoint/files.c: opened, checked, closed at the end of a load)
 local Readers = {}
 Readers.__index = Readers
 local function new_readers(dir, id, algo, need) return setmetatable({ dir = dir, id = id, algo = algo, need = need, open = {} }, Readers) end
@@ -683,11 +683,11 @@ end
 
 -- The loader, so that nothing is written into the state before every rank has checked every chunk it
 -- needs, without a second copy of the state in memory and reading every byte once from the files:
--- the data files are mapped (engine/src/checkpoint/files.c); (1) the checksum of each saved chunk that
--- overlaps a local box is computed over the mapping (page cache, no copy); (2) after the ranks agreed,
--- each overlap is copied from the mapping into the destination (the whole chunk, or the overlapping
--- region of it: one strided copy, dtypes converted).  The mapping holds the inode checked in (1), so
--- (2) copies the bytes that were verified.
+-- the data files are opened (engine/src/checkpoint/files.c); (1) the checksum of each saved chunk that
+-- overlaps a local box is computed as it is read (pread, 4 MiB blocks); (2) after the ranks agreed, each
+-- overlap is read into the destination (the whole chunk, or the overlapping region of it: straight into
+-- it when contiguous, else through the read buffer with strided copies, dtypes converted).  The reader
+-- holds the inode checked in (1), so (2) reads the bytes that were verified.
 local function overlaps(e, box)
   local nd = #box.sizes
   local out = {}
@@ -825,7 +825,7 @@ function M.load(state, dir, opts)
   agree(not ok and tostring(err) or nil, op, str_hash(meta and meta.id or ""))
   if M._test.after_verify then M._test.after_verify(dir) end
   -- pass 2 copies without checksumming again; a data file written in place since pass 1 (its mtime
-  -- or size changed; a replaced file is no concern: the mapping holds the verified inode) fails
+  -- or size changed; a replaced file is no concern: the reader holds the verified inode) fails
   -- the load, naming the chunk whose checksum no longer holds.  The ranks agree on the outcome, so
   -- every rank raises (saying the state is partly loaded; the values are not set) instead of one rank
   -- stopping half-filled while the others go on to their next collective.
