@@ -3,6 +3,7 @@
 -- checkpointing, a module used twice, explicit prefetch, gradient accumulation and mixed precision;
 -- collective counts per step; the registered parameters' states; state dicts; clip_grad_norm; errors.
 local engine = require("engine")
+local ffi = require("ffi")
 local nn = engine.nn
 local F = nn.functional
 local dist = engine.distributed
@@ -822,6 +823,40 @@ describe("fully_shard bad input", function()
     if W == 1 then return end
     local m = nn.Linear(4, rank == 0 and 4 or 6)
     assert.is_truthy(errmsg(dist.fully_shard, m, { mesh = mesh }):find("ranks disagree", 1, true))
+  end)
+
+  it("a group's shards view one buffer (the all-gather's send buffer, no copy-in); new data breaks it safely", function()
+    local C = require("engine.core").C
+    local build = mlp(7, 15, 3)
+    local ref = build()
+    local m = build()
+    dist.fully_shard(m, { mesh = mesh })
+    local x = engine.randn(4, 7)
+    local ps = m:parameters()
+    -- every local shard with data lies in one buffer of this rank's chunk: 15x7 + 15 + 3x15 + 3 elements split in
+    -- ceil(rows / W) row blocks (padding rows included)
+    local lo, hi = math.huge, -math.huge
+    for _, p in ipairs(ps) do
+      local l = p:to_local()
+      if l:numel() > 0 then
+        local a = tonumber(ffi.cast("intptr_t", l:data_ptr()))
+        lo, hi = math.min(lo, a), math.max(hi, a + l:numel() * 4)
+      end
+    end
+    local ceil = function(n) return math.ceil(n / W) end
+    local chunk = (ceil(15) * 7 + ceil(15) + ceil(3) * 15 + ceil(3)) * 4
+    if lo < math.huge then assert.is_true(hi - lo <= chunk, string.format("span %d > chunk %d", hi - lo, chunk)) end
+    assert.is_true(rel(m(x), ref(x)) < 1e-6)
+    -- new data for the first weight (set_data: a new storage): the unshard packs a send buffer again
+    local w = ps[1]
+    local nw = engine.randn(15, 7)
+    local l = w:to_local()
+    local rows = l:shape()[1]
+    local mine = nw:narrow(1, rank * ceil(15) + 1, rows):clone()
+    assert.equal(0, C.eng_tensor_set_data(w._c, mine._c))
+    ref[1].weight:detach():copy_(nw)
+    m:reshard()   -- (the root kept its parameters unsharded after forward)
+    assert.is_true(rel(m(x), ref(x)) < 1e-6)
   end)
 
   it("shard_placement_fn shards on another dim", function()
