@@ -162,6 +162,38 @@ describe("memory: tensor bytes drive Lua's collector", function()
     assert.is_true(off > 70, "without it: " .. off .. " MiB left after backward (16 intermediates of 8 MiB)")
   end)
 
+  it("a loop over named_parameters() does not keep the parameters alive after they are replaced (JIT trace)", function()
+    -- in a fresh process the loop's trace is specialised to the iterator closure (its prototype has made few
+    -- closures yet) and keeps it alive; the closure must not keep the parameter list (fully_shard and the TP
+    -- plans replace every parameter: the originals, the whole model, stayed alive on every rank)
+    local path = os.tmpname()
+    local f = assert(io.open(path, "w"))
+    f:write([[
+local e = require('engine')
+local nn = e.nn
+local mods = {}
+for i = 1, 40 do mods[i] = nn.Linear(64, 64) end
+local m = nn.Sequential(unpack(mods))
+mods = nil
+local n = 0
+for _, p in m:named_parameters() do n = n + p:numel() end
+for _, lin in ipairs(m:children()) do
+  lin.weight = nn.Parameter(e.zeros(1))
+  lin.bias = nn.Parameter(e.zeros(1))
+end
+for _ = 1, 4 do collectgarbage() end
+print(n, e.memory_stats().allocated)
+]])
+    f:close()
+    local p = io.popen("'" .. self_exe() .. "' " .. path .. " 2>&1")
+    local out = p:read("*a")
+    p:close()
+    os.remove(path)
+    local n, bytes = out:match("^(%d+)\t(%d+)")
+    assert.are.equal("166400", n, out)
+    assert.is_true(tonumber(bytes) < 100000, "bytes still allocated: " .. tostring(bytes) .. " (the 80 originals: 665600)")
+  end)
+
   it("ENGINE_GC_* environment variables set the policy at start-up", function()
     local p = io.popen("ENGINE_GC_RATIO=4 ENGINE_GC_MIN_MB=8 '" .. self_exe() .. "' -e " ..
       "\"local e = require('engine'); local s = e.set_gc_threshold{}; print(s.ratio, s.min_bytes)\" 2>&1")
