@@ -57,6 +57,19 @@ local function truncate(path, n)
   f:close()
 end
 
+-- Loads dir into st while rank 0 applies change(dir) to its data file between the load's two passes (after every
+-- rank verified every chunk): every rank fails (agreed), saying the state is partly loaded, with the values unset;
+-- rank 0's message names its file and says why (`why`); the next collective is in step on every rank.
+local function changed_between_passes(st, dir, change, why)
+  if R == 0 then ckpt._test.after_verify = change end
+  local e = errmsg(ckpt.load, st, dir)
+  ckpt._test.after_verify = nil
+  assert.is_truthy(e:find(dir .. "' changed during the load", 1, true) and e:find("partly loaded", 1, true), e)
+  if R == 0 then assert.is_truthy(e:find("__0_0.distcp", 1, true) and e:find(why, 1, true), e) end
+  assert.equal(0, st.step)
+  dist.barrier()
+end
+
 describe("dist.checkpoint faults (" .. W .. " ranks)", function()
   teardown(function()
     dist.barrier()
@@ -105,24 +118,14 @@ describe("dist.checkpoint faults (" .. W .. " ranks)", function()
     local dir = newdir()
     saved(dir)
     -- rank 0 flips a byte of its chunk after every rank verified every chunk, before the chunks are read again
-    if R == 0 then
-      ckpt._test.after_verify = function(d)
-        local f = assert(io.open(d .. "/__0_0.distcp", "r+b"))
-        f:seek("set", 64 + 5)
-        local c = f:read(1)
-        f:seek("set", 64 + 5)
-        f:write(string.char(bit.bxor(c:byte(), 0x10)))
-        f:close()
-      end
-    end
-    local st = target()
-    local e = errmsg(ckpt.load, st, dir)
-    ckpt._test.after_verify = nil
-    assert.is_truthy(e:find(dir .. "' changed during the load", 1, true) and e:find("partly loaded", 1, true), e)
-    if R == 0 then assert.is_truthy(e:find("__0_0.distcp", 1, true) and e:find("checksum", 1, true), e) end
-    assert.equal(0, st.step)
-    -- the next collective is in step on every rank
-    dist.barrier()
+    changed_between_passes(target(), dir, function(d)
+      local f = assert(io.open(d .. "/__0_0.distcp", "r+b"))
+      f:seek("set", 64 + 5)
+      local c = f:read(1)
+      f:seek("set", 64 + 5)
+      f:write(string.char(bit.bxor(c:byte(), 0x10)))
+      f:close()
+    end, "checksum")
   end)
 
   it("a data file truncated after the checksum pass: a read error on every rank, no crash", function()
@@ -131,18 +134,9 @@ describe("dist.checkpoint faults (" .. W .. " ranks)", function()
     -- would fault with SIGBUS; the second pass reads with pread and fails with the file's name
     local function big(fill) return dist.full({ 128, 128 * W }, fill, { mesh = mesh, placements = { Shard(2) } }) end
     ckpt.save({ w = big(1), step = 7 }, dir)
-    if R == 0 then
-      ckpt._test.after_verify = function(d)
-        assert(os.execute("truncate -s 64 '" .. d .. "/__0_0.distcp'") == 0)
-      end
-    end
-    local st = { w = big(0), step = 0 }
-    local e = errmsg(ckpt.load, st, dir)
-    ckpt._test.after_verify = nil
-    assert.is_truthy(e:find(dir .. "' changed during the load", 1, true) and e:find("partly loaded", 1, true), e)
-    if R == 0 then assert.is_truthy(e:find("__0_0.distcp", 1, true) and e:find("ends early", 1, true), e) end
-    assert.equal(0, st.step)
-    dist.barrier()
+    changed_between_passes({ w = big(0), step = 0 }, dir, function(d)
+      assert(os.execute("truncate -s 64 '" .. d .. "/__0_0.distcp'") == 0)
+    end, "ends early")
   end)
 
   it("a missing metadata file: not a checkpoint", function()
