@@ -846,16 +846,27 @@ describe("fully_shard bad input", function()
     local ceil = function(n) return math.ceil(n / W) end
     local chunk = (ceil(15) * 7 + ceil(15) + ceil(3) * 15 + ceil(3)) * 4
     if lo < math.huge then assert.is_true(hi - lo <= chunk, string.format("span %d > chunk %d", hi - lo, chunk)) end
+    -- on one node the all-gather reads each peer's chunk straight into the unsharded parameters (single copy)
+    local one_node = W > 1 and dist.world_group():single_copy_usable()
+    local sc = dist.single_copy_count()
     assert.is_true(rel(m(x), ref(x)) < 1e-6)
-    -- new data for the first weight (set_data: a new storage): the unshard packs a send buffer again
+    assert.equal(one_node and 1 or 0, dist.single_copy_count() - sc)
+    -- new data for the first weight (set_data: a new storage) on rank 0 only, the same values: its chunk is no
+    -- longer current, so every rank takes the MPI all-gather (agreed: no hang), with the same result
     local w = ps[1]
+    if rank == 0 then assert.equal(0, C.eng_tensor_set_data(w._c, w:to_local():clone()._c)) end
+    m:reshard()   -- (the root kept its parameters unsharded after forward)
+    sc = dist.single_copy_count()
+    assert.is_true(rel(m(x), ref(x)) < 1e-6)
+    assert.equal(0, dist.single_copy_count() - sc)
+    -- new data on every rank: the unshard packs a send buffer
     local nw = engine.randn(15, 7)
     local l = w:to_local()
     local rows = l:shape()[1]
     local mine = nw:narrow(1, rank * ceil(15) + 1, rows):clone()
     assert.equal(0, C.eng_tensor_set_data(w._c, mine._c))
     ref[1].weight:detach():copy_(nw)
-    m:reshard()   -- (the root kept its parameters unsharded after forward)
+    m:reshard()
     assert.is_true(rel(m(x), ref(x)) < 1e-6)
   end)
 

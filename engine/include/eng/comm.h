@@ -227,6 +227,23 @@ typedef struct eng_box_move {
 int eng_pg_box_exchange(eng_pg* pg, const char* op, int kind, int ndim, int dtype, const eng_box_move* moves, int nmoves,
                         eng_tensor* const* srcs, int nsrc, eng_tensor* const* dsts, int ndst);
 
+/* An all-gather of blocks straight into their places (FSDP's unshard: each
+ * rank's chunk holds one block per parameter; every rank reads each peer's
+ * blocks out of the peer's chunk into its unsharded parameters, with no
+ * gathered buffer and no copy-out).  src: this rank's chunk (the same layout
+ * on every rank); block b starts at element src_off[b] of every chunk, holds
+ * lens[b * W + r] elements on group rank r (W = the group's size) and goes to
+ * element dst_off[b * W + r] of dst (dst_numel elements, on every rank).
+ * eligible: 0 when this rank cannot take part (its chunk is not current); the
+ * ranks agree on it.  Collective on the members of pg, counted as one
+ * all_gather.  Returns 0 done; 1 declined, the same on every member (single
+ * copy not usable on pg, a rank not eligible, or a read failing, after which
+ * the group stops using the path): the caller then all-gathers over MPI; -1
+ * error on every member (the signature check, the blocks outside src or dst). */
+int eng_pg_gather_blocks(eng_pg* pg, const char* op, int dtype, const void* src, int64_t src_numel, int nblocks,
+                         const int64_t* src_off, const int64_t* lens, const int64_t* dst_off, void* dst,
+                         int64_t dst_numel, int eligible);
+
 /* ---- debug mode and the flight recorder. */
 int eng_comm_set_debug(int on);
 int eng_comm_get_debug(void);

@@ -569,3 +569,109 @@ int eng_pg_box_exchange(eng_pg* pg, const char* op, int kind, int ndim, int dtyp
   return 0;
 #endif
 }
+
+/* ---- FSDP's all-gather into place (eng_pg_gather_blocks) */
+typedef struct gb_head {
+  int64_t pid;
+  uint64_t base;
+  int32_t eligible, err;
+} gb_head;
+
+int eng_pg_gather_blocks(eng_pg* pg, const char* op, int dtype, const void* src, int64_t src_numel, int nblocks,
+                         const int64_t* src_off, const int64_t* lens, const int64_t* dst_off, void* dst,
+                         int64_t dst_numel, int eligible) {
+  if (!op) op = "gather_blocks";
+  if (!pg) return eng_err("%s: process group is NULL", op);
+#ifndef __linux__
+  (void)dtype; (void)src; (void)src_numel; (void)nblocks; (void)src_off; (void)lens; (void)dst_off; (void)dst;
+  (void)dst_numel; (void)eligible;
+  return 1;
+#else
+  if (!comm_cma_usable(pg, ENG_CPU)) return 1; /* the same on every member */
+  int k = pg->size, me = pg->rank;
+  int64_t es = eng_dtype_size(dtype);
+  /* local checks: every block inside src and dst */
+  int bad = es <= 0 || nblocks < 0 || (nblocks && (!src_off || !lens || !dst_off)) || (eligible && src_numel && !src) ||
+            (dst_numel && !dst);
+  for (int b = 0; b < nblocks && !bad; b++)
+    for (int r = 0; r < k && !bad; r++) {
+      int64_t n = lens[b * k + r], so = src_off[b], dof = dst_off[b * k + r];
+      if (n < 0 || (n > 0 && (so < 0 || dof < 0 || so + n > src_numel || dof + n > dst_numel))) bad = 1;
+    }
+  if (bad) eng_err("%s: all_gather on group %s: a block lies outside its chunk (%lld elements) or the output (%lld)", op,
+                   pg->name, (long long)src_numel, (long long)dst_numel);
+  eng_tensor key; /* the signature: kind, dtype and the chunk's size */
+  memset(&key, 0, sizeof key);
+  key.dtype = dtype; key.ndim = 1; key.shape[0] = key.numel = src_numel;
+  if (comm_check(pg, "all_gather", ENG_COLL_ALL_GATHER, &key, bad)) return -1;
+  /* the headers: every rank's verdict (1 bad blocks: an error everywhere; 2 out of memory: declined) */
+  gb_head mine = {(int64_t)getpid(), (uint64_t)(uintptr_t)src, eligible ? 1 : 0, bad ? 1 : 0};
+  gb_head* all = malloc(sizeof *all * (size_t)k);
+  if (!all && !mine.err) mine.err = 2;
+  int rc = MPI_Allgather(&mine, (int)sizeof mine, MPI_BYTE, all ? (void*)all : (void*)&mine, all ? (int)sizeof mine : 0,
+                         MPI_BYTE, pg->comm);
+  if (rc != MPI_SUCCESS) { free(all); return eng_err("%s: all_gather on group %s: %s", op, pg->name, comm_mpi_errstr(rc)); }
+  if (!all) return mine.err == 1 ? -1 : 1;
+  for (int r = 0; r < k; r++)
+    if (all[r].err == 1) {
+      if (r != me) eng_err("%s: all_gather on group %s: group rank %d's blocks lie outside its chunk or output", op,
+                           pg->name, r);
+      free(all);
+      return -1;
+    }
+  for (int r = 0; r < k; r++)
+    if (all[r].err || !all[r].eligible) { free(all); return 1; } /* the same headers on every rank */
+  int64_t rec = comm_account_begin(pg, ENG_COLL_ALL_GATHER, &key);
+  int err = 0;
+  for (int step = 0; step < k && !err; step++) {
+    int from = (me + k - step) % k;
+    if (step == 0) { /* this rank's own blocks */
+      for (int b = 0; b < nblocks; b++)
+        if (lens[b * k + me] > 0)
+          memcpy((char*)dst + dst_off[b * k + me] * es, (const char*)src + src_off[b] * es, (size_t)(lens[b * k + me] * es));
+      continue;
+    }
+    struct iovec liov[CMA_IOV], riov[CMA_IOV];
+    int n = 0;
+    ssize_t want = 0;
+    for (int b = 0; b < nblocks && !err; b++) {
+      int64_t len = lens[b * k + from] * es;
+      if (len <= 0) continue;
+      char* lp = (char*)dst + dst_off[b * k + from] * es;
+      char* rp = (char*)(uintptr_t)all[from].base + src_off[b] * es;
+      liov[n].iov_base = lp; liov[n].iov_len = (size_t)len;
+      riov[n].iov_base = rp; riov[n].iov_len = (size_t)len;
+      n++;
+      want += (ssize_t)len;
+      if (n == CMA_IOV || b == nblocks - 1 || want > (ssize_t)1 << 30) {
+        ssize_t got = process_vm_readv((pid_t)all[from].pid, liov, (unsigned long)n, riov, (unsigned long)n, 0);
+        if (got != want) err = got < 0 ? errno : EIO;
+        n = 0;
+        want = 0;
+      }
+    }
+    if (!err && n > 0) {
+      ssize_t got = process_vm_readv((pid_t)all[from].pid, liov, (unsigned long)n, riov, (unsigned long)n, 0);
+      if (got != want) err = got < 0 ? errno : EIO;
+    }
+  }
+  free(all);
+  /* every rank has read every chunk before any rank goes on (and may change its chunk); a failed read anywhere
+   * declines on every rank */
+  int any = 0;
+  rc = MPI_Allreduce(&err, &any, 1, MPI_INT, MPI_MAX, pg->comm);
+  if (rc != MPI_SUCCESS) {
+    comm_account_end(rec, 2);
+    return eng_err("%s: all_gather on group %s: %s", op, pg->name, comm_mpi_errstr(rc));
+  }
+  if (any) {
+    pg->cma = -1;
+    comm_account_end(rec, 2);
+    comm_account_undo(ENG_COLL_ALL_GATHER, &key);
+    return 1;
+  }
+  comm_account_end(rec, 1);
+  g_count++;
+  return 0;
+#endif
+}
