@@ -87,6 +87,16 @@ describe("losses and activations against PyTorch", function()
   end
 end)
 
+
+-- The float64 finite-difference check of case {name, fn, takes_target}: fn's gradients to clones of x (and of y
+-- when the case takes a target) that require grad; returns those inputs.
+local function fd_check(cse, x, y)
+  local a = x:clone(); a.requires_grad = true
+  local ins = { a }
+  if cse[3] then local b = y:clone(); b.requires_grad = true; ins[2] = b end
+  assert.is_true(gc.check(cse[2], ins, { eps = 1e-6, tol = 1e-6 }))
+  return ins
+end
 describe("losses and activations: float64 finite differences", function()
   engine.manual_seed(3)
   local x = engine.randn(4, 5, { dtype = "f64" }) * 2
@@ -110,12 +120,7 @@ describe("losses and activations: float64 finite differences", function()
     { "glu", function(a) return engine.glu(a:narrow(2, 1, 4), 2) end },
   }
   for _, cse in ipairs(cases) do
-    it(cse[1], function()
-      local a = x:clone(); a.requires_grad = true
-      local ins = { a }
-      if cse[3] then local b = y:clone(); b.requires_grad = true; ins[2] = b end
-      assert.is_true(gc.check(cse[2], ins, { eps = 1e-6, tol = 1e-6 }))
-    end)
+    it(cse[1], function() fd_check(cse, x, y) end)
   end
 end)
 
@@ -156,10 +161,7 @@ describe("fused losses: float64 finite differences of every option", function()
   }
   for _, cse in ipairs(cases) do
     it(cse[1], function()
-      local a = x:clone(); a.requires_grad = true
-      local ins = { a }
-      if cse[3] then local b = y:clone(); b.requires_grad = true; ins[2] = b end
-      assert.is_true(gc.check(cse[2], ins, { eps = 1e-6, tol = 1e-6 }))
+      local ins = fd_check(cse, x, y)
       local out = cse[2](table.unpack(ins))
       assert.is_truthy(out.grad_fn:find("NllLoss") or out.grad_fn:find("PointwiseLoss") or out.grad_fn:find("CrossEntropy")
         or out.grad_fn:find("Mul"), out.grad_fn)

@@ -113,15 +113,9 @@ do
     eng_err = "engine tensors cannot be moved to the GPU in this build yet (" .. tostring(probe_err) .. ")"
   else
     local ok, err = pcall(function()
-      engine.manual_seed(0)
-      local model = nn.Transformer{ n_layers = o.n_layers, dim = o.dim, n_heads = o.n_heads, vocab_size = o.vocab,
-        max_seq_len = o.seq, dropout_p = 0 }
-      for name, p in model:named_parameters() do
-        if name:match("embeddings%.weight$") then nn.init.normal_(p, 0, 0.02) end
-      end
+      local model = U.build_model(o)   -- seed 0, N(0, 0.02) embeddings, train mode
       model:to("bf16")
       model:to("cuda")
-      model:train()
       local nparams = model:num_parameters()
       local opt = optim.AdamW(model:parameters(), { lr = 3e-4, betas = { 0.9, 0.999 }, eps = 1e-8, weight_decay = 0.1 })
       local seq = (engine.rand(o.batch, o.seq + 1) * o.vocab):long():clamp(0, o.vocab - 1)

@@ -27,13 +27,8 @@ local spec2 = dist.ChunkShardingSpec{ dim = 2, placements = pls }
 local pg = dist.world_group()
 local F32, ALL_TO_ALL, SCATTER, GATHER = 0, 3, 5, 7
 
-local function median(xs)
-  local s = {}
-  for i, x in ipairs(xs) do s[i] = x end
-  table.sort(s)
-  local k = #s
-  return k % 2 == 1 and s[(k + 1) / 2] or 0.5 * (s[k / 2] + s[k / 2 + 1])
-end
+local U = dofile((debug.getinfo(1, "S").source:match("^@(.*)/[^/]*$") or ".") .. "/util.lua")
+local median = U.median
 
 -- median wall ms of fn over iters (a barrier before each)
 local function timed(fn)
@@ -126,8 +121,8 @@ lines[#lines + 1] = string.format("%-44s %9.2f ms   bare MPI %9.2f ms   ratio %.
   "  fastest rounds: 2 shards per rank", m_generic, m_bare, m_generic / m_bare, m_dt, m_dt / m_bare)
 
 -- per-op overhead: a small DTensor-backed ShardedTensor against its DTensor.  The ops are local (no
--- communication), so the ranks time them one at a time while the others wait without spinning (an async
--- barrier polled every 0.2 ms): with more ranks than cores (4 on the 2-core VM) the figures would
+-- communication), so the ranks time them one at a time while the others wait without spinning (U.idle_barrier:
+-- an async barrier polled every 2 ms): with more ranks than cores (4 on the 2-core VM) the figures would
 -- otherwise be the scheduler's time slices, not the ops' cost.  Rank 0 prints each rank's figures.
 local small = dist.sharded_tensor.ones(spec1, { 4 * W, 4 })
 local sd = small:to_dtensor()
@@ -137,20 +132,13 @@ local function per_op(fn)
   for _ = 1, n_ops do fn() end
   return (engine.time() - t0) * 1e6 / n_ops
 end
-local ffi = engine.ffi
-pcall(ffi.cdef, "int usleep(unsigned int usec);")
-local function quiet_barrier()
-  local w = dist.barrier({ async = true })
-  while not w:is_completed() do ffi.C.usleep(200) end
-  w:wait()
-end
 local op_cases = {
   { "add", function() return small + small end, function() return sd + sd end },
   { "mul by a number", function() return small * 2 end, function() return sd * 2 end },
   { "relu", function() return small:relu() end, function() return sd:relu() end },
 }
 local mine = {}   -- this rank's {u_st, u_dt, m_st, m_dt} per case
-quiet_barrier()
+U.idle_barrier()
 for turn = 0, W - 1 do
   if turn == R then
     for c, case in ipairs(op_cases) do
@@ -160,7 +148,7 @@ for turn = 0, W - 1 do
       mine[c] = { median(a), median(b), math.min(unpack(a)), math.min(unpack(b)) }
     end
   end
-  quiet_barrier()
+  U.idle_barrier()
 end
 local flat = {}
 for c = 1, #op_cases do for j = 1, 4 do flat[#flat + 1] = mine[c][j] end end

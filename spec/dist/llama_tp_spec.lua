@@ -51,6 +51,22 @@ local function same_parameters(m, ref)
   end
 end
 
+-- 5 AdamW steps of m and ref on the same batches (tokens seeded x_seed + step, y_seed + step): every step's
+-- loss and gradients (compare), then the parameters; after_step(step) (optional) runs after each step
+local function train_equal(label, m, ref, x_seed, y_seed, after_step)
+  local opt_r = engine.optim.AdamW(ref:parameters(), { lr = 1e-2, weight_decay = 0.1 })
+  local opt_m = engine.optim.AdamW(m:parameters(), { lr = 1e-2, weight_decay = 0.1 })
+  for step = 1, 5 do
+    local x, y = tokens(4, T, x_seed + step), tokens(4, T, y_seed + step)
+    local lm = F.cross_entropy(m(x):reshape(-1, V), y:reshape(-1)); lm:backward()
+    local lr = F.cross_entropy(ref(x):reshape(-1, V), y:reshape(-1)); lr:backward()
+    compare(label, m, ref, step, full(lm):item(), lr:item())
+    opt_m:step(); opt_m:zero_grad(); opt_r:step(); opt_r:zero_grad()
+    if after_step then after_step(step) end
+  end
+  same_parameters(m, ref)
+end
+
 describe("Llama tensor parallel (torchtitan's plan)", function()
   -- m's vocab-sharded logits (Shard(3)) through loss_parallel: the loss and gradients of ref on one process
   local function check_loss_parallel(label, m, ref, x, y)
@@ -95,16 +111,7 @@ describe("Llama tensor parallel (torchtitan's plan)", function()
   it("equals one process over 5 AdamW steps (losses, every gradient, parameters)", function()
     local ref, m = make(), make()
     models.Llama.parallelize(m, mesh)
-    local opt_r = engine.optim.AdamW(ref:parameters(), { lr = 1e-2, weight_decay = 0.1 })
-    local opt_m = engine.optim.AdamW(m:parameters(), { lr = 1e-2, weight_decay = 0.1 })
-    for step = 1, 5 do
-      local x, y = tokens(4, T, 200 + step), tokens(4, T, 300 + step)
-      local lm = F.cross_entropy(m(x):reshape(-1, V), y:reshape(-1)); lm:backward()
-      local lr = F.cross_entropy(ref(x):reshape(-1, V), y:reshape(-1)); lr:backward()
-      compare("TP", m, ref, step, full(lm):item(), lr:item())
-      opt_m:step(); opt_m:zero_grad(); opt_r:step(); opt_r:zero_grad()
-    end
-    same_parameters(m, ref)
+    train_equal("TP", m, ref, 200, 300)
   end)
 
   it("loss_parallel: vocab-sharded logits, the same loss and gradients", function()
@@ -128,30 +135,21 @@ describe("Llama tensor parallel (torchtitan's plan)", function()
       m.layers[1].attention.wq:register_forward_pre_hook(function(_, args) seen.attn_in = args[1] end),
       m.layers[1].feed_forward.w1:register_forward_pre_hook(function(_, args) seen.ffn_in = args[1] end),
     }
-    local opt_r = engine.optim.AdamW(ref:parameters(), { lr = 1e-2, weight_decay = 0.1 })
-    local opt_m = engine.optim.AdamW(m:parameters(), { lr = 1e-2, weight_decay = 0.1 })
-    for step = 1, 5 do
-      local x, y = tokens(4, T, 600 + step), tokens(4, T, 700 + step)
-      local lm = F.cross_entropy(m(x):reshape(-1, V), y:reshape(-1)); lm:backward()
-      local lr = F.cross_entropy(ref(x):reshape(-1, V), y:reshape(-1)); lr:backward()
-      compare("SP", m, ref, step, full(lm):item(), lr:item())
-      opt_m:step(); opt_m:zero_grad(); opt_r:step(); opt_r:zero_grad()
-      if step == 1 then
-        for _, h in ipairs(hooks) do h:remove() end
-        local b = seen.block
-        if dist.is_dtensor(b) then
-          assert.are.equal("Shard(2)", tostring(b.placements[1]))
-          b = b:to_local()
-        end
-        assert.are.same({ 4, T / W, ARGS.dim }, b:shape())
-        for _, k in ipairs({ "attn_in", "ffn_in" }) do
-          assert.is_true(dist.is_dtensor(seen[k]), k)
-          assert.are.equal("Replicate()", tostring(seen[k].placements[1]), k)
-          assert.are.same({ 4, T, ARGS.dim }, seen[k]:shape(), k)
-        end
+    train_equal("SP", m, ref, 600, 700, function(step)
+      if step ~= 1 then return end
+      for _, h in ipairs(hooks) do h:remove() end
+      local b = seen.block
+      if dist.is_dtensor(b) then
+        assert.are.equal("Shard(2)", tostring(b.placements[1]))
+        b = b:to_local()
       end
-    end
-    same_parameters(m, ref)
+      assert.are.same({ 4, T / W, ARGS.dim }, b:shape())
+      for _, k in ipairs({ "attn_in", "ffn_in" }) do
+        assert.is_true(dist.is_dtensor(seen[k]), k)
+        assert.are.equal("Replicate()", tostring(seen[k].placements[1]), k)
+        assert.are.same({ 4, T, ARGS.dim }, seen[k]:shape(), k)
+      end
+    end)
   end)
 
   it("sequence parallelism with loss_parallel: vocab-sharded logits, the same loss and gradients", function()

@@ -577,6 +577,14 @@ typedef struct gb_head {
   int32_t eligible, err;
 } gb_head;
 
+#ifdef __linux__
+/* One process_vm_readv of n iovec pairs (want bytes): 0, or the errno (EIO for a short read). */
+static int read_iov(pid_t pid, const struct iovec* liov, const struct iovec* riov, int n, ssize_t want) {
+  ssize_t got = process_vm_readv(pid, liov, (unsigned long)n, riov, (unsigned long)n, 0);
+  return got == want ? 0 : got < 0 ? errno : EIO;
+}
+#endif
+
 int eng_pg_gather_blocks(eng_pg* pg, const char* op, int dtype, const void* src, int64_t src_numel, int nblocks,
                          const int64_t* src_off, const int64_t* lens, const int64_t* dst_off, void* dst,
                          int64_t dst_numel, int eligible) {
@@ -643,17 +651,9 @@ int eng_pg_gather_blocks(eng_pg* pg, const char* op, int dtype, const void* src,
       riov[n].iov_base = rp; riov[n].iov_len = (size_t)len;
       n++;
       want += (ssize_t)len;
-      if (n == CMA_IOV || b == nblocks - 1 || want > (ssize_t)1 << 30) {
-        ssize_t got = process_vm_readv((pid_t)all[from].pid, liov, (unsigned long)n, riov, (unsigned long)n, 0);
-        if (got != want) err = got < 0 ? errno : EIO;
-        n = 0;
-        want = 0;
-      }
+      if (n == CMA_IOV || want > (ssize_t)1 << 30) { err = read_iov((pid_t)all[from].pid, liov, riov, n, want); n = 0; want = 0; }
     }
-    if (!err && n > 0) {
-      ssize_t got = process_vm_readv((pid_t)all[from].pid, liov, (unsigned long)n, riov, (unsigned long)n, 0);
-      if (got != want) err = got < 0 ? errno : EIO;
-    }
+    if (!err && n > 0) err = read_iov((pid_t)all[from].pid, liov, riov, n, want);
   }
   free(all);
   /* every rank has read every chunk before any rank goes on (and may change its chunk); a failed read anywhere

@@ -53,6 +53,7 @@ struct eng_fsdp_group {
                          * post-forward subgroup (torch.chunk over N: ceil(size/N) rows each, padded; chunk_n) */
   /* reduce-scatter in flight */
   eng_work* rs_work; eng_tensor* rs_in; eng_tensor* rs_out;
+  int64_t* blocks;      /* gather_in_place's block table (src_off | lens | dst_off), made on first use */
   eng_tensor* flat;     /* this rank's chunk (g->chunk elements) whose blocks the sharded parameters' local shards
                          * view (alias_shards), or NULL: a synchronous unshard sends it without a copy-in */
   int raf, rab, sync, all_reduce, is_last;
@@ -262,25 +263,27 @@ static int gather_in_place(eng_fsdp_group* g) {
     if (q->dim != 0 || q->uspec || q->sharded->dtype != g->udtype) return 1; /* the same on every rank */
   }
   int W = g->W;
-  int64_t* a = malloc(sizeof(int64_t) * (size_t)g->n * (1 + 2 * (size_t)W));
-  if (!a) return eng_err("fully_shard: out of memory");
-  int64_t *src_off = a, *lens = a + g->n, *dst_off = a + g->n + (size_t)g->n * W;
-  for (int i = 0; i < g->n; i++) {
-    const fparam* q = &g->p[i];
-    int64_t rowlen = 1;
-    for (int d = 1; d < q->ndim; d++) rowlen *= q->shape[d];
-    src_off[i] = q->coff[0];
-    for (int r = 0; r < W; r++) {
-      lens[(size_t)i * W + r] = rows_of(q, r, 0) * rowlen;
-      dst_off[(size_t)i * W + r] = q->uoff + r * q->ceil_d[0] * rowlen;
+  if (!g->blocks) { /* the layout is fixed at fully_shard: one table per group */
+    int64_t* a = malloc(sizeof(int64_t) * (size_t)g->n * (1 + 2 * (size_t)W));
+    if (!a) return eng_err("fully_shard: out of memory");
+    for (int i = 0; i < g->n; i++) {
+      const fparam* q = &g->p[i];
+      int64_t rowlen = 1;
+      for (int d = 1; d < q->ndim; d++) rowlen *= q->shape[d];
+      a[i] = q->coff[0];
+      for (int r = 0; r < W; r++) {
+        a[g->n + (size_t)i * W + r] = rows_of(q, r, 0) * rowlen;
+        a[g->n + (size_t)g->n * W + (size_t)i * W + r] = q->uoff + r * q->ceil_d[0] * rowlen;
+      }
     }
+    g->blocks = a;
   }
+  const int64_t *src_off = g->blocks, *lens = g->blocks + g->n, *dst_off = g->blocks + g->n + (size_t)g->n * W;
   int elig = shards_aliased(g);
   int32_t v = g->ubase->storage->version; /* as the copy-out: the aliases autograd saved stay valid */
   int rc = eng_pg_gather_blocks(g->pg, "FSDP unshard", g->udtype, elig ? eng_ptr(g->flat) : NULL, g->chunk, g->n,
                                 src_off, lens, dst_off, eng_ptr(g->ubase), g->utotal, elig);
   g->ubase->storage->version = v;
-  free(a);
   return rc;
 }
 
@@ -891,6 +894,7 @@ void eng_fsdp_group_release(eng_fsdp_group* g) {
   if (g->rs_work) { eng_work_wait(g->rs_work); eng_work_release(g->rs_work); }
   eng_tensor_release(g->ag_in); eng_tensor_release(g->ag_out); eng_tensor_release(g->kept);
   eng_tensor_release(g->rs_in); eng_tensor_release(g->rs_out); eng_tensor_release(g->flat);
+  free(g->blocks);
   for (int i = 0; i < g->n && g->p; i++) {
     fparam* q = &g->p[i];
     if (q->leaf && g->post_hooks && g->post_hooks[i] > 0) eng_tensor_remove_hook(q->leaf, g->post_hooks[i]);
