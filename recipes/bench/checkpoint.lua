@@ -1,6 +1,7 @@
 -- recipes/bench/checkpoint.lua: distributed checkpoint throughput (issue 16, Performance).
 --
 --   mpirun -np 4 build/engine recipes/bench/checkpoint.lua [--mib=1024] [--dir=/tmp/ckpt_bench] [--reps=3] [--cold=0]
+--     [--pairs=3]
 --
 -- State: --mib MiB of f32 in 8 DTensors sharded Shard(1) over all ranks (each rank holds mib/ranks).
 -- Medians of --reps, rank 0 prints:
@@ -20,15 +21,16 @@
 --            load of the same bytes per rank (a checkpoint saved on that sub-mesh, loaded there; the ranks
 --            outside the sub-mesh load nothing; the time is the slowest rank's)
 --   async    the time save({async = true}) blocks the caller, beside one memcpy (clone) of the local
---            shards, and the time to completion (wait)
+--            shards, and the time to completion (wait); --pairs alternations of the two per rep, so the
+--            medians are over reps x pairs, and the median of each pair's ratio is printed too
 local engine = require("engine")
 local dist = engine.distributed
 local ckpt = dist.checkpoint
 
-local o = { mib = 1024, dir = (os.getenv("TMPDIR") or "/tmp") .. "/ckpt_bench", reps = 3, cold = 0 }
+local o = { mib = 1024, dir = (os.getenv("TMPDIR") or "/tmp") .. "/ckpt_bench", reps = 3, cold = 0, pairs = 3 }
 for _, a in ipairs(arg or {}) do
   local k, v = a:match("^%-%-([%w_]+)=(.*)$")
-  if not k or o[k] == nil then error("bench/checkpoint: bad argument " .. a .. " (--mib, --dir, --reps, --cold)", 0) end
+  if not k or o[k] == nil then error("bench/checkpoint: bad argument " .. a .. " (--mib, --dir, --reps, --cold, --pairs)", 0) end
   o[k] = type(o[k]) == "number" and assert(tonumber(v), a) or v
 end
 
@@ -101,7 +103,7 @@ local dir = o.dir .. "/ck"
 local ddfile = string.format("%s/dd_%d.bin", o.dir, R)
 local mb = math.max(1, math.floor(local_bytes / 2 ^ 20 + 0.5))
 local save_t, dd_w, load_t, dd_r, resh_t, same_t, async_block, async_total, memcpy_t = {}, {}, {}, {}, {}, {}, {}, {}, {}
-local read_t, xxh_t, fnv_t = {}, {}, {}
+local read_t, xxh_t, fnv_t, async_ratio = {}, {}, {}, {}
 local C = require("engine.core").C
 local my_file = ckpt.data_file(dir, R)
 local read_buf = engine.zeros({ local_bytes / 4 + 16 })
@@ -145,15 +147,20 @@ for rep = 1, o.reps do
   same_t[rep] = timed(function() ckpt.load(back3, dir .. "_half") end)
   back2, back3 = nil, nil
   collectgarbage()
-  -- async: blocking time vs one memcpy of the local shards
-  memcpy_t[rep] = timed(function()
-    local keep = {}
-    for i = 1, N_T do keep[i] = st["w" .. i]:to_local():clone() end
-  end)
-  collectgarbage()
-  local h
-  async_block[rep] = timed(function() h = ckpt.save(st, dir .. "_async", { async = true }) end)
-  async_total[rep] = async_block[rep] + timed(function() h:wait() end)
+  -- async: blocking time vs one memcpy of the local shards, alternated --pairs times (each pair's ratio too)
+  for _ = 1, o.pairs do
+    local k = #memcpy_t + 1
+    memcpy_t[k] = timed(function()
+      local keep = {}
+      for i = 1, N_T do keep[i] = st["w" .. i]:to_local():clone() end
+    end)
+    collectgarbage()
+    local h
+    async_block[k] = timed(function() h = ckpt.save(st, dir .. "_async", { async = true }) end)
+    async_total[k] = async_block[k] + timed(function() h:wait() end)
+    async_ratio[k] = async_block[k] / memcpy_t[k]
+    collectgarbage()
+  end
 end
 local function gbs(t) return bytes / t / 1e9 end
 log("save     %.3f s  %.2f GB/s   | dd conv=fsync %.3f s  %.2f GB/s   | ratio %.2f", median(save_t), gbs(median(save_t)),
@@ -167,7 +174,8 @@ log("checksum XXH64 %.3f s  %.2f GB/s | FNV (engine-dcp/1) %.3f s  %.2f GB/s", m
 log("reshard  %d -> %d ranks %.3f s  %.2f GB/s | same-layout load on the %d ranks %.3f s | ratio %.2f", W,
   math.max(1, math.floor(W / 2)), median(resh_t), gbs(median(resh_t)), math.max(1, math.floor(W / 2)), median(same_t),
   median(resh_t) / median(same_t))
-log("async    blocks %.3f s | one memcpy of the local shards %.3f s (ratio %.2f) | to completion %.3f s",
-  median(async_block), median(memcpy_t), median(async_block) / median(memcpy_t), median(async_total))
+log("async    blocks %.3f s | one memcpy of the local shards %.3f s (ratio %.2f; median of the %d pairs' ratios %.2f) | to completion %.3f s",
+  median(async_block), median(memcpy_t), median(async_block) / median(memcpy_t), #async_ratio, median(async_ratio),
+  median(async_total))
 dist.barrier()
 if R == 0 then os.execute("rm -rf '" .. o.dir .. "'") end

@@ -370,6 +370,16 @@ describe("dist.checkpoint state (" .. W .. " ranks)", function()
     assert.is_truthy(e:find("not supported for DTensor with partial placements!", 1, true) and e:find("'p'", 1, true), e)
     local f = io.open(dir .. "/.metadata", "rb")
     assert.is_nil(f)
+    -- into a directory that holds a checkpoint: the failed save leaves it whole (the metadata moved aside
+    -- for the save is moved back), and a bad value on one rank only fails every rank the same way
+    local good = reference({ 4, 6 }, 5)
+    ckpt.save({ q = dist.distribute_tensor(good, world_mesh, { Shard(2) }) }, dir)
+    e = errmsg(ckpt.save, { q = R == W - 1 and p or engine.ones(4, 6) }, dir)
+    assert.is_truthy(e:find("checkpoint.save", 1, true), e)
+    local back = { q = dist.zeros({ 4, 6 }, { mesh = world_mesh, placements = { Replicate() } }) }
+    ckpt.load(back, dir)
+    assert.equal(0, diff(back.q:full_tensor(), good))
+    assert.is_nil(io.open(dir .. "/.metadata.replaced", "rb"))
   end)
 
   it("an async save equals a sync save; training may change the tensors after save returns", function()
@@ -392,6 +402,55 @@ describe("dist.checkpoint state (" .. W .. " ranks)", function()
     local h2 = ckpt.save({ t = t }, newdir(), { async = true })
     assert.is_true(h1:is_completed())
     h2:wait(); h2:wait()
+  end)
+
+  it("a repeated save reuses the choice of writers (nothing gathered); a changed layout or a rank without it chooses again", function()
+    local a, b = reference({ 6, 4 }, 41), reference({ 5, 3 }, 43)
+    local function state(pl_a)
+      return { a = dist.distribute_tensor(a, world_mesh, pl_a), b = b:clone(), n = 1 }
+    end
+    -- bytes in all the data files together: each box once (replicas deduplicated)
+    local function data_bytes(dir)
+      local n = 0
+      for r = 0, W - 1 do
+        local f = assert(io.open(ckpt.data_file(dir, r), "rb"))
+        n = n + f:seek("end") - 64
+        f:close()
+      end
+      return n
+    end
+    local function check(dir, want_bytes)
+      assert.equal(want_bytes, data_bytes(dir))
+      local back = { a = dist.zeros({ 6, 4 }, { mesh = world_mesh, placements = { Shard(1) } }), b = engine.zeros({ 5, 3 }), n = 0 }
+      ckpt.load(back, dir)
+      assert.equal(0, diff(back.a:full_tensor(), a))
+      assert.equal(0, diff(back.b, b))
+    end
+    local function gathers(pl_a, dir)
+      local counts = dist.count_collectives(function() ckpt.save(state(pl_a), dir) end)
+      return (counts.all_gather or 0)
+    end
+    local rep, sh = { Replicate() }, { Shard(1) }
+    local full = (6 * 4 + 5 * 3) * 4
+    local d = { newdir(), newdir(), newdir(), newdir(), newdir() }
+    ckpt._drop_plan_cache()
+    -- the first save gathers the plans (W > 1) and the metadata records; the same layout again: the records only
+    local first = gathers(rep, d[1])
+    assert.equal(W > 1 and 2 or 0, first)
+    assert.equal(W > 1 and 1 or 0, gathers(rep, d[2]))
+    check(d[1], full)
+    check(d[2], full)
+    -- a tensor's placements change: its boxes change, the writers are chosen again
+    assert.equal(W > 1 and 2 or 0, gathers(sh, d[3]))
+    check(d[3], full)
+    -- one rank has no cached choice: every rank chooses again, no hang
+    if R == W - 1 then ckpt._drop_plan_cache() end
+    assert.equal(W > 1 and 2 or 0, gathers(sh, d[4]))
+    check(d[4], full)
+    -- and async saves use it too
+    local h = ckpt.save(state(sh), d[5], { async = true })
+    h:wait()
+    check(d[5], full)
   end)
 
   it("optimizer state keyed by parameter names round-trips into a fresh optimizer", function()

@@ -149,6 +149,11 @@ int eng_pg_report_error(eng_pg* pg, int kind, const char* msg);
  * counted or numbered as a collective.  Non-members and groups of one
  * return at once (-1 when local_err). */
 int eng_pg_agree(eng_pg* pg, int local_err, uint64_t key, const char* op);
+/* eng_pg_agree with n (<= 64) values carried in the same all_reduce: when the
+ * agreement passes, vals[i] becomes the maximum of vals[i] over the members
+ * (e.g. a value only one rank sets, the others passing 0 or less; or a flag
+ * any rank may raise); on failure vals is left as it was. */
+int eng_pg_agree_max(eng_pg* pg, int local_err, uint64_t key, const char* op, int64_t* vals, int n);
 /* The bare MPI collective on raw contiguous CPU buffers, for benchmarks that
  * compare against the checked path above: no staging, no counters, no
  * recorder, no debug checks; blocking.  count: elements (all_reduce,

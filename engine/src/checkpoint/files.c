@@ -37,8 +37,7 @@ struct eng_ckpt_writer {
   eng_tensor** chunks;
   uint64_t* sums;
   int64_t end; /* file size after the queued chunks */
-  pthread_t thread;
-  int thread_live, started, finished, failed;
+  int thread_live, thread_done, started, finished, failed;
   char err[512];
 };
 
@@ -212,30 +211,76 @@ static void* run(void* arg) {
   return NULL;
 }
 
-/* An async save's writer yields the CPU to training: it runs at a lower priority (nice +10 for this thread
- * only; Linux applies setpriority to a thread id).  Where cores are free this changes nothing; where the ranks
- * use every core, a rank that finished its staging copies no longer slows a peer still copying (4 ranks on 2
- * cores: the async save blocked 1.2-1.9x one copy of the local shards, about 1.0x at 1 and 2 ranks). */
-static void* run_background(void* arg) {
+/* Async saves run on one background thread per process, made at the first async save and kept (it sleeps on a
+ * condition variable between saves), so starting a save is a signal rather than a thread creation.  The thread
+ * yields the CPU to training: it runs at a lower priority (nice +10 for this thread only; Linux applies
+ * setpriority to a thread id).  Where cores are free this changes nothing; where the ranks use every core, a
+ * rank that finished its staging copies no longer slows a peer still copying (4 ranks on 2 cores: the async
+ * save blocked 1.2-1.9x one copy of the local shards, about 1.0x at 1 and 2 ranks).  One job at a time: a
+ * second async writer waits for the first (checkpoint.save waits for the pending save anyway). */
+static pthread_mutex_t bg_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t bg_job_cv = PTHREAD_COND_INITIALIZER;  /* a job was posted */
+static pthread_cond_t bg_done_cv = PTHREAD_COND_INITIALIZER; /* a job finished */
+static eng_ckpt_writer* bg_job;
+static int bg_live;
+
+static void* background(void* arg) {
+  (void)arg;
 #ifdef SYS_gettid
   (void)setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), 10);
 #endif
-  return run(arg);
+  for (;;) {
+    pthread_mutex_lock(&bg_mu);
+    while (!bg_job) pthread_cond_wait(&bg_job_cv, &bg_mu);
+    eng_ckpt_writer* w = bg_job;
+    pthread_mutex_unlock(&bg_mu);
+    run(w);
+    pthread_mutex_lock(&bg_mu);
+    w->thread_done = 1;
+    bg_job = NULL;
+    pthread_cond_broadcast(&bg_done_cv);
+    pthread_mutex_unlock(&bg_mu);
+  }
+  return NULL;
+}
+
+/* waits until w's job, if it was posted, has finished */
+static void bg_join(eng_ckpt_writer* w) {
+  if (!w->thread_live) return;
+  pthread_mutex_lock(&bg_mu);
+  while (!w->thread_done) pthread_cond_wait(&bg_done_cv, &bg_mu);
+  w->thread_live = 0;
+  pthread_mutex_unlock(&bg_mu);
 }
 
 int eng_ckpt_writer_start(eng_ckpt_writer* w, int async) {
   if (!w) return eng_err("checkpoint.save: writer is NULL");
   if (w->started) return eng_err("checkpoint.save: %s: started twice", w->path);
-  w->started = 1;
-  if (async) {
-    if (pthread_create(&w->thread, NULL, run_background, w) != 0) {
-      w->started = 0;
+  if (!async) {
+    w->started = 1;
+    run(w);
+    return 0;
+  }
+  pthread_mutex_lock(&bg_mu);
+  if (!bg_live) {
+    pthread_t t;
+    pthread_attr_t at;
+    pthread_attr_init(&at);
+    pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+    int rc = pthread_create(&t, &at, background, NULL);
+    pthread_attr_destroy(&at);
+    if (rc != 0) {
+      pthread_mutex_unlock(&bg_mu);
       return eng_err("checkpoint.save: %s: cannot start the writer thread", w->path);
     }
-    w->thread_live = 1;
-  } else {
-    run(w);
+    bg_live = 1;
   }
+  while (bg_job) pthread_cond_wait(&bg_done_cv, &bg_mu);
+  w->started = 1;
+  w->thread_live = 1;
+  bg_job = w;
+  pthread_cond_signal(&bg_job_cv);
+  pthread_mutex_unlock(&bg_mu);
   return 0;
 }
 
@@ -243,7 +288,7 @@ int eng_ckpt_writer_finish(eng_ckpt_writer* w) {
   if (!w) return eng_err("checkpoint.save: writer is NULL");
   if (w->finished) return w->failed ? eng_err("%s", w->err) : 0;
   if (!w->started && eng_ckpt_writer_start(w, 0) != 0) return -1;
-  if (w->thread_live) { pthread_join(w->thread, NULL); w->thread_live = 0; }
+  bg_join(w);
   w->finished = 1;
   if (close(w->fd) != 0) fail_w(w, "checkpoint.save: close of '%s' failed: %s", w->tmp, strerror(errno));
   w->fd = -1;
@@ -271,7 +316,7 @@ int eng_ckpt_writer_count(const eng_ckpt_writer* w) { return w ? w->n : 0; }
 
 void eng_ckpt_writer_free(eng_ckpt_writer* w) {
   if (!w) return;
-  if (w->thread_live) pthread_join(w->thread, NULL);
+  bg_join(w);
   if (w->fd >= 0) { close(w->fd); unlink(w->tmp); }
   for (int i = 0; i < w->n; i++) if (w->chunks[i]) eng_tensor_release(w->chunks[i]);
   free(w->chunks); free(w->sums); free(w->path); free(w->tmp);

@@ -925,23 +925,35 @@ static int check_report(eng_pg* pg, const char* name, const fprint* mine_f, int 
 }
 
 /* The check itself; f describes this rank's call. */
+/* check_run_vals: check_run with n_vals values carried in the same all_reduce (MAX over the members; written
+ * back to vals only when the check passes). */
+static int check_run_vals(eng_pg* pg, const char* name, const fprint* f, int64_t* vals, int n_vals);
+
 static int check_run(eng_pg* pg, const char* name, const fprint* f, int local_err) {
-  local_err = f->err;
+  (void)local_err;
+  return check_run_vals(pg, name, f, NULL, 0);
+}
+
+static int check_run_vals(eng_pg* pg, const char* name, const fprint* f, int64_t* vals, int n_vals) {
+  int local_err = f->err;
   if (pg->broken) {
     int who = ended_member(pg);
     if (local_err) return -1;
     return eng_err("%s: group %s is unusable: rank %d has ended while this rank waited for it", name, pg->name, who);
   }
   if (pg->size < 2) return local_err ? -1 : 0;
-  int64_t* v = malloc(6 * sizeof(int64_t)); /* leaked when a peer has ended (the request stays pending) */
+  int m = 3 + n_vals;
+  int64_t* v = malloc(2 * (size_t)m * sizeof(int64_t)); /* leaked when a peer has ended (the request stays pending) */
   if (!v) return eng_err("%s: out of memory (signature check)", name);
   int64_t h = (int64_t)(fp_hash(f) >> 1);
   v[0] = h; v[1] = -h; v[2] = local_err ? 1 : 0;
+  for (int i = 0; i < n_vals; i++) v[3 + i] = vals[i];
   MPI_Request r;
-  int rc = MPI_Iallreduce(v, v + 3, 3, MPI_INT64_T, MPI_MAX, pg->ctl, &r);
+  int rc = MPI_Iallreduce(v, v + m, m, MPI_INT64_T, MPI_MAX, pg->ctl, &r);
   if (rc != MPI_SUCCESS) { free(v); return eng_err("%s: signature check failed: %s", name, comm_mpi_errstr(rc)); }
   if (check_wait(pg, &r, name, f)) return -1;
-  int ok = v[3] == -v[4] && v[5] == 0;
+  int ok = v[m] == -v[m + 1] && v[m + 2] == 0;
+  if (ok) for (int i = 0; i < n_vals; i++) vals[i] = v[m + 3 + i];
   free(v);
   if (ok) return 0;
   return check_report(pg, name, f, local_err);
@@ -972,6 +984,17 @@ int eng_pg_agree(eng_pg* pg, int local_err, uint64_t key, const char* op) {
   fp_make(&f, pg, KIND_AGREE, 0, 0, NULL, local_err ? (local_err == 2 ? 2 : 1) : 0);
   f.key = key;
   return check_run(pg, op, &f, f.err);
+}
+
+int eng_pg_agree_max(eng_pg* pg, int local_err, uint64_t key, const char* op, int64_t* vals, int n) {
+  if (!op) op = "agreement";
+  if (!pg) return eng_err("%s: process group is NULL", op);
+  if (n < 0 || n > 64 || (n > 0 && !vals)) return eng_err("%s: agreement values: %d of at most 64, not NULL", op, n);
+  if (!pg->member || pg->size < 2 || !eng_dist_is_initialized()) return local_err ? -1 : 0;
+  fprint f;
+  fp_make(&f, pg, KIND_AGREE, 0, 0, NULL, local_err ? (local_err == 2 ? 2 : 1) : 0);
+  f.key = key;
+  return check_run_vals(pg, op, &f, vals, n);
 }
 
 /* ------------------------------------------------------------------ dispatch */

@@ -356,27 +356,21 @@ local function gather_strings(s)
   return out
 end
 
-local function new_id()
-  local engine = E()
-  local t = engine.zeros({ 2 }, { dtype = "i64" })
-  if myrank() == 0 then
-    local f = io.open("/dev/urandom", "rb")
-    local bytes = f and f:read(8) or ""
-    if f then f:close() end
-    local a = 0
-    for i = 1, #bytes do a = (a * 256 + bytes:byte(i)) % 2 ^ 40 end
-    t:narrow(1, 1, 1):fill_(a)
-    t:narrow(1, 2, 1):fill_(os.time() % 2 ^ 40)
-  end
-  if nranks() > 1 then D().broadcast(t, 0) end
-  local v = t:totable()
-  return string.format("%010x-%010x", v[1], v[2])
+-- rank 0's part of a new checkpoint's id: two 40-bit numbers (random, time), carried by save's agreement
+local function id_parts()
+  local f = io.open("/dev/urandom", "rb")
+  local bytes = f and f:read(8) or ""
+  if f then f:close() end
+  local a = 0
+  for i = 1, #bytes do a = (a * 256 + bytes:byte(i)) % 2 ^ 40 end
+  return a, os.time() % 2 ^ 40
 end
 
 -- ---------------------------------------------------------------- save
 local Handle = {}
 Handle.__index = Handle
 local pending = nil
+local plan_cache = nil -- the last save's choice of writers: { input = boxes and signature, keep = {bool}, tag }
 
 local function finish_save(h)
   h._done = true
@@ -434,6 +428,9 @@ local function finish_save(h)
   agree(not ok and tostring(werr) or nil, op)
   return true
 end
+
+-- for specs: forget the cached choice of writers on this rank only (as after a save that failed here)
+function M._drop_plan_cache() plan_cache = nil end
 
 function Handle:wait()
   if not self._done then finish_save(self) end
@@ -496,16 +493,51 @@ function M.save(state, dir, opts)
     local t = h.tensors[key]
     sig[#sig + 1] = key .. (t and (":" .. t.dtype .. "[" .. table.concat(t.shape, ",") .. "]") or "")
   end
-  agree(err, op, str_hash(table.concat(sig, "\n")))
-  h.id = new_id()
+  local sig_s = table.concat(sig, "\n")
+  -- this rank's boxes, one line each (the input of the choice of writers below)
+  local mine = {}
+  for i, p in ipairs(h.plan or {}) do
+    mine[i] = p.key .. "\t" .. table.concat(p.box.offsets, ",") .. "\t" .. table.concat(p.box.sizes, ",")
+  end
+  local mine_s = table.concat(mine, "\n") .. "\0" .. sig_s
+  local cached = plan_cache and plan_cache.input == mine_s and plan_cache or nil
+  -- the previous checkpoint in dir stops being one before any of its files is replaced: rank 0 moves its
+  -- metadata aside before the agreement, and every rank's writer starts after it (the writer deletes each
+  -- rank's old data file first, in its thread); a failed agreement moves it back
+  local meta_path = dir .. "/" .. META
+  local aside = nil
+  if rank == 0 and not err and os.rename(meta_path, meta_path .. ".replaced") then aside = meta_path .. ".replaced" end
+  -- one agreement (a single small all_reduce) carries: any rank's error, the signature, rank 0's id for the
+  -- new checkpoint, and whether every rank can reuse the last save's choice of writers (its boxes unchanged
+  -- and the cached choice made by the same save everywhere)
+  local v = ffi.new("int64_t[5]")
+  if rank == 0 then v[0], v[1] = id_parts() end
+  v[2] = cached and 0 or 1
+  local tag = cached and cached.tag or 0
+  v[3], v[4] = tag, -tag
+  local agreed
+  if nranks() > 1 then
+    if err then C.eng_set_error_message(err) end
+    agreed = C.eng_pg_agree_max(world()._c, err and 1 or 0, str_hash(sig_s), op, v, 5) == 0
+    if not agreed then err = core.last_error() end
+  else
+    agreed = err == nil
+  end
+  if not agreed then
+    if aside then os.rename(aside, meta_path) end
+    error(err, 0)
+  end
+  if aside then os.remove(aside) end
+  h.id = string.format("%010x-%010x", tonumber(v[0]), tonumber(v[1]))
   -- who writes what: every rank's boxes are gathered; a box held by several ranks (replicas, plain
   -- tensors) is written by one of them, the one with the fewest bytes assigned so far (PyTorch's
-  -- dedup_save_plans), the same choice on every rank
-  do
-    local mine = {}
-    for _, p in ipairs(h.plan) do
-      mine[#mine + 1] = p.key .. "\t" .. table.concat(p.box.offsets, ",") .. "\t" .. table.concat(p.box.sizes, ",")
-    end
+  -- dedup_save_plans), the same choice on every rank.  While no rank's boxes change, the choice of the
+  -- last save is reused and nothing is gathered (PyTorch's plan caching).
+  local keep
+  if v[2] == 0 and v[3] == -v[4] and tag ~= 0 then
+    keep = cached.keep
+  else
+    plan_cache = nil
     local all = gather_strings(table.concat(mine, "\n"))
     local holders, order = {}, {}
     for r = 0, nranks() - 1 do
@@ -528,16 +560,16 @@ function M.save(state, dir, opts)
       writer[line] = best
       load[best] = load[best] + bytes
     end
-    local kept = {}
-    for i, p in ipairs(h.plan) do
-      if writer[mine[i]] == rank then kept[#kept + 1] = p end
-    end
-    h.plan = kept
+    keep = {}
+    for i = 1, #h.plan do keep[i] = writer[mine[i]] == rank end
+    -- the tag: the same on every rank (rank 0's random id part), never 0
+    plan_cache = { input = mine_s, keep = keep, tag = tonumber(v[0]) + 1 }
   end
-  -- the previous checkpoint in dir stops being one before its files are replaced (the writer then
-  -- deletes each rank's old data file first, in its thread)
-  if rank == 0 then os.remove(dir .. "/" .. META) end
-  if nranks() > 1 then D().barrier() end
+  local kept = {}
+  for i, p in ipairs(h.plan) do
+    if keep[i] then kept[#kept + 1] = p end
+  end
+  h.plan = kept
   local w = C.eng_ckpt_writer_open(data_file(dir, rank), h.id)
   if w == nil then
     h.err = core.last_error()
