@@ -1,6 +1,10 @@
 /* copy.c: strided copies, conversions, fills and the N-d row iterator. */
 #include "kcpu.h"
+#include <stdint.h>
 #include <string.h>
+#if defined(__SSE2__)
+#include <immintrin.h>
+#endif
 
 #define KMAX 8
 
@@ -177,4 +181,43 @@ void kc_fill(int64_t n, void* dst, int dt, double v) {
     case 2: { uint16_t x; memcpy(&x, tmp, 2); for (int64_t i = 0; i < n; i++) ((uint16_t*)d)[i] = x; break; }
     default: memset(d, tmp[0], (size_t)n); break;
   }
+}
+
+void kc_copy_stream(void* dst, const void* src, size_t n) {
+  char* d = dst;
+  const char* s = src;
+#if defined(__SSE2__)
+  if (n >= ((size_t)256 << 10)) {
+    size_t head = (size_t)(-(uintptr_t)d & 31); /* the stores need an aligned destination */
+    memcpy(d, s, head);
+    d += head; s += head; n -= head;
+    size_t body = n & ~(size_t)127;
+#if defined(__AVX__)
+    for (size_t i = 0; i < body; i += 128) {
+      __m256i a = _mm256_loadu_si256((const __m256i*)(s + i));
+      __m256i b = _mm256_loadu_si256((const __m256i*)(s + i + 32));
+      __m256i c = _mm256_loadu_si256((const __m256i*)(s + i + 64));
+      __m256i e = _mm256_loadu_si256((const __m256i*)(s + i + 96));
+      _mm256_stream_si256((__m256i*)(d + i), a);
+      _mm256_stream_si256((__m256i*)(d + i + 32), b);
+      _mm256_stream_si256((__m256i*)(d + i + 64), c);
+      _mm256_stream_si256((__m256i*)(d + i + 96), e);
+    }
+#else
+    for (size_t i = 0; i < body; i += 64) {
+      __m128i a = _mm_loadu_si128((const __m128i*)(s + i));
+      __m128i b = _mm_loadu_si128((const __m128i*)(s + i + 16));
+      __m128i c = _mm_loadu_si128((const __m128i*)(s + i + 32));
+      __m128i e = _mm_loadu_si128((const __m128i*)(s + i + 48));
+      _mm_stream_si128((__m128i*)(d + i), a);
+      _mm_stream_si128((__m128i*)(d + i + 16), b);
+      _mm_stream_si128((__m128i*)(d + i + 32), c);
+      _mm_stream_si128((__m128i*)(d + i + 48), e);
+    }
+#endif
+    _mm_sfence(); /* the streamed stores are visible before anything that follows (the writer thread's reads) */
+    d += body; s += body; n -= body;
+  }
+#endif
+  memcpy(d, s, n);
 }

@@ -38,6 +38,11 @@ void kc_copy(int ndim, const int64_t* shape, void* dst, int ddt, const int64_t* 
              const void* src, int sdt, const int64_t* sstride);
 /* Contiguous conversions. */
 void kc_convert(int64_t n, void* dst, int ddt, const void* src, int sdt);
+/* n bytes from src to dst (not overlapping) with streaming (non-temporal) stores where the CPU has them: the
+ * destination bypasses the cache.  For staging copies that are read back much later (an async checkpoint's
+ * buffers): no read-for-ownership of the destination and no eviction of the caller's working set.  Small
+ * copies (< 256 KiB) are a memcpy. */
+void kc_copy_stream(void* dst, const void* src, size_t n);
 void kc_fill(int64_t n, void* dst, int dt, double v);
 
 /* Iterate an N-d index space over k operands; calls fn once per innermost

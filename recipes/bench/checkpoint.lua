@@ -1,9 +1,9 @@
 -- recipes/bench/checkpoint.lua: distributed checkpoint throughput (issue 16, Performance).
 --
 --   mpirun -np 4 build/engine recipes/bench/checkpoint.lua [--mib=1024] [--dir=/tmp/ckpt_bench] [--reps=3] [--cold=0]
---     [--pairs=3]
+--     [--pairs=3] [--tensors=8]
 --
--- State: --mib MiB of f32 in 8 DTensors sharded Shard(1) over all ranks (each rank holds mib/ranks).
+-- State: --mib MiB of f32 in --tensors DTensors (8) sharded Shard(1) over all ranks (each rank holds mib/ranks).
 -- Medians of --reps, rank 0 prints:
 --   save     dist.checkpoint.save (sync: write, fsync, rename, metadata) in GB/s of the state, beside
 --            `dd bs=1M conv=fsync` of the same bytes (every rank its share, at the same time) to the same
@@ -27,10 +27,10 @@ local engine = require("engine")
 local dist = engine.distributed
 local ckpt = dist.checkpoint
 
-local o = { mib = 1024, dir = (os.getenv("TMPDIR") or "/tmp") .. "/ckpt_bench", reps = 3, cold = 0, pairs = 3 }
+local o = { mib = 1024, dir = (os.getenv("TMPDIR") or "/tmp") .. "/ckpt_bench", reps = 3, cold = 0, pairs = 3, tensors = 8 }
 for _, a in ipairs(arg or {}) do
   local k, v = a:match("^%-%-([%w_]+)=(.*)$")
-  if not k or o[k] == nil then error("bench/checkpoint: bad argument " .. a .. " (--mib, --dir, --reps, --cold, --pairs)", 0) end
+  if not k or o[k] == nil then error("bench/checkpoint: bad argument " .. a .. " (--mib, --dir, --reps, --cold, --pairs, --tensors)", 0) end
   o[k] = type(o[k]) == "number" and assert(tonumber(v), a) or v
 end
 
@@ -79,7 +79,7 @@ local function read_file(path, buf)
   ffi.C.close(fd)
 end
 
-local N_T = 8
+local N_T = o.tensors
 local cols = 1024
 local rows = math.floor(o.mib * 2 ^ 20 / 4 / N_T / cols)
 local bytes = N_T * rows * cols * 4

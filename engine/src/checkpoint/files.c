@@ -1,6 +1,6 @@
 /* Subsystem checkpoint/: distributed checkpoints (rank data files, the
  * metadata entries, crash-safe commits).  May call: core/, io/ (checksums),
- * sharded_tensor/ (shard-box checks).  The Lua API (planning per tensor, the
+ * sharded_tensor/ (shard-box checks), kernels/cpu (the staging copy).  The Lua API (planning per tensor, the
  * collectives that agree on success, the metadata file) is
  * lua/engine/distributed/checkpoint.lua.
  *
@@ -13,6 +13,7 @@
  * finish (error messages are thread-local).  A reader preads a data file
  * for a load: every needed chunk is checksummed, then copied. */
 #include "core/internal.h"
+#include "kernels/cpu/kcpu.h"
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
@@ -110,7 +111,12 @@ int64_t eng_ckpt_writer_add(eng_ckpt_writer* w, eng_tensor* t, int copy) {
   if (t->dist) return eng_err("%s: %s is a DTensor: add its local shard", op, eng_desc(t));
   if (eng_meta_check(t, op)) return -1;
   eng_tensor* c;
-  if (copy || t->device != ENG_CPU) {
+  if (copy && t->device == ENG_CPU && eng_tensor_is_contiguous(t)) {
+    /* the staging copy of an async save: streamed past the cache (the writer thread reads it back from memory
+     * long after; the caller's working set stays cached) */
+    c = eng_tensor_empty(t->ndim, t->shape, t->dtype, ENG_CPU);
+    if (c) kc_copy_stream(eng_ptr(c), eng_ptr(t), (size_t)(t->numel * (int64_t)eng_dtype_size(t->dtype)));
+  } else if (copy || t->device != ENG_CPU) {
     c = eng_tensor_empty(t->ndim, t->shape, t->dtype, ENG_CPU);
     if (c && eng_tensor_copy_(c, t) != 0) { eng_tensor_release(c); c = NULL; }
   } else {
