@@ -501,12 +501,6 @@ function M.save(state, dir, opts)
   end
   local mine_s = table.concat(mine, "\n") .. "\0" .. sig_s
   local cached = plan_cache and plan_cache.input == mine_s and plan_cache or nil
-  -- the previous checkpoint in dir stops being one before any of its files is replaced: rank 0 moves its
-  -- metadata aside before the agreement, and every rank's writer starts after it (the writer deletes each
-  -- rank's old data file first, in its thread); a failed agreement moves it back
-  local meta_path = dir .. "/" .. META
-  local aside = nil
-  if rank == 0 and not err and os.rename(meta_path, meta_path .. ".replaced") then aside = meta_path .. ".replaced" end
   -- one agreement (a single small all_reduce) carries: any rank's error, the signature, rank 0's id for the
   -- new checkpoint, and whether every rank can reuse the last save's choice of writers (its boxes unchanged
   -- and the cached choice made by the same save everywhere)
@@ -523,11 +517,13 @@ function M.save(state, dir, opts)
   else
     agreed = err == nil
   end
-  if not agreed then
-    if aside then os.rename(aside, meta_path) end
-    error(err, 0)
-  end
-  if aside then os.remove(aside) end
+  if not agreed then error(err, 0) end
+  -- the previous checkpoint in dir stops being one: rank 0 removes its metadata once every rank has entered
+  -- this save (so no rank is still loading it), and each rank's writer deletes its old data file only after
+  -- its staging copies, in its thread.  Nothing orders the two across ranks (the barrier that did cost a
+  -- collective): in the window between them the old metadata may name a data file already deleted or
+  -- replaced, which a load rejects naming the file (its id, or the file missing), never loading half.
+  if rank == 0 then os.remove(dir .. "/" .. META) end
   h.id = string.format("%010x-%010x", tonumber(v[0]), tonumber(v[1]))
   -- who writes what: every rank's boxes are gathered; a box held by several ranks (replicas, plain
   -- tensors) is written by one of them, the one with the fewest bytes assigned so far (PyTorch's
