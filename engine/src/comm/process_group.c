@@ -977,13 +977,7 @@ int comm_check(eng_pg* pg, const char* name, int kind, const eng_tensor* key, in
 }
 
 int eng_pg_agree(eng_pg* pg, int local_err, uint64_t key, const char* op) {
-  if (!op) op = "agreement";
-  if (!pg) return eng_err("%s: process group is NULL", op);
-  if (!pg->member || pg->size < 2 || !eng_dist_is_initialized()) return local_err ? -1 : 0;
-  fprint f;
-  fp_make(&f, pg, KIND_AGREE, 0, 0, NULL, local_err ? (local_err == 2 ? 2 : 1) : 0);
-  f.key = key;
-  return check_run(pg, op, &f, f.err);
+  return eng_pg_agree_max(pg, local_err, key, op, NULL, 0);
 }
 
 int eng_pg_agree_max(eng_pg* pg, int local_err, uint64_t key, const char* op, int64_t* vals, int n) {

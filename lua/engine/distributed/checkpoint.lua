@@ -317,11 +317,12 @@ local function world() return D().world_group() end
 local function nranks() return D().world_size() end
 local function myrank() return D().rank() end
 
--- agree(err_msg_or_nil, op, key): every rank learns whether any failed; error on all ranks if so.
-local function agree(err, op, key)
+-- agree(err_msg_or_nil, op, key, vals, n): every rank learns whether any failed; error on all ranks if so.
+-- vals (optional int64_t[n]) become their maximum over the ranks, in the same all_reduce.
+local function agree(err, op, key, vals, n)
   if nranks() > 1 then
     if err then C.eng_set_error_message(err) end
-    local rc = C.eng_pg_agree(world()._c, err and 1 or 0, key or 0, op)
+    local rc = C.eng_pg_agree_max(world()._c, err and 1 or 0, key or 0, op, vals, n or 0)
     if rc ~= 0 then error(core.last_error(), 0) end
   elseif err then
     error(err, 0)
@@ -509,15 +510,7 @@ function M.save(state, dir, opts)
   v[2] = cached and 0 or 1
   local tag = cached and cached.tag or 0
   v[3], v[4] = tag, -tag
-  local agreed
-  if nranks() > 1 then
-    if err then C.eng_set_error_message(err) end
-    agreed = C.eng_pg_agree_max(world()._c, err and 1 or 0, str_hash(sig_s), op, v, 5) == 0
-    if not agreed then err = core.last_error() end
-  else
-    agreed = err == nil
-  end
-  if not agreed then error(err, 0) end
+  agree(err, op, str_hash(sig_s), v, 5)
   -- the previous checkpoint in dir stops being one: rank 0 removes its metadata once every rank has entered
   -- this save (so no rank is still loading it), and each rank's writer deletes its old data file only after
   -- its staging copies, in its thread.  Nothing orders the two across ranks (the barrier that did cost a
