@@ -16,12 +16,7 @@ local W, rank = dist.world_size(), dist.rank()
 local cpu_mesh = dist.init_device_mesh("cpu", { W })
 
 local available = engine.cuda.is_available()
-local function need_gpu()
-  if not available then pending("no GPU: " .. engine.cuda.unavailable_reason()) end
-  if engine.cuda.device_count() < W then
-    pending(string.format("%d GPUs for %d ranks (NCCL needs one GPU per rank)", engine.cuda.device_count(), W))
-  end
-end
+local function need_gpu() util.need_cuda_ranks(pending) end
 local function need_no_gpu() if available then pending("a GPU is present: covered by the #gpu tests") end end
 
 local function full(t) if dist.is_dtensor(t) then return t:full_tensor() end return t end

@@ -27,4 +27,19 @@ function M.counted(fn)
   return table.concat(keys, " "), unpack(res, 2, table.maxn(res))
 end
 
+-- For the "#gpu" multi-process specs: pending (with the reason) unless every rank can use a GPU through NCCL:
+-- a GPU at all, and one per rank, or several ranks on one GPU made to look like different hosts to NCCL
+-- (each rank its own NCCL_HOSTID, with NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1: tools/gpu-check.sh, docs/cuda.md).
+-- Pass busted's `pending` (a spec-file global that required modules do not see).
+function M.need_cuda_ranks(pending)
+  local engine = require("engine")
+  local W = engine.distributed.world_size()
+  if not engine.cuda.is_available() then pending("no GPU: " .. engine.cuda.unavailable_reason()) end
+  local n = engine.cuda.device_count()
+  if n < W and not os.getenv("NCCL_HOSTID") then
+    pending(string.format("%d GPU(s) for %d ranks: NCCL needs one GPU per rank, or a distinct NCCL_HOSTID per "
+      .. "rank to share one (tools/gpu-check.sh)", n, W))
+  end
+end
+
 return M

@@ -1,0 +1,197 @@
+#!/usr/bin/env bash
+# tools/gpu-check.sh OUTDIR [--bundle DIR] [--build BUILD] [--bench all|engine|none] [--budget SECONDS]
+#
+# The prepared GPU check (issue 27 item 6): on a machine with an NVIDIA GPU, in one go,
+#   1. makes the runtime available: when luajit, busted or mpirun are missing it unpacks the offline bundle's
+#      Debian packages (tools/offline-bundle.sh DIR; default .gpubundle) into DIR/prefix with `dpkg -x` and
+#      points PATH, LD_LIBRARY_PATH, LUA_PATH/CPATH and OPAL_PREFIX there; finds libnccl/libcublasLt in the
+#      CUDA toolkit or PyTorch's wheels when the loader does not;
+#   2. uses BUILD (default build) when it holds an engine, else the bundle's prebuilt tree, else builds with nvcc;
+#   3. runs the C tests, every GPU-tagged single-process spec, the multi-rank CUDA specs at 2 and 4 ranks on
+#      whatever GPUs there are (several ranks on one GPU: each rank its own NCCL_HOSTID with NCCL's P2P and SHM
+#      transports off, so NCCL connects them through sockets over the loopback), a probe of what NCCL says
+#      without NCCL_HOSTID, and the GPU benchmarks (--bench: all = engine + PyTorch eager/compile, engine =
+#      the engine alone, none);
+#   4. writes the logs and OUTDIR/summary.md: GPU, driver, commit, then one line per suite
+#      "<spec file> np=<N> device=cuda: <P> passed, <F> failed, <S> skipped", then the benchmarks' last lines.
+# Each stage has a time limit; stages are skipped, and say so, once --budget (default 450 s) is spent.
+# Exit status 0 when every suite ran and nothing failed.
+set -u
+OUT=${1:?usage: tools/gpu-check.sh OUTDIR [--bundle DIR] [--build BUILD] [--bench all|engine|none] [--budget S]}
+shift
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+BUNDLE=$ROOT/.gpubundle
+BUILD=build
+BENCH=engine
+BUDGET=450
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --bundle) BUNDLE=${2:?}; shift 2 ;;
+    --build) BUILD=${2:?}; shift 2 ;;
+    --bench) BENCH=${2:?}; shift 2 ;;
+    --budget) BUDGET=${2:?}; shift 2 ;;
+    *) echo "gpu-check.sh: unknown option $1" >&2; exit 2 ;;
+  esac
+done
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+cd "$ROOT"
+T0=$(date +%s)
+SUMMARY=$OUT/summary.md
+LINES=$OUT/.lines
+: > "$LINES"
+status=0
+log() { echo "[gpu-check $(( $(date +%s) - T0 ))s] $*"; }
+left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
+
+# ------------------------------------------------------------------ 1. runtime
+PFX=""
+if ! command -v luajit >/dev/null || ! command -v mpirun >/dev/null || ! { command -v busted >/dev/null || [ -f /usr/bin/busted ]; }; then
+  if ls "$BUNDLE"/debs/*.deb >/dev/null 2>&1; then
+    PFX=$BUNDLE/prefix
+    if [ ! -f "$PFX/.unpacked" ]; then
+      log "unpacking $(ls "$BUNDLE"/debs/*.deb | wc -l) packages of $BUNDLE into $PFX"
+      rm -rf "$PFX"; mkdir -p "$PFX"
+      for d in "$BUNDLE"/debs/*.deb; do dpkg-deb -x "$d" "$PFX" || { echo "dpkg-deb -x $d failed"; exit 1; }; done
+      ln -sf orterun "$PFX/usr/bin/mpirun"
+      touch "$PFX/.unpacked"
+    fi
+    L=$PFX/usr/lib/x86_64-linux-gnu
+    export PATH=$PFX/usr/bin:$PATH
+    export LD_LIBRARY_PATH=$L:$L/openblas-pthread${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+    export OPAL_PREFIX=$PFX/usr PMIX_PREFIX=$L/pmix2 PMIX_MCA_pcompress_base_silence_warning=1
+    export LUA_PATH="$PFX/usr/share/lua/5.1/?.lua;$PFX/usr/share/lua/5.1/?/init.lua;;"
+    export LUA_CPATH="$L/lua/5.1/?.so;;"
+  else
+    log "luajit, busted or mpirun missing and no bundle at $BUNDLE (tools/offline-bundle.sh $BUNDLE); trying the build as is"
+  fi
+fi
+BUSTED=$(command -v busted || echo /usr/bin/busted)
+
+# ------------------------------------------------------------------ 2. build
+if [ ! -x "$BUILD/engine" ]; then
+  if [ -x "$BUNDLE/build/engine" ]; then
+    log "using the bundle's prebuilt tree ($(grep '^commit' "$BUNDLE/MANIFEST" 2>/dev/null))"
+    BUILD=$BUNDLE/build
+  else
+    log "building $BUILD with nvcc"
+    { cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DENGINE_NATIVE=OFF -DCMAKE_CUDA_ARCHITECTURES=90 &&
+      cmake --build "$BUILD" -j "$(nproc)"; } > "$OUT/build.log" 2>&1 || { log "build failed (build.log)"; exit 1; }
+  fi
+fi
+export LD_LIBRARY_PATH=$ROOT/$BUILD:$BUILD${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+for lib in libnccl.so.2 libcublasLt.so; do
+  if ldd "$BUILD/libengine.so" | grep "$lib" | grep -q "not found"; then
+    d=$(find /usr/local/cuda*/lib* /usr/local/cuda*/targets/*/lib /opt /usr/lib/python3* /usr/local/lib/python3* \
+          -name "$lib*" 2>/dev/null | head -1)
+    [ -n "$d" ] && export LD_LIBRARY_PATH=$LD_LIBRARY_PATH:$(dirname "$d") && log "$lib from $(dirname "$d")"
+  fi
+done
+ENGINE=$BUILD/engine
+
+# ------------------------------------------------------------------ header
+GPU=$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | head -1)
+NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
+COMMIT=$(git rev-parse --short HEAD 2>/dev/null || grep '^commit' "$BUNDLE/MANIFEST" 2>/dev/null | cut -d' ' -f2)
+DIRTY=$(git diff --quiet HEAD 2>/dev/null || echo " + uncommitted changes")
+NCCLV=$("$ENGINE" -e 'local e=require("engine"); io.write(e.cuda.is_available() and "cuda available" or e.cuda.unavailable_reason())' 2>&1 | tail -1)
+log "GPU: ${GPU:-none} (x$NGPU); commit $COMMIT$DIRTY; $NCCLV"
+
+MPIRUN="mpirun --allow-run-as-root --oversubscribe --bind-to none --mca btl self,vader --mca pml ob1"
+# several ranks on one GPU: each rank its own NCCL host id, sockets over the loopback
+PASS=""
+for v in LD_LIBRARY_PATH PATH LUA_PATH LUA_CPATH OPAL_PREFIX PMIX_PREFIX PMIX_MCA_pcompress_base_silence_warning; do
+  [ -n "${!v:-}" ] && PASS="$PASS -x $v"
+done
+SHARE="-x NCCL_P2P_DISABLE=1 -x NCCL_SHM_DISABLE=1 -x NCCL_SOCKET_IFNAME=lo$PASS"
+HOSTID='NCCL_HOSTID=gpucheck$OMPI_COMM_WORLD_RANK; export NCCL_HOSTID; exec "$@"'
+
+record() { # name np p f s
+  echo "$1 np=$2 device=cuda: $3 passed, $4 failed, $5 skipped" >> "$LINES"
+  [ "$4" != 0 ] && status=1
+  log "$1 np=$2: $3 passed, $4 failed, $5 skipped"
+}
+
+# ------------------------------------------------------------------ 3a. C tests
+for t in "$BUILD"/ctests/*; do
+  [ -x "$t" ] || continue
+  n=$(basename "$t")
+  out=$(timeout 120 "$t" 2>&1); rc=$?
+  echo "$out" > "$OUT/ctest_$n.log"
+  line=$(echo "$out" | grep -E '^[0-9]+ passed, [0-9]+ failed' | tail -1)
+  if [ -n "$line" ]; then
+    read -r p _ f _ <<< "$line"; [ $rc -ne 0 ] && [ "$f" = 0 ] && f=1
+    record "ctests/$n" 1 "$p" "${f%,}" 0
+  else record "ctests/$n" 1 0 1 0; fi
+done
+
+# ------------------------------------------------------------------ 3b. single-process #gpu specs
+SINGLE=$(grep -l '#gpu' spec/*_spec.lua 2>/dev/null)
+for s in $SINGLE; do
+  [ "$(left)" -gt 30 ] || { log "budget spent: $s skipped"; echo "$s np=1 device=cuda: not run (time budget)" >> "$LINES"; status=1; continue; }
+  n=$(basename "$s" .lua)
+  sum=$OUT/.sum_$n
+  rm -f "$sum"
+  ENGINE_SUMMARY_FILE=$sum timeout 300 "$ENGINE" "$BUSTED" --ignore-lua -o tools/passfail.lua --tags=gpu "$s" \
+    > "$OUT/$n.np1.log" 2>&1
+  if [ -f "$sum" ]; then read -r p f sk < "$sum"; record "$s" 1 "$p" "$f" "$sk"
+  else record "$s" 1 0 1 0; tail -5 "$OUT/$n.np1.log"; fi
+done
+
+# ------------------------------------------------------------------ 3c. multi-rank CUDA specs
+DIST=$(grep -l '#gpu' spec/dist/*_spec.lua 2>/dev/null)
+for np in 2 4; do
+  for s in $DIST; do
+    [ "$(left)" -gt 30 ] || { log "budget spent: $s np=$np skipped"; echo "$s np=$np device=cuda: not run (time budget)" >> "$LINES"; status=1; continue; }
+    n=$(basename "$s" .lua)
+    export ENGINE_SUMMARY_DIR=$OUT/.sum_${n}_$np
+    rm -rf "$ENGINE_SUMMARY_DIR"; mkdir -p "$ENGINE_SUMMARY_DIR"
+    SH=$SHARE; HW=(sh -c "$HOSTID" sh)
+    if [ "$NGPU" -ge "$np" ]; then SH=$PASS; HW=(); fi
+    timeout 120 $MPIRUN $SH -x ENGINE_SUMMARY_DIR -np "$np" "${HW[@]}" "$ENGINE" "$BUSTED" --ignore-lua \
+      -o tools/passfail_dist.lua --tags=gpu "$s" > "$OUT/$n.np$np.log" 2>&1
+    if [ -f "$ENGINE_SUMMARY_DIR/merged" ]; then read -r p f sk < "$ENGINE_SUMMARY_DIR/merged"; record "$s" "$np" "$p" "$f" "$sk"
+    else record "$s" "$np" 0 1 0; tail -5 "$OUT/$n.np$np.log"; fi
+  done
+done
+unset ENGINE_SUMMARY_DIR
+
+# ------------------------------------------------------------------ 3d. what NCCL says to two ranks on one GPU
+if [ "$NGPU" -lt 2 ] && [ "$(left)" -gt 40 ]; then
+  timeout 60 $MPIRUN $PASS -np 2 "$ENGINE" -e '
+    local e = require("engine"); local d = e.distributed
+    local ok, err = pcall(function() local x = e.ones(4, { device = "cuda" }); d.all_reduce(x); return x:to("cpu"):get(1) end)
+    print(string.format("rank %d: %s %s", d.rank(), ok and "ok" or "error", tostring(err)))' \
+    > "$OUT/nccl_same_gpu_probe.log" 2>&1
+  echo "probe (2 ranks on one GPU without NCCL_HOSTID, rc $?): $(grep -m1 'rank 0' "$OUT/nccl_same_gpu_probe.log" | cut -c1-300)" >> "$LINES"
+fi
+
+# ------------------------------------------------------------------ 3e. benchmarks
+BENCHLINES=""
+if [ "$BENCH" != none ]; then
+  if [ "$(left)" -gt 60 ]; then
+    args=""; [ "$BENCH" = engine ] && args="--torch=0"
+    timeout $(( $(left) > 300 ? 300 : $(left) )) "$ENGINE" recipes/bench/gpu_step.lua $args > "$OUT/gpu_step.log" 2>&1
+    BENCHLINES="$(grep -E '^gpu_step|tok/s|MFU' "$OUT/gpu_step.log" | tail -4)"
+  else
+    BENCHLINES="gpu_step: not run (time budget)"
+  fi
+fi
+
+# ------------------------------------------------------------------ 4. summary
+{
+  echo "# GPU check $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  echo
+  echo "- GPU: ${GPU:-none} (x$NGPU); CUDA runtime: $NCCLV"
+  echo "- commit: $COMMIT$DIRTY; build: $BUILD; runtime packages: ${PFX:-installed on the machine}"
+  echo "- several ranks on one GPU: each rank NCCL_HOSTID=gpucheck<rank>, NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_SOCKET_IFNAME=lo"
+  echo "- wall time: $(( $(date +%s) - T0 )) s"
+  echo
+  echo '```'
+  cat "$LINES"
+  [ -n "$BENCHLINES" ] && echo "$BENCHLINES"
+  echo '```'
+} > "$SUMMARY"
+rm -f "$LINES"
+cat "$SUMMARY"
+exit $status
