@@ -10,10 +10,10 @@
 #include <lua.h>
 #include <lauxlib.h>
 #include <lualib.h>
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <strings.h>
 #include <unistd.h>
 #include <limits.h>
 #include <libgen.h>
@@ -82,38 +82,19 @@ static void usage(void) {
           "Under mpirun each rank runs the script: mpirun -np 4 engine recipe.lua\n");
 }
 
-/* OpenBLAS chooses its kernels when the library loads, before main, from OPENBLAS_CORETYPE or else the CPU.
- * The project machines preset OPENBLAS_CORETYPE=Haswell (AVX2) on CPUs that have AVX-512, where OpenBLAS's
- * SkylakeX kernels run sgemm 1.75-1.85x faster (shared/reference/environment.md, section 5; PyTorch's MKL uses
- * AVX-512 there regardless).  ENGINE_BLAS_CORETYPE decides: "auto" (the default) re-executes the engine once
- * with OPENBLAS_CORETYPE=SkylakeX when the CPU has avx512f and the preset names an AVX2-or-older core
- * (Haswell, Zen, SandyBridge); "keep" leaves OPENBLAS_CORETYPE alone; another value is used as
- * OPENBLAS_CORETYPE.  An unset OPENBLAS_CORETYPE already gets the CPU's best core.  engine.blas_corename()
- * reports the result (docs/design.md, "BLAS kernels"). */
+/* OpenBLAS chooses its kernels when the library loads, before main, from OPENBLAS_CORETYPE or else the CPU's model
+ * number, which an OpenBLAS older than the CPU does not know (Prescott kernels, sgemm 4x slower, on an AVX-512 Xeon
+ * of family 6 model 207 under 0.3.21), and the project machines preset OPENBLAS_CORETYPE=Haswell on AVX-512 CPUs.
+ * eng_blas_core_select (engine/src/core/blas_core.c) compares that choice with the CPU's features (CPUID, XGETBV)
+ * and names the best core for them when OpenBLAS's is of a weaker class; the engine then re-executes itself, before
+ * MPI or anything else, with OPENBLAS_CORETYPE set to it (the same pid, so mpirun's ranks are unaffected).
+ * ENGINE_BLAS_CORETYPE=auto|keep|<core> decides otherwise; engine.blas_corename() and engine.blas_core_reason()
+ * report the result (docs/design.md, "BLAS kernels"). */
 static void choose_blas_core(char** argv) {
-  if (getenv("ENGINE_BLAS_REEXEC")) { unsetenv("ENGINE_BLAS_REEXEC"); return; }
-  const char* pref = getenv("ENGINE_BLAS_CORETYPE");
-  const char* cur = getenv("OPENBLAS_CORETYPE");
-  const char* want;
-  if (pref && *pref && strcmp(pref, "auto")) {
-    if (!strcmp(pref, "keep")) return;
-    want = pref;
-  } else {
-    if (!cur || !*cur) return;
-    if (strcasecmp(cur, "Haswell") && strcasecmp(cur, "Zen") && strcasecmp(cur, "SandyBridge")) return;
-#if defined(__x86_64__) && defined(__GNUC__)
-    __builtin_cpu_init();
-    if (!__builtin_cpu_supports("avx512f")) return;
-#else
-    return;
-#endif
-    want = "SkylakeX";
-  }
-  if (cur && !strcasecmp(cur, want)) return;
-  setenv("OPENBLAS_CORETYPE", want, 1);
-  setenv("ENGINE_BLAS_REEXEC", "1", 1);
+  const char* want = eng_blas_core_select();
+  if (!want) return;
   execv("/proc/self/exe", argv);
-  unsetenv("ENGINE_BLAS_REEXEC");   /* exec failed: go on with the kernels already loaded */
+  eng_blas_core_exec_failed(errno); /* go on with the kernels already loaded */
 }
 
 int main(int argc, char** argv) {

@@ -140,7 +140,7 @@ local function main(argv)
     model:num_parameters(), MODEL and MODEL.describe(o) or string.format("%d layers, dim %d, %d heads, seq %d, vocab 256",
     o.n_layers, o.dim, o.n_heads, o.seq), dp, o.batch, dp * o.batch * o.seq,
     o.steps, o.lr, o.warmup, o.min_lr_ratio * o.lr, o.weight_decay, o.grad_clip, o.seed,
-    engine.get_num_threads(), engine.blas_corename())
+    engine.get_num_threads(), engine.blas_core())
   if tp > 1 then
     log(NAME .. ": tensor parallel over %d ranks%s, data parallel over %d (mesh %s)", tp,
       o.sp == 1 and " with sequence parallelism" or "", dp, tostring(mesh))

@@ -38,6 +38,9 @@ engine.ffi = core.ffi
 function engine.set_num_threads(n) core.check(C.eng_set_num_threads(n)) end
 function engine.get_num_threads() return C.eng_get_num_threads() end
 function engine.blas_corename() return core.ffi.string(C.eng_blas_corename()) end
+-- Why that core runs ("CPU has AVX-512; OpenBLAS picked Prescott"); engine.blas_core() gives both, for log lines.
+function engine.blas_core_reason() return core.ffi.string(C.eng_blas_core_reason()) end
+function engine.blas_core() return engine.blas_corename() .. " (" .. engine.blas_core_reason() .. ")" end
 function engine.time() return C.eng_time() end
 -- A safetensors file of full tensors into tensors of any layout (dist.checkpoint.load_safetensors).
 function engine.load_safetensors(...) return require("engine.distributed").checkpoint.load_safetensors(...) end

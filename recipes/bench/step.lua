@@ -21,7 +21,7 @@
 --   3. PyTorch: tools/bench_step_torch.py with the same model, batch and init under /usr/bin/python3
 --      (torch.set_num_threads(1), OpenBLAS with --threads threads), when torch is importable there;
 --      both medians and the ratio.
--- The BLAS core (engine.blas_corename()) and thread counts are logged: OPENBLAS_CORETYPE changes
+-- The BLAS core and why it runs (engine.blas_core()) and thread counts are logged: OPENBLAS_CORETYPE changes
 -- sgemm speed by up to 1.8x on the same machine (shared/reference/environment.md section 5).
 local engine = require("engine")
 local nn, optim = engine.nn, engine.optim
@@ -55,7 +55,7 @@ end
 
 engine.set_num_threads(o.threads)
 print(string.format("bench/step: engine %s, BLAS core %s, %d threads, OPENBLAS_CORETYPE=%s", engine.version,
-  engine.blas_corename(), engine.get_num_threads(), os.getenv("OPENBLAS_CORETYPE") or "(unset)"))
+  engine.blas_core(), engine.get_num_threads(), os.getenv("OPENBLAS_CORETYPE") or "(unset)"))
 
 -- ---------------------------------------------------------------- 1. training step
 engine.manual_seed(0)

@@ -66,6 +66,13 @@ int eng_set_num_threads(int n);
 int eng_get_num_threads(void);
 /* Name of the BLAS core in use (e.g. "Haswell"); borrowed. */
 const char* eng_blas_corename(void);
+/* Why that core runs, e.g. "CPU has AVX-512; OpenBLAS picked Prescott" (engine/src/core/blas_core.c); borrowed. */
+const char* eng_blas_core_reason(void);
+/* The engine host's start-up choice of OpenBLAS kernels from the CPU's features and ENGINE_BLAS_CORETYPE: returns
+ * the OPENBLAS_CORETYPE to re-execute the process with (the environment already set for it), or NULL to go on.
+ * eng_blas_core_exec_failed(errno) restores the environment when that exec fails. */
+const char* eng_blas_core_select(void);
+void eng_blas_core_exec_failed(int err);
 
 /* Monotonic wall clock in seconds. */
 double eng_time(void);
