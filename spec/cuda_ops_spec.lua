@@ -293,6 +293,26 @@ describe("CUDA op conformance #gpu", function()
     end
   end)
 
+  it("broadcast gradients when a size-1 dim is all there is to sum: each input gets its own shape", function()
+    need_gpu()
+    -- sum_to_shape of [1, 8, 16] to [8, 16] reduces nothing: the CUDA path handed back the gradient tensor
+    -- itself and reshaped it, so the [1, 8, 16] input got an [8, 16] gradient (found by a DTensor data-parallel
+    -- run at one sample per rank)
+    for _, shapes in ipairs({ { { 1, 8, 16 }, { 8, 16 } }, { { 8, 16 }, { 1, 8, 16 } }, { { 1, 1, 4 }, { 4 } } }) do
+      local a = engine.randn(shapes[1]):cuda():requires_grad_()
+      local b = engine.randn(shapes[2]):cuda():requires_grad_()
+      local ac, bc = a:detach():cpu():requires_grad_(), b:detach():cpu():requires_grad_()
+      local lg = ((a + b) * (a - b)):sum()
+      lg:backward()
+      local lc = ((ac + bc) * (ac - bc)):sum()
+      lc:backward()
+      assert.are.same(shapes[1], a.grad:shape())
+      assert.are.same(shapes[2], b.grad:shape())
+      assert((a.grad:cpu() - ac.grad):abs():max():item() < 1e-5)
+      assert((b.grad:cpu() - bc.grad):abs():max():item() < 1e-5)
+    end
+  end)
+
   it("comparisons, where, masked_fill", function()
     need_gpu()
     for _, dt in ipairs({ "f32", "bf16", "i64" }) do

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# tools/gpu-check.sh OUTDIR [--bundle DIR] [--build BUILD] [--bench all|engine|none] [--budget SECONDS]
+# tools/gpu-check.sh OUTDIR [--bundle DIR] [--build BUILD] [--bench all|engine|none] [--budget SECONDS] [--only REGEX]
 #
 # The prepared GPU check (issue 27 item 6): on a machine with an NVIDIA GPU, in one go,
 #   1. makes the runtime available: when luajit, busted or mpirun are missing it unpacks the offline bundle's
@@ -8,13 +8,14 @@
 #      CUDA toolkit or PyTorch's wheels when the loader does not;
 #   2. uses BUILD (default build) when it holds an engine, else the bundle's prebuilt tree, else builds with nvcc;
 #   3. runs the C tests, every GPU-tagged single-process spec, the multi-rank CUDA specs at 2 and 4 ranks on
-#      whatever GPUs there are (several ranks on one GPU: each rank its own NCCL_HOSTID with NCCL's P2P and SHM
+#      whatever GPUs there are (and at 1 rank) (several ranks on one GPU: each rank its own NCCL_HOSTID with NCCL's P2P and SHM
 #      transports off, so NCCL connects them through sockets over the loopback), a probe of what NCCL says
 #      without NCCL_HOSTID, and the GPU benchmarks (--bench: all = engine + PyTorch eager/compile, engine =
 #      the engine alone, none);
 #   4. writes the logs and OUTDIR/summary.md: GPU, driver, commit, then one line per suite
 #      "<spec file> np=<N> device=cuda: <P> passed, <F> failed, <S> skipped", then the benchmarks' last lines.
 # Each stage has a time limit; stages are skipped, and say so, once --budget (default 450 s) is spent.
+# --only REGEX runs only the spec files whose path matches (grep -E), and no C tests (for quick reruns).
 # Exit status 0 when every suite ran and nothing failed.
 set -u
 OUT=${1:?usage: tools/gpu-check.sh OUTDIR [--bundle DIR] [--build BUILD] [--bench all|engine|none] [--budget S]}
@@ -24,12 +25,14 @@ BUNDLE=$ROOT/.gpubundle
 BUILD=build
 BENCH=engine
 BUDGET=450
+ONLY=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --bundle) BUNDLE=${2:?}; shift 2 ;;
     --build) BUILD=${2:?}; shift 2 ;;
     --bench) BENCH=${2:?}; shift 2 ;;
     --budget) BUDGET=${2:?}; shift 2 ;;
+    --only) ONLY=${2:?}; shift 2 ;;
     *) echo "gpu-check.sh: unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -88,6 +91,13 @@ for lib in libnccl.so.2 libcublasLt.so; do
   fi
 done
 ENGINE=$BUILD/engine
+# the environment of this check, for further commands on the same machine: . OUTDIR/env.sh
+{
+  for v in PATH LD_LIBRARY_PATH LUA_PATH LUA_CPATH OPAL_PREFIX PMIX_PREFIX PMIX_MCA_pcompress_base_silence_warning; do
+    [ -n "${!v:-}" ] && printf 'export %s=%q\n' "$v" "${!v}"
+  done
+  printf 'ENGINE=%q\n' "$ROOT/$ENGINE"
+} > "$OUT/env.sh"
 
 # ------------------------------------------------------------------ header
 GPU=$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | head -1)
@@ -114,7 +124,7 @@ record() { # name np p f s
 
 # ------------------------------------------------------------------ 3a. C tests
 for t in "$BUILD"/ctests/*; do
-  [ -x "$t" ] || continue
+  [ -x "$t" ] && [ -z "$ONLY" ] || continue
   n=$(basename "$t")
   out=$(timeout 120 "$t" 2>&1); rc=$?
   echo "$out" > "$OUT/ctest_$n.log"
@@ -126,7 +136,7 @@ for t in "$BUILD"/ctests/*; do
 done
 
 # ------------------------------------------------------------------ 3b. single-process #gpu specs
-SINGLE=$(grep -l '#gpu' spec/*_spec.lua 2>/dev/null)
+SINGLE=$(grep -l '#gpu' spec/*_spec.lua 2>/dev/null | grep -E "${ONLY:-.}")
 for s in $SINGLE; do
   [ "$(left)" -gt 30 ] || { log "budget spent: $s skipped"; echo "$s np=1 device=cuda: not run (time budget)" >> "$LINES"; status=1; continue; }
   n=$(basename "$s" .lua)
@@ -139,8 +149,8 @@ for s in $SINGLE; do
 done
 
 # ------------------------------------------------------------------ 3c. multi-rank CUDA specs
-DIST=$(grep -l '#gpu' spec/dist/*_spec.lua 2>/dev/null)
-for np in 2 4; do
+DIST=$(grep -l '#gpu' spec/dist/*_spec.lua 2>/dev/null | grep -E "${ONLY:-.}")
+for np in 1 2 4; do
   for s in $DIST; do
     [ "$(left)" -gt 30 ] || { log "budget spent: $s np=$np skipped"; echo "$s np=$np device=cuda: not run (time budget)" >> "$LINES"; status=1; continue; }
     n=$(basename "$s" .lua)
@@ -157,7 +167,7 @@ done
 unset ENGINE_SUMMARY_DIR
 
 # ------------------------------------------------------------------ 3d. what NCCL says to two ranks on one GPU
-if [ "$NGPU" -lt 2 ] && [ "$(left)" -gt 40 ]; then
+if [ "$NGPU" -lt 2 ] && [ "$(left)" -gt 40 ] && [ -z "$ONLY" ]; then
   timeout 60 $MPIRUN $PASS -np 2 "$ENGINE" -e '
     local e = require("engine"); local d = e.distributed
     local ok, err = pcall(function() local x = e.ones(4, { device = "cuda" }); d.all_reduce(x); return x:to("cpu"):get(1) end)

@@ -420,6 +420,7 @@ typedef struct fin {
   void* scale_p; int64_t scale_n; int scale_dt; double divisor; /* avg */
   eng_tensor* bump; /* written in place */
   int* v;           /* gather with per-rank sizes: counts and displacements (malloc) */
+  eng_tensor *cin, *cout, *cout_target; /* NCCL: contiguous stand-ins of strided CUDA views, cout copied back */
 } fin;
 
 struct eng_work {
@@ -486,9 +487,17 @@ static void divide_buf(void* p, int64_t n, int dt, double d) {
   else if (dt == ENG_F16) { uint16_t* x = p; for (int64_t i = 0; i < n; i++) x[i] = kc_f32_to_f16(kc_f16_to_f32(x[i]) / f); }
 }
 
+static void fin_stand_ins(fin* f, int copy_back) {
+  if (copy_back && f->cout && f->cout_target) eng_copy_raw(f->cout_target, f->cout, f->cout->stride);
+  if (f->cin != f->cout) eng_tensor_release(f->cin);
+  eng_tensor_release(f->cout);
+  f->cin = f->cout = f->cout_target = NULL;
+}
+
 static void fin_run(fin* f) {
   if (f->scale_p) divide_buf(f->scale_p, f->scale_n, f->scale_dt, f->divisor);
   if (f->target) copy_from_buf(f->target, f->res, f->res_dt);
+  fin_stand_ins(f, 1);
   if (f->bump) eng_bump_version(f->bump);
   pool_put(&f->buf[0]);
   pool_put(&f->buf[1]);
@@ -496,7 +505,10 @@ static void fin_run(fin* f) {
   f->v = NULL;
 }
 
-static void fin_abort(fin* f) { pool_put(&f->buf[0]); pool_put(&f->buf[1]); free(f->v); f->v = NULL; }
+static void fin_abort(fin* f) {
+  fin_stand_ins(f, 0);
+  pool_put(&f->buf[0]); pool_put(&f->buf[1]); free(f->v); f->v = NULL;
+}
 
 /* Byte range [lo, hi) of t in its storage. */
 static void byte_range(const eng_tensor* t, int64_t* lo, int64_t* hi) {
@@ -1139,11 +1151,30 @@ static int plan_cuda(const coll* c, comm_args* a, fin* f) {
   eng_tensor* in = c->in;
   eng_tensor* out = c->out;
   int W = c->pg->size;
-  if ((in && !eng_tensor_is_contiguous(in)) || (out && !eng_tensor_is_contiguous(out)))
-    return eng_err("%s: the NCCL backend needs contiguous CUDA tensors, got %s%s%s (call contiguous() first)",
-                   c->name, in ? eng_desc(in) : "", in && out ? " and " : "", out ? eng_desc(out) : "");
   if (in && out && !same_view(in, out) && c->kind != ENG_COLL_SCATTER && overlaps(in, out))
     return eng_err("%s: output %s and input %s share memory", c->name, eng_desc(out), eng_desc(in));
+  /* NCCL reads and writes flat buffers: a strided view goes through a contiguous stand-in made on the compute
+   * stream (which the communication stream waits for), and a strided output is copied back when the collective
+   * is finished (fin_run: after the compute stream waited for it) */
+  if ((in && !eng_tensor_is_contiguous(in)) || (out && !eng_tensor_is_contiguous(out))) {
+    int inplace = in && out && same_view(in, out);
+    int reads_out = c->kind == ENG_COLL_BROADCAST || (c->kind == ENG_COLL_ALL_REDUCE && (!in || inplace));
+    if (out && !eng_tensor_is_contiguous(out)) {
+      f->cout = reads_out || inplace ? eng_as_contig(out, out->dtype)
+                                     : eng_new(out->ndim, out->shape, out->dtype, out->device);
+      if (!f->cout) return eng_err("%s: no memory for a contiguous copy of %s", c->name, eng_desc(out));
+      f->cout_target = out;
+    }
+    if (in && !eng_tensor_is_contiguous(in)) {
+      if (inplace) f->cin = f->cout;
+      else if (!(f->cin = eng_as_contig(in, in->dtype))) {
+        fin_stand_ins(f, 0);
+        return eng_err("%s: no memory for a contiguous copy of %s", c->name, eng_desc(in));
+      }
+    }
+    if (f->cin) in = f->cin;
+    if (f->cout) out = f->cout;
+  }
   int op = c->op;
   int dt = out ? out->dtype : in ? in->dtype : ENG_F32;
   if (dt == ENG_BOOL) op = op == ENG_REDUCE_SUM ? ENG_REDUCE_MAX : op == ENG_REDUCE_PROD ? ENG_REDUCE_MIN : op;
@@ -1164,7 +1195,7 @@ static int plan_cuda(const coll* c, comm_args* a, fin* f) {
     case ENG_COLL_REDUCE_SCATTER: case ENG_COLL_SCATTER: a->count = out->numel; break;
     default: a->count = 0;
   }
-  f->bump = out;
+  f->bump = c->out;
   return 0;
 }
 #endif

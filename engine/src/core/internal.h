@@ -102,6 +102,9 @@ static inline char* eng_ptr(const eng_tensor* t) {
 /* Raw strided copy with dtype conversion: dst geometry (shape) <- src with
  * the given (possibly broadcast) strides in elements. */
 int eng_copy_raw(eng_tensor* dst, const eng_tensor* src, const int64_t* src_stride);  /* 0 / -1 (device errors) */
+/* Zero n elements of t's storage from t's first element + first, on t's device (memset on the CPU, an
+ * asynchronous device memset on the compute stream for CUDA; nothing on meta).  0 / -1. */
+int eng_zero_elems(eng_tensor* t, int64_t first, int64_t n);
 /* A contiguous tensor of the given dtype with t's values (t itself retained
  * when already so).  No autograd. */
 eng_tensor* eng_as_contig(eng_tensor* t, int dtype);

@@ -175,11 +175,15 @@ static int fill_dtensor(const char* op, int kind, eng_tensor* t, double a, doubl
     return eng_err("%s: %s has a Partial placement; fill a Replicate or Shard layout (redistribute first)", op,
                    eng_dist_spec_describe(s, t->dtype, buf, sizeof buf));
   }
-  if (t->device != ENG_CPU) return eng_err("%s: %s: DTensors on CUDA are not supported yet", op, eng_desc(t));
   uint64_t seed;
   uint64_t off = eng_rng_reserve_seeded((uint64_t)s->numel, &seed);
   if (s->member && t->numel > 0) {
     eng_tensor* r = dt_random_local(kind, s, a, b, t->dtype, seed, off); /* also _StridedShard (several runs) */
+    if (r && t->device != ENG_CPU) { /* drawn on the host: the CUDA stream gives the same numbers */
+      eng_tensor* d = eng_tensor_to_device(r, t->device);
+      eng_tensor_release(r);
+      r = d;
+    }
     if (!r) { eng_err_prefix("%s", op); return -1; }
     int rc = eng_copy_raw(t, r, r->stride);
     eng_tensor_release(r);

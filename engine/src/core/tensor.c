@@ -377,6 +377,15 @@ int eng_copy_raw(eng_tensor* dst, const eng_tensor* src, const int64_t* src_stri
   return 0;
 }
 
+int eng_zero_elems(eng_tensor* t, int64_t first, int64_t n) {
+  if (n <= 0 || t->device == ENG_META) return 0;
+  int64_t es = eng_dtype_size(t->dtype);
+  char* p = eng_ptr(t) + first * es;
+  if (t->device == ENG_CUDA) return eng_cuda_memset(p, 0, n * es);
+  memset(p, 0, (size_t)(n * es));
+  return 0;
+}
+
 int eng_tensor_read(const eng_tensor* t, void* out, int dtype, int64_t n) {
   ENG_CHECK_I(t, "read");
   if (eng_meta_check(t, "read")) return -1;
@@ -491,7 +500,9 @@ eng_tensor* eng_tensor_to_device(eng_tensor* t, int device) {
   if (device != ENG_CPU && device != ENG_CUDA && device != ENG_META)
     return eng_errp("to_device: invalid device code %d (0 = cpu, 1 = cuda, 2 = meta)", device);
   if (t->device == device) return eng_tensor_retain(t);
-  if (t->dist) return eng_errp("to_device: %s is a DTensor; moving DTensors between devices is not supported", eng_desc(t));
+  /* inside a DTensor op's local function (local mode) a DTensor input stands for its local tensor */
+  if (t->dist && !eng_dtensor_local_mode())
+    return eng_errp("to_device: %s is a DTensor; moving DTensors between devices is not supported", eng_desc(t));
   eng_tensor* r = device_copy(t, device);
   if (!r) return NULL;
   if (eng_dtype_is_floating(t->dtype) && eng_any_requires_grad(1, &t)) {

@@ -560,9 +560,10 @@ static int agree_local_result(const eng_op_def* def, int n_in, eng_dist_spec* co
 
 static int empty_outputs(const cache_entry* e, int n_out, int dtype, eng_tensor** outs) {
   int64_t z[ENG_MAX_DIMS] = {0};
+  int dev = eng_mesh_device(e->out[0]->mesh);
   for (int j = 0; j < n_out; j++) {
     eng_tensor_release(outs[j]);
-    outs[j] = eng_new(e->out[j]->ndim, z, j == 1 && n_out == 2 ? ENG_I64 : dtype, ENG_CPU);
+    outs[j] = eng_new(e->out[j]->ndim, z, j == 1 && n_out == 2 ? ENG_I64 : dtype, dev);
     if (!outs[j]) return -1;
   }
   return 0;

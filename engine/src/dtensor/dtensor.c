@@ -87,15 +87,23 @@ eng_tensor* eng_dtensor_ones_grad(eng_tensor* t) {
 }
 
 /* An empty local (every size 0) for ranks outside the mesh. */
-static eng_tensor* empty_local(int ndim, int dtype) {
+static eng_tensor* empty_local(int ndim, int dtype, int device) {
   int64_t z[ENG_MAX_DIMS] = {0};
-  return eng_new(ndim, z, dtype, ENG_CPU);
+  return eng_new(ndim, z, dtype, device);
 }
 
-static int check_cpu(const char* op, const eng_tensor* t) {
-  if (t->device != ENG_CPU && t->device != ENG_META)
-    return eng_err("%s: %s is not a CPU tensor; DTensors on CUDA meshes are not supported yet", op, eng_desc(t));
-  return 0;
+/* t on the mesh's device, as PyTorch's distribute_tensor moves a tensor to device_mesh.device_type: t itself
+ * (retained) when it is there already or on meta, else a copy there (no autograd: the result is a new leaf).
+ * NULL with the op's name on failure.  (eng_dtensor_from_local keeps the local where it is, as PyTorch's
+ * DTensor constructor does for FSDP's CPU-offloaded shards; the Lua from_local moves it first.) */
+static eng_tensor* to_mesh_device(const char* op, eng_tensor* t, const eng_mesh* mesh) {
+  int dev = eng_mesh_device(mesh);
+  if (t->device == dev || t->device == ENG_META) return eng_tensor_retain(t);
+  int was = eng_set_grad_enabled(0);
+  eng_tensor* r = eng_tensor_to_device(t, dev);
+  eng_set_grad_enabled(was);
+  if (!r) eng_err_prefix("%s: moving %s to the mesh's device", op, eng_desc(t));
+  return r;
 }
 
 /* Placements argument: NULL means all Replicate. */
@@ -134,7 +142,8 @@ static int from_local_backward(eng_node* n, eng_tensor** go, eng_tensor** gi) {
   eng_tensor* g = go[0];
   eng_tensor* r;
   if (!c->spec->member) {
-    r = eng_tensor_zeros(eng_node_in_ndim(n, 0), eng_node_in_shape(n, 0), eng_node_in_dtype(n, 0), ENG_CPU);
+    r = eng_tensor_zeros(eng_node_in_ndim(n, 0), eng_node_in_shape(n, 0), eng_node_in_dtype(n, 0),
+                         eng_mesh_device(c->spec->mesh));
   } else if (g->dist && !eng_dist_spec_equal(g->dist, c->spec)) {
     eng_dist_spec* target = dt_grad_target(c->spec, g->dist);
     if (!target) return -1;
@@ -231,14 +240,13 @@ eng_tensor* eng_dtensor_from_local(eng_tensor* local, eng_mesh* mesh, int n, con
   if (!spec) return NULL;
   eng_tensor* out;
   if (!spec->member) {
-    out = empty_local(nd, local->dtype);
+    out = empty_local(nd, local->dtype, local->device);
   } else {
     if (shape && check_local_shape(op, local, spec)) { eng_dist_spec_release(spec); return NULL; }
     int bcast = 0;
     for (int i = 0; i < mnd; i++) if (run_check && norm[i].kind == ENG_PLACEMENT_REPLICATE) bcast = 1;
     if (local->device == ENG_META) bcast = 0; /* no data to broadcast */
     if (bcast) {
-      if (check_cpu(op, local)) { eng_dist_spec_release(spec); return NULL; }
       out = eng_new(nd, local->shape, local->dtype, local->device);
       if (out) {
         if (out->numel) eng_copy_raw(out, local, local->stride);
@@ -365,8 +373,7 @@ static eng_tensor* scatter_dim(eng_pg* pg, eng_tensor* x, int d, int k, int coor
     ps[0] = (int64_t)k * full;
     send = eng_new(nd, ps, x->dtype, x->device);
     if (!send) return NULL;
-    int64_t es = eng_dtype_size(x->dtype);
-    memset((char*)eng_ptr(send) + L * rest * es, 0, (size_t)((ps[0] - L) * rest * es));
+    if (eng_zero_elems(send, L * rest, (ps[0] - L) * rest)) { eng_tensor_release(send); return NULL; }
     eng_tensor* xv = eng_view_of(x, nd, fs, fst, x->offset);
     eng_tensor* dv = eng_view_of(send, nd, fs, send->stride, 0);
     if (xv && dv) eng_copy_raw(dv, xv, xv->stride);
@@ -427,7 +434,15 @@ eng_tensor* eng_dtensor_distribute_tensor(eng_tensor* t, eng_mesh* mesh, int n, 
     if (norm[i].kind == ENG_PLACEMENT_PARTIAL)
       return eng_errp("%s: %s: Trying to distribute tensor with unsupported placements %s on device mesh dimension "
                       "%d!", op, eng_desc(t), eng_placement_describe(&norm[i], b, sizeof b), i + dt_base());
-  if (check_cpu(op, t)) return NULL;
+  if (t->device != ENG_META && t->device != eng_mesh_device(mesh)) {
+    /* PyTorch: tensor.to(device_mesh.device_type); the result is a new leaf */
+    eng_tensor* moved = to_mesh_device(op, t, mesh);
+    if (!moved) return NULL;
+    eng_tensor* r = eng_dtensor_distribute_tensor(moved, mesh, n, pl, src_data_rank);
+    eng_tensor_release(moved);
+    if (r) r->requires_grad = t->requires_grad && eng_dtype_is_floating(r->dtype);
+    return r;
+  }
   if (src_data_rank >= 0)
     for (int i = 0; i < mnd; i++)
       if (src_data_rank >= eng_mesh_size(mesh, i))
@@ -438,7 +453,7 @@ eng_tensor* eng_dtensor_distribute_tensor(eng_tensor* t, eng_mesh* mesh, int n, 
   eng_dist_spec* spec = dt_spec_make(mesh, norm, t->ndim, t->shape, t->stride);
   if (!spec) return NULL;
   eng_tensor* cur;
-  if (!spec->member) cur = empty_local(t->ndim, t->dtype);
+  if (!spec->member) cur = empty_local(t->ndim, t->dtype, t->device);
   else {
     cur = dt_plain(t);
     int owned = 0;
@@ -508,7 +523,6 @@ static eng_dist_spec* factory_spec(const char* op, int ndim, const int64_t* shap
     if (shape[d] < 0) return eng_errp("%s: negative size in shape %s", op, eng_shape_str(ndim, shape));
   if (dtype < 0 || dtype >= ENG_NUM_DTYPES) return eng_errp("%s: invalid dtype code %d", op, dtype);
   if (!mesh) return eng_errp("%s: device mesh is NULL", op);
-  if (eng_mesh_device(mesh) != ENG_CPU) return eng_errp("%s: DTensors on CUDA meshes are not supported yet", op);
   eng_placement norm[ENG_MAX_DIMS];
   if (placements_arg(op, mesh, n, pl, ndim, norm)) return NULL;
   return dt_spec_make(mesh, norm, ndim, shape, NULL);
@@ -524,14 +538,14 @@ eng_tensor* eng_dtensor_full(int ndim, const int64_t* shape, double value, int d
                              const eng_placement* pl) {
   eng_dist_spec* spec = factory_spec("full", ndim, shape, dtype, mesh, n, pl);
   if (!spec) return NULL;
-  return finish_factory(eng_tensor_full(ndim, spec->local_shape, value, dtype, ENG_CPU), spec);
+  return finish_factory(eng_tensor_full(ndim, spec->local_shape, value, dtype, eng_mesh_device(mesh)), spec);
 }
 
 eng_tensor* eng_dtensor_empty(int ndim, const int64_t* shape, int dtype, eng_mesh* mesh, int n,
                               const eng_placement* pl) {
   eng_dist_spec* spec = factory_spec("empty", ndim, shape, dtype, mesh, n, pl);
   if (!spec) return NULL;
-  return finish_factory(eng_tensor_empty(ndim, spec->local_shape, dtype, ENG_CPU), spec);
+  return finish_factory(eng_tensor_empty(ndim, spec->local_shape, dtype, eng_mesh_device(mesh)), spec);
 }
 
 eng_tensor* eng_dtensor_random(int kind, int ndim, const int64_t* shape, double a, double b, int dtype,
@@ -555,9 +569,15 @@ eng_tensor* eng_dtensor_random(int kind, int ndim, const int64_t* shape, double 
   uint64_t seed;
   uint64_t off = eng_rng_reserve_seeded((uint64_t)spec->numel, &seed);
   eng_tensor* local;
-  if (spec->member)
+  if (spec->member) {
+    /* drawn on the host (the CPU and CUDA Philox streams are bit-identical), then moved to a CUDA mesh */
     local = dt_random_local(kind, spec, a, b, dtype, seed, off); /* also _StridedShard (several runs) */
-  else local = empty_local(ndim, dtype);
+    if (local && eng_mesh_device(mesh) != ENG_CPU) {
+      eng_tensor* d = eng_tensor_to_device(local, eng_mesh_device(mesh));
+      eng_tensor_release(local);
+      local = d;
+    }
+  } else local = empty_local(ndim, dtype, eng_mesh_device(mesh));
   if (!local) eng_err_prefix("%s", op);
   return finish_factory(local, spec);
 }

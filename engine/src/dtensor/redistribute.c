@@ -83,7 +83,7 @@ static void copy_into(eng_tensor* dst, const eng_tensor* src) {
 /* Zero-filled contiguous tensor when `zero`, else uninitialized. */
 static eng_tensor* buffer(const eng_tensor* like, int ndim, const int64_t* shape, int zero) {
   eng_tensor* t = new_like_shape(like, ndim, shape);
-  if (t && zero && t->numel > 0) memset(eng_ptr(t), 0, (size_t)(t->numel * eng_dtype_size(t->dtype)));
+  if (t && zero && eng_zero_elems(t, 0, t->numel)) { eng_tensor_release(t); return NULL; }
   return t;
 }
 
@@ -292,8 +292,7 @@ static eng_tensor* apply_s2r(step_ctx* c, eng_tensor* x, const eng_placement* s,
     ps[0] = full;
     send = buffer(x, nd, ps, 0);
     if (!send) return NULL;
-    int64_t es = eng_dtype_size(x->dtype);
-    memset((char*)eng_ptr(send) + m * rest * es, 0, (size_t)((full - m) * rest * es));
+    if (eng_zero_elems(send, m * rest, (full - m) * rest)) { eng_tensor_release(send); return NULL; }
     if (m > 0) {
       eng_tensor* xv = eng_view_of(x, nd, fs, fst, x->offset);
       int64_t ms[ENG_MAX_DIMS];
@@ -377,8 +376,7 @@ static eng_tensor* apply_p2s(step_ctx* c, eng_tensor* x, const eng_placement* s,
     ps[0] = (int64_t)k * full;
     send = buffer(x, nd, ps, 0);
     if (!send) return NULL;
-    int64_t es = eng_dtype_size(x->dtype);
-    memset((char*)eng_ptr(send) + n * rest * es, 0, (size_t)((ps[0] - n) * rest * es));
+    if (eng_zero_elems(send, n * rest, (ps[0] - n) * rest)) { eng_tensor_release(send); return NULL; }
     eng_tensor* xv = eng_view_of(x, nd, fs, fst, x->offset);
     int64_t vs[ENG_MAX_DIMS];
     memcpy(vs, fs, sizeof vs);

@@ -48,9 +48,7 @@ static eng_tensor* front_rows(const eng_tensor* B, const eng_tensor* like, int d
 }
 
 static void zero_rows(eng_tensor* B, int64_t row, int64_t len) {
-  if (len <= 0) return;
-  int64_t es = eng_dtype_size(B->dtype);
-  memset(eng_ptr(B) + row * B->stride[0] * es, 0, (size_t)(len * B->stride[0] * es));
+  if (len > 0) eng_zero_elems(B, row * B->stride[0], len * B->stride[0]);
 }
 
 /* Between the full tensor (dim d of length L) and a front-order buffer in

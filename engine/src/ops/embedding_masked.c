@@ -39,6 +39,40 @@ static int embm_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
   return rc;
 }
 
+/* On CUDA, from the device ops (their autograd gives the masked backward): out = embedding(weight,
+ * clamp(idx - offset, 0, rows - 1)) with the rows of indices outside [offset, offset + rows) filled with 0.
+ * Negative indices are an error, as on the CPU (one read of a device flag: the count of negatives). */
+static eng_tensor* cuda_masked(const char* op, eng_tensor* weight, eng_tensor* indices, int64_t off) {
+  int64_t rows = weight->shape[0];
+  eng_tensor *neg = NULL, *nneg = NULL, *loc = NULL, *cl = NULL, *lo = NULL, *hi = NULL, *out_m = NULL, *m = NULL,
+             *e = NULL, *out = NULL;
+  int prev = eng_set_grad_enabled(0); /* the index arithmetic needs no graph */
+  neg = eng_compare_scalar(indices, 0, ENG_LT);
+  nneg = neg ? eng_sum(neg, 0, NULL, 0) : NULL;
+  loc = eng_sub_scalar(indices, (double)off);
+  cl = loc ? eng_clamp(loc, 0, (double)(rows > 0 ? rows - 1 : 0)) : NULL;
+  lo = loc ? eng_compare_scalar(loc, 0, ENG_LT) : NULL;
+  hi = loc ? eng_compare_scalar(loc, (double)rows, ENG_GE) : NULL;
+  out_m = lo && hi ? eng_logical_or(lo, hi) : NULL;
+  m = out_m ? eng_unsqueeze(out_m, out_m->ndim) : NULL;
+  eng_set_grad_enabled(prev);
+  double bad = 0;
+  if (nneg && eng_tensor_item(nneg, &bad) == 0 && bad > 0)
+    eng_err("%s: indices %s hold %.0f negative values", op, eng_desc(indices), bad);
+  else if (m && rows > 0 && (e = eng_embedding(weight, cl, -1)))
+    out = eng_masked_fill(e, m, 0.0);
+  else if (m && rows == 0) {
+    int64_t shape[ENG_MAX_DIMS];
+    for (int d = 0; d < indices->ndim; d++) shape[d] = indices->shape[d];
+    shape[indices->ndim] = weight->shape[1];
+    out = eng_tensor_zeros(indices->ndim + 1, shape, weight->dtype, weight->device);
+  }
+  eng_tensor* all[] = {neg, nneg, loc, cl, lo, hi, out_m, m, e};
+  for (size_t i = 0; i < sizeof all / sizeof *all; i++) eng_tensor_release(all[i]);
+  if (!out) eng_err_prefix("%s", op);
+  return out;
+}
+
 eng_tensor* eng_embedding_masked(eng_tensor* weight, eng_tensor* indices, int64_t row_offset) {
   const char* op = "embedding_masked";
   ENG_CHECK(weight, op); ENG_CHECK(indices, op);
@@ -54,10 +88,10 @@ eng_tensor* eng_embedding_masked(eng_tensor* weight, eng_tensor* indices, int64_
     return eng_errp("%s: indices must be i32 or i64, got %s", op, eng_desc(indices));
   if (indices->ndim + 1 > ENG_MAX_DIMS)
     return eng_errp("%s: indices %s have too many dims (at most %d)", op, eng_desc(indices), ENG_MAX_DIMS - 1);
-  if (weight->device != ENG_CPU || indices->device != ENG_CPU)
-    return eng_errp("%s: weight %s and indices %s: only CPU tensors are supported", op, eng_desc(weight),
-                    eng_desc(indices));
+  if (weight->device != indices->device)
+    return eng_errp("%s: weight %s and indices %s are on different devices", op, eng_desc(weight), eng_desc(indices));
   if (row_offset < 0) return eng_errp("%s: row_offset %lld must be >= 0", op, (long long)row_offset);
+  if (weight->device == ENG_CUDA) return cuda_masked(op, weight, indices, row_offset);
   int64_t rows = weight->shape[0], dim = weight->shape[1];
   eng_tensor* I = eng_as_contig(indices, ENG_I64);
   if (!I) return NULL;

@@ -12,6 +12,7 @@
  * out of range) are exchanged inside the first all_reduce, so every rank
  * fails with the same message instead of some waiting in a collective. */
 #include "core/internal.h"
+#include "ops/ops.h"
 #include <math.h>
 
 enum { RED_NONE = 0, RED_MEAN = 1, RED_SUM = 2 };
@@ -90,8 +91,20 @@ eng_tensor* eng_cross_entropy_vocab_parallel(eng_tensor* logits, eng_tensor* tar
   if (!eng_dtype_is_floating(x->dtype)) return eng_errp("%s: logits %s must be floating point", op, eng_desc(x));
   if (target->dtype != ENG_I64 && target->dtype != ENG_I32)
     return eng_errp("%s: target %s must hold class indices (i64 or i32)", op, eng_desc(target));
-  if (x->device != ENG_CPU || target->device != ENG_CPU)
-    return eng_errp("%s: logits %s and target %s: only CPU tensors are supported", op, eng_desc(x), eng_desc(target));
+  if (x->device != target->device)
+    return eng_errp("%s: logits %s and target %s are on different devices", op, eng_desc(x), eng_desc(target));
+  if (x->device == ENG_CUDA) {
+    /* host fallback (no device kernel yet): the logits go to the host through a differentiable copy, the
+     * collectives run over MPI on the same group, and the loss comes back to the device (so does the
+     * gradient, through the copies' backward) */
+    eng_tensor* xh = eng_tensor_to_device(x, ENG_CPU);
+    eng_tensor* th = xh ? eng_op_host(target, target->dtype) : NULL;
+    eng_tensor* r = th ? eng_cross_entropy_vocab_parallel(xh, th, vocab_offset, vocab_total, group, ignore_index,
+                                                          reduction) : NULL;
+    eng_tensor* out = r ? eng_tensor_to_device(r, ENG_CUDA) : NULL;
+    eng_tensor_release(xh); eng_tensor_release(th); eng_tensor_release(r);
+    return out;
+  }
   if (reduction < RED_NONE || reduction > RED_SUM)
     return eng_errp("%s: reduction code %d is invalid (0 none, 1 mean, 2 sum)", op, reduction);
   if (x->ndim < 1)

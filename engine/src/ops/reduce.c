@@ -92,8 +92,11 @@ static eng_tensor* sum_raw_cuda(eng_tensor* t, const uint8_t* mask, int keepdim,
       eng_tensor_release(cur);
       cur = r;
     }
-    if (cur && last < 0) { /* nothing to reduce (dims of size 1): a converted copy */
-      eng_tensor* r = eng_as_contig(cur, odt);
+    if (cur && last < 0) { /* nothing to reduce (dims of size 1): a converted copy, never t itself (callers
+                            * reshape the result in place: an alias of t changed t's shape, and AddBackward
+                            * of [1, T, D] + [T, D] gave a [T, D] gradient to the [1, T, D] input) */
+      eng_tensor* r = eng_new(nd, cur->shape, odt, t->device);
+      if (r && eng_copy_raw(r, cur, cur->stride)) { eng_tensor_release(r); r = NULL; }
       eng_tensor_release(cur);
       cur = r;
     }

@@ -10,6 +10,7 @@
  * ints[0] = padding_idx (-1: none). */
 #include "dtensor/dtensor_impl.h"
 #include "sharding/sharding.h"
+#include "ops/ops.h"
 
 static int emb_push(eng_strategy* out, int cap, int n, eng_placement w, eng_placement i, eng_placement o) {
   eng_strategy st;
@@ -55,8 +56,10 @@ static int emb_local(const eng_op_call* c, const eng_dist_spec* const* is, const
   eng_tensor* I = c->in[1];
   if (I->dtype != ENG_I32 && I->dtype != ENG_I64)
     return eng_err("indices must be i32 or i64, got %s", eng_desc(I));
-  if (I->device == ENG_CPU && I->numel > 0) {
-    eng_tensor* Ic = eng_as_contig(I, ENG_I64);
+  if (I->numel > 0) {
+    eng_tensor* Ip = dt_plain(I); /* the local indices (a plain view) */
+    eng_tensor* Ic = Ip ? eng_op_host(Ip, ENG_I64) : NULL; /* CUDA indices: read back once for the range check */
+    eng_tensor_release(Ip);
     if (!Ic) return -1;
     const int64_t* p = (const int64_t*)eng_ptr(Ic);
     int64_t num = w->shape[0];

@@ -66,9 +66,9 @@ static int ce_shape(const eng_op_call* c, const eng_dist_spec* const* s, int* nd
 
 /* Non-ignored targets of this rank's (contiguous CPU) target shard. */
 static int local_count(eng_tensor* t, int64_t ignore, double* out) {
-  if (t->device != ENG_CPU)
-    return eng_err("mean over a sharded batch: targets on %s are not supported (CPU only)", eng_desc(t));
-  eng_tensor* T = eng_as_contig(t, ENG_I64);
+  eng_tensor* tp = dt_plain(t); /* the local targets (a plain view) */
+  eng_tensor* T = tp ? eng_op_host(tp, ENG_I64) : NULL; /* CUDA targets: read back (one copy of this rank's targets) */
+  eng_tensor_release(tp);
   if (!T) return -1;
   const int64_t* p = (const int64_t*)eng_ptr(T);
   int64_t n = 0;

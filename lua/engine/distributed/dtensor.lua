@@ -90,9 +90,15 @@ M.DTensor = DTensor
 -- No data movement: t becomes this rank's shard.  placements nil: all
 -- Replicate.  Without shape/stride the global shape is t's shape times the
 -- mesh size on each Shard dim; give both for uneven shards.
-function DTensor.from_local(t, mesh, placements, opts)
+local function from_local(t, mesh, placements, opts, keep_device)
   local op = "from_local"
   local c = ct(t, op, 1)
+  if not keep_device then
+    -- PyTorch moves the local tensor to the mesh's device (differentiably: the gradient goes back)
+    local m = mesh_arg(mesh, op)
+    local want = m.device_type
+    if c.device ~= 2 and t.device ~= want then t = t:to(want); c = t._c end
+  end
   mesh = mesh_arg(mesh, op)
   opts = opts_arg(opts, op)
   local arr, n = placements_arg(placements, mesh, op)
@@ -109,7 +115,11 @@ function DTensor.from_local(t, mesh, placements, opts)
   end
   return wrap(C.eng_dtensor_from_local(c, mesh._c, n, arr, opts.run_check and 1 or 0, sh, st))
 end
+function DTensor.from_local(t, mesh, placements, opts) return from_local(t, mesh, placements, opts, false) end
 M.from_local = DTensor.from_local
+-- from_local without the move to the mesh's device (PyTorch's DTensor constructor, as FSDP2 uses it): FSDP's
+-- CPU-offloaded shards are CPU locals of DTensors on a CUDA mesh
+function M._from_local_as_is(t, mesh, placements, opts) return from_local(t, mesh, placements, opts, true) end
 DTensor.is_dtensor = is_dtensor
 
 -- distribute_tensor(t, mesh, placements, {src_data_rank = 0}): scatter (Shard)
@@ -202,7 +212,10 @@ function Tensor.dtensor_like(name, t, a, b)
   local shape, stride = {}, {}
   for i = 0, s.ndim - 1 do shape[i + 1] = tonumber(s.shape[i]); stride[i + 1] = tonumber(s.stride[i]) end
   if name == "rand_like" or name == "randn_like" then
-    if lo.device ~= "cpu" then core.fail(name .. ": random DTensors are made on the CPU, got device " .. tostring(lo.device)) end
+    if lo.device ~= mesh.device_type then
+      core.fail(string.format("%s: random DTensors are made on their mesh's device (%s), got device %s", name,
+        mesh.device_type, tostring(lo.device)))
+    end
     return (name == "rand_like" and M.rand or M.randn)(shape, { mesh = mesh, placements = pl, dtype = lo.dtype,
       requires_grad = lo.requires_grad })
   end

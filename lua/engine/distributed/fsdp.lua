@@ -678,7 +678,7 @@ function M.fully_shard(module, opts)
         local st = {}
         local acc = 1
         for d = #shape, 1, -1 do st[d] = acc; acc = acc * shape[d] end
-        local d = dtensor.from_local(core.wrap(loc), root, pl, { shape = shape, stride = st })
+        local d = dtensor._from_local_as_is(core.wrap(loc), root, pl, { shape = shape, stride = st })
         d._c.is_param = 1
         if c.requires_grad ~= 0 then core.check(C.eng_tensor_set_requires_grad(d._c, 1), 3) end
         e.d = d
@@ -701,7 +701,7 @@ function M.fully_shard(module, opts)
       local st = {}
       local acc = 1
       for d = #shape, 1, -1 do st[d] = acc; acc = acc * shape[d] end
-      local d = dtensor.from_local(core.wrap(loc), mesh, pl, { shape = shape, stride = st })
+      local d = dtensor._from_local_as_is(core.wrap(loc), mesh, pl, { shape = shape, stride = st })
       d._c.is_param = 1
       if c.requires_grad ~= 0 then core.check(C.eng_tensor_set_requires_grad(d._c, 1), 3) end
       e.d = d

@@ -349,7 +349,7 @@ function M.post_unflatten_transform(t, ext)
     fail(string.format("%s: the local tensor has shape [%s], the layout %s of [%s] needs [%s] on this rank", op,
       table.concat(sh, ","), tostring(ext), table.concat(ext.shape, ","), table.concat(ls, ",")))
   end
-  local d = dtensor.from_local(t, ext.mesh, ext.placements, { shape = ext.shape, stride = ext.stride })
+  local d = dtensor._from_local_as_is(t, ext.mesh, ext.placements, { shape = ext.shape, stride = ext.stride })
   return d
 end
 
