@@ -26,9 +26,13 @@ $(BUILD)/Makefile: CMakeLists.txt
 	@mkdir -p $(BUILD)
 	@cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release > $(BUILD)/configure.log 2>&1 || (cat $(BUILD)/configure.log; exit 1)
 
+# The build's output goes to $(BUILD)/build.log; errors and warnings are shown, and a failed build fails
+# (a compile error must not leave an old binary to be tested).
 build: deps $(BUILD)/Makefile
-	@cmake --build $(BUILD) -j 2 2>&1 | grep -E "error:|warning:|Error [0-9]" || true
-	@test -x $(BUILD)/engine || (cmake --build $(BUILD) -j 2; exit 1)
+	@cmake --build $(BUILD) -j 2 > $(BUILD)/build.log 2>&1; rc=$$?; \
+	  grep -E "error:|warning:|Error [0-9]" $(BUILD)/build.log; \
+	  if [ $$rc -ne 0 ]; then tail -n 30 $(BUILD)/build.log; echo "make build: the build failed (rc $$rc; $(BUILD)/build.log)"; exit 1; fi
+	@test -x $(BUILD)/engine
 
 data: build
 	@$(BUILD)/engine tools/prepare_data.lua
@@ -46,8 +50,10 @@ $(ASAN_BUILD)/Makefile: CMakeLists.txt
 	  > $(ASAN_BUILD)/configure.log 2>&1 || (cat $(ASAN_BUILD)/configure.log; exit 1)
 
 asan-build: deps $(ASAN_BUILD)/Makefile
-	@cmake --build $(ASAN_BUILD) -j 2 2>&1 | grep -E "error:|Error [0-9]" || true
-	@test -x $(ASAN_BUILD)/engine || (cmake --build $(ASAN_BUILD) -j 2; exit 1)
+	@cmake --build $(ASAN_BUILD) -j 2 > $(ASAN_BUILD)/build.log 2>&1; rc=$$?; \
+	  grep -E "error:|Error [0-9]" $(ASAN_BUILD)/build.log; \
+	  if [ $$rc -ne 0 ]; then tail -n 30 $(ASAN_BUILD)/build.log; echo "make asan-build: the build failed (rc $$rc)"; exit 1; fi
+	@test -x $(ASAN_BUILD)/engine
 
 # libFuzzer targets (spec/fuzz): clang, coverage + ASan + UBSan, CPU only.  Without clang or its libFuzzer
 # runtime this says so and builds nothing (the test suite then counts the fuzz targets as skipped).
@@ -59,7 +65,9 @@ $(FUZZ_BUILD)/Makefile: CMakeLists.txt
 fuzz-build: deps
 	@if ! command -v clang >/dev/null 2>&1; then echo "fuzz-build: clang not found, fuzz targets not built"; \
 	else $(MAKE) --no-print-directory $(FUZZ_BUILD)/Makefile && \
-	  (cmake --build $(FUZZ_BUILD) -j 2 2>&1 | grep -E "error:|Error [0-9]" || true); fi
+	  { cmake --build $(FUZZ_BUILD) -j 2 > $(FUZZ_BUILD)/build.log 2>&1; rc=$$?; \
+	    grep -E "error:|Error [0-9]" $(FUZZ_BUILD)/build.log; \
+	    if [ $$rc -ne 0 ]; then tail -n 30 $(FUZZ_BUILD)/build.log; echo "make fuzz-build: the build failed (rc $$rc)"; exit 1; fi; }; fi
 
 # Each fuzz target for FUZZ_SECONDS (default 60), one after the other, its corpus kept in $(FUZZ_BUILD)/corpus
 fuzz: fuzz-build
