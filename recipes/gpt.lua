@@ -28,6 +28,7 @@
 --              rest data parallel on a {dp, tp} mesh) --sp (1: sequence parallelism with TP)
 --              --dtensor_dp (1: without TP, data parallelism through DTensors as recipes/dp_gpt.lua:
 --              Replicate parameters on a "dp" mesh, Shard(1) batches, gradients reduced by autograd)
+--              --bucket_cap_mb (plain data parallelism: DistributedDataParallel's bucket size, default 25)
 --   (recipes/tp_gpt.lua runs this recipe with --tp=0 as its default; recipes/llama.lua runs it with
 --   the Llama model)
 --
@@ -42,7 +43,10 @@
 --
 -- With several ranks (mpirun -np N) every rank holds the whole model (same seed, same initial
 -- weights), draws its own batches (data.BatchSampler with rank/world_size) and the gradients are
--- averaged with all_reduce before clipping and the optimizer step: the global batch is batch x N.
+-- averaged before clipping and the optimizer step: the global batch is batch x N.  Without TP or
+-- --dtensor_dp the model is wrapped in dist.DistributedDataParallel: the gradients are averaged in buckets
+-- of --bucket_cap_mb MiB (default 25), each bucket's all_reduce starting during backward as soon as its
+-- gradients exist; the first and last log lines give the buckets, collectives and bytes per step.
 -- Rank 0 logs and evaluates with the others (the validation batches are split over ranks); every rank
 -- writes its part of a checkpoint (dist.checkpoint; replicated tensors once).  Resuming is exact:
 -- model, AdamW state, RNG, sampler position and step are restored, so a resumed run prints the same
@@ -61,7 +65,7 @@ local C = dofile((debug.getinfo(1, "S").source:match("^@(.*)/[^/]*$") or ".") ..
 local MODEL = rawget(_G, "GPT_MODEL")
 local NAME = MODEL and MODEL.name or "gpt"
 
-local defaults = C.defaults{ ckpt_format = "dcp", tp = 1, sp = 0, dtensor_dp = 0 }
+local defaults = C.defaults{ ckpt_format = "dcp", tp = 1, sp = 0, dtensor_dp = 0, bucket_cap_mb = 25 }
 for k, v in pairs(MODEL and MODEL.defaults or {}) do defaults[k] = v end
 -- recipes/tp_gpt.lua sets GPT_DEFAULTS (e.g. {tp = 0}) before running this file
 for k, v in pairs(rawget(_G, "GPT_DEFAULTS") or {}) do defaults[k] = v end
@@ -76,6 +80,7 @@ local function parse_args(argv)
   if o.ckpt_keep < 0 or o.ckpt_keep % 1 ~= 0 then error(NAME .. ": --ckpt_keep must be a non-negative integer", 0) end
   if o.dtensor_dp ~= 0 and o.dtensor_dp ~= 1 then error(NAME .. ": --dtensor_dp must be 0 or 1", 0) end
   if o.log_exact ~= 0 and o.log_exact ~= 1 then error(NAME .. ": --log_exact must be 0 or 1", 0) end
+  if o.bucket_cap_mb <= 0 then error(NAME .. ": --bucket_cap_mb must be positive", 0) end
   o.warmup = math.min(o.warmup, o.steps)
   return o
 end
@@ -120,6 +125,17 @@ local function main(argv)
     else nn.Transformer.parallelize(model, mesh["tp"], { use_seq_parallel = o.sp == 1 }) end
   end
   if ddp then dist.replicate_parameters(model, mesh) end
+  -- plain data parallelism: DistributedDataParallel's bucketed all_reduce during backward (the wrapper runs the
+  -- forward; `model` stays the network for checkpoints, evaluation and sampling)
+  local ddp_net = nil
+  if tp == 1 and not ddp and world > 1 then
+    ddp_net = dist.DistributedDataParallel(model, { bucket_cap_mb = o.bucket_cap_mb })
+    local s = ddp_net:comm_stats()
+    local total = 0
+    for _, b in ipairs(s.bucket_bytes) do total = total + b end
+    log(NAME .. ": DistributedDataParallel: %d gradient bucket(s) of at most %g MiB (%.2f MiB of gradients): %d "
+      .. "all_reduce(s) per step", s.buckets, o.bucket_cap_mb, total / 1048576, s.buckets)
+  end
   model:train()
   local params = model:parameters()
   local opt = optim.AdamW(params, { lr = o.lr, betas = { o.beta1, o.beta2 }, eps = 1e-8,
@@ -265,19 +281,23 @@ local function main(argv)
       if ddp then
         loss = F.cross_entropy(forward(x, true), dist.from_local(y, mesh, { dist.Shard(1) }))  -- Partial: global mean
       else
-        loss = F.cross_entropy(model(x), y)
+        loss = F.cross_entropy((ddp_net or model)(x), y)
       end
-      loss:backward()
+      loss:backward() -- with ddp_net the gradients are averaged during backward
       if ddp then -- the gradients are already all-reduced (AccumulateGrad of Replicate parameters)
       elseif tp > 1 then
         if dp > 1 then dist.all_reduce_gradients(model, mesh["dp"]) end
-      elseif world > 1 then
-        for _, p in ipairs(params) do dist.all_reduce(p.grad, "avg") end
       end
       return loss
     end,
     -- (the ranks of one tp group hold the same value)
     loss_value = function(loss) return ddp and loss:full_tensor():item() or C.all_reduce_num(loss:item()) end }
+
+  if ddp_net then
+    local s = ddp_net:comm_stats()
+    log(NAME .. ": DistributedDataParallel: the last step all-reduced %.2f MiB of gradients in %d collective(s)",
+      s.bytes / 1048576, s.collectives)
+  end
 
   -- a sample from rank 0 (seeded: the same run prints the same text); with TP every rank runs the
   -- forward (it is collective), with SP on a context padded on the right to a multiple of tp

@@ -37,6 +37,7 @@ extern "C" {
 #include "eng/dtensor.h"
 #include "eng/sharded_tensor.h"
 #include "eng/fsdp.h"
+#include "eng/ddp.h"
 #include "eng/checkpoint.h"
 #include "eng/cuda.h"
 #ifdef __cplusplus

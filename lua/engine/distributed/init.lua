@@ -24,6 +24,7 @@ local modules = {
   "distribute_module",    -- distribute_module
   "implicit_replication", -- implicit_replication
   "data_parallel",        -- DTensor data parallelism helpers
+  "ddp",                  -- DistributedDataParallel (bucketed gradient all-reduce during backward)
   "random",               -- manual_seed(seed, mesh): DTensor random numbers
   "parallel_style",       -- tensor parallel styles (ColwiseParallel, ...), loss_parallel
   "parallelize",          -- parallelize_module

@@ -1,0 +1,34 @@
+/* ddp.h: data parallelism with gradient buckets (PyTorch's DistributedDataParallel reducer) in C.
+ *
+ * The parameters that require grad are grouped, in reverse registration order (about the order backward produces
+ * their gradients), into buckets of at most bucket_bytes (one dtype and device per bucket).  A post-accumulate
+ * hook on each parameter copies its .grad into its bucket's flat buffer; when every parameter of the next bucket in
+ * order has its gradient, that bucket's ONE all_reduce (avg) starts asynchronously (NCCL: on the communication
+ * stream; MPI: a nonblocking collective), so communication overlaps the rest of backward.  Buckets start strictly
+ * in index order, so every rank issues the same collectives in the same order.  The end-of-backward callback
+ * starts the buckets still waiting (the slices of parameters that got no gradient on this rank are zero), waits
+ * for every bucket in order and copies the averaged values back into each .grad that this backward produced
+ * (parameters without a gradient keep none, as in one process).  With require_sync off (no_sync), nothing is
+ * reduced and gradients accumulate locally; the next synced backward reduces the accumulated .grad.
+ * Collectives per synced backward: the number of buckets, ceil(gradient bytes / bucket_bytes) or a few more when
+ * dtypes or devices differ. */
+#ifndef ENG_DDP_H
+#define ENG_DDP_H
+
+typedef struct eng_ddp eng_ddp;
+
+/* A reducer over pg for the n tensors params (leaves; those not requiring grad are left out).  Every member of pg
+ * must pass the same shapes and dtypes in the same order (checked: one agreement over pg, the same error on every
+ * member).  bucket_bytes <= 0: 25 MiB.  NULL and an error on failure. */
+eng_ddp* eng_ddp_new(eng_pg* pg, int n, eng_tensor** params, int64_t bucket_bytes);
+eng_ddp* eng_ddp_retain(eng_ddp* d);
+void eng_ddp_release(eng_ddp* d);
+/* no_sync: 0 keeps gradients local (accumulating), 1 (the default) reduces in the next backward. */
+int eng_ddp_set_require_sync(eng_ddp* d, int on);
+int eng_ddp_num_buckets(const eng_ddp* d);
+/* Parameters of bucket b (0-based, in launch order) and its size in bytes; -1 when b is out of range. */
+int eng_ddp_bucket_info(const eng_ddp* d, int b, int* n_params, int64_t* bytes);
+/* What the last synced backward did: collectives issued and bytes all-reduced. */
+int eng_ddp_last_stats(const eng_ddp* d, int64_t* collectives, int64_t* bytes);
+
+#endif

@@ -1,0 +1,115 @@
+-- engine.distributed.ddp: DistributedDataParallel (PyTorch's torch.nn.parallel.DistributedDataParallel).
+--
+--   local model = dist.DistributedDataParallel(net, {bucket_cap_mb = 25})   -- or {process_group = pg}, {device_mesh = m}
+--   local loss = F.cross_entropy(model(x), y)   -- each rank its own rows of the global batch
+--   loss:backward()                             -- gradients averaged over the ranks, in buckets, during backward
+--   model:no_sync(function() ... end)           -- gradient accumulation: no communication inside
+--   print(model:comm_stats().collectives)       -- all_reduces and bytes of the last synced backward
+--
+-- The wrapper is an nn.Module whose child `module` is the network (state_dict keys start with "module.", as in
+-- PyTorch); forward calls the network.  At construction the parameters and buffers are broadcast from rank 0 of the
+-- group (init_sync = false skips it), and the C reducer (engine/include/eng/ddp.h) puts every parameter that
+-- requires grad into buckets of about bucket_cap_mb MiB in reverse registration order; each bucket is ONE
+-- asynchronous all_reduce (avg) started as soon as backward has produced all of its gradients (in bucket order, the
+-- same on every rank), and the end of backward waits for them and writes the averages into .grad.  Parameters
+-- must be plain tensors on the group's device (DTensors: replicate_parameters or fully_shard).  Options are checked:
+-- an unknown key is an error.
+local core = require("engine.core")
+local ffi, C = core.ffi, core.C
+local meshmod = require("engine.distributed.mesh")
+
+local M = {}
+local OPTS = { process_group = true, device_mesh = true, bucket_cap_mb = true, init_sync = true,
+  broadcast_buffers = true }
+
+local DDP
+
+local function new_class()
+  local nn = require("engine.nn")
+  local cls = nn.Module:extend("DistributedDataParallel")
+
+  function cls:__init(module, opts)
+    local op = "DistributedDataParallel"
+    if not nn.is_module(module) then core.fail(op .. ": expected an nn.Module, got " .. type(module)) end
+    opts = opts or {}
+    if type(opts) ~= "table" then core.fail(op .. ": options must be a table, got " .. type(opts)) end
+    for k in pairs(opts) do
+      if not OPTS[k] then
+        local names = {}
+        for n in pairs(OPTS) do names[#names + 1] = n end
+        table.sort(names)
+        core.fail(string.format("%s: unknown option '%s' (%s)", op, tostring(k), table.concat(names, ", ")))
+      end
+    end
+    local comm = require("engine.distributed.comm")
+    local group = opts.process_group
+    if opts.device_mesh ~= nil then
+      if group ~= nil then core.fail(op .. ": pass process_group or device_mesh, not both") end
+      local m = opts.device_mesh
+      if not meshmod.is_mesh(m) or m:ndim() ~= 1 then
+        core.fail(op .. ": device_mesh must be a 1-D DeviceMesh, got " .. tostring(m))
+      end
+      group = m:get_group()
+    end
+    group = group or comm.world_group()
+    if not comm.is_group(group) then core.fail(op .. ": process_group must be a ProcessGroup, got " .. type(group)) end
+    local cap = opts.bucket_cap_mb == nil and 25 or opts.bucket_cap_mb
+    if type(cap) ~= "number" or cap <= 0 then core.fail(op .. ": bucket_cap_mb must be a positive number, got " .. tostring(cap)) end
+    self.module = module
+    rawset(self, "_group", group)
+    -- PyTorch's _sync_module_states: every rank starts from rank 0's parameters and buffers
+    if opts.init_sync ~= false then
+      require("engine").no_grad(function()
+        for _, p in module:named_parameters() do comm.broadcast(p, { group = group, group_src = 0 }) end
+        if opts.broadcast_buffers ~= false then
+          for _, b in module:named_buffers() do comm.broadcast(b, { group = group, group_src = 0 }) end
+        end
+      end)
+    end
+    local list = {}
+    for _, p in module:named_parameters() do list[#list + 1] = p end
+    local arr = ffi.new("eng_tensor*[?]", math.max(#list, 1))
+    for i, p in ipairs(list) do arr[i - 1] = p._c end
+    local r = C.eng_ddp_new(group._c, #list, arr, math.floor(cap * 1048576))
+    if r == nil then core.raise() end
+    rawset(self, "_reducer", ffi.gc(r, C.eng_ddp_release))
+    rawset(self, "_params", list) -- keeps the parameter objects the reducer hooks alive with the wrapper
+  end
+
+  function cls:forward(...) return self.module(...) end
+
+  -- no_sync(fn, ...): runs fn with gradient synchronization off (accumulation), then turns it back on; returns
+  -- fn's results.  The next backward outside no_sync reduces the accumulated gradients.
+  function cls:no_sync(fn, ...)
+    if type(fn) ~= "function" then core.fail("no_sync: expected a function") end
+    local r = rawget(self, "_reducer")
+    core.check(C.eng_ddp_set_require_sync(r, 0))
+    local res = { pcall(fn, ...) }
+    core.check(C.eng_ddp_set_require_sync(r, 1))
+    if not res[1] then error(res[2], 0) end
+    return unpack(res, 2, table.maxn(res))
+  end
+
+  -- comm_stats() -> {collectives = n, bytes = n, buckets = n, bucket_bytes = {...}, bucket_params = {...}}
+  function cls:comm_stats()
+    local r = rawget(self, "_reducer")
+    local c, b = ffi.new("int64_t[1]"), ffi.new("int64_t[1]")
+    core.check(C.eng_ddp_last_stats(r, c, b))
+    local s = { collectives = tonumber(c[0]), bytes = tonumber(b[0]), buckets = tonumber(C.eng_ddp_num_buckets(r)),
+      bucket_bytes = {}, bucket_params = {} }
+    local np, nb = ffi.new("int[1]"), ffi.new("int64_t[1]")
+    for k = 0, s.buckets - 1 do
+      core.check(C.eng_ddp_bucket_info(r, k, np, nb))
+      s.bucket_params[k + 1], s.bucket_bytes[k + 1] = np[0], tonumber(nb[0])
+    end
+    return s
+  end
+  return cls
+end
+
+function M.DistributedDataParallel(module, opts)
+  DDP = DDP or new_class()
+  return DDP(module, opts)
+end
+
+return M
