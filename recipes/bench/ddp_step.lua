@@ -12,7 +12,9 @@
 -- per rank.  In one run, --rounds times alternating (medians of each round's median, ms/step, rank 0's clock):
 --   (a) local: one process (rank 0) on its --batch rows while the other ranks sleep in an asynchronous barrier;
 --   (b) ddp: every rank on its --batch rows, dist.DistributedDataParallel with --bucket_cap_mb;
---   (c) per_param: every rank on its rows, one blocking all_reduce (avg) per parameter after backward.
+--   (c) per_param: every rank on its rows, one blocking all_reduce (avg) per parameter after backward;
+--   (d) both_local: every rank on its rows at the same time, no communication at all (each rank's own model): the
+--       compute of a DDP rank under the same load as (b), so ddp/both_local is what communication adds.
 -- Then the collectives and bytes per step of (b) and (c) and the ratios ddp/local and per_param/local (target of
 -- issue 27: ddp <= 1.05x local at 2 ranks on the CPU), and the bound collectives <= ceil(bytes / bucket) + 1.
 -- The machine has 2 cores: the ratios within one run are the figures to compare.
@@ -72,7 +74,7 @@ say("bench/ddp_step: engine %s, BLAS core %s, %d ranks, device %s, %d steps afte
   o.device, o.steps, o.warmup, o.rounds, o.n_layers, o.dim, o.n_heads, o.seq, o.batch, o.vocab, o.bucket_cap_mb)
 say("load average at start: %s", U.loadavg())
 
-local res = { ["local"] = {}, ddp = {}, per_param = {} }
+local res = { ["local"] = {}, ddp = {}, per_param = {}, both_local = {} }
 local counts = {}
 local stats
 for round = 1, o.rounds do
@@ -97,12 +99,17 @@ for round = 1, o.rounds do
       for _, p in ipairs(params) do dist.all_reduce(p.grad, "avg") end
     end, o.steps)
   end
-  say("round %d: local %.1f ms, ddp %.1f ms, per_param %.1f ms", round, res["local"][round] or 0 / 0, res.ddp[round],
-    res.per_param[round])
+  -- (d) every rank alone at the same time
+  do
+    local m = build()
+    res.both_local[round] = run(m, function(t) return m(t) end, nil, o.steps)
+  end
+  say("round %d: local %.1f ms, ddp %.1f ms, per_param %.1f ms, both_local %.1f ms", round,
+    res["local"][round] or 0 / 0, res.ddp[round], res.per_param[round], res.both_local[round])
 end
 
 if rank == 0 then
-  local l, d, p = U.median(res["local"]), U.median(res.ddp), U.median(res.per_param)
+  local l, d, p, b = U.median(res["local"]), U.median(res.ddp), U.median(res.per_param), U.median(res.both_local)
   local _, dk = U.count_summary(counts.ddp, o.steps)
   local _, pk = U.count_summary(counts.per_param, o.steps)
   local bound = math.ceil(stats.bytes / (o.bucket_cap_mb * 1048576)) + 1
@@ -110,6 +117,8 @@ if rank == 0 then
   say("ddp       median %7.1f ms/step, collectives/step %s, %.2f MiB all-reduced/step in %d bucket(s) (bound %d)", d, dk,
     stats.bytes / 1048576, stats.buckets, bound)
   say("per_param median %7.1f ms/step, collectives/step %s", p, pk)
-  say("ddp_step: ddp/local %.3f (target <= 1.05), per_param/local %.3f, ddp/per_param %.3f, collectives %d <= %d: %s",
-    d / l, p / l, d / p, stats.collectives, bound, stats.collectives <= bound and "yes" or "no")
+  say("both_local median %6.1f ms/step (every rank alone at once: the compute under the same load)", b)
+  say("ddp_step: ddp/local %.3f (target <= 1.05), ddp/both_local %.3f, per_param/local %.3f, ddp/per_param %.3f, "
+    .. "collectives %d <= %d: %s", d / l, d / b, p / l, d / p, stats.collectives, bound,
+    stats.collectives <= bound and "yes" or "no")
 end
