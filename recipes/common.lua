@@ -20,7 +20,7 @@ function M.defaults(extra)
     train = HOME .. "/data/kjv_train.bin", val = HOME .. "/data/kjv_val.bin",
     log_every = 10, eval_every = 100, eval_batches = 20,
     ckpt_dir = HOME .. "/checkpoints", ckpt_every = 0, resume = "", ckpt_keep = 0, ckpt_async = 0,
-    sample_len = 300, temperature = 0.8, prompt = "And God said", log_exact = 0,
+    sample_len = 300, temperature = 0.8, prompt = "And God said", log_exact = 0, device = "cpu",
   }
   for k, v in pairs(extra or {}) do d[k] = v end
   return d
@@ -55,6 +55,34 @@ end
 
 -- --threads: N > 0 per rank; 0 keeps the BLAS default with one rank and gives each of `world` ranks
 -- max(1, cores / world)
+-- --device: "cpu" or "cuda" (the model, the batches and the meshes on the GPU of this rank's node-local rank;
+-- NCCL between ranks); cuda without a usable GPU is an error naming the reason.
+function M.check_device(name, o)
+  if o.device ~= "cpu" and o.device ~= "cuda" then
+    error(string.format("%s: --device must be cpu or cuda, got '%s'", name, tostring(o.device)), 0)
+  end
+  if o.device == "cuda" and not engine.cuda.is_available() then
+    error(name .. ": --device=cuda: " .. engine.cuda.unavailable_reason(), 0)
+  end
+end
+
+-- the batch on the run's device
+function M.to_device(o, ...)
+  if o.device == "cpu" then return ... end
+  local r = { ... }
+  for i = 1, select("#", ...) do r[i] = r[i]:to(o.device) end
+  return unpack(r, 1, select("#", ...))
+end
+
+-- the peak memory of the run's device (tensor bytes), and its reset
+local function peak_bytes(o)
+  if o.device == "cuda" then return engine.cuda.memory_stats().peak_allocated end
+  return engine.memory_stats().peak_allocated
+end
+local function reset_peak(o)
+  if o.device == "cuda" then engine.cuda.reset_peak_memory_stats() else engine.reset_peak_memory() end
+end
+
 function M.set_threads(threads, world)
   if threads > 0 then
     engine.set_num_threads(threads)
@@ -117,14 +145,15 @@ function M.parameter_digest(model)
   return bit.tohex(h, 16)
 end
 
--- evaluate(model, val, loss_of, max_batches) -> the mean of loss_of(x, y) over val's batches (at most
--- max_batches), averaged over the world; the model in eval mode meanwhile, no grad
-function M.evaluate(model, val, loss_of, max_batches)
+-- evaluate(model, val, loss_of, max_batches, o) -> the mean of loss_of(x, y) over val's batches (at most
+-- max_batches; on o.device when o is given), averaged over the world; the model in eval mode meanwhile, no grad
+function M.evaluate(model, val, loss_of, max_batches, o)
   model:eval()
   local sum, n = 0, 0
   engine.no_grad(function()
     for x, y in val:batches() do
       if max_batches and n >= max_batches then break end
+      if o then x, y = M.to_device(o, x, y) end
       sum = sum + loss_of(x, y)
       n = n + 1
     end
@@ -215,14 +244,14 @@ function M.train(t)
   local step = t.step
   if step == 0 or step >= o.steps then log("step %5d | val loss %.4f", step, t.evaluate()) end
 
-  engine.reset_peak_memory()
+  reset_peak(o)
   local t_log, n_log = engine.time(), 0
   local times = {}
   while step < o.steps do
     local t0 = engine.time()
     local lr = o.lr * t.lr_at(step)
     for _, g in ipairs(opt.param_groups) do g.lr = lr end
-    local x, y = t.train:next()
+    local x, y = M.to_device(o, t.train:next())
     local r = t.backward(x, y)
     local gnorm = o.grad_clip > 0 and optim.clip_grad_norm_(params, o.grad_clip) or optim.grad_norm(params)
     opt:step()
@@ -243,7 +272,7 @@ function M.train(t)
       local dt = (engine.time() - t_log) / n_log
       log("step %5d | loss " .. (o.log_exact == 1 and "%.17g" or "%.6f") .. " | lr %.3e | grad norm %.4f | %.1f ms/step "
         .. "| %.0f tok/s | peak %.1f MiB", step, l, lr, gnorm, dt * 1e3, t.tokens / dt,
-        engine.memory_stats().peak_allocated / 2 ^ 20)
+        peak_bytes(o) / 2 ^ 20)
       t_log, n_log = engine.time(), 0
     end
     if o.eval_every > 0 and step % o.eval_every == 0 and step ~= o.steps then
@@ -278,7 +307,7 @@ function M.sample(o, model, logits_of, pad)
       for i = math.max(1, #ids - o.seq + 1), #ids do ctx[#ctx + 1] = ids[i] end
       local n = #ctx
       if pad and pad > 1 then while #ctx % pad ~= 0 do ctx[#ctx + 1] = 10 end end
-      local logits = logits_of(engine.tensor({ ctx })) -- [1, t, 256]
+      local logits = logits_of(M.to_device(o, engine.tensor({ ctx }))) -- [1, t, 256]
       local last = logits:narrow(2, n, 1):tolist_flat()
       local nxt
       if o.temperature <= 0 then

@@ -11,7 +11,7 @@
 -- Options: those of recipes/gpt.lua for the model, training, data, logging and sampling (--n_layers --dim
 -- --n_heads --seq --dropout --batch --steps --lr --warmup --min_lr_ratio --weight_decay --beta1 --beta2
 -- --grad_clip --seed --threads --train --val --log_every --eval_every --eval_batches --sample_len
--- --temperature --prompt --log_exact), and
+-- --temperature --prompt --log_exact --device (cpu or cuda: one GPU per rank, NCCL)), and
 --   --reshard_after_forward  true (default: free each block's unsharded parameters after its forward and
 --                            all-gather them again in backward), false (keep them until backward), or N
 --                            (keep an N-rank sharding after forward: the backward all-gather runs on N ranks)
@@ -82,6 +82,7 @@ end
 
 local function main(argv)
   local o = parse_args(argv)
+  C.check_device(NAME, o)
   dist.init()
   local rank, world = dist.rank(), dist.world_size()
   local log = C.logger(rank)
@@ -105,17 +106,17 @@ local function main(argv)
   local mesh, root_mesh, tp_mesh
   local dp_rank = rank           -- this rank's place among the data-parallel ranks (which rows it reads)
   if two_d and o.hsdp > 1 then
-    root_mesh = dist.init_device_mesh("cpu", { o.hsdp, dpw / o.hsdp, tp }, { "replicate", "shard", "tp" })
+    root_mesh = dist.init_device_mesh(o.device, { o.hsdp, dpw / o.hsdp, tp }, { "replicate", "shard", "tp" })
     mesh, tp_mesh = root_mesh{ "replicate", "shard" }, root_mesh["tp"]
     dp_rank = root_mesh:get_local_rank("replicate") * (dpw / o.hsdp) + root_mesh:get_local_rank("shard")
   elseif two_d then
-    root_mesh = dist.init_device_mesh("cpu", { dpw, tp }, { "dp", "tp" })
+    root_mesh = dist.init_device_mesh(o.device, { dpw, tp }, { "dp", "tp" })
     mesh, tp_mesh = root_mesh["dp"], root_mesh["tp"]
     dp_rank = root_mesh:get_local_rank("dp")
   elseif o.hsdp > 1 then
-    mesh = dist.init_device_mesh("cpu", { o.hsdp, world / o.hsdp }, { "replicate", "shard" })
+    mesh = dist.init_device_mesh(o.device, { o.hsdp, world / o.hsdp }, { "replicate", "shard" })
   else
-    mesh = dist.init_device_mesh("cpu", { world }, { "shard" })
+    mesh = dist.init_device_mesh(o.device, { world }, { "shard" })
   end
   local mp
   if o.param_dtype ~= "" or o.reduce_dtype ~= "" then
@@ -134,6 +135,7 @@ local function main(argv)
     C.init_weights(model, o.n_layers)
   end
   local n_params = model:num_parameters()
+  if o.device ~= "cpu" then model:to(o.device) end -- every parameter and buffer on the GPU before sharding
   -- 2-D: tensor parallelism first (each rank keeps its tp shard), then FSDP shards those over the dp dims
   if two_d then
     if CFG and CFG.parallelize then CFG.parallelize(model, tp_mesh, o)
@@ -189,7 +191,8 @@ local function main(argv)
     end
     local rows_ = {}
     for r = 1, world do rows_[r] = { 0, 0, 0, 0 } end
-    rows_[rank + 1] = { pb, gb, ob, engine.memory_stats().peak_allocated }
+    rows_[rank + 1] = { pb, gb, ob, o.device == "cuda" and engine.cuda.memory_stats().peak_allocated
+      or engine.memory_stats().peak_allocated }
     local t = engine.tensor(rows_, "f64")
     if world > 1 then dist.all_reduce(t, "sum") end
     local v = t:totable()
@@ -210,7 +213,7 @@ local function main(argv)
   C.train{ name = NAME, o = o, log = log, model = model, opt = opt, params = params, train = train, step = step,
     lr_at = lr_at, tokens = tokens_per_step, ck = ck, save = function(at_step) ck:save(at_step) end,
     evaluate = function()
-      return C.evaluate(model, val, function(x, y) return F.cross_entropy(model(x), y):item() end, n_val)
+      return C.evaluate(model, val, function(x, y) return F.cross_entropy(model(x), y):item() end, n_val, o)
     end,
     backward = function(x, y)
       local l = 0

@@ -29,6 +29,8 @@
 --              --dtensor_dp (1: without TP, data parallelism through DTensors as recipes/dp_gpt.lua:
 --              Replicate parameters on a "dp" mesh, Shard(1) batches, gradients reduced by autograd)
 --              --bucket_cap_mb (plain data parallelism: DistributedDataParallel's bucket size, default 25)
+--   device     --device (cpu (default) or cuda: the model, batches and meshes on each rank's GPU, NCCL between
+--              ranks; one rank per GPU, docs/cuda.md)
 --   (recipes/tp_gpt.lua runs this recipe with --tp=0 as its default; recipes/llama.lua runs it with
 --   the Llama model)
 --
@@ -87,6 +89,7 @@ end
 
 local function main(argv)
   local o = parse_args(argv)
+  C.check_device(NAME, o)
   dist.init()
   local rank, world = dist.rank(), dist.world_size()
   local log = C.logger(rank)
@@ -102,13 +105,13 @@ local function main(argv)
   end
   local mesh, dp_rank = nil, rank
   if tp > 1 then
-    mesh = dist.init_device_mesh("cpu", { dp, tp }, { "dp", "tp" })
+    mesh = dist.init_device_mesh(o.device, { dp, tp }, { "dp", "tp" })
     dp_rank = mesh:get_local_rank("dp")
   end
   -- --dtensor_dp=1 without TP: Replicate DTensor parameters on a 1-D "dp" mesh, each rank's batch its
   -- Shard(1) rows of the global batch, gradients all-reduced by the DTensor autograd (recipes/dp_gpt.lua)
   local ddp = o.dtensor_dp == 1 and tp == 1 and world > 1
-  if ddp then mesh = dist.init_device_mesh("cpu", { world }, { "dp" }) end
+  if ddp then mesh = dist.init_device_mesh(o.device, { world }, { "dp" }) end
 
   -- model
   local function build()
@@ -120,6 +123,7 @@ local function main(argv)
   end
   engine.manual_seed(o.seed)
   local model = build()
+  if o.device ~= "cpu" then model:to(o.device) end -- before parallelizing: every parameter and buffer there
   if tp > 1 then
     if MODEL then MODEL.parallelize(model, mesh["tp"], o)
     else nn.Transformer.parallelize(model, mesh["tp"], { use_seq_parallel = o.sp == 1 }) end
@@ -275,7 +279,7 @@ local function main(argv)
 
   C.train{ name = NAME, o = o, log = log, model = model, opt = opt, params = params, train = train, step = step,
     lr_at = lr_at, tokens = dp * o.batch * o.seq, ck = ck, save = save,
-    evaluate = function() return C.evaluate(model, val, eval_loss) end,
+    evaluate = function() return C.evaluate(model, val, eval_loss, nil, o) end,
     backward = function(x, y)
       local loss
       if ddp then

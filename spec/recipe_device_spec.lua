@@ -1,0 +1,63 @@
+-- The recipes' --device option (recipes/common.lua: check_device, to_device): without a GPU, --device=cuda fails
+-- at once with the runtime's reason and a wrong device names the option; on a GPU ("#gpu"), gpt.lua and
+-- fsdp_gpt.lua train on CUDA to the CPU run's losses (f32, 3 steps, relative 1e-3: GPU and CPU kernels round
+-- differently).
+local engine = require("engine")
+local proc = require("spec.helpers.proc")
+
+local COMMON = { "--steps=3", "--log_every=1", "--sample_len=0", "--eval_batches=1", "--eval_every=0", "--ckpt_every=-1",
+  "--n_layers=2", "--dim=64", "--seq=32", "--batch=4", "--log_exact=1" }
+
+local function args(extra)
+  local a = {}
+  for _, v in ipairs(COMMON) do a[#a + 1] = v end
+  for _, v in ipairs(extra or {}) do a[#a + 1] = v end
+  return a
+end
+
+local function losses(out)
+  local r = {}
+  for v in out:gmatch("| loss ([%d%.e%-+]+) |") do r[#r + 1] = tonumber(v) end
+  return r
+end
+
+describe("recipes --device", function()
+  it("--device=cuda without a GPU fails at once with the reason; a wrong device names the option", function()
+    if engine.cuda.is_available() then pending("a GPU is present: covered by the #gpu tests") end
+    local out, st = proc.job(0, "recipes/gpt.lua", args({ "--device=cuda" }))
+    assert.are_not.equal(0, st)
+    assert.matches("gpt: %-%-device=cuda: CUDA is not available", out)
+    out, st = proc.job(0, "recipes/fsdp_gpt.lua", args({ "--device=cuda" }))
+    assert.are_not.equal(0, st)
+    assert.matches("fsdp_gpt: %-%-device=cuda: CUDA is not available", out)
+    out, st = proc.job(0, "recipes/gpt.lua", args({ "--device=tpu" }))
+    assert.are_not.equal(0, st)
+    assert.matches("%-%-device must be cpu or cuda, got 'tpu'", out)
+  end)
+end)
+
+describe("recipes on the GPU #gpu", function()
+  local function same_losses(label, np, script, extra)
+    local cpu_out = proc.job(np, script, args(extra))
+    local gpu_extra = { "--device=cuda" }
+    for _, v in ipairs(extra or {}) do gpu_extra[#gpu_extra + 1] = v end
+    local gpu_out, st = proc.job(np, script, args(gpu_extra))
+    assert.are.equal(0, st, gpu_out)
+    local a, b = losses(cpu_out), losses(gpu_out)
+    assert.are.equal(3, #a, cpu_out)
+    assert.are.equal(#a, #b, gpu_out)
+    for i = 1, #a do
+      assert(math.abs(a[i] - b[i]) <= 1e-3 * math.abs(a[i]), string.format("%s step %d: cpu %.9g, cuda %.9g", label, i, a[i], b[i]))
+    end
+  end
+
+  it("gpt.lua trains on one GPU to the CPU's losses", function()
+    if not engine.cuda.is_available() then pending("no GPU: " .. engine.cuda.unavailable_reason()) end
+    same_losses("gpt", 0, "recipes/gpt.lua")
+  end)
+
+  it("fsdp_gpt.lua (one rank) trains on the GPU to the CPU's losses", function()
+    if not engine.cuda.is_available() then pending("no GPU: " .. engine.cuda.unavailable_reason()) end
+    same_losses("fsdp_gpt", 0, "recipes/fsdp_gpt.lua")
+  end)
+end)
