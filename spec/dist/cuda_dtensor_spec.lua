@@ -270,6 +270,61 @@ describe("parallelism on a CUDA mesh trains like one process on the GPU #gpu", f
     train_equal("fsdp", m, ref, ce)
   end)
 
+  it("DistributedDataParallel over NCCL (buckets during backward)", function()
+    util.need_cuda_ranks(pending)
+    if 4 % W ~= 0 then pending("batch 4 over " .. W .. " ranks") end
+    local ref = build():to("cuda")
+    local net = build():to("cuda")
+    local m = dist.DistributedDataParallel(net, { bucket_cap_mb = 0.01 })
+    local function rows(x, y)
+      local b = x:size(1) / W
+      return x:narrow(1, R * b + 1, b):contiguous(), y:narrow(1, R * b + 1, b):contiguous()
+    end
+    local opt_r = engine.optim.AdamW(ref:parameters(), { lr = 1e-2, weight_decay = 0.1 })
+    local opt_m = engine.optim.AdamW(m:parameters(), { lr = 1e-2, weight_decay = 0.1 })
+    for step = 1, 5 do
+      local x, y = tokens(4, T, 100 + step), tokens(4, T, 200 + step)
+      local xm, ym = rows(x, y)
+      local lm = ce(m, xm, ym); lm:backward()
+      local lr = ce(ref, x, y); lr:backward()
+      local avg = engine.tensor({ lm:item() }, "f64")
+      dist.all_reduce(avg, "avg") -- each rank's mean over its rows; their average is the global mean
+      assert(rel(avg:item(), lr:item()) <= 1e-5, string.format("ddp step %d: loss %.9g vs %.9g", step, avg:item(), lr:item()))
+      for name, p in net:named_parameters() do
+        local d = diff(p.grad, ref:get_parameter(name).grad)
+        assert(d <= 1e-5, string.format("ddp step %d: grad of %s differs by %g", step, name, d))
+      end
+      opt_m:step(); opt_m:zero_grad(); opt_r:step(); opt_r:zero_grad()
+    end
+    assert(m:comm_stats().collectives >= 2)
+  end)
+
+  it("dist.checkpoint saves CUDA DTensor state and loads it into another layout and device", function()
+    util.need_cuda_ranks(pending)
+    local gm = mesh("cuda", { W }, { "tp" })
+    local m = build():to("cuda")
+    models.Transformer.parallelize(m, gm, { use_seq_parallel = true })
+    local stamp = engine.tensor({ math.floor(engine.time() * 1000) % 100000000 }, "f64")
+    dist.broadcast(stamp, 0)
+    local dir = string.format("%s/cuda_ckpt_%d_w%d", os.getenv("TMPDIR") or "/tmp", stamp:item(), W)
+    dist.checkpoint.save(m:state_dict(), dir)
+    -- into a plain CPU model on every rank, and into a CUDA model laid out for DTensor data parallelism
+    local plain = models.Transformer(args)
+    local sd = plain:state_dict()
+    dist.checkpoint.load(sd, dir)
+    plain:load_state_dict(sd)
+    local dp = build():to("cuda")
+    dist.replicate_parameters(dp, mesh("cuda", { W }, { "dp" }))
+    local sd2 = dp:state_dict()
+    dist.checkpoint.load(sd2, dir)
+    dp:load_state_dict(sd2)
+    for name, p in m:named_parameters() do
+      assert.are.equal(0, diff(p, plain:get_parameter(name)), "cpu " .. name)
+      assert.are.equal(0, diff(p, dp:get_parameter(name)), "dp " .. name)
+    end
+    if R == 0 then os.execute("rm -rf '" .. dir .. "'") end
+  end)
+
   it("FSDP over TP on a 2-D CUDA mesh", function()
     util.need_cuda_ranks(pending)
     if W ~= 4 then pending("needs 4 ranks for a 2 x 2 mesh") end
