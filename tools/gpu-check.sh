@@ -171,9 +171,12 @@ if [ "$NGPU" -lt 2 ] && [ "$(left)" -gt 40 ] && [ -z "$ONLY" ]; then
   timeout 60 $MPIRUN $PASS -np 2 "$ENGINE" -e '
     local e = require("engine"); local d = e.distributed
     local ok, err = pcall(function() local x = e.ones(4, { device = "cuda" }); d.all_reduce(x); return x:to("cpu"):get(1) end)
-    print(string.format("rank %d: %s %s", d.rank(), ok and "ok" or "error", tostring(err)))' \
+    print(string.format("rank %d: all_reduce: %s %s", d.rank(), ok and "ok" or "error", tostring(err)))
+    ok, err = pcall(d.init_device_mesh, "cuda", { d.world_size() })
+    print(string.format("rank %d: init_device_mesh: %s %s", d.rank(), ok and "ok" or "error", tostring(err)))' \
     > "$OUT/nccl_same_gpu_probe.log" 2>&1
-  echo "probe (2 ranks on one GPU without NCCL_HOSTID, rc $?): $(grep -m1 'rank 0' "$OUT/nccl_same_gpu_probe.log" | cut -c1-300)" >> "$LINES"
+  echo "probe (2 ranks on one GPU without NCCL_HOSTID, rc $?): $(grep -m1 'rank 0: all_reduce' "$OUT/nccl_same_gpu_probe.log" | cut -c1-300)" >> "$LINES"
+  echo "probe: $(grep -m1 'rank 0: init_device_mesh' "$OUT/nccl_same_gpu_probe.log" | cut -c1-400)" >> "$LINES"
 fi
 
 # ------------------------------------------------------------------ 3e. benchmarks

@@ -56,6 +56,8 @@ int eng_cuda_set_device(int device);
 int eng_cuda_current_device(void);
 /* Name of a device into buf (NUL-terminated, truncated to buflen). */
 int eng_cuda_device_name(int device, char* buf, int buflen);
+/* PCI bus id of a device ("0000:1a:00.0") into buf (NUL-terminated, truncated to buflen). */
+int eng_cuda_device_bus_id(int device, char* buf, int buflen);
 typedef struct eng_cuda_device_props {
   char name[256];
   int major, minor;        /* compute capability */

@@ -2,6 +2,7 @@
  * process group per mesh dim (this rank's row), slicing and flattening. */
 #include "comm/comm_impl.h"
 #include <stdio.h>
+#include <unistd.h>
 
 #define NAME_MAX_LEN 63
 
@@ -150,6 +151,49 @@ static eng_mesh* build_local(const char* op, int device, int ndim, const int64_t
   return m;
 }
 
+/* A CUDA mesh: NCCL refuses two ranks of one communicator on one GPU (its "invalid usage" at the first collective,
+ * on some ranks only when the others wait elsewhere).  Every rank publishes its host (hostname, and NCCL_HOSTID,
+ * which makes NCCL treat ranks as different hosts) and its GPU's bus id in one all_gather over the world; two mesh
+ * ranks with the same host and GPU fail mesh creation on every rank with a message naming them and the fix. */
+typedef struct gpu_id { int32_t err, dev; char host[72]; char hostid[64]; char bus[32]; } gpu_id;
+
+static int gpu_check(const eng_mesh* m, const char* op) {
+  int world = eng_dist_world_size();
+  if (world < 2) return 0;
+  gpu_id mine;
+  memset(&mine, 0, sizeof mine);
+  mine.dev = eng_cuda_current_device();
+  if (mine.dev < 0 || eng_cuda_device_bus_id(mine.dev, mine.bus, sizeof mine.bus)) mine.err = 1;
+  gethostname(mine.host, sizeof mine.host - 1);
+  const char* hid = getenv("NCCL_HOSTID");
+  if (hid) snprintf(mine.hostid, sizeof mine.hostid, "%s", hid);
+  char why[512] = "";
+  if (mine.err) snprintf(why, sizeof why, "%s", eng_last_error());
+  gpu_id* all = calloc((size_t)world, sizeof *all);
+  if (!all) return eng_err("%s: out of memory", op);
+  int rc = MPI_Allgather(&mine, (int)sizeof mine, MPI_BYTE, all, (int)sizeof mine, MPI_BYTE, MPI_COMM_WORLD);
+  if (rc != MPI_SUCCESS) { free(all); return eng_err("%s: %s", op, comm_mpi_errstr(rc)); }
+  int bad = 0;
+  for (int i = 0; i < world && !bad; i++)
+    if (all[i].err) {
+      bad = 1;
+      if (mine.err) eng_err("%s: device 'cuda': %s", op, why);
+      else eng_err("%s: device 'cuda': rank %d cannot use its GPU (see its error)", op, i);
+    }
+  for (int a = 0; a < m->numel && !bad; a++)
+    for (int b = a + 1; b < m->numel && !bad; b++) {
+      const gpu_id *x = &all[m->ranks[a]], *y = &all[m->ranks[b]];
+      if (strcmp(x->host, y->host) || strcmp(x->hostid, y->hostid) || strcmp(x->bus, y->bus)) continue;
+      bad = 1;
+      eng_err("%s: ranks %d and %d of the mesh both use GPU %d (bus %s) of host %s: NCCL cannot run two ranks of one "
+              "communicator on one GPU. Launch one rank per GPU (mpirun -np <GPUs per node> x nodes), or for tests give "
+              "each rank its own NCCL_HOSTID with NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 (docs/cuda.md, \"Several ranks "
+              "on one GPU\")", op, m->ranks[a], m->ranks[b], x->dev, x->bus, x->host);
+    }
+  free(all);
+  return bad ? -1 : 0;
+}
+
 eng_mesh* eng_mesh_new(int device, int ndim, const int64_t* shape, const int* ranks, const char* const* names) {
   const char* op = "init_device_mesh";
   if (comm_ensure_init(op)) return NULL;
@@ -179,6 +223,7 @@ eng_mesh* eng_mesh_new(int device, int ndim, const int64_t* shape, const int* ra
   int rc = comm_world_agree(blob, blob_n, op, "mesh shapes, rank lists or dim names");
   free(blob);
   if (rc) { eng_mesh_release(m); return NULL; }
+  if (device == ENG_CUDA && gpu_check(m, op)) { eng_mesh_release(m); return NULL; }
   find_me(m);
   for (int d = 0; d < ndim; d++) {
     m->groups[d] = make_dim_group(m, d);

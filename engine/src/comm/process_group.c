@@ -211,6 +211,15 @@ int comm_ensure_init(const char* op) {
     g_next_id--;
     g_my_rank = g_world->rank;
     bye_init();
+    /* the node-local rank, from the shared-memory communicator (launcher variables may be missing or wrong) */
+    MPI_Comm local;
+    if (MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &local) == MPI_SUCCESS) {
+      int lr = 0, ls = 1;
+      MPI_Comm_rank(local, &lr);
+      MPI_Comm_size(local, &ls);
+      MPI_Comm_free(&local);
+      eng_set_node_local_rank(lr, ls);
+    }
   }
   return 0;
 }

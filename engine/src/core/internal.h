@@ -105,6 +105,11 @@ int eng_copy_raw(eng_tensor* dst, const eng_tensor* src, const int64_t* src_stri
 /* Zero n elements of t's storage from t's first element + first, on t's device (memset on the CPU, an
  * asynchronous device memset on the compute stream for CUDA; nothing on meta).  0 / -1. */
 int eng_zero_elems(eng_tensor* t, int64_t first, int64_t n);
+/* The node-local rank (the shared-memory communicator's) and the number of ranks on this node, set by comm/ when
+ * the distributed runtime starts (-1 and 0 before). */
+void eng_set_node_local_rank(int rank, int size);
+int eng_node_local_rank(void);
+int eng_node_local_size(void);
 /* A contiguous tensor of the given dtype with t's values (t itself retained
  * when already so).  No autograd. */
 eng_tensor* eng_as_contig(eng_tensor* t, int dtype);

@@ -20,6 +20,9 @@
   "CUDA is not available: this build has no CUDA backend (nvcc was not found at configure time, or -DENABLE_CUDA=OFF)"
 
 int eng_cuda_local_rank(void) {
+  /* once the distributed runtime runs: the shared-memory communicator's rank (right on any node, with any
+   * launcher); before it, the launcher's variables */
+  if (eng_node_local_rank() >= 0) return eng_node_local_rank();
   static const char* const vars[] = {"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK",
                                      "SLURM_LOCALID", "LOCAL_RANK"};
   for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++) {
@@ -30,7 +33,7 @@ int eng_cuda_local_rank(void) {
       if (*end == '\0' && r >= 0 && r < 1 << 20) return (int)r;
     }
   }
-  return eng_dist_rank(); /* no launcher variable: the world rank (0 before MPI starts) */
+  return 0; /* no launcher variable and no MPI yet: device 0 (MPI starts with the engine host, before any CUDA use) */
 }
 
 #ifdef ENG_HAVE_CUDA
@@ -136,6 +139,16 @@ int eng_cuda_set_device(int device) {
 int eng_cuda_current_device(void) {
   if (ensure("cuda current_device")) return -1;
   return g_dev;
+}
+
+int eng_cuda_device_bus_id(int device, char* buf, int buflen) {
+  const char* op = "cuda device_bus_id";
+  if (!buf || buflen < 1) return eng_err("%s: no buffer", op);
+  if (!eng_cuda_is_available()) return eng_err("%s: %s", op, g_reason);
+  if (device < 0 || device >= g_count) return eng_err("%s: device %d does not exist (%d devices)", op, device, g_count);
+  cudaError_t e = cudaDeviceGetPCIBusId(buf, buflen, device);
+  if (e != cudaSuccess) return cuerr(e, op, "cudaDeviceGetPCIBusId");
+  return 0;
 }
 
 int eng_cuda_get_device_properties(int device, eng_cuda_device_props* out) {
@@ -661,6 +674,10 @@ int eng_cuda_device_name(int device, char* buf, int buflen) {
 int eng_cuda_get_device_properties(int device, eng_cuda_device_props* out) {
   (void)device; (void)out;
   return NOCUDA("cuda get_device_properties");
+}
+int eng_cuda_device_bus_id(int device, char* buf, int buflen) {
+  (void)device; (void)buf; (void)buflen;
+  return NOCUDA("cuda device_bus_id");
 }
 int eng_cuda_synchronize(void) { return NOCUDA("cuda synchronize"); }
 void* eng_cuda_stream(int which) { (void)which; return NOCUDAP("cuda stream"); }
