@@ -186,6 +186,13 @@ if [ "$BENCH" != none ]; then
     args=""; [ "$BENCH" = engine ] && args="--torch=0"
     timeout $(( $(left) > 300 ? 300 : $(left) )) "$ENGINE" recipes/bench/gpu_step.lua $args > "$OUT/gpu_step.log" 2>&1
     BENCHLINES="$(grep -E '^gpu_step|tok/s|MFU' "$OUT/gpu_step.log" | tail -4)"
+    # the profiler's table of the engine's step (issue 28: commit it with the run summary)
+    if [ "$(left)" -gt 40 ]; then
+      ENGINE_PROFILE=1 timeout 120 "$ENGINE" recipes/bench/gpu_step.lua --torch=0 --steps=5 --warmup=2 \
+        > "$OUT/gpu_step_profile.log" 2>&1
+      BENCHLINES="$BENCHLINES
+$(grep -A 25 '^profile (rank 0)' "$OUT/gpu_step_profile.log")"
+    fi
   else
     BENCHLINES="gpu_step: not run (time budget)"
   fi

@@ -38,6 +38,7 @@ extern "C" {
 #include "eng/sharded_tensor.h"
 #include "eng/fsdp.h"
 #include "eng/ddp.h"
+#include "eng/profiler.h"
 #include "eng/checkpoint.h"
 #include "eng/cuda.h"
 #ifdef __cplusplus

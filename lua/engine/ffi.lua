@@ -80,5 +80,14 @@ if not C then
     error("engine.ffi: cannot load libengine (build it with `make build`): " .. table.concat(errs, "; "), 0)
   end
 end
+-- ENGINE_PROFILE (set at launch): the op calls go through the profiler's timing wrapper (lua/engine/profiler.lua);
+-- any value but "0"/"off" also starts recording and prints the table at exit
+local prof = os.getenv("ENGINE_PROFILE")
+if prof and prof ~= "" then
+  local raw = C
+  C = require("engine.profiler").proxy(raw, home)
+  rawset(_G, "ENGINE_PROFILE_INSTALLED", true)
+  if prof ~= "0" and prof ~= "off" then raw.eng_profiler_enable(1, 1) end
+end
 M.C = C
 return M

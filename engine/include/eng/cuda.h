@@ -72,6 +72,14 @@ int eng_cuda_get_device_properties(int device, eng_cuda_device_props* out);
 int eng_cuda_synchronize(void);
 /* cudaStream_t of a stream id (opaque here), NULL with an error. */
 void* eng_cuda_stream(int which);
+/* Timing events on the compute stream (the profiler): create (NULL without CUDA), record on the compute stream,
+ * query (1 complete, 0 not yet, -1 error), the milliseconds between two recorded events (waits for the second;
+ * negative on error), destroy. */
+void* eng_cuda_event_create(void);
+int eng_cuda_event_record(void* ev);
+int eng_cuda_event_query(void* ev);
+double eng_cuda_event_elapsed_ms(void* start, void* end);
+void eng_cuda_event_destroy(void* ev);
 /* Later work on `waiter` runs after everything queued so far on
  * `signaller` (an event between the streams; no host sync). */
 int eng_cuda_stream_wait(int waiter, int signaller);

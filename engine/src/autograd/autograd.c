@@ -738,7 +738,9 @@ static int backward_graph(int n, eng_tensor** tensors, eng_tensor** grads, int r
         graph* prev_graph = t_graph;
         eng_node* prev_node = t_node;
         t_graph = &g; t_node = nd;
+        int64_t prof = eng_profiler_enabled() ? eng_profiler_begin(nd->name) : -1;
         int brc = nd->dist && g_dist.node_backward ? g_dist.node_backward(nd, s->buf, gi) : nd->backward(nd, s->buf, gi);
+        if (prof >= 0) eng_profiler_end(prof, 0);
         t_graph = prev_graph; t_node = prev_node;
         if (brc) {
           if (!eng_last_error()[0]) eng_err("failed");

@@ -210,6 +210,7 @@ int comm_ensure_init(const char* op) {
     g_world->id = 0;
     g_next_id--;
     g_my_rank = g_world->rank;
+    eng_set_process_rank(g_world->rank);
     bye_init();
     /* the node-local rank, from the shared-memory communicator (launcher variables may be missing or wrong) */
     MPI_Comm local;

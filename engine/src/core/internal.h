@@ -110,6 +110,10 @@ int eng_zero_elems(eng_tensor* t, int64_t first, int64_t n);
 void eng_set_node_local_rank(int rank, int size);
 int eng_node_local_rank(void);
 int eng_node_local_size(void);
+/* This process's world rank, set by comm/ when the distributed runtime starts (0 before): for messages and reports
+ * of core/ (core does not call comm/). */
+void eng_set_process_rank(int rank);
+int eng_process_rank(void);
 /* A contiguous tensor of the given dtype with t's values (t itself retained
  * when already so).  No autograd. */
 eng_tensor* eng_as_contig(eng_tensor* t, int dtype);

@@ -22,8 +22,10 @@ const char* eng_version(void) { return "engine " ENG_VERSION_STRING; }
 
 /* This process's rank among the processes of its node (the shared-memory communicator's rank), set by comm/ when
  * the distributed runtime starts; -1 before.  The CUDA runtime picks the local GPU from it. */
-static int g_node_rank = -1, g_node_size = 0;
+static int g_node_rank = -1, g_node_size = 0, g_process_rank = 0;
 void eng_set_node_local_rank(int rank, int size) { g_node_rank = rank; g_node_size = size; }
+void eng_set_process_rank(int rank) { g_process_rank = rank; }
+int eng_process_rank(void) { return g_process_rank; }
 int eng_node_local_rank(void) { return g_node_rank; }
 int eng_node_local_size(void) { return g_node_size; }
 

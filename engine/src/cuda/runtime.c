@@ -141,6 +141,34 @@ int eng_cuda_current_device(void) {
   return g_dev;
 }
 
+void* eng_cuda_event_create(void) {
+  if (!eng_cuda_is_available()) return NULL;
+  cudaEvent_t e;
+  if (cudaEventCreate(&e) != cudaSuccess) { cudaGetLastError(); return NULL; }
+  return (void*)e;
+}
+int eng_cuda_event_record(void* ev) {
+  void* s = ev ? eng_cuda_stream(ENG_CUDA_STREAM_COMPUTE) : NULL;
+  if (!s) return -1;
+  if (cudaEventRecord((cudaEvent_t)ev, (cudaStream_t)s) != cudaSuccess) { cudaGetLastError(); return -1; }
+  return 0;
+}
+int eng_cuda_event_query(void* ev) {
+  if (!ev) return -1;
+  cudaError_t e = cudaEventQuery((cudaEvent_t)ev);
+  if (e == cudaSuccess) return 1;
+  if (e == cudaErrorNotReady) return 0;
+  cudaGetLastError();
+  return -1;
+}
+double eng_cuda_event_elapsed_ms(void* start, void* end) {
+  if (!start || !end || cudaEventSynchronize((cudaEvent_t)end) != cudaSuccess) { cudaGetLastError(); return -1; }
+  float ms = 0;
+  if (cudaEventElapsedTime(&ms, (cudaEvent_t)start, (cudaEvent_t)end) != cudaSuccess) { cudaGetLastError(); return -1; }
+  return ms;
+}
+void eng_cuda_event_destroy(void* ev) { if (ev) cudaEventDestroy((cudaEvent_t)ev); }
+
 int eng_cuda_device_bus_id(int device, char* buf, int buflen) {
   const char* op = "cuda device_bus_id";
   if (!buf || buflen < 1) return eng_err("%s: no buffer", op);
@@ -679,6 +707,11 @@ int eng_cuda_device_bus_id(int device, char* buf, int buflen) {
   (void)device; (void)buf; (void)buflen;
   return NOCUDA("cuda device_bus_id");
 }
+void* eng_cuda_event_create(void) { return NULL; }
+int eng_cuda_event_record(void* ev) { (void)ev; return -1; }
+int eng_cuda_event_query(void* ev) { (void)ev; return -1; }
+double eng_cuda_event_elapsed_ms(void* start, void* end) { (void)start; (void)end; return -1; }
+void eng_cuda_event_destroy(void* ev) { (void)ev; }
 int eng_cuda_synchronize(void) { return NOCUDA("cuda synchronize"); }
 void* eng_cuda_stream(int which) { (void)which; return NOCUDAP("cuda stream"); }
 int eng_cuda_stream_wait(int waiter, int signaller) { (void)waiter; (void)signaller; return NOCUDA("cuda stream_wait"); }
