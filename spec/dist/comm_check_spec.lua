@@ -268,3 +268,48 @@ describe("DTensors: local and global views", function()
     still_usable()
   end)
 end)
+
+describe("deferred signature checks (NCCL's default; ENGINE_COMM_CHECK=async everywhere)", function()
+  -- the check's all_reduce starts and the collective is issued without waiting for it (no host round trip in
+  -- front of an NCCL call); the next call on the group completes it: a mismatch fails that call on every rank and
+  -- aborts the group, which says so afterwards. Exercised here on MPI through the async mode.
+  local C = engine.C
+  local function with_async(fn)
+    C.eng_comm_set_check(3)
+    local ok, err = pcall(fn)
+    C.eng_comm_set_check(1)
+    assert(ok, err)
+  end
+
+  it("agreeing collectives give the same results and counts as blocking checks", function()
+    with_async(function()
+      local t = engine.tensor({ R + 1, 2 * (R + 1) })
+      local c = dist.count_collectives(function()
+        dist.all_reduce(t, "sum")
+        dist.all_reduce(t, "max")
+        dist.barrier()
+      end)
+      local s = W * (W + 1) / 2
+      assert.same({ s, 2 * s }, flat(t))
+      assert.equal(2, c.all_reduce)
+    end)
+  end)
+
+  it("a mismatch fails the next call on the group on every rank, names both sides, and aborts the group", function()
+    multi()
+    with_async(function()
+      local g = dist.new_group(range(W))
+      local t = engine.ones(3)
+      -- same sizes, different ops: MPI completes it, the deferred check sees the difference
+      dist.all_reduce(t, R == 0 and "sum" or "max", { group = g })
+      local err = fails(function() dist.all_reduce(engine.ones(2), "sum", { group = g }) end)
+      assert.matches("deferred signature check", err)
+      assert.matches("sum", err)
+      assert.matches("max", err)
+      err = fails(function() dist.all_reduce(engine.ones(2), "sum", { group = g }) end)
+      assert.matches("is unusable: the ranks issued different collectives at #", err)
+      still_usable() -- the world group is unaffected
+      still_usable(dist.new_group(range(W)))
+    end)
+  end)
+end)

@@ -23,6 +23,9 @@ struct eng_pg {
   void* nccl;           /* NCCL backend state, created on first use */
   int cma;              /* single-copy exchanges (comm/cma.c): 0 not probed yet, 1 usable, -1 not */
   int bwd_reduce_dtype; /* DTensor backward Partial reductions on this group: dtype + 1 (0: their own dtype) */
+  void* pend_check;     /* a deferred signature check in flight (process_group.c), or NULL */
+  int aborted;          /* a deferred check found mismatched collectives: every later call fails */
+  int64_t aborted_seq;  /* the first mismatched collective */
 };
 
 /* One collective on raw contiguous buffers, as handed to a backend.
@@ -58,6 +61,7 @@ COMM_INTERNAL int comm_nccl_wait(void* event);
 COMM_INTERNAL int comm_nccl_test(void* event); /* 1 done, 0 running, -1 error */
 COMM_INTERNAL void comm_nccl_event_free(void* event);
 COMM_INTERNAL void comm_nccl_pg_free(void* state);
+COMM_INTERNAL void comm_nccl_pg_abort(void* state);
 
 /* Groups (comm/process_group.c): a group over an MPI communicator (taken over; may be
  * MPI_COMM_NULL for a non-member). */

@@ -92,6 +92,14 @@ void comm_nccl_pg_free(void* state) {
   free(s);
 }
 
+/* Abort (not destroy: a destroy waits for the kernels, which a mismatched collective never ends) and free. */
+void comm_nccl_pg_abort(void* state) {
+  nccl_state* s = state;
+  if (!s) return;
+  ncclCommAbort(s->comm);
+  free(s);
+}
+
 static ncclDataType_t nccl_type(int dtype) {
   switch (dtype) {
     case ENG_F32: return ncclFloat32;

@@ -56,16 +56,25 @@ static double timeout_s(void) {
   return g_timeout;
 }
 
-/* The signature check: on unless ENGINE_COMM_CHECK=0 (debug mode keeps it on). */
+/* The signature check: on unless ENGINE_COMM_CHECK=0 (debug mode keeps it on).  g_check: 0 off, 1 on (blocking on
+ * MPI, deferred on NCCL), 2 "sync" (blocking everywhere), 3 "async" (deferred everywhere).  Deferred: the check's
+ * all_reduce starts and the collective is issued at once (no host round trip in front of an NCCL call); the check is
+ * completed when the next call on the group begins (or the group is freed, or the runtime ends), and a mismatch
+ * fails that call on every rank and aborts the group. */
 static int check_on(void) {
   if (g_check < 0) {
     const char* e = getenv("ENGINE_COMM_CHECK");
-    g_check = !(e && !strcmp(e, "0"));
+    g_check = !e ? 1 : !strcmp(e, "0") ? 0 : !strcmp(e, "sync") ? 2 : !strcmp(e, "async") ? 3 : 1;
   }
   return g_check || debug_on();
 }
 
-int eng_comm_set_check(int on) { g_check = on ? 1 : 0; return 0; }
+static int check_deferred(int nccl) {
+  if (!check_on() || debug_on()) return 0;
+  return g_check == 3 || (g_check == 1 && nccl);
+}
+
+int eng_comm_set_check(int on) { g_check = on < 0 || on > 3 ? 1 : on; return 0; }
 int eng_comm_get_check(void) { return check_on(); }
 double eng_comm_get_timeout(void) { return timeout_s(); }
 int eng_comm_set_debug(int on) { g_debug = on ? 1 : 0; return 0; }
@@ -275,9 +284,13 @@ eng_pg* eng_pg_retain(eng_pg* pg) {
   return pg;
 }
 
+static int pend_finish(eng_pg* pg);
+static void pend_finish_all(void);
+
 void eng_pg_release(eng_pg* pg) {
   if (!pg) return;
   if (__atomic_sub_fetch(&pg->refcount, 1, __ATOMIC_ACQ_REL) != 0) return;
+  if (pg->pend_check && eng_dist_is_initialized()) pend_finish(pg); /* complete the request before freeing ctl */
 #if defined(ENG_HAVE_CUDA) && defined(ENG_HAVE_NCCL)
   if (pg->nccl) comm_nccl_pg_free(pg->nccl);
 #endif
@@ -793,6 +806,7 @@ static void bye_poll(void) {
 }
 
 void comm_say_goodbye(void) {
+  pend_finish_all();
   if (g_bye_comm == MPI_COMM_NULL) return;
   char text[BYE_LEN];
   int k = snprintf(text, sizeof text, "last collectives of rank %d (%lld in all):\n", g_my_rank, (long long)g_hist_n);
@@ -956,8 +970,79 @@ static int check_run(eng_pg* pg, const char* name, const fprint* f, int local_er
   return check_run_vals(pg, name, f, NULL, 0);
 }
 
+/* ---- deferred checks */
+typedef struct pend_check {
+  MPI_Request r;
+  int64_t v[6];
+  fprint f;
+  char name[64];
+} pend_check;
+
+#define MAX_PEND_GROUPS 256
+static eng_pg* g_pend_pgs[MAX_PEND_GROUPS];
+static int g_npend_pgs;
+
+static int group_aborted(const eng_pg* pg, const char* name) {
+  return eng_err("%s: group %s is unusable: the ranks issued different collectives at #%lld (found by the deferred "
+                 "signature check, after the collectives had started); create a new group", name, pg->name,
+                 (long long)pg->aborted_seq);
+}
+
+/* Complete pg's deferred check: 0 when the signatures agreed, else -1 on every member (the report names what each
+ * rank issued) and the group is aborted (NCCL: its communicator is aborted, so a mismatched kernel cannot hang). */
+static int pend_finish(eng_pg* pg) {
+  pend_check* p = pg->pend_check;
+  if (!p) return 0;
+  pg->pend_check = NULL;
+  for (int i = 0; i < g_npend_pgs; i++)
+    if (g_pend_pgs[i] == pg) { g_pend_pgs[i] = g_pend_pgs[--g_npend_pgs]; break; }
+  if (check_wait(pg, &p->r, p->name, &p->f)) return -1; /* a peer has ended: p stays allocated (request pending) */
+  int ok = p->v[3] == -p->v[4] && p->v[5] == 0;
+  if (ok) { free(p); return 0; }
+  check_report(pg, p->name, &p->f, 0);
+  pg->aborted = 1;
+  pg->aborted_seq = p->f.seq;
+#if defined(ENG_HAVE_CUDA) && defined(ENG_HAVE_NCCL)
+  if (pg->nccl) { comm_nccl_pg_abort(pg->nccl); pg->nccl = NULL; }
+#endif
+  char msg[2048];
+  snprintf(msg, sizeof msg, "%s (found by the deferred signature check when the next call on the group began; the "
+           "group is aborted)", eng_last_error());
+  eng_set_error_message(msg);
+  free(p);
+  return -1;
+}
+
+/* Start a deferred check of f on pg (the collective is issued right after, without waiting). */
+static int check_start(eng_pg* pg, const char* name, const fprint* f) {
+  if (pg->broken || pg->size < 2 || g_npend_pgs >= MAX_PEND_GROUPS) return check_run(pg, name, f, f->err);
+  if (pg->pend_check && pend_finish(pg)) return -1;
+  if (pg->aborted) return group_aborted(pg, name);
+  pend_check* p = calloc(1, sizeof *p);
+  if (!p) return check_run(pg, name, f, f->err);
+  int64_t h = (int64_t)(fp_hash(f) >> 1);
+  p->v[0] = h; p->v[1] = -h; p->v[2] = f->err ? 1 : 0;
+  p->f = *f;
+  snprintf(p->name, sizeof p->name, "%s", name);
+  int rc = MPI_Iallreduce(p->v, p->v + 3, 3, MPI_INT64_T, MPI_MAX, pg->ctl, &p->r);
+  if (rc != MPI_SUCCESS) { free(p); return eng_err("%s: signature check failed: %s", name, comm_mpi_errstr(rc)); }
+  pg->pend_check = p;
+  g_pend_pgs[g_npend_pgs++] = pg;
+  return 0;
+}
+
+/* Every deferred check still in flight (before MPI ends). */
+static void pend_finish_all(void) {
+  while (g_npend_pgs > 0) {
+    eng_pg* pg = g_pend_pgs[g_npend_pgs - 1];
+    if (pend_finish(pg) && pg->pend_check) break; /* a peer ended: leave it */
+  }
+}
+
 static int check_run_vals(eng_pg* pg, const char* name, const fprint* f, int64_t* vals, int n_vals) {
   int local_err = f->err;
+  if (pg->pend_check && pend_finish(pg)) return -1;
+  if (pg->aborted) return local_err ? -1 : group_aborted(pg, name);
   if (pg->broken) {
     int who = ended_member(pg);
     if (local_err) return -1;
@@ -1232,7 +1317,9 @@ static int run(const coll* c, eng_work** work) {
       if (f.ndim) f.shape[0] = total;
     }
     if (debug_on()) debug_log(c->pg, c->name, &f);
-    int rc = check_run(c->pg, c->name, &f, err);
+    int on_cuda = (c->out && c->out->device == ENG_CUDA) || (c->in && c->in->device == ENG_CUDA);
+    int rc = !err && check_deferred(on_cuda && c->kind != ENG_COLL_BARRIER) ? check_start(c->pg, c->name, &f)
+                                                                           : check_run(c->pg, c->name, &f, err);
     /* every rank took part in the check, so every rank counts it */
     c->pg->seq++;
     if (rc) {
