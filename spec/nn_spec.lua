@@ -595,6 +595,24 @@ describe("nn.checkpoint", function()
     err(function() nn.checkpoint(5, a) end, "expected a Module or a function")
   end)
 
+  it("a region whose inputs do not require grad: the parameters it reads get their gradients (module, function)", function()
+    engine.manual_seed(5)
+    local m = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    local x = engine.randn(5, 3)   -- data: no grad
+    m(x):sum():backward()
+    local want = {}
+    for name, p in m:named_parameters() do want[name] = p.grad:clone(); p.grad = nil end
+    for _, form in ipairs({ "module", "function" }) do
+      local out = form == "module" and nn.checkpoint(m, x) or nn.checkpoint(function(h) return m(h) end, x)
+      assert.is_true(out.requires_grad, form)
+      out:sum():backward()
+      for name, p in m:named_parameters() do
+        close(p.grad, want[name], 1e-6, form .. " " .. name)
+        p.grad = nil
+      end
+    end
+  end)
+
   it("under no_grad just runs the function", function()
     local m = nn.Linear(2, 2)
     local y = engine.no_grad(nn.checkpoint, m, engine.ones(1, 2))

@@ -776,6 +776,21 @@ function M._current(view, name)
   return e.u
 end
 
+-- The unsharded parameter (leaf) registered under name, whatever the group's state: what the module computes
+-- with between the group's unshard and reshard, and what gets the gradient (nn.checkpoint passes it to its
+-- autograd node).  nil when name is not in a group.
+function M._leaf(view, name)
+  local e = view[name]
+  if not e then return nil end
+  local c = C.eng_fsdp_group_leaf(e.g, e.i)
+  if c == nil then return nil end
+  if e.lc ~= c then
+    e.lc = c
+    e.l = core.wrap(C.eng_tensor_retain(c))
+  end
+  return e.l
+end
+
 -- Counters for tests: all-gathers and reduce-scatters issued by module's group so far.
 function M.fsdp_counts(module)
   local st = group_of(module, "fsdp_counts")

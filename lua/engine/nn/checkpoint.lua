@@ -7,12 +7,21 @@
 -- kept; only the inputs and the random-number state are saved.  In backward
 -- the RNG state is restored (so dropout draws the same masks), the forward is
 -- recomputed with gradients on, and the gradients of the inputs and of the
--- module's parameters are computed from the recomputed graph and handed back
--- to the outer backward, which accumulates them into .grad as usual (so
--- gradient hooks on parameters run as without checkpointing).  For a plain
--- function, tensors it uses that are not among its arguments (closed-over
--- parameters) get their gradients accumulated by an inner backward instead.
-local engine = require("engine")
+-- parameters the region uses are computed from the recomputed graph.
+--
+-- The parameters the region uses are inputs of the checkpoint's autograd node
+-- even when no argument requires grad (PyTorch's non-reentrant checkpoint
+-- needs no differentiable input either: its saved-tensor hooks sit inside the
+-- region's own graph): a module's parameters, and the parameters the forward
+-- looked up on any module (`self.weight`), the ones of FSDP groups as their
+-- unsharded parameters (what the forward computes with, and what the group's
+-- gradient hooks watch).  For a module their gradients are handed back to the
+-- outer backward, which accumulates them into .grad as usual (so gradient
+-- hooks, and FSDP's reduce-scatter, run as without checkpointing).  For a
+-- plain function an inner backward accumulates them instead, together with
+-- any other tensor it closes over (a closed-over tensor that is no module's
+-- parameter is not seen: if no argument requires grad either, pass it as an
+-- argument).
 local core = require("engine.core")
 local autograd = require("engine.autograd")
 local mod = require("engine.nn.module")
@@ -26,18 +35,48 @@ local function get_rng()
 end
 local function set_rng(seed, offset) C.eng_rng_set_state(seed, offset) end
 
-local function checkpoint(fn, ...)
-  local callable, params
-  if mod.is_module(fn) then
-    local m = fn
-    callable = function(...) return m(...) end
-    params = {}
-    for _, p in ipairs(m:parameters()) do if p.requires_grad then params[#params + 1] = p end end
-    -- FSDP modules compute with unsharded parameters their hooks gather: those leaves get .grad (and
-    -- so the group's reduce-scatter) through the inner backward, as closed-over tensors do
-    for _, sub in ipairs(m:modules()) do
-      if rawget(sub, "_fsdp_view") or rawget(sub, "_fsdp") then params = nil; break end
+local fsdp_leaf
+-- The tensor the forward computes with for parameter name of module m (registered as p): an FSDP group's
+-- unsharded parameter, else p itself.
+local function used_tensor(m, name, p)
+  local view = rawget(m, "_fsdp_view")
+  if view and view[name] then
+    fsdp_leaf = fsdp_leaf or require("engine.distributed.fsdp")._leaf
+    return fsdp_leaf(view, name) or p
+  end
+  return p
+end
+
+-- The parameters a region used, each once, in a stable order: every parameter of module (when given), then
+-- those of reads (module, name pairs the forward looked up) not listed yet; only those requiring grad.
+local function region_params(module, reads)
+  local list, seen = {}, {}
+  local function add(m, name, p)
+    if p == nil then return end
+    local t = used_tensor(m, name, p)
+    local key = tonumber(ffi.cast("intptr_t", t._c))
+    if seen[key] then return end
+    seen[key] = true
+    if t.requires_grad and t:is_floating_point() then list[#list + 1] = t end
+  end
+  if module then
+    for _, m in ipairs(module:modules()) do
+      local params = rawget(m, "_parameters")
+      for _, name in ipairs(rawget(m, "_param_names")) do add(m, name, params[name]) end
     end
+  end
+  for i = 1, #reads, 2 do
+    local m, name = reads[i], reads[i + 1]
+    add(m, name, rawget(m, "_parameters")[name])
+  end
+  return list
+end
+
+local function checkpoint(fn, ...)
+  local callable, module
+  if mod.is_module(fn) then
+    module = fn
+    callable = function(...) return module(...) end
   elseif type(fn) == "function" then
     callable = fn
   else
@@ -51,57 +90,61 @@ local function checkpoint(fn, ...)
   for i = 1, nargs do if is_tensor(args[i]) then arg_pos[#arg_pos + 1] = i end end
   local n_arg_t = #arg_pos
 
-  local ctx_state = {}
-  local n_out
+  -- the forward, without a graph, noting the parameters it looks up
+  local st = {}
+  st.seed, st.offset = get_rng()
+  local saved = {}      -- detached aliases of the tensor arguments (the originals' graphs are not needed)
+  for i = 1, nargs do saved[i] = args[i] end
+  for _, i in ipairs(arg_pos) do
+    saved[i] = args[i]:detach()
+    st[i] = args[i].requires_grad
+  end
+  local reads = {}
+  local prev_reads = mod._set_param_reads(reads)
+  local ok, res = pcall(function() return { autograd.no_grad(callable, unpack(args, 1, nargs)) } end)
+  mod._set_param_reads(prev_reads)
+  if not ok then error(res, 0) end
+  local n_out = table.maxn(res)
+  local params = region_params(module, reads)
+  local n_par = #params
+
   local def = {
-    forward = function(ctx)
-      ctx_state.seed, ctx_state.offset = get_rng()
-      -- detached aliases of the tensor arguments (the originals' graphs are not needed)
-      local saved = {}
-      for i = 1, nargs do saved[i] = args[i] end
-      for _, i in ipairs(arg_pos) do
-        local a = args[i]
-        saved[i] = a:detach()
-        ctx_state[i] = a.requires_grad
-      end
-      ctx_state.args = saved
-      local res = { callable(unpack(args, 1, nargs)) }
-      n_out = table.maxn(res)
-      return unpack(res, 1, n_out)
-    end,
-    backward = function(ctx, ...)
+    -- the outputs computed above (not kept by the node afterwards)
+    forward = function() local r = res; res = nil; return unpack(r, 1, n_out) end,
+    backward = function(_, ...)
       local grads = { ... }
-      local saved = ctx_state.args
       -- recompute with the forward's RNG state and gradients on
       local cur_seed, cur_off = get_rng()
-      set_rng(ctx_state.seed, ctx_state.offset)
+      set_rng(st.seed, st.offset)
       local inputs, want = {}, {}
       for i = 1, nargs do inputs[i] = saved[i] end
       for _, i in ipairs(arg_pos) do
         local d = saved[i]:detach()
-        if ctx_state[i] and d:is_floating_point() then d:requires_grad_(true); want[#want + 1] = d end
+        if st[i] and d:is_floating_point() then d:requires_grad_(true); want[#want + 1] = d end
         inputs[i] = d
       end
-      local ok, res = pcall(function() return { autograd.enable_grad(callable, unpack(inputs, 1, nargs)) } end)
+      local rok, rres = pcall(function() return { autograd.enable_grad(callable, unpack(inputs, 1, nargs)) } end)
       set_rng(cur_seed, cur_off)
-      if not ok then error(res, 0) end
+      if not rok then error(rres, 0) end
       local outs, gouts = {}, {}
       local k = 0
-      for i = 1, table.maxn(res) do
-        local r = res[i]
+      for i = 1, table.maxn(rres) do
+        local r = rres[i]
         if is_tensor(r) then
           k = k + 1
           if r.requires_grad and grads[k] ~= nil then outs[#outs + 1] = r; gouts[#gouts + 1] = grads[k] end
         end
       end
       local n_want_args = #want
-      if params then for _, p in ipairs(params) do want[#want + 1] = p end end
       local got = {}
       if #outs > 0 then
-        if params then
+        if module then
+          -- the module's parameters' gradients go back to the outer backward with the arguments'
+          for _, p in ipairs(params) do want[#want + 1] = p end
           if #want > 0 then got = autograd.grad(outs, want, gouts, { allow_unused = true }) end
         else
-          -- a plain function: closed-over leaves get .grad through an inner backward
+          -- a plain function: the leaves it used (its parameters, closed-over tensors) get .grad through an
+          -- inner backward
           autograd.backward(outs, gouts)
           for j = 1, n_want_args do got[j] = want[j].grad end
         end
@@ -109,21 +152,20 @@ local function checkpoint(fn, ...)
       local result, j = {}, 0
       for t = 1, n_arg_t do
         local i = arg_pos[t]
-        if ctx_state[i] and inputs[i].requires_grad then j = j + 1; result[t] = got[j] end
+        if st[i] and inputs[i].requires_grad then j = j + 1; result[t] = got[j] end
       end
-      if params then
-        for q = 1, #params do result[n_arg_t + q] = got[n_want_args + q] end
+      if module then
+        for q = 1, n_par do result[n_arg_t + q] = got[n_want_args + q] end
       end
-      return unpack(result, 1, n_arg_t + (params and #params or 0))
+      return unpack(result, 1, n_arg_t + n_par)
     end,
   }
-  local f = autograd.Function(def)
-  -- the Function's inputs: the tensor arguments, then the module's parameters
+  -- the node's inputs: the tensor arguments, then the parameters the region used
   local fargs = {}
   for t = 1, n_arg_t do fargs[t] = args[arg_pos[t]] end
-  if params then for q = 1, #params do fargs[n_arg_t + q] = params[q] end end
-  local res = { f.apply(unpack(fargs, 1, n_arg_t + (params and #params or 0))) }
-  return unpack(res, 1, n_out or table.maxn(res))
+  for q = 1, n_par do fargs[n_arg_t + q] = params[q] end
+  local out = { autograd.Function(def).apply(unpack(fargs, 1, n_arg_t + n_par)) }
+  return unpack(out, 1, n_out)
 end
 
 return { checkpoint = checkpoint }

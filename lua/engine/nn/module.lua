@@ -146,10 +146,23 @@ local function fsdp_param(self, k, v)
   return fsdp_current(view, k) or v
 end
 
+-- nn.checkpoint's region: while set, every parameter lookup appends (module, name) to this list, so that the
+-- checkpoint knows the parameters its function reads (M._set_param_reads)
+local param_reads
+function M._set_param_reads(list)
+  local prev = param_reads
+  param_reads = list
+  return prev
+end
+
 local function make_index(cls)
   return function(self, k)
     local v = rawget(self, "_parameters")[k]
-    if v ~= nil then return fsdp_param(self, k, v) end
+    if v ~= nil then
+      local r = param_reads
+      if r then r[#r + 1] = self; r[#r + 1] = k end
+      return fsdp_param(self, k, v)
+    end
     v = rawget(self, "_modules")[k]
     if v ~= nil then return v end
     v = rawget(self, "_buffers")[k]
