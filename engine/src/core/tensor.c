@@ -556,12 +556,17 @@ int eng_tensor_set_data(eng_tensor* t, eng_tensor* src) {
   return 0;
 }
 
+/* DTensor copy_: src already laid out as dst (eng_dispatch_inplace), copied local to local. */
+static int copy_local(eng_op_call* c) { return eng_tensor_copy_(c->in[0], c->in[1]); }
+
 int eng_tensor_copy_(eng_tensor* dst, eng_tensor* src) {
   ENG_CHECK_I(dst, "copy_"); ENG_CHECK_I(src, "copy_");
   if (eng_check_inplace(dst, "copy_")) return -1;
   if (eng_grad_enabled() && src->requires_grad)
     return eng_err("copy_: source %s requires grad and copy_ is not differentiable here; use clone() "
                    "or copy under no_grad", eng_desc(src));
+  if (ENG_DT_ACTIVE(dst->dist && src->dist)) /* PyTorch: the source is redistributed to the destination's layout */
+    return eng_dispatch_inplace("copy_", 1, &(eng_op_call){.name = "copy_", .n_in = 2, .in = {dst, src}}, copy_local);
   int64_t bs[ENG_MAX_DIMS];
   int64_t tmp[ENG_MAX_DIMS];
   int n = eng_broadcast_shapes(dst->ndim, dst->shape, src->ndim, src->shape, tmp, "copy_", dst, src);

@@ -489,6 +489,7 @@ static int prepare(const char* name, eng_op_call* c, eng_tensor** conv) {
  * gathered once).  New references in conv[i]. */
 static int replicate_strided(const char* name, const eng_op_def* def, eng_op_call* c, eng_tensor** conv) {
   eng_tensor* orig[ENG_OP_MAX_IN] = {0};
+  if (def->keeps_strided && c->n_in == 1) return 0; /* its rule takes the _StridedShard as it is */
   int any = 0;
   for (int i = 0; i < c->n_in; i++) if (c->in[i] && c->in[i]->dist && c->in[i]->dist->has_strided) any = 1;
   if (!any) return 0;
@@ -687,9 +688,32 @@ int eng_dispatch_inplace(const char* name, int mode, eng_op_call* c, int (*fn)(e
       int same_shape = t->dist->ndim == as->ndim;
       for (int d = 0; same_shape && d < as->ndim; d++) same_shape = t->dist->shape[d] == as->shape[d];
       if (as->has_partial || !same_shape) {
-        /* broadcast operands or a Partial target: only when already laid out alike */
-        if (!as->has_partial && !t->dist->has_shard && !t->dist->has_partial) { tmp[i] = dt_plain(t); }
-        else {
+        /* broadcast operands (PyTorch's in-place pointwise strategy): the operand follows the target's
+         * placements, sharded where the target is on the dims it has at full size, Replicate where it
+         * broadcasts; a Partial target only takes operands already laid out so */
+        eng_dist_spec* to = NULL;
+        const eng_dist_spec* ts = t->dist;
+        if (ts->ndim <= as->ndim) {
+          eng_placement pl[ENG_MAX_DIMS];
+          int lead = as->ndim - ts->ndim;
+          for (int m = 0; m < as->mesh_ndim; m++) {
+            pl[m] = as->placements[m];
+            if (pl[m].kind == ENG_PLACEMENT_SHARD || pl[m].kind == ENG_PLACEMENT_STRIDED_SHARD) {
+              int od = pl[m].dim - lead;
+              if (od >= 0 && ts->shape[od] == as->shape[pl[m].dim]) pl[m].dim = od;
+              else pl[m] = dt_replicate();
+            }
+          }
+          to = dt_spec_make(ts->mesh, pl, ts->ndim, ts->shape, ts->stride);
+          if (!to) { eng_err_prefix("%s", name); goto done; }
+        }
+        int same = to && eng_dist_spec_equal(ts, to);
+        if (to && (same || !as->has_partial)) {
+          tmp[i] = same ? dt_plain(t) : dt_redistribute_local(t, ts, to, 0, 0);
+          eng_dist_spec_release(to);
+          if (!tmp[i]) { eng_err_prefix("%s", name); goto done; }
+        } else {
+          eng_dist_spec_release(to);
           eng_err("%s: no sharding strategy for %s (in-place: the other operands must have the target's layout)",
                   name, layouts(c, b, sizeof b));
           goto done;

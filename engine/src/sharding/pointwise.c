@@ -67,13 +67,20 @@ const eng_op_def eng_opdef_cast = {"to_dtype", 1, cast_rule, sh_shape_same0, cas
 
 static int clone_rule(const eng_op_call* c, const eng_dist_spec* const* s, int m, eng_strategy* out, int cap) {
   (void)c;
+  const eng_placement* p = &s[0]->placements[m];
+  if (p->kind == ENG_PLACEMENT_STRIDED_SHARD) { /* kept as it is (keeps_strided): a copy keeps the layout */
+    eng_strategy st;
+    memset(&st, 0, sizeof st);
+    st.in[0] = *p; st.out[0] = *p;
+    return sh_push(out, cap, 0, &st);
+  }
   return unary_like(s[0], m, 1, 1, out, cap);
 }
 static eng_tensor* clone_fn(const eng_op_call* c) {
   return c->ints[0] ? eng_tensor_contiguous(c->in[0]) : eng_tensor_clone(c->in[0]);
 }
-/* ints[0]: 0 clone, 1 contiguous */
-const eng_op_def eng_opdef_clone = {"clone", 1, clone_rule, sh_shape_same0, clone_fn, NULL, 0};
+/* ints[0]: 0 clone, 1 contiguous; a _StridedShard input keeps its layout (PyTorch's clone follows its input) */
+const eng_op_def eng_opdef_clone = {"clone", 1, clone_rule, sh_shape_same0, clone_fn, NULL, 0, 0, 0, 1};
 
 /* ------------------------------------------------------------------ scalar forms */
 static int scalar_rule(const eng_op_call* c, const eng_dist_spec* const* s, int m, eng_strategy* out, int cap) {

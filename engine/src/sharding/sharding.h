@@ -106,6 +106,8 @@ typedef struct eng_op_def {
                           * an input is not Replicate, so a failure on one rank fails every rank
                           * (naming it) before any later collective, instead of leaving the others
                           * waiting (eng_pg_agree; one small all_reduce per such dim) */
+  int keeps_strided;     /* one input whose layout the output keeps (clone): a _StridedShard input is not
+                          * replicated first; the rule must accept _StridedShard placements */
 } eng_op_def;
 
 /* ---- guard */
