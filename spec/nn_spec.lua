@@ -128,7 +128,7 @@ describe("nn.Module names and traversal", function()
     assert.are.equal(m.layers[1], m:get_submodule("layers.0"))
     assert.are.equal(m.layers[2].net1, m:get_submodule("layers.1.net1"))
     assert.are.equal(m.layers[2].net2.bias, m:get_parameter("layers.1.net2.bias"))
-    err(function() m:get_submodule("layers.2") end, "has no submodule '2'", "children: 0, 1")
+    err(function() m:get_submodule("layers.2") end, "ModuleList has no attribute `2`", "children: 0, 1")
     err(function() m:get_parameter("layers.0.net1.nope") end, "has no parameter 'nope'")
   end)
 

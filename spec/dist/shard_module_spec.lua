@@ -48,11 +48,14 @@ describe("shard_parameter", function()
     local g = st:gather(dst)
     if R == dst then assert.are.equal(0, util.diff(g, full)) else assert.is_nil(g) end
     local r = st:reshard(chunk(2))
+    assert.are.equal(st, r)                         -- in place, as PyTorch's: the module's parameter follows
     assert.is_true(r:equal(dist.shard_tensor(full, chunk(2))))
+    assert.is_true(dist.is_dtensor(m.weight) and nn.is_parameter(m.weight) and m.weight.requires_grad)
+    assert.are.equal("Shard(2)", tostring(m.weight.placements[1]))
     -- the state dict holds the ShardedTensor
     local sd = m:state_dict()
     assert.is_true(dist.is_sharded_tensor(sd.weight))
-    assert.are.equal(spec, sd.weight:sharding_spec())
+    assert.are.equal(chunk(2), sd.weight:sharding_spec())
     assert.is_true(sd.weight:equal(st))
     assert.is_false(dist.is_sharded_tensor(sd.bias))
     -- the module still computes (DTensor dispatch; a plain input counts as replicated)
@@ -269,9 +272,9 @@ describe("shard_module", function()
     -- a path that resolves on the other ranks only
     e = util.errmsg(dist.shard_module, m, plan{ [R == last and "fc3.weight" or "fc2.weight"] = chunk(1) })
     if R ~= last then assert.is_truthy(e:find("shard_module: rank " .. last .. ": ", 1, true), e) end
-    assert.is_truthy(e:find("get_submodule: MegatronMLP has no submodule 'fc3'", 1, true), e)
+    assert.is_truthy(e:find("get_submodule: MegatronMLP has no attribute `fc3`", 1, true), e)
     e = util.errmsg(dist.shard_module, m, dist.ShardingPlan{ plan = {}, output_plan = { [R == last and "fc3" or "fc2"] = chunk(1) } })
-    assert.is_truthy(e:find("no submodule 'fc3'", 1, true), e)
+    assert.is_truthy(e:find("has no attribute `fc3`", 1, true), e)
     if W > 1 then
       -- plans that differ (a Sharder name, a spec, src_rank): every rank names the difference
       e = util.errmsg(dist.shard_module, m, plan{ fc1 = R == last and dist.Sharder:extend("OtherSharder"){} or S{} })
@@ -320,6 +323,6 @@ describe("shard_module", function()
     e = util.errmsg(dist.ShardingPlan, { plan = {}, outputs = {} })
     assert.is_truthy(e:find("ShardingPlan: unknown field 'outputs'", 1, true), e)
     e = util.errmsg(dist.shard_module, m, dist.ShardingPlan{ plan = { ["fc3.weight"] = chunk(1) } })
-    assert.is_truthy(e:find("get_submodule: MegatronMLP has no submodule 'fc3'", 1, true), e)
+    assert.is_truthy(e:find("get_submodule: MegatronMLP has no attribute `fc3`", 1, true), e)
   end)
 end)

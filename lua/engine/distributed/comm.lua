@@ -109,7 +109,18 @@ function M.new_group(ranks)
     buf[i - 1] = r
   end
   local g = wrap_pg(C.eng_pg_new(buf, n), 2)
+  local members = {}
+  for i = 1, n do members[i] = ranks[i] end
+  g._members = members   -- every rank passed (and agreed on) the list: non-members know the members too
   return g
+end
+
+-- The group's global ranks in group-rank order, also on a non-member when the group was made by
+-- new_group (every rank passed the list); nil on a non-member of another group.
+function ProcessGroup:members()
+  if self:is_member() then return self:ranks() end
+  local m = rawget(self, "_members")
+  return m and { unpack(m) } or nil
 end
 
 -- ---------------------------------------------------------------- options

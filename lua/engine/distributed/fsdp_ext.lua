@@ -137,9 +137,10 @@ function M.create_shard_md_from_dt(dt, current_rank)
 end
 
 -- create_sharded_tensor_md_from_dt(dt [, pg]) -> ShardedTensorMetadata covering the whole tensor: one box
--- per shard index placed on that group rank of pg (default: the mesh's group); a Replicate DTensor is one
--- box placed on this rank.  Deviation: the seed labels every box but the first with a "scapegoat" rank
--- (metadata that differs per rank); here shard i is on group rank i, the layout the DTensor really has.
+-- per shard index placed on that group rank of pg (default: the mesh's group), named by its global rank as
+-- ShardedTensor placements are; a Replicate DTensor is one box placed on this rank.  Deviation: the seed
+-- labels every box but the first with a "scapegoat" rank (metadata that differs per rank); here shard i is
+-- on group rank i, the layout the DTensor really has.
 function M.create_sharded_tensor_md_from_dt(dt, pg)
   local op = "create_sharded_tensor_md_from_dt"
   need_1d(dt, op)
@@ -155,12 +156,12 @@ function M.create_sharded_tensor_md_from_dt(dt, pg)
     for i = 0, k - 1 do
       local off, sz = M.get_box_for(dt, i)
       shards[#shards + 1] = specs.ShardMetadata{ shard_offsets = off, shard_sizes = sz,
-        placement = string.format("rank:%d/%s", i, dev) }
+        placement = string.format("rank:%d/%s", pg:global_rank(i), dev) }
     end
   else
     local off, sz = M.get_box_for(dt, 0)
     shards[1] = specs.ShardMetadata{ shard_offsets = off, shard_sizes = sz,
-      placement = string.format("rank:%d/%s", pg:rank() or 0, dev) }
+      placement = string.format("rank:%d/%s", pg:rank() and pg:global_rank(pg:rank()) or 0, dev) }
   end
   return specs.ShardedTensorMetadata{ shards_metadata = shards, size = dt:shape(),
     tensor_properties = specs.TensorProperties{ dtype = dt.dtype, requires_grad = dt.requires_grad == true } }
@@ -192,7 +193,7 @@ end
 -- per group rank (trailing ones empty).
 local function chunk_sharded(size, dtype, d, rank, world_size, pg, loc, dev)
   local pls = {}
-  for r = 0, world_size - 1 do pls[r + 1] = string.format("rank:%d/%s", r, dev or "cpu") end
+  for r = 0, world_size - 1 do pls[r + 1] = string.format("rank:%d/%s", pg and pg:global_rank(r) or r, dev or "cpu") end
   local spec = specs.ChunkShardingSpec{ dim = d, placements = pls }
   local md = spec:build_metadata(size, specs.TensorProperties{ dtype = dtype })
   local mine = md.shards_metadata[rank + 1]
@@ -417,12 +418,12 @@ local function sharded_of_dtensor(t, op)
       for i = 0, mesh:size(md_dim) - 1 do
         c[md_dim] = i
         local ls, off = dtensor.compute_local_shape_and_global_offset(shape, mesh, pl, c)
-        shards[#shards + 1] = specs.ShardMetadata{ shard_offsets = off, shard_sizes = ls, placement = string.format("rank:%d/%s", i, dev) }
+        shards[#shards + 1] = specs.ShardMetadata{ shard_offsets = off, shard_sizes = ls, placement = string.format("rank:%d/%s", g:global_rank(i), dev) }
       end
     else
       local off = {}
       for d = 1, #shape do off[d] = 0 end
-      shards[1] = specs.ShardMetadata{ shard_offsets = off, shard_sizes = shape, placement = string.format("rank:%d/%s", g:rank(), dev) }
+      shards[1] = specs.ShardMetadata{ shard_offsets = off, shard_sizes = shape, placement = string.format("rank:%d/%s", g:global_rank(g:rank()), dev) }
     end
     local md = specs.ShardedTensorMetadata{ shards_metadata = shards, size = shape, tensor_properties = props }
     local mine = shards[p:is_shard() and (coord[md_dim] + 1) or 1]
@@ -467,7 +468,7 @@ local function sharded_of_dtensor(t, op)
     if tp_is_shard then c[n] = j end
     local ls, off = dtensor.compute_local_shape_and_global_offset(shape, mesh, tpv, c)
     local md = specs.ShardMetadata{ shard_offsets = off, shard_sizes = ls,
-      placement = string.format("rank:%d/%s", tp_is_shard and j or tg:rank(), dev) }
+      placement = string.format("rank:%d/%s", tg:global_rank(tp_is_shard and j or tg:rank()), dev) }
     outer[#outer + 1] = md
     if not tp_is_shard or j == coord[n] then mine = md end
   end

@@ -113,6 +113,53 @@ local function remember(module, name, spec, pg, on_dtensor)
   end
 end
 
+-- The ShardedTensor methods that code written for PyTorch calls on module.<name> after shard_parameter
+-- (there module.<name> IS the ShardedTensor), set on the DTensor Parameter itself: local_tensor(),
+-- local_shards(), metadata(), sharding_spec() and gather(dst [, out]) answer for a ShardedTensor of spec
+-- over pg viewing the parameter's current local tensor.  gather(dim, index) with an integer index tensor
+-- stays torch.gather.
+local tensor_methods = require("engine.tensor").methods
+local INDEX_DTYPES = { i64 = true, i32 = true, u8 = true, bool = true }
+local function attach_sharded_methods(p, spec, pg)
+  local function view(self)
+    local d = self:detach()
+    return setmetatable({ _spec = spec, _size = d:shape(), dtype = d.dtype, _pg = pg, _dt = d, _mesh = d.device_mesh },
+      stmod.ShardedTensor)
+  end
+  for _, k in ipairs({ "local_tensor", "local_shards", "metadata", "sharding_spec" }) do
+    local m = stmod.ShardedTensor[k]
+    rawset(p, k, function(self, ...) return m(view(self), ...) end)
+  end
+  rawset(p, "gather", function(self, a, b)
+    if core.is_tensor(b) and INDEX_DTYPES[b.dtype] then return tensor_methods.gather(self, a, b) end
+    return view(self):gather(a, b)
+  end)
+end
+
+-- module.<name> := st's parameter: its DTensor (a leaf Parameter sharing the local shard, answering the
+-- ShardedTensor methods) when st's spec is a DTensor layout, else st itself in the slot (the parameter
+-- emptied).
+local function install(module, name, st, rg)
+  local pg = st._pg
+  local ranks = ST._dt_layout(st)
+  local dt_ok = ranks ~= nil and (pg == nil or pg:size() == dist().world_size() or ST._dt_ready(st) ~= nil)
+  module[name] = nil
+  rawset(module, name, nil)
+  if dt_ok then
+    local dt = st:to_dtensor()
+    if dt._c.grad_fn ~= nil then dt = dt:detach() end   -- (a reshard's result)
+    dt._c.is_param = 1
+    if rg then core.check(core.C.eng_tensor_set_requires_grad(dt._c, 1)) end
+    attach_sharded_methods(dt, st._spec, pg)
+    module[name] = dt
+    st._dt = dt
+  else
+    for _, s in ipairs(st:local_shards()) do s.tensor.requires_grad = rg end
+    rawset(module, name, st)
+  end
+  remember(module, name, st._spec, pg, dt_ok)
+end
+
 -- ---------------------------------------------------------------- shard_parameter
 -- shard_parameter(module, param_name, spec, {src_rank = 0, process_group}): seed 002's.  Collective
 -- over the group: the local checks (no such attribute, not a tensor, not contiguous) are agreed with
@@ -131,22 +178,9 @@ function M.shard_parameter(module, param_name, spec, opts)
   end
   local st = ST.shard_tensor(tensor, spec, opts, err, op)
   local rg = tensor.requires_grad
-  local pg = st._pg
-  local ranks = ST._dt_layout(st)
-  local dt_ok = ranks ~= nil and (pg == nil or pg:size() == dist().world_size()
-    or ST._dt_ready(st) ~= nil)
-  if dt_ok then
-    local dt = st:to_dtensor()
-    dt._c.is_param = 1
-    if rg then core.check(core.C.eng_tensor_set_requires_grad(dt._c, 1)) end
-    module[param_name] = dt
-    st._dt = dt
-  else
-    module[param_name] = nil
-    for _, s in ipairs(st:local_shards()) do s.tensor.requires_grad = rg end
-    rawset(module, param_name, st)
-  end
-  remember(module, param_name, spec, pg, dt_ok)
+  install(module, param_name, st, rg)
+  -- st:reshard(spec) is in place (PyTorch's): the module's parameter follows it
+  st._on_reshard = function(s) install(module, param_name, s, rg) end
   return st
 end
 
@@ -192,10 +226,11 @@ end
 local function encode(st)
   local md = st:metadata()
   local shards, mine = {}, {}
-  local me = ST._group_rank(st._pg)
+  local me = ST._group_rank(st._pg) or -1
+  local gm = ST._gmap(st._pg)
   for i, s in ipairs(md.shards_metadata) do
     shards[i] = enc_list(s.shard_offsets) .. ":" .. enc_list(s.shard_sizes) .. ":" .. tostring(s.placement)
-    if s.placement.rank == me then mine[#mine + 1] = i end
+    if gm[s.placement.rank] == me then mine[#mine + 1] = i end
   end
   local spec = st._spec
   local sp
@@ -242,8 +277,9 @@ local function decode(key, enc, tensors, pg)
   for x in (enc .. "|"):gmatch("([^|]*)|") do f[#f + 1] = x end
   if #f ~= 7 or f[1] ~= "v1" then error(string.format("'%s': unknown ShardedTensor record", key), 0) end
   local st_ = dec_list(f[7])
-  local lr, gr, lw, gw = ST._group_rank(pg), dist().rank(), ST._world_of(pg), dist().world_size()
-  if st_[1] ~= lr then error(string.format("Local rank at save time was %d, but at load time was %s", st_[1], tostring(lr)), 0) end
+  -- (outside the group: rank -1, PyTorch's dist.get_rank(pg))
+  local lr, gr, lw, gw = ST._group_rank(pg) or -1, dist().rank(), ST._world_of(pg), dist().world_size()
+  if st_[1] ~= lr then error(string.format("Local rank at save time was %d, but at load time was %d", st_[1], lr), 0) end
   if st_[2] ~= gr then error(string.format("Global rank at save time was %d, but at load time was %d", st_[2], gr), 0) end
   if st_[3] ~= lw then error(string.format("Local world size at save time was %d, but at load time was %d", st_[3], lw), 0) end
   if st_[4] ~= gw then error(string.format("Global world size at save time was %d, but at load time was %d", st_[4], gw), 0) end
@@ -277,15 +313,15 @@ end
 -- dist.sharded_tensor.load(path) -> the state dict: collective over the group that
 -- load_with_process_group set (the world otherwise).  Every rank reads its file and checks that each
 -- ShardedTensor was saved by this rank of a group of this size (PyTorch's "Local rank at save time
--- was ..." errors); the outcome is agreed, so a problem on any rank fails every rank (its own message,
--- or naming the rank that failed).
+-- was ..." errors); the outcome is agreed, so a problem on any rank fails every rank of the group (its
+-- own message, or naming the rank that failed).  A rank outside the group loads alone (no agreement: it
+-- shares no collective with the group), and its ShardedTensors fail as PyTorch's do there: "Local rank
+-- at save time was 1, but at load time was -1".
 function ST.load(path)
   local op = "sharded_tensor.load"
   path = rank_path(path, op)
   local pg = current_pg
-  if pg ~= nil and not pg:is_member() then
-    fail(op .. ": this rank is not in the process group set by load_with_process_group")
-  end
+  local member = pg == nil or pg:is_member()
   local sd = {}
   local ok, err = pcall(function()
     local tensors, meta = require("engine").load(path)
@@ -300,6 +336,10 @@ function ST.load(path)
     end
   end)
   local mine = ok and "" or tostring(err)
+  if not member then
+    if not ok then fail(op .. ": " .. mine) end
+    return sd
+  end
   local all = ST._agree_strings(mine, pg, ST._world_of(pg), ST._group_rank(pg))
   if not ok then fail(op .. ": " .. mine) end
   for r = 0, ST._world_of(pg) - 1 do

@@ -8,8 +8,11 @@
 --   local dt = st:to_dtensor()           -- Shard(1) on a 1-D mesh, sharing the local shard's storage
 --   local y = (st * 2 + st):relu()       -- elementwise ops: a ShardedTensor of the same spec
 --
--- Each rank holds one local tensor per shard whose placement names its rank (in the process group:
--- placements use group ranks).  Factories empty/zeros/ones/full/rand/randn and their *_like
+-- Each rank holds one local tensor per shard whose placement names its rank.  Placements name GLOBAL
+-- ranks, as PyTorch's, also with a process group (which must contain them: "Global rank 5 does not exist
+-- in input process group: [1, 2, 3]", raised on every rank, also outside the group when it was made by
+-- new_group); src_rank and gather's dst are group ranks (PyTorch's too).  Sizes are a list or varargs:
+-- zeros(spec, {10, 20}, opts) or zeros(spec, 10, 20[, opts]).  Factories empty/zeros/ones/full/rand/randn and their *_like
 -- (rand/randn: each shard is its box of the global random tensor, equal to engine.rand(size) for
 -- every spec); dist.ShardedTensor.init_from_local_shards (checked across ranks); dist.shard_tensor.
 --
@@ -45,6 +48,48 @@ end
 
 local function world_of(pg) return pg and pg:size() or require("engine.distributed").world_size() end
 
+-- Placements name GLOBAL ranks, as PyTorch's ("rank:2/cpu" is world rank 2 whatever the process group;
+-- the group must contain it).  gmap(pg)[global rank] -> the group rank (nil outside the group): the
+-- identity for the world.  Collectives, src_rank and gather's dst use group ranks (PyTorch's too).
+local IDENT = setmetatable({}, { __index = function(_, r) return r end })
+local gmaps = setmetatable({}, { __mode = "k" })
+local function gmap(pg)
+  if pg == nil then return IDENT end
+  local m = gmaps[pg]
+  if m == nil then
+    m = {}
+    for i, r in ipairs(pg:members() or {}) do m[r] = i - 1 end
+    gmaps[pg] = m
+  end
+  return m
+end
+
+-- The group's global ranks (the world's without a group); nil on a non-member that cannot know them.
+local function members_of(pg)
+  if pg == nil then
+    local l = {}
+    for r = 0, require("engine.distributed").world_size() - 1 do l[r + 1] = r end
+    return l
+  end
+  return pg:members()
+end
+
+-- PyTorch's _parse_and_validate_remote_device: every placement's rank is in the group.  Raised on every
+-- rank (the spec is the same everywhere), also outside the group when the group's members are known there.
+local function check_placements(op, shards_md, pg)
+  local mem = members_of(pg)
+  if mem == nil then return end
+  local set = {}
+  for _, r in ipairs(mem) do set[r] = true end
+  for i, sm in ipairs(shards_md) do
+    local r = sm.placement and sm.placement.rank
+    if r ~= nil and not set[r] then
+      fail(string.format("%s: shard %d: Global rank %d does not exist in input process group: [%s]", op, i, r,
+        table.concat(mem, ", ")))
+    end
+  end
+end
+
 -- Builds a ShardedTensor of `size` laid out by `spec`, each local shard made by make(shape, dtype).
 local function build(op, spec, size, opts, make)
   if not specs.is_sharding_spec(spec) then
@@ -59,19 +104,16 @@ local function build(op, spec, size, opts, make)
   local props = specs.TensorProperties{ dtype = dtype, requires_grad = opts.requires_grad }
   local md = spec:build_metadata(size, props)
   local pg = opts.process_group
-  local world = pg and pg:size() or require("engine.distributed").world_size()
   local me = group_rank(pg)
+  local gm = gmap(pg)
+  check_placements(op, md.shards_metadata, pg)
   local shards = {}
   for i, s in ipairs(md.shards_metadata) do
-    if s.placement.rank >= world then
-      fail(string.format("%s: shard %d is placed on rank %d, but the process group has %d ranks", op, i,
-        s.placement.rank, world))
-    end
     if s.placement.device ~= "cpu" then
       fail(string.format("%s: shard %d is placed on %s; this build keeps ShardedTensor shards on the CPU", op, i,
         s.placement.device))
     end
-    if s.placement.rank == me then
+    if me ~= nil and gm[s.placement.rank] == me then
       local t = make(s.shard_sizes, dtype, s)
       if opts.requires_grad then t.requires_grad = true end
       shards[#shards + 1] = { tensor = t, metadata = s }
@@ -81,8 +123,22 @@ local function build(op, spec, size, opts, make)
     ShardedTensor)
 end
 
+-- (size, opts) from a factory's arguments after the spec: a list {10, 20} then the options, or the sizes as
+-- varargs (PyTorch's sharded_tensor.empty(spec, 10, 20)) then the options.
+local function size_args(...)
+  local first = ...
+  if type(first) ~= "number" then return first, select(2, ...) end
+  local n, size = select("#", ...), {}
+  local i = 1
+  while i <= n and type((select(i, ...))) == "number" do size[i] = (select(i, ...)); i = i + 1 end
+  return size, (select(i, ...))
+end
+
 local function factory(op, make)
-  return function(spec, size, opts) return build(op, spec, size, opts, make) end
+  return function(spec, ...)
+    local size, opts = size_args(...)
+    return build(op, spec, size, opts, make)
+  end
 end
 
 local engine_mod
@@ -107,7 +163,8 @@ end
 local function random_factory(op, kind)
   local gen = require("engine.ops.random")._generator
   local draw
-  local function factory_fn(spec, size, opts)
+  local function factory_fn(spec, ...)
+    local size, opts = size_args(...)
     if type(opts) == "table" and opts.generator ~= nil then
       local g = gen.check(opts.generator, op)
       local rest = {}
@@ -176,6 +233,7 @@ function M.init_from_local_shards(shards, size, opts)
   local pg = opts.process_group
   local world = pg and pg:size() or dist.world_size()
   local me = group_rank(pg)
+  local gme = dist.rank()   -- placements name global ranks
   if type(shards) ~= "table" then fail(op .. ": local_shards must be a list of {tensor = t, metadata = ShardMetadata}") end
   if type(size) ~= "table" then fail(op .. ": size must be a list of sizes") end
   local nd = #size
@@ -188,13 +246,13 @@ function M.init_from_local_shards(shards, size, opts)
     if not core.is_tensor(t) or getmetatable(md) ~= specs.ShardMetadataClass then err = 3
     else
       dt = core.dtype(t.dtype, op)
-      if md.placement == nil or md.placement.rank ~= me then err = 1 end
+      if md.placement == nil or md.placement.rank ~= gme then err = 1 end
       local sh = t:shape()
       if err == 0 and (#sh ~= #md.shard_sizes) then err = 2 end
       for d = 1, #sh do if err == 0 and sh[d] ~= md.shard_sizes[d] then err = 2 end end
       if #md.shard_offsets ~= nd then err = 2 end
     end
-    local row = { me, dt, err, nd }
+    local row = { gme, dt, err, nd }
     for d = 1, nd do row[FIELDS + d] = md and md.shard_offsets[d] or 0; row[FIELDS + nd + d] = md and md.shard_sizes[d] or 0 end
     rows[i] = row
     list[i] = { tensor = t, metadata = md }
@@ -223,6 +281,7 @@ function M.init_from_local_shards(shards, size, opts)
       metas[#metas + 1] = specs.ShardMetadata{ shard_offsets = o, shard_sizes = z, placement = "rank:" .. rr .. "/cpu" }
     end
   end
+  check_placements(op, metas, pg)
   specs._validate(op, metas, size, true)   -- bounds, overlaps, the exact cover: the same on every rank
   if #metas == 0 then fail(op .. ": no rank holds a shard") end
   local md = specs.ShardedTensorMetadata{ shards_metadata = metas, size = size,
@@ -260,10 +319,10 @@ M._hash_str = hash_str
 -- Box moves (comm.box_exchange) name each rank's tensors by number: the shards of rank r, in metadata
 -- order, are r's tensors 1, 2, ...  Returns each entry's number and this rank's tensors in that order
 -- (tensor_of(entry) gives the local tensor of an entry placed on this rank).
-local function box_numbering(list, me, tensor_of)
+local function box_numbering(list, me, tensor_of, gm)
   local idx, mine, cnt = {}, {}, {}
   for i, s in ipairs(list) do
-    local r = s.placement.rank
+    local r = gm[s.placement.rank]
     cnt[r] = (cnt[r] or 0) + 1
     idx[i] = cnt[r]
     if r == me then mine[cnt[r]] = tensor_of(s) end
@@ -285,7 +344,7 @@ local function zeros_list(n) local z = {} for d = 1, n do z[d] = 0 end return z 
 
 -- src's tensor scattered into the shards of spec (seed 002's ChunkShardingSpec.shard: src_rank is a
 -- group rank): one scatter.  When the shards are the tensor's memory in rank order (one chunk per rank
--- on the leading dim, placements 0..world-1, even sizes) the tensor itself is sent and every rank
+-- on the leading dim, placements the group's ranks in order, even sizes) the tensor itself is sent and every rank
 -- receives straight into its shard; otherwise each shard is moved once out of src's tensor when the
 -- group shares a node (comm.box_exchange, counted as the scatter), else src packs each rank's shards
 -- into a block padded to the largest, and the receivers view or copy them out.
@@ -293,12 +352,14 @@ local function scatter_shards(op, tensor, spec, src, pg, world, me)
   local shape, dtype = tensor:shape(), tensor.dtype
   local md = spec:build_metadata(shape, specs.TensorProperties{ dtype = dtype })
   local shards = md.shards_metadata
+  check_placements(op, shards, pg)
+  local gm = gmap(pg)
   local copts = { group = pg or comm.world_group(), group_src = src }
   local d = spec:shard_dim(#shape)
   local direct = #shards == world
   for dd = 1, d - 1 do direct = direct and shape[dd] == 1 end
   for i, s in ipairs(shards) do
-    direct = direct and s.placement.rank == i - 1 and s.shard_sizes[d] * world == shape[d]
+    direct = direct and gm[s.placement.rank] == i - 1 and s.shard_sizes[d] * world == shape[d]
   end
   local src_t = me == src and tensor:detach() or nil
   if direct then
@@ -316,11 +377,11 @@ local function scatter_shards(op, tensor, spec, src, pg, world, me)
     local mine = {}
     for _, s in ipairs(built._shards) do mine[s.metadata] = s.tensor end
     local list = built._metadata.shards_metadata
-    local idx, dsts = box_numbering(list, me, function(s) return mine[s] end)
+    local idx, dsts = box_numbering(list, me, function(s) return mine[s] end, gm)
     local moves = {}
     for i, s in ipairs(list) do
       if s:numel() > 0 then
-        moves[#moves + 1] = { from = src, src = 1, src_off = s.shard_offsets, to = s.placement.rank, dst = idx[i],
+        moves[#moves + 1] = { from = src, src = 1, src_off = s.shard_offsets, to = gm[s.placement.rank], dst = idx[i],
           dst_off = zeros_list(#shape), shape = s.shard_sizes }
       end
     end
@@ -331,7 +392,7 @@ local function scatter_shards(op, tensor, spec, src, pg, world, me)
   end
   local per_rank = {}
   for r = 0, world - 1 do per_rank[r] = 0 end
-  for _, s in ipairs(shards) do per_rank[s.placement.rank] = per_rank[s.placement.rank] + s:numel() end
+  for _, s in ipairs(shards) do per_rank[gm[s.placement.rank]] = per_rank[gm[s.placement.rank]] + s:numel() end
   local maxn = 1
   for r = 0, world - 1 do maxn = math.max(maxn, per_rank[r]) end
   local send
@@ -340,7 +401,7 @@ local function scatter_shards(op, tensor, spec, src, pg, world, me)
     local cursor = {}
     for r = 0, world - 1 do cursor[r] = r * maxn end
     for _, s in ipairs(shards) do
-      local n, r = s:numel(), s.placement.rank
+      local n, r = s:numel(), gm[s.placement.rank]
       if n > 0 then
         local box = src_t
         for k = 1, #shape do box = box:narrow(k, s.shard_offsets[k] + 1, s.shard_sizes[k]) end
@@ -445,10 +506,11 @@ local function shards_of(self)
   local l = self._shards
   if l == nil then
     local me = group_rank(self._pg)
+    local gm = gmap(self._pg)
     l = {}
     local loc
     for _, s in ipairs(self:metadata().shards_metadata) do
-      if s.placement.rank == me then
+      if me ~= nil and gm[s.placement.rank] == me then
         loc = loc or self._dt:to_local()
         l[#l + 1] = { tensor = loc, metadata = s }
       end
@@ -551,7 +613,7 @@ local function dt_layout(st)
   if c == nil then
     return nil, "its shards are not the torch.chunk pieces of one dim (a DTensor on a 1-D mesh holds Shard(d) chunks)"
   end
-  local pg = st._pg
+  local gm = gmap(st._pg)
   local seen, ranks = {}, {}
   for i, p in ipairs(c.placements) do
     if seen[p.rank] then
@@ -559,8 +621,9 @@ local function dt_layout(st)
         p.rank, seen[p.rank], i)
     end
     if p.device ~= "cpu" then return nil, "placement " .. tostring(p) .. " is not on the CPU" end
+    if gm[p.rank] == nil then return nil, "placement " .. tostring(p) .. " names a rank outside the process group" end
     seen[p.rank] = i
-    ranks[i] = pg and pg:global_rank(p.rank) or p.rank
+    ranks[i] = p.rank   -- placements are global ranks
   end
   return ranks, c:shard_dim(#st._size)
 end
@@ -866,7 +929,7 @@ end
 -- The shards are slabs of the row-major memory of the tensor in group-rank order: chunks on the
 -- leading non-unit dim d (torch.chunk sizes, even or not), shard i on group rank i - 1, at most one per
 -- rank (ranks past the last chunk hold none).  Returns d and each group rank's length along d, or nil.
-local function slab_layout(shards, size, world)
+local function slab_layout(shards, size, world, gm)
   local n, nd = #shards, #size
   if n == 0 or n > world then return nil end
   local d = 1
@@ -874,7 +937,7 @@ local function slab_layout(shards, size, world)
   local rows, pos = {}, 0
   for r = 1, world do rows[r] = 0 end
   for i, sh in ipairs(shards) do
-    if sh.placement.rank ~= i - 1 then return nil end
+    if gm[sh.placement.rank] ~= i - 1 then return nil end
     for k = 1, nd do
       if k ~= d and (sh.shard_offsets[k] ~= 0 or sh.shard_sizes[k] ~= size[k]) then return nil end
     end
@@ -907,7 +970,8 @@ function ShardedTensor:gather(dst, out)
   local md = self:metadata()
   local gpg = pg or comm.world_group()
   local copts = { group = gpg, group_dst = dst }
-  local d, rows = slab_layout(md.shards_metadata, md.size, world)
+  local gm = gmap(pg)
+  local d, rows = slab_layout(md.shards_metadata, md.size, world, gm)
   -- the way taken (the same on every rank: the metadata and the group's single-copy probe agree)
   local boxes = not d and world > 1 and gpg:single_copy_usable()
   local full
@@ -945,11 +1009,11 @@ function ShardedTensor:gather(dst, out)
   end
   if boxes then
     -- single copy: each shard moves once, straight into the full tensor on dst (comm.box_exchange)
-    local idx, srcs = box_numbering(md.shards_metadata, me, local_by_box(shards_of(self)))
+    local idx, srcs = box_numbering(md.shards_metadata, me, local_by_box(shards_of(self)), gm)
     local moves = {}
     for i, s in ipairs(md.shards_metadata) do
       if s:numel() > 0 then
-        moves[#moves + 1] = { from = s.placement.rank, src = idx[i], src_off = zeros_list(#md.size), to = dst, dst = 1,
+        moves[#moves + 1] = { from = gm[s.placement.rank], src = idx[i], src_off = zeros_list(#md.size), to = dst, dst = 1,
           dst_off = s.shard_offsets, shape = s.shard_sizes }
       end
     end
@@ -961,7 +1025,7 @@ function ShardedTensor:gather(dst, out)
   -- packed: each rank's shards in one buffer of its own size, one gatherv to dst
   local per_rank = {}
   for r = 1, world do per_rank[r] = 0 end
-  for _, s in ipairs(md.shards_metadata) do per_rank[s.placement.rank + 1] = per_rank[s.placement.rank + 1] + s:numel() end
+  for _, s in ipairs(md.shards_metadata) do per_rank[gm[s.placement.rank] + 1] = per_rank[gm[s.placement.rank] + 1] + s:numel() end
   local send = E().empty({ per_rank[me + 1] }, { dtype = self.dtype })
   local pos = 0
   for _, s in ipairs(shards_of(self)) do
@@ -981,7 +1045,7 @@ function ShardedTensor:gather(dst, out)
   for r = 0, world - 1 do cursor[r] = at; at = at + per_rank[r + 1] end
   for _, s in ipairs(md.shards_metadata) do
     local n = s:numel()
-    local r = s.placement.rank
+    local r = gm[s.placement.rank]
     if n > 0 then
       local piece = recv:narrow(1, cursor[r] + 1, n):view(unpack(s.shard_sizes))
       local box = full
@@ -994,13 +1058,31 @@ function ShardedTensor:gather(dst, out)
 end
 
 -- ---------------------------------------------------------------- reshard
--- reshard(spec) -> a ShardedTensor of the same values laid out by spec (same process group).
--- Collective, one all_to_all: through the DTensor (Shard(a) -> Shard(b) on the same mesh) when both
--- layouts are DTensor layouts on one mesh, else every rank sends each rank the overlaps of its
--- shards with that rank's new shards (any specs: chunk specs on other dims or placements, several
--- shards per rank, enumerable specs): moved once each between the processes' memories when the
--- group shares a node (comm.box_exchange), else packed in blocks padded to the largest.
+-- st:reshard(spec) -> st, laid out by spec (same values, same process group), in place as PyTorch's:
+-- st's local shards, metadata (the object metadata() returned is updated) and sharding spec change,
+-- and st itself is returned.  Collective, one all_to_all: through the DTensor (Shard(a) -> Shard(b) on
+-- the same mesh) when both layouts are DTensor layouts on one mesh, else every rank sends each rank
+-- the overlaps of its shards with that rank's new shards (any specs: chunk specs on other dims or
+-- placements, several shards per rank, enumerable specs): moved once each between the processes'
+-- memories when the group shares a node (comm.box_exchange), else packed in blocks padded to the
+-- largest.  A module parameter's ShardedTensor (shard_parameter) takes the module along (_on_reshard).
+local resharded
 function ShardedTensor:reshard(spec)
+  local r = resharded(self, spec)
+  if r == self then return self end
+  local md, hook = self._metadata, rawget(self, "_on_reshard")
+  for k in pairs(self) do self[k] = nil end
+  for k, v in pairs(r) do self[k] = v end
+  if md then   -- the caller's metadata object follows, as PyTorch's (which assigns its shards_metadata)
+    md.shards_metadata = self:metadata().shards_metadata
+    self._metadata = md
+  end
+  self._on_reshard = hook
+  if hook then hook(self) end
+  return self
+end
+
+resharded = function(self, spec)
   local op = "reshard"
   if not specs.is_sharding_spec(spec) then
     fail(op .. ": resharding_spec must be a ChunkShardingSpec or an EnumerableShardingSpec, got " .. type(spec))
@@ -1008,6 +1090,7 @@ function ShardedTensor:reshard(spec)
   if rawequal(spec, self._spec) or spec == self._spec then return self end
   local pg = self._pg
   local world, me = world_of(pg), group_rank(pg)
+  local gm = gmap(pg)
   local target = build(op, spec, self._size, { dtype = self.dtype, process_group = pg }, function(shape, dt)
     return E().empty(shape, { dtype = dt })
   end)
@@ -1041,7 +1124,7 @@ function ShardedTensor:reshard(spec)
         n = n * len[d]
       end
       if n > 0 then
-        local a, b = s.placement.rank, t.placement.rank
+        local a, b = gm[s.placement.rank], gm[t.placement.rank]
         pairs_[#pairs_ + 1] = { i = i, j = j, off = off, len = len, n = n, from = a, to = b, pos = block[a][b] }
         block[a][b] = block[a][b] + n
       end
@@ -1057,8 +1140,8 @@ function ShardedTensor:reshard(spec)
   for _, s in ipairs(target._shards) do mine_dst[s.metadata] = s.tensor end
   -- single copy: every box moves once, straight from the old shard into the new one across the
   -- processes (comm.box_exchange), when the ranks share a node; else packed into one all_to_all
-  local idx_src, srcs = box_numbering(src, me, src_of)
-  local idx_dst, dsts = box_numbering(dst, me, function(s) return mine_dst[s] end)
+  local idx_src, srcs = box_numbering(src, me, src_of, gm)
+  local idx_dst, dsts = box_numbering(dst, me, function(s) return mine_dst[s] end, gm)
   local moves = {}
   for k, p in ipairs(pairs_) do
     local so, tof = {}, {}
@@ -1083,7 +1166,7 @@ function ShardedTensor:reshard(spec)
 end
 
 M._dt_layout, M._mesh_for, M._dt_ready = dt_layout, mesh_for, dt_ready
-M._world_of, M._group_rank = world_of, group_rank
+M._world_of, M._group_rank, M._gmap = world_of, group_rank, gmap
 
 -- engine.distributed merges this table: the factories live under dist.sharded_tensor (PyTorch's
 -- torch.distributed._shard.sharded_tensor), next to dist.ShardedTensor.

@@ -482,7 +482,8 @@ function Module:num_parameters(only_trainable)
   return n
 end
 
--- get_submodule("layers.0.attention") -> module (error naming the missing part).
+-- get_submodule("layers.0.attention") -> module (error naming the missing part with PyTorch's words:
+-- "ModuleList has no attribute `2`", "`weight` is not an nn.Module", then where and the children).
 function Module:get_submodule(target)
   if target == nil or target == "" then return self end
   if type(target) ~= "string" then error("get_submodule: target must be a string", 2) end
@@ -491,8 +492,11 @@ function Module:get_submodule(target)
     local c = m:_child(atom)
     if c == nil then
       local names = m:_children_list()
-      error(string.format("get_submodule: %s%s has no submodule '%s' (children: %s)", m.__name,
-        path == "" and "" or (" '" .. path .. "'"), atom, #names > 0 and table.concat(names, ", ") or "none"), 2)
+      local where = path == "" and "" or ("at '" .. path .. "'; ")
+      local what = string.format("%s has no attribute `%s`", m.__name, atom)
+      if m[atom] ~= nil then what = "`" .. atom .. "` is not an nn.Module" end
+      error(string.format("get_submodule: %s (%schildren: %s)", what, where,
+        #names > 0 and table.concat(names, ", ") or "none"), 2)
     end
     m = c
     path = join(path, atom)
