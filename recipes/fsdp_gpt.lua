@@ -143,7 +143,9 @@ local function main(argv)
   end
   local fsdp_opts = { mesh = mesh, reshard_after_forward = o.raf, mp_policy = mp }
   for _, block in ipairs(model.layers:children()) do dist.fully_shard(block, fsdp_opts) end
-  dist.fully_shard(model, fsdp_opts)
+  -- the root takes the default reshard_after_forward: it keeps its parameters after forward (its backward
+  -- would all-gather them at once; an explicit value would reshard it too, as FSDP2 does)
+  dist.fully_shard(model, { mesh = mesh, mp_policy = mp })
   model:train()
   local params = model:parameters()
   local opt = optim.AdamW(params, { lr = o.lr, betas = { o.beta1, o.beta2 }, eps = 1e-8,

@@ -213,17 +213,50 @@ describe("FSDP over tensor parallelism", function()
           dist.fully_shard(f, { mesh = dp })
         end, function(t) models.Transformer.parallelize(t, tp, { use_seq_parallel = cfg.sp }) end, batch, loss),
       })
-      -- FSDP alone: 4 groups, 4 + 3 all-gathers (the root stays unsharded) and 4 reduce-scatters
+      -- FSDP alone: 4 groups, 4 + 3 all-gathers (the root stays unsharded) and 4 reduce-scatters; none over a dp
+      -- group of one rank (nothing to move)
       local f = alone_cache.fsdp
-      assert.are.equal(4, f.forward["all_gather dp"])
-      assert.are.equal(3, f.backward["all_gather dp"])  -- (with ckpt, the recompute runs while the block is unsharded)
-      assert.are.equal(4, f.backward["reduce_scatter dp"])
+      local function dp_n(k) return DPN > 1 and k or nil end
+      assert.are.equal(dp_n(4), f.forward["all_gather dp"])
+      assert.are.equal(dp_n(3), f.backward["all_gather dp"])  -- (with ckpt, the recompute runs while the block is unsharded)
+      assert.are.equal(dp_n(4), f.backward["reduce_scatter dp"])
       local n = 0
       for name, p in m:named_parameters() do
         n = n + 1
         assert.are.equal(transformer_placement(name, cfg.sp), pls(p), name)  -- train() checks the gradients' every step
       end
       assert.are.equal(2 + 3 * 12 + 2, n)
+    end)
+  end
+end)
+
+-- A size-1 FSDP group (issue 25 item 7): the dp dim of a (1, W) mesh (PyTorch's TestFullyShardNDTraining at 2
+-- GPUs: dp size 1, tp 2) issues no all-gather or reduce-scatter; the tp collectives are TP alone's
+describe("FSDP over tensor parallelism on a (1, W) mesh", function()
+  for _, d in ipairs({ 3, 16 }) do
+    it(string.format("MLP dim %d: no dp collective, tp collectives as TP alone, 10 AdamW steps equal to one process",
+      d), function()
+      local m1 = dist.init_device_mesh("cpu", { 1, W }, { "dp", "tp" })
+      local dp1, tp1 = m1["dp"], m1["tp"]
+      local function fsdp_(m)
+        dist.fully_shard(m.net1, { mesh = dp1 }); dist.fully_shard(m.net2, { mesh = dp1 }); dist.fully_shard(m, { mesh = dp1 })
+      end
+      local function tp_(m) dist.parallelize_module(m, tp1, { net1 = dist.ColwiseParallel(), net2 = dist.RowwiseParallel() }) end
+      local batch = function(step) engine.manual_seed(60 + step); return engine.randn(4, d), engine.randn(4, d) end
+      local loss = function(m, x, y) return F.mse_loss(m(x), y) end
+      local m = train({
+        build = mlp(d), rows = function(t) return t end, batch = batch, loss = loss,
+        shard = function(m) tp_(m); fsdp_(m) end,
+        groups = alone(mlp(d), fsdp_, tp_, batch, loss),
+      })
+      -- FSDP alone on the size-1 dp mesh moves nothing, forward or backward
+      assert.are.same({}, alone_cache.fsdp.forward)
+      assert.are.same({}, alone_cache.fsdp.backward)
+      for _, g in ipairs({ m, m.net1, m.net2 }) do
+        local k = dist.fsdp_counts(g)
+        assert.are.equal(0, k.all_gather); assert.are.equal(0, k.reduce_scatter)
+      end
+      assert.are.same({ 4 * d / W, d }, m.net1.weight:to_local():shape())
     end)
   end
 end)

@@ -18,15 +18,21 @@
  * divided by the divide factor (default: the data-parallel size), gives each
  * rank its shard, stored (original dtype) as the sharded parameter's .grad
  * DTensor (added when one exists).  Without gradient sync the accumulators
- * keep growing across backwards until a backward with sync.
+ * keep growing across backwards until a backward with sync.  HSDP with
+ * all-reduce off (eng_fsdp_group_set_requires_all_reduce(g, 0)): the
+ * reduce-scatter's output is summed into the group's partial sum instead of
+ * .grad, and the next reduction with all-reduce on adds that sum before its
+ * all-reduce.  A shard group of one rank issues no collective of its own: the
+ * unshard copies the local shards, the gradients are the output as packed.
  *
  * Hooks (C, on the module object): forward-pre unshards (waiting for a
  * prefetched all-gather), prefetches the next group, casts floating inputs to
  * param_dtype (cast_forward_inputs) and moves the root's inputs to the mesh's
  * device; forward-post casts floating outputs to output_dtype, reshards per
- * reshard_after_forward (never in the root, always under no_grad, never while
- * a backward runs: activation-checkpoint recompute keeps them for the
- * backward that follows) and passes each output that requires grad through
+ * reshard_after_forward (the root's default is false: set by the Lua lazy
+ * init; always under no_grad; never while a backward runs: an
+ * activation-checkpoint recompute keeps them for the backward that follows)
+ * and passes each output that requires grad through
  * an identity node whose backward is the pre-backward hook (unshard again
  * where resharded, prefetch the group that runs backward next).  The root's
  * end-of-backward callback flushes groups with pending gradients, waits for

@@ -24,6 +24,7 @@ typedef struct fparam {
   int64_t uoff;         /* offset in the unsharded buffer */
   int ready;            /* got its gradient in this backward */
   int in_rs;            /* its gradient is in the group's reduce-scatter (in flight until rs_finish) */
+  int in_partial;       /* HSDP: its gradient is in g->partial (reduce-scattered, not all-reduced yet) */
   int packed;           /* its gradient is already in g->rs_in (packed as it arrived) */
 } fparam;
 
@@ -53,6 +54,9 @@ struct eng_fsdp_group {
                          * post-forward subgroup (torch.chunk over N: ceil(size/N) rows each, padded; chunk_n) */
   /* reduce-scatter in flight */
   eng_work* rs_work; eng_tensor* rs_in; eng_tensor* rs_out;
+  eng_tensor* partial;  /* HSDP with requires_all_reduce off: the sum of the reduce-scatter outputs not all-reduced
+                         * over the replicas yet (reduce dtype, g->chunk elements, not divided); the next reduction
+                         * with all-reduce on adds it before its all-reduce (PyTorch's partial reduce output) */
   int64_t* blocks;      /* gather_in_place's block table (src_off | lens | dst_off), made on first use */
   eng_tensor* flat;     /* this rank's chunk (g->chunk elements) whose blocks the sharded parameters' local shards
                          * view (alias_shards), or NULL: a synchronous unshard sends it without a copy-in */
@@ -305,6 +309,21 @@ static int ag_copy_out(eng_fsdp_group* g, eng_tensor* gathered, int L) {
   return rc;
 }
 
+/* The unshard of a shard group of one rank: each local shard copied (cast to param_dtype, moved to the mesh's
+ * device) into its unsharded parameter; the version counter kept as ag_copy_out keeps it. */
+static int unshard_local(eng_fsdp_group* g) {
+  int32_t v = g->ubase->storage->version;
+  int rc = 0;
+  for (int i = 0; i < g->n && !rc; i++) {
+    fparam* q = &g->p[i];
+    eng_tensor* s = q->sharded;
+    if (s->numel == 0) continue;
+    rc = copy_into(rows_view(q->leaf, q, 0, q->shape[q->dim]), eng_view_of(s, s->ndim, s->shape, s->stride, s->offset));
+  }
+  g->ubase->storage->version = v;
+  return rc;
+}
+
 static int ag_finish(eng_fsdp_group* g) {
   if (!g->ag_out) return 0;
   int rc = 0;
@@ -327,6 +346,14 @@ int eng_fsdp_group_unshard(eng_fsdp_group* g, int async_op) {
   if (alloc_unsharded(g)) goto out;
   int dev = g->dev;
   int L = g->state == ST_POST_FWD && g->kept ? 1 : 0;
+  if (!L && g->W == 1) {
+    /* a shard group of one rank: its local shards are the whole parameters (nothing to all-gather) */
+    if (unshard_local(g)) { eng_err_prefix("FSDP unshard"); goto out; }
+    drop_post(g);
+    g->state = ST_UNSHARDED;
+    rc = 0;
+    goto out;
+  }
   if (!L && !async_op) {
     int ip = gather_in_place(g);
     if (ip < 0) { eng_err_prefix("FSDP unshard (all_gather)"); goto out; }
@@ -427,8 +454,29 @@ static int rs_finish(eng_fsdp_group* g) {
   int rc = 0;
   if (g->rs_work) { rc = eng_work_wait(g->rs_work); eng_work_release(g->rs_work); g->rs_work = NULL; }
   free_tensor(&g->rs_in);
-  if (!rc && g->rep_pg && g->all_reduce && eng_pg_size(g->rep_pg) > 1)
-    rc = eng_pg_all_reduce(g->rep_pg, g->rs_out, ENG_REDUCE_SUM, NULL);
+  if (!rc && g->rep_pg) {
+    /* HSDP: the reduce-scatters run with all-reduce off (set_requires_all_reduce(false)) summed so far join this
+     * output before its all-reduce, so that every microbatch reaches the other replicas */
+    if (g->partial) {
+      rc = eng_add_(g->rs_out, g->partial, 1.0);
+      free_tensor(&g->partial);
+      for (int i = 0; i < g->n; i++) {
+        if (g->p[i].in_partial) g->p[i].in_rs = 1;
+        g->p[i].in_partial = 0;
+      }
+    }
+    if (!rc && !g->all_reduce) {
+      /* all-reduce off: keep the replica's partial sum (not divided) for the next all-reduce; .grad waits */
+      g->partial = g->rs_out;
+      g->rs_out = NULL;
+      for (int i = 0; i < g->n; i++) {
+        if (g->p[i].in_rs) g->p[i].in_partial = 1;
+        g->p[i].in_rs = 0;
+      }
+      return 0;
+    }
+    if (!rc && eng_pg_size(g->rep_pg) > 1) rc = eng_pg_all_reduce(g->rep_pg, g->rs_out, ENG_REDUCE_SUM, NULL);
+  }
   double scale = g->divide > 0 ? 1.0 / g->divide : 1.0 / g->dp_size;
   /* where every gradient is of the reduce dtype and on the output's device (no mixed precision, no CPU
    * offload), the sharded gradients ARE views of the output: one in-place scaling pass over it, no copy and no
@@ -497,7 +545,8 @@ static int post_backward(eng_fsdp_group* g) {
       int64_t full = (int64_t)g->W * g->chunk;
       /* the send buffer: filled as the gradients arrived (post_acc_hook), or made now */
       if (!g->rs_in) g->rs_in = eng_new(1, &full, rd, dev);
-      g->rs_out = g->rs_in ? eng_new(1, &g->chunk, rd, dev) : NULL;
+      /* a shard group of one rank: the packed gradients are the output (nothing to reduce-scatter) */
+      g->rs_out = !g->rs_in ? NULL : g->W == 1 ? eng_tensor_retain(g->rs_in) : eng_new(1, &g->chunk, rd, dev);
       rc = g->rs_out ? 0 : -1;
       for (int i = 0; i < g->n && !rc; i++) {
         fparam* q = &g->p[i];
@@ -513,12 +562,12 @@ static int post_backward(eng_fsdp_group* g) {
         for (int k = 0; k < r->n_tree && !rc; k++)
           if (r->tree[k] != g && r->tree[k]->rs_out) rc = rs_finish(r->tree[k]);
       }
-      if (!rc) {
+      if (!rc && g->W > 1) {
         g->n_rs++;
         rc = eng_pg_reduce_scatter_into(g->pg, g->rs_out, g->rs_in, ENG_REDUCE_SUM, &g->rs_work);
         if (rc) eng_err_prefix("FSDP post-backward (reduce_scatter)");
-        if (!rc && !g->async_reduce) rc = rs_finish(g);
       }
+      if (!rc && (g->W == 1 || !g->async_reduce)) rc = rs_finish(g);
       if (rc) { free_tensor(&g->rs_in); free_tensor(&g->rs_out); }
     }
   }
@@ -708,7 +757,7 @@ int eng_fsdp_group_post_forward(eng_fsdp_group* g, eng_tensor** ts, int n) {
     eng_set_grad_enabled(prev);
     if (rc) return -1;
     if (in_bw) return 0;  /* a recompute inside backward: keep them for the backward that follows */
-    if (r == g || g->raf == 0) return 0;
+    if (g->raf == 0) return 0;  /* (a root keeps its parameters by default: its lazy init sets false) */
     if (g->raf > 1) return reshard_post_forward(g);
     return eng_fsdp_group_reshard(g);
   }
@@ -894,6 +943,7 @@ void eng_fsdp_group_release(eng_fsdp_group* g) {
   if (g->rs_work) { eng_work_wait(g->rs_work); eng_work_release(g->rs_work); }
   eng_tensor_release(g->ag_in); eng_tensor_release(g->ag_out); eng_tensor_release(g->kept);
   eng_tensor_release(g->rs_in); eng_tensor_release(g->rs_out); eng_tensor_release(g->flat);
+  eng_tensor_release(g->partial);
   free(g->blocks);
   for (int i = 0; i < g->n && g->p; i++) {
     fparam* q = &g->p[i];

@@ -233,12 +233,14 @@ local function set_raf(st, v, level)
   st.post_mesh = pm
 end
 
--- set_reshard_after_forward(value [, {recurse = true}]) (not on the root, which keeps false)
+-- set_reshard_after_forward(value [, {recurse = true}]): on the root too (an explicit value is honoured there,
+-- as FSDP2 does since 2.7: only the default leaves the root unsharded after forward)
 function FSDPModule.set_reshard_after_forward(self, value, opts)
   raf_value(value, "set_reshard_after_forward")
   each_fsdp(self, recurse_opt(opts), function(m, st)
     set_raf(st, raf_value(value, "set_reshard_after_forward", st.mesh:size(st.mesh:ndim())), 4)
     st.reshard_after_forward = value
+    st.raf_auto = false
   end)
 end
 
@@ -305,7 +307,10 @@ FSDPModule.deepcopy = FSDPModule.__deepcopy
 FSDPModule.clone = FSDPModule.__deepcopy
 
 -- Root lazy init: the first FSDP module whose forward runs (outermost) becomes the root of every FSDP
--- module under it that has no root yet; its own reshard_after_forward is treated as false.
+-- module under it that has no root yet.  The root keeps its parameters after forward (its backward would
+-- all-gather them at once) only when its reshard_after_forward is the default (nil, never set): an explicit
+-- true / integer, given to fully_shard or set by set_reshard_after_forward, is honoured (FSDP2's
+-- _auto_reshard_after_forward).
 function M._lazy_init(self)
   local st = rawget(self, "_fsdp")
   if st.root then return end
@@ -317,6 +322,7 @@ function M._lazy_init(self)
     end
   end
   st.is_root = true
+  if st.raf_auto then set_raf(st, 0, 2) end
 end
 
 local function fsdp_call(self, ...)
@@ -755,6 +761,7 @@ function M.fully_shard(module, opts)
   local cls = getmetatable(module)
   local state = {
     group = g, mesh = mesh, module_call = cls.__call, reshard_after_forward = opts.reshard_after_forward,
+    raf_auto = opts.reshard_after_forward == nil,
     mp_policy = mp, offload_policy = offload, params = order, post_mesh = pm,
   }
   rawset(module, "_fsdp", state)
