@@ -22,9 +22,13 @@ all: build
 deps:
 	@tools/install-deps.sh
 
+# ENGINE_WERROR=1 (set by .ci/run): compiler warnings are errors in every build
+ENGINE_WERROR ?= 0
+WERROR_FLAG = -DENGINE_WERROR=$(if $(filter 1,$(ENGINE_WERROR)),ON,OFF)
+
 $(BUILD)/Makefile: CMakeLists.txt
 	@mkdir -p $(BUILD)
-	@cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release > $(BUILD)/configure.log 2>&1 || (cat $(BUILD)/configure.log; exit 1)
+	@cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release $(WERROR_FLAG) > $(BUILD)/configure.log 2>&1 || (cat $(BUILD)/configure.log; exit 1)
 
 # The build's output goes to $(BUILD)/build.log; errors and warnings are shown, and a failed build fails
 # (a compile error must not leave an old binary to be tested).
@@ -46,7 +50,7 @@ test: build asan-build fuzz-build
 # ASan+UBSan build of the library, host and C tests (CPU only)
 $(ASAN_BUILD)/Makefile: CMakeLists.txt
 	@mkdir -p $(ASAN_BUILD)
-	@cmake -S . -B $(ASAN_BUILD) -DCMAKE_BUILD_TYPE=Debug -DENGINE_SANITIZE=ON -DENABLE_CUDA=OFF \
+	@cmake -S . -B $(ASAN_BUILD) -DCMAKE_BUILD_TYPE=Debug -DENGINE_SANITIZE=ON -DENABLE_CUDA=OFF $(WERROR_FLAG) \
 	  > $(ASAN_BUILD)/configure.log 2>&1 || (cat $(ASAN_BUILD)/configure.log; exit 1)
 
 asan-build: deps $(ASAN_BUILD)/Makefile
