@@ -47,8 +47,6 @@ local EXCEPTIONS = {
 local KNOWN_CALLS = {
   ["autograd->ops"] = { why = "gradient accumulation adds (one dispatch boundary, issue 23 item 1)",
     syms = { "eng_add", "eng_add_", "eng_sum_to_shape" } },
-  ["comm->dtensor"] = { why = "cma.c's torch.chunk sizes (comm knows nothing of placements, item 3)",
-    syms = { "eng_shard_size_and_offset" } },
   ["core->autograd"] = { why = "core records the graph of its own ops (item 4: headers owned by their folder)",
     syms = { "eng_any_requires_grad", "eng_grad_enabled", "eng_hook_list_free", "eng_lua_dispatch_module",
       "eng_lua_queue_release", "eng_node_in_dtype", "eng_node_release", "eng_record", "eng_set_grad_enabled",

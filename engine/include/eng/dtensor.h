@@ -120,9 +120,7 @@ const char* eng_placement_describe(const eng_placement* p, char* buf, int buflen
 int eng_dtensor_set_display_base(int base);
 
 /* ---- layout math (pure; no communication) */
-/* torch.chunk: size and offset of chunk idx when n elements go to k chunks
- * (chunk = ceil(n/k); chunks past the end are empty with offset n). */
-int eng_shard_size_and_offset(int64_t n, int k, int idx, int64_t* size, int64_t* offset);
+/* (eng_shard_size_and_offset, the torch.chunk arithmetic, is declared in eng/tensor.h: core defines it) */
 /* Resharding math (a saved chunk against the shard this rank holds now, as a
  * distributed checkpoint loads into another layout).  A box is per-dim
  * 0-based element offsets and sizes.  overlap: 1 when the boxes intersect

@@ -123,4 +123,8 @@ int32_t eng_tensor_version(const eng_tensor* t);
 /* Number of live eng_tensor objects (for leak checks). */
 int64_t eng_tensor_live_count(void);
 
+/* torch.chunk: size and offset of chunk idx when n elements go to k chunks (chunk = ceil(n/k); chunks past the end
+ * are empty with offset n).  0, or -1 for k < 1, idx outside [0, k) or n < 0. */
+int eng_shard_size_and_offset(int64_t n, int k, int idx, int64_t* size, int64_t* offset);
+
 #endif

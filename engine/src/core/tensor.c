@@ -21,6 +21,21 @@ void eng_contiguous_strides(int ndim, const int64_t* shape, int64_t* stride) {
   for (int d = ndim - 1; d >= 0; d--) { stride[d] = s; if (d > 0) s *= shape[d] > 0 ? shape[d] : 1; }
 }
 
+/* torch.chunk arithmetic, used by every layer that splits a dim (DTensor layouts, the single-copy exchanges of
+ * comm/, FSDP): core, so that comm/ needs no placement code. */
+int eng_shard_size_and_offset(int64_t n, int k, int idx, int64_t* size, int64_t* offset) {
+  if (k < 1) return eng_err("shard_size_and_offset: %d chunks requested (need >= 1)", k);
+  if (idx < 0 || idx >= k) return eng_err("shard_size_and_offset: chunk index %d out of range for %d chunks", idx, k);
+  if (n < 0) return eng_err("shard_size_and_offset: negative size %lld", (long long)n);
+  int64_t full = (n + k - 1) / k;
+  int64_t off = (int64_t)idx * full;
+  if (off > n) off = n;
+  int64_t sz = n - off < full ? n - off : full;
+  if (size) *size = sz;
+  if (offset) *offset = off;
+  return 0;
+}
+
 int64_t eng_shape_numel(int ndim, const int64_t* shape) {
   int64_t n = 1;
   for (int d = 0; d < ndim; d++) n *= shape[d];

@@ -157,18 +157,6 @@ int dt_check_placements(const char* op, const eng_mesh* mesh, int n, const eng_p
 }
 
 /* ------------------------------------------------------------------ layout math */
-int eng_shard_size_and_offset(int64_t n, int k, int idx, int64_t* size, int64_t* offset) {
-  if (k < 1) return eng_err("shard_size_and_offset: %d chunks requested (need >= 1)", k);
-  if (idx < 0 || idx >= k) return eng_err("shard_size_and_offset: chunk index %d out of range for %d chunks", idx, k);
-  if (n < 0) return eng_err("shard_size_and_offset: negative size %lld", (long long)n);
-  int64_t full = (n + k - 1) / k;
-  int64_t off = (int64_t)idx * full;
-  if (off > n) off = n;
-  int64_t sz = n - off < full ? n - off : full;
-  if (size) *size = sz;
-  if (offset) *offset = off;
-  return 0;
-}
 
 static void chunk(int64_t n, int64_t k, int64_t idx, int64_t* size, int64_t* offset) {
   int64_t full = (n + k - 1) / k;
