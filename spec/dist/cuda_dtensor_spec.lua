@@ -163,6 +163,11 @@ local function tokens(b, t, seed)
   return (engine.rand(b, t) * V):to("i64"):cuda()
 end
 local function rel(a, b) return math.abs(a - b) / math.max(1, math.abs(b)) end
+-- clip_grad_norm_'s total norm as a number (a number today; a tensor or DTensor if it becomes one, as PyTorch's)
+local function host_num(v)
+  if type(v) == "number" then return v end
+  return host(v):item()
+end
 
 -- 5 AdamW steps of m (distributed) and ref (one process on the GPU) on the same batches: losses and gradients
 -- every step, parameters at the end.  loss_fn(model, x, y) -> loss (a DTensor or a tensor).
@@ -175,6 +180,11 @@ local function train_equal(label, m, ref, loss_fn, batch)
     if batch then xm, ym = batch(x, y) end
     local lm = loss_fn(m, xm, ym); lm:backward()
     local lr = F.cross_entropy(ref(x):reshape(-1, V), y:reshape(-1)); lr:backward()
+    -- gradient clipping over the DTensor gradients (norms of the local shards on the device, reduced over the mesh)
+    local nm = engine.optim.clip_grad_norm_(m:parameters(), 0.5)
+    local nr = engine.optim.clip_grad_norm_(ref:parameters(), 0.5)
+    assert(rel(tonumber(host_num(nm)), tonumber(host_num(nr))) <= 1e-5, string.format("%s step %d: grad norm %s vs %s",
+      label, step, tostring(nm), tostring(nr)))
     local a, b = host(lm):item(), lr:item()
     assert(rel(a, b) <= 1e-5, string.format("%s step %d: loss %.9g vs %.9g", label, step, a, b))
     for name, p in m:named_parameters() do

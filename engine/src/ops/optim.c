@@ -197,7 +197,6 @@ static int total_norm(const char* op, int n, eng_tensor** ts, double p, double* 
     if (!t) continue;
     if (!eng_dtype_is_floating(t->dtype))
       err = eng_err("%s: %s %d %s is not floating point", op, from_grads ? "grad of param" : "tensor", i + 1, eng_desc(t));
-    else if (t->device != ENG_CPU && t->dist) err = eng_cu_unsupported(op, t);
     else if (first_dev >= 0 && t->device != first_dev)
       err = eng_err("%s: %s %d %s is on %s, the first one on %s (all on one device)", op,
                     from_grads ? "grad of param" : "tensor", i + 1, eng_desc(t), t->device == ENG_CUDA ? "cuda" : "cpu",
@@ -210,10 +209,19 @@ static int total_norm(const char* op, int n, eng_tensor** ts, double p, double* 
     if (!err) first_dev = t->device;
   }
   err = err ? 1 : 0;
-  if (first_dev == ENG_CUDA && !err) return eng_cu_global_norm(n, ts, from_grads, p, out, op);
+  int any_dist = 0;
+  for (int i = 0; i < n && !any_dist; i++) { eng_tensor* L = layout_of(ts[i], from_grads); any_dist = L && L->dist; }
+  if (first_dev == ENG_CUDA && !err && !any_dist) return eng_cu_global_norm(n, ts, from_grads, p, out, op);
+  /* CUDA DTensors: each layout group's local part is normed on the device (eng_cu_global_norm of its tensors),
+   * then the groups' accumulators are reduced over their meshes below, as on the CPU */
+  int cuda = first_dev == ENG_CUDA;
+  eng_tensor** cu_t = cuda ? calloc((size_t)n + 1, sizeof *cu_t) : NULL;
+  int* cu_g = cuda ? calloc((size_t)n + 1, sizeof *cu_g) : NULL;
+  int n_cu = 0;
+  if (cuda && (!cu_t || !cu_g)) { free(cu_t); free(cu_g); return eng_err("%s: out of memory", op); }
   double init = kind == KN_MIN ? INFINITY : 0.0;
   norm_group* groups = calloc((size_t)n + 1, sizeof *groups);
-  if (!groups) return eng_err("%s: out of memory", op);
+  if (!groups) { free(cu_t); free(cu_g); return eng_err("%s: out of memory", op); }
   int ng = 1; /* group 0: plain and fully replicated tensors */
   groups[0].c = (norm_ctx){kind, 0, p, init};
   int64_t count = 0;
@@ -244,6 +252,7 @@ static int total_norm(const char* op, int n, eng_tensor** ts, double p, double* 
     if (!t || err) continue;
     if (g == 0) count += eng_dtensor_numel(t);
     if (t->numel == 0) continue;
+    if (cuda) { cu_t[n_cu] = t; cu_g[n_cu++] = g; continue; }
     norm_ctx* c = &groups[g].c;
     c->dt = t->dtype;
     char* base[1] = {eng_ptr(t)};
@@ -251,6 +260,18 @@ static int total_norm(const char* op, int n, eng_tensor** ts, double p, double* 
     int esz[1] = {eng_dtype_size(t->dtype)};
     kc_foreach(t->ndim, t->shape, 1, base, st, esz, norm_rows, c);
   }
+  for (int g = 0; g < ng && cuda && !err; g++) {
+    int k = 0;
+    eng_tensor** mine = calloc((size_t)n_cu + 1, sizeof *mine);
+    if (!mine) { err = 1; eng_err("%s: out of memory", op); break; }
+    for (int j = 0; j < n_cu; j++) if (cu_g[j] == g) mine[k++] = cu_t[j];
+    double nrm = 0.0;
+    if (k > 0 && eng_cu_global_norm(k, mine, 0, p, &nrm, op)) err = 1;
+    else if (k > 0) groups[g].c.acc = kind == KN_L2 ? nrm * nrm : nrm; /* the CUDA kernels do p = 2 and inf */
+    free(mine);
+  }
+  free(cu_t);
+  free(cu_g);
   /* The checks above may fail on some ranks only (their own gradients): the
    * ranks of every mesh the all_reduces below run on agree first. */
   for (int g = 1; g < ng; g++)
