@@ -138,3 +138,41 @@ describe("cross_entropy_vocab_parallel", function()
     assert.is_truthy(e:find("cross_entropy_vocab_parallel: takes this rank's local logits"), e)
   end)
 end)
+
+describe("loss_parallel as PyTorch code uses it (issue 25 item 6)", function()
+  local F = engine.nn.functional
+  local function ref_case()
+    engine.manual_seed(7)
+    local logits = engine.randn(6, 12)
+    local y = engine.tensor({ 0, 3, 5, 7, 11, 2 }, "i64")
+    local l = logits:clone():requires_grad_()
+    local lr = F.cross_entropy(l, y)
+    lr:backward()
+    return logits, y, lr:item(), l.grad
+  end
+
+  it("class-sharded DTensor logits with a plain target: vocab parallel (3 all_reduces), the reference loss and grad",
+    function()
+      local logits, y, want, gwant = ref_case()
+      local d = dist.distribute_tensor(logits, mesh, { S(2) }):requires_grad_()
+      local counts, loss = util.counted(function()
+        local l = dist.loss_parallel(function() return F.cross_entropy(d, y) end)
+        l:backward()
+        return l
+      end)
+      assert.is_true(math.abs(loss:full_tensor():item() - want) < 1e-5)
+      assert.is_true(diff(d.grad:full_tensor(), gwant) < 1e-6)
+      assert.are.equal("all_reduce=3", counts) -- the three of the vocab-parallel path, no all_gather of the logits
+    end)
+
+  it("[Partial, Shard(class)] logits: the Partial is reduced, the class dim stays sharded (no false error)", function()
+    local logits, y, want = ref_case()
+    local m2 = dist.init_device_mesh("cpu", { 1, W })
+    local n = 12 / W
+    local loc = dist.distribute_tensor(logits, m2, { dist.Replicate(), S(2) }):to_local()
+    local p = dist.DTensor.from_local(loc, m2, { dist.Partial(), S(2) })
+    local loss = dist.loss_parallel(function() return F.cross_entropy(p, y) end)
+    assert.is_true(math.abs(loss:full_tensor():item() - want) < 1e-5, tostring(loss:full_tensor():item()))
+    assert.are.equal(n, loc:size(2))
+  end)
+end)

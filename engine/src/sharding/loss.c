@@ -36,7 +36,9 @@ static int ce_rule(const eng_op_call* c, const eng_dist_spec* const* s, int m, e
     int td = target_dim(cd, d);
     n = ce_push(out, cap, n, sh_S(d), sh_S(td), red == RED_NONE ? sh_S(td) : sh_P(ENG_REDUCE_SUM));
   }
-  int first = 1;
+  /* vocab parallel on the first mesh dim that shards the class dim now (not where another placement, e.g. a
+   * Partial, would have to become Shard(class) too: the class dim would end up on two mesh dims) */
+  int first = sh_is_S(&x->placements[m]) && x->placements[m].dim == cd;
   for (int j = 0; j < m; j++)
     if (sh_is_S(&x->placements[j]) && x->placements[j].dim == cd) first = 0;
   if (n >= 0 && first && cd == x->ndim - 1 && c->scalars[0] == 0.0)

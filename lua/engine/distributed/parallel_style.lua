@@ -502,9 +502,11 @@ end
 -- false}) already runs vocab-parallel here (3 all_reduces forward, none backward, logits never
 -- gathered), inside or outside this call; it exists so that PyTorch code ports as it is.  Logits of
 -- more than 2 dims are flattened by the caller: logits:reshape(-1, V) keeps the class-dim shard.
+-- Inside, plain tensors count as Replicate (PyTorch's documented usage passes a plain target, and a plain class
+-- weight): fn runs under implicit_replication.
 function M.loss_parallel(fn, ...)
   if type(fn) ~= "function" then fail("loss_parallel: expected a function to run, got " .. type(fn)) end
-  return fn(...)
+  return require("engine.distributed.implicit_replication").implicit_replication(fn, ...)
 end
 
 return M
