@@ -186,6 +186,10 @@ if [ "$BENCH" != none ]; then
     args=""; [ "$BENCH" = engine ] && args="--torch=0"
     timeout $(( $(left) > 300 ? 300 : $(left) )) "$ENGINE" recipes/bench/gpu_step.lua $args > "$OUT/gpu_step.log" 2>&1
     BENCHLINES="$(grep -E '^gpu_step|tok/s|MFU' "$OUT/gpu_step.log" | tail -4)"
+    # DTensor host overhead per op on a CUDA mesh (issue 27: <= 1 us)
+    timeout 60 "$ENGINE" recipes/bench/dtensor_dispatch.lua --device=cuda --n=5000 --runs=3 > "$OUT/dtensor_dispatch.log" 2>&1
+    BENCHLINES="$BENCHLINES
+dtensor_dispatch (cuda): $(grep -m1 'overhead' "$OUT/dtensor_dispatch.log" | sed 's/^ *//')"
     # the profiler's table of the engine's step (issue 28: commit it with the run summary)
     if [ "$(left)" -gt 40 ]; then
       ENGINE_PROFILE=1 timeout 120 "$ENGINE" recipes/bench/gpu_step.lua --torch=0 --steps=5 --warmup=2 \

@@ -3,7 +3,7 @@
 -- the plain-tensor add in the same run (issue target: DTensor eager op overhead
 -- under 10 us).
 --
---   build/engine recipes/bench/dtensor_dispatch.lua [--n=20000] [--runs=7]
+--   build/engine recipes/bench/dtensor_dispatch.lua [--n=20000] [--runs=7] [--device=cpu|cuda]
 --   mpirun --allow-run-as-root --oversubscribe --bind-to none --mca btl self,vader --mca pml ob1 \
 --     -np 2 build/engine recipes/bench/dtensor_dispatch.lua
 --
@@ -14,16 +14,29 @@
 --   dtensor_grad c = dw + db with dw requiring grad (a marked autograd node too)
 --   plain_grad   c = w + b with w requiring grad (the plain counterpart)
 -- The cases alternate within each run; each figure is the median over runs of
--- ns/op (rank 0 prints; the overhead is dtensor - plain).
+-- ns/op (rank 0 prints; the overhead is dtensor - plain).  --device=cuda: the tensors on the GPU and the mesh a
+-- CUDA mesh (issue 27: the DTensor host overhead on a CUDA mesh <= 1 us); each case ends with a device sync.
 local engine = require("engine")
 local dist = engine.distributed
 
-local opts = { n = 20000, runs = 7 }
+local opts = { n = 20000, runs = 7, device = "cpu" }
 for _, a in ipairs(arg or {}) do
   local k, v = a:match("^%-%-([%w_]+)=(.*)$")
-  if not k or opts[k] == nil then error("dtensor_dispatch: bad argument '" .. a .. "' (known: --n=, --runs=)", 0) end
-  opts[k] = tonumber(v) or error("dtensor_dispatch: --" .. k .. " must be a number", 0)
+  if not k or opts[k] == nil then
+    error("dtensor_dispatch: bad argument '" .. a .. "' (known: --n=, --runs=, --device=)", 0)
+  end
+  if k == "device" then
+    if v ~= "cpu" and v ~= "cuda" then error("dtensor_dispatch: --device must be cpu or cuda", 0) end
+    opts[k] = v
+  else
+    opts[k] = tonumber(v) or error("dtensor_dispatch: --" .. k .. " must be a number", 0)
+  end
 end
+if opts.device == "cuda" and not engine.cuda.is_available() then
+  print("dtensor_dispatch: --device=cuda: " .. engine.cuda.unavailable_reason())
+  os.exit(0)
+end
+local dev = opts.device
 
 local function median(t)
   table.sort(t)
@@ -32,10 +45,10 @@ local function median(t)
 end
 
 local W = dist.world_size()
-local mesh = dist.init_device_mesh("cpu", { W })
+local mesh = dist.init_device_mesh(dev, { W })
 local S = dist.Shard
-local a, b = engine.randn(4, 4), engine.randn(4, 4)
-local w = engine.randn(4, 4):requires_grad_()
+local a, b = engine.randn(4, 4):to(dev), engine.randn(4, 4):to(dev)
+local w = engine.randn(4, 4):to(dev):requires_grad_()
 local da = dist.distribute_tensor(a, mesh, { S(2) }, { src_data_rank = false })
 local db = dist.distribute_tensor(b, mesh, { S(2) }, { src_data_rank = false })
 local dw = dist.distribute_tensor(a, mesh, { S(2) }, { src_data_rank = false })
@@ -60,13 +73,15 @@ for run = 0, opts.runs do
     collectgarbage("collect")
     local t0 = engine.time()
     for _ = 1, n do fn() end
+    if dev == "cuda" then engine.cuda.synchronize() end
     local dt = (engine.time() - t0) / n * 1e9
     if run > 0 then table.insert(times[c[1]], dt) end -- run 0 warms up (JIT, caches)
   end
 end
 
 if dist.rank() == 0 then
-  print(string.format("DTensor dispatch cost, %d ranks, 4x4 f32, Shard(1); median of %d runs x %d ops", W, opts.runs, n))
+  print(string.format("DTensor dispatch cost, %d ranks, 4x4 f32 on %s, Shard(1); median of %d runs x %d ops", W, dev,
+    opts.runs, n))
   local m = {}
   for _, c in ipairs(cases) do
     m[c[1]] = median(times[c[1]])
