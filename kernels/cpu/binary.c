@@ -34,12 +34,14 @@
     case KB_MIN: ROW(T, (x != x || x < y) ? x : y); break;    \
   }
 
-#define OPS_INT(T)                                            \
-  switch (op) {                                               \
-    case KB_ADD: ROW(T, (T)(x + y)); break;                   \
-    case KB_SUB: ROW(T, (T)(x - y)); break;                   \
-    case KB_MUL: ROW(T, (T)(x * y)); break;                   \
-    case KB_DIV: ROW(T, (T)(y ? x / y : 0)); break;           \
+/* Integers wrap on overflow, as PyTorch's kernels do: the arithmetic is done in the
+ * unsigned type U (defined modulo 2^n), then converted back. */
+#define OPS_INT(T, U)                                                    \
+  switch (op) {                                                          \
+    case KB_ADD: ROW(T, (T)((U)x + (U)y)); break;                        \
+    case KB_SUB: ROW(T, (T)((U)x - (U)y)); break;                        \
+    case KB_MUL: ROW(T, (T)((U)x * (U)y)); break;                        \
+    case KB_DIV: ROW(T, (T)(y == 0 ? 0 : ((T)-1 < 0 && y == (T)-1) ? (T)(0 - (U)x) : x / y)); break; \
     case KB_POW: ROW(T, (T)pow((double)x, (double)y)); break; \
     case KB_MAX: ROW(T, x > y ? x : y); break;                \
     case KB_MIN: ROW(T, x < y ? x : y); break;                \
@@ -50,8 +52,8 @@ void kc_binary_row(int op, int dt, int64_t n, char* o, int64_t so, const char* a
   switch (dt) {
     case KC_F32: OPS_FLOAT(float, powf); break;
     case KC_F64: OPS_FLOAT(double, pow); break;
-    case KC_I32: OPS_INT(int32_t); break;
-    case KC_I64: OPS_INT(int64_t); break;
-    default: OPS_INT(uint8_t); break;
+    case KC_I32: OPS_INT(int32_t, uint32_t); break;
+    case KC_I64: OPS_INT(int64_t, uint64_t); break;
+    default: OPS_INT(uint8_t, uint8_t); break;
   }
 }

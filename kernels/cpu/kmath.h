@@ -15,9 +15,10 @@ void km_unary_row(int op, int idt, int odt, int64_t n, char* o, int64_t so, cons
                   const double* p);
 
 /* Binary (both inputs of dtype idt, already promoted).  Returns the number of
- * integer divisions by zero met (fmod, remainder, floor_divide on integers:
- * the engine turns them into an error); 0 otherwise. */
-enum { KM_FMOD = 0, KM_REMAINDER, KM_FLOORDIV, KM_LAND, KM_LOR, KM_BCOUNT };
+ * integer divisions by zero met (fmod, remainder, floor_divide, trunc_divide on
+ * integers: the engine turns them into an error); 0 otherwise.  KM_TRUNCDIV:
+ * division rounded toward zero (div's rounding_mode "trunc"). */
+enum { KM_FMOD = 0, KM_REMAINDER, KM_FLOORDIV, KM_LAND, KM_LOR, KM_TRUNCDIV, KM_BCOUNT };
 int64_t km_binary_row(int op, int idt, int odt, int64_t n, char* o, int64_t so, const char* a, int64_t sa,
                       const char* b, int64_t sb);
 

@@ -142,6 +142,7 @@ static double binary_f(int op, double a, double b) {
       return m;
     }
     case KM_FLOORDIV: return floordiv_f(a, b);
+    case KM_TRUNCDIV: return trunc(a / b);
     case KM_LAND: return (a != 0) && (b != 0);
     case KM_LOR: return (a != 0) || (b != 0);
   }
@@ -159,7 +160,8 @@ int64_t km_binary_row(int op, int idt, int odt, int64_t n, char* o, int64_t so, 
         case KM_LOR: r = x || y; break;
         default:
           if (y == 0) { zeros++; r = 0; break; }
-          if (y == -1) { r = op == KM_FLOORDIV ? (int64_t)(0 - (uint64_t)x) : 0; break; }
+          if (y == -1) { r = op == KM_FLOORDIV || op == KM_TRUNCDIV ? (int64_t)(0 - (uint64_t)x) : 0; break; }
+          if (op == KM_TRUNCDIV) { r = x / y; break; }
           r = x % y;
           if (op == KM_REMAINDER && r != 0 && ((r < 0) != (y < 0))) r += y;
           if (op == KM_FLOORDIV) {
@@ -236,7 +238,7 @@ void km_cumsum_rows(int dt, int reverse, int64_t m, int64_t r, const void* x, vo
       int64_t acc = 0;
       for (int64_t k = 0; k < r; k++) {
         int64_t j = reverse ? r - 1 - k : k;
-        acc += load_i(X + j * es, dt);
+        acc = (int64_t)((uint64_t)acc + (uint64_t)load_i(X + j * es, dt));
         store_i(Y + j * es, dt, acc);
       }
     } else {

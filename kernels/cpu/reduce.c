@@ -47,21 +47,23 @@ static double psum_strided(const char* x, int64_t sx, int dt, int64_t n) {
   return psum_strided(x, sx, dt, h) + psum_strided(x + h * sx, sx, dt, n - h);
 }
 
+/* Integer sums wrap modulo 2^64 (PyTorch's int64 accumulation): unsigned arithmetic. */
 static int64_t isum(const char* x, int64_t sx, int dt, int64_t n) {
-  int64_t r = 0;
+  uint64_t r = 0;
   switch (dt) {
-    case KC_I32: for (int64_t i = 0; i < n; i++) r += *(const int32_t*)(x + i * sx); break;
-    case KC_I64: for (int64_t i = 0; i < n; i++) r += *(const int64_t*)(x + i * sx); break;
+    case KC_I32: for (int64_t i = 0; i < n; i++) r += (uint64_t)(int64_t)*(const int32_t*)(x + i * sx); break;
+    case KC_I64: for (int64_t i = 0; i < n; i++) r += (uint64_t)*(const int64_t*)(x + i * sx); break;
     case KC_U8: for (int64_t i = 0; i < n; i++) r += *(const uint8_t*)(x + i * sx); break;
     default: for (int64_t i = 0; i < n; i++) r += *(const uint8_t*)(x + i * sx) != 0; break;
   }
-  return r;
+  return (int64_t)r;
 }
+static void iadd(int64_t* acc, int64_t v) { *acc = (int64_t)((uint64_t)*acc + (uint64_t)v); }
 
 void kc_sum_row(int dt, int64_t n, char* acc, int64_t sacc, const char* x, int64_t sx) {
   int floating = dt == KC_F32 || dt == KC_F64 || dt == KC_BF16 || dt == KC_F16;
   if (sacc == 0) {
-    if (!floating) { *(int64_t*)acc += isum(x, sx, dt, n); return; }
+    if (!floating) { iadd((int64_t*)acc, isum(x, sx, dt, n)); return; }
     double s;
     if (dt == KC_F32 && sx == 4) s = psum_f32((const float*)x, n);
     else if (dt == KC_F64 && sx == 8) s = psum_f64((const double*)x, n);
@@ -73,10 +75,10 @@ void kc_sum_row(int dt, int64_t n, char* acc, int64_t sacc, const char* x, int64
     for (int64_t i = 0; i < n; i++) {
       int64_t* A = (int64_t*)(acc + i * sacc);
       switch (dt) {
-        case KC_I32: *A += *(const int32_t*)(x + i * sx); break;
-        case KC_I64: *A += *(const int64_t*)(x + i * sx); break;
-        case KC_U8: *A += *(const uint8_t*)(x + i * sx); break;
-        default: *A += *(const uint8_t*)(x + i * sx) != 0; break;
+        case KC_I32: iadd(A, *(const int32_t*)(x + i * sx)); break;
+        case KC_I64: iadd(A, *(const int64_t*)(x + i * sx)); break;
+        case KC_U8: iadd(A, *(const uint8_t*)(x + i * sx)); break;
+        default: iadd(A, *(const uint8_t*)(x + i * sx) != 0); break;
       }
     }
     return;

@@ -79,6 +79,7 @@ __device__ double binary_d(int op, double a, double b) {
     }
     case KM_LAND: return (a != 0) && (b != 0);
     case KM_LOR: return (a != 0) || (b != 0);
+    case KM_TRUNCDIV: return trunc(a / b);
   }
   return 0;
 }

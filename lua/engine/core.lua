@@ -61,6 +61,26 @@ function M.raise()
   error(M.last_error(), user_level())
 end
 
+-- An options table: nil gives {}; anything but a plain table, or a key that
+-- is not in `known` (a list of names), is an error naming op and the known
+-- keys (a typo such as {dtpye = "i64"} must not be ignored).
+function M.check_opts(opts, known, op)
+  if opts == nil then return {} end
+  if type(opts) ~= "table" or getmetatable(opts) ~= nil then
+    fail(string.format("%s: options must be a table, got %s", op, getmetatable(opts) == M.Tensor and "a tensor" or type(opts)))
+  end
+  for k in pairs(opts) do
+    local ok = false
+    for i = 1, #known do if known[i] == k then ok = true; break end end
+    if not ok then
+      local names = { unpack(known) }
+      table.sort(names)
+      fail(string.format("%s: unknown option '%s' (known: %s)", op, tostring(k), table.concat(names, ", ")))
+    end
+  end
+  return opts
+end
+
 -- Collector pressure (docs/design.md "Allocator").  A Tensor is a small
 -- table whose storage Lua's collector does not see, so a loop that drops
 -- megabytes of activations per iteration would grow until the Lua heap alone

@@ -118,40 +118,62 @@ local function requires(t, opts)
   return t
 end
 
--- Splits trailing options table from shape varargs: f(2, 3, {dtype="f64"}).
+-- The options of the factories (zeros, ones, full, empty, arange, tensor, rand, randn and the *_like forms):
+-- any other key is an error naming these.
+local FACTORY_OPTS = { "dtype", "device", "requires_grad" }
+local RANDOM_OPTS = { "dtype", "device", "requires_grad", "generator" }
+Tensor.factory_opts = FACTORY_OPTS
+local function check_opts(opts, op, known)
+  if type(opts) == "table" and getmetatable(opts) == nil then core.check_opts(opts, known or FACTORY_OPTS, op) end
+  return opts
+end
+
+-- Splits trailing options table from shape varargs: f(2, 3, {dtype="f64"}).  A nil among the sizes
+-- (zeros(2, nil, 3)) is an error, not a shorter shape; trailing nils (f(2, 3, opts) with opts nil) are
+-- dropped.
 local function shape_and_opts(op, ...)
   local n = select("#", ...)
-  local last = select(n, ...)
+  local args = { ... }
+  while n > 0 and args[n] == nil do n = n - 1 end
+  local last = args[n]
+  local opts
   if n >= 1 and (type(last) == "table" and getmetatable(last) == nil and last[1] == nil) then
-    local args = { ... }
     args[n] = nil
-    if n == 2 and type(args[1]) == "table" then return args[1], last end
-    return args, last
+    n, opts = n - 1, last
   end
-  if n == 1 and type(last) == "table" then return last, nil end
-  return { ... }, nil
+  if n == 1 and type(args[1]) == "table" then return args[1], opts end
+  for i = 1, n do
+    if args[i] == nil then
+      core.fail(string.format("%s: size %d of the shape is nil (sizes must be integers; options go last, in a table)", op, i))
+    end
+  end
+  return args, opts
 end
 
 function M.empty(...)
   local shape, opts = shape_and_opts("empty", ...)
+  check_opts(opts, "empty")
   local n, arr = core.shape_arg("empty", shape)
   return requires(wrap(C.eng_tensor_empty(n, arr, opts_dtype(opts, 0, "empty"), opts_device(opts, "empty"))), opts)
 end
 
 function M.zeros(...)
   local shape, opts = shape_and_opts("zeros", ...)
+  check_opts(opts, "zeros")
   local n, arr = core.shape_arg("zeros", shape)
   return requires(wrap(C.eng_tensor_zeros(n, arr, opts_dtype(opts, 0, "zeros"), opts_device(opts, "zeros"))), opts)
 end
 
 function M.ones(...)
   local shape, opts = shape_and_opts("ones", ...)
+  check_opts(opts, "ones")
   local n, arr = core.shape_arg("ones", shape)
   return requires(wrap(C.eng_tensor_full(n, arr, 1, opts_dtype(opts, 0, "ones"), opts_device(opts, "ones"))), opts)
 end
 
 -- full(shape_table, value, opts)
 function M.full(shape, value, opts)
+  check_opts(opts, "full")
   local n, arr = core.shape_arg("full", shape)
   if type(value) ~= "number" and type(value) ~= "boolean" then
     core.fail("full: fill value must be a number, got " .. type(value))
@@ -173,6 +195,7 @@ function M.arange(a, b, c, d)
   local opts
   if type(b) == "table" then opts, b = b, nil elseif type(c) == "table" then opts, c = c, nil
   elseif type(d) == "table" then opts = d end
+  check_opts(opts, "arange")
   local start, stop, step
   if b == nil then start, stop, step = 0, a, 1 else start, stop, step = a, b, c or 1 end
   if type(start) ~= "number" or type(stop) ~= "number" or type(step) ~= "number" then
@@ -184,6 +207,7 @@ end
 
 -- tensor(nested_table [, dtype or opts]): integers -> i64, booleans -> bool, else f32.
 function M.tensor(data, opts)
+  check_opts(opts, "tensor")
   if core.is_tensor(data) then return data:clone() end
   local shape, flat = {}, {}
   local kind = "int"
@@ -230,6 +254,7 @@ end
 local function random_factory(name, cfun)
   return function(...)
     local shape, opts = shape_and_opts(name, ...)
+    check_opts(opts, name, RANDOM_OPTS)
     local n, arr = core.shape_arg(name, shape)
     local dt = opts_dtype(opts, 0, name)
     if opts_device(opts, name) == 2 then
@@ -244,8 +269,10 @@ M.randn = random_factory("randn", C.eng_randn)
 
 -- *_like keep t's device (and dtype unless given).
 local function like_opts(t, opts, op)
+  check_opts(opts, op, (op == "rand_like" or op == "randn_like") and RANDOM_OPTS or FACTORY_OPTS)
   local dev = type(opts) == "table" and opts.device or DEVICE_NAMES[t._c.device]
-  return { dtype = opts_dtype(opts, t._c.dtype, op), device = dev }
+  return { dtype = opts_dtype(opts, t._c.dtype, op), device = dev,
+    requires_grad = type(opts) == "table" and opts.requires_grad or nil }
 end
 -- For a DTensor t they give a DTensor with t's layout (engine.distributed
 -- installs Tensor.dtensor_like): e.g. empty_like(meta_dtensor, {device = "cpu"})
@@ -479,13 +506,19 @@ local function fmt_num(v, isfloat)
   return string.format("%.4f", v)
 end
 
+local function shape_str(shape)
+  local p = {}
+  for i, n in ipairs(shape) do p[i] = string.format("%d", n) end
+  return table.concat(p, ",")
+end
+
 function Tensor.__tostring(t)
   local c = t._c
   if c.dist ~= nil and Tensor.dtensor_tostring then return Tensor.dtensor_tostring(t) end
   local shape = t:shape()
   if c.device == 2 then -- no data to print (PyTorch: tensor(..., device='meta', size=(2, 3)))
     local extra = c.requires_grad ~= 0 and ", requires_grad=true" or ""
-    return string.format("tensor(..., %s[%s], device=meta%s)", core.dtype_names[c.dtype], table.concat(shape, ","), extra)
+    return string.format("tensor(..., %s[%s], device=meta%s)", core.dtype_names[c.dtype], shape_str(shape), extra)
   end
   local isfloat = C.eng_dtype_is_floating(c.dtype) ~= 0
   local isbool = c.dtype == 7
@@ -499,12 +532,12 @@ function Tensor.__tostring(t)
     local n, parts = shape[d], {}
     local edge = 3
     local sep = d == #shape and ", " or (",\n" .. indent .. " ")
-    for i = 1, n do
-      if n > 2 * edge + 1 and i == edge + 1 then parts[#parts + 1] = "..."
-      end
-      if not (n > 2 * edge + 1 and i > edge and i <= n - edge) then
-        parts[#parts + 1] = rec(d + 1, base + (i - 1) * strides[d], indent .. " ")
-      end
+    -- only the elements shown are visited (a dim of 2^62 in an empty tensor is not walked)
+    local long = n > 2 * edge + 1
+    for i = 1, long and 2 * edge or n do
+      local j = (long and i > edge) and n - 2 * edge + i or i
+      if long and i == edge + 1 then parts[#parts + 1] = "..." end
+      parts[#parts + 1] = rec(d + 1, base + (j - 1) * strides[d], indent .. " ")
     end
     return "[" .. table.concat(parts, sep) .. "]"
   end
@@ -514,7 +547,7 @@ function Tensor.__tostring(t)
   elseif c.requires_grad ~= 0 then extra = ", requires_grad=true" end
   local dev = c.device == 0 and "" or (", device=" .. DEVICE_NAMES[c.device])
   return string.format("tensor(%s, %s%s%s%s)", body, core.dtype_names[c.dtype],
-    "[" .. table.concat(shape, ",") .. "]", dev, extra)
+    "[" .. shape_str(shape) .. "]", dev, extra)
 end
 
 -- ---------------------------------------------------------------- arithmetic operators
@@ -537,30 +570,117 @@ local sub = binop("sub", C.eng_sub, C.eng_sub_scalar, C.eng_rsub_scalar)
 local mul = binop("mul", C.eng_mul, C.eng_mul_scalar, function(s, t) return C.eng_mul_scalar(t, s) end)
 local div = binop("div", C.eng_div, C.eng_div_scalar, C.eng_rdiv_scalar)
 local pow = binop("pow", C.eng_pow, C.eng_pow_scalar, C.eng_rpow_scalar)
-methods.add, methods.sub, methods.mul, methods.div, methods.pow = add, sub, mul, div, pow
-M.add, M.sub, M.mul, M.div, M.pow = add, sub, mul, div, pow
 Tensor.__add, Tensor.__sub, Tensor.__mul, Tensor.__div, Tensor.__pow = add, sub, mul, div, pow
+
+-- add(a, b [, alpha]) / sub(a, b [, alpha]): a + alpha b / a - alpha b (PyTorch's alpha), alpha a number
+-- or {alpha = n}.  With integer operands alpha must be integral (PyTorch's check).
+local function alpha_arg(alpha, op, a, b)
+  if type(alpha) == "table" and getmetatable(alpha) == nil then
+    core.check_opts(alpha, { "alpha" }, op)
+    alpha = alpha.alpha
+  end
+  if alpha == nil then return 1 end
+  if type(alpha) ~= "number" then core.fail(string.format("%s: alpha must be a number, got %s", op, type(alpha))) end
+  if alpha % 1 ~= 0 or alpha ~= alpha then
+    local function integral(x)
+      if core.is_tensor(x) then return C.eng_dtype_is_floating(x._c.dtype) == 0 end
+      return type(x) == "number" and x % 1 == 0
+    end
+    if integral(a) and integral(b) then
+      core.fail(string.format("%s: For integral input tensors, argument alpha must not be a floating point number (alpha %s)",
+        op, tostring(alpha)))
+    end
+  end
+  return alpha
+end
+local function scaled(b, alpha) -- alpha * b for a tensor or a number b
+  if type(b) == "number" then return b * alpha end
+  return wrap(C.eng_mul_scalar(ct(b, "mul", 2), alpha))
+end
+function methods.add(a, b, alpha)
+  alpha = alpha_arg(alpha, "add", a, b)
+  if alpha ~= 1 then b = scaled(b, alpha) end
+  return add(a, b)
+end
+function methods.sub(a, b, alpha)
+  alpha = alpha_arg(alpha, "sub", a, b)
+  if alpha ~= 1 then b = scaled(b, alpha) end
+  return sub(a, b)
+end
+
+-- div(a, b [, {rounding_mode = nil | "trunc" | "floor"}]): true division (integers give floats), or the
+-- quotient rounded toward zero or down (integers stay integers), as torch.div.
+local ROUNDING = { trunc = 1, floor = 2 }
+local function rounding_arg(opts, op)
+  if opts == nil then return 0 end
+  core.check_opts(opts, { "rounding_mode" }, op)
+  local m = opts.rounding_mode
+  if m == nil then return 0 end
+  local code = ROUNDING[m]
+  if not code then
+    core.fail(string.format("%s: rounding_mode must be nil, \"trunc\" or \"floor\", got %s", op, tostring(m)))
+  end
+  return code
+end
+function methods.div(a, b, opts)
+  local mode = rounding_arg(opts, "div")
+  if mode == 0 then return div(a, b) end
+  if not core.is_tensor(a) and not core.is_tensor(b) then core.fail("div: at least one argument must be a tensor") end
+  local scalar_tensor = require("engine.ops.math")._scalar_tensor  -- a number next to a tensor: PyTorch's promotion
+  if not core.is_tensor(a) then a = scalar_tensor(a, b, "div") end
+  if not core.is_tensor(b) then b = scalar_tensor(b, a, "div") end
+  local p = C.eng_div_rounding(ct(a, "div", 1), ct(b, "div", 2), mode)
+  if p == nil then core.fail(core.prefixed("div", core.last_error(), "floor_divide")) end
+  return wrap(p)
+end
+methods.mul, methods.pow = mul, pow
+M.add, M.sub, M.mul, M.div, M.pow = methods.add, methods.sub, mul, methods.div, pow
 Tensor.__unm = function(a) return wrap(C.eng_neg(ct(a, "neg", 1))) end
 
 function methods.maximum(a, b) return wrap(C.eng_maximum(ct(a, "maximum", 1), ct(b, "maximum", 2))) end
 function methods.minimum(a, b) return wrap(C.eng_minimum(ct(a, "minimum", 1), ct(b, "minimum", 2))) end
 M.maximum, M.minimum = methods.maximum, methods.minimum
 
--- In-place arithmetic (optimizers, init).
+-- In-place arithmetic (optimizers, init).  The result must keep a's dtype kind (PyTorch's casting rule):
+-- an integer tensor refuses a floating operand, and true division (div_ without a rounding mode).
 function methods.add_(a, b, alpha)
-  if type(b) == "number" then check(C.eng_add_scalar_(a._c, b)) else check(C.eng_add_(a._c, ct(b, "add_", 1), alpha or 1)) end
+  alpha = alpha_arg(alpha, "add_", a, b)
+  if type(b) == "number" then check(C.eng_add_scalar_(ct(a, "add_", "self"), b * alpha))
+  else check(C.eng_add_(ct(a, "add_", "self"), ct(b, "add_", 1), alpha)) end
   return a
 end
-function methods.sub_(a, b)
-  if type(b) == "number" then check(C.eng_add_scalar_(a._c, -b)) else check(C.eng_sub_(a._c, ct(b, "sub_", 1))) end
+function methods.sub_(a, b, alpha)
+  alpha = alpha_arg(alpha, "sub_", a, b)
+  if type(b) == "number" then
+    if a._c.dtype == 7 then -- bool: sub_ refuses it whatever the operand (a scalar 0-d tensor names the rule)
+      check(C.eng_sub_(a._c, wrap(C.eng_tensor_full(0, nil, b, 5, a._c.device))._c))
+    end
+    check(C.eng_add_scalar_(ct(a, "sub_", "self"), -b * alpha))
+  elseif alpha == 1 then check(C.eng_sub_(ct(a, "sub_", "self"), ct(b, "sub_", 1)))
+  else
+    if a._c.dtype == 7 then check(C.eng_sub_(a._c, ct(b, "sub_", 1))) end
+    check(C.eng_add_(ct(a, "sub_", "self"), ct(b, "sub_", 1), -alpha))
+  end
   return a
 end
 function methods.mul_(a, b)
   if type(b) == "number" then check(C.eng_mul_scalar_(a._c, b)) else check(C.eng_mul_(a._c, ct(b, "mul_", 1))) end
   return a
 end
-function methods.div_(a, b)
-  if type(b) == "number" then check(C.eng_mul_scalar_(a._c, 1 / b)) else check(C.eng_div_(a._c, ct(b, "div_", 1))) end
+function methods.div_(a, b, opts)
+  local mode = rounding_arg(opts, "div_")
+  ct(a, "div_", "self")
+  if mode ~= 0 then
+    local r = methods.div(a, b, opts)
+    if C.eng_dtype_is_floating(r._c.dtype) ~= 0 and C.eng_dtype_is_floating(a._c.dtype) == 0 then
+      core.fail(string.format("div_: result type %s can't be cast to the desired output type %s", r.dtype, a.dtype))
+    end
+    return methods.copy_(a, r)
+  end
+  if type(b) == "number" then
+    if C.eng_dtype_is_floating(a._c.dtype) ~= 0 then check(C.eng_mul_scalar_(a._c, 1 / b))
+    else check(C.eng_div_(a._c, wrap(C.eng_tensor_full(0, nil, b, 0, a._c.device))._c)) end -- refused (integer target)
+  else check(C.eng_div_(a._c, ct(b, "div_", 1))) end
   return a
 end
 

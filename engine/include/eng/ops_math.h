@@ -39,6 +39,9 @@ eng_tensor* eng_remainder(eng_tensor* a, eng_tensor* b);
 eng_tensor* eng_floor_divide(eng_tensor* a, eng_tensor* b);
 eng_tensor* eng_logical_and(eng_tensor* a, eng_tensor* b);
 eng_tensor* eng_logical_or(eng_tensor* a, eng_tensor* b);
+/* div with a rounding mode: 0 none (true division, eng_div), 1 "trunc", 2 "floor" (eng_floor_divide);
+ * integers stay integers with a rounding mode. */
+eng_tensor* eng_div_rounding(eng_tensor* a, eng_tensor* b, int mode);
 
 /* Composites.  clamp with tensor bounds (lo or hi may be NULL); lerp:
  * a + w (b - a) with a tensor weight (0-d for a number); out-of-place

@@ -36,10 +36,14 @@ int eng_shard_size_and_offset(int64_t n, int k, int idx, int64_t* size, int64_t*
   return 0;
 }
 
+/* 0 for a shape with a zero size, whatever the other sizes ([5, 2^62, 0] has no elements, and its
+ * partial products must not be formed: they overflow); else the product, which eng_numel_checked
+ * has bounded for every shape a tensor was made with. */
 int64_t eng_shape_numel(int ndim, const int64_t* shape) {
-  int64_t n = 1;
-  for (int d = 0; d < ndim; d++) n *= shape[d];
-  return n;
+  for (int d = 0; d < ndim; d++) if (shape[d] == 0) return 0;
+  uint64_t n = 1;
+  for (int d = 0; d < ndim; d++) n *= (uint64_t)shape[d];
+  return (int64_t)n;
 }
 
 int eng_numel_checked(int ndim, const int64_t* shape, int dtype, int64_t* numel, const char* op) {

@@ -5,6 +5,7 @@
 #include "kernels/cpu/kcpu.h"
 #include "cuda/cuda_ops.h"
 #include <math.h>
+#include <string.h>
 
 static int compute_dtype(int rdt) {
   if (rdt == ENG_BF16 || rdt == ENG_F16) return ENG_F32;
@@ -20,12 +21,23 @@ static void brow(int64_t n, char** p, const int64_t* s, void* vc) {
 
 static const char* const g_names[] = {"add", "sub", "mul", "div", "pow", "maximum", "minimum"};
 
+/* PyTorch refuses subtraction with bool operands (sub_check): its messages. */
+static const char* bool_sub_msg(int both) {
+  return both ? "Subtraction, the `-` operator, with two bool tensors is not supported. Use the `^` or "
+                "`logical_xor()` operator instead."
+              : "Subtraction, the `-` operator, with a bool tensor is not supported. If you are trying to invert a "
+                "mask, use the `~` or `logical_not()` operator instead.";
+}
+
 /* Forward only: out = a op b with broadcasting and type promotion. */
 static eng_tensor* binary_fwd(int op, eng_tensor* a, eng_tensor* b) {
   const char* name = g_names[op];
   ENG_CHECK(a, name); ENG_CHECK(b, name);
   if (a->device != b->device)
     return eng_errp("%s: tensors on different devices: %s and %s", name, eng_desc(a), eng_desc(b));
+  if (op == KB_SUB && (a->dtype == ENG_BOOL || b->dtype == ENG_BOOL))
+    return eng_errp("%s: %s (%s, %s)", name, bool_sub_msg(a->dtype == ENG_BOOL && b->dtype == ENG_BOOL), eng_desc(a),
+                    eng_desc(b));
   int rdt = eng_promote_types(a->dtype, b->dtype);
   if (op == KB_DIV && !eng_dtype_is_floating(rdt)) rdt = ENG_F32; /* true division */
   int cdt = a->device == ENG_CUDA ? rdt : compute_dtype(rdt); /* the CUDA kernels take every dtype as is */
@@ -247,6 +259,9 @@ static eng_tensor* scalar_op(int kind, eng_tensor* a, double s) {
                                       "PowBackward", "RsubBackward", "RdivBackward", "RpowBackward"};
   ENG_CHECK(a, g_names[ops[kind]]);
   if (eng_meta_check(a, g_names[ops[kind]])) return NULL;
+  if (kind == SC_POW && s < 0 && s == floor(s) && !eng_dtype_is_floating(a->dtype))
+    return eng_errp("pow: Integers to negative integer powers are not allowed (%s ^ %g; convert to a floating dtype first)",
+                    eng_desc(a), s);
   eng_tensor* st = scalar_like(a, s);
   if (!st) return NULL;
   int rev = kind >= SC_RSUB;
@@ -307,8 +322,33 @@ static void ip_row_f32(int64_t n, char** p, const int64_t* s, void* vc) {
 }
 
 typedef struct { int op; double alpha; int adt, bdt; } ipg_ctx;
+static int is_int_code(int dt) { return dt == ENG_I32 || dt == ENG_I64 || dt == ENG_U8 || dt == ENG_BOOL; }
+static int64_t load_int(const char* p, int dt) {
+  switch (dt) {
+    case ENG_I32: return *(const int32_t*)p;
+    case ENG_I64: return *(const int64_t*)p;
+    default: return *(const uint8_t*)p;
+  }
+}
+static void store_int(char* p, int dt, int64_t v) {
+  switch (dt) {
+    case ENG_I32: *(int32_t*)p = (int32_t)(uint32_t)(uint64_t)v; break;
+    case ENG_I64: *(int64_t*)p = v; break;
+    case ENG_BOOL: *(uint8_t*)p = v != 0; break;
+    default: *(uint8_t*)p = (uint8_t)(uint64_t)v; break;
+  }
+}
 static void ip_row_generic(int64_t n, char** p, const int64_t* s, void* vc) {
   ipg_ctx* c = vc;
+  if (is_int_code(c->adt) && is_int_code(c->bdt)) { /* exact, wrapping as PyTorch's integer kernels */
+    uint64_t al = (uint64_t)(int64_t)c->alpha;
+    for (int64_t i = 0; i < n; i++) {
+      char* x = p[0] + i * s[0];
+      uint64_t a = (uint64_t)load_int(x, c->adt), b = (uint64_t)load_int(p[1] + i * s[1], c->bdt);
+      store_int(x, c->adt, (int64_t)(c->op == KB_MUL ? a * b : a + al * b));
+    }
+    return;
+  }
   for (int64_t i = 0; i < n; i++) {
     char* x = p[0] + i * s[0];
     double a = kc_load(x, c->adt), b = kc_load(p[1] + i * s[1], c->bdt), r;
@@ -346,8 +386,29 @@ static int inplace_cuda(int op, eng_tensor* a, eng_tensor* B, double alpha, cons
   return rc;
 }
 
+/* The result of a op= b must be representable in a's dtype without changing its kind (PyTorch's canCast):
+ * no floating result into an integer or bool tensor (true division always gives one), no integer result
+ * into a bool tensor; an integral target takes an integral alpha only. */
+static int check_inplace_types(int op, const eng_tensor* a, const eng_tensor* b, double alpha, const char* name) {
+  if (strcmp(name, "sub_") == 0 && (a->dtype == ENG_BOOL || b->dtype == ENG_BOOL))
+    return eng_err("%s: %s (%s, %s)", name, bool_sub_msg(a->dtype == ENG_BOOL && b->dtype == ENG_BOOL), eng_desc(a),
+                   eng_desc(b));
+  int rdt = eng_promote_types(a->dtype, b->dtype);
+  if (op == KB_DIV && !eng_dtype_is_floating(rdt)) rdt = ENG_F32;
+  if ((eng_dtype_is_floating(rdt) && !eng_dtype_is_floating(a->dtype)) || (a->dtype == ENG_BOOL && rdt != ENG_BOOL))
+    return eng_err("%s: result type %s can't be cast to the desired output type %s (%s, %s)%s", name,
+                   eng_dtype_name(rdt), eng_dtype_name(a->dtype), eng_desc(a), eng_desc(b),
+                   op == KB_DIV ? ": true division gives floats; use {rounding_mode = \"trunc\"} or \"floor\", or "
+                                  "convert the tensor first" : "");
+  if (!eng_dtype_is_floating(a->dtype) && alpha != floor(alpha))
+    return eng_err("%s: For integral input tensors, argument alpha must not be a floating point number (alpha %g, %s)",
+                   name, alpha, eng_desc(a));
+  return 0;
+}
+
 static int inplace(int op, eng_tensor* a, eng_tensor* b, double alpha, const char* name) {
   ENG_CHECK_I(a, name); ENG_CHECK_I(b, name);
+  if (check_inplace_types(op, a, b, alpha, name)) return -1;
   if (eng_meta_check(a, name)) return -1;
   if (eng_meta_check(b, name)) return -1;
   if (eng_check_inplace(a, name)) return -1;
@@ -395,7 +456,11 @@ int eng_div_(eng_tensor* a, eng_tensor* b) { IP_GUARD(KB_DIV, "div_", 0, a, b, 1
 
 static int inplace_scalar(int op, eng_tensor* a, double s, const char* name) {
   ENG_CHECK_I(a, name);
-  eng_tensor* st = eng_tensor_full(0, NULL, s, a->dtype == ENG_F32 ? ENG_F32 : ENG_F64, a->device);
+  /* an integral number next to an integer tensor is an integer (PyTorch's scalars), anything else a double */
+  int sdt = a->dtype == ENG_F32 ? ENG_F32 : ENG_F64;
+  if (!eng_dtype_is_floating(a->dtype) && s == floor(s) && fabs(s) < 9223372036854775808.0)
+    sdt = a->dtype == ENG_BOOL && (s == 0 || s == 1) ? ENG_BOOL : ENG_I64;
+  eng_tensor* st = eng_tensor_full(0, NULL, s, sdt, a->device);
   if (!st) return -1;
   int rc = inplace(op, a, st, 1.0, name);
   eng_tensor_release(st);

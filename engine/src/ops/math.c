@@ -25,7 +25,8 @@ static const char* const mu_bw_names[KM_UCOUNT] = {
     "SinBackward", "CosBackward", "FloorBackward", "CeilBackward", "RoundBackward", "TruncBackward",
     "SignBackward", "ErfBackward", "Log1pBackward", "Expm1Backward", "ReciprocalBackward", "SquareBackward",
     "", "", "", "", "NanToNumBackward"};
-static const char* const mb_names[KM_BCOUNT] = {"fmod", "remainder", "floor_divide", "logical_and", "logical_or"};
+static const char* const mb_names[KM_BCOUNT] = {"fmod", "remainder", "floor_divide", "logical_and", "logical_or",
+                                                "div"};
 
 /* ------------------------------------------------------------ host fallback */
 /* A CPU tensor with t's values (t itself for CPU tensors).  New reference. */
@@ -312,6 +313,18 @@ eng_tensor* eng_remainder(eng_tensor* a, eng_tensor* b) { return mb(KM_REMAINDER
 eng_tensor* eng_floor_divide(eng_tensor* a, eng_tensor* b) { return mb(KM_FLOORDIV, a, b); }
 eng_tensor* eng_logical_and(eng_tensor* a, eng_tensor* b) { return mb(KM_LAND, a, b); }
 eng_tensor* eng_logical_or(eng_tensor* a, eng_tensor* b) { return mb(KM_LOR, a, b); }
+
+/* torch.div(a, b, rounding_mode=): 0 true division (eng_div), 1 "trunc" (toward zero), 2 "floor"
+ * (floor_divide).  Integer operands stay integers with a rounding mode (an integer zero divisor is an
+ * error); no gradient flows through a rounded quotient. */
+eng_tensor* eng_div_rounding(eng_tensor* a, eng_tensor* b, int mode) {
+  switch (mode) {
+    case 0: return eng_div(a, b);
+    case 1: return mb(KM_TRUNCDIV, a, b);
+    case 2: return eng_floor_divide(a, b);
+  }
+  return eng_errp("div: rounding mode %d is not one of 0 (none), 1 (trunc), 2 (floor)", mode);
+}
 
 /* ------------------------------------------------------------ composites */
 /* PyTorch's clamp(x, min, max) = min(max(x, min), max) with the gradient of

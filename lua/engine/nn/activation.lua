@@ -1,4 +1,5 @@
 -- engine.nn.activation: ReLU, GELU, SiLU, Tanh, Sigmoid, Softmax, LogSoftmax.
+local core = require("engine.core")
 local mod = require("engine.nn.module")
 local F = require("engine.nn.functional")
 local Module = mod.Module
@@ -21,6 +22,7 @@ simple("Sigmoid", F.sigmoid)
 local GELU = Module:extend("GELU")
 M.GELU = GELU
 function GELU:__init(opts)
+  if type(opts) == "table" then core.check_opts(opts, { "approximate" }, "GELU") end
   local a = type(opts) == "table" and opts.approximate or opts
   if a == nil then a = "none" end
   if a ~= "none" and a ~= "tanh" then
@@ -34,13 +36,19 @@ function GELU:extra_repr() return self.approximate == "none" and "" or "approxim
 -- Softmax(dim) / LogSoftmax(dim): dim is 1-based (negative from the end).
 local Softmax = Module:extend("Softmax")
 M.Softmax = Softmax
-function Softmax:__init(dim) self.dim = dim or -1 end
+-- Softmax(dim) or Softmax{dim = d}
+local function dim_arg(dim, op)
+  if type(dim) == "table" then dim = core.check_opts(dim, { "dim" }, op).dim end
+  if dim ~= nil and type(dim) ~= "number" then core.fail(op .. ": dim must be a number, got " .. type(dim)) end
+  return dim or -1
+end
+function Softmax:__init(dim) self.dim = dim_arg(dim, "Softmax") end
 function Softmax:forward(x) return F.softmax(x, self.dim) end
 function Softmax:extra_repr() return "dim=" .. tostring(self.dim) end
 
 local LogSoftmax = Module:extend("LogSoftmax")
 M.LogSoftmax = LogSoftmax
-function LogSoftmax:__init(dim) self.dim = dim or -1 end
+function LogSoftmax:__init(dim) self.dim = dim_arg(dim, "LogSoftmax") end
 function LogSoftmax:forward(x) return F.log_softmax(x, self.dim) end
 function LogSoftmax:extra_repr() return "dim=" .. tostring(self.dim) end
 
@@ -50,7 +58,10 @@ local function with_opts(name, fn, keys, defaults)
   local cls = Module:extend(name)
   M[name] = cls
   function cls:__init(a, b)
-    if type(a) == "table" then a, b = a[keys[1]], keys[2] and a[keys[2]] or nil end
+    if type(a) == "table" then
+      core.check_opts(a, keys, name)
+      a, b = a[keys[1]], keys[2] and a[keys[2]] or nil
+    end
     self[keys[1]] = a == nil and defaults[1] or a
     if keys[2] then self[keys[2]] = b == nil and defaults[2] or b end
     for i, k in ipairs(keys) do

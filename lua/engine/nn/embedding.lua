@@ -1,5 +1,6 @@
 -- engine.nn.embedding: Embedding (a lookup table of vectors).
 local engine = require("engine")
+local core = require("engine.core")
 local mod = require("engine.nn.module")
 local init = require("engine.nn.initializers")
 local F = require("engine.nn.functional")
@@ -14,7 +15,7 @@ M.Embedding = Embedding
 -- weight [num, dim] ~ N(0, 1); the padding_idx row (a 0-based token id; negative
 -- counts from the end) is zero and gets no gradient.  Indices are 0-based token ids.
 function Embedding:__init(num_embeddings, embedding_dim, opts)
-  opts = opts or {}
+  opts = core.check_opts(opts, { "padding_idx", "dtype" }, "Embedding")
   for _, v in ipairs({ { num_embeddings, "num_embeddings" }, { embedding_dim, "embedding_dim" } }) do
     if type(v[1]) ~= "number" or v[1] % 1 ~= 0 or v[1] < 0 then
       error(string.format("Embedding: %s must be a non-negative integer, got %s", v[2], tostring(v[1])), 3)

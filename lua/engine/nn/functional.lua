@@ -101,6 +101,7 @@ end
 function F.mse_loss(input, target, opts)
   need_tensor(input, "mse_loss", 1)
   need_tensor(target, "mse_loss", 2)
+  if type(opts) == "table" then require("engine.core").check_opts(opts, { "reduction" }, "mse_loss") end
   local reduction = type(opts) == "table" and (opts.reduction or "mean") or opts or "mean"
   local d = input - target
   local sq = d * d

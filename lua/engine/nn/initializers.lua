@@ -75,9 +75,18 @@ end
 function M.zeros_(t) run(C.eng_tensor_zero_, ct(t, "zeros_")); return t end
 function M.ones_(t) run(C.eng_tensor_fill_, ct(t, "ones_"), 1); return t end
 
+-- The options of kaiming_*: unknown keys and modes are errors.
+local function kaiming_opts(opts, op)
+  opts = core.check_opts(opts, { "a", "mode", "nonlinearity", "generator" }, op)
+  if opts.mode ~= nil and opts.mode ~= "fan_in" and opts.mode ~= "fan_out" then
+    core.fail(string.format("%s: mode must be \"fan_in\" or \"fan_out\", got %s", op, tostring(opts.mode)))
+  end
+  return opts
+end
+
 -- kaiming_uniform_(t, {a = 0, mode = "fan_in", nonlinearity = "leaky_relu", generator = nil})
 function M.kaiming_uniform_(t, opts)
-  opts = opts or {}
+  opts = kaiming_opts(opts, "kaiming_uniform_")
   local g = gen.check(opts.generator, "kaiming_uniform_")
   local fan_in, fan_out = M.calculate_fan_in_and_fan_out(t)
   local fan = (opts.mode == "fan_out") and fan_out or fan_in
@@ -87,7 +96,7 @@ function M.kaiming_uniform_(t, opts)
 end
 
 function M.kaiming_normal_(t, opts)
-  opts = opts or {}
+  opts = kaiming_opts(opts, "kaiming_normal_")
   local g = gen.check(opts.generator, "kaiming_normal_")
   local fan_in, fan_out = M.calculate_fan_in_and_fan_out(t)
   local fan = (opts.mode == "fan_out") and fan_out or fan_in
@@ -96,8 +105,15 @@ function M.kaiming_normal_(t, opts)
 end
 
 -- xavier_uniform_(t [, gain = 1 [, generator]]); gain may also be {gain =, generator =}
+local function xavier_opts(gain, generator, op)
+  if type(gain) == "table" then
+    core.check_opts(gain, { "gain", "generator" }, op)
+    return gain.gain, gain.generator
+  end
+  return gain, generator
+end
 function M.xavier_uniform_(t, gain, generator)
-  if type(gain) == "table" then gain, generator = gain.gain, gain.generator end
+  gain, generator = xavier_opts(gain, generator, "xavier_uniform_")
   local g = gen.trailing(generator, "xavier_uniform_")
   local fan_in, fan_out = M.calculate_fan_in_and_fan_out(t)
   local a = (gain or 1) * math.sqrt(6 / (fan_in + fan_out))
@@ -105,7 +121,7 @@ function M.xavier_uniform_(t, gain, generator)
 end
 
 function M.xavier_normal_(t, gain, generator)
-  if type(gain) == "table" then gain, generator = gain.gain, gain.generator end
+  gain, generator = xavier_opts(gain, generator, "xavier_normal_")
   local g = gen.trailing(generator, "xavier_normal_")
   local fan_in, fan_out = M.calculate_fan_in_and_fan_out(t)
   return M.normal_(t, 0, (gain or 1) * math.sqrt(2 / (fan_in + fan_out)), g)

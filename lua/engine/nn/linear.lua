@@ -1,5 +1,6 @@
 -- engine.nn.linear: Linear (y = x W^T + b).
 local engine = require("engine")
+local core = require("engine.core")
 local mod = require("engine.nn.module")
 local init = require("engine.nn.initializers")
 local F = require("engine.nn.functional")
@@ -21,7 +22,7 @@ end
 -- with a = sqrt(5), i.e. U(-1/sqrt(in), 1/sqrt(in)), and the bias from the same range.
 function Linear:__init(in_features, out_features, opts)
   if type(opts) == "boolean" then opts = { bias = opts } end
-  opts = opts or {}
+  opts = core.check_opts(opts, { "bias", "dtype" }, "Linear")
   check_size(in_features, "in_features")
   check_size(out_features, "out_features")
   self.in_features, self.out_features = in_features, out_features

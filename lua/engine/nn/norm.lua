@@ -1,5 +1,6 @@
 -- engine.nn.norm: LayerNorm and RMSNorm over the trailing dims.
 local engine = require("engine")
+local core = require("engine.core")
 local mod = require("engine.nn.module")
 local F = require("engine.nn.functional")
 local Module, Parameter = mod.Module, mod.Parameter
@@ -27,7 +28,7 @@ M.LayerNorm = LayerNorm
 
 -- LayerNorm(normalized_shape [, {eps = 1e-5, elementwise_affine = true, bias = true, dtype = "f32"}])
 function LayerNorm:__init(normalized_shape, opts)
-  opts = opts or {}
+  opts = core.check_opts(opts, { "eps", "elementwise_affine", "bias", "dtype" }, "LayerNorm")
   self.normalized_shape = norm_shape(normalized_shape, "LayerNorm")
   self.eps = opts.eps or 1e-5
   self.elementwise_affine = opts.elementwise_affine ~= false
@@ -67,7 +68,7 @@ M.RMSNorm = RMSNorm
 -- RMSNorm(normalized_shape [, {eps = nil, elementwise_affine = true, dtype = "f32"}]);
 -- eps nil means the machine epsilon of the input's dtype (as in PyTorch).
 function RMSNorm:__init(normalized_shape, opts)
-  opts = opts or {}
+  opts = core.check_opts(opts, { "eps", "elementwise_affine", "dtype" }, "RMSNorm")
   self.normalized_shape = norm_shape(normalized_shape, "RMSNorm")
   self.eps = opts.eps
   self.elementwise_affine = opts.elementwise_affine ~= false

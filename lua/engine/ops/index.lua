@@ -223,19 +223,40 @@ function methods.repeat_tensor(t, ...)
   local full = {}
   for i = 1, #reps - #sh do full[i] = 1 end
   for i = 1, #sh do full[#reps - #sh + i] = sh[i] end
+  -- the result's shape is checked before anything is built: sizes past 2^63, or a number of elements or
+  -- bytes that overflows, fail here at once; a result too large for memory fails at its one allocation
+  local out, zero = {}, false
+  for j = 1, #reps do out[j] = full[j] * reps[j]; zero = zero or out[j] == 0 end
+  local n, arr = core.shape_arg(op, out)
+  local probe = C.eng_tensor_empty(n, arr, C.eng_dtype_from_name(t.dtype), 2) -- a meta tensor: checked, no data
+  if probe == nil then fail(core.prefixed(op, core.last_error(), "empty")) end
+  C.eng_tensor_release(probe)
+  local E = require("engine")
+  if zero then return E.zeros(out, { dtype = t.dtype, device = t.device }) end
   local x = t
   if #reps > #sh then x = x:reshape(full) end
   for i = 1, #reps do
-    local n = reps[i]
-    if n == 0 then
-      local s = {}
-      for j = 1, #reps do s[j] = full[j] * reps[j] end
-      return require("engine").zeros(s, { dtype = t.dtype, device = t.device })
-    end
-    if n > 1 then
-      local l = {}
-      for j = 1, n do l[j] = x end
-      x = require("engine").cat(l, i)
+    local r = reps[i]
+    if r > 1 then
+      local cur = x:shape()
+      if not is_dt(x) and #cur < 8 then
+        -- r copies along dim i: a view [.., r, size_i, ..] (expand, no copy) copied once (contiguous: a new
+        -- tensor, as PyTorch's repeat, even where a reshape could be a view of stride 0) as [.., r * size_i, ..]
+        local big, merged = { unpack(cur) }, { unpack(cur) }
+        table.insert(big, i, r)
+        merged[i] = r * cur[i]
+        x = x:unsqueeze(i):expand(big):contiguous():view(merged)
+      else
+        -- DTensors (and 8-d tensors, which have no room for the extra dim): concatenations, the copies
+        -- doubled each time (log2 r of them, not a list of r tensors)
+        local acc, pw, k = nil, x, r
+        while k > 0 do
+          if k % 2 == 1 then acc = acc and E.cat({ acc, pw }, i) or pw end
+          k = math.floor(k / 2)
+          if k > 0 then pw = E.cat({ pw, pw }, i) end
+        end
+        x = acc
+      end
     end
   end
   if x == t then x = t:clone() end
@@ -377,6 +398,10 @@ methods.one_hot = M.one_hot
 -- unbind(dim = 1) -> list of the slices along dim (views).
 function methods.unbind(t, d)
   local c = ct(t, "unbind", 1)
+  if c.ndim == 0 then
+    fail(string.format("unbind: dimension specified as %s but the tensor has no dimensions (a 0-d tensor; "
+      .. "PyTorch raises too)", tostring(d or 1)))
+  end
   local cd = cdim(d or 1, c.ndim, "unbind")
   local out = {}
   for i = 1, t:size(cd + 1) do out[i] = t:select(cd + 1, i) end

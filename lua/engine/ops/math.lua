@@ -115,7 +115,10 @@ binary("logical_or", C.eng_logical_or, true)
 -- ---------------------------------------------------------------- clamp with tensor bounds
 local clamp_number = methods.clamp
 function methods.clamp(t, lo, hi)
-  if type(lo) == "table" and not core.is_tensor(lo) then lo, hi = lo.min, lo.max end
+  if type(lo) == "table" and not core.is_tensor(lo) then
+    core.check_opts(lo, { "min", "max" }, "clamp")
+    lo, hi = lo.min, lo.max
+  end
   if not core.is_tensor(lo) and not core.is_tensor(hi) then return clamp_number(t, lo, hi) end
   local c = ct(t, "clamp", 1)
   if lo ~= nil and not core.is_tensor(lo) then lo = scalar_tensor(lo, t, "clamp") end

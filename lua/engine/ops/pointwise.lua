@@ -42,28 +42,47 @@ function methods.gelu(t, approximate)
 end
 M.gelu = methods.gelu
 
--- clamp(lo, hi): nil for no bound (also clamp{min = lo, max = hi}).
+-- clamp(lo, hi): nil for no bound (also clamp{min = lo, max = hi}).  A NaN bound is a bound, not
+-- "none": every element of the result is NaN (PyTorch fills the result with NaN; an integer tensor
+-- gives f32, the result type of an integer tensor and a float number).
 local NAN = 0 / 0
 local function bound(v, what, op)
   if v == nil then return NAN end
-  if type(v) ~= "number" then error(string.format("%s: %s must be a number or nil, got %s", op, what, type(v)), 4) end
+  if type(v) ~= "number" then core.fail(string.format("%s: %s must be a number or nil, got %s", op, what, type(v))) end
   return v
 end
+-- -> lo, hi (NaN: none), whether a given bound is NaN
 local function clamp_args(lo, hi, op)
-  if type(lo) == "table" then lo, hi = lo.min, lo.max end
+  if type(lo) == "table" then
+    core.check_opts(lo, { "min", "max" }, op)
+    lo, hi = lo.min, lo.max
+  end
+  if lo == nil and hi == nil then core.fail(op .. ": at least one of min and max must be given") end
   local l, h = bound(lo, "min", op), bound(hi, "max", op)
-  if l ~= l and h ~= h then error(op .. ": at least one of min and max must be given", 4) end
-  return l, h
+  return l, h, (lo ~= nil and l ~= l) or (hi ~= nil and h ~= h)
 end
 function methods.clamp(t, lo, hi)
-  local l, h = clamp_args(lo, hi, "clamp")
-  return wrap(C.eng_clamp(ct(t, "clamp", 1), l, h))
+  local l, h, nan = clamp_args(lo, hi, "clamp")
+  local c = ct(t, "clamp", 1)
+  if nan then  -- t * 0 + NaN: all NaN, on t's device and layout; the gradient is zero, as PyTorch's
+    return wrap(C.eng_add_scalar(wrap(C.eng_mul_scalar(c, 0))._c, NAN))
+  end
+  return wrap(C.eng_clamp(c, l, h))
 end
 methods.clip = methods.clamp
 M.clamp = methods.clamp
 function methods.clamp_(t, lo, hi)
-  local l, h = clamp_args(lo, hi, "clamp_")
-  check(C.eng_clamp_(ct(t, "clamp_", 1), l, h))
+  local l, h, nan = clamp_args(lo, hi, "clamp_")
+  local c = ct(t, "clamp_", 1)
+  if nan then
+    if C.eng_dtype_is_floating(c.dtype) == 0 then
+      core.fail(string.format("clamp_: result type f32 can't be cast to the desired output type %s (a NaN bound)",
+        core.dtype_names[c.dtype]))
+    end
+    check(C.eng_tensor_fill_(c, NAN))
+    return t
+  end
+  check(C.eng_clamp_(c, l, h))
   return t
 end
 

@@ -18,7 +18,7 @@ function AdamW.new(params, opts)
   local defaults = { lr = 1e-3, betas = { 0.9, 0.999 }, eps = 1e-8, weight_decay = 1e-2, amsgrad = false,
     maximize = false }
   for k, v in pairs(opts) do
-    if not known[k] then error("AdamW: unknown option '" .. tostring(k) .. "'", 3) end
+    if not known[k] then error("AdamW: unknown option '" .. tostring(k) .. "' (known: " .. Optimizer._names(known) .. ")", 3) end
     defaults[k] = v
   end
   local self = setmetatable({}, AdamW)
@@ -28,16 +28,17 @@ end
 
 function AdamW:validate_group(g, level)
   local function bad(msg) error("AdamW: " .. msg, level + 1) end
-  if type(g.lr) ~= "number" or g.lr < 0 then bad("Invalid learning rate: " .. tostring(g.lr)) end
-  if type(g.eps) ~= "number" or g.eps < 0 then bad("Invalid epsilon value: " .. tostring(g.eps)) end
+  -- written as PyTorch's `not 0.0 <= lr`, so that NaN is refused too
+  if type(g.lr) ~= "number" or not (g.lr >= 0) then bad("Invalid learning rate: " .. tostring(g.lr)) end
+  if type(g.eps) ~= "number" or not (g.eps >= 0) then bad("Invalid epsilon value: " .. tostring(g.eps)) end
   if type(g.betas) ~= "table" or #g.betas ~= 2 then bad("betas must be a table of two numbers") end
   for i = 1, 2 do
     local b = g.betas[i]
-    if type(b) ~= "number" or b < 0 or b >= 1 then
+    if type(b) ~= "number" or not (b >= 0 and b < 1) then
       bad(string.format("Invalid beta parameter at index %d: %s", i - 1, tostring(b)))
     end
   end
-  if type(g.weight_decay) ~= "number" or g.weight_decay < 0 then
+  if type(g.weight_decay) ~= "number" or not (g.weight_decay >= 0) then
     bad("Invalid weight_decay value: " .. tostring(g.weight_decay))
   end
   if g.amsgrad then bad("amsgrad is not supported") end

@@ -18,6 +18,14 @@ local Optimizer = {}
 Optimizer.__index = Optimizer
 Optimizer.__name = "Optimizer"
 
+-- "a, b, c": the sorted keys of a set (the known options, for error messages).
+function Optimizer._names(set)
+  local names = {}
+  for k in pairs(set) do names[#names + 1] = tostring(k) end
+  table.sort(names)
+  return table.concat(names, ", ")
+end
+
 -- Optimizer:extend(name) -> subclass; Sub(params, opts) constructs via Sub.new.
 function Optimizer:extend(name)
   local cls = setmetatable({ __name = name }, { __index = self, __call = function(c, ...) return c.new(...) end })

@@ -17,7 +17,7 @@ function SGD.new(params, opts)
   if type(opts) ~= "table" then error("SGD: options must be a table", 3) end
   local defaults = { lr = 1e-3, momentum = 0, dampening = 0, weight_decay = 0, nesterov = false, maximize = false }
   for k, v in pairs(opts) do
-    if not known[k] then error("SGD: unknown option '" .. tostring(k) .. "'", 3) end
+    if not known[k] then error("SGD: unknown option '" .. tostring(k) .. "' (known: " .. Optimizer._names(known) .. ")", 3) end
     defaults[k] = v
   end
   local self = setmetatable({}, SGD)
@@ -27,10 +27,11 @@ end
 
 function SGD:validate_group(g, level)
   local function bad(msg) error("SGD: " .. msg, level + 1) end
-  if type(g.lr) ~= "number" or g.lr < 0 then bad("Invalid learning rate: " .. tostring(g.lr)) end
-  if type(g.momentum) ~= "number" or g.momentum < 0 then bad("Invalid momentum value: " .. tostring(g.momentum)) end
-  if type(g.dampening) ~= "number" then bad("Invalid dampening value: " .. tostring(g.dampening)) end
-  if type(g.weight_decay) ~= "number" or g.weight_decay < 0 then
+  -- written as PyTorch's `not 0.0 <= lr`, so that NaN is refused too
+  if type(g.lr) ~= "number" or not (g.lr >= 0) then bad("Invalid learning rate: " .. tostring(g.lr)) end
+  if type(g.momentum) ~= "number" or not (g.momentum >= 0) then bad("Invalid momentum value: " .. tostring(g.momentum)) end
+  if type(g.dampening) ~= "number" or g.dampening ~= g.dampening then bad("Invalid dampening value: " .. tostring(g.dampening)) end
+  if type(g.weight_decay) ~= "number" or not (g.weight_decay >= 0) then
     bad("Invalid weight_decay value: " .. tostring(g.weight_decay))
   end
   if g.nesterov and (g.momentum <= 0 or g.dampening ~= 0) then
