@@ -109,6 +109,34 @@ describe("dist.checkpoint across relaunched jobs", function()
     load(1, { dir }, { [dir] = 14 })
   end)
 
+  -- issue 26 item 4: a job killed while saving into the folder of its previous checkpoint (rank 3 writes half
+  -- of its data file, then kill -9 of itself) leaves that checkpoint loadable: the new one was being written
+  -- beside it (<dir>.saving) and would have replaced it in one rename-exchange.
+  it("a save into the folder of the previous checkpoint, killed (kill -9 of a rank while writing): the previous "
+    .. "one still loads; the next save replaces it and removes what the killed one left", function()
+    if not proc.have_mpirun() then pending("needs mpirun"); return end
+    local dir = TMP .. "/killed"
+    local function exists(path) return os.rename(path, path) ~= nil end
+    save(2, dir, "S1")
+    local t0 = engine.time()
+    local out, rc = proc.job(4, job, { "save", dir, "S2" }, { env = { ENGINE_CKPT_TEST_KILL = "/__3_0.distcp" },
+      timeout = 60 })
+    assert.is_true(rc ~= 0 and rc ~= 124, out)
+    assert.is_true(engine.time() - t0 < 55, "the killed job hung until the timeout")
+    assert.is_truthy(out:find("signal 9", 1, true), out)   -- mpirun: "exited on signal 9 (Killed)"
+    assert.equal(0, count(out, "saved rank"), out)
+    -- the previous checkpoint (saved by 2 processes: step 12), in every layout, at 2 and 1 processes
+    assert.equal(2, ckpt.read_metadata(dir).world_size)
+    load(2, { dir }, { [dir] = 12 })
+    load(1, { dir }, { [dir] = 12 })
+    assert.is_true(exists(dir .. ".saving"), "the killed save wrote beside the checkpoint")
+    -- the next save into dir (1 process: step 11) replaces it and removes the killed save's directory
+    save(1, dir, "R")
+    assert.is_false(exists(dir .. ".saving"))
+    assert.equal(1, ckpt.read_metadata(dir).world_size)
+    load(2, { dir }, { [dir] = 11 })
+  end)
+
   it("the reverse: saved by 1- and 2-process jobs, loaded by a 4-process job", function()
     if not proc.have_mpirun() then pending("needs mpirun"); return end
     local d1, d2 = TMP .. "/s1", TMP .. "/s2"

@@ -1,7 +1,8 @@
 -- dist.checkpoint faults (issue 16): a truncated data file, a flipped byte, a missing metadata file, a
 -- save interrupted on one rank (the previous checkpoint still loads), metadata of another checkpoint or
 -- another model, a missing rank file, a metadata file that is not one, a data file cut short between the
--- load's passes.  Every rank fails with a message
+-- load's passes; a save into the folder of the previous checkpoint interrupted (a full disk) or left behind by a
+-- killed rank: the previous checkpoint still loads there; prune's arguments.  Every rank fails with a message
 -- naming the file, nothing is loaded half (the state keeps its values), no hang.  1, 2 and 4 ranks.
 local engine = require("engine")
 local ffi = require("ffi")
@@ -182,6 +183,108 @@ describe("dist.checkpoint faults (" .. W .. " ranks)", function()
     local st = target()
     ckpt.load(st, good)
     assert.equal(0, diff(st.w:full_tensor(), full()))
+  end)
+
+  -- issue 26 item 4: a save into the folder of the previous checkpoint writes the new one beside it
+  -- ("<dir>.saving") and swaps the two in one step, so the previous one survives any interruption
+  local function exists(path) return os.rename(path, path) ~= nil end
+  local function saved2(dir, opts)
+    local h = ckpt.save({ w = dist.distribute_tensor(full() * 2, mesh, { Shard(1) }), b = engine.ones(5) * 3, step = 8 },
+      dir, opts)
+    if opts and opts.async then h:wait() end
+  end
+  local function loads_previous(dir)
+    local st = target()
+    ckpt.load(st, dir)
+    assert.equal(0, diff(st.w:full_tensor(), full()))
+    assert.equal(0, diff(st.b, engine.ones(5)))
+    assert.equal(7, st.step)
+  end
+
+  it("a save into the folder of the previous checkpoint replaces it in one step; nothing is left beside it", function()
+    local dir = newdir()
+    saved(dir)
+    local id0 = ckpt.read_metadata(dir).id
+    saved2(dir)
+    local st = target()
+    ckpt.load(st, dir)
+    assert.equal(0, diff(st.w:full_tensor(), full() * 2))
+    assert.equal(0, diff(st.b, engine.ones(5) * 3))
+    assert.equal(8, st.step)
+    assert.are_not.equal(id0, ckpt.read_metadata(dir).id)
+    dist.barrier()
+    assert.is_false(exists(dir .. ".saving"))
+    -- async too, and a third save into it
+    saved(dir)
+    saved2(dir, { async = true })
+    ckpt.load(st, dir)
+    assert.equal(8, st.step)
+    assert.equal(0, diff(st.w:full_tensor(), full() * 2))
+    dist.barrier()
+    assert.is_false(exists(dir .. ".saving"))
+  end)
+
+  for _, async in ipairs({ false, true }) do
+    it("a save into the folder of the previous checkpoint interrupted on one rank (a full disk" ..
+      (async and ", async" or "") .. "): every rank fails, the previous checkpoint still loads there", function()
+      local dir = newdir()
+      saved(dir)
+      local victim = string.format("/__%d_0.distcp", W - 1)
+      if R == W - 1 then ffi.C.setenv("ENGINE_CKPT_TEST_FAIL", victim, 1) end
+      local e = errmsg(saved2, dir, { async = async })
+      if R == W - 1 then ffi.C.unsetenv("ENGINE_CKPT_TEST_FAIL") end
+      assert.is_truthy(e:find(victim, 1, true) and e:find("interrupted", 1, true), e)
+      loads_previous(dir)
+      if R == W - 1 then assert.is_truthy(e:find(".saving" .. victim, 1, true), e) end
+      -- the failed save's staging directory is gone; the next save into dir goes through
+      dist.barrier()
+      assert.is_false(exists(dir .. ".saving"))
+      saved2(dir)
+      local st = target()
+      ckpt.load(st, dir)
+      assert.equal(8, st.step)
+    end)
+  end
+
+  it("what a killed save into the folder left beside it is removed by the next save into it", function()
+    local dir = newdir()
+    saved(dir)
+    -- as a rank killed while writing leaves it: a staging directory with a partial data file, no metadata
+    on_rank0(function()
+      assert(os.execute("mkdir -p '" .. dir .. ".saving'") == 0)
+      local f = assert(io.open(dir .. ".saving/__0_0.distcp.tmp123", "wb"))
+      f:write("partial")
+      f:close()
+    end)
+    loads_previous(dir)
+    saved2(dir)
+    dist.barrier()
+    assert.is_false(exists(dir .. ".saving"))
+    local st = target()
+    ckpt.load(st, dir)
+    assert.equal(8, st.step)
+  end)
+
+  it("prune checks its arguments before deleting anything", function()
+    local proot = root .. "/prune"
+    for s = 1, 3 do
+      local d = ckpt.path(proot, s)
+      ckpt.save({ x = engine.ones(2), step = s }, d)
+    end
+    if R == 0 then
+      for _, bad in ipairs({ -1, 0, 1.5, 0 / 0, math.huge, "2" }) do
+        local e = errmsg(ckpt.prune, proot, bad)
+        assert.is_truthy(e:find("checkpoint.prune: keep must be an integer >= 1", 1, true), e)
+      end
+      local e = errmsg(ckpt.prune, nil, 1)
+      assert.is_truthy(e:find("checkpoint.prune: root must be a non-empty string", 1, true), e)
+      for s = 1, 3 do assert.equal(s, ckpt.read_metadata(ckpt.path(proot, s)).values.step) end
+      ckpt.prune(proot, 2)
+      assert.is_false(exists(ckpt.path(proot, 1)))
+      assert.equal(ckpt.path(proot, 3), (ckpt.latest(proot)))
+      assert.equal(2, ckpt.read_metadata(ckpt.path(proot, 2)).values.step)
+    end
+    dist.barrier()
   end)
 
   it("metadata of another save (same model) is rejected by the data files' ids", function()

@@ -64,6 +64,14 @@ const char* eng_ckpt_reader_path(const eng_ckpt_reader* r);
 void eng_ckpt_reader_close(eng_ckpt_reader* r);
 /* fsync tmp, rename it to path, fsync the directory: a committed file. */
 int eng_ckpt_commit_file(const char* tmp, const char* path);
+/* Swaps the directories staged and dir in one step (renameat2 RENAME_EXCHANGE), then fsyncs their parent:
+ * dir holds the new checkpoint and staged the old one, and no instant sees neither.  On a filesystem
+ * without RENAME_EXCHANGE: three renames through staged ".old" (a crash between them can leave dir
+ * missing, the old checkpoint under that name).  0, or -1 with an error naming both. */
+int eng_ckpt_exchange_dirs(const char* staged, const char* dir);
+/* The canonical absolute path of an existing path (symlinks resolved), in a thread-local buffer; NULL with
+ * an error naming it. */
+const char* eng_ckpt_realpath(const char* path);
 
 /* ---- metadata entries
  * One tensor: "<dtype>|<shape>|<chunk>;<chunk>;..." with shape "d0,d1,..."

@@ -177,10 +177,10 @@ static const char* test_hook(const char* path, int* kill_it) {
 
 static void* run(void* arg) {
   eng_ckpt_writer* w = arg;
-  /* an old file of this name goes first (its checkpoint is void: save removed the metadata before opening
-   * writers; a reader that has it open keeps it): the disk holds one copy, not two, and the new file may reuse
-   * the space (writing into space the old file still held was 2-4x slower on the VM's thin-provisioned disk,
-   * dd alike).  Here, not in open: freeing a large file's blocks may wait for the disk, and an async save's
+  /* an old file of this name goes first (its checkpoint is void: a save writes in place only into a directory
+   * without a complete checkpoint, else beside it in "<dir>.saving"; a reader that has it open keeps it): the
+   * disk holds one copy, not two, and the new file may reuse the space (writing into space the old file still
+   * held was 2-4x slower on the VM's thin-provisioned disk, dd alike).  Here, not in open: freeing a large file's blocks may wait for the disk, and an async save's
    * caller must not. */
   unlink(w->path);
   char head[HEADER_BYTES] = {0};
@@ -327,6 +327,42 @@ void eng_ckpt_writer_free(eng_ckpt_writer* w) {
   for (int i = 0; i < w->n; i++) if (w->chunks[i]) eng_tensor_release(w->chunks[i]);
   free(w->chunks); free(w->sums); free(w->path); free(w->tmp);
   free(w);
+}
+
+int eng_ckpt_exchange_dirs(const char* staged, const char* dir) {
+  const char* op = "checkpoint.save";
+  if (!staged || !dir) return eng_err("%s: paths are required", op);
+#ifdef SYS_renameat2
+  if (syscall(SYS_renameat2, AT_FDCWD, staged, AT_FDCWD, dir, 2 /* RENAME_EXCHANGE */) == 0) {
+    fsync_dir(dir);
+    return 0;
+  }
+  if (errno != EINVAL && errno != ENOSYS && errno != EOPNOTSUPP)
+    return eng_err("%s: cannot exchange '%s' with '%s': %s", op, staged, dir, strerror(errno));
+#endif
+  char old[4200];
+  snprintf(old, sizeof old, "%s.old", staged);
+  if (rename(dir, old) != 0) return eng_err("%s: cannot move '%s' to '%s': %s", op, dir, old, strerror(errno));
+  if (rename(staged, dir) != 0) {
+    int e = errno;
+    (void)rename(old, dir);
+    return eng_err("%s: cannot move '%s' to '%s': %s", op, staged, dir, strerror(e));
+  }
+  (void)rename(old, staged);
+  fsync_dir(dir);
+  return 0;
+}
+
+const char* eng_ckpt_realpath(const char* path) {
+  static __thread char buf[4096];
+  if (!path) return eng_errp("checkpoint: path is NULL");
+  char* r = realpath(path, NULL);
+  if (!r) return eng_errp("checkpoint.save: cannot resolve '%s': %s", path, strerror(errno));
+  size_t n = strlen(r);
+  if (n >= sizeof buf) { free(r); return eng_errp("checkpoint.save: the path of '%s' is too long", path); }
+  memcpy(buf, r, n + 1);
+  free(r);
+  return buf;
 }
 
 int eng_ckpt_commit_file(const char* tmp, const char* path) {

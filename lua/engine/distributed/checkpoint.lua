@@ -23,8 +23,13 @@
 --
 -- Crash safety: every rank writes to a temporary name, fsyncs and renames; the ranks then agree that
 -- all succeeded, the chunk records are gathered and rank 0 writes the metadata (temporary name, fsync,
--- rename, fsync of the directory) last: a directory without ".metadata" is not a checkpoint.  An
--- earlier ".metadata" in dir is removed before any data file is replaced.
+-- rename, fsync of the directory) last: a directory without ".metadata" is not a checkpoint.  A save into
+-- a directory that holds a complete checkpoint never touches it: the new one is written beside it, in
+-- "<dir>.saving" (the real path of dir, symlinks resolved, plus ".saving"), and once its metadata is
+-- committed rank 0 swaps the two directories in one step (renameat2 RENAME_EXCHANGE) and removes the old
+-- one.  So a save interrupted anywhere (a full disk, a rank killed) leaves the previous checkpoint
+-- loadable wherever the new save goes; a failed save's staging directory is removed, a killed one's by
+-- the next save into dir.  (Disk space: both checkpoints exist until the swap.)
 --
 -- Loading reads the metadata on every rank, checks it (entries parse and cover each tensor exactly,
 -- every data file is present, carries the checkpoint's id and is long enough), matches the keys of
@@ -373,6 +378,21 @@ Handle.__index = Handle
 local pending = nil
 local plan_cache = nil -- the last save's choice of writers: { input = boxes and signature, keep = {bool}, tag }
 
+-- rank 0 removes a staging directory (a failed save's, or one a killed save left)
+local function remove_tree(path)
+  if path and os.rename(path, path) then os.execute("rm -rf '" .. path:gsub("'", "'\\''") .. "'") end
+end
+
+-- agree(), and on an error rank 0 removes the save's staging directory first (every rank's writer has
+-- finished: each finishes before it enters the agreement)
+local function agree_save(h, err, op)
+  local ok, e = pcall(agree, err, op)
+  if not ok then
+    if h.staging and myrank() == 0 then remove_tree(h.staging) end
+    error(e, 0)
+  end
+end
+
 local function finish_save(h)
   h._done = true
   if pending == h then pending = nil end
@@ -382,7 +402,7 @@ local function finish_save(h)
     if C.eng_ckpt_writer_finish(h.writer) ~= 0 then err = core.last_error() end
   end
   if h.err then err = h.err end
-  agree(err, op)
+  agree_save(h, err, op)
   -- chunk records: "key \t offset \t nbytes \t checksum \t offsets \t sizes" per line
   local lines = {}
   for i, r in ipairs(h.records) do
@@ -421,12 +441,18 @@ local function finish_save(h)
         meta["t:" .. key] = entry
       end
       for key, s in pairs(h.values) do meta["v:" .. key] = s end
-      local tmp = string.format("%s/%s.tmp%d", h.dir, META, myrank())
+      local wdir = h.staging or h.dir
+      local tmp = string.format("%s/%s.tmp%d", wdir, META, myrank())
       E().save(tmp, {}, meta)
-      if C.eng_ckpt_commit_file(tmp, h.dir .. "/" .. META) ~= 0 then error(core.last_error(), 0) end
+      if C.eng_ckpt_commit_file(tmp, wdir .. "/" .. META) ~= 0 then error(core.last_error(), 0) end
+      if h.staging then
+        -- the switch: one rename-exchange; then the staging name holds the previous checkpoint
+        if C.eng_ckpt_exchange_dirs(h.staging, h.real_dir) ~= 0 then error(core.last_error(), 0) end
+        remove_tree(h.staging)
+      end
     end)
   end
-  agree(not ok and tostring(werr) or nil, op)
+  agree_save(h, not ok and tostring(werr) or nil, op)
   return true
 end
 
@@ -505,18 +531,37 @@ function M.save(state, dir, opts)
   -- one agreement (a single small all_reduce) carries: any rank's error, the signature, rank 0's id for the
   -- new checkpoint, and whether every rank can reuse the last save's choice of writers (its boxes unchanged
   -- and the cached choice made by the same save everywhere)
-  local v = ffi.new("int64_t[5]")
-  if rank == 0 then v[0], v[1] = id_parts() end
+  local v = ffi.new("int64_t[6]")
+  if rank == 0 then
+    v[0], v[1] = id_parts()
+    -- dir holds a complete checkpoint: the new one is written beside it (see "Crash safety" above); rank 0
+    -- removes what an interrupted save into dir left there before any rank writes (after the agreement)
+    local f = io.open(dir .. "/" .. META, "rb")
+    if f then
+      f:close()
+      local real = C.eng_ckpt_realpath(dir)
+      if real == nil then err = err or core.last_error()
+      elseif ffi.string(real) ~= "/" then
+        v[5] = 1
+        remove_tree(ffi.string(real) .. ".saving")
+      end
+    end
+  end
   v[2] = cached and 0 or 1
   local tag = cached and cached.tag or 0
   v[3], v[4] = tag, -tag
-  agree(err, op, str_hash(sig_s), v, 5)
-  -- the previous checkpoint in dir stops being one: rank 0 removes its metadata once every rank has entered
-  -- this save (so no rank is still loading it), and each rank's writer deletes its old data file only after
-  -- its staging copies, in its thread.  Nothing orders the two across ranks (the barrier that did cost a
-  -- collective): in the window between them the old metadata may name a data file already deleted or
-  -- replaced, which a load rejects naming the file (its id, or the file missing), never loading half.
-  if rank == 0 then os.remove(dir .. "/" .. META) end
+  agree(err, op, str_hash(sig_s), v, 6)
+  if v[5] ~= 0 then
+    -- every rank resolves dir itself (its own view of the shared directory); a failure is this rank's
+    -- writer error, agreed when the save finishes
+    local real = C.eng_ckpt_realpath(dir)
+    if real == nil then h.err = core.last_error()
+    else h.real_dir = ffi.string(real); h.staging = h.real_dir .. ".saving" end
+  elseif rank == 0 then
+    -- no complete checkpoint in dir (a new directory, or what an interrupted save left): written in place;
+    -- a stray metadata file (a checkpoint that appeared since the check above) stops being one first
+    os.remove(dir .. "/" .. META)
+  end
   h.id = string.format("%010x-%010x", tonumber(v[0]), tonumber(v[1]))
   -- who writes what: every rank's boxes are gathered; a box held by several ranks (replicas, plain
   -- tensors) is written by one of them, the one with the fewest bytes assigned so far (PyTorch's
@@ -559,9 +604,9 @@ function M.save(state, dir, opts)
     if keep[i] then kept[#kept + 1] = p end
   end
   h.plan = kept
-  local w = C.eng_ckpt_writer_open(data_file(dir, rank), h.id)
+  local w = not h.err and C.eng_ckpt_writer_open(data_file(h.staging or dir, rank), h.id) or nil
   if w == nil then
-    h.err = core.last_error()
+    h.err = h.err or core.last_error()
   else
     h.writer = ffi.gc(w, C.eng_ckpt_writer_free)
     local ok2, e2 = pcall(function()
@@ -1009,7 +1054,7 @@ end
 
 -- ---------------------------------------------------------------- directories of checkpoints
 -- path(root, step) -> root .. "/step_00000500"; latest(root) -> newest complete one (with metadata) and
--- its step, or nil; prune(root, keep) removes all but the newest `keep` complete ones (call on one rank).
+-- its step, or nil; prune(root, keep) removes all but the newest `keep` (>= 1) complete ones (call on one rank).
 function M.path(root, step) return string.format("%s/step_%08d", root, step) end
 
 local function list_steps(root)
@@ -1036,6 +1081,15 @@ function M.latest(root)
 end
 
 function M.prune(root, keep)
+  -- every argument is checked before anything is deleted
+  if type(root) ~= "string" or root == "" then
+    error("checkpoint.prune: root must be a non-empty string (the directory of the step_* checkpoints), got "
+      .. (type(root) == "string" and "\"\"" or type(root)), 2)
+  end
+  if type(keep) ~= "number" or keep % 1 ~= 0 or keep < 1 or keep == math.huge then
+    error("checkpoint.prune: keep must be an integer >= 1 (the number of newest complete checkpoints kept; "
+      .. "prune never removes the newest), got " .. tostring(keep), 2)
+  end
   local steps = list_steps(root)
   for i = 1, #steps - keep do
     local dir = M.path(root, steps[i])
