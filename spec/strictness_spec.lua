@@ -145,6 +145,12 @@ describe("options tables: an unknown key is an error naming the known ones", fun
     has(err_of(nn.init.kaiming_uniform_, engine.zeros(2, 2), { mode = "fan_avg" }), "kaiming_uniform_: mode must be")
     has(err_of(nn.init.kaiming_normal_, engine.zeros(2, 2), { nonlin = "relu" }), "kaiming_normal_: unknown option 'nonlin'")
     has(err_of(nn.init.xavier_uniform_, engine.zeros(2, 2), { gian = 2 }), "xavier_uniform_: unknown option 'gian'")
+    -- Module methods with options
+    local m = nn.Linear(2, 2)
+    has(err_of(m.state_dict, m, { keepvars = true }), "state_dict: unknown option 'keepvars' (known: keep_vars, prefix)")
+    has(err_of(m.load_state_dict, m, m:state_dict(), { strict_ = false }), "load_state_dict: unknown option 'strict_' (known: strict)")
+    has(err_of(m.register_forward_hook, m, function() end, { prepnd = true }), "register_forward_hook: unknown option 'prepnd'")
+    has(err_of(m.to_empty, m, { devices = "cpu" }), "module:to_empty: unknown option 'devices' (known: device)")
     -- the known options still work
     assert.is_nil(nn.Linear(2, 2, { bias = false }).bias)
     assert.equal(0.2, nn.LeakyReLU({ negative_slope = 0.2 }).negative_slope)

@@ -640,8 +640,9 @@ end
 -- (reset_parameters, nn.init; a DTensor draws its shard of the global random
 -- tensor, so every layout gets the values a single process would).
 function Module:to_empty(opts)
-  local dev = type(opts) == "table" and opts.device or opts
   local op = "module:to_empty"
+  if type(opts) == "table" then core.check_opts(opts, { "device" }, op) end
+  local dev = type(opts) == "table" and opts.device or opts
   local code = Tensor.device_code(dev)
   if not code then core.fail(op .. ": unknown device '" .. tostring(dev) .. Tensor.bad_device) end
   Tensor.require_device(code, op)
@@ -713,7 +714,7 @@ end
 -- state_dict_keys()).  Values share storage with the parameters (detached
 -- unless keep_vars).
 function Module:state_dict(opts)
-  opts = opts or {}
+  opts = core.check_opts(opts, { "prefix", "keep_vars" }, "state_dict")
   local names, vals, kinds = {}, {}, {}
   state_entries(self, opts.prefix or "", names, vals, kinds)
   local sd = {}
@@ -739,6 +740,7 @@ end
 -- {missing_keys = {...}, unexpected_keys = {...}}.
 function Module:load_state_dict(sd, opts)
   if type(sd) ~= "table" then error("load_state_dict: expected a table name -> tensor, got " .. type(sd), 2) end
+  if opts ~= nil then core.check_opts(opts, { "strict" }, "load_state_dict") end
   local strict = not (opts and opts.strict == false)
   local copy = {}
   for k, v in pairs(sd) do copy[k] = v end
@@ -813,6 +815,7 @@ end
 local Handle = autograd.Handle
 
 local function add_hook(self, kind, wrapper, opts, op)
+  if opts ~= nil then core.check_opts(opts, { "prepend" }, op) end
   local id = autograd._register(wrapper)
   local cm = rawget(self, "_cmod")
   local h = C.eng_module_register_lua_hook(cm, kind, id, (opts and opts.prepend) and 1 or 0)
