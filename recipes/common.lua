@@ -271,7 +271,7 @@ function M.train(t)
     if step % o.log_every == 0 or step == o.steps then
       local dt = (engine.time() - t_log) / n_log
       log("step %5d | loss " .. (o.log_exact == 1 and "%.17g" or "%.6f") .. " | lr %.3e | grad norm %.4f | %.1f ms/step "
-        .. "| %.0f tok/s | peak %.1f MiB", step, l, lr, gnorm, dt * 1e3, t.tokens / dt,
+        .. "| %.0f tok/s | peak %.1f MiB", step, l, lr, gnorm:item(), dt * 1e3, t.tokens / dt,
         peak_bytes(o) / 2 ^ 20)
       t_log, n_log = engine.time(), 0
     end

@@ -107,7 +107,7 @@ local function main(argv)
         tostring(l), step, ck.last or "none"), 0)
     end
     if step % o.log_every == 0 or step == 1 or step == o.steps then
-      log("step %5d | loss %.6f | grad norm %.4f | %.1f ms/step", step, l, gnorm, (engine.time() - t0) * 1e3)
+      log("step %5d | loss %.6f | grad norm %.4f | %.1f ms/step", step, l, gnorm:item(), (engine.time() - t0) * 1e3)
     end
     if (o.ckpt_every > 0 and step % o.ckpt_every == 0) or (step == o.steps and o.ckpt_every >= 0) then save(step) end
   end

@@ -270,26 +270,102 @@ describe("gradient clipping", function()
     local a, b = param({ 0, 0 }), param({ 0 })
     set_grad(a, { 3, 0 }); set_grad(b, { 4 })
     local total = optim.clip_grad_norm({ a, b }, 1.0)
-    assert.are.equal(5, total)
+    assert.are.equal(5, total:item())
     local s = 1 / (5 + 1e-6)
     close(a.grad, { 3 * s, 0 }, 1e-12, "a")
     close(b.grad, { 4 * s }, 1e-12, "b")
     -- already below: unchanged
     local t2 = nn.utils.clip_grad_norm_({ a, b }, 10)
-    assert.is_true(math.abs(t2 - 1) < 1e-5)
+    assert.is_true(math.abs(t2:item() - 1) < 1e-5)
     close(a.grad, { 3 * s, 0 }, 1e-12, "unchanged")
+  end)
+
+  -- PyTorch's test_clip_grad_norm (test/test_nn.py): a Linear(10, 10) with gradients 1..100 and 1/1000,
+  -- norm types 0.5, 1.5, 2, 4, inf: the returned norm is the norm before, the norm after is max_norm, one
+  -- scale for all; small gradients are left as they are; a single tensor is accepted as a list of one.
+  it("follows PyTorch's test_clip_grad_norm: a 0-dim tensor, the norm before, one scale, small grads untouched", function()
+    local l = nn.Linear(10, 10)
+    local max_norm = 2
+    local function compute_norm(pt)
+      local ps = l:parameters()
+      if pt == "inf" then
+        local m = 0
+        for _, p in ipairs(ps) do m = math.max(m, p.grad:abs():max():item()) end
+        return m
+      end
+      local tot = 0
+      for _, p in ipairs(ps) do tot = tot + p.grad:to("f64"):abs():pow(pt):sum():item() end
+      return tot ^ (1 / pt)
+    end
+    local function compare_scaling(grads)
+      local ps, scales = l:parameters(), {}
+      for i, p in ipairs(ps) do
+        for _, v in ipairs((p.grad:to("f64") / grads[i]:to("f64")):tolist_flat()) do scales[#scales + 1] = v end
+      end
+      for i = 2, #scales do assert.is_true(math.abs(scales[i] - scales[1]) <= 1e-6 * scales[1], "one scale") end
+      return scales[1]
+    end
+    local big = { engine.arange(1, 101):to("f32"):view(10, 10), engine.ones(10) / 1000 }
+    for _, pt in ipairs({ 0.5, 1.5, 2, 4, "inf" }) do
+      for i, p in ipairs(l:parameters()) do p.grad = big[i]:clone() end
+      local before = compute_norm(pt)
+      local norm = nn.utils.clip_grad_norm_(l:parameters(), max_norm, pt)
+      assert.is_true(engine.is_tensor(norm) and norm:dim() == 0 and norm.dtype == "f32" and norm.device == "cpu",
+        tostring(norm))
+      assert.is_false(engine.distributed.is_dtensor(norm))
+      assert.is_true(math.abs(norm:item() - before) <= 1e-5 * before, pt .. ": " .. norm:item() .. " vs " .. before)
+      local after = compute_norm(pt)
+      assert.is_true(math.abs(after - max_norm) <= 1e-4 * max_norm, pt .. ": after " .. after)
+      assert.is_true(after <= before)
+      compare_scaling(big)
+    end
+    engine.manual_seed(3)
+    local small = { engine.rand(10, 10) / 10000, engine.ones(10) / 500 }
+    for _, pt in ipairs({ 0.5, 1.5, 2, 4, "inf" }) do
+      for i, p in ipairs(l:parameters()) do p.grad:copy_(small[i]) end
+      local before = compute_norm(pt)
+      local norm = nn.utils.clip_grad_norm_(l:parameters(), max_norm, pt)
+      assert.is_true(math.abs(norm:item() - before) <= 1e-5 * before, pt .. ": small")
+      assert.are.equal(before, compute_norm(pt))
+      assert.is_true(before <= max_norm)
+      assert.are.equal(1, compare_scaling(small))
+    end
+    -- a single tensor is the list of one
+    local p1, p2 = nn.Parameter(engine.randn(10, 10)), nn.Parameter(engine.randn(10, 10))
+    p1.grad = engine.arange(1, 101):to("f32"):view(10, 10); p2.grad = p1.grad:clone()
+    for _, pt in ipairs({ 0.5, 1.5, 2, 4, "inf" }) do
+      nn.utils.clip_grad_norm_(p1, max_norm, pt)
+      nn.utils.clip_grad_norm_({ p2 }, max_norm, pt)
+      close(p1.grad, p2.grad, 0, "single tensor " .. pt)
+    end
+  end)
+
+  it("returns f64 for f64 gradients, f32 0 without gradients, and takes PyTorch's positional arguments", function()
+    local a = param({ 3, 4 })
+    set_grad(a, { 3, 4 })
+    local n = optim.clip_grad_norm_({ a }, 100, 2, false, nil)
+    assert.are.equal("f64", n.dtype)
+    assert.are.equal(5, n:item())
+    local none = optim.clip_grad_norm_({ param({ 1 }) }, 1)
+    assert.are.same({ "f32", 0, 0 }, { none.dtype, none:dim(), none:item() })
+    local empty = optim.clip_grad_norm_({}, 1)
+    assert.are.same({ "f32", 0, "cpu" }, { empty.dtype, empty:item(), empty.device })
+    assert.are.equal(5, optim.grad_norm({ a }):item())
+    err(function() optim.clip_grad_norm_({ a }, 1, 2, { error_if_nonfinte = true }) end,
+      "clip_grad_norm_: unknown option 'error_if_nonfinte' (known: error_if_nonfinite, foreach)")
+    err(function() optim.clip_grad_norm_({ a }, 1, 2, "yes") end, "error_if_nonfinite (a boolean) or an options table")
   end)
 
   it("supports the inf norm, skips parameters without gradients and reports norms", function()
     local a, b, c = param({ 0, 0 }), param({ 0 }), param({ 1 })
     set_grad(a, { -3, 1 }); set_grad(b, { 2 })
-    assert.are.equal(3, optim.grad_norm({ a, b, c }, "inf"))
-    assert.is_true(math.abs(optim.grad_norm({ a, b, c }) - math.sqrt(14)) < 1e-12)
+    assert.are.equal(3, optim.grad_norm({ a, b, c }, "inf"):item())
+    assert.is_true(math.abs(optim.grad_norm({ a, b, c }):item() - math.sqrt(14)) < 1e-12)
     assert.is_true(math.abs(optim.global_norm({ engine.tensor({ 3.0, 4.0 }, "f64") }) - 5) < 1e-12)
     local total = optim.clip_grad_norm({ a, b, c }, 1.5, math.huge)
-    assert.are.equal(3, total)
+    assert.are.equal(3, total:item())
     close(a.grad, { -3 * 1.5 / (3 + 1e-6), 1.5 / (3 + 1e-6) }, 1e-12, "inf-norm clip")
-    assert.are.equal(0, optim.clip_grad_norm({ c }, 1.0))
+    assert.are.equal(0, optim.clip_grad_norm({ c }, 1.0):item())
     optim.clip_grad_value_({ a, b }, 0.5)
     close(b.grad, { 0.5 }, 0, "clip by value")
     err(function() optim.clip_grad_norm({ a }, 1, -1) end, "norm_type must be a positive number")
@@ -297,10 +373,16 @@ describe("gradient clipping", function()
     err(function() optim.clip_grad_norm(5, 1) end, "expected a tensor, a list of tensors")
   end)
 
-  it("can error on a non-finite total norm", function()
-    local a = param({ 0 })
-    set_grad(a, { math.huge })
-    err(function() optim.clip_grad_norm({ a }, 1, 2, { error_if_nonfinite = true }) end, "non-finite")
+  it("can error on a non-finite total norm, leaving the gradients as they are (PyTorch checks before scaling)", function()
+    local a, b = param({ 0 }), param({ 0, 0 })
+    set_grad(a, { math.huge }); set_grad(b, { 1, 2 })
+    err(function() optim.clip_grad_norm({ a, b }, 1, 2, { error_if_nonfinite = true }) end, "non-finite")
+    err(function() optim.clip_grad_norm({ a, b }, 1, 2, true) end, "non-finite")
+    err(function() optim.grad_norm({ a, b }, 2, true) end, "grad_norm: the total norm of order 2")
+    close(b.grad, { 1, 2 }, 0, "not scaled")
+    -- without the flag the gradients are scaled by the non-finite norm, as in PyTorch
+    assert.are.equal(math.huge, optim.clip_grad_norm({ a, b }, 1):item())
+    close(b.grad, { 0, 0 }, 0, "scaled by 1/inf")
   end)
 end)
 

@@ -94,12 +94,12 @@ print("OK")
     assert.truthy(out:find("OK"), out)
   end)
 
-  it("a NaN gradient norm is a NaN number", function()
+  it("a NaN gradient norm is a NaN", function()
     local out, rc = child(prelude .. [[
 local p = e.zeros(2)
 p.requires_grad = true
 p.grad = poison("f32")
-for i = 1, 100 do assert(isnan(e.optim.grad_norm({p}))) end
+for i = 1, 100 do assert(isnan(e.optim.grad_norm({p}):item())) end
 print("OK")
 ]])
     assert.equal(0, rc, out)

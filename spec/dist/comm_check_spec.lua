@@ -188,7 +188,7 @@ describe("validations before a collective are agreed (one-rank faults)", functio
     p.requires_grad = true
     p:sum():backward()
     local n = engine.optim.clip_grad_norm_({ p }, 1e9)
-    assert.near(math.sqrt(6 * W), n, 1e-9)
+    assert.near(math.sqrt(6 * W), n:item(), 1e-6)
     if R == LAST then p.grad = dist.DTensor.from_local(engine.ones(2, 3), mesh, { dist.Partial() }) end
     local err = fails(function() return engine.optim.clip_grad_norm_({ p }, 1.0) end)
     assert.matches("Partial placement has no norm", err)
@@ -204,7 +204,7 @@ describe("validations before a collective are agreed (one-rank faults)", functio
     p:sum():backward()
     if R == LAST then p.grad = nil end
     local n = engine.optim.clip_grad_norm_({ p }, 1e9)
-    assert.near(math.sqrt(6 * (W - 1)), n, 1e-9)
+    assert.near(math.sqrt(6 * (W - 1)), n:item(), 1e-6)
     still_usable()
   end)
 end)

@@ -163,9 +163,10 @@ local function tokens(b, t, seed)
   return (engine.rand(b, t) * V):to("i64"):cuda()
 end
 local function rel(a, b) return math.abs(a - b) / math.max(1, math.abs(b)) end
--- clip_grad_norm_'s total norm as a number (a number today; a tensor or DTensor if it becomes one, as PyTorch's)
+-- clip_grad_norm_'s total norm (a 0-dim f32 tensor on the gradients' device, as PyTorch's) as a number
 local function host_num(v)
-  if type(v) == "number" then return v end
+  assert(engine.is_tensor(v) and v:dim() == 0 and v.dtype == "f32", "the norm is a 0-dim f32 tensor: " .. tostring(v))
+  assert.are.equal("cuda", (dist.is_dtensor(v) and v:to_local() or v).device)
   return host(v):item()
 end
 

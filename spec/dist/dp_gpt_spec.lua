@@ -63,7 +63,8 @@ local function single_step(model, x, y)
   local loss = F.cross_entropy(model(x), y)
   loss:backward()
   local norm = optim.clip_grad_norm_(model:parameters(), 1.0)
-  return loss:item(), norm
+  assert(not dist.is_dtensor(norm) and norm:dim() == 0, "the norm of plain gradients is a plain 0-dim tensor")
+  return loss:item(), norm:item()
 end
 
 local function dp_step_fn(mesh)
@@ -79,7 +80,9 @@ local function dp_step_fn(mesh)
       assert(not p.grad.placements[1]:is_partial(), "gradients are never Partial")
     end
     local norm = optim.clip_grad_norm_(model:parameters(), 1.0)
-    return loss:full_tensor():item(), norm
+    -- PyTorch's total norm of DTensor gradients is a DTensor: here a reduced (Replicate) one
+    assert(dist.is_dtensor(norm) and norm.placements[1]:is_replicate() and norm:dim() == 0, tostring(norm))
+    return loss:full_tensor():item(), norm:item()
   end
 end
 

@@ -411,19 +411,35 @@ describe("FSDP over tensor parallelism: mixed precision", function()
 end)
 
 describe("FSDP over tensor parallelism: clip_grad_norm", function()
-  it("over 2-D gradients (norm types 1, 2, 3, inf) equals one process", function()
-    local ref, m = mlp(17)(), mlp(17)()
-    dist.parallelize_module(m, tp, { net1 = dist.ColwiseParallel(), net2 = dist.RowwiseParallel() })
-    dist.fully_shard(m.net1, { mesh = dp }); dist.fully_shard(m.net2, { mesh = dp }); dist.fully_shard(m, { mesh = dp })
-    engine.manual_seed(77)
-    local x, y = engine.randn(2 * DPN, 17), engine.randn(2 * DPN, 17)
-    F.mse_loss(ref(x), y):backward()
-    F.mse_loss(m(rows(x)), rows(y)):backward()
+  -- adapted from PyTorch's test_clip_grad_norm_2d (test_fully_shard_clip_grad_norm_.py): the total norm is a
+  -- DTensor on the (dp, tp) mesh whose full value equals one process's, one all_reduce per placement of the norm
+  -- (per mesh dim: 2 on the 2x2 mesh, whatever mix of [Shard(dp), Shard(tp)] and [Shard(dp), Replicate] the
+  -- gradients have), and the clipped gradients equal one process's
+  it("over 2-D gradients (norm types 1, 2, 3, inf) equals one process, one all_reduce per mesh dim", function()
     for _, p in ipairs({ 1, 2, 3, math.huge }) do
-      local a = nn.utils.clip_grad_norm_(ref:parameters(), 1e9, p)
-      local b = nn.utils.clip_grad_norm_(m:parameters(), 1e9, p)
-      local function num(v) return type(v) == "number" and v or full(v):item() end
-      assert.is_true(math.abs(num(a) - num(b)) <= 1e-5 * math.max(1, num(a)), string.format("norm %s: %g vs %g", tostring(p), num(b), num(a)))
+      local ref, m = mlp(17)(), mlp(17)()
+      dist.parallelize_module(m, tp, { net1 = dist.ColwiseParallel(), net2 = dist.RowwiseParallel() })
+      dist.fully_shard(m.net1, { mesh = dp }); dist.fully_shard(m.net2, { mesh = dp }); dist.fully_shard(m, { mesh = dp })
+      engine.manual_seed(77)
+      local x, y = engine.randn(2 * DPN, 17), engine.randn(2 * DPN, 17)
+      F.mse_loss(ref(x), y):backward()
+      F.mse_loss(m(rows(x)), rows(y)):backward()
+      local total = nn.utils.clip_grad_norm_(ref:parameters(), 1e9, p):item()
+      local max_norm = total / 3  -- every gradient is clipped
+      local a = nn.utils.clip_grad_norm_(ref:parameters(), max_norm, p)
+      local b
+      local c = dist.count_collectives(function() b = nn.utils.clip_grad_norm_(m:parameters(), max_norm, p) end)
+      assert.is_true(dist.is_dtensor(b), tostring(b))
+      assert.are.same({ 2, 0, "f32" }, { #b.placements, b:dim(), b.dtype })
+      local sharded = 0
+      for d = 1, 2 do if mesh:size(d) > 1 then sharded = sharded + 1 end end
+      assert.are.same(sharded > 0 and { all_reduce = sharded } or {}, c, "norm " .. tostring(p))
+      assert.is_true(math.abs(a:item() - b:full_tensor():item()) <= 1e-5 * math.max(1, a:item()),
+        string.format("norm %s: %g vs %g", tostring(p), b:full_tensor():item(), a:item()))
+      for name, q in m:named_parameters() do
+        local e = rel(q.grad, ref:get_parameter(name).grad)
+        assert.is_true(e < 1e-5, string.format("norm %s: clipped grad of %s differs by %g", tostring(p), name, e))
+      end
     end
   end)
 end)

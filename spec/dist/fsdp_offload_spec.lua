@@ -59,11 +59,11 @@ local function train(m, ref, o)
     local l = F.mse_loss(m(local_rows(x, rank)), local_rows(y, rank):to(o.device or "cpu"))
     l:backward()
     losses[step] = global_loss(l)
-    local nm = nn.utils.clip_grad_norm_(m:parameters(), 0.5)
+    local nm = nn.utils.clip_grad_norm_(m:parameters(), 0.5):item()
     if ref then
       local lr = F.mse_loss(ref(x), y)
       lr:backward()
-      local nr = nn.utils.clip_grad_norm_(ref:parameters(), 0.5)
+      local nr = nn.utils.clip_grad_norm_(ref:parameters(), 0.5):item()
       assert.is_true(math.abs(losses[step] - lr:item()) <= 1e-5 * math.max(1, math.abs(lr:item())),
         string.format("step %d loss %.9g vs %.9g", step, losses[step], lr:item()))
       assert.is_true(math.abs(nm - nr) <= 1e-5 * math.max(1, nr), string.format("step %d norm %.9g vs %.9g", step, nm, nr))

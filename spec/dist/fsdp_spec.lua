@@ -534,7 +534,7 @@ describe("fully_shard: more layouts and controls", function()
     for _, norm in ipairs({ 2, 1, math.huge }) do
       local a = nn.utils.clip_grad_norm_(ref.a:parameters(), 1e9, norm)
       local b = nn.utils.clip_grad_norm_(m.a:parameters(), 1e9, norm)
-      local function num(v) return type(v) == "number" and v or full(v):item() end
+      local function num(v) return full(v):item() end
       assert.is_true(math.abs(num(b) - num(a)) < 1e-5 * math.max(1, num(a)), tostring(norm))
     end
     -- state dict: sharded DTensors sharing storage; full tensors load too
@@ -853,10 +853,15 @@ describe("fully_shard: gradients and state", function()
       ref:zero_grad(true); m:zero_grad(true)
       mse(ref, x, y):backward()
       mse(m, local_rows(x, W, rank), local_rows(y, W, rank)):backward()
-      local function num(v) return type(v) == "number" and v or full(v):item() end
+      local function num(v) return full(v):item() end
       local total = num(nn.utils.clip_grad_norm_(ref:parameters(), 1e9, norm))
       local a = num(nn.utils.clip_grad_norm_(ref:parameters(), total / 3, norm))
-      local b = num(nn.utils.clip_grad_norm_(m:parameters(), total / 3, norm))
+      -- PyTorch's test_clip_grad_norm_1d: the norm is a DTensor (here Replicate), one all_reduce per placement
+      local bt
+      local c = dist.count_collectives(function() bt = nn.utils.clip_grad_norm_(m:parameters(), total / 3, norm) end)
+      assert.is_true(dist.is_dtensor(bt) and bt.placements[1]:is_replicate() and bt:dim() == 0, tostring(bt))
+      assert.are.same(W > 1 and { all_reduce = #bt.placements } or {}, c)
+      local b = num(bt)
       assert.is_true(math.abs(b - a) < 1e-5 * math.max(1, a), tostring(norm))
       for name, p in m:named_parameters() do
         local e = rel(p.grad, ref:get_parameter(name).grad)

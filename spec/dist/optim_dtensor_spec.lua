@@ -141,29 +141,42 @@ describe("clip_grad_norm_ and global_norm over DTensors", function()
       local refs, ds = setup()
       local want = optim.clip_grad_norm_(refs, 1e30, p)
       local got = optim.clip_grad_norm_(ds, 1e30, p)
+      -- PyTorch's return type: a 0-dim tensor of the gradients' dtype, a DTensor for DTensor gradients (here
+      -- Replicate on the first DTensor gradient's mesh: already reduced, read with item() or full_tensor())
+      assert.is_false(dist.is_dtensor(want))
+      assert.are.same({ 0, "f64" }, { want:dim(), want.dtype })
+      assert.is_true(dist.is_dtensor(got), tostring(got))
+      assert.are.same({ 0, "f64" }, { got:dim(), got.dtype })
+      for _, pl in ipairs(got.placements) do assert.is_true(pl:is_replicate(), tostring(got)) end
+      assert.are.equal(1, #got.placements) -- the first gradient's mesh: mesh1
+      assert.are.equal(got:item(), got:full_tensor():item())
+      want, got = want:item(), got:item()
       assert.is_true(math.abs(got - want) <= 1e-12 * math.max(1, want), got .. " vs " .. want)
       local all = dist.allreduce_counts({ math.floor(got * 1e6) })[1]
       assert.are.equal(W * math.floor(got * 1e6), all)
       local gn = {}
       for i = 1, #ds do gn[i] = ds[i].grad end
       assert.is_true(math.abs(optim.global_norm(gn, p) - want) <= 1e-12 * math.max(1, want))
+      assert.is_true(math.abs(optim.grad_norm(ds, p):item() - want) <= 1e-12 * math.max(1, want))
     end)
   end
 
   it("clipping scales the local shards like the single-process clip", function()
     local refs, ds = setup()
-    local want = optim.clip_grad_norm_(refs, 0.5)
-    local got = optim.clip_grad_norm_(ds, 0.5)
+    local want = optim.clip_grad_norm_(refs, 0.5):item()
+    local got = optim.clip_grad_norm_(ds, 0.5):item()
     assert.is_true(math.abs(got - want) <= 1e-12 * want)
     for i = 1, #ds do
       local g = ds[i].grad
       local full = dist.is_dtensor(g) and g:full_tensor() or g
       assert.is_true(diff(full, refs[i].grad) < 1e-12, "grad " .. i)
     end
-    local after = optim.clip_grad_norm_(ds, 1e30)
+    local after = optim.clip_grad_norm_(ds, 1e30):item()
     assert.is_true(math.abs(after - 0.5) < 1e-6)
   end)
 
+  -- PyTorch's count (test_fully_shard_clip_grad_norm_): one all_reduce per placement of the norm, i.e. per
+  -- mesh dim where some gradient is sharded, whatever mix of layouts the gradients have
   it("uses one all_reduce per sharded mesh dim and none for replicated tensors", function()
     local d = dparam(full_data(3, { 5, 7 }), mesh1, { Rep() })
     d.grad = dist.distribute_tensor(full_data(4, { 5, 7 }), mesh1, { Rep() })
@@ -173,7 +186,33 @@ describe("clip_grad_norm_ and global_norm over DTensors", function()
     s.grad = dist.distribute_tensor(full_data(4, { 5, 7 }), mesh1, { S(2) })
     c = dist.count_collectives(optim.clip_grad_norm_, { d, s }, 1.0)
     assert.are.same(W > 1 and { all_reduce = 1 } or {}, c)
+    c = dist.count_collectives(optim.grad_norm, { d, s })
+    assert.are.same(W > 1 and { all_reduce = 1 } or {}, c)
   end)
+
+  if mesh2 then
+    it("on a 2x2 mesh: one all_reduce per mesh dim for any mix of layouts (was one per layout and dim)", function()
+      -- [Shard, Replicate], [Replicate, Shard], [Shard, Shard] and [Replicate, Replicate] gradients: 2 all_reduces
+      local pls = { { S(1), Rep() }, { Rep(), S(2) }, { S(1), S(2) }, { Rep(), Rep() }, { S(2), S(2) } }
+      local refs, ds = {}, {}
+      for i, pl in ipairs(pls) do
+        local f, g = full_data(200 + i, { 5, 7 }), full_data(300 + i, { 5, 7 }) * i
+        refs[i] = f:clone(); refs[i].requires_grad = true; refs[i].grad = g
+        ds[i] = dparam(f, mesh2, pl); ds[i].grad = dist.distribute_tensor(g:clone(), mesh2, pl)
+      end
+      for _, p in ipairs({ 2, 1, "inf" }) do
+        local want = optim.clip_grad_norm_(refs, 1e30, p):item()
+        local got
+        local c = dist.count_collectives(function() got = optim.clip_grad_norm_(ds, 1e30, p) end)
+        assert.are.same({ all_reduce = #got.placements }, c)
+        assert.are.equal(2, #got.placements)
+        assert.is_true(math.abs(got:item() - want) <= 1e-12 * math.max(1, want), p .. ": " .. got:item() .. " vs " .. want)
+      end
+      -- only dp-sharded gradients: one
+      local c = dist.count_collectives(optim.clip_grad_norm_, { ds[1], ds[4] }, 1e30)
+      assert.are.same({ all_reduce = 1 }, c)
+    end)
+  end
 
   it("a Partial gradient is an error", function()
     local p = dparam(full_data(1, { 3, 4 }), mesh1, { Rep() })

@@ -17,7 +17,21 @@ int eng_sgd_step(int n, eng_tensor** params, eng_tensor** grads, eng_tensor** mo
 /* Total p-norm of all n tensors (p = inf allowed) as if concatenated. */
 int eng_global_norm(int n, eng_tensor** ts, double p, double* out);
 /* Scales the grads of params in place so their total norm is at most
- * max_norm (torch.nn.utils.clip_grad_norm_); returns the norm before. */
+ * max_norm (torch.nn.utils.clip_grad_norm_); returns the norm before.
+ * Params without a grad are skipped; a DTensor gradient's local part is
+ * combined over its param's mesh: one all_reduce per mesh dim where any
+ * gradient on that mesh is sharded (PyTorch's count), none for replicated
+ * and plain ones. */
 int eng_clip_grad_norm_(int n, eng_tensor** params, double max_norm, double p, double* total);
+/* The same, returning the norm as torch.nn.utils.clip_grad_norm_ does: a new
+ * 0-dim plain tensor, f64 when a gradient is f64 and f32 otherwise, on the
+ * gradients' device (the CPU when none has one); the caller makes it a
+ * Replicate DTensor where the gradients are DTensors.  error_if_nonfinite: a
+ * NaN or infinite norm is an error and nothing is scaled.  NULL on error. */
+eng_tensor* eng_clip_grad_norm_tensor(int n, eng_tensor** params, double max_norm, double p, int error_if_nonfinite);
+/* The norm of the params' gradients as eng_clip_grad_norm_tensor gives it,
+ * without scaling them (torch.nn.utils.get_total_norm of the grads, with
+ * the params' layouts deciding the reductions). */
+eng_tensor* eng_grad_norm_tensor(int n, eng_tensor** params, double p, int error_if_nonfinite);
 
 #endif

@@ -167,9 +167,14 @@ static void norm_rows(int64_t n, char** ptr, const int64_t* s, void* vc) {
 
 /* DTensors: each tensor's local accumulator is combined over the mesh dims
  * where it is Shard (not where it is Replicate).  Tensors with the same mesh
- * and set of Shard mesh dims share one accumulator and one all_reduce per
- * such mesh dim; plain and fully replicated tensors need none. */
-typedef struct { eng_mesh* mesh; uint32_t mask; norm_ctx c; } norm_group;
+ * and set of Shard mesh dims share one accumulator (a group); plain and fully
+ * replicated tensors need no reduction (group 0).  The groups of one mesh are
+ * reduced together: one all_reduce per mesh dim where any of them is sharded,
+ * PyTorch's count (one per Partial placement of the norm).  A group
+ * replicated along such a dim contributes from coordinate 0 of that dim only,
+ * so every shard is counted once. */
+typedef struct { eng_mesh* mesh; uint32_t mask; const eng_dist_spec* spec; norm_ctx c; } norm_group;
+typedef struct { eng_mesh* mesh; uint32_t mask; double acc; } norm_mesh;
 
 static int reduce_op_of(int kind) { return kind == KN_MAX ? ENG_REDUCE_MAX : kind == KN_MIN ? ENG_REDUCE_MIN : ENG_REDUCE_SUM; }
 
@@ -188,10 +193,14 @@ static eng_tensor* layout_of(eng_tensor* x, int from_grads) {
   return x;
 }
 
-static int total_norm(const char* op, int n, eng_tensor** ts, double p, double* out, int from_grads) {
+/* *out: the norm; *dtype, *device (may be NULL): those of its tensor as
+ * torch.linalg.vector_norm gives it (f64 when a tensor is f64, else f32; the
+ * first tensor's device, the CPU when there is none). */
+static int total_norm(const char* op, int n, eng_tensor** ts, double p, double* out, int from_grads, int* dtype,
+                      int* device) {
   int kind = norm_kind(op, p);
   if (kind < 0) return -1;
-  int first_dev = -1, err = 0;
+  int first_dev = -1, err = 0, any_f64 = 0;
   for (int i = 0; i < n && !err; i++) {
     eng_tensor* t = ts[i] ? (from_grads ? ts[i]->grad : ts[i]) : NULL;
     if (!t) continue;
@@ -207,7 +216,10 @@ static int total_norm(const char* op, int n, eng_tensor** ts, double p, double* 
                     op, from_grads ? "grad of param" : "tensor", i + 1, eng_dtensor_describe(t, a, sizeof a));
     } else if (eng_dtensor_wait(t)) err = -1;
     if (!err) first_dev = t->device;
+    any_f64 |= t->dtype == ENG_F64;
   }
+  if (dtype) *dtype = any_f64 ? ENG_F64 : ENG_F32;
+  if (device) *device = first_dev >= 0 ? first_dev : ENG_CPU;
   err = err ? 1 : 0;
   int any_dist = 0;
   for (int i = 0; i < n && !any_dist; i++) { eng_tensor* L = layout_of(ts[i], from_grads); any_dist = L && L->dist; }
@@ -242,7 +254,7 @@ static int total_norm(const char* op, int n, eng_tensor** ts, double p, double* 
               (groups[g].mesh == L->dist->mesh || eng_mesh_equal(groups[g].mesh, L->dist->mesh)))
             break;
         if (g == ng) {
-          groups[g].mesh = L->dist->mesh; groups[g].mask = mask;
+          groups[g].mesh = L->dist->mesh; groups[g].mask = mask; groups[g].spec = L->dist;
           groups[g].c = (norm_ctx){kind, 0, p, init};
           ng++;
         }
@@ -272,31 +284,56 @@ static int total_norm(const char* op, int n, eng_tensor** ts, double p, double* 
   }
   free(cu_t);
   free(cu_g);
+  /* one accumulator per mesh (equal meshes are one), over the union of its groups' Shard dims */
+  norm_mesh* ms = calloc((size_t)ng + 1, sizeof *ms);
+  int* mesh_of = calloc((size_t)ng + 1, sizeof *mesh_of);
+  int nm = 0;
+  if (!ms || !mesh_of) {
+    free(ms); free(mesh_of); free(groups);
+    return eng_err("%s: out of memory", op);
+  }
+  for (int g = 1; g < ng; g++) {
+    int m = 0;
+    while (m < nm && !(ms[m].mesh == groups[g].mesh || eng_mesh_equal(ms[m].mesh, groups[g].mesh))) m++;
+    if (m == nm) { ms[m].mesh = groups[g].mesh; ms[m].acc = init; nm++; }
+    ms[m].mask |= groups[g].mask;
+    mesh_of[g] = m;
+  }
+  for (int g = 1; g < ng; g++) {
+    norm_mesh* M = &ms[mesh_of[g]];
+    uint32_t rep = M->mask & ~groups[g].mask; /* sharded by other groups, replicated in this one */
+    int mine = 1;
+    for (int d = 0; d < groups[g].spec->mesh_ndim; d++)
+      if ((rep & (1u << d)) && groups[g].spec->coord[d] != 0) mine = 0;
+    if (mine) M->acc = combine(kind, M->acc, groups[g].c.acc);
+  }
   /* The checks above may fail on some ranks only (their own gradients): the
    * ranks of every mesh the all_reduces below run on agree first. */
-  for (int g = 1; g < ng; g++)
-    for (int d = 0; d < eng_mesh_ndim(groups[g].mesh); d++) {
-      if (!(groups[g].mask & (1u << d))) continue;
-      eng_pg* pg = eng_mesh_get_group(groups[g].mesh, d);
+  for (int m = 0; m < nm; m++)
+    for (int d = 0; d < eng_mesh_ndim(ms[m].mesh); d++) {
+      if (!(ms[m].mask & (1u << d))) continue;
+      eng_pg* pg = eng_mesh_get_group(ms[m].mesh, d);
       if (pg && eng_pg_agree(pg, err, 0, op) && !err) err = 2;
       eng_pg_release(pg);
     }
-  if (err) { free(groups); return -1; }
+  if (err) { free(ms); free(mesh_of); free(groups); return -1; }
   double r = groups[0].c.acc;
   int rc = 0;
-  for (int g = 1; g < ng && rc == 0; g++) {
+  for (int m = 0; m < nm && rc == 0; m++) {
     int64_t one = 1;
-    eng_tensor* v = eng_tensor_full(1, &one, groups[g].c.acc, ENG_F64, ENG_CPU);
+    eng_tensor* v = eng_tensor_full(1, &one, ms[m].acc, ENG_F64, ENG_CPU);
     if (!v) { rc = -1; break; }
-    for (int d = 0; d < eng_mesh_ndim(groups[g].mesh) && rc == 0; d++) {
-      if (!(groups[g].mask & (1u << d))) continue;
-      eng_pg* pg = eng_mesh_get_group(groups[g].mesh, d);
+    for (int d = 0; d < eng_mesh_ndim(ms[m].mesh) && rc == 0; d++) {
+      if (!(ms[m].mask & (1u << d))) continue;
+      eng_pg* pg = eng_mesh_get_group(ms[m].mesh, d);
       if (!pg || eng_pg_all_reduce(pg, v, reduce_op_of(kind), NULL)) rc = -1;
       eng_pg_release(pg);
     }
     if (rc == 0) r = combine(kind, r, *(double*)eng_ptr(v));
     eng_tensor_release(v);
   }
+  free(ms);
+  free(mesh_of);
   free(groups);
   if (rc) { eng_err_prefix("%s: norm over DTensor shards", op); return -1; }
   if (count == 0) r = 0.0;
@@ -309,7 +346,7 @@ static int total_norm(const char* op, int n, eng_tensor** ts, double p, double* 
 int eng_global_norm(int n, eng_tensor** ts, double p, double* out) {
   if (check_list("global_norm", n, ts)) return -1;
   if (!out) return eng_err("global_norm: output pointer is NULL");
-  int rc = total_norm("global_norm", n, ts, p, out, 0);
+  int rc = total_norm("global_norm", n, ts, p, out, 0, NULL, NULL);
   if (rc == 0) *out = eng_lua_double(*out); /* read by Lua */
   return rc;
 }
@@ -320,13 +357,20 @@ static void scale_rows(int64_t n, char** ptr, const int64_t* s, void* vc) {
   kc_scale_row(c->dt, n, ptr[0], s[0], c->s);
 }
 
-int eng_clip_grad_norm_(int n, eng_tensor** params, double max_norm, double p, double* total) {
-  const char* op = "clip_grad_norm_";
+/* The norm of the params' gradients, then (clip) their scaling; nonfinite_err:
+ * a NaN or infinite norm is an error before anything is scaled (the norm is
+ * the same on every rank that reduced it, so they all fail). */
+static int clip_impl(const char* op, int n, eng_tensor** params, double max_norm, double p, int clip, int nonfinite_err,
+                     double* total, int* dtype, int* device) {
   if (check_list(op, n, params)) return -1;
-  if (!(max_norm >= 0)) return eng_err("%s: max_norm must be >= 0, got %g", op, max_norm);
+  if (clip && !(max_norm >= 0)) return eng_err("%s: max_norm must be >= 0, got %g", op, max_norm);
   double tn;
-  if (total_norm(op, n, params, p, &tn, 1)) return -1;
-  if (total) *total = eng_lua_double(tn); /* read by Lua */
+  if (total_norm(op, n, params, p, &tn, 1, dtype, device)) return -1;
+  *total = tn;
+  if (nonfinite_err && !isfinite(tn))
+    return eng_err("%s: the total norm of order %g of the gradients is non-finite, so it cannot be clipped (pass "
+                   "error_if_nonfinite = false to scale the gradients by it anyway)", op, p);
+  if (!clip) return 0;
   double coef = max_norm / (tn + 1e-6);
   if (coef >= 1.0) return 0; /* NaN coefficients scale (to NaN), as clamp(max=1) does in PyTorch */
   int any_cuda = 0;
@@ -347,4 +391,30 @@ int eng_clip_grad_norm_(int n, eng_tensor** params, double max_norm, double p, d
     eng_bump_version(g);
   }
   return 0;
+}
+
+int eng_clip_grad_norm_(int n, eng_tensor** params, double max_norm, double p, double* total) {
+  double tn = 0.0;
+  int rc = clip_impl("clip_grad_norm_", n, params, max_norm, p, 1, 0, &tn, NULL, NULL);
+  if (rc == 0 && total) *total = eng_lua_double(tn); /* read by Lua */
+  return rc;
+}
+
+static eng_tensor* norm_tensor(int rc, double v, int dtype, int device) {
+  if (rc) return NULL;
+  return eng_tensor_full(0, NULL, v, dtype, device);
+}
+
+eng_tensor* eng_clip_grad_norm_tensor(int n, eng_tensor** params, double max_norm, double p, int error_if_nonfinite) {
+  double tn = 0.0;
+  int dt = ENG_F32, dev = ENG_CPU;
+  int rc = clip_impl("clip_grad_norm_", n, params, max_norm, p, 1, error_if_nonfinite, &tn, &dt, &dev);
+  return norm_tensor(rc, tn, dt, dev);
+}
+
+eng_tensor* eng_grad_norm_tensor(int n, eng_tensor** params, double p, int error_if_nonfinite) {
+  double tn = 0.0;
+  int dt = ENG_F32, dev = ENG_CPU;
+  int rc = clip_impl("grad_norm", n, params, 0.0, p, 0, error_if_nonfinite, &tn, &dt, &dev);
+  return norm_tensor(rc, tn, dt, dev);
 }
