@@ -80,6 +80,14 @@ const char* eng_tensor_describe(const eng_tensor* t, char* buf, int buflen);
  * Not recorded by autograd: an error if src requires grad under grad mode,
  * or if dst is a leaf that requires grad (use clone or no_grad). */
 int eng_tensor_copy_(eng_tensor* dst, eng_tensor* src);
+/* The memory-overlap checks of in-place writes (PyTorch's assert_no_internal_overlap, then
+ * assert_no_partial_overlap when src is not NULL): 0, or -1 with "<op>: unsupported operation: more than
+ * one element of the written-to tensor refers to a single memory location. ..." (dst has a stride of 0
+ * over a dim of size > 1: an expanded view) or "... some elements of the input tensor and the written-to
+ * tensor refer to a single memory location. ..." (src and dst are dense views sharing some elements, not
+ * all).  copy_, the in-place arithmetic, clamp_, uniform_/normal_ and checkpoint loads run them; fill_
+ * and zero_ do not (writing one value is idempotent, as in PyTorch). */
+int eng_tensor_check_overlap(const eng_tensor* dst, const eng_tensor* src, const char* op);
 int eng_tensor_fill_(eng_tensor* t, double value);
 int eng_tensor_zero_(eng_tensor* t);
 

@@ -561,6 +561,7 @@ int eng_ckpt_reader_copy(eng_ckpt_reader* r, int64_t offset, int dtype, int ndim
   if (!r || !out || ndim < 0 || ndim > 8 || (ndim && !sizes)) return eng_err("%s: bad arguments to the reader", op);
   ENG_CHECK_I(out, op);
   if (out->dist) return eng_err("%s: %s is a DTensor: copy into its local shard", op, eng_desc(out));
+  if (eng_check_internal_overlap(out, op)) return -1; /* an expanded destination: its elements share memory */
   int es = eng_dtype_size(dtype);
   if (es <= 0) return -1;
   if (out->ndim != ndim) return eng_err("%s: %s: the output %s has %d dims, the chunk %d", op, r->path, eng_desc(out),

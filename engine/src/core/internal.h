@@ -126,6 +126,21 @@ int eng_meta_check(const eng_tensor* t, const char* op);
 int eng_meta_check_local(const eng_tensor* t, const char* op);
 /* Error if t may not be written in place (leaf requiring grad in grad mode). */
 int eng_check_inplace(eng_tensor* t, const char* op);
+/* Memory overlap, PyTorch's MemOverlap / MemOverlapStatus.  Internal: ENG_OVERLAP_YES when some
+ * elements of t share an address (a stride of 0 over a dim of size > 1: expand), NO when t is dense
+ * without overlap, TOO_HARD otherwise.  Between a and b: NO (no shared byte), FULL (the same elements,
+ * element for element), PARTIAL (both dense without overlap, sharing some bytes otherwise), TOO_HARD
+ * (sharing bytes, one of them not dense). */
+enum { ENG_OVERLAP_NO = 0, ENG_OVERLAP_YES, ENG_OVERLAP_FULL, ENG_OVERLAP_PARTIAL, ENG_OVERLAP_TOO_HARD };
+int eng_internal_overlap(const eng_tensor* t);
+int eng_overlap_status(const eng_tensor* a, const eng_tensor* b);
+/* The checks of every in-place write (PyTorch's assert_no_internal_overlap and assert_no_partial_overlap):
+ * -1 with "<op>: unsupported operation: ..." (PyTorch's messages, then the layouts), else 0. */
+int eng_check_internal_overlap(const eng_tensor* t, const char* op);
+int eng_check_partial_overlap(const eng_tensor* dst, const eng_tensor* src, const char* op);
+/* src itself (retained) when an element-wise write of dst reading src is safe (no shared memory, or FULL),
+ * else a fresh contiguous copy of src (NULL on failure). */
+eng_tensor* eng_unaliased(eng_tensor* dst, eng_tensor* src);
 
 /* Autograd helpers for op implementations. */
 /* Shape/dtype of input i recorded in node n. */

@@ -141,7 +141,7 @@ int eng_meta_inplace(const char* name, eng_op_call* c) {
   eng_tensor* a = c->in[0];
   if (check_devices(name, c)) return -1;
   if (!meta_t(a)) return eng_err("%s: cannot write into %s from a meta tensor: it has no data", name, eng_desc(a));
-  if (eng_check_inplace(a, name)) return -1;
+  if (eng_check_inplace(a, name) || eng_check_internal_overlap(a, name)) return -1;
   for (int i = 1; i < c->n_in; i++) {
     const eng_tensor* t = c->in[i];
     if (t && eng_check_broadcast_to(a, t, name)) return -1;

@@ -199,6 +199,7 @@ static int fill_(const char* op, int kind, eng_tensor* t, double a, double b) {
   if (!eng_dtype_is_floating(t->dtype))
     return eng_err("%s: expects a floating point tensor, got %s", op, eng_desc(t));
   if (eng_check_inplace(t, op)) return -1;
+  if (eng_check_internal_overlap(t, op)) return -1; /* one draw per element: an expanded view has fewer */
   if (t->device == ENG_META) return 0; /* shapes only: nothing drawn, the generator does not advance */
   if (t->dist && !eng_dtensor_local_mode()) return fill_dtensor(op, kind, t, a, b);
   uint64_t seed;

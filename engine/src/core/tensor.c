@@ -478,6 +478,83 @@ int eng_check_inplace(eng_tensor* t, const char* op) {
   return 0;
 }
 
+/* ------------------------------------------------------------ memory overlap (PyTorch's MemOverlap) */
+/* Dense without overlap: its dims of size > 1, ordered by stride, have the strides of a contiguous tensor
+ * of some permutation of its shape (PyTorch's is_non_overlapping_and_dense). */
+static int non_overlapping_and_dense(const eng_tensor* t) {
+  int idx[ENG_MAX_DIMS], n = 0;
+  for (int d = 0; d < t->ndim; d++) if (t->shape[d] != 1) idx[n++] = d;
+  for (int i = 1; i < n; i++) /* insertion sort by stride */
+    for (int j = i; j > 0 && t->stride[idx[j]] < t->stride[idx[j - 1]]; j--) { int x = idx[j]; idx[j] = idx[j - 1]; idx[j - 1] = x; }
+  int64_t expect = 1;
+  for (int i = 0; i < n; i++) {
+    if (t->stride[idx[i]] != expect) return 0;
+    expect *= t->shape[idx[i]];
+  }
+  return 1;
+}
+
+int eng_internal_overlap(const eng_tensor* t) {
+  if (t->numel <= 1 || non_overlapping_and_dense(t)) return ENG_OVERLAP_NO;
+  for (int d = 0; d < t->ndim; d++) if (t->stride[d] == 0 && t->shape[d] > 1) return ENG_OVERLAP_YES;
+  return ENG_OVERLAP_TOO_HARD;
+}
+
+int eng_overlap_status(const eng_tensor* a, const eng_tensor* b) {
+  if (a == b) return ENG_OVERLAP_FULL;
+  if (a->numel == 0 || b->numel == 0 || a->device != b->device || a->device == ENG_META) return ENG_OVERLAP_NO;
+  if (!a->storage || !b->storage || !a->storage->data || !b->storage->data) return ENG_OVERLAP_NO;
+  /* the byte spans: an element-wise view spans from its lowest to its highest element (strides >= 0) */
+  const char *ab = eng_ptr(a), *bb = eng_ptr(b);
+  int64_t asp = 1, bsp = 1;
+  for (int d = 0; d < a->ndim; d++) asp += (a->shape[d] - 1) * a->stride[d];
+  for (int d = 0; d < b->ndim; d++) bsp += (b->shape[d] - 1) * b->stride[d];
+  const char *ae = ab + asp * eng_dtype_size(a->dtype), *be = bb + bsp * eng_dtype_size(b->dtype);
+  if (!(ab < be && bb < ae)) return ENG_OVERLAP_NO;
+  if (!non_overlapping_and_dense(a) || !non_overlapping_and_dense(b)) return ENG_OVERLAP_TOO_HARD;
+  if (ab == bb && ae == be) {
+    int same = a->ndim == b->ndim && a->dtype == b->dtype;
+    for (int d = 0; same && d < a->ndim; d++) same = a->shape[d] == b->shape[d] && (a->shape[d] == 1 || a->stride[d] == b->stride[d]);
+    return same ? ENG_OVERLAP_FULL : ENG_OVERLAP_PARTIAL;
+  }
+  return ENG_OVERLAP_PARTIAL;
+}
+
+int eng_check_internal_overlap(const eng_tensor* t, const char* op) {
+  if (eng_internal_overlap(t) != ENG_OVERLAP_YES) return 0;
+  return eng_err("%s: unsupported operation: more than one element of the written-to tensor refers to a single "
+                 "memory location. Please clone() the tensor before performing the operation. (%s has a stride "
+                 "of 0 over a dim of size > 1: an expanded or broadcast view)", op, eng_desc(t));
+}
+
+int eng_check_partial_overlap(const eng_tensor* dst, const eng_tensor* src, const char* op) {
+  if (eng_overlap_status(dst, src) != ENG_OVERLAP_PARTIAL) return 0;
+  char b[160];
+  snprintf(b, sizeof b, "%s", eng_desc(src));
+  return eng_err("%s: unsupported operation: some elements of the input tensor and the written-to tensor refer to a "
+                 "single memory location. Please clone() the tensor before performing the operation. (the input "
+                 "%s from element %lld and the written-to %s from element %lld overlap in one storage)", op, b,
+                 (long long)src->offset, eng_desc(dst), (long long)dst->offset);
+}
+
+int eng_tensor_check_overlap(const eng_tensor* dst, const eng_tensor* src, const char* op) {
+  if (!op) op = "check_overlap";
+  ENG_CHECK_I(dst, op);
+  if (eng_check_internal_overlap(dst, op)) return -1;
+  return src ? eng_check_partial_overlap(dst, src, op) : 0;
+}
+
+/* src when reading it while writing dst is safe element by element (no shared memory, or the very same
+ * elements), else a fresh contiguous copy of it (memmove semantics for the overlaps the checks above let
+ * through: a broadcast or strided source over the destination's memory).  A new reference. */
+eng_tensor* eng_unaliased(eng_tensor* dst, eng_tensor* src) {
+  int st = eng_overlap_status(dst, src);
+  if (st == ENG_OVERLAP_NO || st == ENG_OVERLAP_FULL) return eng_tensor_retain(src);
+  eng_tensor* r = eng_new(src->ndim, src->shape, src->dtype, src->device);
+  if (r && r->numel > 0 && eng_copy_raw(r, src, src->stride)) { eng_tensor_release(r); return NULL; }
+  return r;
+}
+
 /* ------------------------------------------------------------ devices */
 /* A contiguous copy of t on device (same dtype and shape), no autograd:
  * host <-> device through the runtime's pinned staging buffers. */
@@ -596,20 +673,23 @@ int eng_tensor_copy_(eng_tensor* dst, eng_tensor* src) {
     if (!ok) return eng_err("copy_: source %s cannot be broadcast to destination %s", eng_desc(src), eng_desc(dst));
   }
   eng_broadcast_strides(src, dst->ndim, dst->shape, bs);
+  /* PyTorch's checks: no element of dst written twice, no source partly over the destination (the same
+   * elements are a no-op); a source over dst's memory in another way is read from a copy */
+  if (eng_check_internal_overlap(dst, "copy_")) return -1;
   if (dst->device == ENG_META) return 0; /* shapes only: nothing to write */
   if (src->device == ENG_META)
     return eng_err("copy_: cannot copy out of meta tensor %s into %s: it has no data", eng_desc(src), eng_desc(dst));
-  int rc;
-  if (dst->storage == src->storage || dst->device != src->device) {
-    /* possible overlap, or another device: go through a temporary on dst's device */
-    eng_tensor* tmpt = dst->device != src->device ? device_copy(src, dst->device) : eng_as_contig(src, src->dtype);
-    if (!tmpt) return -1;
-    eng_broadcast_strides(tmpt, dst->ndim, dst->shape, bs);
-    rc = eng_copy_raw(dst, tmpt, bs);
-    eng_tensor_release(tmpt);
-  } else {
-    rc = eng_copy_raw(dst, src, bs);
+  if (dst->device == src->device) {
+    int st = eng_overlap_status(dst, src);
+    if (st == ENG_OVERLAP_FULL && dst->dtype == src->dtype) { eng_bump_version(dst); return 0; }
+    if (eng_check_partial_overlap(dst, src, "copy_")) return -1;
   }
+  int rc;
+  eng_tensor* tmpt = dst->device != src->device ? device_copy(src, dst->device) : eng_unaliased(dst, src);
+  if (!tmpt) return -1;
+  if (tmpt != src) eng_broadcast_strides(tmpt, dst->ndim, dst->shape, bs);
+  rc = eng_copy_raw(dst, tmpt, bs);
+  eng_tensor_release(tmpt);
   if (rc) return -1;
   eng_bump_version(dst);
   return 0;

@@ -414,9 +414,10 @@ static int inplace(int op, eng_tensor* a, eng_tensor* b, double alpha, const cha
   if (eng_check_inplace(a, name)) return -1;
   if (a->device != b->device) return eng_err("%s: tensors on different devices: %s and %s", name, eng_desc(a), eng_desc(b));
   if (eng_check_broadcast_to(a, b, name)) return -1;
-  eng_tensor* B = b;
-  if (b->storage == a->storage) { B = eng_as_contig(b, b->dtype); if (!B) return -1; }
-  else eng_tensor_retain(B);
+  /* PyTorch's overlap checks; an operand over a's memory otherwise (broadcast, strided) is read from a copy */
+  if (eng_check_internal_overlap(a, name) || eng_check_partial_overlap(a, b, name)) return -1;
+  eng_tensor* B = eng_unaliased(a, b);
+  if (!B) return -1;
   if (a->device == ENG_CUDA) {
     int rc = inplace_cuda(op, a, B, alpha, name);
     eng_tensor_release(B);

@@ -58,6 +58,10 @@ static int inplace3(int op, eng_tensor* a, eng_tensor* b, eng_tensor* c, double 
   if (!eng_dtype_is_floating(a->dtype))
     return eng_err("%s: the in-place target must be floating point, got %s", name, eng_desc(a));
   if (check_operand(a, b, name) || (c && check_operand(a, c, name))) return -1;
+  /* PyTorch's overlap checks (operand() reads any other overlapping operand from a copy) */
+  if (eng_check_internal_overlap(a, name) || eng_check_partial_overlap(a, b, name) ||
+      (c && eng_check_partial_overlap(a, c, name)))
+    return -1;
   if (a->numel == 0) { eng_bump_version(a); return 0; }
   if (a->device == ENG_CUDA) { /* composed from the device's binary ops */
     int prev = eng_set_grad_enabled(0);
@@ -146,7 +150,7 @@ int eng_clamp_(eng_tensor* a, double lo, double hi) {
   ENG_CHECK_I(a, "clamp_");
   if (ENG_DT_ACTIVE(a->dist))
     return eng_dispatch_inplace("clamp_", 0, &(eng_op_call){.name = "clamp_", .n_in = 1, .in = {a}, .scalars = {lo, hi}}, clamp_local);
-  if (eng_check_inplace(a, "clamp_")) return -1;
+  if (eng_check_inplace(a, "clamp_") || eng_check_internal_overlap(a, "clamp_")) return -1;
   if (isnan(lo) && isnan(hi))
     return eng_err("clamp_: %s: at least one of min and max must be given (both are NaN/nil)", eng_desc(a));
   if (a->dtype == ENG_BOOL) return eng_err("clamp_: not supported for bool tensors (%s)", eng_desc(a));
