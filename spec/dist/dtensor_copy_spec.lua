@@ -181,3 +181,39 @@ describe("FSDP over TP state dicts (FSDP2's test_dp_tp / test_hsdp_tp_state_dict
     save_load(model)
   end)
 end)
+
+-- Issue 26 item 2: a DTensor on a mesh of the same shape whose ranks come in another order ({0, 1} and {1, 0}):
+-- shard i lives on another rank, so copying local to local would permute the data.  copy_ refuses it as `+`
+-- does (PyTorch: "DTensor does not support cross-mesh operation"), naming both meshes' ranks, with no
+-- communication and the destination left as it was; redistribute onto the other mesh refuses it too.
+describe("DTensor copy_ across meshes whose rank order differs", function()
+  it("refuses as `+` does, naming both rank orders; nothing is written", function()
+    if W < 2 then pending("needs 2 ranks"); return end
+    local fwd, rev = {}, {}
+    for r = 0, W - 1 do fwd[#fwd + 1] = r; rev[#rev + 1] = W - 1 - r end
+    local m1, m2 = dist.DeviceMesh("cpu", fwd), dist.DeviceMesh("cpu", rev)
+    local full = engine.arange(4 * W, { dtype = "f32" })
+    for _, pl in ipairs({ { S(1) }, { Rep() } }) do
+      local src = dist.distribute_tensor(full, m1, pl)
+      local dst = dist.distribute_tensor(engine.zeros(4 * W), m2, pl)
+      local rev_s = "[" .. table.concat(rev, ", ") .. "]"
+      local fwd_s = "[" .. table.concat(fwd, ", ") .. "]"
+      local counts = dist.count_collectives(function()
+        local e_add = errmsg(function() return dst + src end)
+        local e_copy = errmsg(function() dst:copy_(src) end)
+        for _, e in ipairs({ e_add, e_copy }) do
+          assert.truthy(e:find("DTensor arguments on different device meshes", 1, true), e)
+          assert.truthy(e:find("DeviceMesh('cpu', " .. rev_s .. ")", 1, true), e)
+          assert.truthy(e:find("DeviceMesh('cpu', " .. fwd_s .. ")", 1, true), e)
+          assert.truthy(e:find("another rank order", 1, true), e)
+        end
+        assert.truthy(e_copy:find("^[^\n]*copy_: "), e_copy)
+        local e_red = errmsg(function() return src:redistribute(m2, pl) end)
+        assert.truthy(e_red:find("Cross device mesh", 1, true) and e_red:find("another rank order", 1, true), e_red)
+      end)
+      assert.are.same({}, counts)
+      assert.are.equal(0, dst:to_local():abs():sum():item())
+      assert.are.equal(0, diff(dst:full_tensor(), engine.zeros(4 * W)))
+    end
+  end)
+end)

@@ -468,9 +468,12 @@ static int prepare(const char* name, eng_op_call* c, eng_tensor** conv) {
       return eng_err("%s: mixed DTensor and Tensor arguments: %s and %s (distribute the tensor, or pass a 0-d "
                      "one-element tensor or a number)", name, a, b);
     }
-    if (t->dist->mesh != first->dist->mesh && !eng_mesh_equal(t->dist->mesh, first->dist->mesh))
-      return eng_err("%s: DTensor arguments on different device meshes: %s and %s", name,
-                     dt_mesh_str(first->dist->mesh, m1, sizeof m1), dt_mesh_str(t->dist->mesh, m2, sizeof m2));
+    if (t->dist->mesh != first->dist->mesh && !eng_mesh_equal(t->dist->mesh, first->dist->mesh)) {
+      char note[700];
+      return eng_err("%s: DTensor arguments on different device meshes: %s and %s%s", name,
+                     dt_mesh_str(first->dist->mesh, m1, sizeof m1), dt_mesh_str(t->dist->mesh, m2, sizeof m2),
+                     dt_mesh_diff_note(first->dist->mesh, t->dist->mesh, note, sizeof note));
+    }
     if (eng_dtensor_wait(t)) return -1;
   }
   for (int i = 0; i < c->n_in; i++) {

@@ -12,6 +12,10 @@ int dt_base(void);
 const char* dt_placements_str(int n, const eng_placement* pl, char* buf, int cap);
 /* "mesh(2x2: dp,tp)" into buf. */
 const char* dt_mesh_str(const eng_mesh* m, char* buf, int cap);
+/* "" when the short forms of two different meshes differ (dt_mesh_str), else a note that names both
+ * meshes' ranks (" (DeviceMesh('cpu', [0, 1]) and DeviceMesh('cpu', [1, 0]): ...)"): the same shape over
+ * other ranks or in another rank order, which "mesh(2) and mesh(2)" does not show. */
+const char* dt_mesh_diff_note(const eng_mesh* a, const eng_mesh* b, char* buf, int cap);
 /* Checks n placements against a mesh and tensor ndim and writes normalized
  * copies into out; errors name op. */
 int dt_check_placements(const char* op, const eng_mesh* mesh, int n, const eng_placement* pl, int ndim,

@@ -676,9 +676,10 @@ eng_tensor* dt_redistribute_local(eng_tensor* local, const eng_dist_spec* src, c
                                   int is_backward) {
   const char* op = is_backward ? "redistribute (backward)" : "redistribute";
   if (src->mesh != dst->mesh && !eng_mesh_equal(src->mesh, dst->mesh)) {
-    char a[512], b[512];
-    return eng_errp("%s: %s -> %s: Cross device mesh comm not supported yet!", op,
-                    eng_dist_spec_describe(src, local->dtype, a, sizeof a), eng_dist_spec_describe(dst, -1, b, sizeof b));
+    char a[512], b[512], note[700];
+    return eng_errp("%s: %s -> %s: Cross device mesh comm not supported yet!%s", op,
+                    eng_dist_spec_describe(src, local->dtype, a, sizeof a), eng_dist_spec_describe(dst, -1, b, sizeof b),
+                    dt_mesh_diff_note(src->mesh, dst->mesh, note, sizeof note));
   }
   if (src->ndim != dst->ndim || src->ndim != local->ndim)
     return eng_errp("%s: tensor ranks differ (local %s, source %dd, target %dd)", op, eng_desc(local), src->ndim,
@@ -879,9 +880,10 @@ static eng_tensor* redistribute_impl(const char* op, eng_tensor* t, eng_mesh* me
                       dt < ENG_NUM_DTYPES ? eng_dtype_name(dt) : "(unknown)");
   }
   if (mesh && mesh != src->mesh && !eng_mesh_equal(mesh, src->mesh)) {
-    char ms[160];
-    return eng_errp("%s: %s to %s: Cross device mesh comm not supported yet!", op,
-                    eng_dist_spec_describe(src, t->dtype, a, sizeof a), dt_mesh_str(mesh, ms, sizeof ms));
+    char ms[160], note[700];
+    return eng_errp("%s: %s to %s: Cross device mesh comm not supported yet!%s", op,
+                    eng_dist_spec_describe(src, t->dtype, a, sizeof a), dt_mesh_str(mesh, ms, sizeof ms),
+                    dt_mesh_diff_note(src->mesh, mesh, note, sizeof note));
   }
   if (!pl) return eng_errp("%s: %s: placements is needed for redistribute!", op,
                            eng_dist_spec_describe(src, t->dtype, a, sizeof a));

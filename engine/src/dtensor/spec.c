@@ -3,6 +3,7 @@
  * (PyTorch's generate_greedy_transform_infos).  No communication here. */
 #include "dtensor/dtensor_impl.h"
 #include <stdio.h>
+#include <string.h>
 
 static int g_display_base;
 
@@ -56,6 +57,16 @@ const char* dt_mesh_str(const eng_mesh* m, char* buf, int cap) {
     for (int d = 0; d < nd && k < cap; d++)
       k += snprintf(buf + k, cap - k, "%s%s", d ? "," : ": ", eng_mesh_dim_name(m, d));
   if (k < cap) snprintf(buf + k, cap - k, ")");
+  return buf;
+}
+
+const char* dt_mesh_diff_note(const eng_mesh* a, const eng_mesh* b, char* buf, int cap) {
+  char s1[160], s2[160], d1[240], d2[240];
+  buf[0] = 0;
+  if (!a || !b || strcmp(dt_mesh_str(a, s1, sizeof s1), dt_mesh_str(b, s2, sizeof s2))) return buf;
+  snprintf(buf, cap, " (%s and %s: the same shape over other ranks or in another rank order, so shard i of one is "
+           "not shard i of the other; move the data with full_tensor() and distribute_tensor() onto one mesh)",
+           eng_mesh_describe(a, d1, sizeof d1), eng_mesh_describe(b, d2, sizeof d2));
   return buf;
 }
 
