@@ -20,6 +20,7 @@
 -- (st:reshard) or a DTensor output (Partial, Shard, Replicate) into the spec's layout, and
 -- return_local_tensor returns either's local tensor (module hooks take an object output as one value).
 local core = require("engine.core")
+local ffi, C = core.ffi, core.C
 local specs = require("engine.distributed.sharding_spec")
 local stmod = require("engine.distributed.sharded_tensor")
 local ST = stmod.sharded_tensor
@@ -210,6 +211,11 @@ function M._get_current_process_group() return current_pg end
 -- ("<key>/shard<i>") plus the global metadata and the group state at save time in the file's metadata
 -- ("sharded:<key>": dtype, size, spec, every shard's box and rank, this rank's shard indices, and the
 -- local rank, global rank, local world size, global world size).  Not collective.
+-- Checksums (format engine-sharded-state/2, "checksum" = "xxh64", as dist.checkpoint's chunks): per
+-- tensor "xxh64:t:<name>", XXH64 (16 hex digits) of "<dtype>[<shape>]\0" then its bytes, and per
+-- ShardedTensor record "xxh64:m:sharded:<key>", of the record's text; load verifies every one (a
+-- flipped byte is an error naming the tensor or record and the file).  Files of format /1 (no
+-- checksums) still load.
 local function enc_list(l) return table.concat(l, ",") end
 local function dec_list(s)
   local r = {}
@@ -246,11 +252,28 @@ local function encode(st)
     enc_list({ me, dist().rank(), ST._world_of(pg), dist().world_size() }) }, "|"), mine
 end
 
+local FORMAT_V1, FORMAT = "engine-sharded-state/1", "engine-sharded-state/2"
+
+-- XXH64 of the strings in parts, then of t's bytes (row-major, as the file stores them): 16 hex digits
+local function xxh64_hex(parts, t)
+  local st = ffi.new("eng_xxh64_state")
+  C.eng_xxh64_reset(st)
+  for _, p in ipairs(parts) do C.eng_xxh64_update(st, p, #p) end
+  if t ~= nil and t:numel() > 0 then
+    local c = t:detach()
+    if c.device ~= "cpu" then c = c:cpu() end
+    c = c:contiguous()
+    C.eng_xxh64_update(st, c:data_ptr(), c:numel() * C.eng_dtype_size(c._c.dtype))
+  end
+  return bit.tohex(C.eng_xxh64_digest(st), 16)
+end
+local function tensor_sum(t) return xxh64_hex({ t.dtype .. "[" .. table.concat(t:shape(), ",") .. "]\0" }, t) end
+
 function ST.save(path, sd)
   local op = "sharded_tensor.save"
   path = rank_path(path, op)
   if type(sd) ~= "table" then fail(op .. ": expected a state dict (a table name -> tensor or ShardedTensor)") end
-  local tensors, meta = {}, { format = "engine-sharded-state/1" }
+  local tensors, meta = {}, { format = FORMAT, checksum = "xxh64" }
   for k, v in pairs(sd) do
     if type(k) ~= "string" then fail(op .. ": state dict keys must be strings") end
     if stmod.is_sharded_tensor(v) then
@@ -267,7 +290,47 @@ function ST.save(path, sd)
       fail(string.format("%s: '%s' is a %s, not a tensor or a ShardedTensor", op, k, type(v)))
     end
   end
+  local sums = {}
+  for name, t in pairs(tensors) do sums["xxh64:t:" .. name] = tensor_sum(t) end
+  for k, v in pairs(meta) do
+    if k:match("^sharded:") then sums["xxh64:m:" .. k] = xxh64_hex({ v }) end
+  end
+  for k, v in pairs(sums) do meta[k] = v end
   require("engine").save(path, tensors, meta)
+end
+
+-- the checksums of a file of format /2 (see save): every tensor and record has one and matches it
+local function verify(path, tensors, meta)
+  if meta.format == nil or meta.format == FORMAT_V1 then return end -- a plain safetensors file, or an older one
+  if meta.format ~= FORMAT or meta.checksum ~= "xxh64" then
+    error(string.format("'%s' is not a ShardedTensor state file this engine reads (format %s, checksum %s; expected "
+      .. "%s with xxh64, or %s)", path, tostring(meta.format), tostring(meta.checksum), FORMAT, FORMAT_V1), 0)
+  end
+  local function check(what, want, got)
+    if want == nil then
+      error(string.format("'%s': %s has no checksum (\"xxh64:\" entry): the file is corrupt", path, what), 0)
+    end
+    if want ~= got then
+      error(string.format("'%s': %s fails its checksum (stored %s, computed %s): the file is corrupt", path, what,
+        tostring(want), got), 0)
+    end
+  end
+  local names = {}
+  for name in pairs(tensors) do names[#names + 1] = name end
+  table.sort(names)
+  for _, name in ipairs(names) do
+    check("tensor '" .. name .. "'", meta["xxh64:t:" .. name], tensor_sum(tensors[name]))
+  end
+  local keys = {}
+  for k in pairs(meta) do keys[#keys + 1] = k end
+  table.sort(keys)
+  for _, k in ipairs(keys) do
+    if k:match("^sharded:") then check("the record '" .. k .. "'", meta["xxh64:m:" .. k], xxh64_hex({ meta[k] })) end
+    local t = k:match("^xxh64:t:(.*)$")
+    if t and tensors[t] == nil then error(string.format("'%s': tensor '%s' is missing from the file", path, t), 0) end
+    local m = k:match("^xxh64:m:(.*)$")
+    if m and meta[m] == nil then error(string.format("'%s': the record '%s' is missing from the file", path, m), 0) end
+  end
 end
 
 -- One ShardedTensor from its record (the checks of PyTorch's ShardedTensor.__setstate__, then the
@@ -325,6 +388,7 @@ function ST.load(path)
   local sd = {}
   local ok, err = pcall(function()
     local tensors, meta = require("engine").load(path)
+    verify(path, tensors, meta)
     local sharded = {}
     for k, v in pairs(meta) do
       local key = k:match("^sharded:(.*)$")

@@ -879,9 +879,12 @@ end
 function ShardedTensor:zero_() return self:fill_(0) end
 
 -- ---------------------------------------------------------------- comparisons (collective)
--- equal(other) / allclose(other [, rtol = 1e-5 [, atol = 1e-8]]): true on every rank when both are
--- laid out alike and every shard agrees (one all_reduce over the group; PyTorch's torch.equal /
--- torch.allclose on ShardedTensors).  Different layouts: false on every rank, no communication.
+-- equal(other) / allclose(other [, rtol = 1e-5 [, atol = 1e-8 [, equal_nan = false]]]): true on every rank
+-- when both are laid out alike and every shard agrees (one all_reduce over the group; PyTorch's
+-- torch.equal / torch.allclose on ShardedTensors).  Different layouts: false on every rank, no
+-- communication.  allclose is torch.isclose's rule: a and b are close when equal (infinities of one sign
+-- included) or when |a - b| is finite and <= atol + rtol * |b|; a NaN is close to nothing (to a NaN with
+-- equal_nan), +inf is not close to -inf nor to a finite value.
 local function compare(op, a, b, close)
   if not is_sharded_tensor(b) then fail(op .. ": expected a ShardedTensor, got " .. (core.is_tensor(b) and "a tensor" or type(b))) end
   if not same_list(a._size, b._size) or a.dtype ~= b.dtype then return false end
@@ -893,7 +896,11 @@ local function compare(op, a, b, close)
     local x, y = s.tensor:detach(), lb[i].tensor:detach()
     if x:numel() > 0 then
       local bad
-      if close then bad = ((x - y):abs():gt(y:abs() * close[1] + close[2])):sum():item()
+      if close then
+        local err = (x - y):abs()
+        local ok = x:eq(y):logical_or(err:isfinite():logical_and(err:le(y:abs() * close[1] + close[2])))
+        if close[3] then ok = ok:logical_or(x:isnan():logical_and(y:isnan())) end
+        bad = x:numel() - ok:sum():item()
       else bad = x:ne(y):sum():item() end
       if bad ~= 0 then good = 0 end
     end
@@ -903,7 +910,17 @@ local function compare(op, a, b, close)
   return flag:item() == 1
 end
 function ShardedTensor:equal(other) return compare("equal", self, other, nil) end
-function ShardedTensor:allclose(other, rtol, atol) return compare("allclose", self, other, { rtol or 1e-5, atol or 1e-8 }) end
+function ShardedTensor:allclose(other, rtol, atol, equal_nan)
+  for i, v in ipairs({ { rtol, "rtol" }, { atol, "atol" } }) do
+    if v[1] ~= nil and (type(v[1]) ~= "number" or v[1] ~= v[1]) then
+      fail(string.format("allclose: %s must be a number, got %s", v[2], tostring(v[1])))
+    end
+  end
+  if equal_nan ~= nil and type(equal_nan) ~= "boolean" then
+    fail("allclose: equal_nan must be a boolean, got " .. tostring(equal_nan))
+  end
+  return compare("allclose", self, other, { rtol or 1e-5, atol or 1e-8, equal_nan == true })
+end
 
 -- ---------------------------------------------------------------- *_like
 local function like_opts(st, opts, op)
