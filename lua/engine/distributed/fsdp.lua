@@ -482,6 +482,7 @@ function M.fully_shard(module, opts)
   local order, by_ptr = {}, {}
   local pdims = rawget(mesh, "_parent_dims")
   local sig = { tostring(mesh:get_root_mesh()), pdims and table.concat(pdims, ",") or "" }
+  local rgrad = {}  -- requires_grad of each parameter, in order: agreed apart, to name it in the error
   local scan_ok, scan_err = pcall(function()
   raf = raf_value(opts.reshard_after_forward, op, mesh:size(mesh:ndim()))
   sig[#sig + 1] = tostring(raf)
@@ -531,6 +532,7 @@ function M.fully_shard(module, opts)
     end
     e.cdim = cdim
     sig[#sig + 1] = e.uses[1].name .. ":" .. table.concat(e.p:shape(), "x") .. ":" .. e.p._c.dtype .. ":" .. cdim
+    rgrad[#rgrad + 1] = e.p._c.requires_grad ~= 0 and "1" or "0"
     _ = i
   end
   end)
@@ -551,8 +553,15 @@ function M.fully_shard(module, opts)
       .. "init_device_mesh call, or the same slice of it); equal shapes over the same ranks are distinct meshes "
       .. "with distinct process groups (" .. msg .. ")")
   end
-  -- every rank must shard the same parameters the same way on the same mesh
-  rc = C.eng_pg_agree(world, scan_ok and 0 or 1, scan_ok and hash_str(table.concat(sig, ";")) or 0, "fully_shard")
+  -- every rank must shard the same parameters the same way on the same mesh, and freeze the same ones: a
+  -- parameter that requires grad on some ranks only gets no gradient there, and the group's reduce-scatter
+  -- would sum the others' gradients with nothing (the values carry the hash of the requires_grad flags and its
+  -- negation: their maxima agree only when every rank has the same flags)
+  local rg = ffi.new("int64_t[2]")
+  rg[0] = hash_str(table.concat(rgrad))
+  rg[1] = -rg[0]
+  rc = C.eng_pg_agree_max(world, scan_ok and 0 or 1, scan_ok and hash_str(table.concat(sig, ";")) or 0, "fully_shard",
+    rg, 2)
   C.eng_pg_release(world)
   if rc ~= 0 then
     if not scan_ok then error(scan_err, 0) end
@@ -560,6 +569,13 @@ function M.fully_shard(module, opts)
     if msg:find("failed its checks", 1, true) then fail(msg) end
     fail("fully_shard: the ranks disagree on the module's parameters, their shard dims, the mesh or "
       .. "reshard_after_forward (" .. msg .. ")")
+  end
+  if rg[0] ~= -rg[1] then
+    local frozen = {}
+    for i, e in ipairs(order) do if rgrad[i] == "0" then frozen[#frozen + 1] = "'" .. e.uses[1].name .. "'" end end
+    fail(string.format("fully_shard: requires_grad of %s's parameters differs across ranks (frozen on this rank: %s): "
+      .. "every rank must freeze the same parameters before fully_shard, else the group's gradient reduce-scatter "
+      .. "sums gradients some ranks do not compute", module.__name, #frozen > 0 and table.concat(frozen, ", ") or "none"))
   end
   -- sharded DTensor parameters: each rank's chunk of its own full parameter (no communication)
   local n = #order
@@ -766,6 +782,14 @@ function M.fully_shard(module, opts)
   }
   rawset(module, "_fsdp", state)
   setmetatable(module, fsdp_class(cls))
+  -- state_dict and load_state_dict see the sharded parameters: the group is resharded first (FSDP2's
+  -- to_sharded hooks), so values loaded into them are what the next forward all-gathers (an unsharded group,
+  -- e.g. the root after forward, would go on computing with its stale all-gathered copy)
+  local function to_sharded()
+    if C.eng_fsdp_group_state(g) ~= 0 then core.check(C.eng_fsdp_group_reshard(g), 3) end
+  end
+  module:_register_state_dict_hook(to_sharded)
+  module:_register_load_state_dict_pre_hook(to_sharded)
   return module
 end
 

@@ -88,7 +88,19 @@ local function add_name(list, name)
   list[#list + 1] = name
 end
 
+-- A parameter slot owned by an FSDP group (dist.fully_shard): forward computes with what the group
+-- all-gathers from the parameter it registered, so a Parameter assigned in its place would be ignored.
+local function check_not_fsdp(self, name, p)
+  local view = rawget(self, "_fsdp_view")
+  if view and view[name] and not rawequal(p, rawget(self, "_parameters")[name]) then
+    core.fail(string.format("%s: cannot assign to parameter '%s': it is managed by fully_shard (its FSDP group "
+      .. "all-gathers the sharded parameter registered there for forward, so a new Parameter would be ignored); "
+      .. "write new values into it instead: load_state_dict, or copy_ under no_grad", self.__name, name))
+  end
+end
+
 local function set_parameter(self, name, p)
+  check_not_fsdp(self, name, p)
   local params = rawget(self, "_parameters")
   if params[name] == nil and not rawget(self, "_param_none")[name] then
     unregister(self, name)
@@ -114,6 +126,7 @@ local function module_newindex(self, k, v)
     set_module(self, k, v)
   elseif params[k] ~= nil or rawget(self, "_param_none")[k] then
     if v == nil then
+      check_not_fsdp(self, k, v)
       params[k] = nil; rawget(self, "_param_none")[k] = true  -- like register_parameter(k, None)
     elseif is_tensor(v) then
       error(string.format("%s: cannot assign a plain tensor to parameter '%s': wrap it in nn.Parameter(t) "
@@ -733,6 +746,32 @@ function Module:state_dict_keys()
   return names
 end
 
+-- FNV-1a of a string, as a number below 2^32
+local function fnv32(str)
+  local h = 2166136261
+  for i = 1, #str do h = bit.bxor(h, str:byte(i)); h = (h * 16777619) % 4294967296 end
+  return h
+end
+
+-- What would make copying src into dst fail or come out wrong, found before anything is written: a
+-- DTensor into a plain tensor (its local shard would be taken for the whole), DTensors on different
+-- meshes, an expanded destination (PyTorch's internal-overlap error).
+local function copy_problem(name, dst, src)
+  local dd, sd = dst._c.dist, src._c.dist
+  if sd ~= nil and dd == nil then
+    return string.format("%s: the value is a DTensor (%s) and the parameter a plain tensor %s: layouts differ "
+      .. "(load value:full_tensor())", name, src:_layout_str(), shape_str(dst))
+  end
+  if sd ~= nil and dd ~= nil and sd.mesh ~= dd.mesh and C.eng_mesh_equal(sd.mesh, dd.mesh) == 0 then
+    return string.format("%s: the value %s and the parameter %s are on different device meshes: layouts differ "
+      .. "(redistribute is within one mesh: load value:full_tensor())", name, src:_layout_str(), dst:_layout_str())
+  end
+  if dd == nil and C.eng_tensor_check_overlap(dst._c, nil, "load_state_dict") ~= 0 then
+    return name .. ": " .. core.last_error():gsub("^load_state_dict: ", "")
+  end
+  return nil
+end
+
 -- load_state_dict(sd [, {strict = true}]): copies the values into the
 -- parameters and buffers (converting dtypes).  Every problem is reported in
 -- one error: missing keys and unexpected keys (strict only) and shape
@@ -749,6 +788,9 @@ function Module:load_state_dict(sd, opts)
   local names, vals, kinds = {}, {}, {}
   state_entries(self, "", names, vals, kinds)
   local known, missing, unexpected, bad = {}, {}, {}, {}
+  -- a distributed model: the same on every rank whatever sd holds (the agreement below is collective)
+  local dist_state, sig = false, {}
+  for i = 1, #vals do if vals[i]._c.dist ~= nil then dist_state = true end end
   for i = 1, #names do
     local name, dst = names[i], vals[i]
     known[name] = true
@@ -764,6 +806,13 @@ function Module:load_state_dict(sd, opts)
       if not same then
         bad[#bad + 1] = string.format("size mismatch for %s: copying a param with shape %s from checkpoint, "
           .. "the shape in current model is %s", name, shape_str(src), shape_str(dst))
+      else
+        local b = copy_problem(name, dst, src)
+        if b then bad[#bad + 1] = b end
+      end
+      -- a DTensor source of another layout is redistributed (collectives): the ranks must agree on them
+      if src._c.dist ~= nil and not (dst._c.dist ~= nil and C.eng_dist_spec_equal(src._c.dist, dst._c.dist) ~= 0) then
+        sig[#sig + 1] = name .. "=" .. src:_layout_str()
       end
     end
   end
@@ -779,10 +828,27 @@ function Module:load_state_dict(sd, opts)
     errs[#errs + 1] = "Unexpected key(s) in state_dict: " .. table.concat(unexpected, ", ")
   end
   for _, b in ipairs(bad) do errs[#errs + 1] = b end
-  if #errs > 0 then
-    error(string.format("load_state_dict: error(s) in loading state_dict for %s:\n\t%s", self.__name,
-      table.concat(errs, "\n\t")), 2)
+  local err = #errs > 0 and string.format("load_state_dict: error(s) in loading state_dict for %s:\n\t%s",
+    self.__name, table.concat(errs, "\n\t")) or nil
+  -- a distributed model (DTensor parameters: fully_shard, parallelize_module) is loaded on every rank or on
+  -- none: a failure here on one rank (a state dict that differs there) fails every rank before anything is
+  -- written, instead of leaving this rank's model as it was while the others load theirs and go on
+  if dist_state and C.eng_dist_world_size() > 1 then
+    if err then C.eng_set_error_message(err) end
+    local world = C.eng_pg_world()
+    local rc = C.eng_pg_agree(world, err and 1 or 0, fnv32(table.concat(sig, "\n")), "load_state_dict")
+    C.eng_pg_release(world)
+    if rc ~= 0 then
+      if err then error(err, 2) end
+      local msg = core.last_error()
+      if not msg:find("failed its checks", 1, true) then
+        msg = "load_state_dict: the ranks passed state dicts whose DTensor entries differ in their layouts (so the "
+          .. "redistributions would not match): nothing was loaded (" .. msg .. ")"
+      end
+      error(msg, 2)
+    end
   end
+  if err then error(err, 2) end
   local prev = C.eng_set_grad_enabled(0)
   for i = 1, #names do
     local src = sd[names[i]]
