@@ -117,7 +117,9 @@ describe("optim.AdamW", function()
     close(p, ref, 1e-13, "param")
     close(opt.state[p].exp_avg, m, 1e-14, "exp_avg")
     close(opt.state[p].exp_avg_sq, v, 1e-14, "exp_avg_sq")
-    assert.are.equal(2, opt.state[p].step)
+    -- the step count as PyTorch keeps it: a 0-dim f32 tensor on the CPU
+    local step = opt.state[p].step
+    assert.are.same({ 0, "f32", "cpu", 2 }, { step:dim(), step.dtype, step.device, step:item() })
   end)
 
   it("uses PyTorch's defaults (lr 1e-3, betas 0.9/0.999, eps 1e-8, weight_decay 1e-2)", function()
@@ -148,8 +150,8 @@ describe("optim.AdamW", function()
     -- c gets a gradient later: its own step count starts at 1
     set_grad(c, G[1])
     opt:step()
-    assert.are.equal(1, opt.state[c].step)
-    assert.are.equal(2, opt.state[b].step)
+    assert.are.equal(1, opt.state[c].step:item())
+    assert.are.equal(2, opt.state[b].step:item())
     close(c, adamw_ref(P0, { G[1] }, { lr = 0.01, betas = { 0.9, 0.999 }, eps = 1e-8, weight_decay = 0 }), 1e-13, "c")
   end)
 
@@ -165,7 +167,7 @@ describe("optim.AdamW", function()
       return l
     end)
     assert.is_truthy(loss)
-    assert.are.equal(1, opt.state[m.weight].step)
+    assert.are.equal(1, opt.state[m.weight].step:item())
   end)
 
   it("validates its options and parameters", function()
@@ -232,11 +234,43 @@ describe("optim.Optimizer", function()
     local sd = opt:state_dict()
     assert.are.same({ 0, 1 }, sd.param_groups[1].params)
     assert.are.equal(0.05, sd.param_groups[1].lr)
-    assert.are.equal(2, sd.state[0].step)
+    assert.are.equal(2, sd.state[0].step:item())
     assert.is_true(engine.is_tensor(sd.state[1].exp_avg_sq))
     local other = optim.AdamW({ param(P0) })
     err(function() other:load_state_dict(sd) end, "doesn't match the size of the optimizer's group")
     err(function() other:load_state_dict({}) end, "load_state_dict expects")
+  end)
+
+  -- PyTorch keeps state["step"] as a tensor, so state_dict() holds the live count and a checkpoint loaded into
+  -- that table in place (dist.checkpoint.load) restores it along with the moments (issue 25 item 11)
+  it("keeps the step count as a live 0-dim tensor: an in-place load into state_dict() restores it", function()
+    local _, _, opt = train(function(ps) return optim.AdamW(ps, { lr = 0.05 }) end, 2)
+    local snap = {}
+    for i, s in pairs(opt:state_dict().state) do
+      snap[i] = {}
+      for k, v in pairs(s) do snap[i][k] = v:clone() end
+    end
+    local p1 = opt.param_groups[1].params[1]
+    set_grad(p1, { 1, 1, 1, 1 }); opt:step(); opt:step()
+    assert.are.equal(4, opt.state[p1].step:item())
+    engine.no_grad(function()
+      for i, s in pairs(opt:state_dict().state) do for k, v in pairs(s) do v:copy_(snap[i][k]) end end
+    end)
+    assert.are.equal(2, opt.state[p1].step:item())
+    close(opt.state[p1].exp_avg, snap[0].exp_avg, 0, "exp_avg back")
+    -- load_state_dict takes a number or a one-element tensor, and makes its own tensor
+    local sd = opt:state_dict()
+    sd.state[0].step = 7
+    sd.state[1].step = engine.tensor({ 5 }, "f64")
+    local fresh = optim.AdamW({ param(P0), param({ 1, 2 }) })
+    fresh:load_state_dict(sd)
+    local ps = fresh.param_groups[1].params
+    assert.are.same({ 7, 5 }, { fresh.state[ps[1]].step:item(), fresh.state[ps[2]].step:item() })
+    assert.are.same({ 0, "f32", "cpu" }, { fresh.state[ps[2]].step:dim(), fresh.state[ps[2]].step.dtype,
+      fresh.state[ps[2]].step.device })
+    assert.are_not.equal(sd.state[1].step, fresh.state[ps[2]].step)
+    sd.state[0].step = engine.ones(2)
+    err(function() fresh:load_state_dict(sd) end, "optimizer state 'step' must be a number or a one-element tensor")
   end)
 
   it("round-trips through a flat state dict (safetensors-friendly)", function()
@@ -254,7 +288,7 @@ describe("optim.Optimizer", function()
     local g = fresh.param_groups[1]
     assert.are.same({ 0.05, 0.8, 0.9 }, { g.lr, g.betas[1], g.betas[2] })
     local p = fresh.param_groups[1].params[1]
-    assert.are.equal(2, fresh.state[p].step)
+    assert.are.equal(2, fresh.state[p].step:item())
     close(fresh.state[p].exp_avg, opt.state[opt.param_groups[1].params[1]].exp_avg, 0, "exp_avg")
   end)
 

@@ -840,11 +840,18 @@ function M.load(state, dir, opts)
       if C.eng_ckpt_file_check(data_file(dir, r), id, need[r] or 0) ~= 0 then error(core.last_error(), 0) end
     end
     readers, verified = new_readers(dir, id, algo, need), {}
-    -- keys on both sides
-    local missing, unexpected = {}, {}
+    -- keys on both sides.  A number saved where the state now has a one-element plain tensor fills it: an
+    -- optimizer's step count, which checkpoints saved before steps became tensors (as PyTorch's) hold as a value.
+    local missing, unexpected, as_number = {}, {}, {}
     for _, key in ipairs(keys) do
       local it = items[key]
-      if it.kind == "tensor" and not entries[key] or it.kind == "value" and meta["v:" .. key] == nil then
+      if it.kind == "tensor" and not entries[key] and meta["v:" .. key] and core.is_tensor(it.value)
+          and it.value._c.dist == nil and it.value:numel() == 1 then
+        local v = deserialize(meta["v:" .. key], key)
+        if type(v) == "number" then as_number[key] = v end
+      end
+      if it.kind == "tensor" and not entries[key] and as_number[key] == nil
+          or it.kind == "value" and meta["v:" .. key] == nil then
         missing[#missing + 1] = key .. (meta[(it.kind == "tensor" and "v:" or "t:") .. key] and
           (it.kind == "tensor" and " (saved as a value, not a tensor)" or " (saved as a tensor, not a value)") or "")
       end
@@ -883,6 +890,8 @@ function M.load(state, dir, opts)
         end
       elseif it.kind == "value" and meta["v:" .. key] then
         sets[#sets + 1] = { it = it, value = deserialize(meta["v:" .. key], key) }
+      elseif as_number[key] ~= nil then
+        sets[#sets + 1] = { it = it, fill = as_number[key] }
       end
     end
   end)
@@ -904,7 +913,10 @@ function M.load(state, dir, opts)
   if readers then readers:close() end
   agree(not ok2 and string.format("%s: '%s' changed during the load, after its chunks were verified (the tensors of "
     .. "the state are partly loaded): %s", op, dir, tostring(err2)) or nil, op, str_hash(id))
-  for _, s in ipairs(sets) do s.it.parent[s.it.pkey] = s.value end
+  for _, s in ipairs(sets) do
+    if s.fill ~= nil then E().no_grad(function() s.it.value:fill_(s.fill) end)
+    else s.it.parent[s.it.pkey] = s.value end
+  end
   return state
 end
 
@@ -989,9 +1001,11 @@ end
 -- ---------------------------------------------------------------- state dict helpers
 -- get_optimizer_state_dict(model, opt) -> {state = {[param name] = {step =, exp_avg =, ...}},
 -- param_groups = {{lr =, ..., params = {names}}}} (PyTorch's get_optimizer_state_dict: keyed by
--- parameter names, every parameter's state initialised, so a fresh optimizer can be loaded into).
--- The tensors are the optimizer's live ones: dist.checkpoint.load fills them in place; then call
--- set_optimizer_state_dict(model, opt, sd) for the non-tensor values (steps, hyperparameters).
+-- parameter names, every parameter's state initialised (opt:_init_state), so a fresh optimizer can be
+-- loaded into).  The tensors are the optimizer's live ones, the step counts included (0-dim tensors, as
+-- PyTorch's): dist.checkpoint.load fills them in place, so the state is restored by the load itself (an
+-- optimizer that already stepped too); set_optimizer_state_dict(model, opt, sd) (or opt:load_state_dict(sd))
+-- puts back the hyperparameters, which the table holds as copies.
 function M.get_optimizer_state_dict(model, opt)
   local op = "get_optimizer_state_dict"
   local name_of = {}
@@ -1006,14 +1020,7 @@ function M.get_optimizer_state_dict(model, opt)
       local name = name_of[p]
       if not name then error(string.format("%s: a parameter of group %d is not in the model", op, gi), 2) end
       sg.params[#sg.params + 1] = name
-      if opt.state[p] == nil then
-        if type(opt._init_state) == "function" then
-          opt:_init_state(p)
-        elseif opt.__name == "AdamW" or getmetatable(opt) and tostring(opt):match("^AdamW") then
-          local Optimizer = require("engine.optim.optimizer")
-          opt.state[p] = { step = 0, exp_avg = Optimizer._zeros_like(p), exp_avg_sq = Optimizer._zeros_like(p) }
-        end
-      end
+      if opt.state[p] == nil and type(opt._init_state) == "function" then opt:_init_state(p) end
       local st = opt.state[p]
       if st then
         local s = {}
@@ -1045,7 +1052,12 @@ function M.set_optimizer_state_dict(model, opt, sd)
       local s = sd.state[name]
       if s then
         local st = opt.state[p] or {}
-        for k, v in pairs(s) do st[k] = v end
+        for k, v in pairs(s) do
+          -- a step count: the optimizer's own tensor stays (the table holds it live), any other value is
+          -- copied into a new 0-dim f32 CPU tensor (never shared with another optimizer's count)
+          if k == "step" and not rawequal(v, st.step) then v = require("engine.optim.optimizer")._step_tensor(v, 2) end
+          st[k] = v
+        end
         opt.state[p] = st
       end
     end

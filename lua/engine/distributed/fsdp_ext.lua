@@ -20,7 +20,8 @@
 -- tensor-dim order whose values are 0-based element offsets (the ShardMetadata convention); ranks and
 -- shard indices are 0-based.  Where the seed asserts a 1-D mesh, these give an error naming the layout.
 -- Optimizer state dicts are keyed by parameter name (dist.checkpoint.get_optimizer_state_dict's format):
--- {state = {[name] = {step = n, exp_avg = t, ...}}, param_groups = {{lr = ..., params = {names}}}}.
+-- {state = {[name] = {step = t, exp_avg = t, ...}}, param_groups = {{lr = ..., params = {names}}}} (step: a 0-dim
+-- f32 CPU tensor, as PyTorch's; a number is accepted when loading).
 local core = require("engine.core")
 local ffi, C = core.ffi, core.C
 local P = require("engine.distributed.placements")
@@ -1113,10 +1114,13 @@ function M.set_state_dict(model, optimizer, sds, opts)
                   problems[#problems + 1] = string.format("optimizer state '%s' of %s has %d elements, expected a number",
                     k, name, v:numel())
                 else
-                  st[k] = (is_dt(v) and v:full_tensor() or v):item()
+                  -- the step count: the optimizer's own 0-dim f32 CPU tensor (PyTorch's), holding the value
+                  st[k] = require("engine.optim.optimizer")._step_tensor(is_dt(v) and v:full_tensor() or v)
                 end
               elseif is_st(v) then
                 problems[#problems + 1] = string.format("optimizer state '%s' of %s: a ShardedTensor step", k, name)
+              elseif k == "step" and type(v) == "number" then
+                st[k] = require("engine.optim.optimizer")._step_tensor(v)
               else
                 st[k] = v
               end

@@ -1,5 +1,6 @@
 -- engine.optim.adamw: AdamW (torch.optim.AdamW: Adam with decoupled weight decay).
 --   local opt = optim.AdamW(model:parameters(), {lr = 3e-4, betas = {0.9, 0.95}, weight_decay = 0.1})
+-- State per parameter: step (a 0-dim f32 CPU tensor, as PyTorch's), exp_avg, exp_avg_sq.
 -- One fused C call (eng_adamw_step) per parameter group and step: for each p,
 --   p -= lr * wd * p;  m = b1 m + (1-b1) g;  v = b2 v + (1-b2) g^2
 --   p -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
@@ -45,7 +46,16 @@ function AdamW:validate_group(g, level)
   if g.maximize then bad("maximize is not supported") end
 end
 
-local function zeros_like(p) return Optimizer._zeros_like(p, 4) end
+-- A parameter's state before its first step (PyTorch's lazy init): step 0 as a 0-dim f32 CPU tensor (a state
+-- dict holds it live, so a checkpoint loaded in place restores it), zero moments in the param's layout.
+-- dist.checkpoint.get_optimizer_state_dict calls it for parameters without state, so a fresh optimizer can be
+-- loaded into.
+function AdamW:_init_state(p)
+  local st = { step = Optimizer._step_tensor(0, 2), exp_avg = Optimizer._zeros_like(p, 2),
+    exp_avg_sq = Optimizer._zeros_like(p, 2) }
+  self.state[p] = st
+  return st
+end
 
 -- step([closure]): one update of every parameter that has a gradient.
 function AdamW:step(closure)
@@ -55,14 +65,10 @@ function AdamW:step(closure)
     local buckets, order = {}, {}
     for _, p in ipairs(g.params) do
       if p._c.grad ~= nil then
-        local st = self.state[p]
-        if not st then
-          st = { step = 0, exp_avg = zeros_like(p), exp_avg_sq = zeros_like(p) }
-          self.state[p] = st
-        end
-        st.step = st.step + 1
-        local b = buckets[st.step]
-        if not b then b = {}; buckets[st.step] = b; order[#order + 1] = st.step end
+        local st = self.state[p] or self:_init_state(p)
+        local step = Optimizer._bump_step(st, 2)
+        local b = buckets[step]
+        if not b then b = {}; buckets[step] = b; order[#order + 1] = step end
         b[#b + 1] = p
       end
     end

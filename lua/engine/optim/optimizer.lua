@@ -112,7 +112,10 @@ end
 -- ---------------------------------------------------------------- state dict
 -- state_dict() -> {state = {[i] = {...}}, param_groups = {{..., params = {i, ...}}}}
 -- Parameters are numbered 0, 1, 2, ... over the groups in order (PyTorch's
--- numbering).  State tensors are the live ones (clone them to keep a snapshot).
+-- numbering).  State tensors are the live ones (clone them to keep a snapshot),
+-- step counts included (0-dim f32 CPU tensors, as PyTorch's): a checkpoint loaded
+-- into the table in place restores them.  Hyperparameters are copies: load_state_dict
+-- (or dist.checkpoint.set_optimizer_state_dict) puts them back.
 function Optimizer:state_dict()
   local state, groups = {}, {}
   local idx = 0
@@ -137,7 +140,9 @@ function Optimizer:state_dict()
   return { state = state, param_groups = groups }
 end
 
--- load_state_dict(sd): restores hyperparameters and state (tensors are copied).
+-- load_state_dict(sd): restores hyperparameters and state (tensors are copied; a step count may be a
+-- number or a one-element tensor, and becomes the optimizer's own step tensor).  sd.state is keyed by what
+-- sd.param_groups[i].params lists: indices (state_dict) or names (get_optimizer_state_dict), as in PyTorch.
 function Optimizer:load_state_dict(sd)
   local op = self._op
   if type(sd) ~= "table" or type(sd.param_groups) ~= "table" or type(sd.state) ~= "table" then
@@ -173,8 +178,10 @@ function Optimizer:load_state_dict(sd)
               end
               st[k] = v:to(p.dtype):clone()
             else
-              st[k] = v:item()
+              st[k] = Optimizer._step_tensor(v, 3)
             end
+          elseif k == "step" then
+            st[k] = Optimizer._step_tensor(v, 3)
           else
             st[k] = v
           end
@@ -228,7 +235,8 @@ function Optimizer:flatten_state_dict(prefix)
   for idx, s in pairs(sd.state) do
     for k, v in pairs(s) do
       local name = string.format("%sstate.%d.%s", prefix, idx, k)
-      if is_tensor(v) then tensors[name] = v else meta[name] = fmt(v) end
+      if k == "step" and is_tensor(v) then meta[name] = fmt(Optimizer._step_value(v, 2))
+      elseif is_tensor(v) then tensors[name] = v else meta[name] = fmt(v) end
     end
   end
   for i, g in ipairs(sd.param_groups) do
@@ -295,6 +303,49 @@ function Optimizer._zeros_like(p, level)
     z = nil
   end
   return core.wrap(z, (level or 1) + 1)
+end
+
+-- ---------------------------------------------------------------- step counts
+-- A step count lives in the state as PyTorch keeps it: a 0-dim f32 tensor on the CPU (state["step"]),
+-- so that a state dict holds the live count and a checkpoint loaded into it in place (dist.checkpoint.load
+-- into get_optimizer_state_dict's or state_dict()'s tables) restores it with the moments.
+-- Optimizer._step_tensor(v) -> a new one holding v (a number, or a one-element tensor or DTensor).
+function Optimizer._step_tensor(v, level)
+  if is_tensor(v) then v = Optimizer._step_value(v, (level or 1) + 1) end
+  if type(v) ~= "number" then
+    error(string.format("optimizer state 'step' must be a number or a one-element tensor, got %s", type(v)), (level or 1) + 1)
+  end
+  return core.wrap(C.eng_tensor_full(0, nil, v, C.ENG_F32, C.ENG_CPU), (level or 1) + 1)
+end
+
+-- Optimizer._step_value(s) -> the count as a number (s: a step tensor, a number, a one-element DTensor).
+function Optimizer._step_value(s, level)
+  if type(s) == "number" then return s end
+  if not is_tensor(s) or s:numel() ~= 1 then
+    error(string.format("optimizer state 'step' must be a number or a one-element tensor, got %s",
+      is_tensor(s) and ("a tensor of " .. s:numel() .. " elements") or type(s)), (level or 1) + 1)
+  end
+  local c = s._c
+  if c.dist == nil and c.device == C.ENG_CPU and c.dtype == C.ENG_F32 then
+    return tonumber(ffi.cast("float*", C.eng_tensor_data(c))[0])
+  end
+  if c.dist ~= nil and (c.dist.has_shard ~= 0 or c.dist.has_partial ~= 0) then s = s:full_tensor() end
+  return s:item()
+end
+
+-- Optimizer._bump_step(st) -> the count after adding 1 to st.step in place (a number or another kind of
+-- tensor there becomes the CPU f32 tensor first).
+function Optimizer._bump_step(st, level)
+  local s = st.step
+  local c = is_tensor(s) and s._c or nil
+  if not (c and c.dist == nil and c.device == C.ENG_CPU and c.dtype == C.ENG_F32 and c.ndim == 0) then
+    s = Optimizer._step_tensor(s == nil and 0 or s, (level or 1) + 1)
+    st.step, c = s, s._c
+  end
+  local ptr = ffi.cast("float*", C.eng_tensor_data(c))
+  local v = tonumber(ptr[0]) + 1
+  core.check(C.eng_tensor_fill_(c, v))
+  return v
 end
 
 -- eng_tensor* arrays for the fused kernels.
