@@ -150,6 +150,13 @@ int main(int argc, char** argv) {
     for (int i = script + 1; i < argc; i++) lua_pushstring(L, argv[i]);
   } else nargs = 0;
   status = run_chunk(L, status, nargs);
+  /* the Lua library's exit hooks (engine.core's at_exit: e.g. an async checkpoint save nobody waited
+   * for is finished here), run like the script: an error is printed and fails the run */
+  if (status == 0) {
+    lua_getglobal(L, "__engine_at_exit");
+    if (lua_isfunction(L, -1)) status = run_chunk(L, 0, 0);
+    else lua_pop(L, 1);
+  }
   /* A failing rank of a multi-rank job ends the whole job: the other ranks
    * may be waiting for it in a collective, and MPI_Finalize would wait for
    * them in turn. */

@@ -57,6 +57,18 @@ function M.int64(v, op, what)
   return v
 end
 
+-- at_exit(fn): fn() runs once when the script ends normally: after the recipe returns (the engine host)
+-- or at os.exit(0 / true) (engine.distributed's os.exit), before MPI is finalized, in the order
+-- registered.  An error in one is the script's error (printed, exit status 1; a multi-rank job is
+-- aborted).  dist.checkpoint finishes an async save nobody waited for here.
+local exit_hooks, exited = {}, false
+function M.at_exit(fn) exit_hooks[#exit_hooks + 1] = fn end
+rawset(_G, "__engine_at_exit", function()
+  if exited then return end
+  exited = true
+  for _, fn in ipairs(exit_hooks) do fn() end
+end)
+
 function M.raise()
   error(M.last_error(), user_level())
 end

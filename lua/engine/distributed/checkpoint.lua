@@ -206,6 +206,10 @@ local function has_tensor(v, depth)
   return false
 end
 
+-- a key as text a message can show: control bytes as \<decimal> (a NUL, a newline)
+local function shown_key(k) return (k:gsub("[%z\1-\31\127]", function(c) return "\\" .. c:byte() end)) end
+M._shown_key = shown_key
+
 -- flatten(state) -> items keyed by dotted path: {key, kind = "tensor" | "value", value, parent, pkey}
 local function flatten(state, op)
   if type(state) ~= "table" or is_leaf_tensor(state) then
@@ -219,6 +223,11 @@ local function flatten(state, op)
         error(string.format("%s: key under '%s' is a %s; state keys are strings or numbers", op, prefix, type(k)), 0)
       end
       local key = prefix .. tostring(k)
+      if op == "checkpoint.save" and key:find("[%z\n]") then
+        -- the metadata's keys and the chunk records are text: such a key would save and never load
+        error(string.format("%s: the key '%s' holds a %s byte; checkpoint keys cannot hold NUL or newline bytes " ..
+          "(rename the entry)", op, shown_key(key), key:find("%z") and "NUL" or "newline"), 0)
+      end
       if is_leaf_tensor(v) then
         items[key] = { key = key, kind = "tensor", value = v, parent = t, pkey = k }
         keys[#keys + 1] = key
@@ -470,6 +479,9 @@ local function wait_pending()
   if pending then pending:wait() end
 end
 M.wait_pending = wait_pending
+-- an async save nobody waited for is finished when the script ends (as PyTorch's async_save, whose
+-- thread completes at exit): its checkpoint is complete, or the run fails with the save's error
+core.at_exit(wait_pending)
 
 local function check_opts(opts, allowed, op)
   if opts == nil then return {} end
@@ -531,7 +543,11 @@ function M.save(state, dir, opts)
   -- one agreement (a single small all_reduce) carries: any rank's error, the signature, rank 0's id for the
   -- new checkpoint, and whether every rank can reuse the last save's choice of writers (its boxes unchanged
   -- and the cached choice made by the same save everywhere)
-  local v = ffi.new("int64_t[6]")
+  local v = ffi.new("int64_t[8]")
+  -- the directory, the same on every rank (each writes its file there, rank 0 the metadata): its hash
+  -- and the negated hash, whose maxima agree only when every rank passed the same string
+  v[6] = bit.rshift(str_hash(dir), 2)
+  v[7] = -v[6]
   if rank == 0 then
     v[0], v[1] = id_parts()
     -- dir holds a complete checkpoint: the new one is written beside it (see "Crash safety" above); rank 0
@@ -550,7 +566,11 @@ function M.save(state, dir, opts)
   v[2] = cached and 0 or 1
   local tag = cached and cached.tag or 0
   v[3], v[4] = tag, -tag
-  agree(err, op, str_hash(sig_s), v, 6)
+  agree(err, op, str_hash(sig_s), v, 8)
+  if v[6] ~= -v[7] then
+    error(string.format("%s: the ranks passed different directories (this rank: '%s'); every rank must save into " ..
+      "the same dir (each writes its data file there and rank 0 the metadata): nothing was written", op, dir), 0)
+  end
   if v[5] ~= 0 then
     -- every rank resolves dir itself (its own view of the shared directory); a failure is this rank's
     -- writer error, agreed when the save finishes
@@ -878,6 +898,10 @@ function M.load(state, dir, opts)
             table.concat(e.shape, ","), table.concat(shape, ","), describe_layout(it.value)), 0)
         end
         for _, b in ipairs(boxes) do
+          -- PyTorch's in-place check: an expanded destination would take several chunks' bytes in one place
+          if C.eng_tensor_check_overlap(b.tensor._c, nil, op) ~= 0 then
+            error(string.format("%s ('%s')", core.last_error(), key), 0)
+          end
           for _, ov in ipairs(overlaps(e, b)) do
             local c = ov.chunk
             local ck = c.file .. ":" .. tostring(c.offset)

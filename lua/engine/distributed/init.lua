@@ -103,6 +103,14 @@ if not rawget(_G, "__engine_exit_wrapped") then
   local real_exit = os.exit
   os.exit = function(code, close)
     local ok = code == nil or code == true or code == 0
+    local at_exit = rawget(_G, "__engine_at_exit")
+    if ok and at_exit then -- engine.core's exit hooks, as the host runs them after a script's end
+      local hok, herr = pcall(at_exit)
+      if not hok then
+        io.stderr:write("engine: ", tostring(herr), "\n")
+        ok, code = false, 1
+      end
+    end
     io.stdout:flush(); io.stderr:flush()
     if C.eng_dist_is_initialized() ~= 0 then
       if ok or C.eng_dist_world_size() == 1 then C.eng_dist_finalize()
