@@ -13,16 +13,7 @@ local INTERNAL = "unsupported operation: more than one element of the written-to
 local PARTIAL = "unsupported operation: some elements of the input tensor and the written-to tensor refer to a " ..
   "single memory location. Please clone() the tensor before performing the operation."
 
-local function err_of(f, ...)
-  local ok, e = pcall(f, ...)
-  assert(not ok, "expected an error, got " .. tostring(e))
-  return tostring(e)
-end
-local function has(msg, ...)
-  for _, s in ipairs({ ... }) do
-    assert(msg:find(s, 1, true), string.format("expected %q in the message: %s", s, msg))
-  end
-end
+local err_of, has = require("spec.helpers.errors").err_of, require("spec.helpers.errors").has
 local function same(a, b) return a:shape()[1] == b:shape()[1] and (a:double() - b:double()):abs():max():item() == 0 end
 
 describe("an expanded destination (internal overlap)", function()

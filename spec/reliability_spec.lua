@@ -23,18 +23,7 @@ local function child(code)
   return out:gsub("__rc=%d+%s*$", ""), rc
 end
 
--- The error message of f(), or fails when f succeeds.
-local function err_of(f, ...)
-  local ok, e = pcall(f, ...)
-  assert(not ok, "expected an error")
-  return tostring(e)
-end
-
-local function has(msg, ...)
-  for _, s in ipairs({ ... }) do
-    assert(msg:find(s, 1, true), string.format("expected %q in the message: %s", s, msg))
-  end
-end
+local err_of, has = require("spec.helpers.errors").err_of, require("spec.helpers.errors").has
 local function hasnt(msg, ...)
   for _, s in ipairs({ ... }) do
     assert(not msg:find(s, 1, true), string.format("did not expect %q in the message: %s", s, msg))

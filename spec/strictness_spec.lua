@@ -7,17 +7,7 @@
 local engine = require("engine")
 local nn, optim = engine.nn, engine.optim
 
--- The error message of f(...), or a failure when f succeeds.
-local function err_of(f, ...)
-  local ok, e = pcall(f, ...)
-  assert(not ok, "expected an error, got " .. tostring(e))
-  return tostring(e)
-end
-local function has(msg, ...)
-  for _, s in ipairs({ ... }) do
-    assert(msg:find(s, 1, true), string.format("expected %q in the message: %s", s, msg))
-  end
-end
+local err_of, has = require("spec.helpers.errors").err_of, require("spec.helpers.errors").has
 local function values(t) return t:totable() end
 local function all_nan(t)
   for _, v in ipairs(t:tolist_flat()) do if v == v then return false end end

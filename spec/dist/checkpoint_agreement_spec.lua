@@ -10,14 +10,7 @@ local util = require("spec.dist.helpers.util")
 local diff, errmsg = util.diff, util.errmsg
 local W, R = dist.world_size(), dist.rank()
 
-local stamp = engine.tensor({ math.floor(engine.time() * 1000) % 100000000 }, "f64")
-dist.broadcast(stamp, 0)
-local root = string.format("%s/ckpt_agree_%d_w%d", os.getenv("TMPDIR") or "/tmp", stamp:item(), W)
-local n_dirs = 0
-local function newdir()
-  n_dirs = n_dirs + 1
-  return string.format("%s/c%d", root, n_dirs)
-end
+local root, newdir = require("spec.dist.helpers.util").dirs("ckpt_agree")
 local function exists(path)
   local f = io.open(path, "rb")
   if f then f:close() end

@@ -15,14 +15,7 @@ local Shard = dist.Shard
 
 pcall(ffi.cdef, "int setenv(const char*, const char*, int); int unsetenv(const char*);")
 
-local stamp = engine.tensor({ math.floor(engine.time() * 1000) % 100000000 }, "f64")
-dist.broadcast(stamp, 0)
-local root = string.format("%s/ckpt_faults_%d_w%d", os.getenv("TMPDIR") or "/tmp", stamp:item(), W)
-local n_dirs = 0
-local function newdir()
-  n_dirs = n_dirs + 1
-  return string.format("%s/c%d", root, n_dirs)
-end
+local root, newdir = require("spec.dist.helpers.util").dirs("ckpt_faults")
 local mesh = dist.init_device_mesh("cpu", { W })
 
 local function full() engine.manual_seed(4); return engine.randn(8, 3) end

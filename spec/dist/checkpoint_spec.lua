@@ -12,14 +12,7 @@ local diff, errmsg = util.diff, util.errmsg
 local W, R = dist.world_size(), dist.rank()
 local Shard, Replicate = dist.Shard, dist.Replicate
 
-local stamp = engine.tensor({ math.floor(engine.time() * 1000) % 100000000 }, "f64")
-dist.broadcast(stamp, 0)
-local root = string.format("%s/ckpt_spec_%d_w%d", os.getenv("TMPDIR") or "/tmp", stamp:item(), W)
-local n_dirs = 0
-local function newdir()
-  n_dirs = n_dirs + 1
-  return string.format("%s/c%d", root, n_dirs)
-end
+local root, newdir = require("spec.dist.helpers.util").dirs("ckpt_spec")
 
 local world_mesh = dist.init_device_mesh("cpu", { W })
 -- a mesh over the first k ranks (the others are outside it and hold nothing)

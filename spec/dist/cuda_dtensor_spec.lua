@@ -315,9 +315,7 @@ describe("parallelism on a CUDA mesh trains like one process on the GPU #gpu", f
     local gm = mesh("cuda", { W }, { "tp" })
     local m = build():to("cuda")
     models.Transformer.parallelize(m, gm, { use_seq_parallel = true })
-    local stamp = engine.tensor({ math.floor(engine.time() * 1000) % 100000000 }, "f64")
-    dist.broadcast(stamp, 0)
-    local dir = string.format("%s/cuda_ckpt_%d_w%d", os.getenv("TMPDIR") or "/tmp", stamp:item(), W)
+    local dir = util.dirs("cuda_ckpt")
     dist.checkpoint.save(m:state_dict(), dir)
     -- into a plain CPU model on every rank, and into a CUDA model laid out for DTensor data parallelism
     local plain = models.Transformer(args)

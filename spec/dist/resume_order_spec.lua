@@ -17,14 +17,7 @@ local dcp = dist.checkpoint
 local util = require("spec.dist.helpers.util")
 local W, R = dist.world_size(), dist.rank()
 
-local stamp = engine.tensor({ math.floor(engine.time() * 1000) % 100000000 }, "f64")
-dist.broadcast(stamp, 0)
-local root = string.format("%s/resume_order_spec_%d_w%d", os.getenv("TMPDIR") or "/tmp", stamp:item(), W)
-local n_dirs = 0
-local function newdir()
-  n_dirs = n_dirs + 1
-  return string.format("%s/c%d", root, n_dirs)
-end
+local root, newdir = require("spec.dist.helpers.util").dirs("resume_order_spec")
 
 local mesh = dist.init_device_mesh("cpu", { W })
 local N, M, B, D = 3, 3, 2 * W, 8   -- steps before the save, after it; global batch rows; width

@@ -27,6 +27,7 @@ struct eng_ddp {
   int64_t* hook;
   pctx* ctx;
   int* bucket_of;
+  int64_t* offset_of; /* parameter i's element offset in its bucket's buffer */
   uint8_t* got;      /* parameter i's gradient is in its bucket this backward */
   int nb;
   bucket* b;
@@ -38,12 +39,10 @@ struct eng_ddp {
 
 static eng_tensor* slice_of(const eng_ddp* d, int i) {
   const bucket* b = &d->b[d->bucket_of[i]];
-  int k = 0;
-  while (b->idx[k] != i) k++;
   const eng_tensor* p = d->p[i];
   int64_t st[ENG_MAX_DIMS];
   eng_contiguous_strides(p->ndim, p->shape, st);
-  return eng_view_of(b->buf, p->ndim, p->shape, st, b->buf->offset + b->off[k]);
+  return eng_view_of(b->buf, p->ndim, p->shape, st, b->buf->offset + d->offset_of[i]);
 }
 
 /* Start bucket k's all_reduce (avg). */
@@ -172,9 +171,10 @@ eng_ddp* eng_ddp_new(eng_pg* pg, int n, eng_tensor** params, int64_t bucket_byte
   d->hook = calloc((size_t)(n ? n : 1), sizeof *d->hook);
   d->ctx = calloc((size_t)(n ? n : 1), sizeof *d->ctx);
   d->bucket_of = calloc((size_t)(n ? n : 1), sizeof *d->bucket_of);
+  d->offset_of = calloc((size_t)(n ? n : 1), sizeof *d->offset_of);
   d->got = calloc((size_t)(n ? n : 1), 1);
   d->b = calloc((size_t)(n ? n : 1), sizeof *d->b);
-  if (!d->p || !d->hook || !d->ctx || !d->bucket_of || !d->got || !d->b) { eng_ddp_release(d); return eng_errp("%s: out of memory", op); }
+  if (!d->p || !d->hook || !d->ctx || !d->bucket_of || !d->offset_of || !d->got || !d->b) { eng_ddp_release(d); return eng_errp("%s: out of memory", op); }
   for (int i = 0; i < n; i++) if (params[i]->requires_grad) d->p[d->np++] = eng_tensor_retain(params[i]);
   /* buckets in reverse registration order, one dtype and device each, at most bucket_bytes (a larger parameter
    * gets a bucket of its own) */
@@ -196,6 +196,7 @@ eng_ddp* eng_ddp_new(eng_pg* pg, int n, eng_tensor** params, int64_t bucket_byte
     b->off[b->n] = b->n ? b->off[b->n - 1] + d->p[b->idx[b->n - 1]]->numel : 0;
     b->idx[b->n++] = i;
     d->bucket_of[i] = cur;
+    d->offset_of[i] = b->off[b->n - 1];
     cur_bytes += nbytes;
   }
   for (int k = 0; k < d->nb; k++) {
@@ -228,7 +229,7 @@ void eng_ddp_release(eng_ddp* d) {
     free(d->b[k].off);
   }
   eng_pg_release(d->pg);
-  free(d->p); free(d->hook); free(d->ctx); free(d->bucket_of); free(d->got); free(d->b);
+  free(d->p); free(d->hook); free(d->ctx); free(d->bucket_of); free(d->offset_of); free(d->got); free(d->b);
   free(d);
 }
 

@@ -27,6 +27,21 @@ function M.counted(fn)
   return table.concat(keys, " "), unpack(res, 2, table.maxn(res))
 end
 
+-- dirs(name) -> root, newdir: a folder name every rank agrees on (a time stamp broadcast from rank 0; collective),
+-- TMPDIR/<name>_<stamp>_w<world size>, and newdir() -> root/c1, root/c2, ... (not created)
+function M.dirs(name)
+  local engine = require("engine")
+  local dist = engine.distributed
+  local stamp = engine.tensor({ math.floor(engine.time() * 1000) % 100000000 }, "f64")
+  dist.broadcast(stamp, 0)
+  local root = string.format("%s/%s_%d_w%d", os.getenv("TMPDIR") or "/tmp", name, stamp:item(), dist.world_size())
+  local n = 0
+  return root, function()
+    n = n + 1
+    return string.format("%s/c%d", root, n)
+  end
+end
+
 -- For the "#gpu" multi-process specs: pending (with the reason) unless every rank can use a GPU through NCCL:
 -- a GPU at all, and one per rank, or several ranks on one GPU made to look like different hosts to NCCL
 -- (each rank its own NCCL_HOSTID, with NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1: tools/gpu-check.sh, docs/cuda.md).
