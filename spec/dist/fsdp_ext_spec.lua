@@ -1,7 +1,8 @@
--- Seed 000's functions as engine API (issue 15 item 2; lua/engine/distributed/fsdp_ext.lua): boxes and
--- ShardedTensor metadata of DTensors (even and uneven sizes), chunk_tensor (plain and nested over a TP
--- DTensor), chunk_dtensor onto the parent mesh, pre_load_state_dict, all_gather_dtensor, the flatten /
--- unflatten pair and DTensorExtensions; round trips DTensor -> ShardedTensor -> DTensor; errors on every
+-- Seed 000's functions as engine API (issue 15 item 2; lua/engine/distributed/fsdp_tp.lua and
+-- sharded_tensor_convert.lua): boxes and ShardedTensor metadata of DTensors (even and uneven sizes),
+-- chunk_tensor (plain and nested over a TP DTensor), chunk_dtensor onto the parent mesh, pre_load_state_dict,
+-- all_gather_dtensor, the flatten / unflatten pair and DTensorExtensions; round trips DTensor -> ShardedTensor ->
+-- DTensor; errors on every
 -- rank.  Meshes: (2, 2) at 4 ranks, (W, 1) below.
 local engine = require("engine")
 local dist = engine.distributed

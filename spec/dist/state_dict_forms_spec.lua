@@ -1,4 +1,4 @@
--- State dicts in three forms (issue 15 item 3; lua/engine/distributed/fsdp_ext.lua): model:state_dict()
+-- State dicts in three forms (issue 15 item 3; lua/engine/distributed/state_dict.lua): model:state_dict()
 -- (sharded DTensors), dist.get_state_dict(..., {full = true, cpu_offload, rank0_only}) (full tensors,
 -- gathered one at a time: the allocator's peak is measured) and the ShardedTensor form ({sharded = true},
 -- seed 000's path), each saved from a plain (one process), FSDP, TP and 2-D (FSDP over TP) model, loaded

@@ -34,7 +34,9 @@ local modules = {
   "checkpoint",           -- dist.checkpoint.save / load (distributed checkpoints)
   "shard_api",            -- shard_parameter, shard_module, ShardingPlan, Sharder, load_with_process_group
   "shard_embedding",      -- EmbeddingCollection, EmbeddingCollectionSharder (the recommender example)
-  "fsdp_ext",             -- seed 000 (DTensorExtensions: boxes, chunk_tensor/chunk_dtensor, ...), get_state_dict / set_state_dict
+  "sharded_tensor_convert", -- as_sharded_tensor: the ShardedTensor form of any tensor, and back to full
+  "fsdp_tp",              -- FSDP over TP (DTensorExtensions: boxes, chunk_tensor/chunk_dtensor, flatten/unflatten)
+  "state_dict",           -- get_state_dict / set_state_dict: state dicts in three forms
 }
 for _, name in ipairs(modules) do
   local m = require("engine.distributed." .. name)
