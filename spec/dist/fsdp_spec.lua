@@ -1048,6 +1048,23 @@ describe("fully_shard bad input", function()
     assert.is_truthy(errmsg(dist.fully_shard, t.b, { mesh = mesh }):find("shared across two FSDP groups", 1, true))
   end)
 
+  it("a parent sharded before its child: the child's call says to shard bottom-up (issue 26 item 5)", function()
+    local m = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
+    dist.fully_shard(m, { mesh = mesh })
+    local msg = errmsg(dist.fully_shard, m[1], { mesh = mesh })
+    assert.is_truthy(msg:find("call fully_shard bottom-up", 1, true), msg)
+    assert.is_truthy(msg:find("already sharded by fully_shard on FSDPSequential", 1, true), msg)
+  end)
+
+  it("a mesh without this rank fails every rank, naming the rank (not a nil index; issue 26 item 5)", function()
+    if W == 1 then return end
+    local part = dist.DeviceMesh("cpu", { 0 })
+    local msg = errmsg(dist.fully_shard, nn.Linear(3, 3), { mesh = part })
+    assert.is_falsy(msg:find("nil value", 1, true), msg)
+    assert.is_truthy(msg:find("rank %d+ is not in the mesh DeviceMesh%(.cpu., %[0%]%)"), msg)
+    assert.is_truthy(msg:find("must belong to its mesh", 1, true), msg)
+  end)
+
   it("a check that fails on one rank only fails every rank, naming it", function()
     if W == 1 then return end
     local msg = errmsg(dist.fully_shard, nn.Linear(3, 3), { mesh = mesh,

@@ -87,6 +87,9 @@ M.is_fsdp_module = is_fsdp
 -- parameters converted by some fully_shard call (the original Parameter objects, weak: a module still holding
 -- one is a tie across two groups) -> the FSDP module
 local converted = setmetatable({}, { __mode = "k" })
+-- the sharded DTensor parameters a fully_shard call registered -> its FSDP module (weak): a later fully_shard
+-- that meets one was called on a submodule after its ancestor (FSDP2 shards bottom-up)
+local sharded_by = setmetatable({}, { __mode = "k" })
 
 -- FNV-1a of a string, as a number below 2^52 (exact in a double)
 local function hash_str(s)
@@ -484,6 +487,11 @@ function M.fully_shard(module, opts)
   local sig = { tostring(mesh:get_root_mesh()), pdims and table.concat(pdims, ",") or "" }
   local rgrad = {}  -- requires_grad of each parameter, in order: agreed apart, to name it in the error
   local scan_ok, scan_err = pcall(function()
+  -- a rank outside the mesh has no shard of it (the agreement below makes every rank raise this)
+  if not mesh:is_member() then
+    fail(string.format("%s: rank %d is not in the mesh %s: every rank that calls fully_shard must belong to its "
+      .. "mesh (build the mesh over all of them)", op, mesh:get_rank(), tostring(mesh)))
+  end
   raf = raf_value(opts.reshard_after_forward, op, mesh:size(mesh:ndim()))
   sig[#sig + 1] = tostring(raf)
   for mi, m in ipairs(mods) do
@@ -493,6 +501,17 @@ function M.fully_shard(module, opts)
       if p ~= nil then
         local key = ptr_key(p._c)
         local prior = converted[p]
+        local owner = sharded_by[p]
+        if owner then
+          local below = false
+          for _, d in ipairs(owner:modules()) do if rawequal(d, module) then below = true end end
+          if below then
+            fail(string.format("%s: parameter '%s' of %s is already sharded by fully_shard on %s, which contains "
+              .. "%s: call fully_shard bottom-up (on the submodules first, then on their parent)", op, name, m.__name,
+              owner.__name, module.__name))
+          end
+          prior = owner
+        end
         if prior then
           fail(string.format("%s: parameter '%s' of %s is already owned by the FSDP module %s: a parameter shared "
             .. "across two FSDP groups is not supported (shard the module that contains both uses)",
@@ -765,6 +784,7 @@ function M.fully_shard(module, opts)
   -- register the sharded parameters under every name; the modules look the unsharded ones up
   for i, e in ipairs(order) do
     converted[e.p] = module
+    sharded_by[e.d] = module
     for _, u in ipairs(e.uses) do
       rawget(u.m, "_parameters")[u.name] = e.d
       local view = rawget(u.m, "_fsdp_view")
