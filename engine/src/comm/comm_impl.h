@@ -1,6 +1,8 @@
-/* comm_impl.h: process-group internals shared by comm/process_group.c (groups, dispatch,
- * counters, debug checks, flight recorder), the backends comm/mpi.c and
- * comm/nccl.c, and comm/mesh.c.  Not public. */
+/* comm_impl.h: process-group internals shared by the files of comm/:
+ * process_group.c (groups, dispatch), flight_recorder.c (counters, the last
+ * collectives), signature_check.c (consistency checks, agreements),
+ * peer_health.c (peers that have ended), the backends mpi.c and nccl.c,
+ * cma.c and mesh.c.  Not public. */
 #ifndef ENG_COMM_IMPL_H
 #define ENG_COMM_IMPL_H
 #include "core/internal.h"
@@ -23,7 +25,7 @@ struct eng_pg {
   void* nccl;           /* NCCL backend state, created on first use */
   int cma;              /* single-copy exchanges (comm/cma.c): 0 not probed yet, 1 usable, -1 not */
   int bwd_reduce_dtype; /* DTensor backward Partial reductions on this group: dtype + 1 (0: their own dtype) */
-  void* pend_check;     /* a deferred signature check in flight (process_group.c), or NULL */
+  void* pend_check;     /* a deferred signature check in flight (signature_check.c), or NULL */
   int aborted;          /* a deferred check found mismatched collectives: every later call fails */
   int64_t aborted_seq;  /* the first mismatched collective */
 };
@@ -63,6 +65,19 @@ COMM_INTERNAL void comm_nccl_event_free(void* event);
 COMM_INTERNAL void comm_nccl_pg_free(void* state);
 COMM_INTERNAL void comm_nccl_pg_abort(void* state);
 
+/* FNV-1a hash of n bytes (signature checks, comm_world_agree); h: COMM_FNV_SEED or a previous hash. */
+#define COMM_FNV_SEED 1469598103934665603ull
+static inline uint64_t comm_fnv(const void* p, size_t n, uint64_t h) {
+  const unsigned char* s = p;
+  for (size_t i = 0; i < n; i++) { h ^= s[i]; h *= 1099511628211ull; }
+  return h;
+}
+
+/* Collectives with a root (broadcast, scatter, gather). */
+static inline int comm_kind_rooted(int kind) {
+  return kind == ENG_COLL_BROADCAST || kind == ENG_COLL_SCATTER || kind == ENG_COLL_GATHER;
+}
+
 /* Groups (comm/process_group.c): a group over an MPI communicator (taken over; may be
  * MPI_COMM_NULL for a non-member). */
 COMM_INTERNAL eng_pg* comm_pg_from_mpi(MPI_Comm c, const char* name);
@@ -71,18 +86,54 @@ COMM_INTERNAL int comm_ensure_init(const char* op);
 /* Collective over the world: -1 on every rank (error naming op and what)
  * when `data` is not the same on all ranks. */
 COMM_INTERNAL int comm_world_agree(const void* data, size_t n, const char* op, const char* what);
+/* This process's world rank, cached at start-up so that any thread can print it. */
+COMM_INTERNAL int comm_world_rank(void);
+
+/* Counters and flight recorder (comm/flight_recorder.c).  record_start notes one collective as issued and
+ * returns its record id; record_end sets its state (1 completed, 2 failed; a record overwritten meanwhile is
+ * left alone).  count adds one collective of kind and its bytes to the counters. */
+COMM_INTERNAL int64_t comm_record_start(const eng_pg* pg, int64_t seq, int kind, int dtype, int op, int root, int ndim,
+                                        const int64_t* shape, int async);
+COMM_INTERNAL void comm_record_end(int64_t id, int state);
+COMM_INTERNAL void comm_count(int kind, int64_t bytes);
+/* Records ever made on this rank. */
+COMM_INTERNAL int64_t comm_record_total(void);
+/* This rank's last n collectives into b (cap bytes), one line each, oldest first. */
+COMM_INTERNAL void comm_recent_text(char* b, int cap, int n);
+/* Appends the most recent records to the current error message. */
+COMM_INTERNAL void comm_err_append_history(void);
+
+/* Signature checks (comm/signature_check.c).  check_on: checks are on (ENGINE_COMM_CHECK, debug mode).
+ * check_collective: the check of one collective about to be issued by process_group.c's dispatch (key: the
+ * tensor whose dtype and shape identify it; rows: a gather's per-rank dim-0 sizes or NULL; err: this rank's
+ * own failure, message set; on_cuda: NCCL, where the check may be deferred): 0 when every member issued the
+ * same valid collective, else -1 on every member.  check_finish completes pg's deferred check (0 agreed, -1
+ * on every member otherwise: the group is aborted); check_finish_all every one still in flight. */
+COMM_INTERNAL int comm_check_on(void);
+COMM_INTERNAL int comm_check_collective(eng_pg* pg, const char* name, int kind, int op, int root, const eng_tensor* key,
+                                        const int64_t* rows, int err, int on_cuda);
+COMM_INTERNAL int comm_check_finish(eng_pg* pg);
+COMM_INTERNAL void comm_check_finish_all(void);
 
 /* The signature check of one collective about to be issued on pg (a member)
  * outside run() (comm/cma.c): kind, the tensor whose dtype identifies it
  * (its shape may differ between ranks), this rank's own failure (message set).  0 when every member
  * issued the same valid collective, else -1 on every member. */
 COMM_INTERNAL int comm_check(eng_pg* pg, const char* name, int kind, const eng_tensor* key, int local_err);
+
+/* Peers that have ended (comm/peer_health.c).  listen: at start-up, starts listening for the other ranks'
+ * goodbyes; poll: takes in the goodbyes arrived; peer_ended: a member of pg that has ended (world rank), or
+ * -1; peer_goodbye: the last collectives an ended world rank sent, or NULL. */
+COMM_INTERNAL void comm_peers_listen(void);
+COMM_INTERNAL void comm_peers_poll(void);
+COMM_INTERNAL int comm_peer_ended(const eng_pg* pg);
+COMM_INTERNAL const char* comm_peer_goodbye(int world_rank);
 /* At MPI finalize: tells every other world rank that this one has ended
  * (with its last collectives), so that a rank waiting for it fails instead
  * of hanging; then stops listening. */
 COMM_INTERNAL void comm_say_goodbye(void);
 
-/* Collectives done outside run() (comm/cma.c) are accounted here as one
+/* Collectives done outside run() (comm/cma.c) are accounted (comm/flight_recorder.c) as one
  * collective of `kind`: sequence number, counters, flight recorder.  begin
  * returns the record id for end (state 1 completed, 2 failed); undo takes the
  * counters back when the caller redoes the collective another way. */

@@ -2,15 +2,17 @@
  * single-copy exchanges on one node), the distributed runtime (MPI start-up,
  * watchdog) and DeviceMesh.  May call: core/, cuda/ (NCCL streams).
  * Knows nothing of DTensor placements. */
-/* process_group.c: process groups, collective dispatch, staging buffers, counters,
- * sequence numbers, debug-mode consistency checks and the flight recorder.
- * The backends (comm/mpi.c, comm/nccl.c) only see raw contiguous buffers. */
+/* process_group.c: process groups (world, new_group, split), collective
+ * dispatch (argument checks, staging buffers, the plan handed to a backend,
+ * sequence numbers) and work handles.  The files beside it: the counters and
+ * flight recorder (flight_recorder.c), the signature checks and agreements
+ * (signature_check.c), peers that have ended (peer_health.c), the backends
+ * (mpi.c, nccl.c: they only see raw contiguous buffers), single-copy
+ * exchanges (cma.c), DeviceMesh (mesh.c) and the runtime (dist_runtime.c). */
 #include "comm/comm_impl.h"
 #include "kernels/cpu/kcpu.h"
 #include <limits.h>
-#include <sched.h>
 #include <stdio.h>
-#include <time.h>
 
 /* ------------------------------------------------------------------ names */
 static const char* const g_op_names[ENG_NUM_REDUCE_OPS] = {"sum", "avg", "max", "min", "prod"};
@@ -33,176 +35,11 @@ int eng_reduce_op_from_name(const char* name) {
 /* ------------------------------------------------------------------ state */
 static eng_pg* g_world;
 static int g_my_rank; /* world rank, cached so other threads can print it */
+
+int comm_world_rank(void) { return g_my_rank; }
 static int64_t g_next_id = 1;
-static int g_debug = -1;       /* -1: not read from the environment yet */
-static double g_timeout = -1;  /* seconds; -1: not read yet */
-static int g_check = -1;       /* signature checks; -1: not read from the environment yet */
-static int64_t g_counts[ENG_NUM_COLL_KINDS], g_bytes[ENG_NUM_COLL_KINDS];
-
-static int debug_on(void) {
-  if (g_debug < 0) {
-    const char* e = getenv("ENGINE_COMM_DEBUG");
-    g_debug = e && *e && strcmp(e, "0") != 0;
-  }
-  return g_debug;
-}
-
-static double timeout_s(void) {
-  if (g_timeout < 0) {
-    const char* e = getenv("ENGINE_COMM_TIMEOUT");
-    double v = e ? atof(e) : 0;
-    g_timeout = v > 0 ? v : 300;
-  }
-  return g_timeout;
-}
-
-/* The signature check: on unless ENGINE_COMM_CHECK=0 (debug mode keeps it on).  g_check: 0 off, 1 on (blocking on
- * MPI, deferred on NCCL), 2 "sync" (blocking everywhere), 3 "async" (deferred everywhere).  Deferred: the check's
- * all_reduce starts and the collective is issued at once (no host round trip in front of an NCCL call); the check is
- * completed when the next call on the group begins (or the group is freed, or the runtime ends), and a mismatch
- * fails that call on every rank and aborts the group. */
-static int check_on(void) {
-  if (g_check < 0) {
-    const char* e = getenv("ENGINE_COMM_CHECK");
-    g_check = !e ? 1 : !strcmp(e, "0") ? 0 : !strcmp(e, "sync") ? 2 : !strcmp(e, "async") ? 3 : 1;
-  }
-  return g_check || debug_on();
-}
-
-static int check_deferred(int nccl) {
-  if (!check_on() || debug_on()) return 0;
-  return g_check == 3 || (g_check == 1 && nccl);
-}
-
-int eng_comm_set_check(int on) { g_check = on < 0 || on > 3 ? 1 : on; return 0; }
-int eng_comm_get_check(void) { return check_on(); }
-double eng_comm_get_timeout(void) { return timeout_s(); }
-int eng_comm_set_debug(int on) { g_debug = on ? 1 : 0; return 0; }
-int eng_comm_get_debug(void) { return debug_on(); }
-int eng_comm_set_timeout(double seconds) {
-  if (!(seconds > 0)) return eng_err("comm: timeout must be a positive number of seconds, got %g", seconds);
-  g_timeout = seconds;
-  return 0;
-}
-
-int64_t eng_comm_count(int kind) { return kind >= 0 && kind < ENG_NUM_COLL_KINDS ? g_counts[kind] : 0; }
-int64_t eng_comm_bytes(int kind) { return kind >= 0 && kind < ENG_NUM_COLL_KINDS ? g_bytes[kind] : 0; }
-void eng_comm_reset_counts(void) {
-  memset(g_counts, 0, sizeof g_counts);
-  memset(g_bytes, 0, sizeof g_bytes);
-}
-
-/* ------------------------------------------------------------------ flight recorder */
-#define HIST 64
-static eng_coll_record g_hist[HIST];
-static char g_hist_group[HIST][96];
-static int64_t g_hist_n; /* records ever made */
-
-static int64_t rec_start(const eng_pg* pg, int64_t seq, int kind, int dtype, int op, int root, int ndim,
-                         const int64_t* shape, int async) {
-  int64_t id = g_hist_n++;
-  eng_coll_record* r = &g_hist[id % HIST];
-  memset(r, 0, sizeof *r);
-  r->id = id; r->seq = seq; r->group_id = pg->id; r->group_size = pg->size;
-  r->kind = kind; r->dtype = dtype; r->op = op; r->root = root; r->async = async;
-  r->ndim = ndim;
-  for (int d = 0; d < ndim && d < 8; d++) r->shape[d] = shape[d];
-  r->state = 0;
-  r->t_start = eng_time();
-  snprintf(g_hist_group[id % HIST], sizeof g_hist_group[0], "%s", pg->name);
-  return id;
-}
-
-static void rec_end(int64_t id, int state) {
-  if (id < 0 || id < g_hist_n - HIST) return; /* overwritten meanwhile */
-  eng_coll_record* r = &g_hist[id % HIST];
-  if (r->id != id) return;
-  r->state = state;
-  r->t_end = eng_time();
-}
-
-int64_t comm_account_begin(eng_pg* pg, int kind, const eng_tensor* key) {
-  int64_t seq = pg->seq++;
-  g_counts[kind]++;
-  g_bytes[kind] += key ? key->numel * eng_dtype_size(key->dtype) : 0;
-  return rec_start(pg, seq, kind, key ? key->dtype : -1, 0, 0, key ? key->ndim : 0, key ? key->shape : NULL, 0);
-}
-
-void comm_account_end(int64_t rec, int state) { rec_end(rec, state); }
-
-void comm_account_undo(int kind, const eng_tensor* key) {
-  g_counts[kind]--;
-  g_bytes[kind] -= key ? key->numel * eng_dtype_size(key->dtype) : 0;
-}
-
-int eng_comm_history_len(void) { return (int)(g_hist_n < HIST ? g_hist_n : HIST); }
-
-static int hist_slot(int i) {
-  int len = eng_comm_history_len();
-  if (i < 0 || i >= len) return -1;
-  return (int)((g_hist_n - len + i) % HIST);
-}
-
-int eng_comm_history_get(int i, eng_coll_record* out) {
-  int s = hist_slot(i);
-  if (s < 0) return eng_err("comm history: index %d out of range (%d records)", i, eng_comm_history_len());
-  *out = g_hist[s];
-  return 0;
-}
-
-const char* eng_comm_history_group_name(int i) {
-  int s = hist_slot(i);
-  return s < 0 ? "?" : g_hist_group[s];
-}
-
-/* Collectives with a root (broadcast, scatter, gather). */
-static int rooted(int kind) { return kind == ENG_COLL_BROADCAST || kind == ENG_COLL_SCATTER || kind == ENG_COLL_GATHER; }
-
-static const char* state_name(int s) { return s == 0 ? "issued" : s == 1 ? "completed" : "failed"; }
-
-static int format_record(char* b, int cap, const eng_coll_record* r, const char* group) {
-  int k = snprintf(b, cap, "  #%lld %s seq %lld %s%s%s%s", (long long)r->id, group, (long long)r->seq,
-                   eng_coll_kind_name(r->kind) ? eng_coll_kind_name(r->kind) : "?",
-                   r->kind == ENG_COLL_BARRIER ? "" : " ",
-                   r->kind == ENG_COLL_BARRIER ? "" : (eng_dtype_name(r->dtype) ? eng_dtype_name(r->dtype) : "?"),
-                   r->kind == ENG_COLL_BARRIER ? "" : eng_shape_str(r->ndim, r->shape));
-  if (k < cap && (r->kind == ENG_COLL_ALL_REDUCE || r->kind == ENG_COLL_REDUCE_SCATTER))
-    k += snprintf(b + k, cap - k, " op=%s", eng_reduce_op_name(r->op) ? eng_reduce_op_name(r->op) : "?");
-  if (k < cap && rooted(r->kind)) k += snprintf(b + k, cap - k, " root=%d", r->root);
-  if (k < cap)
-    k += snprintf(b + k, cap - k, "%s %s", r->async ? " async" : "", state_name(r->state));
-  if (k < cap && r->state != 0) k += snprintf(b + k, cap - k, " %.3f ms", 1e3 * (r->t_end - r->t_start));
-  if (k < cap) k += snprintf(b + k, cap - k, "\n");
-  return k < cap ? k : cap;
-}
-
-static char g_fmt[HIST * 192 + 256];
-
-const char* eng_comm_history_format(int max_entries) {
-  int len = eng_comm_history_len();
-  int n = max_entries <= 0 || max_entries > len ? len : max_entries;
-  int k = snprintf(g_fmt, sizeof g_fmt, "collective flight recorder, rank %d: last %d of %lld collectives, oldest first%s\n",
-                   g_my_rank, n, (long long)g_hist_n, n ? ":" : "");
-  for (int i = len - n; i < len && k < (int)sizeof g_fmt - 1; i++) {
-    int s = hist_slot(i);
-    k += format_record(g_fmt + k, (int)sizeof g_fmt - k, &g_hist[s], g_hist_group[s]);
-  }
-  return g_fmt;
-}
-
-/* Appends the most recent records to the current error message. */
-static void err_append_history(void) {
-  char buf[2048];
-  const char* h = eng_comm_history_format(6);
-  snprintf(buf, sizeof buf, "%s\n%s", eng_last_error(), h);
-  size_t n = strlen(buf);
-  if (n && buf[n - 1] == '\n') buf[n - 1] = 0;
-  eng_set_error_message(buf);
-}
 
 /* ------------------------------------------------------------------ groups */
-static void bye_init(void);
-
 int comm_ensure_init(const char* op) {
   if (!eng_dist_is_initialized()) {
     int inited = 0;
@@ -220,7 +57,7 @@ int comm_ensure_init(const char* op) {
     g_next_id--;
     g_my_rank = g_world->rank;
     eng_set_process_rank(g_world->rank);
-    bye_init();
+    comm_peers_listen();
     /* the node-local rank, from the shared-memory communicator (launcher variables may be missing or wrong) */
     MPI_Comm local;
     if (MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &local) == MPI_SUCCESS) {
@@ -284,13 +121,10 @@ eng_pg* eng_pg_retain(eng_pg* pg) {
   return pg;
 }
 
-static int pend_finish(eng_pg* pg);
-static void pend_finish_all(void);
-
 void eng_pg_release(eng_pg* pg) {
   if (!pg) return;
   if (__atomic_sub_fetch(&pg->refcount, 1, __ATOMIC_ACQ_REL) != 0) return;
-  if (pg->pend_check && eng_dist_is_initialized()) pend_finish(pg); /* complete the request before freeing ctl */
+  if (pg->pend_check && eng_dist_is_initialized()) comm_check_finish(pg); /* complete the request before freeing ctl */
 #if defined(ENG_HAVE_CUDA) && defined(ENG_HAVE_NCCL)
   if (pg->nccl) comm_nccl_pg_free(pg->nccl);
 #endif
@@ -302,15 +136,9 @@ void eng_pg_release(eng_pg* pg) {
 
 /* Fails on every rank when `data` differs between the world ranks (a cheap
  * guard against ranks creating groups with different arguments). */
-static uint64_t fnv(const void* p, size_t n, uint64_t h) {
-  const unsigned char* s = p;
-  for (size_t i = 0; i < n; i++) { h ^= s[i]; h *= 1099511628211ull; }
-  return h;
-}
-
 int comm_world_agree(const void* data, size_t n, const char* op, const char* what) {
   if (eng_dist_world_size() == 1) return 0;
-  int64_t h = (int64_t)(fnv(data, n, 1469598103934665603ull) >> 1);
+  int64_t h = (int64_t)(comm_fnv(data, n, COMM_FNV_SEED) >> 1);
   int64_t v[2] = {h, -h}, r[2];
   int rc = MPI_Allreduce(v, r, 2, MPI_INT64_T, MPI_MAX, MPI_COMM_WORLD);
   if (rc != MPI_SUCCESS) return eng_err("%s: %s", op, comm_mpi_errstr(rc));
@@ -599,7 +427,7 @@ static int validate(const coll* c) {
   if (c->kind == ENG_COLL_ALL_REDUCE || c->kind == ENG_COLL_REDUCE_SCATTER) {
     if (c->op < 0 || c->op >= ENG_NUM_REDUCE_OPS) return eng_err("%s: invalid reduce op code %d", c->name, c->op);
   }
-  if (rooted(c->kind) && (c->root < 0 || c->root >= W))
+  if (comm_kind_rooted(c->kind) && (c->root < 0 || c->root >= W))
     return eng_err("%s: root %d is out of range for group %s of size %d (roots are group ranks)", c->name, c->root,
                    c->pg->name, W);
   switch (c->kind) {
@@ -696,406 +524,6 @@ static const eng_tensor* key_tensor(const coll* c) {
   if (c->kind == ENG_COLL_BARRIER) return NULL;
   if (c->kind == ENG_COLL_ALL_REDUCE || c->kind == ENG_COLL_BROADCAST || c->kind == ENG_COLL_SCATTER) return c->out;
   return c->in;
-}
-
-/* ------------------------------------------------------------------ signature check */
-/* Before every collective the members of its group compare its signature
- * (seq, kind, op, root, dtype, shape): one MPI_Iallreduce(MAX) of {h, -h,
- * err} on the group's control communicator, h a hash of the signature.
- * Equal hashes and no error: go on (the fast path).  Otherwise every member
- * knows, and they exchange their full signatures, messages and last
- * collectives (an allgather) to build the same error on every rank.  While
- * waiting, a rank watches for peers that have ended (comm_say_goodbye) and
- * for the timeout. */
-#define KIND_AGREE ENG_NUM_COLL_KINDS /* eng_pg_agree: not a collective of its own */
-#define HIST_TXT 400                  /* a rank's last collectives in a mismatch report */
-
-typedef struct fprint {
-  int64_t seq;
-  int32_t kind, dtype, op, root, ndim, err;
-  int64_t shape[8];
-  uint64_t key;
-  char msg[232];
-} fprint;
-
-typedef struct report {
-  fprint f;
-  char hist[HIST_TXT];
-} report;
-
-static void fp_make(fprint* f, eng_pg* pg, int kind, int op, int root, const eng_tensor* t, int err) {
-  memset(f, 0, sizeof *f);
-  f->seq = pg->seq; f->kind = kind; f->err = err ? (err == 2 ? 2 : 1) : 0; /* 1 failed here, 2 relayed */
-  f->op = (kind == ENG_COLL_ALL_REDUCE || kind == ENG_COLL_REDUCE_SCATTER) ? op : -1;
-  f->root = rooted(kind) ? root : -1;
-  f->dtype = t ? t->dtype : -1;
-  if (t) { f->ndim = t->ndim; for (int d = 0; d < t->ndim && d < 8; d++) f->shape[d] = t->shape[d]; }
-}
-
-static int fp_same(const fprint* a, const fprint* b) {
-  if (a->seq != b->seq || a->kind != b->kind || a->dtype != b->dtype || a->op != b->op || a->root != b->root ||
-      a->ndim != b->ndim || a->key != b->key)
-    return 0;
-  for (int d = 0; d < a->ndim; d++) if (a->shape[d] != b->shape[d]) return 0;
-  return 1;
-}
-
-static uint64_t fp_hash(const fprint* f) {
-  int64_t v[16] = {f->seq, f->kind, f->dtype, f->op, f->root, f->ndim, (int64_t)f->key};
-  for (int d = 0; d < f->ndim && d < 8; d++) v[7 + d] = f->shape[d];
-  return fnv(v, sizeof v, 1469598103934665603ull);
-}
-
-static const char* kind_name_any(int kind) { return kind == KIND_AGREE ? "agreement" : eng_coll_kind_name(kind); }
-
-static int fp_desc(char* b, int cap, const fprint* f) {
-  int k = snprintf(b, cap, "#%lld %s", (long long)f->seq, kind_name_any(f->kind) ? kind_name_any(f->kind) : "?");
-  if (k < cap && f->dtype >= 0) k += snprintf(b + k, cap - k, " %s%s", eng_dtype_name(f->dtype), eng_shape_str(f->ndim, f->shape));
-  if (k < cap && f->op >= 0) k += snprintf(b + k, cap - k, " op=%s", eng_reduce_op_name(f->op));
-  if (k < cap && f->root >= 0) k += snprintf(b + k, cap - k, " root=%d", f->root);
-  return k < cap ? k : cap;
-}
-
-/* This rank's last n collectives, one line each (oldest first). */
-static void recent_text(char* b, int cap, int n) {
-  int len = eng_comm_history_len(), k = 0;
-  b[0] = 0;
-  if (len == 0) { snprintf(b, cap, "  (none)\n"); return; }
-  for (int i = len > n ? len - n : 0; i < len && k < cap - 1; i++) {
-    int s = hist_slot(i);
-    k += format_record(b + k, cap - k, &g_hist[s], g_hist_group[s]);
-  }
-}
-
-/* ---- peers that have ended: every rank listens on a dup of the world for a
- * goodbye (its last collectives as text) sent at MPI finalize. */
-#define BYE_TAG 7
-#define BYE_LEN 1024
-static MPI_Comm g_bye_comm = MPI_COMM_NULL;
-static MPI_Request g_bye_req = MPI_REQUEST_NULL;
-static char g_bye_buf[BYE_LEN];
-static char** g_ended; /* per world rank: its goodbye text, NULL while running */
-static int g_world_n;
-
-static void bye_listen(void) {
-  if (g_bye_comm == MPI_COMM_NULL) return;
-  if (MPI_Irecv(g_bye_buf, BYE_LEN, MPI_CHAR, MPI_ANY_SOURCE, BYE_TAG, g_bye_comm, &g_bye_req) != MPI_SUCCESS)
-    g_bye_req = MPI_REQUEST_NULL;
-}
-
-static void bye_init(void) {
-  if (g_bye_comm != MPI_COMM_NULL) return;
-  MPI_Comm_size(MPI_COMM_WORLD, &g_world_n);
-  if (g_world_n < 2) return;
-  if (MPI_Comm_dup(MPI_COMM_WORLD, &g_bye_comm) != MPI_SUCCESS) { g_bye_comm = MPI_COMM_NULL; return; }
-  MPI_Comm_set_errhandler(g_bye_comm, MPI_ERRORS_RETURN);
-  g_ended = calloc((size_t)g_world_n, sizeof *g_ended);
-  bye_listen();
-}
-
-static void bye_poll(void) {
-  while (g_bye_req != MPI_REQUEST_NULL) {
-    int flag = 0;
-    MPI_Status st;
-    if (MPI_Test(&g_bye_req, &flag, &st) != MPI_SUCCESS || !flag) return;
-    int src = st.MPI_SOURCE;
-    g_bye_buf[BYE_LEN - 1] = 0;
-    if (g_ended && src >= 0 && src < g_world_n && !g_ended[src]) g_ended[src] = strdup(g_bye_buf);
-    bye_listen();
-  }
-}
-
-void comm_say_goodbye(void) {
-  pend_finish_all();
-  if (g_bye_comm == MPI_COMM_NULL) return;
-  char text[BYE_LEN];
-  int k = snprintf(text, sizeof text, "last collectives of rank %d (%lld in all):\n", g_my_rank, (long long)g_hist_n);
-  if (k < (int)sizeof text) recent_text(text + k, (int)sizeof text - k, 4);
-  MPI_Request* rq = malloc(sizeof(MPI_Request) * (size_t)g_world_n);
-  int n = 0;
-  for (int r = 0; rq && r < g_world_n; r++)
-    if (r != g_my_rank && MPI_Isend(text, (int)strlen(text) + 1, MPI_CHAR, r, BYE_TAG, g_bye_comm, &rq[n]) == MPI_SUCCESS) n++;
-  if (rq) MPI_Waitall(n, rq, MPI_STATUSES_IGNORE); /* small: sent eagerly, no receiver needed */
-  free(rq);
-  if (g_bye_req != MPI_REQUEST_NULL) {
-    MPI_Cancel(&g_bye_req);
-    MPI_Wait(&g_bye_req, MPI_STATUS_IGNORE);
-  }
-  g_bye_comm = MPI_COMM_NULL; /* not freed: goodbyes from the others may still arrive */
-}
-
-/* A member of pg that has ended, or -1. */
-static int ended_member(const eng_pg* pg) {
-  if (!g_ended) return -1;
-  for (int i = 0; i < pg->size; i++)
-    if (pg->ranks[i] >= 0 && pg->ranks[i] < g_world_n && g_ended[pg->ranks[i]]) return pg->ranks[i];
-  return -1;
-}
-
-static int ended_error(eng_pg* pg, const char* name, const fprint* f, int who) {
-  char mine[HIST_TXT], d[200];
-  fp_desc(d, sizeof d, f);
-  recent_text(mine, sizeof mine, 3);
-  pg->broken = 1;
-  return eng_err("%s: rank %d has ended (finalized MPI: its script returned or called os.exit) while this rank "
-                 "(%d) waits for it in %s on group %s; group %s is unusable from now on.\n%s"
-                 "last collectives of rank %d:\n%s",
-                 name, who, g_my_rank, d, pg->name, pg->name, g_ended[who], g_my_rank, mine);
-}
-
-static void timeout_abort(eng_pg* pg, const char* name, const fprint* f, double waited) {
-  char d[200];
-  fp_desc(d, sizeof d, f);
-  fprintf(stderr,
-          "[rank %d] %s: the other ranks of group %s did not join %s within %.0f s (ENGINE_COMM_TIMEOUT; "
-          "dist.set_comm_timeout): a rank is stuck (computing, or waiting in a collective on another group) or "
-          "has failed. Aborting the job.\n%s",
-          g_my_rank, name, pg->name, d, waited, eng_comm_history_format(16));
-  fflush(stderr);
-  MPI_Abort(MPI_COMM_WORLD, 3);
-  exit(3);
-}
-
-/* Waits for the check's all_reduce; -1 (error set) when a member has ended. */
-static int check_wait(eng_pg* pg, MPI_Request* r, const char* name, const fprint* f) {
-  int flag = 0;
-  double t0 = 0;
-  for (long spin = 0;; spin++) {
-    if (MPI_Test(r, &flag, MPI_STATUS_IGNORE) != MPI_SUCCESS) return eng_err("%s: signature check failed on group %s", name, pg->name);
-    if (flag) return 0;
-    if (spin < 32) continue;
-    sched_yield();
-    if ((spin & 31) != 0) continue;
-    double now = eng_time();
-    if (t0 == 0) t0 = now;
-    if (now - t0 > 0.02) {
-      bye_poll();
-      int who = ended_member(pg);
-      if (who >= 0) {
-        /* A peer that finished this check and then ended sends its goodbye on another communicator: the
-         * goodbye can be seen before our request has made its last progress.  Keep testing for a grace
-         * second before calling the peer gone (seen on a loaded machine: a rank failed an agreement its
-         * peer had completed). */
-        double tg = eng_time();
-        while (eng_time() - tg < 1.0) {
-          if (MPI_Test(r, &flag, MPI_STATUS_IGNORE) == MPI_SUCCESS && flag) return 0;
-          struct timespec g = {0, 1000000};
-          nanosleep(&g, NULL);
-        }
-        return ended_error(pg, name, f, who); /* *r stays pending: the peer is gone */
-      }
-      struct timespec ts = {0, 200000};
-      nanosleep(&ts, NULL);
-    }
-    if (now - t0 > timeout_s()) timeout_abort(pg, name, f, now - t0);
-  }
-}
-
-/* Builds the error every member reports after a failed check (all members
- * take part: each knows the check failed). */
-static int check_report(eng_pg* pg, const char* name, const fprint* mine_f, int local_err) {
-  int W = pg->size;
-  report* me = calloc(1, sizeof *me);
-  report* all = calloc((size_t)W, sizeof *all);
-  if (!me || !all) { free(me); free(all); return eng_err("%s: out of memory (signature check)", name); }
-  me->f = *mine_f;
-  if (local_err) snprintf(me->f.msg, sizeof me->f.msg, "%s", eng_last_error());
-  recent_text(me->hist, sizeof me->hist, 3);
-  int rc = MPI_Allgather(me, (int)sizeof *me, MPI_BYTE, all, (int)sizeof *me, MPI_BYTE, pg->ctl);
-  free(me);
-  if (rc != MPI_SUCCESS) { free(all); return eng_err("%s: signature check failed: %s", name, comm_mpi_errstr(rc)); }
-  if (local_err == 1) { free(all); return -1; } /* our own message stands */
-  char msg[2048];
-  int k = 0, first_err = -1, relayed = -1;
-  for (int i = 0; i < W; i++) {
-    if (all[i].f.err == 1 && first_err < 0) first_err = i;
-    if (all[i].f.err == 2 && relayed < 0) relayed = i;
-  }
-  if (first_err < 0 && relayed >= 0) { /* the origin failed in an earlier agreement: pass its message on */
-    if (local_err != 2) eng_set_error_message(all[relayed].f.msg);
-    free(all);
-    return -1;
-  }
-  if (local_err) { free(all); return -1; }
-  if (first_err >= 0) {
-    snprintf(msg, sizeof msg, "%s: rank %d (group rank %d of %s) failed its checks: %s", name, pg->ranks[first_err],
-             first_err, pg->name, all[first_err].f.msg);
-  } else {
-    int agreements = 1;
-    for (int i = 0; i < W; i++) agreements &= all[i].f.kind == KIND_AGREE;
-    if (agreements) {
-      free(all);
-      return eng_err("%s: the ranks of group %s reached it with different arguments", name, pg->name);
-    }
-    k = snprintf(msg, sizeof msg, "%s: collective mismatch on group %s: ", name, pg->name);
-    /* ranks grouped by what they issued */
-    char* done = calloc((size_t)W, 1);
-    for (int i = 0; i < W && done && k < (int)sizeof msg - 64; i++) {
-      if (done[i]) continue;
-      int cnt = 0;
-      for (int j = i; j < W; j++) if (!done[j] && fp_same(&all[j].f, &all[i].f)) cnt++;
-      k += snprintf(msg + k, sizeof msg - k, "%s%s ", i ? "; " : "", cnt > 1 ? "ranks" : "rank");
-      int first = 1;
-      for (int j = i; j < W && k < (int)sizeof msg - 64; j++)
-        if (!done[j] && fp_same(&all[j].f, &all[i].f)) {
-          done[j] = 1;
-          k += snprintf(msg + k, sizeof msg - k, first ? "%d" : ",%d", pg->ranks[j]);
-          first = 0;
-        }
-      k += snprintf(msg + k, sizeof msg - k, ": ");
-      k += fp_desc(msg + k, (int)sizeof msg - k, &all[i].f);
-    }
-    free(done);
-    if (k < (int)sizeof msg)
-      k += snprintf(msg + k, sizeof msg - k, " (every rank of a group must issue the same collectives in the same "
-                    "order, with the same shapes, dtypes, ops and roots)");
-    for (int i = 0; i < W && i < 4 && k < (int)sizeof msg; i++)
-      k += snprintf(msg + k, sizeof msg - k, "\nlast collectives of rank %d:\n%s", pg->ranks[i], all[i].hist);
-    if (W > 4 && k < (int)sizeof msg) snprintf(msg + k, sizeof msg - k, "(%d more ranks)", W - 4);
-    k = (int)strlen(msg);
-    if (k && msg[k - 1] == '\n') msg[k - 1] = 0;
-  }
-  free(all);
-  eng_set_error_message(msg);
-  return -1;
-}
-
-/* The check itself; f describes this rank's call. */
-/* check_run_vals: check_run with n_vals values carried in the same all_reduce (MAX over the members; written
- * back to vals only when the check passes). */
-static int check_run_vals(eng_pg* pg, const char* name, const fprint* f, int64_t* vals, int n_vals);
-
-static int check_run(eng_pg* pg, const char* name, const fprint* f, int local_err) {
-  (void)local_err;
-  return check_run_vals(pg, name, f, NULL, 0);
-}
-
-/* ---- deferred checks */
-typedef struct pend_check {
-  MPI_Request r;
-  int64_t v[6];
-  fprint f;
-  char name[64];
-} pend_check;
-
-#define MAX_PEND_GROUPS 256
-static eng_pg* g_pend_pgs[MAX_PEND_GROUPS];
-static int g_npend_pgs;
-
-static int group_aborted(const eng_pg* pg, const char* name) {
-  return eng_err("%s: group %s is unusable: the ranks issued different collectives at #%lld (found by the deferred "
-                 "signature check, after the collectives had started); create a new group", name, pg->name,
-                 (long long)pg->aborted_seq);
-}
-
-/* Complete pg's deferred check: 0 when the signatures agreed, else -1 on every member (the report names what each
- * rank issued) and the group is aborted (NCCL: its communicator is aborted, so a mismatched kernel cannot hang). */
-static int pend_finish(eng_pg* pg) {
-  pend_check* p = pg->pend_check;
-  if (!p) return 0;
-  pg->pend_check = NULL;
-  for (int i = 0; i < g_npend_pgs; i++)
-    if (g_pend_pgs[i] == pg) { g_pend_pgs[i] = g_pend_pgs[--g_npend_pgs]; break; }
-  if (check_wait(pg, &p->r, p->name, &p->f)) return -1; /* a peer has ended: p stays allocated (request pending) */
-  int ok = p->v[3] == -p->v[4] && p->v[5] == 0;
-  if (ok) { free(p); return 0; }
-  check_report(pg, p->name, &p->f, 0);
-  pg->aborted = 1;
-  pg->aborted_seq = p->f.seq;
-#if defined(ENG_HAVE_CUDA) && defined(ENG_HAVE_NCCL)
-  if (pg->nccl) { comm_nccl_pg_abort(pg->nccl); pg->nccl = NULL; }
-#endif
-  char msg[2048];
-  snprintf(msg, sizeof msg, "%s (found by the deferred signature check when the next call on the group began; the "
-           "group is aborted)", eng_last_error());
-  eng_set_error_message(msg);
-  free(p);
-  return -1;
-}
-
-/* Start a deferred check of f on pg (the collective is issued right after, without waiting). */
-static int check_start(eng_pg* pg, const char* name, const fprint* f) {
-  if (pg->broken || pg->size < 2 || g_npend_pgs >= MAX_PEND_GROUPS) return check_run(pg, name, f, f->err);
-  if (pg->pend_check && pend_finish(pg)) return -1;
-  if (pg->aborted) return group_aborted(pg, name);
-  pend_check* p = calloc(1, sizeof *p);
-  if (!p) return check_run(pg, name, f, f->err);
-  int64_t h = (int64_t)(fp_hash(f) >> 1);
-  p->v[0] = h; p->v[1] = -h; p->v[2] = f->err ? 1 : 0;
-  p->f = *f;
-  snprintf(p->name, sizeof p->name, "%s", name);
-  int rc = MPI_Iallreduce(p->v, p->v + 3, 3, MPI_INT64_T, MPI_MAX, pg->ctl, &p->r);
-  if (rc != MPI_SUCCESS) { free(p); return eng_err("%s: signature check failed: %s", name, comm_mpi_errstr(rc)); }
-  pg->pend_check = p;
-  g_pend_pgs[g_npend_pgs++] = pg;
-  return 0;
-}
-
-/* Every deferred check still in flight (before MPI ends). */
-static void pend_finish_all(void) {
-  while (g_npend_pgs > 0) {
-    eng_pg* pg = g_pend_pgs[g_npend_pgs - 1];
-    if (pend_finish(pg) && pg->pend_check) break; /* a peer ended: leave it */
-  }
-}
-
-static int check_run_vals(eng_pg* pg, const char* name, const fprint* f, int64_t* vals, int n_vals) {
-  int local_err = f->err;
-  if (pg->pend_check && pend_finish(pg)) return -1;
-  if (pg->aborted) return local_err ? -1 : group_aborted(pg, name);
-  if (pg->broken) {
-    int who = ended_member(pg);
-    if (local_err) return -1;
-    return eng_err("%s: group %s is unusable: rank %d has ended while this rank waited for it", name, pg->name, who);
-  }
-  if (pg->size < 2) return local_err ? -1 : 0;
-  int m = 3 + n_vals;
-  int64_t* v = malloc(2 * (size_t)m * sizeof(int64_t)); /* leaked when a peer has ended (the request stays pending) */
-  if (!v) return eng_err("%s: out of memory (signature check)", name);
-  int64_t h = (int64_t)(fp_hash(f) >> 1);
-  v[0] = h; v[1] = -h; v[2] = local_err ? 1 : 0;
-  for (int i = 0; i < n_vals; i++) v[3 + i] = vals[i];
-  MPI_Request r;
-  int rc = MPI_Iallreduce(v, v + m, m, MPI_INT64_T, MPI_MAX, pg->ctl, &r);
-  if (rc != MPI_SUCCESS) { free(v); return eng_err("%s: signature check failed: %s", name, comm_mpi_errstr(rc)); }
-  if (check_wait(pg, &r, name, f)) return -1;
-  int ok = v[m] == -v[m + 1] && v[m + 2] == 0;
-  if (ok) for (int i = 0; i < n_vals; i++) vals[i] = v[m + 3 + i];
-  free(v);
-  if (ok) return 0;
-  return check_report(pg, name, f, local_err);
-}
-
-static void debug_log(const eng_pg* pg, const char* name, const fprint* f) {
-  char d[200];
-  fp_desc(d, sizeof d, f);
-  fprintf(stderr, "[rank %d] comm: %s on group %s: %s\n", g_my_rank, name, pg->name, d);
-}
-
-int comm_check(eng_pg* pg, const char* name, int kind, const eng_tensor* key, int local_err) {
-  if (!check_on()) return 0; /* the caller's own exchange handles local_err */
-  fprint f;
-  /* the shards exchanged may differ in shape between ranks (uneven torch.chunk pieces): the exchange
-   * checks them itself; the signature carries kind and dtype */
-  fp_make(&f, pg, kind, 0, 0, NULL, local_err);
-  f.dtype = key ? key->dtype : -1;
-  if (debug_on()) debug_log(pg, name, &f);
-  return check_run(pg, name, &f, local_err);
-}
-
-int eng_pg_agree(eng_pg* pg, int local_err, uint64_t key, const char* op) {
-  return eng_pg_agree_max(pg, local_err, key, op, NULL, 0);
-}
-
-int eng_pg_agree_max(eng_pg* pg, int local_err, uint64_t key, const char* op, int64_t* vals, int n) {
-  if (!op) op = "agreement";
-  if (!pg) return eng_err("%s: process group is NULL", op);
-  if (n < 0 || n > 64 || (n > 0 && !vals)) return eng_err("%s: agreement values: %d of at most 64, not NULL", op, n);
-  if (!pg->member || pg->size < 2 || !eng_dist_is_initialized()) return local_err ? -1 : 0;
-  fprint f;
-  fp_make(&f, pg, KIND_AGREE, 0, 0, NULL, local_err ? (local_err == 2 ? 2 : 1) : 0);
-  f.key = key;
-  return check_run_vals(pg, op, &f, vals, n);
 }
 
 /* ------------------------------------------------------------------ dispatch */
@@ -1307,26 +735,16 @@ static int run(const coll* c, eng_work** work) {
   int err = validate(c);
   int64_t seq = c->pg->seq;
   const eng_tensor* kt = key_tensor(c);
-  if (check_on()) {
-    fprint f;
-    fp_make(&f, c->pg, c->kind, c->op, c->root, kt, err);
-    if (c->rows && !err) { /* inputs differ in dim 0: the signature carries the sizes and the gathered shape */
-      f.key = fnv(c->rows, sizeof(int64_t) * (size_t)c->pg->size, 1469598103934665603ull);
-      int64_t total = 0;
-      for (int i = 0; i < c->pg->size; i++) total += c->rows[i];
-      if (f.ndim) f.shape[0] = total;
-    }
-    if (debug_on()) debug_log(c->pg, c->name, &f);
+  if (comm_check_on()) {
     int on_cuda = (c->out && c->out->device == ENG_CUDA) || (c->in && c->in->device == ENG_CUDA);
-    int rc = !err && check_deferred(on_cuda && c->kind != ENG_COLL_BARRIER) ? check_start(c->pg, c->name, &f)
-                                                                           : check_run(c->pg, c->name, &f, err);
+    int rc = comm_check_collective(c->pg, c->name, c->kind, c->op, c->root, kt, c->rows, err, on_cuda);
     /* every rank took part in the check, so every rank counts it */
     c->pg->seq++;
     if (rc) {
       if (!err) {
-        int64_t id = rec_start(c->pg, seq, c->kind, kt ? kt->dtype : -1, c->op, c->root, kt ? kt->ndim : 0,
-                               kt ? kt->shape : NULL, work != NULL);
-        rec_end(id, 2);
+        int64_t id = comm_record_start(c->pg, seq, c->kind, kt ? kt->dtype : -1, c->op, c->root, kt ? kt->ndim : 0,
+                                       kt ? kt->shape : NULL, work != NULL);
+        comm_record_end(id, 2);
       }
       return -1;
     }
@@ -1335,10 +753,9 @@ static int run(const coll* c, eng_work** work) {
   } else {
     c->pg->seq++;
   }
-  int64_t rec = rec_start(c->pg, seq, c->kind, kt ? kt->dtype : -1, c->op, c->root, kt ? kt->ndim : 0,
-                          kt ? kt->shape : NULL, work != NULL);
-  g_counts[c->kind]++;
-  g_bytes[c->kind] += tbytes(c->kind == ENG_COLL_SCATTER ? c->out : (c->in ? c->in : c->out));
+  int64_t rec = comm_record_start(c->pg, seq, c->kind, kt ? kt->dtype : -1, c->op, c->root, kt ? kt->ndim : 0,
+                                  kt ? kt->shape : NULL, work != NULL);
+  comm_count(c->kind, tbytes(c->kind == ENG_COLL_SCATTER ? c->out : (c->in ? c->in : c->out)));
 
   comm_args a;
   memset(&a, 0, sizeof a);
@@ -1352,12 +769,12 @@ static int run(const coll* c, eng_work** work) {
 #else
   rc = cuda ? eng_err("%s: CUDA tensors need a build with NCCL", c->name) : plan_cpu(c, &a, &f);
 #endif
-  if (rc) { rec_end(rec, 2); return -1; }
+  if (rc) { comm_record_end(rec, 2); return -1; }
 
   eng_work* w = NULL;
   if (work) {
     w = work_new(c->pg, c->kind);
-    if (!w) { fin_abort(&f); rec_end(rec, 2); return -1; }
+    if (!w) { fin_abort(&f); comm_record_end(rec, 2); return -1; }
     w->rec = rec;
   }
 #if defined(ENG_HAVE_CUDA) && defined(ENG_HAVE_NCCL)
@@ -1368,14 +785,14 @@ static int run(const coll* c, eng_work** work) {
 #endif
   if (rc) {
     fin_abort(&f);
-    rec_end(rec, 2);
-    err_append_history();
+    comm_record_end(rec, 2);
+    comm_err_append_history();
     if (w) { w->done = 1; eng_work_release(w); }
     return -1;
   }
   if (!w) {
     fin_run(&f);
-    rec_end(rec, 1);
+    comm_record_end(rec, 1);
     return 0;
   }
   w->backend = (cuda && c->kind != ENG_COLL_BARRIER) ? 2 : 1;
@@ -1438,17 +855,6 @@ int eng_pg_gatherv(eng_pg* pg, eng_tensor* out, eng_tensor* in, const int64_t* s
   return run(&c, work);
 }
 
-int eng_pg_report_error(eng_pg* pg, int kind, const char* msg) {
-  eng_set_error_message(msg ? msg : "collective: invalid arguments");
-  if (!pg || !pg->member || !check_on() || !eng_dist_is_initialized()) return -1;
-  if (kind < 0 || kind >= ENG_NUM_COLL_KINDS) kind = ENG_COLL_BARRIER;
-  fprint f;
-  fp_make(&f, pg, kind, 0, 0, NULL, 1);
-  check_run(pg, eng_coll_kind_name(kind), &f, 1);
-  eng_set_error_message(msg ? msg : "collective: invalid arguments");
-  pg->seq++;
-  return -1;
-}
 
 /* Out-of-place forms: allocate the output when the input allows it; the
  * checks (and, in debug mode, the exchange) then run as for the _into form. */
@@ -1533,11 +939,11 @@ static int work_finish(eng_work* w, int ok) {
   w->done = 1;
   if (ok) {
     fin_run(&w->f);
-    rec_end(w->rec, 1);
+    comm_record_end(w->rec, 1);
     w->status = 0;
   } else {
     fin_abort(&w->f);
-    rec_end(w->rec, 2);
+    comm_record_end(w->rec, 2);
     w->status = -1;
     snprintf(w->err, sizeof w->err, "%s", eng_last_error());
   }
@@ -1608,3 +1014,4 @@ void eng_work_release(eng_work* w) {
   eng_pg_release(w->pg);
   free(w);
 }
+
