@@ -321,6 +321,53 @@ describe("parallelize_module plans", function()
     e = errmsg(function() return lin(engine.randn(2, 4)) end)
     assert.is_truthy(e:find("ColwiseParallel on '<root>': input layout Shard(3) does not fit a 2-d input", 1, true), e)
   end)
+
+  -- issue 26 item 5: these used to be accepted at plan time and fail in forward with an unrelated message
+  it("a style applied twice to one module is refused at plan time (across calls and within one plan)", function()
+    local m = models.MLPModule()
+    dist.parallelize_module(m, mesh, { net1 = dist.ColwiseParallel() })
+    local e = errmsg(dist.parallelize_module, m, mesh, { net1 = dist.ColwiseParallel() })
+    assert.is_truthy(e:find("ColwiseParallel on 'net1': the module already has ColwiseParallel (from an earlier "
+      .. "parallelize_module call)", 1, true), e)
+    local m2 = models.MLPModule()
+    e = errmsg(dist.parallelize_module, m2, mesh, { { "net1", dist.ColwiseParallel() }, { "net*", dist.RowwiseParallel() } })
+    assert.is_truthy(e:find("RowwiseParallel on 'net1': the module already has ColwiseParallel (from plan key 'net1' "
+      .. "of this plan)", 1, true), e)
+    assert.is_false(dist.is_dtensor(m2.net1.weight))  -- refused before anything moved
+    local m3 = models.MLPModule()
+    local pmi = dist.PrepareModuleInput{ input_layouts = Rep(), desired_input_layouts = Rep() }
+    dist.parallelize_module(m3, mesh, { net1 = pmi })
+    e = errmsg(dist.parallelize_module, m3, mesh, { net1 = pmi })
+    assert.is_truthy(e:find("the module already has PrepareModuleInput", 1, true), e)
+    -- different roles on one module stay allowed (an input layout before a linear style)
+    dist.parallelize_module(m3, mesh, { net1 = dist.ColwiseParallel(), net2 = dist.RowwiseParallel() })
+  end)
+
+  it("uneven Colwise -> Rowwise and an uneven sequence under SP name the size not divisible by the TP size", function()
+    if W == 1 then return end
+    engine.manual_seed(3)
+    local m = nn.Sequential(nn.Linear(4, 2 * W + 1), nn.Linear(2 * W + 1, 4))
+    dist.parallelize_module(m, mesh, { ["0"] = dist.ColwiseParallel(), ["1"] = dist.RowwiseParallel() })
+    local e = errmsg(function() return m(engine.randn(2, 4)) end)
+    assert.is_truthy(e:find("ColwiseParallel on '0': the hidden size " .. (2 * W + 1) .. " (dim 2 of the output", 1, true), e)
+    assert.is_truthy(e:find("is not divisible by the TP size " .. W, 1, true), e)
+    -- a DTensor between them (use_local_output = false) is the supported uneven form: one process's result
+    engine.manual_seed(3)
+    local ref = nn.Sequential(nn.Linear(4, 2 * W + 1), nn.Linear(2 * W + 1, 4))
+    engine.manual_seed(3)
+    local ok = nn.Sequential(nn.Linear(4, 2 * W + 1), nn.Linear(2 * W + 1, 4))
+    dist.parallelize_module(ok, mesh, { ["0"] = dist.ColwiseParallel{ use_local_output = false },
+      ["1"] = dist.RowwiseParallel() })
+    local x = engine.randn(2, 4)
+    assert.is_true(diff(ok(x), ref(x)) <= 1e-5)
+    -- sequence parallelism over a sequence of 2 * W + 1 tokens (was a collective mismatch in attention's input)
+    local t = models.Transformer{ n_layers = 1, vocab_size = 16, dim = 4 * W, n_heads = W, max_seq_len = 4 * W }
+    t:parallelize(mesh, { use_seq_parallel = true })
+    e = errmsg(function() return t(engine.zeros({ 2, 2 * W + 1 }, { dtype = "i64" })) end)
+    assert.is_truthy(e:find("RowwiseParallel on 'tok_embeddings': the sequence length " .. (2 * W + 1), 1, true), e)
+    assert.is_truthy(e:find("is not divisible by the TP size " .. W, 1, true), e)
+    assert.is_falsy(e:find("collective mismatch on group", 1, true), e)
+  end)
 end)
 
 -- ---------------------------------------------------------------- layout equivalence over training

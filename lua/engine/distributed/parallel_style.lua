@@ -128,6 +128,28 @@ local function prepare(t, mesh, from, to, ctxname, role)
   return t
 end
 
+-- t:to_local() for a style's use_local_output / use_local_input.  A local tensor carries no global shape: the
+-- next style takes it back with from_local, which assumes every rank holds an equal shard, so an uneven shard
+-- (a size not divisible by the mesh) would come back with another size on each rank and fail later as a shape or
+-- collective mismatch far from its cause; it is refused here, naming the size (the same on every rank: no agreement)
+local function to_local_even(t, mesh, ctxname, role)
+  local pl = t.placements[1]
+  if #t.placements == 1 and pl.kind == "shard" then
+    local shape = t:shape()
+    local nd = #shape
+    local d = pl.dim < 0 and nd + pl.dim + 1 or pl.dim
+    local n, W = shape[d], mesh:size()
+    if n % W ~= 0 then
+      local what = d == nd and "hidden size" or "sequence length"
+      fail(string.format("%s: the %s %d (dim %d of the %s %s) is not divisible by the TP size %d: the ranks' "
+        .. "local shards would be uneven, and the next style would lay them out again as equal ones (a shape or "
+        .. "collective mismatch later); make the %s divisible by %d, or keep a DTensor (use_local_output = false)",
+        ctxname, what, n, d, role or "output", t:_layout_str(), W, what, W))
+    end
+  end
+  return t:to_local()
+end
+
 local function finish_output(t, mesh, to, use_local, ctxname)
   if not core.is_tensor(t) then return t end
   if is_dtensor(t) then
@@ -136,7 +158,7 @@ local function finish_output(t, mesh, to, use_local, ctxname)
       to = norm(to, nd)
       if t.placements[1] ~= to then t = t:redistribute(mesh, { to }) end
     end
-    if use_local then t = t:to_local() end
+    if use_local then t = to_local_even(t, mesh, ctxname) end
   elseif to ~= nil then
     fail(string.format("%s: expected a DTensor output to lay out as %s, got a plain tensor", ctxname, tostring(to)))
   end
@@ -394,7 +416,7 @@ end
 local function prep_one(t, mesh, from, to, use_local, name, role)
   if from == M.NONE or from == nil then return t end
   t = prepare(t, mesh, from, to ~= M.NONE and to or nil, name, role)
-  if use_local and is_dtensor(t) then t = t:to_local() end
+  if use_local and is_dtensor(t) then t = to_local_even(t, mesh, name, role) end
   return t
 end
 

@@ -94,6 +94,20 @@ end
 -- one) gets the same DTensor.  Weak keys: nothing is kept alive.
 local converted = setmetatable({}, { __mode = "k" })
 
+-- The styles applied to a module (weak keys), by role: a module takes one style that lays out its parameters
+-- (ColwiseParallel, RowwiseParallel, SequenceParallel), and each of the other built-in styles once: a second one
+-- would distribute, or hook the inputs and outputs, again (PyTorch runs both and fails later in forward)
+local applied = setmetatable({}, { __mode = "k" })
+local PARAM_STYLES = { ColwiseParallel = true, RowwiseParallel = true, SequenceParallel = true }
+local function style_role(style)
+  local name = rawget(getmetatable(style), "__name")
+  if PARAM_STYLES[name] then return "parameters" end
+  if name == "PrepareModuleInput" or name == "PrepareModuleOutput" or name == "PrepareModuleInputOutput" then
+    return name
+  end
+  return nil
+end
+
 local function make_ctx(mesh, src)
   local ctx = {}
   -- Replaces module.<name> by a DTensor Parameter laid out as placements; local_only: from_local
@@ -213,16 +227,38 @@ function M.parallelize_module(module, mesh, plan, opts)
       dm._warn("UserWarning", string.format("Parallelize plan key '%s' could not be resolved: no submodule matching "
         .. "token '%s' in module %s, skipping this plan entry.", e[1], e[1], module.__name))
     end
-    for _, f in ipairs(found) do work[#work + 1] = { f[1], f[2], e[2] } end
+    for _, f in ipairs(found) do work[#work + 1] = { f[1], f[2], e[2], e[1] } end
   end
   local ctx = make_ctx(mesh, src)
+  local planned = {}
   for _, w in ipairs(work) do
     ctx.path = w[2]
+    local role = style_role(w[3])
+    if role then
+      local shown = w[2] == "" and "<root>" or w[2]
+      local prev = (applied[w[1]] or {})[role]
+      local here = planned[w[1]] and planned[w[1]][role]
+      if prev or here then
+        local other = here and string.format("plan key '%s' of this plan", here.key)
+          or "an earlier parallelize_module call"
+        fail(string.format("%s: %s on '%s': the module already has %s (from %s): a style applied twice would "
+          .. "lay out %s again; give each module one %s", op, w[3].__name, shown, (here or prev).name, other,
+          role == "parameters" and "its parameters and inputs" or "its inputs or outputs",
+          role == "parameters" and "of ColwiseParallel, RowwiseParallel, SequenceParallel" or role))
+      end
+      planned[w[1]] = planned[w[1]] or {}
+      planned[w[1]][role] = { name = w[3].__name, key = w[4] }
+    end
     w[3]:_check(w[1], ctx)
   end
   for _, w in ipairs(work) do
     ctx.path = w[2]
     w[3]:_apply(w[1], mesh, ctx)
+    local role = style_role(w[3])
+    if role then
+      applied[w[1]] = applied[w[1]] or {}
+      applied[w[1]][role] = { name = w[3].__name }
+    end
   end
   retie(module)
   return module
