@@ -338,6 +338,30 @@ describe("state dict helpers and checkpoints (issue 11 item 8)", function()
     has(msg, "checkpoint.load", "checksum")
   end)
 
+  -- issue 26 item 2: a metadata value changed on disk (the step) used to load silently
+  it("checkpoint metadata (the step, hyperparameters) is checksummed; format /1 files still load", function()
+    engine.manual_seed(2)
+    local m = nn.Linear(4, 4)
+    local p = TMP .. "/ckmeta.safetensors"
+    checkpoint.save(p, { model = m, step = 15 })
+    local f = assert(io.open(p, "rb"))
+    local s = f:read("*a")
+    f:close()
+    local s2, n = s:gsub('"step":"15"', '"step":"16"')
+    assert.equal(1, n)
+    f = assert(io.open(p, "wb"))
+    f:write(s2)
+    f:close()
+    local msg = err_of(checkpoint.load, p, { model = nn.Linear(4, 4) })
+    has(msg, "checkpoint.load", "ckmeta.safetensors", "metadata fails its checksum", "step")
+    -- the same file as format /1 wrote it (no metadata checksum) loads
+    local tensors, meta = engine.load(p)
+    meta.metadata_checksum, meta.format = nil, "engine-training-state/1"
+    engine.save(p, tensors, meta)
+    local info = checkpoint.load(p, { model = nn.Linear(4, 4) })
+    assert.equal(16, info.step)
+  end)
+
   it("engine.tensor_checksum is stable across layouts and differs on a change", function()
     local a = engine.arange(12, { dtype = "f32" }):view(3, 4)
     local b = a:t():contiguous():t()

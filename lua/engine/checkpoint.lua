@@ -24,6 +24,10 @@
 --            "checksum.<tensor name>"  engine.tensor_checksum of each tensor (16 hex digits), verified by
 --                                      load: a corrupt tensor is an error naming it (files without
 --                                      checksums still load)
+--            "metadata_checksum"       engine.metadata_checksum of every other metadata entry (format /2):
+--                                      a changed value (the step, a hyperparameter, the RNG offset) or a
+--                                      removed tensor checksum is an error, not a silent resume (format /1
+--                                      files, without it, still load)
 -- DTensors are refused: this format holds whole tensors, and a DTensor's local shard stored under the
 -- full name could not be loaded back.  Save model:state_dict() after full_tensor() (e.g. a plain copy
 -- of the model), or use the sharded (distributed) checkpoint format for sharded models.
@@ -33,7 +37,9 @@ local engine = require("engine")
 local ffi = require("ffi")
 
 local M = {}
-M.FORMAT = "engine-training-state/1"
+M.FORMAT = "engine-training-state/2"
+local FORMAT_V1 = "engine-training-state/1"
+local META_SUM = "metadata_checksum"
 
 local u64 = ffi.typeof("uint64_t")
 
@@ -125,6 +131,7 @@ function M.save(path, state)
     end
   end
   for k, v in pairs(state.extra or {}) do meta["extra." .. k] = num_string(v) end
+  meta[META_SUM] = engine.metadata_checksum(meta, META_SUM)
   engine.save(path, tensors, meta)
   return path
 end
@@ -139,6 +146,14 @@ function M.load(path, state)
   end
   local ok, tensors, meta = pcall(engine.load, path)
   if not ok then error("checkpoint.load: " .. tostring(tensors), 2) end
+  if meta.format == M.FORMAT then
+    local got = engine.metadata_checksum(meta, META_SUM)
+    if meta[META_SUM] ~= got then
+      error(string.format("checkpoint.load: %s: the metadata fails its checksum (stored %s, computed %s): a value "
+        .. "(e.g. the step) or a tensor's checksum changed since it was saved; the file is corrupt", path,
+        tostring(meta[META_SUM]), got), 2)
+    end
+  end
   local names = {}
   for name in pairs(tensors) do names[#names + 1] = name end
   table.sort(names)
@@ -152,9 +167,9 @@ function M.load(path, state)
       end
     end
   end
-  if meta.format ~= M.FORMAT then
-    error(string.format("checkpoint.load: %s is not a training-state checkpoint (format %s, expected %s)", path,
-      tostring(meta.format), M.FORMAT), 2)
+  if meta.format ~= M.FORMAT and meta.format ~= FORMAT_V1 then
+    error(string.format("checkpoint.load: %s is not a training-state checkpoint (format %s, expected %s or %s)", path,
+      tostring(meta.format), M.FORMAT, FORMAT_V1), 2)
   end
   local sd = {}
   for name, t in pairs(tensors) do

@@ -325,6 +325,7 @@ describe("dist.checkpoint faults (" .. W .. " ranks)", function()
     on_rank0(function()
       local _, meta = engine.load(dir .. "/.metadata")
       meta["t:b"] = "f32|5|0:64:8:0000000000000000:0:2"
+      meta.meta_xxh64 = engine.metadata_checksum(meta, "meta_xxh64")  -- as a faulty writer would seal it
       engine.save(dir .. "/.metadata", {}, meta)
     end)
     local st = target()

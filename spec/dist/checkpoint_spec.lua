@@ -198,14 +198,14 @@ describe("engine.load_safetensors and checkpoint reads (" .. W .. " ranks)", fun
     assert.equal(0, diff(ckpt.read_tensor(dir, "model.w"), full))
   end)
 
-  it("chunk checksums are XXH64 of the bytes (format engine-dcp/2); engine-dcp/1 (FNV) still loads, others are refused", function()
+  it("chunk checksums are XXH64 of the bytes (format engine-dcp/3); engine-dcp/1 (FNV) still loads, others are refused", function()
     local ffi = require("ffi")
     local C = require("engine.core").C
     local dir = newdir()
     local full = reference({ 6, 5 }, 29)
     ckpt.save({ w = full:clone() }, dir)   -- a plain tensor: one chunk, the whole tensor, written once
     local _, meta = engine.load(dir .. "/.metadata")
-    assert.equal("engine-dcp/2", meta.format)
+    assert.equal("engine-dcp/3", meta.format)
     assert.equal("xxh64", meta.checksum)
     local head, file, off, nb, sum, tail = meta["t:w"]:match("^(f32|6,5|)(%d+):(%d+):(%d+):(%x+):(0,0:6,5)$")
     assert.is_truthy(head, meta["t:w"])
@@ -238,6 +238,38 @@ describe("engine.load_safetensors and checkpoint reads (" .. W .. " ranks)", fun
     rewrite(meta)
     e = errmsg(ckpt.load, { w = engine.zeros({ 6, 5 }) }, dir)
     assert.is_truthy(e:find("format engine-dcp/9", 1, true) and e:find(".metadata", 1, true), e)
+  end)
+
+  -- issue 26 item 2: a value of the metadata (the step) changed on disk used to load silently
+  it("the metadata is checksummed (meta_xxh64): a changed step fails every rank; engine-dcp/2 files still load", function()
+    local dir = newdir()
+    local full = reference({ 4, 3 }, 31)
+    ckpt.save({ w = full:clone(), step = 15, opts = { lr = 0.5 } }, dir)
+    local _, meta = engine.load(dir .. "/.metadata")
+    assert.equal(engine.metadata_checksum(meta, "meta_xxh64"), meta.meta_xxh64)
+    local function rewrite(m)
+      dist.barrier()
+      if R == 0 then engine.save(dir .. "/.metadata", {}, m) end
+      dist.barrier()
+    end
+    local changed = {}
+    for k, v in pairs(meta) do changed[k] = v end
+    changed["v:step"] = changed["v:step"]:gsub("15", "16")
+    assert.are_not.equal(meta["v:step"], changed["v:step"])
+    rewrite(changed)
+    local back = { w = engine.zeros({ 4, 3 }), step = 0, opts = { lr = 0 } }
+    local e = errmsg(ckpt.load, back, dir)
+    assert.is_truthy(e:find(".metadata' fails its checksum", 1, true), e)
+    assert.equal(0, back.step)
+    assert.equal(0, back.w:abs():sum():item())
+    e = errmsg(ckpt.read_metadata, dir)
+    assert.is_truthy(e:find("checkpoint.read_metadata", 1, true) and e:find("fails its checksum", 1, true), e)
+    -- the same checkpoint as engine-dcp/2 wrote it (no meta_xxh64) loads, its step included
+    changed.meta_xxh64, changed.format = nil, "engine-dcp/2"
+    rewrite(changed)
+    ckpt.load(back, dir)
+    assert.equal(16, back.step)
+    assert.equal(0, diff(back.w, full))
   end)
 
   it("the reader copies regions larger than its 4 MiB read buffer: strided, index by index, converted, direct", function()

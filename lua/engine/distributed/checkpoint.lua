@@ -14,8 +14,9 @@
 -- writer, engine/src/checkpoint/files.c) and ".metadata" (a safetensors file without tensors whose
 -- __metadata__ has "format", "id" (random, also in every data file's header), "world_size", per tensor
 -- "t:<key>" = "<dtype>|<global shape>|<chunks: file, offset, bytes, checksum, box>", and per value
--- "v:<key>" = the value serialized).  Who writes what: every rank's boxes (a DTensor's local shard, a
--- ShardedTensor's local shards, a plain tensor whole: taken as replicated) are gathered and each
+-- "v:<key>" = the value serialized, and "meta_xxh64" = the checksum of all the others).  Who writes what:
+-- every rank's boxes (a DTensor's local shard, a ShardedTensor's local shards, a plain tensor whole: taken
+-- as replicated) are gathered and each
 -- distinct box is written once, by the holder with the fewest bytes so far (replicas once, spread over
 -- the ranks); the values come from rank 0, unchecked: PyTorch's DCP also writes one rank's bytes of a non-tensor
 -- entry (dedup_save_plans keeps it on one plan) without comparing ranks, so a per-rank value (e.g. an RNG
@@ -50,13 +51,16 @@ local ffi, C = core.ffi, core.C
 local M = {}
 
 -- engine-dcp/2: chunk checksums are XXH64 ("checksum" = "xxh64" in the metadata); engine-dcp/1 (FNV,
--- engine.tensor_checksum's function) is still read.
-local FORMAT = "engine-dcp/2"
+-- engine.tensor_checksum's function) is still read.  engine-dcp/3: /2 plus "meta_xxh64", the checksum of
+-- every other metadata entry (engine.metadata_checksum), so a changed value (the step, a serialized table)
+-- or entry fails the load instead of loading; /1 and /2 files (without it) are still read.
+local FORMAT = "engine-dcp/3"
 M.FORMAT = FORMAT
+local META_SUM = "meta_xxh64"
 -- test hooks (specs only): _test.after_verify(dir) runs on this rank between a load's two passes
 M._test = {}
 local CHECKSUMS = { ["engine-dcp/1"] = { fnv = C.ENG_CHECKSUM_FNV, default = "fnv" },
-  ["engine-dcp/2"] = { xxh64 = C.ENG_CHECKSUM_XXH64 } }
+  ["engine-dcp/2"] = { xxh64 = C.ENG_CHECKSUM_XXH64 }, ["engine-dcp/3"] = { xxh64 = C.ENG_CHECKSUM_XXH64 } }
 local META = ".metadata"
 
 local function E() return require("engine") end
@@ -450,6 +454,7 @@ local function finish_save(h)
         meta["t:" .. key] = entry
       end
       for key, s in pairs(h.values) do meta["v:" .. key] = s end
+      meta[META_SUM] = E().metadata_checksum(meta, META_SUM)
       local wdir = h.staging or h.dir
       local tmp = string.format("%s/%s.tmp%d", wdir, META, myrank())
       E().save(tmp, {}, meta)
@@ -678,12 +683,20 @@ local function read_metadata(dir, op)
   local algos = CHECKSUMS[meta.format]
   if not algos then
     error(string.format("%s: '%s' is not a distributed checkpoint's metadata this engine reads (format %s, " ..
-      "expected %s or engine-dcp/1)", op, path, tostring(meta.format), FORMAT), 0)
+      "expected %s, engine-dcp/2 or engine-dcp/1)", op, path, tostring(meta.format), FORMAT), 0)
   end
   local algo = algos[meta.checksum or algos.default or ""]
   if not algo then
     error(string.format("%s: the metadata file '%s' (format %s) names an unknown checksum '%s'", op, path, meta.format,
       tostring(meta.checksum)), 0)
+  end
+  if meta.format == FORMAT then
+    local got = E().metadata_checksum(meta, META_SUM)
+    if meta[META_SUM] ~= got then
+      error(string.format("%s: the metadata file '%s' fails its checksum (stored %s, computed %s): an entry or value "
+        .. "(e.g. the step) changed since it was saved; the checkpoint is corrupt", op, path, tostring(meta[META_SUM]),
+        got), 0)
+    end
   end
   local n = tonumber(meta.world_size)
   if not n or n < 1 or n % 1 ~= 0 or type(meta.id) ~= "string" or #meta.id > 55 then

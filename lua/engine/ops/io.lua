@@ -84,6 +84,22 @@ function M.tensor_checksum(t)
   return string.format("%08x%08x", hi, lo)
 end
 
+-- metadata_checksum(meta [, skip]) -> 16 hex digits: XXH64 of a metadata table's entries in sorted key order
+-- ("key" NUL "value" NUL each), the entry named skip left out (where the checksum itself is stored).  The
+-- checkpoint formats store it so that a changed value (a step, a serialized option) fails the load.
+function M.metadata_checksum(meta, skip)
+  local keys = {}
+  for k in pairs(meta) do if k ~= skip then keys[#keys + 1] = k end end
+  table.sort(keys)
+  local st = ffi.new("eng_xxh64_state")
+  C.eng_xxh64_reset(st)
+  for _, k in ipairs(keys) do
+    local e = tostring(k) .. "\0" .. tostring(meta[k]) .. "\0"
+    C.eng_xxh64_update(st, e, #e)
+  end
+  return bit.tohex(C.eng_xxh64_digest(st), 16)
+end
+
 function M.load(path)
   if type(path) ~= "string" then error("load: path must be a string, got " .. type(path), 2) end
   local f = C.eng_safetensors_load(path)
