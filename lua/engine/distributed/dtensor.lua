@@ -333,7 +333,21 @@ end
 function Tensor.dtensor_copy_check(t, src)
   if not core.is_tensor(src) then return end
   local td, sd = t._c.dist ~= nil, src._c.dist ~= nil
-  if td and sd then return end
+  if td and sd then
+    -- the source is redistributed to the destination's layout, but never to Partial (PyTorch's "for internal use
+    -- only"): a Partial destination takes only a source Partial on the same mesh dims
+    local tp, sp = t.placements, src.placements
+    if #tp ~= #sp then return end  -- other meshes: the dispatcher names them
+    for i = 1, #tp do
+      if tp[i].kind == "partial" and tp[i] ~= sp[i] then
+        error(string.format("copy_: the destination %s is %s on mesh dim %d and the source %s is %s there: layouts "
+          .. "differ, and a source cannot be redistributed to Partial; redistribute the destination first "
+          .. "(dst = dst:redistribute(mesh, {...}) off Partial), then copy", t:_layout_str(), tostring(tp[i]), i,
+          src:_layout_str(), tostring(sp[i])), 3)
+      end
+    end
+    return
+  end
   if td then
     if src._c.ndim == 0 then return end -- a scalar fills every element
     error(string.format("copy_: the destination is DTensor %s and the source plain tensor %s: distribute the "
