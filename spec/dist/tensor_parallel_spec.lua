@@ -367,6 +367,13 @@ describe("parallelize_module plans", function()
     assert.is_truthy(e:find("RowwiseParallel on 'tok_embeddings': the sequence length " .. (2 * W + 1), 1, true), e)
     assert.is_truthy(e:find("is not divisible by the TP size " .. W, 1, true), e)
     assert.is_falsy(e:find("collective mismatch on group", 1, true), e)
+    -- PrepareModuleInput's local inputs too
+    local pm = nn.Linear(4, 4)
+    dist.parallelize_module(pm, mesh, dist.PrepareModuleInput{ input_layouts = Rep(), desired_input_layouts = S(1),
+      use_local_output = true })
+    e = errmsg(function() return pm(engine.randn(2 * W + 1, 4)) end)
+    assert.is_truthy(e:find("PrepareModuleInput on '<root>': the sequence length " .. (2 * W + 1) .. " (dim 1 of the "
+      .. "input", 1, true), e)
   end)
 end)
 

@@ -416,7 +416,7 @@ end
 local function prep_one(t, mesh, from, to, use_local, name, role)
   if from == M.NONE or from == nil then return t end
   t = prepare(t, mesh, from, to ~= M.NONE and to or nil, name, role)
-  if use_local and is_dtensor(t) then t = to_local_even(t, mesh, name, role) end
+  if use_local and is_dtensor(t) then t = to_local_even(t, mesh, name, role or "input") end
   return t
 end
 
