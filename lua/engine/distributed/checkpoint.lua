@@ -1043,8 +1043,19 @@ end
 -- PyTorch's): dist.checkpoint.load fills them in place, so the state is restored by the load itself (an
 -- optimizer that already stepped too); set_optimizer_state_dict(model, opt, sd) (or opt:load_state_dict(sd))
 -- puts back the hyperparameters, which the table holds as copies.
+-- model and optimizer arguments of the optimizer state functions, checked (a nil-index error otherwise)
+local function check_model_opt(op, model, opt)
+  if not require("engine.nn.module").is_module(model) then
+    error(string.format("%s: expected the model (an nn.Module) first, got %s", op, type(model)), 3)
+  end
+  if type(opt) ~= "table" or type(opt.param_groups) ~= "table" or type(opt.state) ~= "table" then
+    error(string.format("%s: expected an optimizer (engine.optim) second, got %s", op, type(opt)), 3)
+  end
+end
+
 function M.get_optimizer_state_dict(model, opt)
   local op = "get_optimizer_state_dict"
+  check_model_opt(op, model, opt)
   local name_of = {}
   for name, p in model:named_parameters() do if name_of[p] == nil then name_of[p] = name end end
   local state, groups = {}, {}
@@ -1072,6 +1083,7 @@ end
 
 function M.set_optimizer_state_dict(model, opt, sd)
   local op = "set_optimizer_state_dict"
+  check_model_opt(op, model, opt)
   if type(sd) ~= "table" or type(sd.state) ~= "table" or type(sd.param_groups) ~= "table" then
     error(op .. ": expected {state = ..., param_groups = ...}", 2)
   end
@@ -1104,7 +1116,16 @@ end
 -- ---------------------------------------------------------------- directories of checkpoints
 -- path(root, step) -> root .. "/step_00000500"; latest(root) -> newest complete one (with metadata) and
 -- its step, or nil; prune(root, keep) removes all but the newest `keep` (>= 1) complete ones (call on one rank).
-function M.path(root, step) return string.format("%s/step_%08d", root, step) end
+function M.path(root, step)
+  if type(root) ~= "string" or root == "" then
+    error("checkpoint.path: root must be a non-empty string (the directory of the step_* checkpoints), got "
+      .. (type(root) == "string" and "\"\"" or type(root)), 2)
+  end
+  if type(step) ~= "number" or step % 1 ~= 0 or step < 0 then
+    error("checkpoint.path: step must be an integer >= 0, got " .. tostring(step), 2)
+  end
+  return string.format("%s/step_%08d", root, step)
+end
 
 local function list_steps(root)
   local p = io.popen("ls -1 '" .. root:gsub("'", "'\\''") .. "' 2>/dev/null")
@@ -1123,6 +1144,10 @@ local function list_steps(root)
 end
 
 function M.latest(root)
+  if type(root) ~= "string" or root == "" then
+    error("checkpoint.latest: root must be a non-empty string (the directory of the step_* checkpoints), got "
+      .. (type(root) == "string" and "\"\"" or type(root)), 2)
+  end
   local steps = list_steps(root)
   local s = steps[#steps]
   if not s then return nil end
