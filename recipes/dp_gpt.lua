@@ -1,4 +1,4 @@
--- recipes/dp_gpt.lua: data-parallel training of the byte-level GPT (seed 003's Transformer) with
+-- recipes/dp_gpt.lua: data-parallel training of the byte-level GPT (common_dtensor.py's Transformer) with
 -- DTensors: Replicate parameters, the batch dim of the tokens sharded (Shard(1)), the loss a
 -- Partial(sum) DTensor (local sum / global token count), gradients all-reduced by the DTensor
 -- autograd (AccumulateGrad redistributes each Partial gradient to its Replicate parameter).

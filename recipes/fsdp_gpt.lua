@@ -1,4 +1,4 @@
--- recipes/fsdp_gpt.lua: the KJV GPT of recipes/gpt.lua (seed 003's Transformer, byte tokens) trained with
+-- recipes/fsdp_gpt.lua: the KJV GPT of recipes/gpt.lua (common_dtensor.py's Transformer, byte tokens) trained with
 -- fully sharded data parallelism (dist.fully_shard, PyTorch's FSDP2): each transformer block and then the
 -- root are fully sharded, so every rank holds 1/N of each parameter, gradient and AdamW state and
 -- all-gathers one block at a time for its forward and backward.

@@ -1,4 +1,4 @@
--- recipes/gpt.lua: a byte-level GPT (seed 003's Transformer) trained on the King James Bible.
+-- recipes/gpt.lua: a byte-level GPT (the Transformer of PyTorch's common_dtensor.py) trained on the King James Bible.
 --
 --   build/engine tools/prepare_data.lua                       # data/kjv_{train,val}.bin (make data)
 --   build/engine recipes/gpt.lua [--key=value ...]            # one process

@@ -1,5 +1,5 @@
--- recipes/gpt_2d.lua: the KJV GPT of recipes/gpt.lua (seed 003's Transformer, byte tokens) trained with 2-D
--- parallelism, FSDP over tensor parallelism (issue 15; PyTorch's fully_shard over parallelize_module): the
+-- recipes/gpt_2d.lua: the KJV GPT of recipes/gpt.lua (common_dtensor.py's Transformer, byte tokens) trained with 2-D
+-- parallelism, FSDP over tensor parallelism (PyTorch's fully_shard over parallelize_module): the
 -- ranks form a (dp, tp) mesh; models.Transformer.parallelize shards each attention and MLP weight and the
 -- embeddings over the tp ranks of a dp row (mesh["tp"]), then dist.fully_shard shards every block and the root
 -- over the dp ranks of a tp column (mesh["dp"]): each parameter is a 2-D DTensor ([Shard(1), tp placement], or

@@ -1,5 +1,5 @@
 -- recipes/sharded_embedding.lua: a recommender (click prediction) with its embedding tables sharded by
--- a Sharder (seed 002's shard_module, torchrec-style): the user and item tables row-wise (each rank
+-- a Sharder (torch.distributed._shard's shard_module, torchrec-style): the user and item tables row-wise (each rank
 -- holds a slice of the vocabulary), the category and hour tables column-wise (each rank holds a slice
 -- of the embedding dim).  Trained on synthetic click data (a hidden user x item affinity decides the
 -- clicks); every rank reads the same batches, so the losses equal one process's (--shard=0: the same

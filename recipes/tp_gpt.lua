@@ -1,4 +1,4 @@
--- recipes/tp_gpt.lua: the KJV GPT of recipes/gpt.lua trained tensor-parallel (seed 003's Transformer
+-- recipes/tp_gpt.lua: the KJV GPT of recipes/gpt.lua trained tensor-parallel (common_dtensor.py's Transformer
 -- plan, models.Transformer.parallelize): every rank holds 1/tp of each attention and MLP weight and of
 -- the embeddings; the logits are gathered for the loss.  Same options, logging, validation, sample and
 -- checkpoints as recipes/gpt.lua (distributed checkpoints: every rank writes its own shards, and a

@@ -1,4 +1,4 @@
--- Autograd ergonomics (issue 17 item 7): ctx.saved_tensors in Lua autograd Functions (ctx.saved kept as
+-- Autograd ergonomics: ctx.saved_tensors in Lua autograd Functions (ctx.saved kept as
 -- an alias), engine.autograd.grad(outputs, inputs, {grad_outputs, retain_graph, create_graph,
 -- allow_unused, materialize_grads}) and Module:register_full_backward_hook (PyTorch's semantics:
 -- grad_input / grad_output per tensor input / output, a returned list replaces grad_input).

@@ -1,4 +1,4 @@
--- An async dist.checkpoint save whose handle is never waited (issue 26 item 2): the job used to end with exit
+-- An async dist.checkpoint save whose handle is never waited: the job used to end with exit
 -- code 0 and an empty folder.  Now the save is finished when the script ends (the engine host's end of the
 -- recipe, or os.exit(0)), as PyTorch's async_save completes at exit: the checkpoint is complete and loads; a
 -- save that fails there fails the run (its error on stderr, a non-zero exit code).  Whole jobs: 1 process alone

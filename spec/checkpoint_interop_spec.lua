@@ -1,4 +1,4 @@
--- tools/ckpt_safetensors.lua (issue 16, interop): a distributed checkpoint to one safetensors file of
+-- tools/ckpt_safetensors.lua (interop): a distributed checkpoint to one safetensors file of
 -- full tensors under the model's (PyTorch's) names and back; the round trip keeps every value, the
 -- file loads into a model with engine.load_safetensors, and a checkpoint made from the file loads
 -- into a fresh model.

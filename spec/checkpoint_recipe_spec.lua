@@ -1,5 +1,5 @@
 -- recipes/gpt.lua, recipes/tp_gpt.lua, recipes/fsdp_gpt.lua, recipes/gpt_2d.lua and recipes/dp_gpt.lua with
--- distributed checkpoints (issue 16): a run saved at 4 ranks resumes at 4 bit for bit (the uninterrupted run's
+-- distributed checkpoints: a run saved at 4 ranks resumes at 4 bit for bit (the uninterrupted run's
 -- losses printed with %.17g by --log_exact=1 equal as text, and the same digest of the final parameters), at 2
 -- and at 1 rank (gpt_2d: as 1x2, 2x1 and 1x1) with the losses of an uninterrupted run at that world size and
 -- layout within 1e-6; --resume=latest, --ckpt_keep, --ckpt_async; a diverging run names its last good

@@ -1,4 +1,4 @@
--- dist.checkpoint across a real relaunch (issue 16): a 6x4 tensor saved as Shard(1) by a 4-process job (chunks of
+-- dist.checkpoint across a real relaunch: a 6x4 tensor saved as Shard(1) by a 4-process job (chunks of
 -- 2, 2, 2 and 0 rows: the metadata holds three chunks, from files 0, 1 and 2) loads in 2- and 1-process jobs into
 -- Shard(1), Shard(2), Replicate and a plain tensor, and the reverse (saved by 1- and 2-process jobs, loaded by a
 -- 4-process job).  spec/dist/checkpoint_spec.lua covers the same layouts with sub-meshes inside one world; here
@@ -109,7 +109,7 @@ describe("dist.checkpoint across relaunched jobs", function()
     load(1, { dir }, { [dir] = 14 })
   end)
 
-  -- issue 26 item 4: a job killed while saving into the folder of its previous checkpoint (rank 3 writes half
+  -- a job killed while saving into the folder of its previous checkpoint (rank 3 writes half
   -- of its data file, then kill -9 of itself) leaves that checkpoint loadable: the new one was being written
   -- beside it (<dir>.saving) and would have replaced it in one rename-exchange.
   it("a save into the folder of the previous checkpoint, killed (kill -9 of a rank while writing): the previous "

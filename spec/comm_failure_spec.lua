@@ -1,4 +1,4 @@
--- Whole-job failure modes of collectives (issue 11.3), each in a child 2-rank job started with mpirun
+-- Whole-job failure modes of collectives, each in a child 2-rank job started with mpirun
 -- from this single-process spec (the environment of the outer MPI singleton removed), under `timeout`,
 -- so that a regression fails the spec instead of hanging it:
 --  * a rank that ends while another waits for it in a collective: the waiting rank fails within seconds

@@ -33,7 +33,7 @@ local function both(what, fn, inputs, tol)
   end
 end
 
-describe("issue 17 ops on CUDA #gpu", function()
+describe("matmul family, indexing and math ops on CUDA #gpu", function()
   it("gather / scatter / scatter_add / index_add / index_copy / nonzero / masked_select", function()
     need_gpu()
     engine.manual_seed(1)

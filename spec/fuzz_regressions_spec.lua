@@ -1,4 +1,4 @@
--- Regressions found by the fuzz targets of spec/fuzz (issue 11 item 9; docs/design.md "Fuzzing"), at the
+-- Regressions found by the fuzz targets of spec/fuzz (docs/design.md "Fuzzing"), at the
 -- level a user reaches them, plus the C entry points the targets call (the in-memory safetensors reader, the
 -- token shard header check).  Each input is also in the target's committed corpus (spec/fuzz/corpus/<target>),
 -- which make test runs.

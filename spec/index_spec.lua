@@ -1,4 +1,4 @@
--- Indexing and shape ops of issue 17 item 4 (engine.ops.index, ops/index.c): values
+-- PyTorch's indexing and shape ops (engine.ops.index, ops/index.c): values
 -- against hand-computed references (PyTorch semantics), float64 finite differences,
 -- dtypes (f32, f64, bf16, integers), Torch7 t[i] indexing, errors.
 package.path = "./?.lua;" .. package.path

@@ -1,4 +1,4 @@
--- The matmul family of issue 17 item 1 (engine.ops.linalg): mm, bmm, addmm, baddbmm,
+-- PyTorch's matmul family (engine.ops.linalg): mm, bmm, addmm, baddbmm,
 -- outer, einsum on the GEMM path; values against matmul/explicit sums, float64 finite
 -- differences, f32/bf16, errors naming the shapes or the equation.
 package.path = "./?.lua;" .. package.path

@@ -1,4 +1,4 @@
--- Losses and activations of issue 17 item 5 (engine.ops.loss): PyTorch reference values
+-- torch.nn.functional's other losses and activations (engine.ops.loss): PyTorch reference values
 -- (spec/fixtures/losses.lua from tools/gen_loss_fixture.py), float64 finite differences,
 -- f32/bf16 runs, nn modules and errors.
 package.path = "./?.lua;" .. package.path

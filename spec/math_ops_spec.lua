@@ -1,4 +1,4 @@
--- Pointwise math, reductions, scans and sorting of issue 17 items 2 and 3
+-- Pointwise math, reductions, scans and sorting (torch's ops of those names)
 -- (engine/src/ops/math.c, reduce2.c, sort.c): PyTorch reference values for
 -- the tricky cases (spec/fixtures/math_ops.lua from tools/gen_math_fixtures.py:
 -- round half to even, fmod/remainder/floor_divide signs, var correction,

@@ -1,4 +1,4 @@
--- Memory that Lua's collector keeps bounded (issue 11, item 6).  A Tensor is a small Lua table whose
+-- Memory that Lua's collector keeps bounded.  A Tensor is a small Lua table whose
 -- storage the collector does not see, so a loop that drops its activations every iteration grew until
 -- the Lua heap alone triggered a collection (200 no_grad forwards of the reference Transformer reached
 -- 2.6 GB).  The allocator's live bytes now drive the collector (docs/design.md "Allocator"): these specs

@@ -1,4 +1,4 @@
--- engine.models: seed 003's test models (defaults, structure, names, weight
+-- engine.models: common_dtensor.py's test models (defaults, structure, names, weight
 -- tying), PyTorch parity on the committed fixtures, and training.
 package.path = "./?.lua;" .. package.path
 local engine = require("engine")
@@ -189,7 +189,7 @@ describe("Transformer", function()
   end)
 end)
 
-describe("seed 003 helper modules", function()
+describe("common_dtensor.py helper modules", function()
   it("MLPModule seeds the generator with 5 so every instance is identical", function()
     local a, b = models.MLPModule(), models.MLPModule("cpu")
     assert.are.same({ "net1.weight", "net1.bias", "net2.weight", "net2.bias" }, names_of(a:named_parameters()))

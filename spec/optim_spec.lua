@@ -242,7 +242,7 @@ describe("optim.Optimizer", function()
   end)
 
   -- PyTorch keeps state["step"] as a tensor, so state_dict() holds the live count and a checkpoint loaded into
-  -- that table in place (dist.checkpoint.load) restores it along with the moments (issue 25 item 11)
+  -- that table in place (dist.checkpoint.load) restores it along with the moments (PyTorch's resume order)
   it("keeps the step count as a live 0-dim tensor: an in-place load into state_dict() restores it", function()
     local _, _, opt = train(function(ps) return optim.AdamW(ps, { lr = 0.05 }) end, 2)
     local snap = {}

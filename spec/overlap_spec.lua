@@ -1,4 +1,4 @@
--- In-place writes whose destination overlaps itself or its source (issue 26 items 2 and 3): PyTorch's checks
+-- In-place writes whose destination overlaps itself or its source: PyTorch's checks
 -- (has_internal_overlap / assert_no_internal_overlap, get_overlap_status / assert_no_partial_overlap).  An
 -- expanded destination (a stride of 0 over a dim of size > 1) is refused by copy_, the in-place arithmetic,
 -- clamp_, addcmul_/addcdiv_/lerp_ and the random fills; fill_/zero_ take it (one value: idempotent, PyTorch's

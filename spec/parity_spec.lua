@@ -1,4 +1,4 @@
--- PyTorch parity: seed 003's Transformer against the reference computed by PyTorch
+-- PyTorch parity: common_dtensor.py's Transformer against the reference computed by PyTorch
 -- (tools/gen_fixtures.py writes spec/fixtures/transformer_{f32,f64}.safetensors).
 -- Logits, loss and every parameter gradient, then the losses of 10 AdamW steps.
 -- Errors are relative to the largest absolute value of the reference tensor.
@@ -53,7 +53,7 @@ local function loss_of_f64(model, tokens, targets)
   return F.cross_entropy(logits:view(-1, V), targets:view(-1)), logits
 end
 
-describe("PyTorch parity (seed 003 Transformer)", function()
+describe("PyTorch parity (common_dtensor.py's Transformer)", function()
   local ref, ref64
 
   setup(function()

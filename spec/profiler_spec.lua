@@ -1,4 +1,4 @@
--- engine.profiler / ENGINE_PROFILE (issue 28 item 1): per-op calls, host time, GPU time and bytes, the table at
+-- engine.profiler / ENGINE_PROFILE: per-op calls, host time, GPU time and bytes, the table at
 -- exit sorted by total time.  Child processes, since the timing wrapper is installed when the library loads.
 local engine = require("engine")
 local proc = require("spec.helpers.proc")

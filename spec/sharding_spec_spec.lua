@@ -1,6 +1,6 @@
--- ShardedTensor metadata (seed 002, pytorch-semantics 1.8): ChunkShardingSpec boxes as torch.chunk
+-- ShardedTensor metadata (torch.distributed._shard, pytorch-semantics 1.8): ChunkShardingSpec boxes as torch.chunk
 -- gives them, EnumerableShardingSpec checks (overlap, bounds, cover), ShardMetadata, placements,
--- equality and printing.  The ShardedTensor itself is issue 14's next step.
+-- equality and printing.  The ShardedTensor itself: spec/dist/sharded_tensor_spec.lua.
 local engine = require("engine")
 local dist = engine.distributed
 

@@ -1,4 +1,4 @@
--- PyTorch's results and refusals where the engine gave silent wrong results (issue 26, items 2 and 3):
+-- PyTorch's results and refusals where the engine gave silent wrong results:
 -- div's rounding_mode, add/sub's alpha, unknown options of the factories and of the nn modules, a nil
 -- among the sizes of a shape, AdamW{lr = NaN}, clamp with a NaN bound, integer pow(-1), bool subtraction,
 -- integer in-place true division and other in-place casts, unbind of a 0-d tensor; integer overflow that

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """PyTorch counterpart of recipes/bench/fsdp_step.lua: median ms per training step (forward + cross entropy +
-backward + AdamW step + zero_grad) of seed 003's reference GPT (PyTorch's test Transformer from
+backward + AdamW step + zero_grad) of the reference GPT (PyTorch's test Transformer from
 torch/testing/_internal/distributed/_tensor/common_dtensor.py, or tools/gen_fixtures.py's copy of it: 4 layers,
 dim 256, 4 heads, seq 128, vocab 256, fp32, dropout 0, tied output weights), global batch 8, one fixed random
 batch:

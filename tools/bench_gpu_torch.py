@@ -5,7 +5,7 @@ GPT-2-small-shaped model on the GPU, in eager mode and with torch.compile.
     python3 tools/bench_gpu_torch.py [--steps=20] [--warmup=5] [--batch=8] [--seq=1024] [--n_layers=12]
         [--dim=768] [--n_heads=12] [--vocab=50304] [--modes=eager,compile] [--peak_tflops=<measured>]
 
-The model mirrors engine.nn.Transformer (seed 003's architecture): token + learned position embeddings,
+The model mirrors engine.nn.Transformer (common_dtensor.py's architecture): token + learned position embeddings,
 pre-LayerNorm blocks with bias-free q/k/v/o projections and causal F.scaled_dot_product_attention, a 4x MLP
 with exact GELU, final LayerNorm, output projection tied to the token embeddings, logits cast to float32.
 Parameters, activations and AdamW states (fused AdamW) are bf16; dropout 0; random tokens; one step =

@@ -1,6 +1,6 @@
 #!/usr/bin/python3
 """PyTorch counterpart of recipes/bench/step.lua: median ms per training step (forward + backward + AdamW)
-of the reference model (seed 003's Transformer: 4 layers, dim 256, 4 heads, seq 128, batch 8, vocab 256,
+of the reference model (common_dtensor.py's Transformer: 4 layers, dim 256, 4 heads, seq 128, batch 8, vocab 256,
 fp32, dropout 0, tied output weights), fixed random batch.
 
     OPENBLAS_NUM_THREADS=2 /usr/bin/python3 tools/bench_step_torch.py [--steps=20] [--warmup=3]

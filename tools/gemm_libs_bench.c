@@ -1,5 +1,5 @@
 /* tools/gemm_libs_bench.c: OpenBLAS against BLIS and oneDNN's sgemm on the GEMMs of the reference training step
- * (issue 24 item 2; results and the decision in docs/benchmarks.md).
+ * (results and the decision in docs/benchmarks.md).
  *
  *   gcc -O2 -I/usr/include/x86_64-linux-gnu/openblas-pthread -o /tmp/gemm_libs_bench tools/gemm_libs_bench.c -pthread -lopenblas -ldl -lm
  *   /tmp/gemm_libs_bench [--threads=1,2] [--rounds=9] [--pause_ms=200] [--keep-core]

@@ -3,7 +3,7 @@
 
     /usr/bin/python3 tools/gen_fixtures.py        # Debian's torch 1.13 (tools/install-deps.sh --torch)
 
-The model is seed 003's toy Transformer (common_dtensor.py: ModelArgs, Attention, FeedForward with GELU,
+The model is PyTorch's toy test Transformer (common_dtensor.py: ModelArgs, Attention, FeedForward with GELU,
 pre-LN TransformerBlock, learned position embeddings, weight tying) in a small configuration with
 dropout 0.  torch 1.13 has no F.scaled_dot_product_attention, so attention is written out with the same
 math: softmax(Q K^T / sqrt(head_dim) + causal mask) V.

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""PyTorch reference values for the losses and activations of issue 17 item 5
+"""PyTorch reference values for the other losses and activations of torch.nn.functional
 (engine.ops.loss), written as a Lua table to spec/fixtures/losses.lua (committed).
 
     tools/.venv/bin/python tools/gen_loss_fixture.py      # torch 2.x (tools/install-torch.sh)

@@ -1,5 +1,5 @@
 """PyTorch reference values for the tricky cases of the math/reduction/sort ops
-(issue 17 items 2 and 3): round half to even, fmod/remainder/floor_divide signs,
+(torch's pointwise math, reductions, scans and sorts): round half to even, fmod/remainder/floor_divide signs,
 var/std correction, sort/argsort/topk/kthvalue ties and NaN, logsumexp with
 infinities, norms, scans, and gradients of prod/cumprod with zeros, amax ties,
 norm at zero.  Writes spec/fixtures/math_ops.lua (a Lua table) read by

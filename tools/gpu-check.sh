@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # tools/gpu-check.sh OUTDIR [--bundle DIR] [--build BUILD] [--bench all|engine|none] [--budget SECONDS] [--only REGEX]
 #
-# The prepared GPU check (issue 27 item 6): on a machine with an NVIDIA GPU, in one go,
+# The prepared GPU check: on a machine with an NVIDIA GPU, in one go,
 #   1. makes the runtime available: when luajit, busted or mpirun are missing it unpacks the offline bundle's
 #      Debian packages (tools/offline-bundle.sh DIR; default .gpubundle) into DIR/prefix with `dpkg -x` and
 #      points PATH, LD_LIBRARY_PATH, LUA_PATH/CPATH and OPAL_PREFIX there; finds libnccl/libcublasLt in the
@@ -186,11 +186,11 @@ if [ "$BENCH" != none ]; then
     args=""; [ "$BENCH" = engine ] && args="--torch=0"
     timeout $(( $(left) > 300 ? 300 : $(left) )) "$ENGINE" recipes/bench/gpu_step.lua $args > "$OUT/gpu_step.log" 2>&1
     BENCHLINES="$(grep -E '^gpu_step|tok/s|MFU' "$OUT/gpu_step.log" | tail -4)"
-    # DTensor host overhead per op on a CUDA mesh (issue 27: <= 1 us)
+    # DTensor host overhead per op on a CUDA mesh (target: <= 1 us)
     timeout 60 "$ENGINE" recipes/bench/dtensor_dispatch.lua --device=cuda --n=5000 --runs=3 > "$OUT/dtensor_dispatch.log" 2>&1
     BENCHLINES="$BENCHLINES
 dtensor_dispatch (cuda): $(grep -m1 'overhead' "$OUT/dtensor_dispatch.log" | sed 's/^ *//')"
-    # the profiler's table of the engine's step (issue 28: commit it with the run summary)
+    # the profiler's table of the engine's step (commit it with the run summary)
     if [ "$(left)" -gt 40 ]; then
       ENGINE_PROFILE=1 timeout 120 "$ENGINE" recipes/bench/gpu_step.lua --torch=0 --steps=5 --warmup=2 \
         > "$OUT/gpu_step_profile.log" 2>&1

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # tools/offline-bundle.sh DIR [--build BUILD] [--no-build]
 #
-# Packs what a GPU node without internet needs to run the engine's specs and benchmarks (issue 27 item 6):
+# Packs what a GPU node without internet needs to run the engine's specs and benchmarks:
 #   DIR/debs/*.deb   the runtime Debian packages: LuaJIT, busted and its Lua modules, OpenMPI (mpirun, the
 #                    MCA components, PMIx and the transports it links), OpenBLAS (pthread) and gfortran's
 #                    runtime; base libraries every distribution has (libc, libstdc++, zlib, ...) are left out

@@ -1,4 +1,4 @@
--- engine.models: the test models of seed 003 (PyTorch's common_dtensor.py),
+-- engine.models: the test models of PyTorch's DTensor tests (common_dtensor.py),
 -- ported with their defaults: ModelArgs, RMSNormPython, MLPModule,
 -- MLPStacked, Attention, FeedForward, TransformerBlock, Transformer; and a Llama-style model
 -- (torchtitan's Llama: LlamaArgs, Llama, Llama.parallelize).  Also exported as nn.Transformer, nn.Llama etc.
@@ -236,7 +236,7 @@ end
 
 -- ---------------------------------------------------------------- tensor-parallel plans
 -- Transformer.parallelize(model, tp_mesh, {use_seq_parallel = false, local_output_for_attn = false})
--- (or Transformer.parallelize(model, tp_mesh, use_seq_parallel)): the plan of seed 003's test model.
+-- (or Transformer.parallelize(model, tp_mesh, use_seq_parallel)): the plan of common_dtensor.py's test model.
 -- Embeddings RowwiseParallel (input Replicate; output Replicate, or Shard(seq) with sequence
 -- parallelism: Shard(2) for the [B, T, D] token embeddings, Shard(1) for the [T, D] positions);
 -- per block wq/wk/wv ColwiseParallel, wo RowwiseParallel, w1 ColwiseParallel, w2 RowwiseParallel;
@@ -637,7 +637,7 @@ function Llama.parallelize(model, mesh, opts)
   return model
 end
 
--- The plans seed 003's tests give its MLPs: MLPModule.tp_plan() = {net1 = Colwise, net2 = Rowwise};
+-- The plans PyTorch's DTensor tests give its MLPs: MLPModule.tp_plan() = {net1 = Colwise, net2 = Rowwise};
 -- MLPStacked.tp_plan(n_layers) the same for layers.<i>.net1/net2 (here as one "layers.*" pattern).
 function MLPModule.tp_plan()
   local dist = require("engine.distributed")

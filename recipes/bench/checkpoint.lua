@@ -1,4 +1,4 @@
--- recipes/bench/checkpoint.lua: distributed checkpoint throughput (issue 16, Performance).
+-- recipes/bench/checkpoint.lua: distributed checkpoint throughput (PyTorch DCP's save and load).
 --
 --   mpirun -np 4 build/engine recipes/bench/checkpoint.lua [--mib=1024] [--dir=/tmp/ckpt_bench] [--reps=3] [--cold=0]
 --     [--pairs=3] [--tensors=8]

@@ -1,13 +1,13 @@
 -- recipes/bench/ddp_step.lua: data-parallel training step of the reference GPT with DistributedDataParallel's
 -- bucketed all_reduce during backward, against the one-process step at the same per-rank batch and against one
--- blocking all_reduce per parameter after backward (the engine's data parallelism before DDP) (issue 27 item 3).
+-- blocking all_reduce per parameter after backward (the engine's data parallelism before DDP).
 --
 --   mpirun --allow-run-as-root --oversubscribe --bind-to none --mca btl self,vader --mca pml ob1 \
 --     -x MALLOC_MMAP_MAX_=0 -x MALLOC_TRIM_THRESHOLD_=1073741824 -np 2 build/engine recipes/bench/ddp_step.lua \
 --     [--steps=20] [--warmup=3] [--rounds=3] [--bucket_cap_mb=25] [--n_layers=4] [--dim=256] [--n_heads=4] [--seq=128]
 --     [--batch=4] [--vocab=256] [--device=cpu|cuda]
 --
--- Model: seed 003's Transformer (4 layers, dim 256, 4 heads, seq 128, vocab 256, fp32, dropout 0, tied output),
+-- Model: common_dtensor.py's Transformer (4 layers, dim 256, 4 heads, seq 128, vocab 256, fp32, dropout 0, tied output),
 -- AdamW; --batch rows per rank.  A step is forward + cross entropy + backward + AdamW step + zero_grad, 1 thread
 -- per rank.  In one run, --rounds times alternating (medians of each round's median, ms/step, rank 0's clock):
 --   (a) local: one process (rank 0) on its --batch rows while the other ranks sleep in an asynchronous barrier;
@@ -16,7 +16,7 @@
 --   (d) both_local: every rank on its rows at the same time, no communication at all (each rank's own model): the
 --       compute of a DDP rank under the same load as (b), so ddp/both_local is what communication adds.
 -- Then the collectives and bytes per step of (b) and (c) and the ratios ddp/local and per_param/local (target of
--- issue 27: ddp <= 1.05x local at 2 ranks on the CPU), and the bound collectives <= ceil(bytes / bucket) + 1.
+-- target: ddp <= 1.05x local at 2 ranks on the CPU), and the bound collectives <= ceil(bytes / bucket) + 1.
 -- The machine has 2 cores: the ratios within one run are the figures to compare.
 local engine = require("engine")
 local optim = engine.optim

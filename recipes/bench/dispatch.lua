@@ -40,14 +40,14 @@ local cases = {
   { "add_grad", "c = a + w (w requires grad: node recorded)", function(n) local c; for _ = 1, n do c = a + w end; return c end },
   { "add_", "a:add_(b) (in place)", function(n) for _ = 1, n do a:add_(b) end; return a end },
   { "no_grad", "c = a + b under no_grad", function(n) local c; engine.no_grad(function() for _ = 1, n do c = a + b end end); return c end },
-  -- issue 17 items 2-3 (engine/src/ops/math.c, reduce2.c, sort.c)
+  -- torch's pointwise math, reductions, scans and sorts (engine/src/ops/math.c, reduce2.c, sort.c)
   { "sin", "c = a:sin()", function(n) local c; for _ = 1, n do c = a:sin() end; return c end },
   { "fmod", "c = a:fmod(b)", function(n) local c; for _ = 1, n do c = a:fmod(b) end; return c end },
   { "isnan", "c = a:isnan()", function(n) local c; for _ = 1, n do c = a:isnan() end; return c end },
   { "amax", "c = a:amax()", function(n) local c; for _ = 1, n do c = a:amax() end; return c end },
   { "cumsum", "c = a:cumsum(1)", function(n) local c; for _ = 1, n do c = a:cumsum(1) end; return c end },
   { "sort", "c, i = a:sort()", function(n) local c; for _ = 1, n do c = a:sort() end; return c end },
-  -- issue 17 items 1, 4, 5: C ops (gather, index_add; engine/src/ops/index.c) and Lua composites (mm over
+  -- the matmul family, indexing ops and losses: C ops (gather, index_add; engine/src/ops/index.c) and Lua composites (mm over
   -- matmul, einsum: parse + permute + matmul, triu: mask + masked_fill, leaky_relu: gt + mul + where)
   { "gather", "c = a:gather(1, i4)", function(n) local c; for _ = 1, n do c = a:gather(1, i4) end; return c end },
   { "index_add", "c = a:index_add(1, i4, b)", function(n) local c; for _ = 1, n do c = a:index_add(1, i4, b) end; return c end },
@@ -56,13 +56,13 @@ local cases = {
   { "triu", "c = m2:triu()", function(n) local c; for _ = 1, n do c = m2:triu() end; return c end },
   { "leaky", "c = a:leaky_relu(0.1)", function(n) local c; for _ = 1, n do c = a:leaky_relu(0.1) end; return c end },
   { "index", "c = m2[1] (Torch7 indexing: a select view)", function(n) local c; for _ = 1, n do c = m2[1] end; return c end },
-  -- issue 17 item 5: the other activations (engine/src/ops/unary.c) and glu (narrow x2 + sigmoid + mul)
+  -- torch.nn.functional's other activations (engine/src/ops/unary.c) and glu (narrow x2 + sigmoid + mul)
   { "elu", "c = a:elu()", function(n) local c; for _ = 1, n do c = a:elu() end; return c end },
   { "hardtanh", "c = a:hardtanh()", function(n) local c; for _ = 1, n do c = a:hardtanh() end; return c end },
   { "relu6", "c = a:relu6()", function(n) local c; for _ = 1, n do c = a:relu6() end; return c end },
   { "softplus", "c = a:softplus()", function(n) local c; for _ = 1, n do c = a:softplus() end; return c end },
   { "glu", "c = a:glu()", function(n) local c; for _ = 1, n do c = a:glu() end; return c end },
-  -- issue 17 item 5 losses (lua/engine/ops/loss.lua: composites of k dispatches) on [2, 2] inputs, 0-based
+  -- torch.nn.functional's other losses (lua/engine/ops/loss.lua: composites of k dispatches) on [2, 2] inputs, 0-based
   -- class ids t2; probabilities p2 in (0, 1)
   { "nll_loss", "c = engine.nll_loss(m2, t2)", function(n) local c; for _ = 1, n do c = engine.nll_loss(m2, t2) end; return c end },
   { "ce", "c = engine.cross_entropy(m2, t2) (fused op)", function(n) local c; for _ = 1, n do c = engine.cross_entropy(m2, t2) end; return c end },
@@ -73,7 +73,7 @@ local cases = {
   { "kl_div", "c = engine.kl_div(m2, q2)", function(n) local c; for _ = 1, n do c = engine.kl_div(m2, q2) end; return c end },
   { "smooth_l1", "c = engine.smooth_l1_loss(m2, q2)", function(n) local c; for _ = 1, n do c = engine.smooth_l1_loss(m2, q2) end; return c end },
   { "huber", "c = engine.huber_loss(m2, q2)", function(n) local c; for _ = 1, n do c = engine.huber_loss(m2, q2) end; return c end },
-  -- issue 17 item 4 (lua/engine/ops/index.lua)
+  -- indexing and shape ops (lua/engine/ops/index.lua)
   { "scatter", "c = a:scatter(1, i4, b)", function(n) local c; for _ = 1, n do c = a:scatter(1, i4, b) end; return c end },
   { "repeat", "c = a:repeat_tensor(2)", function(n) local c; for _ = 1, n do c = a:repeat_tensor(2) end; return c end },
   { "roll", "c = a:roll(1, 1)", function(n) local c; for _ = 1, n do c = a:roll(1, 1) end; return c end },

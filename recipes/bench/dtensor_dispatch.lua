@@ -15,7 +15,7 @@
 --   plain_grad   c = w + b with w requiring grad (the plain counterpart)
 -- The cases alternate within each run; each figure is the median over runs of
 -- ns/op (rank 0 prints; the overhead is dtensor - plain).  --device=cuda: the tensors on the GPU and the mesh a
--- CUDA mesh (issue 27: the DTensor host overhead on a CUDA mesh <= 1 us); each case ends with a device sync.
+-- CUDA mesh (target: the DTensor host overhead on a CUDA mesh <= 1 us); each case ends with a device sync.
 local engine = require("engine")
 local dist = engine.distributed
 

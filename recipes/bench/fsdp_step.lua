@@ -1,5 +1,5 @@
 -- recipes/bench/fsdp_step.lua: fully sharded data parallel training step of the reference GPT on 2 ranks,
--- against the engine's single-process step, DTensor data parallelism and PyTorch's FSDP2 (issue 13,
+-- against the engine's single-process step, DTensor data parallelism and PyTorch's FSDP2 (
 -- "Performance and memory").
 --
 --   mpirun --allow-run-as-root --oversubscribe --bind-to none --mca btl self,vader --mca pml ob1 \
@@ -8,7 +8,7 @@
 --     [--parts=single,local,fsdp,dp] [--reshard_after_forward=1] [--n_layers=4] [--dim=256] [--n_heads=4] [--seq=128]
 --     [--batch=8] [--vocab=256]
 --
--- The model is seed 003's Transformer (models.Transformer: 4 layers, dim 256, 4 heads, seq 128, vocab 256, fp32,
+-- The model is common_dtensor.py's Transformer (models.Transformer: 4 layers, dim 256, 4 heads, seq 128, vocab 256, fp32,
 -- dropout 0, tied output weights), AdamW, one fixed random global batch of --batch rows.  A step is forward +
 -- cross entropy + backward + AdamW step + zero_grad.  Prints, in one run, median ms/step after `warmup` steps of:
 --   (a) single: the unsharded model on the whole batch on rank 0 alone with --single_threads threads (rank 1

@@ -1,6 +1,6 @@
 -- recipes/bench/gpt_2d_step.lua: the 2-D (FSDP over tensor parallelism) training step of the reference GPT on
 -- 4 ranks (a 2x2 (dp, tp) mesh) beside FSDP alone and TP alone on the same 4 ranks, and beside PyTorch 2.x's 2-D
--- (fully_shard over parallelize_module, gloo, 4 processes; tools/bench_2d_torch.py) (issue 15, "Performance").
+-- (fully_shard over parallelize_module, gloo, 4 processes; tools/bench_2d_torch.py).
 --
 --   mpirun --allow-run-as-root --oversubscribe --bind-to none --mca btl self,vader --mca pml ob1 \
 --     -x MALLOC_MMAP_MAX_=0 -x MALLOC_TRIM_THRESHOLD_=1073741824 -np 4 build/engine recipes/bench/gpt_2d_step.lua \
@@ -8,7 +8,7 @@
 --     [--python=tools/.venv/bin/python] [--local_attn=1] [--sp=0] [--reshard_after_forward=1] [--threads=1]
 --     [--n_layers=4] [--dim=256] [--n_heads=4] [--seq=128] [--batch=8] [--vocab=256]
 --
--- The model is seed 003's Transformer (models.Transformer: 4 layers, dim 256, 4 heads, seq 128, vocab 256, fp32,
+-- The model is common_dtensor.py's Transformer (models.Transformer: 4 layers, dim 256, 4 heads, seq 128, vocab 256, fp32,
 -- dropout 0, tied output weights), AdamW, one fixed random global batch of --batch rows.  A step is forward +
 -- cross entropy + backward + AdamW step + zero_grad.  --threads threads per rank (default 1).  Parts:
 --   2d:   Transformer.parallelize on mesh["tp"] of a (2, 2) (dp, tp) mesh ({use_seq_parallel = --sp,

@@ -3,7 +3,7 @@
 --   build/engine recipes/bench/gpu_step.lua [--steps=20] [--warmup=5] [--batch=8] [--seq=1024]
 --       [--n_layers=12] [--dim=768] [--n_heads=12] [--vocab=50304] [--torch=1] [--compile=1] [--peak_n=8192]
 --
--- Model: engine.nn.Transformer (seed 003's architecture: learned position embeddings, pre-LayerNorm blocks,
+-- Model: engine.nn.Transformer (common_dtensor.py's architecture: learned position embeddings, pre-LayerNorm blocks,
 -- bias-free attention projections, 4x GELU MLP, tied output weights) with 12 layers, dim 768, 12 heads,
 -- seq 1024, vocab 50304, dropout 0; parameters, activations and AdamW states in bf16; random tokens; batch 8.
 -- One step = forward + cross entropy + backward + AdamW step + zero_grad, timed to a device sync.

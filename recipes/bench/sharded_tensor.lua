@@ -1,4 +1,4 @@
--- ShardedTensor costs (issue 14's Performance): creating (dist.shard_tensor: one scatter from src_rank
+-- ShardedTensor costs (PyTorch's torch.distributed._shard): creating (dist.shard_tensor: one scatter from src_rank
 -- straight into each rank's chunk), gathering (gather(0): one gather straight from each rank's chunk
 -- into the full tensor on rank 0, beside a bare MPI_Gather) and resharding (dim 1 -> dim 2) a `MiB` f32
 -- ShardedTensor over the ranks, each beside the bare MPI collective of the same bytes in the same run

@@ -1,5 +1,5 @@
 -- recipes/bench/tp_step.lua: tensor-parallel training step of the reference GPT on 2 ranks, against the
--- engine's single-process step and PyTorch's tensor parallelism (issue 12, "Performance").
+-- engine's single-process step and PyTorch's tensor parallelism (parallelize_module with PyTorch's styles).
 --
 --   mpirun --allow-run-as-root --oversubscribe --bind-to none --mca btl self,vader --mca pml ob1 \
 --     -x MALLOC_MMAP_MAX_=0 -x MALLOC_TRIM_THRESHOLD_=1073741824 -np 2 build/engine recipes/bench/tp_step.lua \
@@ -7,7 +7,7 @@
 --     [--local_attn=1] [--parts=single,tp,tpsp] [--n_layers=4] [--dim=256] [--n_heads=4] [--seq=128] [--batch=8] [--vocab=256]
 --   make bench   (tools/bench.sh runs it on 2 ranks)
 --
--- The model is seed 003's Transformer (models.Transformer: 4 layers, dim 256, 4 heads, seq 128, batch 8,
+-- The model is common_dtensor.py's Transformer (models.Transformer: 4 layers, dim 256, 4 heads, seq 128, batch 8,
 -- vocab 256, fp32, dropout 0, tied output weights), AdamW, one fixed random batch.  A step is forward + cross
 -- entropy + backward + AdamW step + zero_grad.  Prints, in one run, median ms/step after `warmup` steps of:
 --   (a) single: the unparallelized model on rank 0 alone with --single_threads threads (rank 1 sleeps in an

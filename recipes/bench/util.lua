@@ -47,7 +47,7 @@ function M.idle_barrier()
   while not w:is_completed() do ffi.C.usleep(2000) end
 end
 
--- the reference GPT of the options (n_layers, dim, n_heads, vocab, seq): seed 003's Transformer, seed 0, dropout 0,
+-- the reference GPT of the options (n_layers, dim, n_heads, vocab, seq): common_dtensor.py's Transformer, seed 0, dropout 0,
 -- N(0, 0.02) embeddings (GPT-2 style, as recipes/bench/step.lua), in train mode
 function M.build_model(o)
   engine.manual_seed(0)

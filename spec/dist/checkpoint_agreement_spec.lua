@@ -1,4 +1,4 @@
--- dist.checkpoint inputs that saved "successfully" and could not be loaded, or loaded wrong (issue 26 item 2):
+-- dist.checkpoint inputs that saved "successfully" and could not be loaded, or loaded wrong:
 -- a different directory per rank (every rank now fails with the same error and nothing is written), keys
 -- holding a NUL or a newline byte (refused at save, naming the key), a load into an expanded tensor (PyTorch's
 -- internal-overlap error on every rank, before anything is read).  1, 2 and 4 ranks; an async save nobody waits

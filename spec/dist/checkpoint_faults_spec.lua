@@ -1,4 +1,4 @@
--- dist.checkpoint faults (issue 16): a truncated data file, a flipped byte, a missing metadata file, a
+-- dist.checkpoint faults: a truncated data file, a flipped byte, a missing metadata file, a
 -- save interrupted on one rank (the previous checkpoint still loads), metadata of another checkpoint or
 -- another model, a missing rank file, a metadata file that is not one, a data file cut short between the
 -- load's passes; a save into the folder of the previous checkpoint interrupted (a full disk) or left behind by a
@@ -178,7 +178,7 @@ describe("dist.checkpoint faults (" .. W .. " ranks)", function()
     assert.equal(0, diff(st.w:full_tensor(), full()))
   end)
 
-  -- issue 26 item 4: a save into the folder of the previous checkpoint writes the new one beside it
+  -- a save into the folder of the previous checkpoint writes the new one beside it
   -- ("<dir>.saving") and swaps the two in one step, so the previous one survives any interruption
   local function exists(path) return os.rename(path, path) ~= nil end
   local function saved2(dir, opts)
@@ -280,7 +280,7 @@ describe("dist.checkpoint faults (" .. W .. " ranks)", function()
     dist.barrier()
   end)
 
-  -- issue 26 item 5: these were nil-index errors from inside checkpoint.lua
+  -- these were nil-index errors from inside checkpoint.lua
   it("latest, path and the optimizer state functions name a bad argument", function()
     local e = errmsg(ckpt.latest, nil)
     assert.is_truthy(e:find("checkpoint.latest: root must be a non-empty string", 1, true), e)

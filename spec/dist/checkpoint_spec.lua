@@ -1,4 +1,4 @@
--- dist.checkpoint (issue 16): save at one layout, load into another.  Runs at 1, 2 and 4 ranks:
+-- dist.checkpoint (PyTorch's DCP): save at one layout, load into another.  Runs at 1, 2 and 4 ranks:
 -- 1-D meshes over {Replicate, Shard(1), Shard(2)} both ways, on a 2x2 mesh (4 ranks) all 12 ordered
 -- pairs of {[R,R], [R,S1], [S1,R], [S1,S1]} and 1-D saves into every 2-D layout and back, saves from the
 -- whole world loaded on a sub-mesh (half the ranks, one rank) and the reverse, uneven sizes, plain
@@ -240,7 +240,7 @@ describe("engine.load_safetensors and checkpoint reads (" .. W .. " ranks)", fun
     assert.is_truthy(e:find("format engine-dcp/9", 1, true) and e:find(".metadata", 1, true), e)
   end)
 
-  -- issue 26 item 2: a value of the metadata (the step) changed on disk used to load silently
+  -- a value of the metadata (the step) changed on disk used to load silently
   it("the metadata is checksummed (meta_xxh64): a changed step fails every rank; engine-dcp/2 files still load", function()
     local dir = newdir()
     local full = reference({ 4, 3 }, 31)

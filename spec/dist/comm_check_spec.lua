@@ -1,6 +1,6 @@
 -- Reliability of collectives under mpirun (1, 2 and 4 ranks), with the default settings (no debug mode):
 --  * every collective's signature (seq, kind, op, root, dtype, shape) is checked across its group, so a
---    mismatch is an error on every rank naming both sides and each rank's last collectives (issue 11.3);
+--    mismatch is an error on every rank naming both sides and each rank's last collectives;
 --  * validations that may fail on one rank only and precede a collective are agreed first, so every rank
 --    fails naming that rank (11.4): batch-sharded cross_entropy, clip_grad_norm_ over DTensor shards;
 --  * element access on DTensors follows the global tensor or is an error naming full_tensor()/to_local();

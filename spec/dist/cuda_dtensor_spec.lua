@@ -1,4 +1,4 @@
--- DTensor and everything above it on a CUDA mesh (issue 27 items 1, 2 and 5): the same operations on a CPU mesh
+-- DTensor and everything above it on a CUDA mesh: the same operations on a CPU mesh
 -- and on a CUDA mesh of the same ranks give the same local shards, full tensors, gradients and collective counts;
 -- tensor parallelism (with and without sequence parallelism, loss_parallel), DTensor data parallelism, FSDP and
 -- FSDP over TP on a CUDA mesh train like one process on the GPU (5 AdamW steps, f32, losses and gradients to 1e-5).

@@ -1,4 +1,4 @@
--- copy_ between DTensors of different layouts and clone() of _StridedShard DTensors (issue 25 item 4), adapted
+-- copy_ between DTensors of different layouts and clone() of _StridedShard DTensors, PyTorch's copy_ strategy, adapted
 -- from PyTorch's test_tensor_ops.py (DistTensorOpsTest.test_copy_) and FSDP2's test_fully_shard_state_dict.py
 -- (test_dp_tp_state_dict_save_load, test_hsdp_tp_state_dict_save_load): the source of copy_ is redistributed to
 -- the destination's layout (broadcasting, Partial kept when both are Partial), a clone keeps its layout, and
@@ -67,7 +67,7 @@ describe("DTensor copy_ (PyTorch's test_copy_)", function()
     d2:copy_(dist.DTensor.from_local(full, mesh, { Part() }))
     assert.are.equal(0, diff(d2:full_tensor(), full * W))
     -- into a Partial destination only from its own layout: the refusal says the layouts differ and what to
-    -- redistribute (issue 26 item 5: it was the dispatcher's "no sharding strategy")
+    -- redistribute (it was the dispatcher's "no sharding strategy")
     local e = errmsg(function() dst:copy_(dist.distribute_tensor(engine.zeros(2, 4, 8, 6), mesh, { Rep() })) end)
     assert.is_truthy(e:find("is Partial(sum) on mesh dim 1 and the source", 1, true), e)
     assert.is_truthy(e:find("layouts differ, and a source cannot be redistributed to Partial; redistribute the "

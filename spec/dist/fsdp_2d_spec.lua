@@ -1,6 +1,7 @@
--- 2-D parallelism (issue 15; seed 000): FSDP over tensor-parallel models on a (dp, tp) mesh (2x2 at 4 ranks,
+-- 2-D parallelism (PyTorch's fully_shard over parallelize_module): FSDP over tensor-parallel models on a
+-- (dp, tp) mesh (2x2 at 4 ranks,
 -- (W, 1) below): placements as PyTorch gives them, parity with one process over AdamW steps (MLPs of dims 3,
--- 16, 17; seed 003's Transformer with and without sequence parallelism and activation checkpointing), dp
+-- 16, 17; common_dtensor.py's Transformer with and without sequence parallelism and activation checkpointing), dp
 -- collectives as FSDP alone and tp collectives as TP alone, and the errors.
 local engine = require("engine")
 local nn = engine.nn
@@ -175,7 +176,7 @@ describe("FSDP over tensor parallelism", function()
 
   local V, T = 16, 8
   local function tokens(b, seed) engine.manual_seed(seed); return (engine.rand(b, T) * V):to("i64") end
-  -- the placements PyTorch gives seed 003's Transformer under FSDP over TP (1-based dims): a colwise weight (and
+  -- the placements PyTorch gives common_dtensor.py's Transformer under FSDP over TP (1-based dims): a colwise weight (and
   -- bias) and the rowwise embeddings are sharded on dim 1 by both, so FSDP's dp dim is a _StridedShard(1, sf=tp)
   -- of the TP shards (right-to-left rule); rowwise weights [Shard(1), Shard(2)]; a rowwise bias [Shard(1),
   -- Replicate()]; the norms are Replicate DTensors under sequence parallelism, plain parameters (FSDP's Shard(1)
@@ -192,7 +193,7 @@ describe("FSDP over tensor parallelism", function()
   local function pls(t) local r = {} for i, q in ipairs(t.placements) do r[i] = tostring(q) end return table.concat(r) end
 
   for _, cfg in ipairs({ { sp = false }, { sp = false, ckpt = true }, { sp = true }, { sp = true, ckpt = true } }) do
-    it(string.format("seed 003's Transformer (3 layers) sp=%s ckpt=%s: placements, 10 AdamW steps equal to one "
+    it(string.format("common_dtensor.py's Transformer (3 layers) sp=%s ckpt=%s: placements, 10 AdamW steps equal to one "
       .. "process", tostring(cfg.sp), tostring(cfg.ckpt or false)), function()
       local args = { n_layers = 3, vocab_size = V, max_seq_len = T, dim = 16, n_heads = 4, dropout_p = 0,
         checkpoint_activations = cfg.ckpt or false }
@@ -230,7 +231,7 @@ describe("FSDP over tensor parallelism", function()
   end
 end)
 
--- A size-1 FSDP group (issue 25 item 7): the dp dim of a (1, W) mesh (PyTorch's TestFullyShardNDTraining at 2
+-- A size-1 FSDP group: the dp dim of a (1, W) mesh (PyTorch's TestFullyShardNDTraining at 2
 -- GPUs: dp size 1, tp 2) issues no all-gather or reduce-scatter; the tp collectives are TP alone's
 describe("FSDP over tensor parallelism on a (1, W) mesh", function()
   for _, d in ipairs({ 3, 16 }) do

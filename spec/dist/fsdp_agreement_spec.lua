@@ -1,4 +1,4 @@
--- FSDP silent wrong results (issue 26 item 2): load_state_dict failing on one rank inside pcall left that rank's
+-- FSDP silent wrong results: load_state_dict failing on one rank inside pcall left that rank's
 -- model as it was while the others loaded (now every rank raises before anything is written); load_state_dict
 -- into an unsharded FSDP module (reshard_after_forward = false, or the root after forward) was ignored by the
 -- next forward, which used its stale all-gathered copy (now the group is resharded first, as FSDP2's to_sharded

@@ -1,4 +1,4 @@
--- Seed 000's functions as engine API (issue 15 item 2; lua/engine/distributed/fsdp_tp.lua and
+-- PyTorch's tensor/parallel/fsdp.py functions as engine API ( lua/engine/distributed/fsdp_tp.lua and
 -- sharded_tensor_convert.lua): boxes and ShardedTensor metadata of DTensors (even and uneven sizes),
 -- chunk_tensor (plain and nested over a TP DTensor), chunk_dtensor onto the parent mesh, pre_load_state_dict,
 -- all_gather_dtensor, the flatten / unflatten pair and DTensorExtensions; round trips DTensor -> ShardedTensor ->
@@ -34,7 +34,7 @@ local function chunk(n, k, i)
   return off, math.max(0, math.min(c, n - off))
 end
 
-describe("seed 000: boxes and metadata of a DTensor (1-D mesh)", function()
+describe("tensor/parallel/fsdp.py: boxes and metadata of a DTensor (1-D mesh)", function()
   for _, n in ipairs({ 4 * W, 2 * W + 1, 3 }) do
     it(string.format("Shard(1) of %d rows: get_box, get_box_for every index, get_local_box", n), function()
       local full = ref({ n, 2 })
@@ -110,7 +110,7 @@ describe("seed 000: boxes and metadata of a DTensor (1-D mesh)", function()
   end)
 end)
 
-describe("seed 000: chunk_tensor", function()
+describe("tensor/parallel/fsdp.py: chunk_tensor", function()
   local dpg = mesh:get_group("dp")
   it("a plain tensor chunked along dim 1 over a group (uneven): this rank's chunk, torch.chunk metadata", function()
     local n = 2 * DPN + 1
@@ -186,7 +186,7 @@ describe("seed 000: chunk_tensor", function()
   end)
 end)
 
-describe("seed 000: chunk_dtensor, all_gather_dtensor", function()
+describe("tensor/parallel/fsdp.py: chunk_dtensor, all_gather_dtensor", function()
   it("a plain tensor onto the parent mesh as [Shard(1), Replicate]", function()
     local full = ref({ 2 * DPN + 1, 3 })
     local d = dist.chunk_dtensor(full, R, dp)
@@ -218,7 +218,7 @@ describe("seed 000: chunk_dtensor, all_gather_dtensor", function()
   end)
 end)
 
-describe("seed 000: flatten / unflatten and round trips", function()
+describe("tensor/parallel/fsdp.py: flatten / unflatten and round trips", function()
   local layouts = {
     { "1-D Shard(1)", function(f) return dist.distribute_tensor(f, world, { Shard(1) }) end },
     { "2-D [Shard(1), Shard(2)]", function(f) return dist.distribute_tensor(f, mesh, { Shard(1), Shard(2) }) end },

@@ -1,4 +1,4 @@
--- FSDP's offload_policy = dist.CPUOffloadPolicy{pin_memory} (issue 13 item 5; seed 001, FSDP2's
+-- FSDP's offload_policy = dist.CPUOffloadPolicy{pin_memory} (FSDP2's
 -- CPUOffloadPolicy).  On a CPU mesh it is accepted and changes nothing: the runs below are compared bit for
 -- bit with runs without it.  On a CUDA mesh ("#gpu", pending without a GPU, or with fewer GPUs than ranks:
 -- NCCL wants one per rank) the sharded parameters, their gradients and the AdamW states live on the CPU

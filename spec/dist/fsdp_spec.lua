@@ -1,4 +1,4 @@
--- FSDP (issue 13; seed 001's fully_shard): layout equivalence with one process on the global batch
+-- FSDP (FSDP2's fully_shard): layout equivalence with one process on the global batch
 -- (losses, gradients and parameters over AdamW steps) for every reshard_after_forward, HSDP, activation
 -- checkpointing, a module used twice, explicit prefetch, gradient accumulation and mixed precision;
 -- collective counts per step; the registered parameters' states; state dicts; clip_grad_norm; errors.
@@ -26,7 +26,7 @@ local function counted(fn)
 end
 local function cnt(c, k) return c[k] or 0 end
 -- FSDP's own all-gathers / reduce-scatters: none at 1 rank, where the shard group is one rank and nothing moves
--- (issue 25 item 7)
+-- (PyTorch's (world_size, 1) meshes)
 local function moved(k) return W > 1 and k or 0 end
 local function moved_list(t) return W > 1 and t or {} end
 
@@ -176,7 +176,7 @@ describe("fully_shard parity with one process (Linear-ReLU-Linear, AdamW, 10 ste
   end)
 end)
 
-describe("fully_shard on seed 003's Transformer (3 layers, each block + root)", function()
+describe("fully_shard on common_dtensor.py's Transformer (3 layers, each block + root)", function()
   local function build(extra)
     return function()
       engine.manual_seed(11)
@@ -219,7 +219,7 @@ describe("fully_shard on seed 003's Transformer (3 layers, each block + root)", 
   -- PyTorch's test_fully_shard_communication_count and test_set_reshard_after_forward (test_fully_shard_comm.py):
   -- two blocks and the root, counts per forward and per backward; only the default (nil, never set) keeps the
   -- root unsharded after forward (FSDP2's _auto_reshard_after_forward); true, an integer and
-  -- set_reshard_after_forward reshard it too (issue 25 item 5)
+  -- set_reshard_after_forward reshard it too (FSDP2's set_reshard_after_forward)
   local function fwd_bwd(m)
     engine.manual_seed(300 + rank)
     local x = (engine.rand(2, 8) * 32):to("i64")
@@ -345,7 +345,7 @@ describe("fully_shard: more layouts and controls", function()
     end
   end)
 
-  -- a size-1 FSDP group (issue 25 item 7; PyTorch's (world_size, 1) meshes of test_set_reduce_scatter_divide_factor
+  -- a size-1 FSDP group (PyTorch's (world_size, 1) meshes of test_set_reduce_scatter_divide_factor
   -- and its dp size 1 of TestFullyShardNDTraining at 2 GPUs): the dp dim of a (W, 1) mesh; nothing to move
   for _, raf in ipairs({ true, false }) do
     it(string.format("a shard group of one rank (dp of a (W, 1) mesh, reshard_after_forward = %s) issues no "
@@ -662,7 +662,7 @@ end)
 
 -- PyTorch's test_train_parity_hsdp (test_fully_shard_training.py) with use_activation_checkpointing: every module
 -- of LayerNorm + 3 MLPs is checkpointed and an FSDP group, so the first block's input (the data) does not require
--- grad; its parameters must train all the same (issue 25 item 2).  On the 1-D mesh and on the HSDP mesh PyTorch's
+-- grad; its parameters must train all the same.  On the 1-D mesh and on the HSDP mesh PyTorch's
 -- test uses (shard 2 where W > 2, else 1), both reshard_after_forward values, MLP dims 3 and 16, the checkpoint
 -- given the module or a function calling it; 3 microbatches with gradient sync on the last, 3 AdamW steps.
 describe("fully_shard under activation checkpointing, inputs not requiring grad", function()
@@ -1048,7 +1048,7 @@ describe("fully_shard bad input", function()
     assert.is_truthy(errmsg(dist.fully_shard, t.b, { mesh = mesh }):find("shared across two FSDP groups", 1, true))
   end)
 
-  it("a parent sharded before its child: the child's call says to shard bottom-up (issue 26 item 5)", function()
+  it("a parent sharded before its child: the child's call says to shard bottom-up", function()
     local m = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
     dist.fully_shard(m, { mesh = mesh })
     local msg = errmsg(dist.fully_shard, m[1], { mesh = mesh })
@@ -1056,7 +1056,7 @@ describe("fully_shard bad input", function()
     assert.is_truthy(msg:find("already sharded by fully_shard on FSDPSequential", 1, true), msg)
   end)
 
-  it("a mesh without this rank fails every rank, naming the rank (not a nil index; issue 26 item 5)", function()
+  it("a mesh without this rank fails every rank, naming the rank (not a nil index)", function()
     if W == 1 then return end
     local part = dist.DeviceMesh("cpu", { 0 })
     local msg = errmsg(dist.fully_shard, nn.Linear(3, 3), { mesh = part })

@@ -1,4 +1,4 @@
--- recipes/gpt_2d.lua (FSDP over tensor parallelism on a (dp, tp) mesh, issue 15 item 4) trains with the losses of
+-- recipes/gpt_2d.lua (FSDP over tensor parallelism on a (dp, tp) mesh) trains with the losses of
 -- the single-process recipe (recipes/gpt.lua on one process with the global batch: batch x dp rows) to 1e-5
 -- relative: at 4 ranks on the 2x2 mesh with and without --sp, and HSDP + TP on the (replicate, shard, tp) mesh
 -- (2, 1, 2); at 2 ranks on (2, 1) and (1, 2) (with and without --sp); at 1 rank on (1, 1).  It logs the mesh, each

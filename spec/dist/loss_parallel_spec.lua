@@ -139,7 +139,7 @@ describe("cross_entropy_vocab_parallel", function()
   end)
 end)
 
-describe("loss_parallel as PyTorch code uses it (issue 25 item 6)", function()
+describe("loss_parallel as PyTorch code uses it", function()
   local F = engine.nn.functional
   local function ref_case()
     engine.manual_seed(7)

@@ -1,4 +1,4 @@
--- Resume in PyTorch's order (issue 25 item 11): a distributed checkpoint loaded into the optimizer's state
+-- Resume in PyTorch's order: a distributed checkpoint loaded into the optimizer's state
 -- dict in place restores everything the state dict holds, the step counts included (0-dim f32 CPU tensors,
 -- as PyTorch keeps state["step"]; they were Lua numbers outside the table, left stale by an in-place load).
 -- Adapted from PyTorch's DCP flows (torch.distributed.checkpoint's e2e save/load tests and its tutorial):

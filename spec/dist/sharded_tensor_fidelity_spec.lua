@@ -1,4 +1,4 @@
--- ShardedTensor as PyTorch's own tests use it (issue 25 items 3, 9, 12, 13), adapted from
+-- ShardedTensor as PyTorch's own tests use it, adapted from
 -- test_sharded_tensor_reshard.py, test_sharded_tensor.py (test_new_group, test_init_from_local_shards_new_group,
 -- test_invalid_sharding, test_shard_parameter, test_load_state_dict_errors, test_complete_world_size) and
 -- test_sharding_plan.py (test_sharding_plan_errors):

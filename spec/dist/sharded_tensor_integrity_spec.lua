@@ -1,4 +1,4 @@
--- ShardedTensor results that were silently wrong (issue 26 item 2): allclose was true for NaN against anything
+-- ShardedTensor results that were silently wrong: allclose was true for NaN against anything
 -- and for +inf against -inf (now torch.allclose's rule, equal_nan included), and dist.sharded_tensor.save files
 -- carried no checksum, so a flipped byte loaded (now XXH64 per tensor and per ShardedTensor record, as
 -- dist.checkpoint's chunks; load fails on every rank of the group, naming the file and what is corrupt).

@@ -1,4 +1,4 @@
--- ShardedTensor (seed 002), second part: *_like factories, reshard (one all_to_all), elementwise ops and
+-- ShardedTensor (torch.distributed._shard), second part: *_like factories, reshard (one all_to_all), elementwise ops and
 -- comparisons, and the DTensor bridge (to_dtensor / from_dtensor without copies; ops through the
 -- DTensor dispatcher; specs without a DTensor equivalent fail naming the spec).
 local engine = require("engine")

@@ -1,4 +1,4 @@
--- ShardedTensor (seed 002), first part: factories over chunk and enumerable specs, local shards exactly as
+-- ShardedTensor (torch.distributed._shard), first part: factories over chunk and enumerable specs, local shards exactly as
 -- torch.chunk places them (uneven, subsets of ranks, several shards per rank), local_tensor, gather.
 local engine = require("engine")
 local dist = engine.distributed

@@ -1,4 +1,4 @@
--- DTensor layouts of issue 17 items 1, 4 and 5 (matmul family, indexing and shape
+-- DTensor layouts of the matmul family, indexing and shape
 -- ops, losses and activations): every input placement (for ops of several inputs the
 -- bounded cover of spec/dist/helpers/converter.lua that shards every input)
 -- on a 1-D mesh of the world and (4 ranks) a 2x2 mesh gives the single-process

@@ -1,4 +1,4 @@
--- Sharding of the ops of issue 17 items 2 and 3 (engine/src/sharding/math.c):
+-- Sharding of torch's pointwise math, reductions, scans and sorts (engine/src/sharding/math.c):
 -- pointwise math, fmod/remainder/floor_divide/logical ops, the composites
 -- (clamp with tensor bounds, lerp, addcmul, addcdiv), the reductions (prod,
 -- amax, amin, logsumexp, var, std, norm, all, any), scans and selections

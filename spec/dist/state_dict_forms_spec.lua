@@ -1,7 +1,7 @@
--- State dicts in three forms (issue 15 item 3; lua/engine/distributed/state_dict.lua): model:state_dict()
+-- State dicts in three forms (PyTorch's get_state_dict/set_state_dict; lua/engine/distributed/state_dict.lua): model:state_dict()
 -- (sharded DTensors), dist.get_state_dict(..., {full = true, cpu_offload, rank0_only}) (full tensors,
 -- gathered one at a time: the allocator's peak is measured) and the ShardedTensor form ({sharded = true},
--- seed 000's path), each saved from a plain (one process), FSDP, TP and 2-D (FSDP over TP) model, loaded
+-- tensor/parallel/fsdp.py's path), each saved from a plain (one process), FSDP, TP and 2-D (FSDP over TP) model, loaded
 -- by dist.set_state_dict into every other layout: equal full_tensor()s of parameters and AdamW states
 -- (keyed by parameter name, in the parameter's layout), and one more step equal to the source's.  Bad
 -- input fails on every rank.  Meshes: (2, 2) at 4 ranks, (W, 1) below; FSDP and TP alone on W ranks.

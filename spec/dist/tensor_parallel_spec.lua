@@ -1,4 +1,4 @@
--- Tensor parallelism (pytorch-semantics 1.6; seed 003): parallelize_module with PyTorch's styles,
+-- Tensor parallelism (pytorch-semantics 1.6; common_dtensor.py): parallelize_module with PyTorch's styles,
 -- collective counts per style, plan matching, src_data_rank, ties, meta init, and layout
 -- equivalence over training (MLPModule with SGD, the seed's Transformer with AdamW, with and
 -- without sequence parallelism / weight tying / activation checkpointing / local attention heads,
@@ -322,7 +322,7 @@ describe("parallelize_module plans", function()
     assert.is_truthy(e:find("ColwiseParallel on '<root>': input layout Shard(3) does not fit a 2-d input", 1, true), e)
   end)
 
-  -- issue 26 item 5: these used to be accepted at plan time and fail in forward with an unrelated message
+  -- these used to be accepted at plan time and fail in forward with an unrelated message
   it("a style applied twice to one module is refused at plan time (across calls and within one plan)", function()
     local m = models.MLPModule()
     dist.parallelize_module(m, mesh, { net1 = dist.ColwiseParallel() })
@@ -406,7 +406,7 @@ local function train_compare(make, parallelize, opt_fn, batch_fn, loss_fn, steps
 end
 
 describe("layout equivalence over 10 steps", function()
-  it("MLPModule (seed 003) with SGD", function()
+  it("MLPModule (common_dtensor.py) with SGD", function()
     train_compare(function() return models.MLPModule() end,
       function(m) dist.parallelize_module(m, mesh, models.MLPModule.tp_plan()) end,
       function(m) return engine.optim.SGD(m:parameters(), { lr = 0.1, momentum = 0.9 }) end,

@@ -1,4 +1,4 @@
-/* ops_index.h: indexing ops along a dim (issue 17 item 4).  Dims are 0-based
+/* ops_index.h: torch's indexing ops along a dim.  Dims are 0-based
  * here; index VALUES are 0-based data (as index_select and token ids), i32 or
  * i64.  All return a new tensor (the in-place forms live in Lua: computed out
  * of place, then copied).  CUDA: kernels for gather/scatter/index_copy (all

@@ -1,5 +1,5 @@
-/* ops_math.h: more pointwise math, reductions, scans and sorting (issue 17
- * items 2 and 3).  Dims are 0-based here (negative counts from the end);
+/* ops_math.h: more of torch's pointwise math, reductions, scans and sorting.
+ * Dims are 0-based here (negative counts from the end);
  * n_dims = 0 reduces over all dims.  Every op takes DTensors too (sharding
  * rules in engine/src/sharding/math.c; the composites clamp_tensor, lerp,
  * addcmul and addcdiv are made of dispatching ops and follow their rules).

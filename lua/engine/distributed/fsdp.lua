@@ -1,4 +1,4 @@
--- engine.distributed.fsdp: fully sharded data parallelism (PyTorch's FSDP2 `fully_shard`, seed 001).
+-- engine.distributed.fsdp: fully sharded data parallelism (PyTorch's FSDP2 `fully_shard`).
 --
 --   for _, block in ipairs(model.layers:children()) do dist.fully_shard(block, {mesh = mesh}) end
 --   dist.fully_shard(model, {mesh = mesh})            -- bottom-up: blocks first, then the root
@@ -415,7 +415,7 @@ local function placements_for(mesh, dim)
   return { P.Shard(dim) }
 end
 
--- FSDP over tensor parallelism (seed 000, issue 15): a DTensor parameter must live on a 1-D TP mesh that is the
+-- FSDP over tensor parallelism (FSDP2 over parallelize_module): a DTensor parameter must live on a 1-D TP mesh that is the
 -- last dim of the parent the FSDP mesh was sliced from (mesh["dp"] and mesh["tp"] of one (dp, tp) mesh, or
 -- mesh{"replicate", "shard"} and mesh["tp"] of a 3-D one).  Returns the parent and the TP placement.
 function tp_layout(p, name, m, mesh)

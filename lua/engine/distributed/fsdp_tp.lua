@@ -39,7 +39,7 @@ end
 local function need_1d(t, op)
   need_dt(t, op)
   if t.device_mesh:ndim() ~= 1 then
-    fail(string.format("%s: %s: only DTensors on a 1-D DeviceMesh are handled (seed 000's _get_box asserts a 1-D mesh)",
+    fail(string.format("%s: %s: only DTensors on a 1-D DeviceMesh are handled (PyTorch's _get_box asserts a 1-D mesh)",
       op, layout(t)))
   end
 end
@@ -164,7 +164,7 @@ function M.chunk_tensor(t, rank, world_size, num_devices_per_node, pg)
   pg = group_args(op, rank, world_size, pg)
   if not is_dt(t) then return plain_chunk(op, t, rank, world_size, pg) end
   if t.device_mesh:ndim() ~= 1 then
-    fail(string.format("%s: %s: only DTensors on a 1-D (tensor-parallel) DeviceMesh are handled (seed 000 asserts a "
+    fail(string.format("%s: %s: only DTensors on a 1-D (tensor-parallel) DeviceMesh are handled (PyTorch asserts a "
       .. "1-D mesh)", op, layout(t)))
   end
   if t.placements[1]:is_partial() then fail(string.format("%s: %s: a Partial DTensor has no shards", op, layout(t))) end

@@ -1,4 +1,4 @@
--- engine.distributed.shard_api: seed 002's module API (PyTorch's torch.distributed._shard.api):
+-- engine.distributed.shard_api: PyTorch's module API of torch.distributed._shard.api:
 -- shard_parameter, load_with_process_group, shard_module with ShardingPlan and Sharder,
 -- _reshard_output, _collect_local_shard, and the state-dict hooks of sharded parameters.
 --
@@ -162,7 +162,7 @@ local function install(module, name, st, rg)
 end
 
 -- ---------------------------------------------------------------- shard_parameter
--- shard_parameter(module, param_name, spec, {src_rank = 0, process_group}): seed 002's.  Collective
+-- shard_parameter(module, param_name, spec, {src_rank = 0, process_group}): torch.distributed._shard's.  Collective
 -- over the group: the local checks (no such attribute, not a tensor, not contiguous) are agreed with
 -- shard_tensor's src_rank/spec checks, so they fail every rank.  Returns the ShardedTensor.
 function M.shard_parameter(module, param_name, spec, opts)
@@ -604,7 +604,7 @@ local function check_plan(module, plan, src_rank)
   return (not ok) and tostring(err) or nil, table.concat(desc, "\n")
 end
 
--- shard_module(module, plan, {src_rank = 0, process_group}): seed 002's.  Parameters named by a
+-- shard_module(module, plan, {src_rank = 0, process_group}): torch.distributed._shard's.  Parameters named by a
 -- ShardingSpec are shard_parameter'd, modules named by a Sharder replaced by sharder:shard(mod) in
 -- their parent, output_plan and return_local_tensor hooks installed.  Collective over the group.
 -- Before any collective, every rank checks its plan locally (check_plan) and one agreement compares the

@@ -1,4 +1,4 @@
--- engine.distributed.shard_embedding: a recommender-style use of the Sharder interface (seed 002), in
+-- engine.distributed.shard_embedding: a recommender-style use of the Sharder interface (torch.distributed._shard), in
 -- the manner of torchrec: a collection of pooled embedding tables, and a Sharder that shards each table
 -- row-wise (the vocabulary: ChunkShardingSpec dim 1) or column-wise (the embedding dim: dim 2).
 --

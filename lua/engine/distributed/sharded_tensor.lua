@@ -1,4 +1,4 @@
--- engine.distributed.sharded_tensor: the ShardedTensor of seed 002 (PyTorch's torch.distributed._shard).
+-- engine.distributed.sharded_tensor: PyTorch's ShardedTensor (torch.distributed._shard).
 --
 --   local spec = dist.ChunkShardingSpec{dim = 1, placements = {"rank:0/cpu", "rank:1/cpu"}}
 --   local st = dist.sharded_tensor.zeros(spec, {10, 20}, {dtype = "f32"})
@@ -292,7 +292,7 @@ function M.init_from_local_shards(shards, size, opts)
     ShardedTensor)
 end
 
--- shard_tensor(tensor, spec, {src_rank = 0, process_group}): seed 002's _shard_tensor.  Every rank
+-- shard_tensor(tensor, spec, {src_rank = 0, process_group}): torch.distributed._shard's _shard_tensor.  Every rank
 -- checks that all ranks passed the same src_rank and spec (the seed's messages), then the data of
 -- src_rank's tensor is scattered, each rank receiving its shards.  Collective.
 local function agree_strings(mine, pg, world, me)
@@ -342,7 +342,7 @@ end
 
 local function zeros_list(n) local z = {} for d = 1, n do z[d] = 0 end return z end
 
--- src's tensor scattered into the shards of spec (seed 002's ChunkShardingSpec.shard: src_rank is a
+-- src's tensor scattered into the shards of spec (PyTorch's ChunkShardingSpec.shard: src_rank is a
 -- group rank): one scatter.  When the shards are the tensor's memory in rank order (one chunk per rank
 -- on the leading dim, placements the group's ranks in order, even sizes) the tensor itself is sent and every rank
 -- receives straight into its shard; otherwise each shard is moved once out of src's tensor when the

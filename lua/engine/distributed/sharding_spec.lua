@@ -1,4 +1,4 @@
--- engine.distributed.sharding_spec: ShardedTensor metadata (seed 002, PyTorch's torch.distributed._shard):
+-- engine.distributed.sharding_spec: ShardedTensor metadata (PyTorch's torch.distributed._shard):
 -- shard placements, ShardMetadata, ChunkShardingSpec, EnumerableShardingSpec, TensorProperties and
 -- ShardedTensorMetadata (the ShardedTensor is engine.distributed.sharded_tensor).
 --

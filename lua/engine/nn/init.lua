@@ -1,7 +1,7 @@
 -- engine.nn: modules, layers, nn.functional, nn.init, activation checkpointing.
 --   local nn = require("engine").nn
 --   local MyMod = nn.Module:extend("MyMod")
--- The test models of seed 003 (Transformer, ModelArgs, MLPModule, ...) live in
+-- The test models of PyTorch's DTensor tests (common_dtensor.py: Transformer, ModelArgs, MLPModule, ...) live in
 -- engine.models and are also reachable here (nn.Transformer{...}).
 local module = require("engine.nn.module")
 
@@ -27,7 +27,7 @@ nn.utils = {
   checkpoint = nn.checkpoint,
 }
 
--- seed 003's models, loaded on first use (engine.models requires engine.nn)
+-- common_dtensor.py's models, loaded on first use (engine.models requires engine.nn)
 local model_names = { ModelArgs = true, MLPModule = true, MLPStacked = true, Attention = true,
   FeedForward = true, TransformerBlock = true, Transformer = true, RMSNormPython = true, Llama = true, LlamaArgs = true }
 setmetatable(nn, { __index = function(t, k)

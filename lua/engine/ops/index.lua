@@ -1,4 +1,4 @@
--- engine.ops.index: indexing and shape ops of issue 17 item 4.  Dims are 1-based
+-- engine.ops.index: PyTorch's indexing and shape ops (gather, scatter, index_add, ...).  Dims are 1-based
 -- (negative from the end); index VALUES are 0-based data (as index_select and
 -- token ids; nonzero returns 0-based coordinates).
 --

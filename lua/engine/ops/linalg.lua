@@ -1,4 +1,4 @@
--- engine.ops.linalg: the matmul family of issue 17 item 1, all on the existing
+-- engine.ops.linalg: PyTorch's matmul family (mm, bmm, addmm, ...), all on the existing
 -- GEMM path (engine.matmul), so each inherits matmul's DTensor rules, autograd,
 -- dtypes and CUDA kernels (cuBLAS).
 --

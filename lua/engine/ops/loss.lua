@@ -1,4 +1,4 @@
--- engine.ops.loss: the losses and activations of issue 17 item 5.  The losses are
+-- engine.ops.loss: torch.nn.functional's other losses and activations.  The losses are
 -- fused C ops (engine/src/ops/loss_ext.c: one dispatch, their own DTensor rules);
 -- weights that require grad, mixed dtypes, broadcast targets and probability
 -- targets take the composites below (ops with DTensor rules, autograd, every

@@ -1,5 +1,5 @@
 -- engine.ops.math: more pointwise math, reductions, scans and sorting
--- (issue 17 items 2 and 3).  Each op is a Tensor method and an engine function.
+-- (torch's pointwise math, reductions, scans and sorts).  Each op is a Tensor method and an engine function.
 --
 --   t:sin() cos floor ceil trunc sign erf log1p expm1 reciprocal square
 --   t:round() / t:round(decimals) / t:round{decimals = 2}      half to even

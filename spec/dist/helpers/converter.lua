@@ -1,4 +1,4 @@
--- spec/dist/helpers/converter.lua: DTensor converter harness (port of seed 003's
+-- spec/dist/helpers/converter.lua: DTensor converter harness (port of common_dtensor.py's
 -- DTensorConverter).  For an op and plain inputs it enumerates every placement
 -- choice of every input (Replicate and Shard on each dim, per mesh dim) on a 1-D
 -- mesh of the world and, with 4 ranks, on a 2x2 mesh; runs the op on DTensors;

@@ -1,4 +1,4 @@
--- Helpers for the ShardedTensor specs (seed 002: spec/dist/sharded_tensor*_spec.lua, shard_module_spec.lua):
+-- Helpers for the ShardedTensor specs (torch.distributed._shard: spec/dist/sharded_tensor*_spec.lua, shard_module_spec.lua):
 -- placement lists over this world's ranks and chunk specs.
 local dist = require("engine").distributed
 
