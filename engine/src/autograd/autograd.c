@@ -6,6 +6,7 @@
 /* autograd.c: graph nodes, saved tensors, hooks and the backward pass. */
 #include "core/internal.h"
 #include "autograd/dist_hooks.h"
+#include "autograd/grad_math.h"
 #include <pthread.h>
 #include <stdint.h>
 
@@ -36,6 +37,11 @@ static int64_t next_handle(void) { return __atomic_add_fetch(&g_handle, 1, __ATO
 
 /* ---------------------------------------------------------------- DTensor layer */
 static eng_autograd_dist_hooks g_dist;
+/* The arithmetic of accumulation, installed by ops/grad_math.c. */
+static eng_autograd_math g_math;
+
+void eng_autograd_set_math(const eng_autograd_math* m) { g_math = *m; }
+
 void eng_autograd_set_dist_hooks(const eng_autograd_dist_hooks* hooks) {
   if (hooks) g_dist = *hooks;
   else memset(&g_dist, 0, sizeof g_dist);
@@ -279,7 +285,7 @@ eng_tensor* eng_grad_to_input(eng_node* n, int i, eng_tensor* g) {
   int same = g->ndim == nd;
   for (int d = 0; same && d < nd; d++) same = g->shape[d] == sh[d];
   if (same) r = eng_tensor_retain(g);
-  else { r = eng_sum_to_shape(g, nd, sh); if (!r) return NULL; }
+  else { r = g_math.sum_to_shape(g, nd, sh); if (!r) return NULL; }
   if (r->dtype != eng_node_in_dtype(n, i)) {
     eng_tensor* c = eng_tensor_to_dtype(r, eng_node_in_dtype(n, i));
     eng_tensor_release(r);
@@ -336,7 +342,7 @@ static int retain_hook(eng_tensor* t, eng_tensor* grad, eng_tensor** out, void* 
   eng_tensor* owner = ud;
   if (!grad) return 0;
   if (!owner->grad) { owner->grad = eng_tensor_clone(grad); return owner->grad ? 0 : -1; }
-  return eng_add_(owner->grad, grad, 1.0);
+  return g_math.add_(owner->grad, grad, 1.0);
 }
 
 int eng_tensor_retain_grad(eng_tensor* t) {
@@ -475,15 +481,15 @@ static int buf_add(eng_tensor** slot, eng_tensor* g) {
   if (!*slot) { *slot = eng_tensor_retain(g); return 0; }
   if (*slot == g) return 0; /* the backward function summed into the slot itself (eng_grad_accum_slot) */
   if (eng_same_shape(*slot, g) && (*slot)->dtype == g->dtype) {
-    if (exclusive(*slot, 1) && (*slot)->storage != g->storage) return eng_add_(*slot, g, 1.0);
+    if (exclusive(*slot, 1) && (*slot)->storage != g->storage) return g_math.add_(*slot, g, 1.0);
     if (exclusive(g, 1) && (*slot)->storage != g->storage) {
-      if (eng_add_(g, *slot, 1.0)) return -1;
+      if (g_math.add_(g, *slot, 1.0)) return -1;
       eng_tensor_release(*slot);
       *slot = eng_tensor_retain(g);
       return 0;
     }
   }
-  eng_tensor* s = eng_add(*slot, g);
+  eng_tensor* s = g_math.add(*slot, g);
   if (!s) return -1;
   eng_tensor_release(*slot);
   *slot = s;
@@ -546,7 +552,7 @@ static int accumulate_backward(eng_node* n, eng_tensor** go, eng_tensor** gi) {
     if (leaf->dist && !leaf->grad->dist && g_dist.spec_retain)
       leaf->grad->dist = g_dist.spec_retain(leaf->dist);
   } else {
-    int rc = eng_add_(leaf->grad, g, 1.0);
+    int rc = g_math.add_(leaf->grad, g, 1.0);
     eng_tensor_release(g);
     if (rc) return -1;
   }

@@ -2,8 +2,7 @@
  * user generators, eng_rng_use) and random tensors.  Element i of a tensor drawn with (seed, offset) is a function of
  * (seed, offset + i) only (i = row-major index in the global tensor); the
  * transforms and the Philox addressing are in kernels/cpu/philox.h. */
-#include "core/internal.h"
-#include "dtensor/dtensor_impl.h"
+#include "core/dispatch.h"
 #include "cuda/cuda_ops.h"
 #include "kernels/cpu/kcpu.h"
 #include <math.h>
@@ -164,35 +163,6 @@ static void fill_row(int64_t n, char** p, const int64_t* s, void* vc) {
   c->j += (uint64_t)n;
 }
 
-/* A DTensor gets its shard's slice of the global random tensor, and every
- * rank advances the generator by the global numel (as the factories do), so
- * full_tensor() equals a single-process fill with the same seed, whatever
- * the layout (PyTorch's offset-based RNG tracker). */
-static int fill_dtensor(const char* op, int kind, eng_tensor* t, double a, double b) {
-  const eng_dist_spec* s = t->dist;
-  if (s->has_partial) {
-    char buf[600];
-    return eng_err("%s: %s has a Partial placement; fill a Replicate or Shard layout (redistribute first)", op,
-                   eng_dist_spec_describe(s, t->dtype, buf, sizeof buf));
-  }
-  uint64_t seed;
-  uint64_t off = eng_rng_reserve_seeded((uint64_t)s->numel, &seed);
-  if (s->member && t->numel > 0) {
-    eng_tensor* r = dt_random_local(kind, s, a, b, t->dtype, seed, off); /* also _StridedShard (several runs) */
-    if (r && t->device != ENG_CPU) { /* drawn on the host: the CUDA stream gives the same numbers */
-      eng_tensor* d = eng_tensor_to_device(r, t->device);
-      eng_tensor_release(r);
-      r = d;
-    }
-    if (!r) { eng_err_prefix("%s", op); return -1; }
-    int rc = eng_copy_raw(t, r, r->stride);
-    eng_tensor_release(r);
-    if (rc) return -1;
-  }
-  eng_bump_version(t);
-  return 0;
-}
-
 static int fill_(const char* op, int kind, eng_tensor* t, double a, double b) {
   ENG_CHECK_I(t, op);
   if (check_params(op, kind, a, b)) return -1;
@@ -201,7 +171,12 @@ static int fill_(const char* op, int kind, eng_tensor* t, double a, double b) {
   if (eng_check_inplace(t, op)) return -1;
   if (eng_check_internal_overlap(t, op)) return -1; /* one draw per element: an expanded view has fewer */
   if (t->device == ENG_META) return 0; /* shapes only: nothing drawn, the generator does not advance */
-  if (t->dist && !eng_dtensor_local_mode()) return fill_dtensor(op, kind, t, a, b);
+  if (ENG_DT_ACTIVE(t->dist)) { /* the shard's slice of the global random tensor (dtensor/random.c) */
+    eng_tensor* r = eng_op_dispatch(ENG_OP_RANDOM_FILL, &(eng_op_call){.name = op, .n_in = 1, .in = {t}, .ints = {kind},
+                                                                         .scalars = {a, b}});
+    eng_tensor_release(r);
+    return r ? 0 : -1;
+  }
   uint64_t seed;
   uint64_t off = eng_rng_reserve_seeded((uint64_t)t->numel, &seed);
   if (t->numel > 0 && t->device == ENG_CUDA) { /* same numbers as below: element i (row-major) <- off + i */

@@ -6,7 +6,7 @@
  * into sharding/ (op defs), rng.c into dtensor/ (sharded random fills). */
 /* tensor.c: tensor objects, creation, element access, copies, casts. */
 #include "core/internal.h"
-#include "sharding/sharding.h"
+#include "core/dispatch.h"
 #include "kernels/cpu/kcpu.h"
 #include "cuda/cuda_ops.h"
 #include <math.h>
@@ -186,9 +186,6 @@ int32_t eng_tensor_refcount(const eng_tensor* t) { return t ? t->refcount : 0; }
 
 void eng_hook_list_free(struct eng_hook_list* h);    /* autograd/autograd.c */
 void eng_tensor_drop_retain_hook(eng_tensor* t);     /* autograd/autograd.c */
-void eng_dist_spec_release(struct eng_dist_spec* s); /* weak default below */
-
-__attribute__((weak)) void eng_dist_spec_release(struct eng_dist_spec* s) { (void)s; }
 
 void eng_tensor_release(eng_tensor* t) {
   if (!t) return;
@@ -198,7 +195,7 @@ void eng_tensor_release(eng_tensor* t) {
   if (t->grad_fn) eng_node_release(t->grad_fn);
   eng_hook_list_free(t->hooks);
   eng_hook_list_free(t->post_hooks);
-  if (t->dist) eng_dist_spec_release(t->dist);
+  if (t->dist) eng_spec_release(t->dist);
   eng_storage_release(t->storage);
   free(t);
   __atomic_sub_fetch(&g_live, 1, __ATOMIC_RELAXED);
@@ -285,7 +282,7 @@ int eng_meta_check(const eng_tensor* t, const char* op) {
 }
 
 int eng_meta_check_local(const eng_tensor* t, const char* op) {
-  return eng_dtensor_local_mode() ? eng_meta_check(t, op) : 0;
+  return eng_dispatch_local_mode() ? eng_meta_check(t, op) : 0;
 }
 
 eng_tensor* eng_tensor_empty_like(const eng_tensor* t) {
@@ -597,7 +594,7 @@ eng_tensor* eng_tensor_to_device(eng_tensor* t, int device) {
     return eng_errp("to_device: invalid device code %d (0 = cpu, 1 = cuda, 2 = meta)", device);
   if (t->device == device) return eng_tensor_retain(t);
   /* inside a DTensor op's local function (local mode) a DTensor input stands for its local tensor */
-  if (t->dist && !eng_dtensor_local_mode())
+  if (t->dist && !eng_dispatch_local_mode())
     return eng_errp("to_device: %s is a DTensor; moving DTensors between devices is not supported", eng_desc(t));
   eng_tensor* r = device_copy(t, device);
   if (!r) return NULL;
@@ -662,7 +659,7 @@ int eng_tensor_copy_(eng_tensor* dst, eng_tensor* src) {
     return eng_err("copy_: source %s requires grad and copy_ is not differentiable here; use clone() "
                    "or copy under no_grad", eng_desc(src));
   if (ENG_DT_ACTIVE(dst->dist && src->dist)) /* PyTorch: the source is redistributed to the destination's layout */
-    return eng_dispatch_inplace("copy_", 1, &(eng_op_call){.name = "copy_", .n_in = 2, .in = {dst, src}}, copy_local);
+    return eng_op_dispatch_inplace("copy_", 1, &(eng_op_call){.name = "copy_", .n_in = 2, .in = {dst, src}}, copy_local);
   int64_t bs[ENG_MAX_DIMS];
   int64_t tmp[ENG_MAX_DIMS];
   int n = eng_broadcast_shapes(dst->ndim, dst->shape, src->ndim, src->shape, tmp, "copy_", dst, src);
@@ -747,7 +744,7 @@ static eng_tensor* copy_as(eng_tensor* t, int dtype, const char* name) {
 
 eng_tensor* eng_tensor_clone(eng_tensor* t) {
   ENG_CHECK(t, "clone");
-  if (ENG_DT_ACTIVE(t->dist)) return eng_dispatch(&eng_opdef_clone, &(eng_op_call){.name = "clone", .n_in = 1, .in = {t}});
+  if (ENG_DT_ACTIVE(t->dist)) return eng_op_dispatch(ENG_OP_CLONE, &(eng_op_call){.name = "clone", .n_in = 1, .in = {t}});
   return copy_as(t, t->dtype, "CloneBackward");
 }
 
@@ -755,7 +752,7 @@ eng_tensor* eng_tensor_contiguous(eng_tensor* t) {
   ENG_CHECK(t, "contiguous");
   if (eng_tensor_is_contiguous(t)) return eng_tensor_retain(t);
   if (ENG_DT_ACTIVE(t->dist))
-    return eng_dispatch(&eng_opdef_clone, &(eng_op_call){.name = "contiguous", .n_in = 1, .in = {t}, .ints = {1}});
+    return eng_op_dispatch(ENG_OP_CLONE, &(eng_op_call){.name = "contiguous", .n_in = 1, .in = {t}, .ints = {1}});
   return copy_as(t, t->dtype, "CloneBackward");
 }
 
@@ -763,14 +760,14 @@ eng_tensor* eng_tensor_to_dtype(eng_tensor* t, int dtype) {
   ENG_CHECK(t, "to");
   if (dtype < 0 || dtype >= ENG_NUM_DTYPES) return eng_errp("to: invalid dtype code %d", dtype);
   if (t->dtype == dtype) return eng_tensor_retain(t);
-  if (ENG_DT_ACTIVE(t->dist)) return eng_dispatch(&eng_opdef_cast, &(eng_op_call){.name = "to", .n_in = 1, .in = {t}, .ints = {dtype}});
+  if (ENG_DT_ACTIVE(t->dist)) return eng_op_dispatch(ENG_OP_CAST, &(eng_op_call){.name = "to", .n_in = 1, .in = {t}, .ints = {dtype}});
   return copy_as(t, dtype, "ToCopyBackward");
 }
 
 eng_tensor* eng_tensor_detach(eng_tensor* t) {
   ENG_CHECK(t, "detach");
   eng_tensor* r = eng_view_of(t, t->ndim, t->shape, t->stride, t->offset);
-  if (r && t->dist) r->dist = eng_dist_spec_retain(t->dist); /* a detached DTensor stays a DTensor */
+  if (r && t->dist) r->dist = eng_spec_retain(t->dist); /* a detached DTensor stays a DTensor */
   return r;
 }
 

@@ -23,6 +23,7 @@
 #include "dtensor/dtensor_impl.h"
 #include "autograd/dist_hooks.h"
 #include "sharding/sharding.h"
+#include "dtensor/dispatch.h"
 #include <math.h>
 #include <stdio.h>
 
@@ -56,17 +57,6 @@ eng_tensor* eng_no_rule(const char* name, const eng_op_call* c) {
 int eng_no_rule_i(const char* name, const eng_op_call* c) {
   eng_no_rule(name, c);
   return -1;
-}
-
-int64_t eng_dims_mask(int ndim, int n_dims, const int* dims, const char* op) {
-  if (n_dims == 0) return ndim >= 64 ? -1 : (int64_t)((1ull << ndim) - 1);
-  int64_t m = 0;
-  for (int i = 0; i < n_dims; i++) {
-    int d = eng_norm_dim(dims[i], ndim, op);
-    if (d < 0) return -1;
-    m |= (int64_t)1 << d;
-  }
-  return m;
 }
 
 /* ------------------------------------------------------------------ rule helpers */
@@ -407,9 +397,9 @@ static int dist_node_backward(eng_node* n, eng_tensor** go, eng_tensor** gi) {
     if (!lgp[j]) rc = -1;
   }
   if (!rc) {
-    int prev = eng_dtensor_set_local_mode(1);
+    int prev = eng_dispatch_set_local_mode(1);
     rc = n->backward(n, lgp, gi);
-    eng_dtensor_set_local_mode(prev);
+    eng_dispatch_set_local_mode(prev);
   }
   for (int j = 0; j < n->n_outputs; j++) eng_tensor_release(lgp[j]);
   if (lgp != lg) free(lgp);
@@ -613,12 +603,12 @@ int eng_dispatch_multi(const eng_op_def* def, eng_op_call* c, eng_tensor** outs)
   r.n = c->n_in; r.in = rin; r.adj = e->in_adj;
   region* prev_region = t_region;
   t_region = &r;
-  int prev_mode = eng_dtensor_set_local_mode(1);
+  int prev_mode = eng_dispatch_set_local_mode(1);
   int lrc;
   if (meta) lrc = eng_meta_outputs(def, &lc, e->out, outs); /* meta DTensors: the chosen layout's local shapes */
   else if (def->local) lrc = def->local(&lc, (const eng_dist_spec* const*)e->req, (const eng_dist_spec* const*)e->out, outs);
   else { outs[0] = def->fn(&lc); lrc = outs[0] ? 0 : -1; }
-  eng_dtensor_set_local_mode(prev_mode);
+  eng_dispatch_set_local_mode(prev_mode);
   t_region = prev_region;
   int member = e->out[0]->member;
   if (lrc && !member) { /* ranks outside the mesh: empty outputs */
@@ -739,18 +729,57 @@ int eng_dispatch_inplace(const char* name, int mode, eng_op_call* c, int (*fn)(e
   {
     eng_op_call lc = *c;
     for (int i = 1; i < c->n_in; i++) if (tmp[i]) lc.in[i] = tmp[i];
-    int prev = eng_dtensor_set_local_mode(1);
+    int prev = eng_dispatch_set_local_mode(1);
     rc = fn(&lc);
-    eng_dtensor_set_local_mode(prev);
+    eng_dispatch_set_local_mode(prev);
   }
 done:
   for (int i = 0; i < ENG_OP_MAX_IN; i++) { eng_tensor_release(tmp[i]); eng_tensor_release(conv[i]); }
   return rc;
 }
 
-/* The DTensor layer's part in autograd (autograd/dist_hooks.h), installed when
- * the library is loaded. */
-__attribute__((constructor)) static void install_autograd_hooks(void) {
+/* ------------------------------------------------------------------ the op table */
+static struct { const eng_op_def* def; eng_op_handler fn; eng_op_handler_multi multi; } g_ops[ENG_OP_COUNT];
+
+void eng_dt_register_def(eng_op_id op, const eng_op_def* def) {
+  if ((unsigned)op < ENG_OP_COUNT) g_ops[op].def = def;
+}
+
+void eng_dt_register_handler(eng_op_id op, eng_op_handler fn, eng_op_handler_multi multi) {
+  if ((unsigned)op < ENG_OP_COUNT) { g_ops[op].fn = fn; g_ops[op].multi = multi; }
+}
+
+const eng_op_def* eng_dt_op_def(eng_op_id op) { return (unsigned)op < ENG_OP_COUNT ? g_ops[op].def : NULL; }
+
+static eng_tensor* op_call(eng_op_id op, eng_op_call* c) {
+  if ((unsigned)op < ENG_OP_COUNT) {
+    if (g_ops[op].def) return eng_dispatch(g_ops[op].def, c);
+    if (g_ops[op].fn) return g_ops[op].fn(c);
+  }
+  return eng_no_rule(c->name ? c->name : "op", c);
+}
+
+static int op_call_multi(eng_op_id op, eng_op_call* c, eng_tensor** outs) {
+  if ((unsigned)op < ENG_OP_COUNT) {
+    const eng_op_def* def = g_ops[op].def;
+    if (def) return eng_dispatch_multi(def, c, outs) ? -1 : def->n_out;
+    if (g_ops[op].multi) return g_ops[op].multi(c, outs);
+  }
+  return eng_no_rule_i(c->name ? c->name : "op", c);
+}
+
+static const char* spec_describe(const eng_dist_spec* s, int dtype, char* buf, int cap) {
+  return eng_dist_spec_describe(s, dtype, buf, cap);
+}
+
+/* The DTensor layer's entry points in core (core/dispatch.h) and its part in
+ * autograd (autograd/dist_hooks.h), installed when the library is loaded. */
+__attribute__((constructor)) static void install_dispatcher(void) {
+  eng_dispatcher_install(&(eng_dispatcher){.call = op_call, .call_multi = op_call_multi,
+                                           .call_inplace = eng_dispatch_inplace,
+                                           .spec_retain = eng_dist_spec_retain, .spec_release = eng_dist_spec_release,
+                                           .spec_describe = spec_describe, .spec_equal = eng_dist_spec_equal,
+                                           .wait = eng_dtensor_wait, .norm_reduce = eng_dt_norm_reduce});
   eng_autograd_set_dist_hooks(&(eng_autograd_dist_hooks){
       .mark_node = dist_mark_node, .node_backward = dist_node_backward, .node_free = dist_node_free,
       .grad_for_leaf = dist_grad_for_leaf, .spec_retain = eng_dist_spec_retain,

@@ -40,15 +40,10 @@ static const char* spec_desc(const eng_tensor* t, char* buf, int cap) {
 }
 
 /* ------------------------------------------------------------------ local mode, wrapping */
-static __thread int g_local_mode;
+/* The flag lives with the guards that read it (core/dispatch.c). */
+int eng_dtensor_set_local_mode(int on) { return eng_dispatch_set_local_mode(on); }
 
-int eng_dtensor_set_local_mode(int on) {
-  int prev = g_local_mode;
-  g_local_mode = on ? 1 : 0;
-  return prev;
-}
-
-int eng_dtensor_local_mode(void) { return g_local_mode; }
+int eng_dtensor_local_mode(void) { return eng_dispatch_local_mode(); }
 
 static int check_local_shape(const char* op, const eng_tensor* local, const eng_dist_spec* s) {
   if (local->ndim != s->ndim) {

@@ -4,7 +4,7 @@
  * Not public. */
 #ifndef ENG_DTENSOR_IMPL_H
 #define ENG_DTENSOR_IMPL_H
-#include "core/internal.h"
+#include "core/dispatch.h"
 
 /* Base (0 or 1) for dims printed in messages (eng_dtensor_set_display_base). */
 int dt_base(void);

@@ -10,7 +10,7 @@
  * thread; backward runs serially when an input is broadcast over the batch
  * (its gradient is a sum over batches). */
 #include "ops/bmm.h"
-#include "sharding/sharding.h"
+#include "core/dispatch.h"
 #include "kernels/cpu/kcpu.h"
 #include "cuda/cuda_ops.h"
 #include "ops/ops.h"
@@ -418,7 +418,7 @@ static eng_tensor* sdpa_op(eng_tensor* q, eng_tensor* k, eng_tensor* v, eng_tens
   const char* op = "scaled_dot_product_attention";
   ENG_CHECK(q, op); ENG_CHECK(k, op); ENG_CHECK(v, op);
   if (eng_meta_check_local(q, op) || eng_meta_check_local(k, op) || eng_meta_check_local(v, op) || eng_meta_check_local(mask, op)) return NULL;
-  if (ENG_DT_ACTIVE(q->dist || ENG_META_T(q) || k->dist || ENG_META_T(k) || v->dist || ENG_META_T(v) || ((mask && mask->dist) || ENG_META_T(mask)))) return eng_dispatch(&eng_opdef_sdpa, &(eng_op_call){.name = op, .n_in = 4, .in = {q, k, v, mask}, .ints = {is_causal ? 1 : 0}, .scalars = {dropout_p, scale}});
+  if (ENG_DT_ACTIVE(q->dist || ENG_META_T(q) || k->dist || ENG_META_T(k) || v->dist || ENG_META_T(v) || ((mask && mask->dist) || ENG_META_T(mask)))) return eng_op_dispatch(ENG_OP_SDPA, &(eng_op_call){.name = op, .n_in = 4, .in = {q, k, v, mask}, .ints = {is_causal ? 1 : 0}, .scalars = {dropout_p, scale}});
   if (q->dtype != k->dtype || q->dtype != v->dtype)
     return eng_errp("%s: q %s, k %s and v %s must have the same dtype", op, eng_desc(q), eng_desc(k), eng_desc(v));
   if (!eng_dtype_is_floating(q->dtype))

@@ -1,7 +1,7 @@
 /* binary.c: broadcasting binary ops (add, sub, mul, div, pow, maximum,
  * minimum), their scalar forms, autograd, and in-place arithmetic. */
 #include "core/internal.h"
-#include "sharding/sharding.h"
+#include "core/dispatch.h"
 #include "kernels/cpu/kcpu.h"
 #include "cuda/cuda_ops.h"
 #include <math.h>
@@ -191,7 +191,7 @@ static eng_tensor* binary(int op, eng_tensor* a, eng_tensor* b) {
 /* DTensor arguments go through the dispatcher (sharding/pointwise.c). */
 #define BIN_GUARD(which, a, b)                                                                     \
   if (a && b && ENG_DT_ACTIVE(a->dist || ENG_META_T(a) || b->dist || ENG_META_T(b)))                                                 \
-    return eng_dispatch(&eng_opdef_binary, &(eng_op_call){.name = g_names[which], .n_in = 2, .in = {a, b}, .ints = {which}})
+    return eng_op_dispatch(ENG_OP_BINARY, &(eng_op_call){.name = g_names[which], .n_in = 2, .in = {a, b}, .ints = {which}})
 
 eng_tensor* eng_add(eng_tensor* a, eng_tensor* b) { BIN_GUARD(ENG_BIN_ADD, a, b); return binary(KB_ADD, a, b); }
 eng_tensor* eng_sub(eng_tensor* a, eng_tensor* b) { BIN_GUARD(ENG_BIN_SUB, a, b); return binary(KB_SUB, a, b); }
@@ -282,7 +282,7 @@ static eng_tensor* scalar_op(int kind, eng_tensor* a, double s) {
 
 #define SC_GUARD(which, nm, a, s)                                                                \
   if (a && ENG_DT_ACTIVE(a->dist || ENG_META_T(a)))                                                                 \
-    return eng_dispatch(&eng_opdef_scalar, &(eng_op_call){.name = nm, .n_in = 1, .in = {a}, .ints = {which}, .scalars = {s}})
+    return eng_op_dispatch(ENG_OP_SCALAR, &(eng_op_call){.name = nm, .n_in = 1, .in = {a}, .ints = {which}, .scalars = {s}})
 
 eng_tensor* eng_add_scalar(eng_tensor* a, double s) { SC_GUARD(ENG_SC_ADD, "add", a, s); return scalar_op(SC_ADD, a, s); }
 eng_tensor* eng_sub_scalar(eng_tensor* a, double s) { SC_GUARD(ENG_SC_SUB, "sub", a, s); return scalar_op(SC_SUB, a, s); }
@@ -448,7 +448,7 @@ static int ip_local(eng_op_call* c) {
 }
 #define IP_GUARD(op, nm, mode, a, b, alpha)                                                      \
   if (a && b && ENG_DT_ACTIVE(a->dist || ENG_META_T(a) || b->dist || ENG_META_T(b)))                                                 \
-    return eng_dispatch_inplace(nm, mode, &(eng_op_call){.name = nm, .n_in = 2, .in = {a, b}, .ints = {op}, .scalars = {alpha}}, ip_local)
+    return eng_op_dispatch_inplace(nm, mode, &(eng_op_call){.name = nm, .n_in = 2, .in = {a, b}, .ints = {op}, .scalars = {alpha}}, ip_local)
 
 int eng_add_(eng_tensor* a, eng_tensor* b, double alpha) { IP_GUARD(KB_ADD, "add_", 1, a, b, alpha); return inplace(KB_ADD, a, b, alpha, "add_"); }
 int eng_sub_(eng_tensor* a, eng_tensor* b) { IP_GUARD(KB_ADD, "sub_", 1, a, b, -1.0); return inplace(KB_ADD, a, b, -1.0, "sub_"); }
@@ -472,11 +472,11 @@ static int ips_local(eng_op_call* c) { return inplace_scalar((int)c->ints[0], c-
 
 int eng_add_scalar_(eng_tensor* a, double s) {
   if (a && ENG_DT_ACTIVE(a->dist || ENG_META_T(a)))
-    return eng_dispatch_inplace("add_", 0, &(eng_op_call){.name = "add_", .n_in = 1, .in = {a}, .ints = {KB_ADD}, .scalars = {s}}, ips_local);
+    return eng_op_dispatch_inplace("add_", 0, &(eng_op_call){.name = "add_", .n_in = 1, .in = {a}, .ints = {KB_ADD}, .scalars = {s}}, ips_local);
   return inplace_scalar(KB_ADD, a, s, "add_");
 }
 int eng_mul_scalar_(eng_tensor* a, double s) {
   if (a && ENG_DT_ACTIVE(a->dist || ENG_META_T(a)))
-    return eng_dispatch_inplace("mul_", 2, &(eng_op_call){.name = "mul_", .n_in = 1, .in = {a}, .ints = {KB_MUL}, .scalars = {s}}, ips_local);
+    return eng_op_dispatch_inplace("mul_", 2, &(eng_op_call){.name = "mul_", .n_in = 1, .in = {a}, .ints = {KB_MUL}, .scalars = {s}}, ips_local);
   return inplace_scalar(KB_MUL, a, s, "mul_");
 }

@@ -1,7 +1,7 @@
 /* compare.c: comparisons (bool results, no gradient), where and
  * masked_fill (differentiable in their tensor arguments). */
 #include "core/internal.h"
-#include "sharding/sharding.h"
+#include "core/dispatch.h"
 #include "kernels/cpu/kcpu.h"
 #include "cuda/cuda_ops.h"
 #include <math.h>
@@ -57,7 +57,7 @@ eng_tensor* eng_compare(eng_tensor* a, eng_tensor* b, int op) {
   if (eng_meta_check_local(a, name)) return NULL;
   if (eng_meta_check_local(b, name)) return NULL;
   if (ENG_DT_ACTIVE(a->dist || ENG_META_T(a) || b->dist || ENG_META_T(b)))
-    return eng_dispatch(&eng_opdef_compare, &(eng_op_call){.name = name, .n_in = 2, .in = {a, b}, .ints = {op}});
+    return eng_op_dispatch(ENG_OP_COMPARE, &(eng_op_call){.name = name, .n_in = 2, .in = {a, b}, .ints = {op}});
   if (a->device != b->device)
     return eng_errp("%s: tensors on different devices: %s and %s", name, eng_desc(a), eng_desc(b));
   return compare_in(a, b, op, compute_dtype(eng_promote_types(a->dtype, b->dtype)), name);
@@ -69,7 +69,7 @@ eng_tensor* eng_compare_scalar(eng_tensor* a, double s, int op) {
   ENG_CHECK(a, name);
   if (eng_meta_check_local(a, name)) return NULL;
   if (ENG_DT_ACTIVE(a->dist || ENG_META_T(a)))
-    return eng_dispatch(&eng_opdef_compare_scalar, &(eng_op_call){.name = name, .n_in = 1, .in = {a}, .ints = {op}, .scalars = {s}});
+    return eng_op_dispatch(ENG_OP_COMPARE_SCALAR, &(eng_op_call){.name = name, .n_in = 1, .in = {a}, .ints = {op}, .scalars = {s}});
   /* The scalar takes a's dtype if a is floating (so bf16(x) == x holds as in
    * PyTorch); with an integer tensor, an integral scalar compares as i64,
    * any other as f64. */
@@ -162,7 +162,7 @@ eng_tensor* eng_where(eng_tensor* cond, eng_tensor* a, eng_tensor* b) {
   if (eng_meta_check_local(a, "where")) return NULL;
   if (eng_meta_check_local(b, "where")) return NULL;
   if (ENG_DT_ACTIVE(cond->dist || ENG_META_T(cond) || a->dist || ENG_META_T(a) || b->dist || ENG_META_T(b)))
-    return eng_dispatch(&eng_opdef_where, &(eng_op_call){.n_in = 3, .in = {cond, a, b}});
+    return eng_op_dispatch(ENG_OP_WHERE, &(eng_op_call){.n_in = 3, .in = {cond, a, b}});
   if (check_mask(cond, "where", "condition")) return NULL;
   if (a->device != b->device || cond->device != a->device)
     return eng_errp("where: tensors on different devices: %s, %s and %s", eng_desc(cond), eng_desc(a), eng_desc(b));
@@ -228,7 +228,7 @@ eng_tensor* eng_masked_fill(eng_tensor* t, eng_tensor* mask, double value) {
   if (eng_meta_check_local(t, "masked_fill")) return NULL;
   if (eng_meta_check_local(mask, "masked_fill")) return NULL;
   if (ENG_DT_ACTIVE(t->dist || ENG_META_T(t) || mask->dist || ENG_META_T(mask)))
-    return eng_dispatch(&eng_opdef_masked_fill, &(eng_op_call){.n_in = 2, .in = {t, mask}, .scalars = {value}});
+    return eng_op_dispatch(ENG_OP_MASKED_FILL, &(eng_op_call){.n_in = 2, .in = {t, mask}, .scalars = {value}});
   if (check_mask(mask, "masked_fill", "mask")) return NULL;
   if (t->device != mask->device)
     return eng_errp("masked_fill: tensors on different devices: %s and %s", eng_desc(t), eng_desc(mask));

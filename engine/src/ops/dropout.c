@@ -5,7 +5,7 @@
  * shard can rebuild its part of the mask.  Backward regenerates the mask from
  * the (seed, offset) saved in the node: no mask is stored. */
 #include "core/internal.h"
-#include "sharding/sharding.h"
+#include "core/dispatch.h"
 #include "kernels/cpu/kcpu.h"
 #include "cuda/cuda_ops.h"
 #include "ops/ops.h"
@@ -97,7 +97,7 @@ eng_tensor* eng_dropout(eng_tensor* x, double p, int training) {
   if (!(p >= 0.0 && p <= 1.0))
     return eng_errp("dropout: probability has to be between 0 and 1, but got %g (input %s)", p, eng_desc(x));
   if (!training || p == 0.0) return eng_tensor_retain(x);
-  if (ENG_DT_ACTIVE(x->dist || ENG_META_T(x))) return eng_dispatch(&eng_opdef_dropout, &(eng_op_call){.name = "dropout", .n_in = 1, .in = {x}, .scalars = {p}});
+  if (ENG_DT_ACTIVE(x->dist || ENG_META_T(x))) return eng_op_dispatch(ENG_OP_DROPOUT, &(eng_op_call){.name = "dropout", .n_in = 1, .in = {x}, .scalars = {p}});
   if (x->numel == 0) return eng_tensor_retain(x);
   if (!eng_dtype_is_floating(x->dtype))
     return eng_errp("dropout: expects a floating point input, got %s", eng_desc(x));

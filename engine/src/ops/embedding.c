@@ -1,7 +1,7 @@
 /* embedding.c: embedding lookup (row gather) with a dense scatter-add
  * backward; padding_idx rows get no gradient. */
 #include "core/internal.h"
-#include "sharding/sharding.h"
+#include "core/dispatch.h"
 #include "kernels/cpu/kcpu.h"
 #include "cuda/cuda_ops.h"
 
@@ -42,7 +42,7 @@ eng_tensor* eng_embedding(eng_tensor* weight, eng_tensor* indices, int64_t paddi
   if (eng_meta_check_local(weight, op)) return NULL;
   if (eng_meta_check_local(indices, op)) return NULL;
   if (ENG_DT_ACTIVE(weight->dist || ENG_META_T(weight) || indices->dist || ENG_META_T(indices)))
-    return eng_dispatch(&eng_opdef_embedding, &(eng_op_call){.name = op, .n_in = 2, .in = {weight, indices},
+    return eng_op_dispatch(ENG_OP_EMBEDDING, &(eng_op_call){.name = op, .n_in = 2, .in = {weight, indices},
                                                              .ints = {padding_idx < 0 ? -1 : padding_idx}});
   if (weight->ndim != 2)
     return eng_errp("%s: weight must be 2-D [num_embeddings, embedding_dim], got %s", op, eng_desc(weight));

@@ -3,7 +3,7 @@
  * full table; indices outside give zero rows, and the backward scatter-adds
  * only into owned rows.  The sum over the shards of the outputs is the full
  * embedding (a Partial(sum) output for the dispatcher). */
-#include "core/internal.h"
+#include "core/dispatch.h"
 
 /* saved: 0 indices (contiguous i64).  ints: 0 row_offset, 1 compute dtype. */
 static int embm_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
@@ -78,7 +78,7 @@ eng_tensor* eng_embedding_masked(eng_tensor* weight, eng_tensor* indices, int64_
   ENG_CHECK(weight, op); ENG_CHECK(indices, op);
   if (eng_meta_check(weight, op)) return NULL;
   if (eng_meta_check(indices, op)) return NULL;
-  if (!eng_dtensor_local_mode() && (weight->dist || indices->dist))
+  if (!eng_dispatch_local_mode() && (weight->dist || indices->dist))
     return eng_errp("%s: takes this rank's weight shard and the indices as plain tensors, got %s and %s (use "
                     "to_local(), or embedding on a DTensor weight sharded on dim 0)", op,
                     weight->dist ? "a DTensor" : eng_desc(weight), indices->dist ? "a DTensor" : eng_desc(indices));

@@ -18,8 +18,7 @@
  * rules are in sharding/index.c. */
 #include "core/internal.h"
 #include "ops/ops.h"
-#include "sharding/sharding.h"
-#include "sharding/sharding_index.h"
+#include "core/dispatch.h"
 #include "kernels/cpu/kindex.h"
 #include "cuda/cuda_index.h"
 
@@ -81,7 +80,7 @@ eng_tensor* eng_gather(eng_tensor* x, int dim, eng_tensor* index) {
   ENG_CHECK(x, op); ENG_CHECK(index, op);
   if (eng_meta_check_local(x, op) || eng_meta_check_local(index, op)) return NULL;
   if (ENG_DT_ACTIVE(x->dist || index->dist || ENG_META_T(x) || ENG_META_T(index)))
-    return eng_dt_gather(x, dim, index);
+    return eng_op_dispatch(ENG_OP_GATHER, &(eng_op_call){.name = "gather", .n_in = 2, .in = {x, index}, .ints = {dim}});
   if (!index_dtype_ok(index)) return eng_errp("%s: index must be i32 or i64, got %s", op, eng_desc(index));
   if (index->ndim != x->ndim)
     return eng_errp("%s: index %s and input %s must have the same number of dims", op, eng_desc(index), eng_desc(x));
@@ -160,7 +159,7 @@ eng_tensor* eng_scatter(eng_tensor* x, int dim, eng_tensor* index, eng_tensor* s
   ENG_CHECK(x, op); ENG_CHECK(index, op); ENG_CHECK(src, op);
   if (eng_meta_check_local(x, op) || eng_meta_check_local(index, op) || eng_meta_check_local(src, op)) return NULL;
   if (ENG_DT_ACTIVE(x->dist || index->dist || src->dist || ENG_META_T(x) || ENG_META_T(index) || ENG_META_T(src)))
-    return eng_dt_scatter(x, dim, index, src, reduce);
+    return eng_op_dispatch(ENG_OP_SCATTER, &(eng_op_call){.name = "scatter", .n_in = 3, .in = {x, index, src}, .ints = {dim, reduce}});
   if (!index_dtype_ok(index)) return eng_errp("%s: index must be i32 or i64, got %s", op, eng_desc(index));
   if (src->dtype != x->dtype)
     return eng_errp("%s: src %s must have the dtype of the input %s", op, eng_desc(src), eng_desc(x));
@@ -268,7 +267,7 @@ static eng_tensor* index_put(eng_tensor* x, int dim, eng_tensor* index, eng_tens
   ENG_CHECK(x, op); ENG_CHECK(index, op); ENG_CHECK(src, op);
   if (eng_meta_check_local(x, op) || eng_meta_check_local(index, op) || eng_meta_check_local(src, op)) return NULL;
   if (ENG_DT_ACTIVE(x->dist || index->dist || src->dist || ENG_META_T(x) || ENG_META_T(index) || ENG_META_T(src)))
-    return eng_dt_index_put(x, dim, index, src, acc, alpha);
+    return eng_op_dispatch(ENG_OP_INDEX_PUT, &(eng_op_call){.name = "index_put", .n_in = 3, .in = {x, index, src}, .ints = {dim, acc}, .scalars = {alpha}});
   if (!index_dtype_ok(index)) return eng_errp("%s: index must be i32 or i64, got %s", op, eng_desc(index));
   if (index->ndim > 1) return eng_errp("%s: index must be a 1-D tensor (a vector), got %s", op, eng_desc(index));
   if (src->dtype != x->dtype)
@@ -338,7 +337,7 @@ eng_tensor* eng_nonzero(eng_tensor* x) {
   const char* op = "nonzero";
   ENG_CHECK(x, op);
   if (eng_meta_check(x, op)) return NULL;
-  if (x->dist && !eng_dtensor_local_mode())
+  if (x->dist && !eng_dispatch_local_mode())
     return eng_errp("%s: %s is a DTensor: the output's size depends on the data; use nonzero on full_tensor() "
                     "(engine.nonzero does that for DTensors and returns a Replicate DTensor)", op, eng_desc(x));
   eng_tensor* X = eng_op_host(x, x->dtype);

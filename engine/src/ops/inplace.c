@@ -4,7 +4,7 @@
  * require grad in grad mode); b and c broadcast to a; the version counter
  * of a's storage is bumped. */
 #include "core/internal.h"
-#include "sharding/sharding.h"
+#include "core/dispatch.h"
 #include "kernels/cpu/kcpu.h"
 #include "cuda/cuda_ops.h"
 #include <math.h>
@@ -111,7 +111,7 @@ static int i3_local(eng_op_call* c) {
 }
 #define I3_GUARD(op, nm, mode, a, b, c, v)                                                        \
   if (a && b && ENG_DT_ACTIVE(a->dist || b->dist || (c && c->dist)))                                \
-    return eng_dispatch_inplace(nm, mode, &(eng_op_call){.name = nm, .n_in = c ? 3 : 2, .in = {a, b, c}, .ints = {op}, .scalars = {v}}, i3_local)
+    return eng_op_dispatch_inplace(nm, mode, &(eng_op_call){.name = nm, .n_in = c ? 3 : 2, .in = {a, b, c}, .ints = {op}, .scalars = {v}}, i3_local)
 
 int eng_addcmul_(eng_tensor* a, eng_tensor* b, eng_tensor* c, double v) {
   I3_GUARD(KI_ADDCMUL, "addcmul_", 0, a, b, c, v);
@@ -149,7 +149,7 @@ static int clamp_local(eng_op_call* c);
 int eng_clamp_(eng_tensor* a, double lo, double hi) {
   ENG_CHECK_I(a, "clamp_");
   if (ENG_DT_ACTIVE(a->dist))
-    return eng_dispatch_inplace("clamp_", 0, &(eng_op_call){.name = "clamp_", .n_in = 1, .in = {a}, .scalars = {lo, hi}}, clamp_local);
+    return eng_op_dispatch_inplace("clamp_", 0, &(eng_op_call){.name = "clamp_", .n_in = 1, .in = {a}, .scalars = {lo, hi}}, clamp_local);
   if (eng_check_inplace(a, "clamp_") || eng_check_internal_overlap(a, "clamp_")) return -1;
   if (isnan(lo) && isnan(hi))
     return eng_err("clamp_: %s: at least one of min and max must be given (both are NaN/nil)", eng_desc(a));

@@ -2,8 +2,7 @@
  * split, split_sizes, chunk) and index_select, with their autograd.
  * Pieces of split/chunk are views of the input; cat/stack/index_select copy. */
 #include "core/internal.h"
-#include "sharding/sharding.h"
-#include "sharding/sharding_shape.h"
+#include "core/dispatch.h"
 #include "kernels/cpu/kcpu.h"
 #include "cuda/cuda_ops.h"
 #include <stdio.h>
@@ -48,9 +47,10 @@ static int join_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
 static eng_tensor* join(int n, eng_tensor** ts, int dim, int stack) {
   const char* op = stack ? "stack" : "cat";
   if (n < 1 || !ts) return eng_errp("%s: expected a non-empty list of tensors", op);
-  if (!eng_dtensor_local_mode())
+  if (!eng_dispatch_local_mode())
     for (int i = 0; i < n; i++)
-      if (ts[i] && ts[i]->dist) return eng_dt_join(n, ts, dim, stack);
+      if (ts[i] && ts[i]->dist)
+        return eng_op_dispatch(ENG_OP_JOIN, &(eng_op_call){.name = op, .ints = {dim, stack}, .tensors = ts, .n_tensors = n});
   int dt = -1;
   const eng_tensor* ref = NULL;
   for (int i = 0; i < n; i++) {
@@ -227,7 +227,8 @@ static int split_even(eng_tensor* t, int64_t split_size, int d, int max_out, eng
 
 int eng_split(eng_tensor* t, int64_t split_size, int dim, int max_out, eng_tensor** out) {
   ENG_CHECK_I(t, "split");
-  if (ENG_DT_ACTIVE(t->dist)) return eng_dt_split(t, 0, split_size, 0, NULL, dim, max_out, out);
+  if (ENG_DT_ACTIVE(t->dist))
+    return eng_op_dispatch_multi(ENG_OP_SPLIT, &(eng_op_call){.name = "split", .n_in = 1, .in = {t}, .ints = {0, split_size, dim, max_out}}, out);
   if (t->ndim == 0) return eng_err("split: cannot split a 0-d tensor (%s)", eng_desc(t));
   if (!out || max_out < 1) return eng_err("split: no room for outputs (max_out %d)", max_out);
   int d = wrap_dim(dim, t->ndim, "split", t);
@@ -241,7 +242,8 @@ int eng_split(eng_tensor* t, int64_t split_size, int dim, int max_out, eng_tenso
 
 int eng_split_sizes(eng_tensor* t, int n, const int64_t* sizes, int dim, eng_tensor** out) {
   ENG_CHECK_I(t, "split_sizes");
-  if (ENG_DT_ACTIVE(t->dist)) return eng_dt_split(t, 1, 0, n, sizes, dim, n, out);
+  if (ENG_DT_ACTIVE(t->dist))
+    return eng_op_dispatch_multi(ENG_OP_SPLIT, &(eng_op_call){.name = "split", .n_in = 1, .in = {t}, .ints = {1, 0, dim, n}, .list = sizes, .n_list = n}, out);
   if (t->ndim == 0) return eng_err("split_sizes: cannot split a 0-d tensor (%s)", eng_desc(t));
   int d = wrap_dim(dim, t->ndim, "split_sizes", t);
   if (d < 0) return -1;
@@ -265,7 +267,8 @@ int eng_split_sizes(eng_tensor* t, int n, const int64_t* sizes, int dim, eng_ten
 
 int eng_chunk(eng_tensor* t, int chunks, int dim, int max_out, eng_tensor** out) {
   ENG_CHECK_I(t, "chunk");
-  if (ENG_DT_ACTIVE(t->dist)) return eng_dt_split(t, 2, chunks, 0, NULL, dim, max_out, out);
+  if (ENG_DT_ACTIVE(t->dist))
+    return eng_op_dispatch_multi(ENG_OP_SPLIT, &(eng_op_call){.name = "chunk", .n_in = 1, .in = {t}, .ints = {2, chunks, dim, max_out}}, out);
   if (t->ndim == 0) return eng_err("chunk: cannot chunk a 0-d tensor (%s)", eng_desc(t));
   if (chunks <= 0) return eng_err("chunk: chunks must be greater than 0, got %d for %s", chunks, eng_desc(t));
   if (!out || max_out < 1) return eng_err("chunk: no room for outputs (max_out %d)", max_out);
@@ -359,7 +362,7 @@ eng_tensor* eng_index_select(eng_tensor* t, int dim, eng_tensor* index) {
   ENG_CHECK(t, "index_select"); ENG_CHECK(index, "index_select");
   if (eng_meta_check_local(t, "index_select") || eng_meta_check_local(index, "index_select")) return NULL;
   if (ENG_DT_ACTIVE(t->dist || index->dist || ENG_META_T(t) || ENG_META_T(index)))
-    return eng_dt_index_select(t, dim, index);
+    return eng_op_dispatch(ENG_OP_INDEX_SELECT, &(eng_op_call){.name = "index_select", .n_in = 2, .in = {t, index}, .ints = {dim}});
   if (t->ndim == 0) return eng_errp("index_select: cannot index a 0-d tensor (%s)", eng_desc(t));
   if (index->ndim > 1)
     return eng_errp("index_select: index must be a 1-D tensor (a vector), got %s for %s", eng_desc(index), eng_desc(t));

@@ -3,7 +3,7 @@
  * log-softmax + NLL kernel.  Backward is softmax - smoothed one-hot, scaled,
  * computed from the saved logits and per-position logsumexp only. */
 #include "core/internal.h"
-#include "sharding/sharding.h"
+#include "core/dispatch.h"
 #include "kernels/cpu/kcpu.h"
 #include "cuda/cuda_ops.h"
 #include <math.h>
@@ -175,7 +175,7 @@ eng_tensor* eng_cross_entropy(eng_tensor* logits, eng_tensor* target, int64_t ig
   if (eng_meta_check_local(logits, "cross_entropy")) return NULL;
   if (eng_meta_check_local(target, "cross_entropy")) return NULL;
   if (ENG_DT_ACTIVE(logits->dist || ENG_META_T(logits) || target->dist || ENG_META_T(target)))
-    return eng_dispatch(&eng_opdef_cross_entropy,
+    return eng_op_dispatch(ENG_OP_CROSS_ENTROPY,
                         &(eng_op_call){.name = "cross_entropy", .n_in = 2, .in = {logits, target},
                                        .ints = {ignore_index, reduction}, .scalars = {label_smoothing}});
   eng_tensor* x = logits;

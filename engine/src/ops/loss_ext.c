@@ -13,9 +13,9 @@
  * the operands are copied to the host, the CPU kernel runs there and the
  * result (and in backward the gradients) go back to the device.
  *
- * DTensor rules: sharding/loss.c (eng_opdef_nll_loss, eng_opdef_ploss). */
+ * DTensor rules: sharding/loss.c (ENG_OP_NLL_LOSS, ENG_OP_PLOSS). */
 #include "core/internal.h"
-#include "sharding/sharding.h"
+#include "core/dispatch.h"
 #include "ops/ops.h"
 #include "kernels/cpu/kcpu.h"
 #include <math.h>
@@ -196,7 +196,7 @@ eng_tensor* eng_nll_loss(eng_tensor* x, eng_tensor* target, eng_tensor* weight, 
   if (nll_args(op, x, target, weight, reduction, 0)) return NULL;
   if (ENG_DT_ACTIVE(x->dist || target->dist || (weight && weight->dist) || ENG_META_T(x) || ENG_META_T(target) ||
                     ENG_META_T(weight)))
-    return eng_dispatch(&eng_opdef_nll_loss, &(eng_op_call){.name = op, .n_in = 3, .in = {x, target, weight},
+    return eng_op_dispatch(ENG_OP_NLL_LOSS, &(eng_op_call){.name = op, .n_in = 3, .in = {x, target, weight},
                                                              .ints = {ignore_index, reduction, 0}});
   return eng_nll_loss_local(x, target, weight, ignore_index, reduction, NULL);
 }
@@ -290,7 +290,7 @@ eng_tensor* eng_cross_entropy_weighted(eng_tensor* logits, eng_tensor* target, e
   if (nll_args(op, logits, target, weight, reduction, 1)) return NULL;
   if (ENG_DT_ACTIVE(logits->dist || target->dist || weight->dist || ENG_META_T(logits) || ENG_META_T(target) ||
                     ENG_META_T(weight)))
-    return eng_dispatch(&eng_opdef_nll_loss, &(eng_op_call){.name = op, .n_in = 3, .in = {logits, target, weight},
+    return eng_op_dispatch(ENG_OP_NLL_LOSS, &(eng_op_call){.name = op, .n_in = 3, .in = {logits, target, weight},
                                                              .ints = {ignore_index, reduction, 1},
                                                              .scalars = {label_smoothing}});
   return eng_cross_entropy_weighted_local(logits, target, weight, ignore_index, reduction, label_smoothing, NULL);
@@ -434,7 +434,7 @@ static eng_tensor* ploss(int kind, eng_tensor* x, eng_tensor* y, eng_tensor* w, 
   }
   if (ENG_DT_ACTIVE(x->dist || y->dist || (w && w->dist) || (pw && pw->dist) || ENG_META_T(x) || ENG_META_T(y) ||
                     ENG_META_T(w) || ENG_META_T(pw)))
-    r = eng_dispatch(kind == KC_PL_BCE ? &eng_opdef_ploss_checked : &eng_opdef_ploss,
+    r = eng_op_dispatch(kind == KC_PL_BCE ? ENG_OP_PLOSS_CHECKED : ENG_OP_PLOSS,
                      &(eng_op_call){.name = op, .n_in = 4, .in = {x, y, w, pw}, .ints = {kind, red},
                                     .scalars = {param}});
   else

@@ -12,7 +12,7 @@
  * back; it also detects integer division by zero).  Gradients are made of
  * dispatching ops (cos, mul, ...), so they run on the device. */
 #include "core/internal.h"
-#include "sharding/sharding_math.h"
+#include "ops/ops.h"
 #include "kernels/cpu/kcpu.h"
 #include "kernels/cpu/kmath.h"
 #include "cuda/cuda_math.h"
@@ -168,7 +168,7 @@ eng_tensor* eng_math_unary_op(int op, eng_tensor* a, const double* p) {
 static eng_tensor* mu(int op, eng_tensor* a, double p0, double p1, double p2) {
   ENG_CHECK(a, mu_names[op]);
   if (ENG_DT_ACTIVE(a->dist || ENG_META_T(a)))
-    return eng_dispatch(&eng_opdef_math_unary, &(eng_op_call){.name = mu_names[op], .n_in = 1, .in = {a},
+    return eng_op_dispatch(ENG_OP_MATH_UNARY, &(eng_op_call){.name = mu_names[op], .n_in = 1, .in = {a},
                                                                .ints = {op}, .scalars = {p0, p1, p2}});
   double p[3] = {p0, p1, p2};
   return eng_math_unary_op(op, a, p);
@@ -303,7 +303,7 @@ static eng_tensor* mb(int op, eng_tensor* a, eng_tensor* b) {
   ENG_CHECK(a, mb_names[op]); ENG_CHECK(b, mb_names[op]);
   if (ENG_DT_ACTIVE(a->dist || ENG_META_T(a) || b->dist || ENG_META_T(b))) {
     int int_div = op != KM_LAND && op != KM_LOR && !eng_dtype_is_floating(eng_promote_types(a->dtype, b->dtype));
-    return eng_dispatch(int_div ? &eng_opdef_math_binary_int : &eng_opdef_math_binary,
+    return eng_op_dispatch(int_div ? ENG_OP_MATH_BINARY_INT : ENG_OP_MATH_BINARY,
                         &(eng_op_call){.name = mb_names[op], .n_in = 2, .in = {a, b}, .ints = {op}});
   }
   return eng_math_binary_op(op, a, b);

@@ -7,7 +7,7 @@
  * into the rows (x[B, T, K] @ w[K, N]) or into the contraction (the weight
  * gradient of the same product) become a single GEMM. */
 #include "ops/bmm.h"
-#include "sharding/sharding.h"
+#include "core/dispatch.h"
 #include "kernels/cpu/kcpu.h"
 #include "cuda/cuda_ops.h"
 #include <limits.h>
@@ -321,7 +321,7 @@ eng_tensor* eng_matmul(eng_tensor* a, eng_tensor* b) {
   if (eng_meta_check_local(a, "matmul")) return NULL;
   if (eng_meta_check_local(b, "matmul")) return NULL;
   if (check_pair("matmul", a, b)) return NULL;
-  if (ENG_DT_ACTIVE(a->dist || ENG_META_T(a) || b->dist || ENG_META_T(b))) return eng_dispatch(&eng_opdef_matmul, &(eng_op_call){.n_in = 2, .in = {a, b}});
+  if (ENG_DT_ACTIVE(a->dist || ENG_META_T(a) || b->dist || ENG_META_T(b))) return eng_op_dispatch(ENG_OP_MATMUL, &(eng_op_call){.n_in = 2, .in = {a, b}});
   mm_plan p;
   if (mm_plan_make(a, b, &p)) return NULL;
   int rdt = a->dtype, cdt = mm_cdt(a);
@@ -454,7 +454,7 @@ eng_tensor* eng_linear(eng_tensor* x, eng_tensor* w, eng_tensor* bias) {
     return eng_errp("linear: weight %s must be 2-D [out_features, in_features]", eng_desc(w));
   if (check_pair("linear", x, w)) return NULL;
   if (ENG_DT_ACTIVE(x->dist || ENG_META_T(x) || w->dist || ENG_META_T(w) || ((bias && bias->dist) || ENG_META_T(bias))))
-    return eng_dispatch(&eng_opdef_linear, &(eng_op_call){.n_in = 3, .in = {x, w, bias}});
+    return eng_op_dispatch(ENG_OP_LINEAR, &(eng_op_call){.n_in = 3, .in = {x, w, bias}});
   if (!eng_dtype_is_floating(x->dtype))
     return eng_errp("linear: %s x %s: floating point tensors expected", eng_desc(x), eng_desc(w));
   int64_t in_f = x->shape[x->ndim - 1], out_f = w->shape[0];

@@ -3,7 +3,7 @@
  * bias.  f64 inputs compute in f64, everything else in f32 (weight and bias
  * are converted to the compute type; the output has x's dtype). */
 #include "core/internal.h"
-#include "sharding/sharding.h"
+#include "core/dispatch.h"
 #include "kernels/cpu/kcpu.h"
 #include "cuda/cuda_ops.h"
 #include <math.h>
@@ -87,7 +87,7 @@ static eng_tensor* norm(const char* op, int rms, eng_tensor* x, int n_norm, eng_
                     eng_desc(x), x->ndim);
   if (!(eps >= 0.0) || !isfinite(eps)) return eng_errp("%s: eps must be finite and >= 0, got %g", op, eps);
   if (ENG_DT_ACTIVE(x->dist || ENG_META_T(x) || ((w && w->dist) || ENG_META_T(w)) || ((b && b->dist) || ENG_META_T(b))))
-    return eng_dispatch(&eng_opdef_norm, &(eng_op_call){.name = op, .n_in = 3, .in = {x, w, b}, .ints = {n_norm, rms}, .scalars = {eps}});
+    return eng_op_dispatch(ENG_OP_NORM, &(eng_op_call){.name = op, .n_in = 3, .in = {x, w, b}, .ints = {n_norm, rms}, .scalars = {eps}});
   if (check_param(op, "weight", x, n_norm, w) || check_param(op, "bias", x, n_norm, b)) return NULL;
   int cdt = x->dtype == ENG_F64 ? ENG_F64 : ENG_F32;
   int64_t n = 1, m = 1;

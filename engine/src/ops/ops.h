@@ -3,12 +3,13 @@
  * Subsystem ops/: the engine's ops (pointwise, reductions, views and joins,
  * matmul, softmax, norms, losses, embedding, dropout, attention, fused
  * optimizer updates) with their autograd formulas; each public op opens with
- * the guard that hands DTensor arguments to the dispatcher (sharding/sharding.h).
- * May call: core/, autograd/ (recording nodes), cuda/ (device side),
- * sharding/ (op defs), kernels/. */
+ * the guard that hands DTensor and meta arguments to the dispatcher through
+ * the registration point core/dispatch.h (by op id: ops never name the
+ * dispatcher, an op def or the DTensor layer).
+ * May call: core/, autograd/ (recording nodes), cuda/ (device side), kernels/. */
 #ifndef ENG_OPS_H
 #define ENG_OPS_H
-#include "core/internal.h"
+#include "core/dispatch.h"
 
 /* Sharded random ops (local mode; the box of the shard is spec->offset +
  * x->shape of spec->shape; the generator advances by the global count):
@@ -37,5 +38,12 @@ eng_tensor* eng_cross_entropy_weighted_local(eng_tensor* x, eng_tensor* target, 
 eng_tensor* eng_ploss_local(int kind, eng_tensor* x, eng_tensor* y, eng_tensor* w, eng_tensor* pw, int red,
                             double param, double divisor);
 double eng_ploss_divisor(int red, int ndim, const int64_t* shape, int64_t numel);
+
+/* The ops of ops/math.c, ops/reduce2.c and ops/sort.c by op code (ENG_R2_*, ENG_AL_* in core/dispatch.h; the math
+ * codes KM_* of kernels/cpu/kmath.h), for their sharding rules (sharding/math.c). */
+eng_tensor* eng_math_unary_op(int op, eng_tensor* a, const double* p);
+eng_tensor* eng_math_binary_op(int op, eng_tensor* a, eng_tensor* b);
+eng_tensor* eng_reduce2_op(int op, eng_tensor* t, int64_t mask, int keepdim, double s);
+int eng_along_op(int op, eng_tensor* t, int dim, int64_t k, int flag, eng_tensor** values, eng_tensor** indices);
 
 #endif

@@ -1,7 +1,7 @@
 /* optim.c: fused multi-tensor optimizer steps (AdamW, SGD), global gradient
  * norms and clip_grad_norm_.  Everything is validated before any tensor is
  * touched, so an error leaves all parameters and states unchanged. */
-#include "core/internal.h"
+#include "core/dispatch.h"
 #include "kernels/cpu/kcpu.h"
 #include "cuda/cuda_ops.h"
 #include <math.h>
@@ -11,12 +11,12 @@ static int is_half(int dt) { return dt == ENG_BF16 || dt == ENG_F16; }
 /* DTensors: param, grad and state must have the same layout (then the step
  * works on the local shards); a plain tensor matches only a plain one. */
 static int check_layout(const char* op, const char* what, int i, eng_tensor* p, eng_tensor* t) {
-  if (!p->dist && !t->dist) return eng_dtensor_wait(t);
-  if (p->dist && t->dist && eng_dist_spec_equal(p->dist, t->dist)) return eng_dtensor_wait(t) || eng_dtensor_wait(p);
-  char a[768], b[768];
+  if (!p->dist && !t->dist) return eng_dist_wait(t);
+  if (p->dist && t->dist && eng_spec_equal(p->dist, t->dist)) return eng_dist_wait(t) || eng_dist_wait(p);
+  char a[900], b[900];
   return eng_err("%s: %s %d has layout %s but its param has layout %s (param, grad and optimizer state must have "
-                 "the same DTensor layout)", op, what, i + 1, eng_dtensor_describe(t, a, sizeof a),
-                 eng_dtensor_describe(p, b, sizeof b));
+                 "the same DTensor layout)", op, what, i + 1, eng_dist_desc(t, a, sizeof a),
+                 eng_dist_desc(p, b, sizeof b));
 }
 
 /* t must be a CPU float tensor shaped like p, with dtype p's dtype or (for
@@ -174,9 +174,8 @@ static void norm_rows(int64_t n, char** ptr, const int64_t* s, void* vc) {
  * replicated along such a dim contributes from coordinate 0 of that dim only,
  * so every shard is counted once. */
 typedef struct { eng_mesh* mesh; uint32_t mask; const eng_dist_spec* spec; norm_ctx c; } norm_group;
-typedef struct { eng_mesh* mesh; uint32_t mask; double acc; } norm_mesh;
 
-static int reduce_op_of(int kind) { return kind == KN_MAX ? ENG_REDUCE_MAX : kind == KN_MIN ? ENG_REDUCE_MIN : ENG_REDUCE_SUM; }
+static int reduce_kind_of(int kind) { return kind == KN_MAX ? ENG_NORM_MAX : kind == KN_MIN ? ENG_NORM_MIN : ENG_NORM_SUM; }
 
 static double combine(int kind, double a, double b) {
   if (kind == KN_MAX) return (a > b || isnan(a)) ? a : b;
@@ -211,10 +210,10 @@ static int total_norm(const char* op, int n, eng_tensor** ts, double p, double* 
                     from_grads ? "grad of param" : "tensor", i + 1, eng_desc(t), t->device == ENG_CUDA ? "cuda" : "cpu",
                     first_dev == ENG_CUDA ? "cuda" : "cpu");
     else if (t->dist && t->dist->has_partial) {
-      char a[768];
+      char a[900];
       err = eng_err("%s: %s %d is %s: a Partial placement has no norm (redistribute it to Replicate or Shard first)",
-                    op, from_grads ? "grad of param" : "tensor", i + 1, eng_dtensor_describe(t, a, sizeof a));
-    } else if (eng_dtensor_wait(t)) err = -1;
+                    op, from_grads ? "grad of param" : "tensor", i + 1, eng_dist_desc(t, a, sizeof a));
+    } else if (eng_dist_wait(t)) err = -1;
     if (!err) first_dev = t->device;
     any_f64 |= t->dtype == ENG_F64;
   }
@@ -249,10 +248,8 @@ static int total_norm(const char* op, int n, eng_tensor** ts, double p, double* 
              L->dist->placements[d].kind == ENG_PLACEMENT_STRIDED_SHARD) && L->dist->mesh_shape[d] > 1)
           mask |= 1u << d;
       if (mask) {
-        for (g = 1; g < ng; g++)
-          if (groups[g].mask == mask &&
-              (groups[g].mesh == L->dist->mesh || eng_mesh_equal(groups[g].mesh, L->dist->mesh)))
-            break;
+        for (g = 1; g < ng; g++) /* one group per mesh object and mask; equal meshes combine in eng_dist_norm_reduce */
+          if (groups[g].mask == mask && groups[g].mesh == L->dist->mesh) break;
         if (g == ng) {
           groups[g].mesh = L->dist->mesh; groups[g].mask = mask; groups[g].spec = L->dist;
           groups[g].c = (norm_ctx){kind, 0, p, init};
@@ -260,9 +257,9 @@ static int total_norm(const char* op, int n, eng_tensor** ts, double p, double* 
         }
       }
     }
-    if (g > 0) count += eng_dtensor_numel(L); /* its shards elsewhere count, with or without a local gradient */
+    if (g > 0) count += L->dist->numel; /* its shards elsewhere count, with or without a local gradient */
     if (!t || err) continue;
-    if (g == 0) count += eng_dtensor_numel(t);
+    if (g == 0) count += t->dist ? t->dist->numel : t->numel;
     if (t->numel == 0) continue;
     if (cuda) { cu_t[n_cu] = t; cu_g[n_cu++] = g; continue; }
     norm_ctx* c = &groups[g].c;
@@ -284,58 +281,25 @@ static int total_norm(const char* op, int n, eng_tensor** ts, double p, double* 
   }
   free(cu_t);
   free(cu_g);
-  /* one accumulator per mesh (equal meshes are one), over the union of its groups' Shard dims */
-  norm_mesh* ms = calloc((size_t)ng + 1, sizeof *ms);
-  int* mesh_of = calloc((size_t)ng + 1, sizeof *mesh_of);
-  int nm = 0;
-  if (!ms || !mesh_of) {
-    free(ms); free(mesh_of); free(groups);
-    return eng_err("%s: out of memory", op);
-  }
-  for (int g = 1; g < ng; g++) {
-    int m = 0;
-    while (m < nm && !(ms[m].mesh == groups[g].mesh || eng_mesh_equal(ms[m].mesh, groups[g].mesh))) m++;
-    if (m == nm) { ms[m].mesh = groups[g].mesh; ms[m].acc = init; nm++; }
-    ms[m].mask |= groups[g].mask;
-    mesh_of[g] = m;
-  }
-  for (int g = 1; g < ng; g++) {
-    norm_mesh* M = &ms[mesh_of[g]];
-    uint32_t rep = M->mask & ~groups[g].mask; /* sharded by other groups, replicated in this one */
-    int mine = 1;
-    for (int d = 0; d < groups[g].spec->mesh_ndim; d++)
-      if ((rep & (1u << d)) && groups[g].spec->coord[d] != 0) mine = 0;
-    if (mine) M->acc = combine(kind, M->acc, groups[g].c.acc);
-  }
-  /* The checks above may fail on some ranks only (their own gradients): the
-   * ranks of every mesh the all_reduces below run on agree first. */
-  for (int m = 0; m < nm; m++)
-    for (int d = 0; d < eng_mesh_ndim(ms[m].mesh); d++) {
-      if (!(ms[m].mask & (1u << d))) continue;
-      eng_pg* pg = eng_mesh_get_group(ms[m].mesh, d);
-      if (pg && eng_pg_agree(pg, err, 0, op) && !err) err = 2;
-      eng_pg_release(pg);
-    }
-  if (err) { free(ms); free(mesh_of); free(groups); return -1; }
+  /* the DTensor groups: combined per mesh and reduced over their sharded mesh dims by the DTensor layer (the
+   * checks above may fail on some ranks only: it agrees on err before any all_reduce) */
   double r = groups[0].c.acc;
   int rc = 0;
-  for (int m = 0; m < nm && rc == 0; m++) {
-    int64_t one = 1;
-    eng_tensor* v = eng_tensor_full(1, &one, ms[m].acc, ENG_F64, ENG_CPU);
-    if (!v) { rc = -1; break; }
-    for (int d = 0; d < eng_mesh_ndim(ms[m].mesh) && rc == 0; d++) {
-      if (!(ms[m].mask & (1u << d))) continue;
-      eng_pg* pg = eng_mesh_get_group(ms[m].mesh, d);
-      if (!pg || eng_pg_all_reduce(pg, v, reduce_op_of(kind), NULL)) rc = -1;
-      eng_pg_release(pg);
+  if (ng > 1) {
+    const eng_dist_spec** layouts = calloc((size_t)ng, sizeof *layouts);
+    uint32_t* masks = calloc((size_t)ng, sizeof *masks);
+    double* accs = calloc((size_t)ng, sizeof *accs);
+    double dist_acc = init;
+    if (!layouts || !masks || !accs) rc = eng_err("%s: out of memory", op);
+    for (int g = 1; g < ng && rc == 0; g++) {
+      layouts[g - 1] = groups[g].spec; masks[g - 1] = groups[g].mask; accs[g - 1] = groups[g].c.acc;
     }
-    if (rc == 0) r = combine(kind, r, *(double*)eng_ptr(v));
-    eng_tensor_release(v);
-  }
-  free(ms);
-  free(mesh_of);
+    if (rc == 0) rc = eng_dist_norm_reduce(op, ng - 1, layouts, masks, accs, reduce_kind_of(kind), err, &dist_acc);
+    if (rc == 0) r = combine(kind, r, dist_acc);
+    free(layouts); free(masks); free(accs);
+  } else if (err) rc = -1;
   free(groups);
-  if (rc) { eng_err_prefix("%s: norm over DTensor shards", op); return -1; }
+  if (rc) return -1;
   if (count == 0) r = 0.0;
   else if (kind == KN_L2) r = sqrt(r);
   else if (kind == KN_POW) r = pow(r, 1.0 / p);

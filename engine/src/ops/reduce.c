@@ -4,7 +4,8 @@
  * accumulation); integer and bool sums give i64; mean of integers is an
  * error as in PyTorch. */
 #include "core/internal.h"
-#include "sharding/sharding.h"
+#include "core/dispatch.h"
+#include <stdio.h>
 #include "kernels/cpu/kcpu.h"
 #include "cuda/cuda_ops.h"
 #include <math.h>
@@ -211,7 +212,7 @@ static eng_tensor* sum_mean(eng_tensor* t, int n_dims, const int* dims, int keep
   if (ENG_DT_ACTIVE(t->dist || ENG_META_T(t))) {
     int64_t m = eng_dims_mask(t->ndim, n_dims, dims, name);
     if (m < 0) return NULL;
-    return eng_dispatch(is_mean ? &eng_opdef_mean : &eng_opdef_sum,
+    return eng_op_dispatch(is_mean ? ENG_OP_MEAN : ENG_OP_SUM,
                         &(eng_op_call){.name = name, .n_in = 1, .in = {t}, .ints = {m, keepdim ? 1 : 0}});
   }
   uint8_t mask[ENG_MAX_DIMS];
@@ -257,8 +258,8 @@ static int sum_to_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
  * broadcast dims with keepdim, then a view), checked on the GLOBAL shape. */
 static eng_tensor* sum_to_shape_dtensor(eng_tensor* t, int ndim, const int64_t* shape) {
   const eng_dist_spec* sp = t->dist;
-  char desc[256];
-  eng_dtensor_describe(t, desc, sizeof desc);
+  char desc[900], spec[600];
+  snprintf(desc, sizeof desc, "DTensor(%s, local %s)", eng_spec_describe(sp, t->dtype, spec, sizeof spec), eng_desc(t));
   if (ndim < 0 || ndim > sp->ndim || (ndim > 0 && !shape))
     return eng_errp("sum_to_shape: %d dims requested for %s", ndim, desc);
   int off = sp->ndim - ndim, dims[ENG_MAX_DIMS], nd = 0;
@@ -443,9 +444,9 @@ static eng_tensor* extreme_dim(eng_tensor* t, int dim, int keepdim, eng_tensor**
   if (d < 0) return NULL;
   if (ENG_DT_ACTIVE(t->dist || ENG_META_T(t))) {
     eng_op_call c = {.name = name, .n_in = 1, .in = {t}, .ints = {d, keepdim ? 1 : 0, is_max}};
-    if (!indices) return eng_dispatch(&eng_opdef_max_dim_values, &c);
+    if (!indices) return eng_op_dispatch(ENG_OP_MAX_DIM_VALUES, &c);
     eng_tensor* o[2];
-    if (eng_dispatch_multi(&eng_opdef_max_dim, &c, o)) return NULL;
+    if (eng_op_dispatch_multi(ENG_OP_MAX_DIM, &c, o) < 0) return NULL;
     *indices = o[1];
     return o[0];
   }
@@ -475,7 +476,7 @@ static eng_tensor* arg_dim(eng_tensor* t, int dim, int keepdim, int is_max) {
   int d = eng_norm_dim(dim, t->ndim, name);
   if (d < 0) return NULL;
   if (ENG_DT_ACTIVE(t->dist || ENG_META_T(t)))
-    return eng_dispatch(&eng_opdef_argext, &(eng_op_call){.name = name, .n_in = 1, .in = {t}, .ints = {d, keepdim ? 1 : 0, is_max}});
+    return eng_op_dispatch(ENG_OP_ARGEXT, &(eng_op_call){.name = name, .n_in = 1, .in = {t}, .ints = {d, keepdim ? 1 : 0, is_max}});
   if (check_dim_nonempty(t, d, name)) return NULL;
   eng_tensor* ix = NULL;
   if (extreme_dim_raw(t, d, keepdim, is_max, NULL, &ix, name)) return NULL;
@@ -519,7 +520,7 @@ static eng_tensor* extreme_all(eng_tensor* t, int is_max) {
   ENG_CHECK(t, name);
   if (eng_meta_check_local(t, name)) return NULL;
   if (ENG_DT_ACTIVE(t->dist || ENG_META_T(t)))
-    return eng_dispatch(&eng_opdef_extreme_all, &(eng_op_call){.name = name, .n_in = 1, .in = {t}, .ints = {is_max}});
+    return eng_op_dispatch(ENG_OP_EXTREME_ALL, &(eng_op_call){.name = name, .n_in = 1, .in = {t}, .ints = {is_max}});
   if (t->numel == 0)
     return eng_errp("%s: %s is empty; the %s over all elements needs at least one element", name,
                     eng_desc(t), name);
@@ -559,7 +560,7 @@ eng_tensor* eng_min_all(eng_tensor* t) { return extreme_all(t, 0); }
 eng_tensor* eng_argmax_all(eng_tensor* t) {
   ENG_CHECK(t, "argmax");
   if (eng_meta_check_local(t, "argmax")) return NULL;
-  if (ENG_DT_ACTIVE(t->dist || ENG_META_T(t))) return eng_dispatch(&eng_opdef_argmax_all, &(eng_op_call){.n_in = 1, .in = {t}});
+  if (ENG_DT_ACTIVE(t->dist || ENG_META_T(t))) return eng_op_dispatch(ENG_OP_ARGMAX_ALL, &(eng_op_call){.n_in = 1, .in = {t}});
   if (t->numel == 0) return eng_errp("argmax: %s is empty; argmax over all elements needs at least one element", eng_desc(t));
   if (t->device == ENG_CUDA) { /* the index stays on the device */
     eng_tensor* X = eng_as_contig(t, t->dtype);

@@ -13,7 +13,7 @@
  * composites run on the device ops.  DTensors: sharding/math.c (reduced dims
  * replicated first). */
 #include "core/internal.h"
-#include "sharding/sharding_math.h"
+#include "ops/ops.h"
 #include "kernels/cpu/kcpu.h"
 #include "kernels/cpu/kmath.h"
 #include <math.h>
@@ -402,7 +402,7 @@ static eng_tensor* r2(int op, eng_tensor* t, int n_dims, const int* dims, int ke
   if (mask < 0) return NULL;
   keepdim = keepdim ? 1 : 0;
   if (ENG_DT_ACTIVE(t->dist || ENG_META_T(t)))
-    return eng_dispatch(&eng_opdef_reduce2, &(eng_op_call){.name = name, .n_in = 1, .in = {t},
+    return eng_op_dispatch(ENG_OP_REDUCE2, &(eng_op_call){.name = name, .n_in = 1, .in = {t},
                                                             .ints = {op, mask, keepdim}, .scalars = {s}});
   return eng_reduce2_op(op, t, mask, keepdim, s);
 }

@@ -2,7 +2,7 @@
  * The input is seen as a contiguous [outer, D, inner] block (the last dim
  * contiguous is the fast path, inner == 1); bf16/f16 compute in f32. */
 #include "core/internal.h"
-#include "sharding/sharding.h"
+#include "core/dispatch.h"
 #include "kernels/cpu/kcpu.h"
 #include "cuda/cuda_ops.h"
 
@@ -83,7 +83,7 @@ static eng_tensor* softmax_op(eng_tensor* t, int dim, int log_) {
     return eng_errp("%s: %s: floating point input expected (convert with :float())", op, eng_desc(t));
   int d = eng_norm_dim(dim, t->ndim, op);
   if (d < 0) return NULL;
-  if (ENG_DT_ACTIVE(t->dist || ENG_META_T(t))) return eng_dispatch(&eng_opdef_softmax, &(eng_op_call){.name = op, .n_in = 1, .in = {t}, .ints = {d, log_}});
+  if (ENG_DT_ACTIVE(t->dist || ENG_META_T(t))) return eng_op_dispatch(ENG_OP_SOFTMAX, &(eng_op_call){.name = op, .n_in = 1, .in = {t}, .ints = {d, log_}});
   int rdt = t->dtype, cdt = compute_dtype(rdt);
   eng_tensor* X = eng_as_contig(t, cdt);
   eng_tensor* out = X ? eng_new(t->ndim, t->shape, cdt, t->device) : NULL;

@@ -13,7 +13,7 @@
  * CUDA tensors: host fallback (copy, CPU kernel, copy back).  DTensors:
  * sharding/math.c (the dim replicated first). */
 #include "core/internal.h"
-#include "sharding/sharding_math.h"
+#include "ops/ops.h"
 #include "kernels/cpu/kcpu.h"
 #include "kernels/cpu/kmath.h"
 #include <math.h>
@@ -292,17 +292,17 @@ static int along(int op, eng_tensor* t, int dim, int64_t k, int flag, eng_tensor
   int d = eng_norm_dim(dim, t->ndim ? t->ndim : 1, name);
   if (d < 0) return -1;
   if (t->ndim == 0) d = 0;
-  if (ENG_META_T(t) && !t->dist && !eng_dtensor_local_mode()) return meta_along(op, t, d, k, flag, values, indices);
+  if (ENG_META_T(t) && !t->dist && !eng_dispatch_local_mode()) return meta_along(op, t, d, k, flag, values, indices);
   if (ENG_DT_ACTIVE(t->dist || ENG_META_T(t))) {
     eng_op_call c = {.name = name, .n_in = 1, .in = {t}, .ints = {op, d, k, flag}};
     if (op == ENG_AL_SORT || op == ENG_AL_TOPK || op == ENG_AL_KTH) {
       eng_tensor* outs[2] = {NULL, NULL};
-      if (eng_dispatch_multi(&eng_opdef_along2, &c, outs)) return -1;
+      if (eng_op_dispatch_multi(ENG_OP_ALONG2, &c, outs) < 0) return -1;
       *values = outs[0];
       if (indices) *indices = outs[1]; else eng_tensor_release(outs[1]);
       return 0;
     }
-    *values = eng_dispatch(&eng_opdef_along, &c);
+    *values = eng_op_dispatch(ENG_OP_ALONG, &c);
     return *values ? 0 : -1;
   }
   return eng_along_op(op, t, d, k, flag, values, indices);
@@ -325,14 +325,14 @@ eng_tensor* eng_argsort(eng_tensor* t, int dim, int descending) {
   int d = eng_norm_dim(dim, t->ndim ? t->ndim : 1, "argsort");
   if (d < 0) return NULL;
   if (t->ndim == 0) d = 0;
-  if (ENG_META_T(t) && !t->dist && !eng_dtensor_local_mode()) {
+  if (ENG_META_T(t) && !t->dist && !eng_dispatch_local_mode()) {
     eng_tensor *v = NULL, *i = NULL;
     if (meta_along(ENG_AL_SORT, t, d, 0, 0, &v, &i)) return NULL;
     eng_tensor_release(v);
     return i;
   }
   if (ENG_DT_ACTIVE(t->dist || ENG_META_T(t)))
-    return eng_dispatch(&eng_opdef_along, &(eng_op_call){.name = "argsort", .n_in = 1, .in = {t},
+    return eng_op_dispatch(ENG_OP_ALONG, &(eng_op_call){.name = "argsort", .n_in = 1, .in = {t},
                                                           .ints = {ENG_AL_ARGSORT, d, 0, descending ? 1 : 0}});
   eng_tensor *v = NULL, *i = NULL;
   if (eng_along_op(ENG_AL_SORT, t, d, 0, descending ? 1 : 0, &v, &i)) return NULL;

@@ -5,7 +5,7 @@
  * of the float-only functions are promoted to f32 as in PyTorch; neg, abs,
  * relu and clamp with integral bounds keep integer dtypes. */
 #include "core/internal.h"
-#include "sharding/sharding.h"
+#include "core/dispatch.h"
 #include "kernels/cpu/kcpu.h"
 #include "cuda/cuda_ops.h"
 #include <math.h>
@@ -140,7 +140,7 @@ static eng_tensor* unary(int op, eng_tensor* a, double p0, double p1) {
 /* DTensor arguments go through the dispatcher (sharding/pointwise.c). */
 #define UN_GUARD(which, nm, a, i1, p0, p1)                                                       \
   if (a && ENG_DT_ACTIVE(a->dist || ENG_META_T(a)))                                                                 \
-    return eng_dispatch(&eng_opdef_unary, &(eng_op_call){.name = nm, .n_in = 1, .in = {a}, .ints = {which, i1}, .scalars = {p0, p1}})
+    return eng_op_dispatch(ENG_OP_UNARY, &(eng_op_call){.name = nm, .n_in = 1, .in = {a}, .ints = {which, i1}, .scalars = {p0, p1}})
 
 eng_tensor* eng_neg(eng_tensor* a) { UN_GUARD(ENG_UN_NEG, "neg", a, 0, NAN, NAN); return unary(KU_NEG, a, NAN, NAN); }
 eng_tensor* eng_exp(eng_tensor* a) { UN_GUARD(ENG_UN_EXP, "exp", a, 0, NAN, NAN); return unary(KU_EXP, a, NAN, NAN); }

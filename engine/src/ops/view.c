@@ -3,8 +3,7 @@
  * and their autograd.  reshape copies when the strides do not allow a view.
  * cat/stack/split/chunk/index_select live in ops/join.c. */
 #include "core/internal.h"
-#include "sharding/sharding.h"
-#include "sharding/sharding_shape.h"
+#include "core/dispatch.h"
 #include <stdio.h>
 
 /* "[1,3]" strides of t, for error messages. */
@@ -152,7 +151,7 @@ static int compute_stride(const eng_tensor* t, int nd, const int64_t* shape, int
 
 eng_tensor* eng_view(eng_tensor* t, int ndim, const int64_t* shape) {
   ENG_CHECK(t, "view");
-  if (ENG_DT_ACTIVE(t->dist)) return eng_dt_reshape(t, ndim, shape, 0, "view");
+  if (ENG_DT_ACTIVE(t->dist)) return eng_op_dispatch(ENG_OP_VIEW, &(eng_op_call){.name = "view", .n_in = 1, .in = {t}, .list = shape, .n_list = ndim});
   int64_t sh[ENG_MAX_DIMS], st[ENG_MAX_DIMS];
   if (infer_shape("view", t, ndim, shape, sh)) return NULL;
   if (compute_stride(t, ndim, sh, st))
@@ -182,7 +181,7 @@ static eng_tensor* reshape_as(eng_tensor* t, int ndim, const int64_t* sh, const 
 
 eng_tensor* eng_reshape(eng_tensor* t, int ndim, const int64_t* shape) {
   ENG_CHECK(t, "reshape");
-  if (ENG_DT_ACTIVE(t->dist)) return eng_dt_reshape(t, ndim, shape, 1, "reshape");
+  if (ENG_DT_ACTIVE(t->dist)) return eng_op_dispatch(ENG_OP_VIEW, &(eng_op_call){.name = "reshape", .n_in = 1, .in = {t}, .ints = {1}, .list = shape, .n_list = ndim});
   int64_t sh[ENG_MAX_DIMS];
   if (infer_shape("reshape", t, ndim, shape, sh)) return NULL;
   return reshape_as(t, ndim, sh, "ReshapeBackward");
@@ -191,7 +190,7 @@ eng_tensor* eng_reshape(eng_tensor* t, int ndim, const int64_t* shape) {
 /* ------------------------------------------------------------ transpose / permute */
 eng_tensor* eng_transpose(eng_tensor* t, int d0, int d1) {
   ENG_CHECK(t, "transpose");
-  if (ENG_DT_ACTIVE(t->dist)) return eng_dt_transpose(t, d0, d1);
+  if (ENG_DT_ACTIVE(t->dist)) return eng_op_dispatch(ENG_OP_TRANSPOSE, &(eng_op_call){.name = "transpose", .n_in = 1, .in = {t}, .ints = {d0, d1}});
   int a = wrap_dim(d0, t->ndim, "transpose", t), b = a < 0 ? -1 : wrap_dim(d1, t->ndim, "transpose", t);
   if (a < 0 || b < 0) return NULL;
   int64_t sh[ENG_MAX_DIMS], st[ENG_MAX_DIMS];
@@ -208,7 +207,13 @@ eng_tensor* eng_transpose(eng_tensor* t, int d0, int d1) {
 
 eng_tensor* eng_permute(eng_tensor* t, int ndim, const int* dims) {
   ENG_CHECK(t, "permute");
-  if (ENG_DT_ACTIVE(t->dist)) return eng_dt_permute(t, ndim, dims);
+  if (ENG_DT_ACTIVE(t->dist)) {
+    int64_t l[ENG_MAX_DIMS];
+    if (ndim < 0 || ndim > ENG_MAX_DIMS || (ndim > 0 && !dims))
+      return eng_errp("permute: %d dims given for %s (at most %d)", ndim, eng_desc(t), ENG_MAX_DIMS);
+    for (int i = 0; i < ndim; i++) l[i] = dims[i];
+    return eng_op_dispatch(ENG_OP_PERMUTE, &(eng_op_call){.name = "permute", .n_in = 1, .in = {t}, .list = l, .n_list = ndim});
+  }
   if (ndim != t->ndim)
     return eng_errp("permute: number of dims does not match: %d dims given for %s", ndim, eng_desc(t));
   if (ndim > 0 && !dims) return eng_errp("permute: dims is NULL");
@@ -233,7 +238,7 @@ eng_tensor* eng_permute(eng_tensor* t, int ndim, const int* dims) {
 /* ------------------------------------------------------------ narrow / select */
 eng_tensor* eng_narrow(eng_tensor* t, int dim, int64_t start, int64_t length) {
   ENG_CHECK(t, "narrow");
-  if (ENG_DT_ACTIVE(t->dist)) return eng_dt_narrow(t, dim, start, length);
+  if (ENG_DT_ACTIVE(t->dist)) return eng_op_dispatch(ENG_OP_NARROW, &(eng_op_call){.name = "narrow", .n_in = 1, .in = {t}, .ints = {dim, start, length}});
   if (t->ndim == 0) return eng_errp("narrow: cannot be applied to a 0-d tensor (%s)", eng_desc(t));
   int d = wrap_dim(dim, t->ndim, "narrow", t);
   if (d < 0) return NULL;
@@ -259,7 +264,7 @@ eng_tensor* eng_narrow(eng_tensor* t, int dim, int64_t start, int64_t length) {
 
 eng_tensor* eng_select(eng_tensor* t, int dim, int64_t index) {
   ENG_CHECK(t, "select");
-  if (ENG_DT_ACTIVE(t->dist)) return eng_dt_select(t, dim, index);
+  if (ENG_DT_ACTIVE(t->dist)) return eng_op_dispatch(ENG_OP_SELECT, &(eng_op_call){.name = "select", .n_in = 1, .in = {t}, .ints = {dim, index}});
   if (t->ndim == 0) return eng_errp("select: cannot be applied to a 0-d tensor (%s)", eng_desc(t));
   int d = wrap_dim(dim, t->ndim, "select", t);
   if (d < 0) return NULL;
@@ -281,7 +286,7 @@ eng_tensor* eng_select(eng_tensor* t, int dim, int64_t index) {
 /* ------------------------------------------------------------ expand */
 eng_tensor* eng_expand(eng_tensor* t, int ndim, const int64_t* shape) {
   ENG_CHECK(t, "expand");
-  if (ENG_DT_ACTIVE(t->dist)) return eng_dt_expand(t, ndim, shape);
+  if (ENG_DT_ACTIVE(t->dist)) return eng_op_dispatch(ENG_OP_EXPAND, &(eng_op_call){.name = "expand", .n_in = 1, .in = {t}, .list = shape, .n_list = ndim});
   if (ndim < t->ndim)
     return eng_errp("expand: %d sizes given for %s: the number of sizes must be at least the number of dims (%d)",
                     ndim, eng_desc(t), t->ndim);
@@ -317,7 +322,7 @@ eng_tensor* eng_expand(eng_tensor* t, int ndim, const int64_t* shape) {
 /* ------------------------------------------------------------ squeeze / unsqueeze / flatten */
 eng_tensor* eng_squeeze(eng_tensor* t, int dim) {
   ENG_CHECK(t, "squeeze");
-  if (ENG_DT_ACTIVE(t->dist)) return eng_dt_squeeze(t, dim, 0);
+  if (ENG_DT_ACTIVE(t->dist)) return eng_op_dispatch(ENG_OP_SQUEEZE, &(eng_op_call){.name = "squeeze", .n_in = 1, .in = {t}, .ints = {dim, 0}});
   int d = wrap_dim(dim, t->ndim, "squeeze", t);
   if (d < 0) return NULL;
   int64_t sh[ENG_MAX_DIMS], st[ENG_MAX_DIMS];
@@ -329,7 +334,7 @@ eng_tensor* eng_squeeze(eng_tensor* t, int dim) {
 
 eng_tensor* eng_squeeze_all(eng_tensor* t) {
   ENG_CHECK(t, "squeeze");
-  if (ENG_DT_ACTIVE(t->dist)) return eng_dt_squeeze(t, 0, 1);
+  if (ENG_DT_ACTIVE(t->dist)) return eng_op_dispatch(ENG_OP_SQUEEZE, &(eng_op_call){.name = "squeeze", .n_in = 1, .in = {t}, .ints = {0, 1}});
   int64_t sh[ENG_MAX_DIMS], st[ENG_MAX_DIMS];
   int k = 0;
   for (int i = 0; i < t->ndim; i++)
@@ -339,7 +344,7 @@ eng_tensor* eng_squeeze_all(eng_tensor* t) {
 
 eng_tensor* eng_unsqueeze(eng_tensor* t, int dim) {
   ENG_CHECK(t, "unsqueeze");
-  if (ENG_DT_ACTIVE(t->dist)) return eng_dt_unsqueeze(t, dim);
+  if (ENG_DT_ACTIVE(t->dist)) return eng_op_dispatch(ENG_OP_UNSQUEEZE, &(eng_op_call){.name = "unsqueeze", .n_in = 1, .in = {t}, .ints = {dim}});
   if (t->ndim >= ENG_MAX_DIMS)
     return eng_errp("unsqueeze: %s already has %d dims, the maximum", eng_desc(t), ENG_MAX_DIMS);
   int d = wrap_dim(dim, t->ndim + 1, "unsqueeze", t);
@@ -358,7 +363,7 @@ eng_tensor* eng_unsqueeze(eng_tensor* t, int dim) {
 
 eng_tensor* eng_flatten(eng_tensor* t, int start_dim, int end_dim) {
   ENG_CHECK(t, "flatten");
-  if (ENG_DT_ACTIVE(t->dist)) return eng_dt_flatten(t, start_dim, end_dim);
+  if (ENG_DT_ACTIVE(t->dist)) return eng_op_dispatch(ENG_OP_FLATTEN, &(eng_op_call){.name = "flatten", .n_in = 1, .in = {t}, .ints = {start_dim, end_dim}});
   int s = wrap_dim(start_dim, t->ndim, "flatten", t), e = s < 0 ? -1 : wrap_dim(end_dim, t->ndim, "flatten", t);
   if (s < 0 || e < 0) return NULL;
   if (s > e)

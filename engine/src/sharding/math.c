@@ -19,6 +19,7 @@
  *     (kthvalue without keepdim shifts the ones after it). */
 #include "dtensor/dtensor_impl.h"
 #include "sharding/sharding_math.h"
+#include "ops/ops.h"
 
 /* ------------------------------------------------------------------ pointwise */
 static int mu_rule(const eng_op_call* c, const eng_dist_spec* const* s, int m, eng_strategy* out, int cap) {

@@ -7,8 +7,10 @@
  * Every public op that takes tensors starts with a one-line guard:
  *
  *   if (ENG_DT_ACTIVE(a->dist || b->dist))
- *     return eng_dispatch(&eng_opdef_add, &(eng_op_call){.n_in = 2, .in = {a, b}});
+ *     return eng_op_dispatch(ENG_OP_BINARY, &(eng_op_call){.n_in = 2, .in = {a, b}, .ints = {which}});
  *
+ * (core/dispatch.h: the op id names the call; the op def registered for that
+ * id in sharding/registry.c says how it is sharded.) *
  * (ENG_DT_ACTIVE is false in local mode, when the dispatcher runs an op on
  * local shards.)  Ops without a rule use eng_no_rule / eng_no_rule_i, which
  * raise "<op>: no sharding strategy registered for DTensor arguments (...)".
@@ -43,8 +45,9 @@
  *      are allowed inside (eng_mesh_get_group(in_specs[0]->mesh, m)).
  *   4. The op def, one line:
  *        const eng_op_def eng_opdef_softmax = {"softmax", 1, softmax_rule, sh_shape_same0, softmax_fn, NULL};
- *      declare it below (extern const eng_op_def eng_opdef_softmax;) and put the
- *      guard at the top of the op.
+ *      declare it below (extern const eng_op_def eng_opdef_softmax;), give the op
+ *      an id in core/dispatch.h (ENG_OP_SOFTMAX), register the def for that id
+ *      in sharding/registry.c, and put the guard at the top of the op.
  *
  * Autograd is generic: every node created while a local function runs is
  * marked; its backward redistributes incoming DTensor grads to the adjoint of
@@ -64,84 +67,7 @@
  */
 #ifndef ENG_SHARDING_H
 #define ENG_SHARDING_H
-#include "core/internal.h"
-
-#define ENG_OP_MAX_IN 8
-#define ENG_OP_MAX_OUT 4
-
-typedef struct eng_op_call {
-  const char* name;               /* for messages; NULL: the def's name */
-  int n_in;                       /* tensor inputs (NULL entries allowed: optional ones) */
-  eng_tensor* in[ENG_OP_MAX_IN];
-  int64_t ints[8];
-  double scalars[4];
-  int needs_grad;                 /* set by the dispatcher */
-} eng_op_call;
-
-typedef struct eng_strategy {
-  eng_placement in[ENG_OP_MAX_IN];   /* required placement per tensor input */
-  eng_placement out[ENG_OP_MAX_OUT]; /* placement per output */
-} eng_strategy;
-
-typedef int (*eng_rule_fn)(const eng_op_call* c, const eng_dist_spec* const* in_specs, int mesh_dim,
-                           eng_strategy* out, int cap);
-/* Global output shapes: writes ndims[j] and shapes[j][..] for each output. */
-typedef int (*eng_shape_fn)(const eng_op_call* c, const eng_dist_spec* const* in_specs, int* ndims,
-                            int64_t (*shapes)[8]);
-typedef eng_tensor* (*eng_op_fn)(const eng_op_call* c);
-typedef int (*eng_local_fn)(const eng_op_call* c, const eng_dist_spec* const* in_specs,
-                            const eng_dist_spec* const* out_specs, eng_tensor** outs);
-
-typedef struct eng_op_def {
-  const char* name;
-  int n_out;
-  eng_rule_fn rule;
-  eng_shape_fn shape;
-  eng_op_fn fn;          /* default local function (one output) */
-  eng_local_fn local;    /* rule-specific local function, or NULL */
-  int scalars_in_key;
-  int keeps_dtype;       /* the output has in[0]'s dtype (shape ops; core/meta.c uses it) */
-  int agree_local;       /* the local function checks data that may differ between ranks (indices,
-                          * targets): the dispatcher agrees on its success over every mesh dim where
-                          * an input is not Replicate, so a failure on one rank fails every rank
-                          * (naming it) before any later collective, instead of leaving the others
-                          * waiting (eng_pg_agree; one small all_reduce per such dim) */
-  int keeps_strided;     /* one input whose layout the output keeps (clone): a _StridedShard input is not
-                          * replicated first; the rule must accept _StridedShard placements */
-} eng_op_def;
-
-/* ---- guard */
-#define ENG_DT_ACTIVE(cond) (__builtin_expect(!!(cond), 0) && !eng_dtensor_local_mode())
-
-/* ---- dispatch */
-eng_tensor* eng_dispatch(const eng_op_def* def, eng_op_call* c);
-/* Several outputs: writes def->n_out new references into outs. */
-int eng_dispatch_multi(const eng_op_def* def, eng_op_call* c, eng_tensor** outs);
-/* "<name>: no sharding strategy registered for DTensor arguments (...)". */
-eng_tensor* eng_no_rule(const char* name, const eng_op_call* c);
-int eng_no_rule_i(const char* name, const eng_op_call* c);
-/* In-place ops (a op= others): others are redistributed to a's spec (a must
- * not be Partial unless mode allows it), then the op runs on the locals in
- * local mode via fn.  mode: 0 a may not be Partial; 1 linear (a may be
- * Partial when every DTensor other has a's exact spec); 2 scaling (a may be
- * Partial(sum/avg); no tensor others). */
-int eng_dispatch_inplace(const char* name, int mode, eng_op_call* c, int (*fn)(eng_op_call* c));
-
-/* ---- meta tensors (core/meta.c) */
-/* The guards send an op to the dispatcher when an operand is meta too. */
-#define ENG_META_T(t) ((t) && (t)->device == ENG_META)
-/* 1 when some tensor operand of c is on the meta device. */
-int eng_meta_any(const eng_op_call* c);
-/* New meta outputs of def for call c: shapes from def->shape (out_specs NULL:
- * plain meta operands) or the local shapes of out_specs (meta DTensors);
- * dtypes from the op run on tiny CPU stand-ins.  0 or -1. */
-int eng_meta_outputs(const eng_op_def* def, eng_op_call* c, eng_dist_spec* const* out_specs, eng_tensor** outs);
-/* An in-place op into a plain meta tensor: checks devices and broadcasting,
- * writes nothing.  0 or -1. */
-int eng_meta_inplace(const char* name, eng_op_call* c);
-
-/* Dim list -> bit mask (n_dims 0: all dims); -1 on a bad dim. */
-int64_t eng_dims_mask(int ndim, int n_dims, const int* dims, const char* op);
+#include "dtensor/dispatch.h"
 
 /* ---- helpers for rules */
 static inline eng_placement sh_R(void) { eng_placement p = {ENG_PLACEMENT_REPLICATE, 0, 0}; return p; }
@@ -195,12 +121,6 @@ extern const eng_op_def eng_opdef_nll_loss, eng_opdef_ploss, eng_opdef_ploss_che
  * scalars[0] = dropout_p, scalars[1] = scale */
 extern const eng_op_def eng_opdef_softmax, eng_opdef_norm, eng_opdef_dropout, eng_opdef_sdpa;
 
-/* op codes for the generic defs */
-enum { ENG_SC_ADD, ENG_SC_SUB, ENG_SC_MUL, ENG_SC_DIV, ENG_SC_POW, ENG_SC_RSUB, ENG_SC_RDIV, ENG_SC_RPOW };
-enum { ENG_BIN_ADD, ENG_BIN_SUB, ENG_BIN_MUL, ENG_BIN_DIV, ENG_BIN_POW, ENG_BIN_MAX, ENG_BIN_MIN };
-enum { ENG_UN_NEG, ENG_UN_EXP, ENG_UN_LOG, ENG_UN_SQRT, ENG_UN_RSQRT, ENG_UN_ABS, ENG_UN_TANH, ENG_UN_SIGMOID,
-       ENG_UN_RELU, ENG_UN_SILU, ENG_UN_GELU, ENG_UN_CLAMP, ENG_UN_LEAKY_RELU, ENG_UN_ELU, ENG_UN_HARDTANH,
-       ENG_UN_SOFTPLUS };
 
 /* ---- autograd glue: dtensor/dispatch.c installs its node marking and
  * backward into autograd through autograd/dist_hooks.h */

@@ -15,16 +15,7 @@
 #define ENG_SHARDING_MATH_H
 #include "sharding/sharding.h"
 
-enum { ENG_R2_PROD, ENG_R2_AMAX, ENG_R2_AMIN, ENG_R2_LSE, ENG_R2_VAR, ENG_R2_STD, ENG_R2_NORM, ENG_R2_ALL, ENG_R2_ANY };
-enum { ENG_AL_CUMSUM, ENG_AL_CUMPROD, ENG_AL_ARGSORT, ENG_AL_SORT, ENG_AL_TOPK, ENG_AL_KTH };
-
 extern const eng_op_def eng_opdef_math_unary, eng_opdef_math_binary, eng_opdef_math_binary_int, eng_opdef_reduce2,
     eng_opdef_along, eng_opdef_along2;
-
-/* Local ops the defs call (ops/math.c, ops/reduce2.c, ops/sort.c). */
-eng_tensor* eng_math_unary_op(int op, eng_tensor* a, const double* p);
-eng_tensor* eng_math_binary_op(int op, eng_tensor* a, eng_tensor* b);
-eng_tensor* eng_reduce2_op(int op, eng_tensor* t, int64_t mask, int keepdim, double s);
-int eng_along_op(int op, eng_tensor* t, int dim, int64_t k, int flag, eng_tensor** values, eng_tensor** indices);
 
 #endif

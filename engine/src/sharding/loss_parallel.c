@@ -10,7 +10,10 @@
  * Ranks must call it with the same row count (the same targets).  Local
  * argument errors that could differ between ranks (the vocab slice, targets
  * out of range) are exchanged inside the first all_reduce, so every rank
- * fails with the same message instead of some waiting in a collective. */
+ * fails with the same message instead of some waiting in a collective.
+ *
+ * A distributed op (it takes a process group): it lives with the sharding
+ * rules, whose cross_entropy rule for logits sharded on the class dim runs it. */
 #include "core/internal.h"
 #include "ops/ops.h"
 #include <math.h>
@@ -84,7 +87,7 @@ eng_tensor* eng_cross_entropy_vocab_parallel(eng_tensor* logits, eng_tensor* tar
   if (eng_meta_check(logits, op)) return NULL;
   if (eng_meta_check(target, op)) return NULL;
   eng_tensor* x = logits;
-  if (!eng_dtensor_local_mode() && (x->dist || target->dist))
+  if (!eng_dispatch_local_mode() && (x->dist || target->dist))
     return eng_errp("%s: takes this rank's local logits and the (replicated) targets as plain tensors, got %s and "
                     "%s (use to_local(), or cross_entropy on a DTensor sharded on the class dim)", op,
                     x->dist ? "a DTensor" : eng_desc(x), target->dist ? "a DTensor" : eng_desc(target));

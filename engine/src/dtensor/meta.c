@@ -1,4 +1,4 @@
-/* meta.c: ops on meta tensors (ENG_META: shape, dtype and strides, no
+/* meta.c: ops on meta tensors (the meta device lives with the dispatcher: its ops run through the op defs) (ENG_META: shape, dtype and strides, no
  * data).  An op with a DTensor op def reaches here through its dispatcher
  * guard when an operand is meta:
  *   - output SHAPES come from the op def's shape function, the one the
@@ -12,6 +12,7 @@
  *     ops (def->keeps_dtype: view/reshape, permute, expand, narrow, select,
  *     whose ints name sizes the stand-ins lack) keep their input's dtype.
  * Meta results record no autograd history. */
+#include "dtensor/dispatch.h"
 #include "sharding/sharding.h"
 
 static int meta_t(const eng_tensor* t) { return t && t->device == ENG_META; }
@@ -50,7 +51,7 @@ static int probe_dtypes(const eng_op_def* def, const eng_op_call* c, int* dts) {
   uint64_t seed, off;
   eng_rng_get_state(&seed, &off);
   int prev_grad = eng_set_grad_enabled(0);
-  int prev_mode = eng_dtensor_set_local_mode(1);
+  int prev_mode = eng_dispatch_set_local_mode(1);
   eng_tensor* outs[ENG_OP_MAX_OUT] = {0};
   int n_out = def->n_out, prc = 0;
   if (def->keeps_dtype) {
@@ -78,7 +79,7 @@ static int probe_dtypes(const eng_op_def* def, const eng_op_call* c, int* dts) {
   } else {
     prc = eng_err("no dtype rule for meta tensors");
   }
-  eng_dtensor_set_local_mode(prev_mode);
+  eng_dispatch_set_local_mode(prev_mode);
   eng_set_grad_enabled(prev_grad);
   eng_rng_set_state(seed, off);
   if (!prc) {
