@@ -21,7 +21,7 @@ end
 
 -- subsystem -> the subsystems whose private headers it may include (besides its own)
 local ALLOWED = {
-  core = { cuda = true },
+  core = {},
   autograd = { core = true },
   ops = { core = true, autograd = true, cuda = true },
   io = { core = true },
@@ -110,6 +110,17 @@ describe("engine/src layout", function()
           end
         end
         assert.is_nil(s:match("eng_opdef_"), f .. " names an op def (op defs are registered by op id)")
+      end
+    end
+  end)
+
+  it("keeps core free of device runtimes (devices behind core/device.h)", function()
+    for _, f in ipairs(files) do
+      if f:match("^core/") then
+        local code = read(SRC .. "/" .. f):gsub("/%*.-%*/", ""):gsub("//[^\n]*", "")
+        assert.is_nil(code:match("ENG_CUDA"), f .. " branches on ENG_CUDA (call the device table instead)")
+        for name in code:gmatch("(eng_cuda?_[%w_]+)%s*%(") do error(f .. " calls the CUDA runtime's " .. name) end
+        assert.is_nil(code:match('#include "cuda/'), f .. " includes a cuda/ header")
       end
     end
   end)

@@ -21,6 +21,7 @@
  * collection and sets the next threshold from the bytes still in use
  * (lua/engine/core.lua, docs/design.md "Allocator"). */
 #include "core/internal.h"
+#include "core/device.h"
 #include <pthread.h>
 #include <sys/mman.h>
 
@@ -150,8 +151,8 @@ void eng_alloc_empty_cache(void) {
 }
 
 eng_storage* eng_storage_new(int64_t nbytes, int device) {
-  if (device != ENG_CPU && device != ENG_CUDA && device != ENG_META)
-    return eng_errp("storage: invalid device code %d", device);
+  const eng_device_ops* dv = eng_device_ops_of(device);
+  if (device != ENG_CPU && device != ENG_META && !dv) return eng_errp("storage: invalid device code %d", device);
   eng_storage* s = calloc(1, sizeof *s);
   if (!s) return eng_errp("storage: out of memory");
   if (device == ENG_META) { /* no data; nbytes is what it would hold */
@@ -161,8 +162,8 @@ eng_storage* eng_storage_new(int64_t nbytes, int device) {
     s->external = 1;
     return s;
   }
-  if (device == ENG_CUDA) { /* the runtime's caching stream-ordered allocator (cuda/runtime.c) */
-    s->data = eng_cuda_malloc(nbytes);
+  if (dv) { /* the device runtime's allocator (for CUDA its caching stream-ordered one) */
+    s->data = dv->alloc(nbytes);
     if (!s->data) { free(s); eng_err_prefix("storage"); return NULL; }
     s->nbytes = nbytes;
     s->refcount = 1;
@@ -180,13 +181,24 @@ eng_storage* eng_storage_new(int64_t nbytes, int device) {
   return s;
 }
 
-/* Pinned host memory (eng_cuda_host_alloc): a CPU storage whose data the CUDA
- * runtime copies to and from the device by DMA without staging
- * (external = 2: not the CPU allocator's; freed with eng_cuda_host_free). */
+/* The device whose runtime gives pinned host memory (the first registered one). */
+static const eng_device_ops* pinning_device(void) {
+  for (int d = 0; d < ENG_MAX_DEVICES; d++) {
+    const eng_device_ops* dv = eng_device_ops_of(d);
+    if (dv && dv->host_alloc) return dv;
+  }
+  return NULL;
+}
+
+/* Pinned host memory (the device runtime's host_alloc): a CPU storage whose data the
+ * device runtime copies to and from the device by DMA without staging
+ * (external = 2: not the CPU allocator's; freed with the runtime's host_free). */
 eng_storage* eng_storage_new_pinned(int64_t nbytes) {
+  const eng_device_ops* dv = pinning_device();
+  if (!dv) return eng_errp("pin_memory: no device runtime is registered to pin host memory");
   eng_storage* s = calloc(1, sizeof *s);
   if (!s) return eng_errp("storage: out of memory");
-  s->data = eng_cuda_host_alloc(nbytes > 0 ? nbytes : 1);
+  s->data = dv->host_alloc(nbytes > 0 ? nbytes : 1);
   if (!s->data) { free(s); eng_err_prefix("pin_memory"); return NULL; }
   s->nbytes = nbytes > 0 ? nbytes : 1;
   s->refcount = 1;
@@ -201,9 +213,10 @@ eng_storage* eng_storage_new_pinned(int64_t nbytes) {
  * the next all-gather. */
 void eng_storage_free_data(eng_storage* s) {
   if (!s || !s->data || s->external) return;
-  if (s->device == ENG_CUDA) {
+  const eng_device_ops* dv = eng_device_ops_of(s->device);
+  if (dv) {
     __atomic_sub_fetch(&g_gc_dev, s->nbytes, __ATOMIC_RELAXED);
-    eng_cuda_free(s->data);
+    dv->free(s->data);
   } else {
     eng_free_raw(s->data, s->nbytes);
   }
@@ -218,8 +231,9 @@ int eng_storage_alloc_data(eng_storage* s, int64_t nbytes) {
     eng_storage_free_data(s);
   }
   if (nbytes <= 0) nbytes = 1;
-  if (s->device == ENG_CUDA) {
-    s->data = eng_cuda_malloc(nbytes);
+  const eng_device_ops* dv = eng_device_ops_of(s->device);
+  if (dv) {
+    s->data = dv->alloc(nbytes);
     if (!s->data) { eng_err_prefix("storage"); return -1; }
     s->nbytes = nbytes;
     __atomic_add_fetch(&g_gc_dev, nbytes, __ATOMIC_RELAXED);
@@ -238,11 +252,13 @@ void eng_storage_release(eng_storage* s) {
   if (!s) return;
   if (__atomic_sub_fetch(&s->refcount, 1, __ATOMIC_ACQ_REL) != 0) return;
   if (s->external == 2) {
-    eng_cuda_host_free(s->data);
+    const eng_device_ops* pin = pinning_device();
+    if (pin) pin->host_free(s->data);
   } else if (!s->external) {
-    if (s->device == ENG_CUDA) {
+    const eng_device_ops* dv = eng_device_ops_of(s->device);
+    if (dv) {
       __atomic_sub_fetch(&g_gc_dev, s->nbytes, __ATOMIC_RELAXED);
-      eng_cuda_free(s->data);
+      dv->free(s->data);
     } else {
       eng_free_raw(s->data, s->nbytes);
     }

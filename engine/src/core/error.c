@@ -1,5 +1,6 @@
 /* error.c: the thread-local error message and formatting helpers. */
 #include "core/internal.h"
+#include "core/device.h"
 #include <stdio.h>
 
 static __thread char g_msg[2048];
@@ -60,8 +61,7 @@ const char* eng_desc(const eng_tensor* t) {
   if (!t) { snprintf(b, 256, "nil"); return b; }
   int k = snprintf(b, 256, "%s", eng_dtype_name(t->dtype));
   put_shape(b + k, 256 - k, t->ndim, t->shape);
-  if (t->device == ENG_CUDA) strncat(b, "@cuda", 255 - strlen(b));
-  if (t->device == ENG_META) strncat(b, "@meta", 255 - strlen(b));
+  if (t->device != ENG_CPU) { strncat(b, "@", 255 - strlen(b)); strncat(b, eng_device_name(t->device), 255 - strlen(b)); }
   return b;
 }
 

@@ -3,6 +3,7 @@
  * time, the start event); GPU time comes from event pairs queued in a ring and resolved as they complete (polled at
  * each begin, without waiting) or at the report (waiting). */
 #include "core/internal.h"
+#include "core/device.h"
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -55,19 +56,22 @@ static int entry_of(const char* name) {
   return -1;
 }
 
-static void* event_get(void) { return g_nfree ? g_free[--g_nfree] : eng_cuda_event_create(); }
+/* The device whose events time the ops (the first registered device with events that is available). */
+static const eng_device_ops* g_dev;
+
+static void* event_get(void) { return g_nfree ? g_free[--g_nfree] : g_dev->event_create(); }
 static void event_put(void* e) {
   if (!e) return;
   if (g_nfree < 2 * RING) g_free[g_nfree++] = e;
-  else eng_cuda_event_destroy(e);
+  else g_dev->event_destroy(e);
 }
 
 /* resolve completed pairs from the oldest; wait: also the ones not complete yet */
 static void resolve(int wait) {
   while (g_head != g_tail) {
     gpu_pair* p = &g_ring[g_head % RING];
-    if (!wait && eng_cuda_event_query(p->b) != 1) break;
-    double ms = eng_cuda_event_elapsed_ms(p->a, p->b);
+    if (!wait && g_dev->event_query(p->b) != 1) break;
+    double ms = g_dev->event_elapsed_ms(p->a, p->b);
     if (ms >= 0) { g_tab[p->entry].gpu_ns += (int64_t)(ms * 1e6); g_tab[p->entry].gpu_calls++; }
     event_put(p->a);
     event_put(p->b);
@@ -76,8 +80,14 @@ static void resolve(int wait) {
 }
 
 static int gpu_on(void) {
-  /* only once CUDA is in use: a CPU run never creates a context for the profiler */
-  if (g_gpu < 0) g_gpu = eng_cuda_built() && eng_cuda_is_available() ? 1 : 0;
+  /* only once a device is in use: a CPU run never creates a context for the profiler */
+  if (g_gpu < 0) {
+    g_gpu = 0;
+    for (int d = 0; d < ENG_MAX_DEVICES && !g_gpu; d++) {
+      const eng_device_ops* dv = eng_device_ops_of(d);
+      if (dv && dv->event_create && dv->available()) { g_dev = dv; g_gpu = 1; }
+    }
+  }
   return g_gpu;
 }
 
@@ -123,7 +133,7 @@ int64_t eng_profiler_begin(const char* name) {
   if (gpu_on() && g_tail - g_head < RING) {
     if (g_head != g_tail) resolve(0);
     r->ev0 = event_get();
-    if (r->ev0 && eng_cuda_event_record(r->ev0)) { event_put(r->ev0); r->ev0 = NULL; }
+    if (r->ev0 && g_dev->event_record(r->ev0)) { event_put(r->ev0); r->ev0 = NULL; }
   }
   r->t0 = now_ns();
   return g_depth++;
@@ -138,7 +148,7 @@ void eng_profiler_end(int64_t token, int64_t bytes) {
   if (bytes > 0) e->bytes += bytes;
   if (r->ev0) {
     void* ev1 = event_get();
-    if (ev1 && !eng_cuda_event_record(ev1) && g_tail - g_head < RING) {
+    if (ev1 && !g_dev->event_record(ev1) && g_tail - g_head < RING) {
       g_ring[g_tail % RING] = (gpu_pair){r->entry, r->ev0, ev1};
       g_tail++;
     } else {

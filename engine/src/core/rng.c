@@ -3,7 +3,7 @@
  * (seed, offset + i) only (i = row-major index in the global tensor); the
  * transforms and the Philox addressing are in kernels/cpu/philox.h. */
 #include "core/dispatch.h"
-#include "cuda/cuda_ops.h"
+#include "core/device.h"
 #include "kernels/cpu/kcpu.h"
 #include <math.h>
 #include <pthread.h>
@@ -179,10 +179,10 @@ static int fill_(const char* op, int kind, eng_tensor* t, double a, double b) {
   }
   uint64_t seed;
   uint64_t off = eng_rng_reserve_seeded((uint64_t)t->numel, &seed);
-  if (t->numel > 0 && t->device == ENG_CUDA) { /* same numbers as below: element i (row-major) <- off + i */
+  if (t->numel > 0 && eng_is_device(t->device)) { /* same numbers as below: element i (row-major) <- off + i */
     int contig = eng_tensor_is_contiguous(t);
     eng_tensor* d = contig ? eng_tensor_retain(t) : eng_new(t->ndim, t->shape, t->dtype, t->device);
-    int rc = d ? eng_cu_random(kind, t->dtype, t->numel, seed, off, a, b, eng_ptr(d), op) : -1;
+    int rc = d ? eng_device_ops_of(t->device)->random(kind, t->dtype, t->numel, seed, off, a, b, eng_ptr(d), op) : -1;
     if (rc == 0 && !contig) rc = eng_copy_raw(t, d, d->stride);
     eng_tensor_release(d);
     if (rc) return -1;

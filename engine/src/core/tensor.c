@@ -7,8 +7,8 @@
 /* tensor.c: tensor objects, creation, element access, copies, casts. */
 #include "core/internal.h"
 #include "core/dispatch.h"
+#include "core/device.h"
 #include "kernels/cpu/kcpu.h"
-#include "cuda/cuda_ops.h"
 #include <math.h>
 #include <stdio.h>
 
@@ -110,12 +110,7 @@ static int check_geometry(int ndim, const int64_t* shape, int dtype, const char*
   return eng_numel_checked(ndim, shape, dtype, NULL, op);
 }
 
-static int check_device(int device, const char* op) {
-  if (device == ENG_CPU || device == ENG_META) return 0;
-  if (device != ENG_CUDA) return eng_err("%s: invalid device code %d (0 = cpu, 1 = cuda, 2 = meta)", op, device);
-  if (!eng_cuda_is_available()) return eng_err("%s: %s", op, eng_cuda_unavailable_reason());
-  return 0;
-}
+static int check_device(int device, const char* op) { return eng_device_check(device, op); }
 
 eng_tensor* eng_new(int ndim, const int64_t* shape, int dtype, int device) {
   if (eng_numel_checked(ndim, shape, dtype, NULL, "tensor")) return NULL;
@@ -211,8 +206,8 @@ static eng_tensor* full_op(int ndim, const int64_t* shape, double value, int dty
     return NULL;
   eng_tensor* t = eng_new(ndim, shape, dtype, device);
   if (t && device == ENG_META) return t;
-  if (t && device == ENG_CUDA) {
-    if (eng_cu_fill(eng_ptr(t), dtype, t->numel, value, op)) { eng_tensor_release(t); return NULL; }
+  if (t && eng_is_device(device)) {
+    if (eng_device_ops_of(device)->fill(eng_ptr(t), dtype, t->numel, value, op)) { eng_tensor_release(t); return NULL; }
   } else if (t) {
     kc_fill(t->numel, eng_ptr(t), dtype, value);
   }
@@ -254,9 +249,9 @@ eng_tensor* eng_tensor_arange(double start, double end, double step, int dtype, 
   if (!isfinite(start) || !isfinite(end)) return eng_errp("arange: bounds must be finite (got %g, %g)", start, end);
   if (dtype < 0 || dtype >= ENG_NUM_DTYPES) return eng_errp("arange: invalid dtype code %d", dtype);
   if (check_device(device, "arange")) return NULL;
-  if (device == ENG_CUDA) { /* made on the host, then copied */
+  if (eng_is_device(device)) { /* made on the host, then copied */
     eng_tensor* h = eng_tensor_arange(start, end, step, dtype, ENG_CPU);
-    eng_tensor* r = h ? eng_tensor_to_device(h, ENG_CUDA) : NULL;
+    eng_tensor* r = h ? eng_tensor_to_device(h, device) : NULL;
     eng_tensor_release(h);
     return r;
   }
@@ -326,9 +321,9 @@ static int load_elem(const eng_tensor* t, int64_t off, double* out, const char* 
   if (eng_meta_check(t, op)) return -1;
   int es = eng_dtype_size(t->dtype);
   const char* p = (const char*)t->storage->data + off * es;
-  if (t->device == ENG_CUDA) {
+  if (eng_is_device(t->device)) {
     _Alignas(8) char buf[8];
-    if (eng_cuda_memcpy_d2h(buf, p, es)) { eng_err_prefix("%s", op); return -1; }
+    if (eng_device_ops_of(t->device)->copy_d2h(buf, p, es)) { eng_err_prefix("%s", op); return -1; }
     *out = eng_lua_double(kc_load(buf, t->dtype));
     return 0;
   }
@@ -371,10 +366,10 @@ int eng_tensor_set(eng_tensor* t, const int64_t* index, double value) {
   if (err) return -1;
   if (eng_meta_check(t, "set")) return -1;
   char* p = (char*)t->storage->data + off * eng_dtype_size(t->dtype);
-  if (t->device == ENG_CUDA) {
+  if (eng_is_device(t->device)) {
     _Alignas(8) char buf[8];
     kc_store(buf, t->dtype, value);
-    if (eng_cuda_memcpy_h2d(p, buf, eng_dtype_size(t->dtype))) { eng_err_prefix("set"); return -1; }
+    if (eng_device_ops_of(t->device)->copy_h2d(p, buf, eng_dtype_size(t->dtype))) { eng_err_prefix("set"); return -1; }
   } else {
     kc_store(p, t->dtype, value);
   }
@@ -386,9 +381,9 @@ int eng_copy_raw(eng_tensor* dst, const eng_tensor* src, const int64_t* src_stri
   if (dst->device != src->device) /* callers move data between devices with eng_tensor_to_device */
     return eng_err("copy: internal error: %s and %s are on different devices", eng_desc(dst), eng_desc(src));
   if (dst->device == ENG_META) return 0; /* shapes only */
-  if (dst->device == ENG_CUDA)
-    return eng_cu_copy(dst->ndim, dst->shape, eng_ptr(dst), dst->dtype, dst->stride, eng_ptr(src), src->dtype,
-                       src_stride, "copy");
+  if (eng_is_device(dst->device))
+    return eng_device_ops_of(dst->device)->copy_strided(dst->ndim, dst->shape, eng_ptr(dst), dst->dtype, dst->stride,
+                                                        eng_ptr(src), src->dtype, src_stride, "copy");
   kc_copy(dst->ndim, dst->shape, eng_ptr(dst), dst->dtype, dst->stride, eng_ptr(src), src->dtype, src_stride);
   return 0;
 }
@@ -397,7 +392,7 @@ int eng_zero_elems(eng_tensor* t, int64_t first, int64_t n) {
   if (n <= 0 || t->device == ENG_META) return 0;
   int64_t es = eng_dtype_size(t->dtype);
   char* p = eng_ptr(t) + first * es;
-  if (t->device == ENG_CUDA) return eng_cuda_memset(p, 0, n * es);
+  if (eng_is_device(t->device)) return eng_device_ops_of(t->device)->memset(p, 0, n * es);
   memset(p, 0, (size_t)(n * es));
   return 0;
 }
@@ -409,10 +404,10 @@ int eng_tensor_read(const eng_tensor* t, void* out, int dtype, int64_t n) {
   if (n != t->numel) return eng_err("read: buffer of %lld elements for %s", (long long)n, eng_desc(t));
   int64_t st[ENG_MAX_DIMS];
   eng_contiguous_strides(t->ndim, t->shape, st);
-  if (t->device == ENG_CUDA) { /* converted on the device, then one copy back */
-    eng_tensor* c = eng_new(t->ndim, t->shape, dtype, ENG_CUDA);
+  if (eng_is_device(t->device)) { /* converted on the device, then one copy back */
+    eng_tensor* c = eng_new(t->ndim, t->shape, dtype, t->device);
     int rc = c ? eng_copy_raw(c, t, t->stride) : -1;
-    if (rc == 0 && n > 0) rc = eng_cuda_memcpy_d2h(out, eng_ptr(c), n * eng_dtype_size(dtype));
+    if (rc == 0 && n > 0) rc = eng_device_ops_of(t->device)->copy_d2h(out, eng_ptr(c), n * eng_dtype_size(dtype));
     eng_tensor_release(c);
     if (rc) eng_err_prefix("read");
     else eng_lua_doubles(out, dtype, n);
@@ -567,10 +562,14 @@ static eng_tensor* device_copy(eng_tensor* t, int device) {
   int rc = r ? 0 : -1;
   int64_t nb = t->numel * eng_dtype_size(t->dtype);
   if (r && nb > 0) {
-    if (src->device == device) rc = device == ENG_CUDA ? eng_cuda_memcpy_d2d(eng_ptr(r), eng_ptr(src), nb)
-                                                       : (memcpy(eng_ptr(r), eng_ptr(src), (size_t)nb), 0);
-    else if (device == ENG_CUDA) rc = eng_cuda_memcpy_h2d(eng_ptr(r), eng_ptr(src), nb);
-    else rc = eng_cuda_memcpy_d2h(eng_ptr(r), eng_ptr(src), nb);
+    const eng_device_ops* to = eng_device_ops_of(device);
+    const eng_device_ops* from = eng_device_ops_of(src->device);
+    if (src->device == device) rc = to ? to->copy_d2d(eng_ptr(r), eng_ptr(src), nb)
+                                       : (memcpy(eng_ptr(r), eng_ptr(src), (size_t)nb), 0);
+    else if (to && from) rc = eng_err("to_device: %s to %s: copies between two devices go through the host", from->name,
+                                      to->name);
+    else if (to) rc = to->copy_h2d(eng_ptr(r), eng_ptr(src), nb);
+    else rc = from->copy_d2h(eng_ptr(r), eng_ptr(src), nb);
     if (rc) eng_err_prefix("to_device");
   }
   eng_tensor_release(src);
@@ -590,7 +589,7 @@ static int to_device_backward(eng_node* n, eng_tensor** go, eng_tensor** gi) {
 
 eng_tensor* eng_tensor_to_device(eng_tensor* t, int device) {
   ENG_CHECK(t, "to_device");
-  if (device != ENG_CPU && device != ENG_CUDA && device != ENG_META)
+  if (device != ENG_CPU && device != ENG_META && !eng_is_device(device))
     return eng_errp("to_device: invalid device code %d (0 = cpu, 1 = cuda, 2 = meta)", device);
   if (t->device == device) return eng_tensor_retain(t);
   /* inside a DTensor op's local function (local mode) a DTensor input stands for its local tensor */
@@ -702,12 +701,12 @@ int eng_tensor_fill_(eng_tensor* t, double value) {
   ENG_CHECK_I(t, "fill_");
   if (eng_check_inplace(t, "fill_") || eng_check_value(value, t->dtype, "fill_")) return -1;
   if (t->device == ENG_META) return 0; /* shapes only: nothing to write */
-  if (t->device == ENG_CUDA) {
+  if (eng_is_device(t->device)) {
     int rc;
     if (eng_tensor_is_contiguous(t)) {
-      rc = eng_cu_fill(eng_ptr(t), t->dtype, t->numel, value, "fill_");
+      rc = eng_device_ops_of(t->device)->fill(eng_ptr(t), t->dtype, t->numel, value, "fill_");
     } else { /* a filled scalar broadcast (stride 0) into the strided view */
-      eng_tensor* v = eng_tensor_full(0, NULL, value, t->dtype, ENG_CUDA);
+      eng_tensor* v = eng_tensor_full(0, NULL, value, t->dtype, t->device);
       int64_t zs[ENG_MAX_DIMS] = {0};
       rc = v ? eng_copy_raw(t, v, zs) : -1;
       eng_tensor_release(v);
