@@ -1,4 +1,4 @@
-/* index.c: indexing ops along a dim (issue 17 item 4): gather, scatter /
+/* index.c: indexing ops along a dim (torch.gather / scatter family): gather, scatter /
  * scatter_add, index_add, index_copy (with their autograd) and nonzero.
  * Index values are 0-based data (i32/i64), checked in range on the host.
  *

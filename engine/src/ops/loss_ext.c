@@ -1,4 +1,4 @@
-/* loss_ext.c: the losses of issue 17 item 5 as single fused ops (one
+/* loss_ext.c: the remaining torch.nn.functional losses as single fused ops (one
  * dispatch each; PyTorch's forward and backward formulas):
  *   nll_loss (class weights, ignore_index, none / mean = sum(w_i l_i) / sum(w_i) / sum);
  *   the elementwise losses binary_cross_entropy (the 0..1 input check done by
