@@ -38,7 +38,7 @@ describe("single-copy redistribute", function()
     if W == 1 then
       assert.is_false(usable) -- nothing to exchange on one rank
     elseif not usable then
-      pending("cross-memory attach is not permitted on this machine: the MPI path is used")
+      pending("single copy not usable (" .. mesh1:get_group(1):single_copy_reason() .. "): the MPI path is used")
     end
   end)
 

@@ -201,10 +201,14 @@ int eng_comm_set_single_copy(int on);
 int eng_comm_get_single_copy(void);
 int64_t eng_comm_single_copy_count(void);
 /* 1 when the single-copy path may be used on pg for CPU tensors (enabled,
- * not in debug mode, 2 or more members, all on this node, and a probe read of
- * a peer's memory worked).  Collective the first time it is asked on a group
- * (every member must call it); cached after that. */
+ * not in debug mode, 2 or more members, all on this node, and every member
+ * read a token from every other member's memory).  Collective the first time
+ * it is asked on a group (every member must call it); cached after that. */
 int eng_pg_single_copy_usable(eng_pg* pg);
+/* Why the path is not usable on pg ("" when it is; e.g. "the members are on
+ * different nodes"): a static string, the same on every member once
+ * eng_pg_single_copy_usable has been asked.  Not collective. */
+const char* eng_pg_single_copy_reason(eng_pg* pg);
 /* Single-copy box exchange (ShardedTensor's reshard of any two layouts):
  * a list of moves, each taking the box `shape` at element offsets src_off of
  * group rank src's source tensor number src_idx to offsets dst_off of group

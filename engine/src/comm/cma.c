@@ -16,14 +16,16 @@
  * keeps the inputs alive until everyone has read them and makes any failure
  * a failure of every rank.
  *
- * Used only when every member of the group is on this node and a probe read
- * works (checked collectively once per group), not in debug mode (whose
+ * Used only when every member of the group is on this node and every member
+ * can read every other member's memory (a probe, collective, once per group),
+ * not in debug mode (whose
  * fingerprint exchange belongs to the ordinary path), for CPU tensors, and
  * when every strided run is at least CMA_MIN_RUN bytes.  Otherwise the caller
  * takes the MPI path; the decision is the same on every rank.  ENGINE_CMA=0
  * turns it off. */
 #define _GNU_SOURCE
 #include "comm/comm_impl.h"
+#include "comm/guard.h"
 #include <errno.h>
 #include <limits.h>
 #include <stdio.h>
@@ -35,6 +37,13 @@
 
 #define CMA_MIN_RUN 256 /* bytes: shorter runs cost more in iovec handling than a pack saves */
 #define CMA_IOV 1024    /* entries per process_vm_readv call (IOV_MAX on Linux) */
+
+/* A blocking MPI call under the comm timeout (comm/guard.c): a peer lost on the way fails the job
+ * instead of hanging it. */
+static int guarded_end(int rc) { comm_guard_end(); return rc; }
+#define PROBE "single-copy probe"
+#define XCHG "single-copy exchange"
+#define GUARDED(what, call) (comm_guard_begin(pg, (what)), guarded_end(call))
 
 typedef struct cma_desc {
   int64_t pid;
@@ -60,49 +69,113 @@ int eng_comm_set_single_copy(int on) { g_enabled = on ? 1 : 0; return 0; }
 int eng_comm_get_single_copy(void) { return enabled(); }
 int64_t eng_comm_single_copy_count(void) { return g_count; }
 
-#ifdef __linux__
-static volatile uint64_t g_probe_word = 0x656e67696e65ull; /* "engine" */
+/* pg->cma: 0 not probed yet, 1 usable, else why not (the same on every member): */
+enum {
+  CMA_NO_OTHER = -1,     /* an exchange failed after the probe (cma_* below), or not Linux */
+  CMA_NO_NODES = -2,     /* the members are on different nodes (shared-memory communicator smaller) */
+  CMA_NO_ACCESS = -3,    /* a member could not read a peer's memory (ptrace rules, pid namespaces) */
+  CMA_NO_PROBE = -4,     /* the probe itself failed (out of memory, MPI error) */
+};
 
-/* Collective on the members of pg, once per group: 1 when every member is on
- * this node and can read its neighbour's memory. */
+#ifdef __linux__
+#include <sys/syscall.h>
+#include <time.h>
+/* This process's probe token: random, so that a read that returns it proves that the pid a peer
+ * published is this very process (not another process with the same pid number in another pid
+ * namespace or on another host) and that the peer may access its memory. */
+static volatile uint64_t g_probe_word;
+
+static uint64_t mix64(uint64_t z) {
+  z += 0x9e3779b97f4a7c15ull;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+static uint64_t probe_token(void) {
+  if (g_probe_word) return g_probe_word;
+  uint64_t t = 0;
+#ifdef SYS_getrandom
+  if (syscall(SYS_getrandom, &t, sizeof t, 0) != (long)sizeof t) t = 0;
+#endif
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  t ^= mix64((uint64_t)getpid() << 32 ^ (uint64_t)ts.tv_nsec ^ (uint64_t)ts.tv_sec << 20 ^ (uint64_t)(uintptr_t)&ts);
+  g_probe_word = t ? t : 1;
+  return g_probe_word;
+}
+
+/* Collective on the members of pg, once per group: 1 when every member is on this node and every
+ * member can read the memory of every other member (each reads every peer's token: the single-copy
+ * exchanges write into and read from every peer, not only a neighbour).  process_vm_writev needs
+ * the same access as process_vm_readv (PTRACE_MODE_ATTACH_REALCREDS), so a successful read of the
+ * right token also vouches for the writes.  Else the reason (CMA_NO_*). */
 static int probe(eng_pg* pg) {
-  int ok = 1;
+  int why = 0;
   MPI_Comm node = MPI_COMM_NULL;
   int nsize = 0;
-  if (MPI_Comm_split_type(pg->comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node) != MPI_SUCCESS) ok = 0;
+  if (MPI_Comm_split_type(pg->comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node) != MPI_SUCCESS) why = CMA_NO_PROBE;
   else {
     MPI_Comm_size(node, &nsize);
     MPI_Comm_free(&node);
-    if (nsize != pg->size) ok = 0;
+    if (nsize != pg->size) why = CMA_NO_NODES;
   }
-  struct { int64_t pid; uint64_t addr; } me = {(int64_t)getpid(), (uint64_t)(uintptr_t)&g_probe_word}, *all;
+  struct { int64_t pid; uint64_t addr, token; } me, *all;
+  me.pid = (int64_t)getpid();
+  me.addr = (uint64_t)(uintptr_t)&g_probe_word;
+  me.token = probe_token();
   all = malloc(sizeof *all * (size_t)pg->size);
-  if (!all) ok = 0;
-  int rc = MPI_Allgather(&me, (int)sizeof me, MPI_BYTE, all ? (void*)all : (void*)&me, all ? (int)sizeof me : 0,
-                         MPI_BYTE, pg->comm);
-  if (rc != MPI_SUCCESS) ok = 0;
-  if (ok && all) {
-    int peer = (pg->rank + 1) % pg->size;
+  if (!all && !why) why = CMA_NO_PROBE;
+  int rc = GUARDED(PROBE, MPI_Allgather(&me, (int)sizeof me, MPI_BYTE, all ? (void*)all : (void*)&me,
+                                        all ? (int)sizeof me : 0, MPI_BYTE, pg->comm));
+  if (rc != MPI_SUCCESS && !why) why = CMA_NO_PROBE;
+  for (int step = 1; !why && all && step < pg->size; step++) {
+    int peer = (pg->rank + step) % pg->size;
     uint64_t v = 0;
     struct iovec l = {&v, sizeof v}, r = {(void*)(uintptr_t)all[peer].addr, sizeof v};
     ssize_t n = process_vm_readv((pid_t)all[peer].pid, &l, 1, &r, 1, 0);
-    if (n != (ssize_t)sizeof v || v != g_probe_word) ok = 0;
+    if (n != (ssize_t)sizeof v || v != all[peer].token) why = CMA_NO_ACCESS;
   }
   free(all);
-  int every = 0;
-  if (MPI_Allreduce(&ok, &every, 1, MPI_INT, MPI_MIN, pg->comm) != MPI_SUCCESS) every = 0;
-  return every;
+  /* the first reason in the order NODES, ACCESS, PROBE on every member (MIN of the negated codes) */
+  int code = why == CMA_NO_NODES ? 1 : why == CMA_NO_ACCESS ? 2 : why ? 3 : 4, first = 3;
+  if (GUARDED(PROBE, MPI_Allreduce(&code, &first, 1, MPI_INT, MPI_MIN, pg->comm)) != MPI_SUCCESS)
+    first = 3;
+  return first == 4 ? 1 : first == 1 ? CMA_NO_NODES : first == 2 ? CMA_NO_ACCESS : CMA_NO_PROBE;
 }
 #endif
 
 int comm_cma_usable(eng_pg* pg, int device) {
   if (!pg || !pg->member || device != ENG_CPU || pg->size < 2 || !enabled() || eng_comm_get_debug()) return 0;
 #ifdef __linux__
-  if (pg->cma == 0) pg->cma = probe(pg) ? 1 : -1;
+  if (pg->cma == 0) pg->cma = probe(pg);
   return pg->cma > 0;
 #else
+  pg->cma = CMA_NO_OTHER;
   return 0;
 #endif
+}
+
+const char* eng_pg_single_copy_reason(eng_pg* pg) {
+  if (!pg) return "no process group";
+  if (!pg->member) return "this rank is not a member of the group";
+  if (pg->size < 2) return "the group has one member";
+  if (!enabled()) return "turned off (set_single_copy(false) or ENGINE_CMA=0)";
+  if (eng_comm_get_debug()) return "the comm debug mode is on (it checks every collective the MPI way)";
+  switch (pg->cma) {
+    case 1: return "";
+    case 0: return "not probed yet (ask single_copy_usable first, on every member)";
+    case CMA_NO_NODES: return "the members are on different nodes";
+    case CMA_NO_ACCESS:
+      return "a member may not read or write another member's memory (ptrace rules or pid namespaces)";
+    case CMA_NO_PROBE: return "the probe of the members failed (out of memory or an MPI error)";
+    default:
+#ifdef __linux__
+      return "an exchange failed on some member; the group uses the MPI path from then on";
+#else
+      return "cross-memory attach needs Linux";
+#endif
+  }
 }
 
 int eng_pg_single_copy_usable(eng_pg* pg) { return comm_cma_usable(pg, ENG_CPU); }
@@ -279,8 +352,8 @@ int comm_cma_exchange(eng_pg* pg, const char* op, int kind, eng_tensor* out, con
   cma_desc* all = malloc(sizeof *all * (size_t)k);
   if (!all) { mine.err = 1; eng_err("%s: %s: out of memory", op, what); }
   if (mine.err) snprintf(mine.msg, sizeof mine.msg, "%s", eng_last_error());
-  int rc = MPI_Allgather(&mine, (int)sizeof mine, MPI_BYTE, all ? (void*)all : (void*)&mine,
-                         all ? (int)sizeof mine : 0, MPI_BYTE, pg->comm);
+  int rc = GUARDED(XCHG, MPI_Allgather(&mine, (int)sizeof mine, MPI_BYTE, all ? (void*)all : (void*)&mine,
+                                       all ? (int)sizeof mine : 0, MPI_BYTE, pg->comm));
   if (rc != MPI_SUCCESS) { free(all); return eng_err("%s: %s on group %s: %s", op, what, pg->name, comm_mpi_errstr(rc)); }
   if (!all) return -1;
   int verdict = check_all(all, k, me, op, what, pg->name);
@@ -320,7 +393,7 @@ int comm_cma_exchange(eng_pg* pg, const char* op, int kind, eng_tensor* out, con
   }
   free(all);
   int any = 0;
-  rc = MPI_Allreduce(&err, &any, 1, MPI_INT, MPI_MAX, pg->comm);
+  rc = GUARDED(XCHG, MPI_Allreduce(&err, &any, 1, MPI_INT, MPI_MAX, pg->comm));
   if (rc != MPI_SUCCESS) {
     comm_account_end(rec, 2);
     return eng_err("%s: %s on group %s: %s", op, what, pg->name, comm_mpi_errstr(rc));
@@ -434,8 +507,8 @@ int eng_pg_box_exchange(eng_pg* pg, const char* op, int kind, int ndim, int dtyp
   box_head* head = malloc(sizeof *head * (size_t)k);
   if (!head) { mine.err = 1; eng_err("%s: %s: out of memory", op, what); }
   if (mine.err) snprintf(mine.msg, sizeof mine.msg, "%s", eng_last_error());
-  int rc = MPI_Allgather(&mine, (int)sizeof mine, MPI_BYTE, head ? (void*)head : (void*)&mine,
-                         head ? (int)sizeof mine : 0, MPI_BYTE, pg->comm);
+  int rc = GUARDED(XCHG, MPI_Allgather(&mine, (int)sizeof mine, MPI_BYTE, head ? (void*)head : (void*)&mine,
+                                       head ? (int)sizeof mine : 0, MPI_BYTE, pg->comm));
   if (rc != MPI_SUCCESS) { free(head); return eng_err("%s: %s on group %s: %s", op, what, pg->name, comm_mpi_errstr(rc)); }
   if (!head) return -1;
   int decline = 0;
@@ -468,7 +541,7 @@ int eng_pg_box_exchange(eng_pg* pg, const char* op, int kind, int ndim, int dtyp
   if (!counts || !first || !desc || !own || total * (int64_t)sizeof *desc > INT_MAX) err = 1;
   /* the same verdict on every rank: the sizes come from the headers; only malloc can differ */
   int any = 0;
-  rc = MPI_Allreduce(&err, &any, 1, MPI_INT, MPI_MAX, pg->comm);
+  rc = GUARDED(XCHG, MPI_Allreduce(&err, &any, 1, MPI_INT, MPI_MAX, pg->comm));
   if (rc != MPI_SUCCESS || any) {
     free(counts); free(first); free(desc); free(own); free(head);
     if (rc != MPI_SUCCESS) return eng_err("%s: %s on group %s: %s", op, what, pg->name, comm_mpi_errstr(rc));
@@ -484,7 +557,8 @@ int eng_pg_box_exchange(eng_pg* pg, const char* op, int kind, int ndim, int dtyp
   }
   for (int i = 0; i < nsrc; i++) box_fill(&own[i], srcs[i]);
   for (int i = 0; i < ndst; i++) box_fill(&own[nsrc + i], dsts[i]);
-  rc = MPI_Allgatherv(own, (nsrc + ndst) * (int)sizeof *own, MPI_BYTE, desc, counts, displs, MPI_BYTE, pg->comm);
+  rc = GUARDED(XCHG, MPI_Allgatherv(own, (nsrc + ndst) * (int)sizeof *own, MPI_BYTE, desc, counts, displs,
+                                    MPI_BYTE, pg->comm));
   free(own);
   if (rc != MPI_SUCCESS) {
     free(counts); free(first); free(desc); free(head);
@@ -552,7 +626,7 @@ int eng_pg_box_exchange(eng_pg* pg, const char* op, int kind, int ndim, int dtyp
   }
   free(counts); free(first); free(desc); free(head);
   any = 0;
-  rc = MPI_Allreduce(&err, &any, 1, MPI_INT, MPI_MAX, pg->comm);
+  rc = GUARDED(XCHG, MPI_Allreduce(&err, &any, 1, MPI_INT, MPI_MAX, pg->comm));
   if (rc != MPI_SUCCESS) {
     comm_account_end(rec, 2);
     return eng_err("%s: %s on group %s: %s", op, what, pg->name, comm_mpi_errstr(rc));
@@ -616,8 +690,8 @@ int eng_pg_gather_blocks(eng_pg* pg, const char* op, int dtype, const void* src,
   gb_head mine = {(int64_t)getpid(), (uint64_t)(uintptr_t)src, eligible ? 1 : 0, bad ? 1 : 0};
   gb_head* all = malloc(sizeof *all * (size_t)k);
   if (!all && !mine.err) mine.err = 2;
-  int rc = MPI_Allgather(&mine, (int)sizeof mine, MPI_BYTE, all ? (void*)all : (void*)&mine, all ? (int)sizeof mine : 0,
-                         MPI_BYTE, pg->comm);
+  int rc = GUARDED(XCHG, MPI_Allgather(&mine, (int)sizeof mine, MPI_BYTE, all ? (void*)all : (void*)&mine,
+                                       all ? (int)sizeof mine : 0, MPI_BYTE, pg->comm));
   if (rc != MPI_SUCCESS) { free(all); return eng_err("%s: all_gather on group %s: %s", op, pg->name, comm_mpi_errstr(rc)); }
   if (!all) return mine.err == 1 ? -1 : 1;
   for (int r = 0; r < k; r++)
@@ -659,7 +733,7 @@ int eng_pg_gather_blocks(eng_pg* pg, const char* op, int dtype, const void* src,
   /* every rank has read every chunk before any rank goes on (and may change its chunk); a failed read anywhere
    * declines on every rank */
   int any = 0;
-  rc = MPI_Allreduce(&err, &any, 1, MPI_INT, MPI_MAX, pg->comm);
+  rc = GUARDED(XCHG, MPI_Allreduce(&err, &any, 1, MPI_INT, MPI_MAX, pg->comm));
   if (rc != MPI_SUCCESS) {
     comm_account_end(rec, 2);
     return eng_err("%s: all_gather on group %s: %s", op, pg->name, comm_mpi_errstr(rc));

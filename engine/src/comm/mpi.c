@@ -7,6 +7,7 @@
  * comm/process_group.c widens sums and products to f32 for larger groups, so they are
  * rounded only once. */
 #include "comm/comm_impl.h"
+#include "comm/guard.h"
 #include "kernels/cpu/kcpu.h"
 #include <limits.h>
 #include <math.h>
@@ -110,6 +111,7 @@ int comm_mpi_issue(eng_pg* pg, const comm_args* a, MPI_Request* req) {
   MPI_Op op = MPI_OP_NULL;
   const void* send = a->send;
   int rc;
+  if (!req) comm_guard_begin(pg, eng_coll_kind_name(a->kind)); /* a blocking call: not for ever */
   switch (a->kind) {
     case ENG_COLL_ALL_REDUCE:
       if (mpi_op(a->op, a->dtype, &op)) return -1;
@@ -146,8 +148,10 @@ int comm_mpi_issue(eng_pg* pg, const comm_args* a, MPI_Request* req) {
       rc = req ? MPI_Ibarrier(c, req) : MPI_Barrier(c);
       break;
     default:
+      comm_guard_end();
       return eng_err("comm: invalid collective kind %d", a->kind);
   }
+  if (!req) comm_guard_end();
   if (rc != MPI_SUCCESS)
     return eng_err("%s: %s on group %s", eng_coll_kind_name(a->kind), comm_mpi_errstr(rc), pg->name);
   return 0;
@@ -167,7 +171,11 @@ int comm_mpi_alltoall_vector(eng_pg* pg, const void* send, void* recv, int64_t r
   /* consecutive peers' blocks start `block` elements apart */
   if (rc == MPI_SUCCESS) rc = MPI_Type_create_resized(vec, 0, (MPI_Aint)block * extent, &sized);
   if (rc == MPI_SUCCESS) rc = MPI_Type_commit(&sized);
-  if (rc == MPI_SUCCESS) rc = MPI_Alltoall(send, 1, sized, recv, (int)(rows * block), dt, pg->comm);
+  if (rc == MPI_SUCCESS) {
+    comm_guard_begin(pg, "all_to_all");
+    rc = MPI_Alltoall(send, 1, sized, recv, (int)(rows * block), dt, pg->comm);
+    comm_guard_end();
+  }
   if (sized != MPI_DATATYPE_NULL) MPI_Type_free(&sized);
   if (vec != MPI_DATATYPE_NULL) MPI_Type_free(&vec);
   if (rc != MPI_SUCCESS)

@@ -45,6 +45,9 @@ function ProcessGroup:is_member() return C.eng_pg_is_member(self._c) ~= 0 end
 -- true when large DTensor S->S / S->R exchanges on this group move each block once between the
 -- ranks' memories (see set_single_copy); collective the first time it is asked.
 function ProcessGroup:single_copy_usable() return C.eng_pg_single_copy_usable(self._c) ~= 0 end
+-- single_copy_reason(): why not ("" when usable; "the members are on different nodes", ...), after
+-- single_copy_usable() was asked.
+function ProcessGroup:single_copy_reason() return ffi.string(C.eng_pg_single_copy_reason(self._c)) end
 function ProcessGroup:name() return ffi.string(C.eng_pg_name(self._c)) end
 function ProcessGroup:id() return tonumber(C.eng_pg_id(self._c)) end
 -- Collectives issued on the group so far (the next sequence number).
