@@ -154,6 +154,10 @@ typedef struct {
 } kc_adamw_args;
 void kc_adamw_row(const kc_adamw_args* a, int64_t n, char* p, int64_t sp, const char* g, int64_t sg,
                   char* m, int64_t sm, char* v, int64_t sv);
+/* AdamW with f32 master weights: the update runs on master (f32; a->sdt must
+ * be f32) and p (a->pdt bf16/f16) gets the result rounded to nearest even. */
+void kc_adamw_master_row(const kc_adamw_args* a, int64_t n, char* master, int64_t sw, const char* g, int64_t sg,
+                         char* m, int64_t sm, char* v, int64_t sv, char* p, int64_t sp);
 typedef struct {
   double lr, momentum, dampening, weight_decay;
   int nesterov, first, pdt, gdt, bdt;

@@ -81,6 +81,20 @@ void kc_adamw_row(const kc_adamw_args* a, int64_t n, char* p, int64_t sp, const 
   else adamw_f32(a, n, p, sp, g, sg, m, sm, v, sv);
 }
 
+/* Master weights: the AdamW step on the f32 master row (grads of any float
+ * dtype, f32 states), then the half-precision param gets the updated master
+ * rounded to nearest even: p[i] = (pdt) master[i]. */
+void kc_adamw_master_row(const kc_adamw_args* a, int64_t n, char* master, int64_t sw, const char* g, int64_t sg,
+                         char* m, int64_t sm, char* v, int64_t sv, char* p, int64_t sp) {
+  kc_adamw_args f = *a;
+  f.pdt = KC_F32; f.sdt = KC_F32;
+  adamw_f32(&f, n, master, sw, g, sg, m, sm, v, sv);
+  if (a->pdt == KC_BF16)
+    for (int64_t i = 0; i < n; i++) *(uint16_t*)(p + i * sp) = kc_f32_to_bf16(*(const float*)(master + i * sw));
+  else
+    for (int64_t i = 0; i < n; i++) kc_store(p + i * sp, a->pdt, (double)*(const float*)(master + i * sw));
+}
+
 #define SGD_BODY(T, LOADP, LOADG, LOADB, STOREP, STOREB)                          \
   for (int64_t i = 0; i < n; i++) {                                              \
     T p_ = LOADP, d_ = LOADG;                                                    \

@@ -5,7 +5,9 @@
  * kernel's parameters; block b works on chunk tab.bc[b] of tensor
  * tab.bt[b].  A step over all parameters of a model is a handful of launches
  * and no device-side table.  The AdamW element update is kcuda_math.cuh's
- * (torch.optim.AdamW's operation order, as kernels/cpu/optim.c).  Norms
+ * (torch.optim.AdamW's operation order, as kernels/cpu/optim.c); f32
+ * weights and states (f32 params, or f32 master weights with a bf16/f16
+ * copy) take a vectorised kernel without per-element dtype switches.  Norms
  * write one partial per chunk into a workspace and a final single-block
  * kernel combines them in order: deterministic. */
 #include "common.cuh"
@@ -28,17 +30,18 @@ struct MtTable {
   uint8_t bt[kMtB];
 };
 
-/* Packs the non-empty tensors into tables and calls launch(tab, nblocks,
- * first_global_block) for each; stops at the first non-zero status. */
-template <typename L>
-int mt_foreach(int n, const int64_t* numel, void* const* p, const void* const* g, void* const* m, void* const* v,
-               void* const* c, L launch) {
+/* Packs the non-empty tensors t with keep(t) into tables and calls
+ * launch(tab, nblocks, first_global_block) for each; stops at the first
+ * non-zero status. */
+template <typename K, typename L>
+int mt_foreach_if(int n, const int64_t* numel, void* const* p, const void* const* g, void* const* m,
+                  void* const* v, void* const* c, K keep, L launch) {
   MtTable tab;
   memset(&tab, 0, sizeof tab);
   int nt = 0, nb = 0;
   int64_t base = 0;
   for (int t = 0; t < n; t++) {
-    if (numel[t] <= 0) continue;
+    if (numel[t] <= 0 || !keep(t)) continue;
     tab.p[nt] = p ? p[t] : NULL;
     tab.g[nt] = g ? g[t] : NULL;
     tab.m[nt] = m ? m[t] : NULL;
@@ -79,6 +82,12 @@ int mt_foreach(int n, const int64_t* numel, void* const* p, const void* const* g
   return KCU_OK;
 }
 
+template <typename L>
+int mt_foreach(int n, const int64_t* numel, void* const* p, const void* const* g, void* const* m, void* const* v,
+               void* const* c, L launch) {
+  return mt_foreach_if(n, numel, p, g, m, v, c, [](int) { return true; }, launch);
+}
+
 __global__ void __launch_bounds__(kMtThreads) adamw_kernel(MtTable tab, int pdt, int gdt, int sdt, int cdt,
                                                            kcm_adamw_f32c c32, kcm_adamw_f64c c64,
                                                            const float* gscale) {
@@ -110,6 +119,92 @@ __global__ void __launch_bounds__(kMtThreads) adamw_kernel(MtTable tab, int pdt,
     kstf_dt(V, sdt, i, v);
     if (Cp) kstf_dt(Cp, cdt, i, p);
   }
+}
+
+/* The vectorised AdamW of the common mixed-precision cases: f32 updated
+ * weights (f32 params, or the f32 master weights of half params) and f32
+ * states, grads GT (f32 bf16 f16), optional copy CT (bf16 f16: the half
+ * params of master weights).  Each thread takes 4 consecutive elements per
+ * iteration with 16-byte loads of the f32 arrays and 8-byte loads of half
+ * ones (the host sends only tensors whose pointers are aligned for that);
+ * chunk starts are multiples of kChunk, so only a tensor's last chunk has a
+ * tail (< 4 elements), done element by element.  No dtype switch per
+ * element: the element math is kcm_adamw_f32, as in adamw_kernel. */
+template <typename T> struct alignas(4 * sizeof(T)) vec4 { T v[4]; };
+__device__ __forceinline__ float vload(float x) { return x; }
+__device__ __forceinline__ float vload(kbf16 x) { return kload(x); }
+__device__ __forceinline__ float vload(kf16 x) { return kload(x); }
+
+template <typename GT, typename CT, bool COPY>
+__global__ void __launch_bounds__(kMtThreads) adamw_vec_kernel(MtTable tab, kcm_adamw_f32c c, const float* gscale) {
+  const int t = tab.bt[blockIdx.x];
+  const int64_t n = tab.n[t], start = (int64_t)tab.bc[blockIdx.x] * kChunk;
+  const int64_t end = start + kChunk < n ? start + kChunk : n;
+  const int64_t vend = start + ((end - start) & ~(int64_t)3);
+  float* P = (float*)tab.p[t];
+  float* M = (float*)tab.m[t];
+  float* V = (float*)tab.v[t];
+  const GT* G = (const GT*)tab.g[t];
+  CT* Cp = (CT*)tab.c[t];
+  const float gs = gscale ? *gscale : 1.0f;
+  for (int64_t i = start + 4 * (int64_t)threadIdx.x; i < vend; i += 4 * (int64_t)blockDim.x) {
+    vec4<float> p = *reinterpret_cast<const vec4<float>*>(P + i);
+    vec4<float> m = *reinterpret_cast<const vec4<float>*>(M + i);
+    vec4<float> v = *reinterpret_cast<const vec4<float>*>(V + i);
+    vec4<GT> g = *reinterpret_cast<const vec4<GT>*>(G + i);
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+      float gk = vload(g.v[k]);
+      if (gscale) gk *= gs;
+      kcm_adamw_f32(&c, &p.v[k], gk, &m.v[k], &v.v[k]);
+    }
+    *reinterpret_cast<vec4<float>*>(P + i) = p;
+    *reinterpret_cast<vec4<float>*>(M + i) = m;
+    *reinterpret_cast<vec4<float>*>(V + i) = v;
+    if (COPY) {
+      vec4<CT> o;
+#pragma unroll
+      for (int k = 0; k < 4; k++) o.v[k] = kstore<CT>(p.v[k]);
+      *reinterpret_cast<vec4<CT>*>(Cp + i) = o;
+    }
+  }
+  for (int64_t i = vend + threadIdx.x; i < end; i += blockDim.x) {
+    float p = P[i], m = M[i], v = V[i], g = vload(G[i]);
+    if (gscale) g *= gs;
+    kcm_adamw_f32(&c, &p, g, &m, &v);
+    P[i] = p; M[i] = m; V[i] = v;
+    if (COPY) Cp[i] = kstore<CT>(p);
+  }
+}
+
+template <typename GT, typename CT, bool COPY, typename K>
+int adamw_vec_launch(int n, void* const* p, const void* const* g, void* const* m, void* const* v, void* const* pc,
+                     const int64_t* numel, const kcm_adamw_f32c& c, const float* gscale, K keep, cudaStream_t s) {
+  return mt_foreach_if(n, numel, p, g, m, v, pc, keep, [&](const MtTable& tab, int nb, int64_t) {
+    adamw_vec_kernel<GT, CT, COPY><<<nb, kMtThreads, 0, s>>>(tab, c, gscale);
+    return kcu_launch_status();
+  });
+}
+
+template <typename GT, typename K>
+int adamw_vec_copy(int cdt, int n, void* const* p, const void* const* g, void* const* m, void* const* v,
+                   void* const* pc, const int64_t* numel, const kcm_adamw_f32c& c, const float* gscale, K keep,
+                   cudaStream_t s) {
+  if (!pc) return adamw_vec_launch<GT, float, false>(n, p, g, m, v, NULL, numel, c, gscale, keep, s);
+  if (cdt == KCU_BF16) return adamw_vec_launch<GT, kbf16, true>(n, p, g, m, v, pc, numel, c, gscale, keep, s);
+  return adamw_vec_launch<GT, kf16, true>(n, p, g, m, v, pc, numel, c, gscale, keep, s);
+}
+
+/* 1 when kcu_adamw's arguments take the vectorised kernel: f32 weights and
+ * states, f32/bf16/f16 grads, no copy or a bf16/f16 one. */
+int adamw_vec_types(int pdt, int gdt, int sdt, int has_copy, int cdt) {
+  return pdt == KCU_F32 && sdt == KCU_F32 && (gdt == KCU_F32 || gdt == KCU_BF16 || gdt == KCU_F16) &&
+         (!has_copy || cdt == KCU_BF16 || cdt == KCU_F16);
+}
+/* Tensor i's pointers allow 4-element vector accesses. */
+int adamw_vec_aligned(const void* p, const void* g, const void* m, const void* v, const void* c, int gsz, int csz) {
+  return ((uintptr_t)p % 16) == 0 && ((uintptr_t)m % 16) == 0 && ((uintptr_t)v % 16) == 0 &&
+         ((uintptr_t)g % (uintptr_t)(4 * gsz)) == 0 && (!c || ((uintptr_t)c % (uintptr_t)(4 * csz)) == 0);
 }
 
 /* kind 1: sum of squares, 3: max |x| (NaN propagates). */
@@ -198,6 +293,21 @@ extern "C" int kcu_adamw(int n, void* const* p, const void* const* g, void* cons
     if (numel[i] > 0 && (!p[i] || !g[i] || !m[i] || !v[i] || (pcopy && !pcopy[i]))) return KCU_EARG;
   kcm_adamw_f32c c32 = kcm_adamw_consts_f32(hp->lr, hp->beta1, hp->beta2, hp->eps, hp->weight_decay, hp->step);
   kcm_adamw_f64c c64 = kcm_adamw_consts_f64(hp->lr, hp->beta1, hp->beta2, hp->eps, hp->weight_decay, hp->step);
+  if (adamw_vec_types(pdt, gdt, sdt, pcopy != NULL, cdt)) {
+    /* aligned tensors through the vectorised kernel, the others (views at odd offsets) through the generic one */
+    const int gsz = gdt == KCU_F32 ? 4 : 2;
+    auto aligned = [&](int i) { return adamw_vec_aligned(p[i], g[i], m[i], v[i], pcopy ? pcopy[i] : NULL, gsz, 2) != 0; };
+    auto unaligned = [&](int i) { return !aligned(i); };
+    int e;
+    if (gdt == KCU_F32) e = adamw_vec_copy<float>(cdt, n, p, g, m, v, pcopy, numel, c32, grad_scale, aligned, s);
+    else if (gdt == KCU_BF16) e = adamw_vec_copy<kbf16>(cdt, n, p, g, m, v, pcopy, numel, c32, grad_scale, aligned, s);
+    else e = adamw_vec_copy<kf16>(cdt, n, p, g, m, v, pcopy, numel, c32, grad_scale, aligned, s);
+    if (e) return e;
+    return mt_foreach_if(n, numel, p, g, m, v, pcopy, unaligned, [&](const MtTable& tab, int nb, int64_t) {
+      adamw_kernel<<<nb, kMtThreads, 0, s>>>(tab, pdt, gdt, sdt, cdt, c32, c64, grad_scale);
+      return kcu_launch_status();
+    });
+  }
   return mt_foreach(n, numel, p, g, m, v, pcopy, [&](const MtTable& tab, int nb, int64_t) {
     adamw_kernel<<<nb, kMtThreads, 0, s>>>(tab, pdt, gdt, sdt, cdt, c32, c64, grad_scale);
     return kcu_launch_status();

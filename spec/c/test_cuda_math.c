@@ -8,7 +8,8 @@
  *     rounding; bernoulli identical;
  *   - unary functions / derivatives and binary ops against kc_unary_row,
  *     kc_unary_grad_row, kc_binary_row;
- *   - the AdamW element update against kc_adamw_row (f32, f64, bf16 params);
+ *   - the AdamW element update against kc_adamw_row (f32, f64, bf16 params) and, with f32 master weights and
+ *     a bf16 copy, against kc_adamw_master_row (plus the vectorised kernel's index split);
  *   - online logsumexp, cross-entropy loss/grad and norm dx against the CPU
  *     loss and norm kernels.
  * Prints "N passed, N failed" last. */
@@ -298,6 +299,62 @@ static void test_adamw(void) {
         "clip coefficient clamps to 1 and keeps NaN");
 }
 
+/* Master weights (optim.cu's adamw_vec_kernel with a bf16 copy, against the CPU path kc_adamw_master_row):
+ * per element kcm_adamw_f32 on the f32 master from a bf16 gradient, then the copy rounded to bf16; and the
+ * kernel's index split (4-element vectors from the chunk start up to vend, then a scalar tail) visits every
+ * element of every chunk exactly once, for sizes around the vector width and the chunk size. */
+static void test_adamw_master(void) {
+  enum { N = 1001 };
+  static float w[N], wc[N], m[N], mc[N], v[N], vc[N];
+  static uint16_t g[N], pb[N], pbc[N];
+  for (int i = 0; i < N; i++) {
+    w[i] = wc[i] = (float)rndn(1.0); g[i] = kc_f32_to_bf16((float)rndn(0.1));
+    m[i] = mc[i] = (float)rndn(0.01); v[i] = vc[i] = (float)fabs(rndn(1e-3));
+    pb[i] = pbc[i] = kc_f32_to_bf16(w[i]);
+  }
+  double lr = 1e-4, b1 = 0.9, b2 = 0.95, eps = 1e-8, wd = 0.1;
+  for (int64_t step = 1; step <= 20; step++) {
+    double bc1 = 1.0 - pow(b1, (double)step), bc2 = 1.0 - pow(b2, (double)step);
+    kc_adamw_args a = {lr, b1, b2, eps, wd, lr / bc1, sqrt(bc2), KC_BF16, KC_BF16, KC_F32};
+    kc_adamw_master_row(&a, N, (char*)wc, 4, (const char*)g, 2, (char*)mc, 4, (char*)vc, 4, (char*)pbc, 2);
+    kcm_adamw_f32c c = kcm_adamw_consts_f32(lr, b1, b2, eps, wd, step);
+    for (int i = 0; i < N; i++) {
+      kcm_adamw_f32(&c, &w[i], kcm_bf16_to_f32(g[i]), &m[i], &v[i]);
+      pb[i] = kcm_f32_to_bf16(w[i]);
+    }
+  }
+  int bad = 0, badc = 0;
+  for (int i = 0; i < N; i++) {
+    /* 20 steps: the compilers contract different products into FMAs, about an f32 ulp per step */
+    if (!close_rel(w[i], wc[i], 5e-6, 1e-9) || !close_rel(m[i], mc[i], 1e-6, 1e-12) ||
+        !close_rel(v[i], vc[i], 2e-6, 1e-15))
+      bad++;
+    if (pbc[i] != kc_f32_to_bf16(wc[i]) || abs((int)pb[i] - (int)pbc[i]) > 1) badc++;
+  }
+  CHECK(bad == 0, "AdamW master weights: %d elements differ from kc_adamw_master_row", bad);
+  CHECK(badc == 0, "AdamW master weights: %d bf16 copies are not the rounded master", badc);
+  /* index split of adamw_vec_kernel: kChunk 65536, 512 threads */
+  const int64_t chunk = 65536, threads = 512;
+  const int64_t sizes[] = {1, 3, 4, 5, 7, 2047, 2048, 2049, 65535, 65536, 65537, 131075};
+  static unsigned char seen[131075];
+  for (size_t k = 0; k < sizeof sizes / sizeof sizes[0]; k++) {
+    int64_t n = sizes[k];
+    memset(seen, 0, sizeof seen);
+    for (int64_t start = 0; start < n; start += chunk) {
+      int64_t end = start + chunk < n ? start + chunk : n, vend = start + ((end - start) & ~(int64_t)3);
+      for (int64_t t = 0; t < threads; t++) {
+        for (int64_t i = start + 4 * t; i < vend; i += 4 * threads)
+          for (int q = 0; q < 4; q++) seen[i + q]++;
+        for (int64_t i = vend + t; i < end; i += threads) seen[i]++;
+      }
+    }
+    int wrong = 0;
+    for (int64_t i = 0; i < n; i++) wrong += seen[i] != 1;
+    CHECK(wrong == 0, "adamw_vec_kernel index split, n = %lld: %d elements not visited exactly once", (long long)n,
+          wrong);
+  }
+}
+
 /* ---------------------------------------------------------------- softmax pieces */
 static void test_lse(void) {
   enum { C = 1000 };
@@ -392,6 +449,7 @@ int main(void) {
   test_unary();
   test_binary();
   test_adamw();
+  test_adamw_master();
   test_lse();
   test_cross_entropy();
   test_norm();

@@ -8,6 +8,15 @@
 int eng_adamw_step(int n, eng_tensor** params, eng_tensor** grads, eng_tensor** exp_avg,
                    eng_tensor** exp_avg_sq, double lr, double beta1, double beta2, double eps,
                    double weight_decay, int64_t step);
+/* AdamW with f32 master weights for half-precision params (mixed precision:
+ * apex / Transformer Engine FusedAdam's master_weights): where master[i] is
+ * not NULL, params[i] is bf16/f16, master[i] an f32 tensor of its shape,
+ * layout and device and the states f32; the update runs on master[i] in f32
+ * and params[i] gets the result rounded to nearest even.  Entries with a
+ * NULL master are plain eng_adamw_step updates. */
+int eng_adamw_step_master(int n, eng_tensor** params, eng_tensor** grads, eng_tensor** exp_avg,
+                          eng_tensor** exp_avg_sq, eng_tensor** master, double lr, double beta1, double beta2,
+                          double eps, double weight_decay, int64_t step);
 /* SGD with momentum/dampening/nesterov/weight decay (torch.optim.SGD).
  * momentum_buf entries may be NULL when momentum == 0; on the first step
  * (first_step = 1) the buffer is set to the gradient as in PyTorch. */

@@ -92,8 +92,10 @@ int eng_cu_dropout(int dt, int64_t n, uint64_t seed, uint64_t offset, double kee
 
 /* Optimizers over lists of contiguous CUDA tensors (validated by the caller;
  * NULL grads skipped): one multi-tensor launch per dtype combination. */
-int eng_cu_adamw(int n, eng_tensor** p, eng_tensor** g, eng_tensor** m, eng_tensor** v, double lr, double beta1,
-                 double beta2, double eps, double wd, int64_t step, const char* op);
+/* w (may be NULL, entries may be NULL): f32 master weights of half params;
+ * their update runs on w and p gets the rounded copy. */
+int eng_cu_adamw(int n, eng_tensor** p, eng_tensor** g, eng_tensor** m, eng_tensor** v, eng_tensor** w, double lr,
+                 double beta1, double beta2, double eps, double wd, int64_t step, const char* op);
 /* Global norm (p = 2 or inf) of the tensors (or of their .grad); syncs. */
 int eng_cu_global_norm(int n, eng_tensor** ts, int from_grads, double p, double* out, const char* op);
 /* x *= s for every tensor (or .grad). */

@@ -334,38 +334,49 @@ done:
 }
 
 /* ------------------------------------------------------------------ optimizers */
-int eng_cu_adamw(int n, eng_tensor** p, eng_tensor** g, eng_tensor** m, eng_tensor** v, double lr, double beta1,
-                 double beta2, double eps, double wd, int64_t step, const char* op) {
+int eng_cu_adamw(int n, eng_tensor** p, eng_tensor** g, eng_tensor** m, eng_tensor** v, eng_tensor** w, double lr,
+                 double beta1, double beta2, double eps, double wd, int64_t step, const char* op) {
   STREAM_OR_FAIL(op);
   for (int i = 0; i < n; i++) {
     if (!g[i]) continue;
-    eng_tensor* ts[4] = {p[i], g[i], m[i], v[i]};
-    for (int k = 0; k < 4; k++)
-      if (!eng_tensor_is_contiguous(ts[k]))
+    eng_tensor* ts[5] = {p[i], g[i], m[i], v[i], w ? w[i] : NULL};
+    for (int k = 0; k < 5; k++)
+      if (ts[k] && !eng_tensor_is_contiguous(ts[k]))
         return eng_err("%s: cuda tensors must be contiguous, got %s (param %d)", op, eng_desc(ts[k]), i + 1);
   }
-  void** pp = calloc((size_t)(n > 0 ? n : 1), 4 * sizeof(void*));
+  void** pp = calloc((size_t)(n > 0 ? n : 1), 5 * sizeof(void*));
   int64_t* numel = calloc((size_t)(n > 0 ? n : 1), sizeof(int64_t));
   char* done = calloc((size_t)(n > 0 ? n : 1), 1);
   if (!pp || !numel || !done) { free(pp); free(numel); free(done); return eng_err("%s: out of memory", op); }
-  void **P = pp, **G = pp + n, **M = pp + 2 * n, **Vv = pp + 3 * n;
+  void **P = pp, **G = pp + n, **M = pp + 2 * n, **Vv = pp + 3 * n, **Cp = pp + 4 * n;
   kcu_adamw_hparams hp = {lr, beta1, beta2, eps, wd, step};
   int rc = 0;
-  /* one launch per (param, grad, state) dtype combination */
+  /* one multi-tensor launch per (updated weights, grad, state, copy) dtype combination; with a master weight the
+   * update runs on the f32 master and the half param is the copy */
+#define ADAMW_MASTER(j) (w && w[j])
   for (int i = 0; i < n && rc == 0; i++) {
     if (!g[i] || done[i]) continue;
-    int pdt = p[i]->dtype, gdt = g[i]->dtype, sdt = m[i]->dtype, k = 0;
+    int mw = ADAMW_MASTER(i) ? 1 : 0;
+    int pdt = mw ? w[i]->dtype : p[i]->dtype, cdt = mw ? p[i]->dtype : -1, gdt = g[i]->dtype, sdt = m[i]->dtype;
+    int k = 0;
     for (int j = i; j < n; j++) {
-      if (!g[j] || done[j] || p[j]->dtype != pdt || g[j]->dtype != gdt || m[j]->dtype != sdt) continue;
+      int mj = ADAMW_MASTER(j) ? 1 : 0;
+      if (!g[j] || done[j] || mj != mw || (mj ? w[j]->dtype : p[j]->dtype) != pdt || g[j]->dtype != gdt ||
+          m[j]->dtype != sdt || (mj && p[j]->dtype != cdt))
+        continue;
       done[j] = 1;
       if (p[j]->numel == 0) continue;
-      P[k] = eng_ptr(p[j]); G[k] = eng_ptr(g[j]); M[k] = eng_ptr(m[j]); Vv[k] = eng_ptr(v[j]);
+      P[k] = eng_ptr(mj ? w[j] : p[j]); G[k] = eng_ptr(g[j]); M[k] = eng_ptr(m[j]); Vv[k] = eng_ptr(v[j]);
+      Cp[k] = mj ? eng_ptr(p[j]) : NULL;
       numel[k] = p[j]->numel;
       k++;
     }
     if (k > 0)
-      rc = ck(kcu_adamw(k, P, (const void* const*)G, M, Vv, numel, pdt, gdt, sdt, NULL, 0, &hp, NULL, s), op);
+      rc = ck(kcu_adamw(k, P, (const void* const*)G, M, Vv, numel, pdt, gdt, sdt, mw ? Cp : NULL, mw ? cdt : 0, &hp,
+                        NULL, s),
+              op);
   }
+#undef ADAMW_MASTER
   free(pp); free(numel); free(done);
   return rc;
 }
@@ -656,8 +667,10 @@ int eng_cu_random(int kind, int dt, int64_t n, uint64_t seed, uint64_t offset, d
                   const char* op) { return NOCU(op); }
 int eng_cu_dropout(int dt, int64_t n, uint64_t seed, uint64_t offset, double keep, double scale, const void* x,
                    void* y, const char* op) { return NOCU(op); }
-int eng_cu_adamw(int n, eng_tensor** p, eng_tensor** g, eng_tensor** m, eng_tensor** v, double lr, double beta1,
-                 double beta2, double eps, double wd, int64_t step, const char* op) { return NOCU(op); }
+int eng_cu_adamw(int n, eng_tensor** p, eng_tensor** g, eng_tensor** m, eng_tensor** v, eng_tensor** w, double lr,
+                 double beta1, double beta2, double eps, double wd, int64_t step, const char* op) {
+  return NOCU(op);
+}
 int eng_cu_global_norm(int n, eng_tensor** ts, int from_grads, double p, double* out, const char* op) {
   return NOCU(op);
 }

@@ -53,14 +53,49 @@ typedef struct { const kc_adamw_args* a; } adamw_ctx;
 static void adamw_rows(int64_t n, char** p, const int64_t* s, void* vc) {
   kc_adamw_row(((adamw_ctx*)vc)->a, n, p[0], s[0], p[1], s[1], p[2], s[2], p[3], s[3]);
 }
+/* Master weights with all five tensors contiguous: one fused pass, in chunks
+ * over the worker pool (kc_foreach takes at most 4 operands). */
+typedef struct { const kc_adamw_args* a; char *w, *m, *v, *p; const char* g; int64_t n; int gsz, psz; } master_ctx;
+#define MASTER_CHUNK 16384
+static void adamw_master_range(void* vc, int64_t lo, int64_t hi) {
+  master_ctx* c = vc;
+  int64_t i0 = lo * MASTER_CHUNK, i1 = hi * MASTER_CHUNK < c->n ? hi * MASTER_CHUNK : c->n;
+  if (i1 > i0)
+    kc_adamw_master_row(c->a, i1 - i0, c->w + i0 * 4, 4, c->g + i0 * c->gsz, c->gsz, c->m + i0 * 4, 4, c->v + i0 * 4, 4,
+                        c->p + i0 * c->psz, c->psz);
+}
+/* Strided tensors: the step on the master, then the rounded copy. */
+typedef struct { int dt; } cast_ctx;
+static void master_copy_rows(int64_t n, char** p, const int64_t* s, void* vc) {
+  int dt = ((cast_ctx*)vc)->dt;
+  for (int64_t i = 0; i < n; i++) kc_store(p[0] + i * s[0], dt, (double)*(const float*)(p[1] + i * s[1]));
+}
 
-int eng_adamw_step(int n, eng_tensor** params, eng_tensor** grads, eng_tensor** exp_avg,
-                   eng_tensor** exp_avg_sq, double lr, double beta1, double beta2, double eps,
-                   double weight_decay, int64_t step) {
+/* A master weight: an f32 tensor of its bf16/f16 param's shape, layout and
+ * device, with f32 states. */
+static int check_master(const char* op, int i, eng_tensor* p, eng_tensor* w, eng_tensor* m, eng_tensor* v) {
+  if (!is_half(p->dtype))
+    return eng_err("%s: param %d %s has a master weight, but master weights are for bf16/f16 params only", op, i + 1,
+                   eng_desc(p));
+  if (check_like(op, "master weight", i, p, w)) return -1;
+  if (w->dtype != ENG_F32)
+    return eng_err("%s: master weight %d %s must be f32 (param %s)", op, i + 1, eng_desc(w), eng_desc(p));
+  if (m->dtype != ENG_F32)
+    return eng_err("%s: with a master weight, exp_avg %d %s and exp_avg_sq %s must be f32 (param %s)", op, i + 1,
+                   eng_desc(m), eng_desc(v), eng_desc(p));
+  return 0;
+}
+
+static int adamw_impl(int n, eng_tensor** params, eng_tensor** grads, eng_tensor** exp_avg, eng_tensor** exp_avg_sq,
+                      eng_tensor** master, double lr, double beta1, double beta2, double eps, double weight_decay,
+                      int64_t step) {
   const char* op = "adamw_step";
   if (check_list(op, n, params) || check_list(op, n, grads) || check_list(op, n, exp_avg) ||
       check_list(op, n, exp_avg_sq))
     return -1;
+  if (master)
+    for (int i = 0; i < n; i++)
+      if (master[i] && eng_meta_check(master[i], op)) return -1;
   if (!(lr >= 0) || !isfinite(lr)) return eng_err("%s: invalid learning rate %g (expected finite >= 0)", op, lr);
   if (!(beta1 >= 0 && beta1 < 1)) return eng_err("%s: invalid beta1 %g (expected 0 <= beta1 < 1)", op, beta1);
   if (!(beta2 >= 0 && beta2 < 1)) return eng_err("%s: invalid beta2 %g (expected 0 <= beta2 < 1)", op, beta2);
@@ -77,6 +112,7 @@ int eng_adamw_step(int n, eng_tensor** params, eng_tensor** grads, eng_tensor** 
     if (exp_avg[i]->dtype != exp_avg_sq[i]->dtype)
       return eng_err("%s: exp_avg %d %s and exp_avg_sq %s differ in dtype", op, i + 1, eng_desc(exp_avg[i]),
                      eng_desc(exp_avg_sq[i]));
+    if (master && master[i] && check_master(op, i, p, master[i], exp_avg[i], exp_avg_sq[i])) return -1;
   }
   int n_cuda = 0;
   for (int i = 0; i < n; i++) n_cuda += grads[i] && params[i]->device == ENG_CUDA;
@@ -84,27 +120,65 @@ int eng_adamw_step(int n, eng_tensor** params, eng_tensor** grads, eng_tensor** 
     eng_tensor** gc = calloc((size_t)n, sizeof *gc);
     if (!gc) return eng_err("%s: out of memory", op);
     for (int i = 0; i < n; i++) gc[i] = grads[i] && params[i]->device == ENG_CUDA ? grads[i] : NULL;
-    int rc = eng_cu_adamw(n, params, gc, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay, step, op);
+    int rc = eng_cu_adamw(n, params, gc, exp_avg, exp_avg_sq, master, lr, beta1, beta2, eps, weight_decay, step, op);
     free(gc);
     if (rc) return -1;
     for (int i = 0; i < n; i++)
       if (grads[i] && params[i]->device == ENG_CUDA) {
         eng_bump_version(params[i]); eng_bump_version(exp_avg[i]); eng_bump_version(exp_avg_sq[i]);
+        if (master && master[i]) eng_bump_version(master[i]);
       }
   }
   double bc1 = 1.0 - pow(beta1, (double)step), bc2 = 1.0 - pow(beta2, (double)step);
   for (int i = 0; i < n; i++) {
     if (!grads[i] || params[i]->device == ENG_CUDA) continue;
-    eng_tensor *p = params[i], *g = grads[i], *m = exp_avg[i], *v = exp_avg_sq[i];
+    eng_tensor *p = params[i], *g = grads[i], *m = exp_avg[i], *v = exp_avg_sq[i], *w = master ? master[i] : NULL;
     kc_adamw_args a = {lr, beta1, beta2, eps, weight_decay, lr / bc1, sqrt(bc2), p->dtype, g->dtype, m->dtype};
     adamw_ctx c = {&a};
-    char* base[4] = {eng_ptr(p), eng_ptr(g), eng_ptr(m), eng_ptr(v)};
-    const int64_t* st[4] = {p->stride, g->stride, m->stride, v->stride};
-    int esz[4] = {eng_dtype_size(p->dtype), eng_dtype_size(g->dtype), eng_dtype_size(m->dtype), eng_dtype_size(v->dtype)};
-    if (p->numel > 0) kc_foreach_par(p->ndim, p->shape, 4, base, st, esz, adamw_rows, &c);
+    if (w && p->numel > 0 && eng_tensor_is_contiguous(w) && eng_tensor_is_contiguous(g) &&
+        eng_tensor_is_contiguous(m) && eng_tensor_is_contiguous(v) && eng_tensor_is_contiguous(p)) {
+      master_ctx mc = {&a, eng_ptr(w), eng_ptr(m), eng_ptr(v), eng_ptr(p), eng_ptr(g), p->numel,
+                       eng_dtype_size(g->dtype), eng_dtype_size(p->dtype)};
+      int64_t chunks = (p->numel + MASTER_CHUNK - 1) / MASTER_CHUNK;
+      kc_parallel_blas(p->numel >= (1 << 17) ? eng_threads() : 1, chunks, adamw_master_range, &mc);
+      eng_bump_version(w);
+    } else if (w) {
+      kc_adamw_args f = a;
+      f.pdt = ENG_F32;
+      adamw_ctx fc = {&f};
+      char* base[4] = {eng_ptr(w), eng_ptr(g), eng_ptr(m), eng_ptr(v)};
+      const int64_t* st[4] = {w->stride, g->stride, m->stride, v->stride};
+      int esz[4] = {4, eng_dtype_size(g->dtype), 4, 4};
+      if (p->numel > 0) kc_foreach_par(p->ndim, p->shape, 4, base, st, esz, adamw_rows, &fc);
+      cast_ctx cc = {p->dtype};
+      char* cb[2] = {eng_ptr(p), eng_ptr(w)};
+      const int64_t* cs[2] = {p->stride, w->stride};
+      int ce[2] = {eng_dtype_size(p->dtype), 4};
+      if (p->numel > 0) kc_foreach_par(p->ndim, p->shape, 2, cb, cs, ce, master_copy_rows, &cc);
+      eng_bump_version(w);
+    } else {
+      char* base[4] = {eng_ptr(p), eng_ptr(g), eng_ptr(m), eng_ptr(v)};
+      const int64_t* st[4] = {p->stride, g->stride, m->stride, v->stride};
+      int esz[4] = {eng_dtype_size(p->dtype), eng_dtype_size(g->dtype), eng_dtype_size(m->dtype),
+                    eng_dtype_size(v->dtype)};
+      if (p->numel > 0) kc_foreach_par(p->ndim, p->shape, 4, base, st, esz, adamw_rows, &c);
+    }
     eng_bump_version(p); eng_bump_version(m); eng_bump_version(v);
   }
   return 0;
+}
+
+int eng_adamw_step(int n, eng_tensor** params, eng_tensor** grads, eng_tensor** exp_avg,
+                   eng_tensor** exp_avg_sq, double lr, double beta1, double beta2, double eps,
+                   double weight_decay, int64_t step) {
+  return adamw_impl(n, params, grads, exp_avg, exp_avg_sq, NULL, lr, beta1, beta2, eps, weight_decay, step);
+}
+
+int eng_adamw_step_master(int n, eng_tensor** params, eng_tensor** grads, eng_tensor** exp_avg,
+                          eng_tensor** exp_avg_sq, eng_tensor** master, double lr, double beta1, double beta2,
+                          double eps, double weight_decay, int64_t step) {
+  if (n > 0 && !master) return eng_err("adamw_step: master weight list is NULL");
+  return adamw_impl(n, params, grads, exp_avg, exp_avg_sq, master, lr, beta1, beta2, eps, weight_decay, step);
 }
 
 typedef struct { const kc_sgd_args* a; int has_buf; } sgd_ctx;

@@ -125,7 +125,8 @@ end
 --       like token ids), any shape -> [..., dim]; padding_idx (0-based, negative counts from num) rows
 --       get no gradient
 --   engine.adamw_step(params, grads, exp_avgs, exp_avg_sqs, {lr, betas = {b1, b2} or beta1/beta2, eps,
---       weight_decay, step})                      fused torch.optim.AdamW update, in place
+--       weight_decay, step, master_params})       fused torch.optim.AdamW update, in place; master_params
+--       (a list, holes allowed): f32 master weights of bf16/f16 params (eng_adamw_step_master)
 --   engine.sgd_step(params, grads, momentum_bufs, {lr, momentum, dampening, weight_decay, nesterov,
 --       first_step})                              fused torch.optim.SGD update, in place
 --   engine.global_norm(tensors, p = 2) -> number  total p-norm (p: number, math.huge or "inf")
@@ -263,7 +264,7 @@ local function c2_list(list, n, op, what, holes)
 end
 
 local adamw_opts = { lr = true, betas = true, beta1 = true, beta2 = true, eps = true, weight_decay = true,
-  step = true }
+  step = true, master_params = true }
 
 function M.adamw_step(params, grads, exp_avgs, exp_avg_sqs, opts)
   local op = "adamw_step"
@@ -285,7 +286,12 @@ function M.adamw_step(params, grads, exp_avgs, exp_avg_sqs, opts)
   local wd = c2_num(opts.weight_decay, 1e-2, op, "weight_decay")
   local step = c2_num(opts.step, nil, op, "step")
   if step % 1 ~= 0 then error(op .. ": step must be an integer, got " .. step, 2) end
-  core.check(C.eng_adamw_step(n, P, G, Mm, V, lr, b1, b2, eps, wd, step))
+  if opts.master_params ~= nil then
+    local W = c2_list(opts.master_params, n, op, "master_params", true)
+    core.check(C.eng_adamw_step_master(n, P, G, Mm, V, W, lr, b1, b2, eps, wd, step))
+  else
+    core.check(C.eng_adamw_step(n, P, G, Mm, V, lr, b1, b2, eps, wd, step))
+  end
 end
 
 local sgd_opts = { lr = true, momentum = true, dampening = true, weight_decay = true, nesterov = true,

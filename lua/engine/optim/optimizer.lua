@@ -176,7 +176,7 @@ function Optimizer:load_state_dict(sd)
                 error(string.format("%s: state '%s' of parameter %d has shape [%s], the parameter has [%s]", op, k,
                   sg.params[j], table.concat(vs, ","), table.concat(ps, ",")), 2)
               end
-              st[k] = v:to(p.dtype):clone()
+              st[k] = v:to(self._state_dtype and self:_state_dtype(p, k) or p.dtype):clone()
             else
               st[k] = Optimizer._step_tensor(v, 3)
             end
@@ -303,6 +303,19 @@ function Optimizer._zeros_like(p, level)
     z = nil
   end
   return core.wrap(z, (level or 1) + 1)
+end
+
+-- An f32 copy of p in p's layout (a master weight): p's local values converted, p's DTensor spec.
+function Optimizer._f32_copy(p, level)
+  local prev = C.eng_set_grad_enabled(0)
+  local c = C.eng_tensor_to_dtype(p._c, C.ENG_F32)
+  if c ~= nil and c == p._c then C.eng_tensor_release(c); c = C.eng_tensor_clone(p._c) end
+  C.eng_set_grad_enabled(prev)
+  if c ~= nil and p._c.dist ~= nil and c.dist == nil and C.eng_dtensor_wrap_output(c, p._c.dist) ~= 0 then
+    C.eng_tensor_release(c)
+    c = nil
+  end
+  return core.wrap(c, (level or 1) + 1)
 end
 
 -- ---------------------------------------------------------------- step counts
