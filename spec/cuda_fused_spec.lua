@@ -132,3 +132,63 @@ describe("AdamW master weights on the GPU #gpu", function()
     end
   end)
 end)
+
+describe("fused classifier on the GPU #gpu", function()
+  for _, dt in ipairs({ "bf16", "f16" }) do
+    for _, case in ipairs({ { "mean", 0 }, { "sum", 0 }, { "none", 0 }, { "mean", 0.1 } }) do
+      local red, ls = case[1], case[2]
+      it(string.format("%s logits [67, 50304], reduction %s, label_smoothing %g: equal to the CPU path", dt, red, ls),
+        function()
+          need_gpu()
+          engine.manual_seed(99)
+          local N, V = 67, 50304
+          local x = (engine.randn(N, V) * 4):to(dt)
+          local t = (engine.rand(N) * V):floor():to("i64")
+          t:set(-100, 5)
+          local w = engine.randn(N)
+          local function run(device)
+            local a = (device == "cuda" and x:cuda() or x:clone()):detach()
+            a.requires_grad = true
+            local tt = device == "cuda" and t:cuda() or t
+            local l = F.fused_classifier(a, tt, { reduction = red, label_smoothing = ls })
+            local s = red == "none" and (l * (device == "cuda" and w:cuda() or w)):sum() or l
+            s:backward()
+            return l, a.grad
+          end
+          local lc, gc = run("cpu")
+          local lg, gg = run("cuda")
+          assert.are.equal("f32", lg.dtype)
+          assert.are.equal("cuda", gg.device)
+          assert.are.equal(dt, gg.dtype)
+          assert.is_true(diff(lg, lc) <= 2e-5 * math.max(1, maxabs(lc)), "loss")
+          -- online logsumexp and the GPU's expf against the CPU's: a rounding of the gradient apart at most
+          assert.is_true(diff(gg, gc) <= 2 * ulp(gc, dt), string.format("grad: %g (ulp %g)", diff(gg, gc), ulp(gc, dt)))
+          -- and cross_entropy on f32 logits on the GPU agrees
+          local ref = F.cross_entropy(x:cuda():float(), t:cuda(), { reduction = red, label_smoothing = ls })
+          assert.is_true(diff(lg, ref) <= 2e-5 * math.max(1, maxabs(ref)), "loss vs cross_entropy(:float())")
+        end)
+    end
+  end
+
+  it("the bf16 GPT model's model(tokens, targets) on the GPU equals the CPU", function()
+    need_gpu()
+    local function run(device)
+      engine.manual_seed(12)
+      local m = nn.Transformer({ n_layers = 2, dim = 64, n_heads = 4, vocab_size = 515, max_seq_len = 32,
+        dropout_p = 0 }):to("bf16")
+      if device == "cuda" then m:to("cuda") end
+      engine.manual_seed(13)
+      local tok = (engine.rand(3, 32) * 515):floor():to("i64")
+      local tgt = (engine.rand(3, 32) * 515):floor():to("i64")
+      if device == "cuda" then tok, tgt = tok:cuda(), tgt:cuda() end
+      local logits, loss = m(tok, tgt)
+      loss:backward()
+      return loss:item(), m.output.weight.grad, logits
+    end
+    local lc, gc = run("cpu")
+    local lg, gg, logits = run("cuda")
+    assert.are.equal("bf16", logits.dtype)
+    assert.is_true(math.abs(lg - lc) <= 2e-2 * math.abs(lc), string.format("loss gpu %g cpu %g", lg, lc))
+    assert.is_true(diff(gg, gc) <= 5e-2 * math.max(1e-3, maxabs(gc)), "output weight gradient")
+  end)
+end)

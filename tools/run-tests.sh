@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs the whole test suite: C-level tests, single-process busted specs under
-# the engine host, and multi-process specs under mpirun (1, 2 and 4 ranks; spec/dist/mesh_spec.lua
-# also alone on 8 ranks).
+# the engine host, multi-process specs under mpirun (1, 2 and 4 ranks; spec/dist/mesh_spec.lua
+# also alone on 8 ranks), and the multi-node stage (tools/multinode.sh: 2 simulated nodes x 2 ranks).
 # Ends with one line "N passed, N failed, N skipped" (skipped counted separately).
 #
 #   tools/run-tests.sh [BUILD] [--sanitize ASAN_BUILD] [--fuzz FUZZ_BUILD]
@@ -106,7 +106,18 @@ suite() {
 [ "$MAIN" = 1 ] && suite "$BUILD" 0
 [ -n "$ASAN_BUILD" ] && suite "$ASAN_BUILD" 1
 
-# 4. Fuzz targets: a few seconds each on the committed corpus (crash reproducers included).
+# 4. Two nodes on this machine (tools/multinode.sh): the multi-node specs at 2 nodes x 2 ranks across two network
+# namespaces, and a link taken down mid-collective; skipped, with the reason, where namespaces are not allowed.
+# ENGINE_TEST_MULTINODE=0 leaves it out.
+if [ "$MAIN" = 1 ] && [ "${ENGINE_TEST_MULTINODE:-1}" != 0 ]; then
+  echo
+  tools/multinode.sh "$BUILD" 2>&1 | tee "$TMP/multinode"
+  line=$(grep -E '^[0-9]+ passed, [0-9]+ failed, [0-9]+ skipped$' "$TMP/multinode" | tail -1)
+  if [ -n "$line" ]; then read -r p _ f _ s _ <<< "$line"; add "$p" "$f" "$s"
+  else echo "multi-node: no summary"; add 0 1; fi
+fi
+
+# 5. Fuzz targets: a few seconds each on the committed corpus (crash reproducers included).
 if [ -n "$FUZZ_BUILD" ]; then
   echo
   echo "== fuzz targets: $FUZZ_BUILD"

@@ -259,6 +259,15 @@ int kc_cross_entropy_bw_f64(int64_t N, int64_t C, int64_t inner, const double* x
                             int64_t ignore, double eps, const double* lse, const double* gs,
                             double gconst, double* gx);
 
+/* loss.c: the fused classifier: cross entropy over contiguous [N, C] bf16
+ * (dt KC_BF16) or f16 (KC_F16) logits with f32 accumulation; loss and lse f32
+ * as kc_cross_entropy_f32 of the converted logits, the gradient gx in the
+ * logits' dtype (kc_cross_entropy_bw_f32's, rounded).  -1 if out of memory. */
+int kc_cross_entropy_half(int dt, int64_t N, int64_t C, const uint16_t* x, const int64_t* tgt, int64_t ignore,
+                          double eps, float* loss, float* lse);
+int kc_cross_entropy_half_bw(int dt, int64_t N, int64_t C, const uint16_t* x, const int64_t* tgt, int64_t ignore,
+                             double eps, const float* lse, const float* gs, double gconst, uint16_t* gx);
+
 /* loss.c: nll_loss over contiguous [N, C, inner] log-probabilities (tgt
  * validated by the caller): loss[i] = -w[t_i] x[n, t_i, j] (w NULL: 1), 0 where
  * t_i == ignore, into out (per position) or summed into *sum; *wsum = the sum

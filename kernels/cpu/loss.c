@@ -8,6 +8,7 @@
 #include "kcpu.h"
 #include <math.h>
 #include <stdlib.h>
+#include <string.h>
 
 #define DEF_CE(T, SUF, EXPF, LOGF)                                                      \
   int kc_cross_entropy_##SUF(int64_t N, int64_t C, int64_t inner, const T* x, const int64_t* tgt, \
@@ -76,6 +77,48 @@
 
 DEF_CE(float, f32, kc_expf, logf)
 DEF_CE(double, f64, exp, log)
+
+/* ------------------------------------------------------------ fused classifier (bf16/f16 logits)
+ * Each row is converted into a per-call f32 row buffer (C floats, never the
+ * [N, C] logits) and runs the f32 formulas above: the loss and lse equal
+ * kc_cross_entropy_f32 on the converted logits, and the gradient equals
+ * kc_cross_entropy_bw_f32's rounded to the logits' dtype. */
+static void half_row(int dt, int64_t C, const uint16_t* x, float* buf) {
+  if (dt == KC_BF16) for (int64_t c = 0; c < C; c++) buf[c] = kc_bf16_to_f32(x[c]);
+  else for (int64_t c = 0; c < C; c++) buf[c] = kc_f16_to_f32(x[c]);
+}
+
+int kc_cross_entropy_half(int dt, int64_t N, int64_t C, const uint16_t* x, const int64_t* tgt, int64_t ignore,
+                          double eps, float* loss, float* lse) {
+  float* buf = malloc((size_t)(C > 0 ? C : 1) * sizeof(float));
+  if (!buf) return -1;
+  for (int64_t n = 0; n < N; n++) {
+    if (tgt[n] == ignore) { loss[n] = 0; lse[n] = 0; continue; }
+    half_row(dt, C, x + n * C, buf);
+    if (kc_cross_entropy_f32(1, C, 1, buf, tgt + n, ignore, eps, loss + n, lse + n)) { free(buf); return -1; }
+  }
+  free(buf);
+  return 0;
+}
+
+int kc_cross_entropy_half_bw(int dt, int64_t N, int64_t C, const uint16_t* x, const int64_t* tgt, int64_t ignore,
+                             double eps, const float* lse, const float* gs, double gconst, uint16_t* gx) {
+  float* buf = malloc((size_t)(C > 0 ? C : 1) * sizeof(float));
+  if (!buf) return -1;
+  for (int64_t n = 0; n < N; n++) {
+    uint16_t* o = gx + n * C;
+    if (tgt[n] == ignore) { memset(o, 0, (size_t)C * sizeof(uint16_t)); continue; }
+    half_row(dt, C, x + n * C, buf);
+    if (kc_cross_entropy_bw_f32(1, C, 1, buf, tgt + n, ignore, eps, lse + n, gs ? gs + n : NULL, gconst, buf)) {
+      free(buf);
+      return -1;
+    }
+    if (dt == KC_BF16) for (int64_t c = 0; c < C; c++) o[c] = kc_f32_to_bf16(buf[c]);
+    else for (int64_t c = 0; c < C; c++) o[c] = kc_f32_to_f16(buf[c]);
+  }
+  free(buf);
+  return 0;
+}
 
 /* ------------------------------------------------------------ nll_loss
  * loss[i] = -w[t_i] x[n, t_i, j] (w NULL: 1), 0 where t_i == ignore; the

@@ -209,7 +209,10 @@ function Transformer:__init(args)
 end
 
 -- tokens i64 [bsz, seq_len] (0-based ids) -> logits f32 [bsz, seq_len, vocab_size]
-function Transformer:forward(tokens)
+-- model(tokens, targets) (nanoGPT's model(idx, targets)) -> logits in the model's dtype, loss: the mean
+-- cross entropy against targets [bsz, seq_len] through the fused classifier (F.fused_classifier: bf16/f16
+-- logits are never copied to f32; the loss is f32).
+function Transformer:forward(tokens, targets)
   if not engine.is_tensor(tokens) then
     error("Transformer: expected a tensor of token ids [batch, seq_len], got " .. type(tokens), 2)
   end
@@ -231,7 +234,9 @@ function Transformer:forward(tokens)
     if ckpt then h = nn.checkpoint(layer, h) else h = layer(h) end
   end
   h = self.norm(h)
-  return self.output(h):float()
+  local logits = self.output(h)
+  if targets ~= nil then return logits, F.fused_classifier(logits, targets) end
+  return logits:float()
 end
 
 -- ---------------------------------------------------------------- tensor-parallel plans

@@ -6,7 +6,8 @@
 -- Model: engine.nn.Transformer (common_dtensor.py's architecture: learned position embeddings, pre-LayerNorm blocks,
 -- bias-free attention projections, 4x GELU MLP, tied output weights) with 12 layers, dim 768, 12 heads,
 -- seq 1024, vocab 50304, dropout 0; parameters, activations and AdamW states in bf16; random tokens; batch 8.
--- One step = forward + cross entropy + backward + AdamW step + zero_grad, timed to a device sync.
+-- One step = forward + cross entropy + backward + AdamW step + zero_grad, timed to a device sync.  The engine's
+-- loss is model(x, y): the fused classifier on the bf16 logits (F.fused_classifier, f32 loss).
 --
 -- Prints, in one run on the same GPU:
 --   1. the device and its measured bf16 peak: the best of a few 8192^3 bf16 GEMMs through the engine's
@@ -125,7 +126,7 @@ do
       for i = 1, o.warmup + o.steps do
         check(C.eng_cuda_synchronize())
         local t0 = engine.time()
-        local loss = F.cross_entropy(model(x), y)
+        local _, loss = model(x, y)   -- bf16 logits into the fused classifier: no f32 copy of the logits
         loss:backward()
         opt:step()
         opt:zero_grad()

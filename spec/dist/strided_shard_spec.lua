@@ -23,15 +23,19 @@ local function need4() if not mesh2 then pending("needs 4 ranks (2x2 mesh)") end
 
 -- ------------------------------------------------------------------ reference layout
 -- Rows (0-based) of a dim held at coordinate i when `rows` go through one placement on a mesh dim of size k:
--- torch.chunk into k*sf pieces (ceil size, trailing pieces short or empty), pieces i, i+k, ... (sf = 1: Shard).
+-- torch.chunk into sf pieces, each piece torch.chunk'ed into k sub-pieces, sub-piece i of every piece (PyTorch's
+-- right-to-left nested sharding; sf = 1: Shard).
+local function chunk_of(n, k, i)
+  local full = math.ceil(n / k)
+  local off = math.min(i * full, n)
+  return off, math.min(full, n - off)
+end
 local function split_rows(rows, k, i, sf)
-  local n, total = #rows, k * sf
-  local full = math.ceil(n / total)
   local out = {}
   for j = 0, sf - 1 do
-    local off = math.min((i + j * k) * full, n)
-    local sz = math.min(full, n - off)
-    for q = off + 1, off + sz do out[#out + 1] = rows[q] end
+    local poff, psz = chunk_of(#rows, sf, j)
+    local off, sz = chunk_of(psz, k, i)
+    for q = poff + off + 1, poff + off + sz do out[#out + 1] = rows[q] end
   end
   return out
 end
@@ -170,24 +174,48 @@ describe("A6: _StridedShard layout (pure)", function()
     end
   end)
 
-  it("uneven sizes follow torch.chunk into k*sf pieces (7 and 10 rows on 4, sf 2)", function()
+  it("uneven sizes: sf torch.chunk pieces, each over k (7 and 10 rows on 4, sf 2; PyTorch's uneven fix)", function()
     local function at(n, r) return rows_at({ n }, { 4 }, { SS(1, 2) }, { r }, 1) end
-    -- 7 rows, 8 pieces of 1 (the last empty): rank r holds r and r+4
+    -- 7 rows: pieces 0-3 and 4-6, each over 4 ranks: rank r holds r and 4+r (rank 3: 3 alone)
     assert.same({ 0, 4 }, at(7, 0))
     assert.same({ 2, 6 }, at(7, 2))
     assert.same({ 3 }, at(7, 3))
-    -- 10 rows, pieces of 2: 0-1 2-3 4-5 6-7 8-9 and three empty ones
-    assert.same({ 0, 1, 8, 9 }, at(10, 0))
-    assert.same({ 2, 3 }, at(10, 1))
-    assert.same({ 6, 7 }, at(10, 3))
-    assert.same({ { 0, 2 }, { 8, 2 } }, dist.local_shard_runs({ 10 }, { 4 }, { SS(1, 2) }, { 0 })[1])
+    -- 10 rows: pieces 0-4 and 5-9, each over 4 ranks as 2, 2, 1, 0 rows (the 2.5-era rule gave rank 0 0-1, 8-9)
+    assert.same({ 0, 1, 5, 6 }, at(10, 0))
+    assert.same({ 2, 3, 7, 8 }, at(10, 1))
+    assert.same({ 4, 9 }, at(10, 2))
+    assert.same({}, at(10, 3))
+    assert.same({ { 0, 2 }, { 5, 2 } }, dist.local_shard_runs({ 10 }, { 4 }, { SS(1, 2) }, { 0 })[1])
     local ls, off = dist.compute_local_shape_and_global_offset({ 10 }, { 4 }, { SS(1, 2) }, { 0 })
     assert.same({ 4 }, ls)
     assert.same({ 0 }, off) -- the start of the first run
+    -- a sub-piece empty in a piece and not in a later, shorter one: 7 rows, sf 2 (4 and 3 rows) over 3
+    assert.same({ 6 }, rows_at({ 7 }, { 3 }, { SS(1, 2) }, { 2 }, 1))
     -- empty shards: 0 rows, 2 rows on 4 ranks with sf 3
     assert.same({}, dist.local_shard_runs({ 0 }, { 4 }, { SS(1, 2) }, { 1 })[1])
     assert.same({}, at(2, 2))
-    assert.same({ 1 }, rows_at({ 2 }, { 4 }, { SS(1, 3) }, { 1 }, 1))
+    -- 2 rows, sf 3: pieces of 1, 1 and 0 rows, each held by coordinate 0
+    assert.same({ 0, 1 }, rows_at({ 2 }, { 4 }, { SS(1, 3) }, { 0 }, 1))
+    assert.same({}, rows_at({ 2 }, { 4 }, { SS(1, 3) }, { 1 }, 1))
+  end)
+
+  it("FSDP+TP layout, uneven: [_StridedShard(1, sf=tp), Shard(1)] on (dp=2, tp) is dp-chunk i of TP shard j", function()
+    for _, tpn in ipairs({ 2, 3, 4 }) do
+      for n = 0, 23 do
+        local ct = math.ceil(n / tpn)
+        for j = 0, tpn - 1 do
+          local sj = math.max(0, math.min(ct, n - j * ct))
+          local cd = math.ceil(sj / 2)
+          for i = 0, 1 do
+            local want = {}
+            local rows = math.max(0, math.min(cd, sj - i * cd))
+            for q = 0, rows - 1 do want[#want + 1] = j * ct + i * cd + q end
+            assert.same(want, rows_at({ n }, { 2, tpn }, { SS(1, tpn), S(1) }, { i, j }, 1),
+              string.format("n %d tp %d (%d, %d)", n, tpn, i, j))
+          end
+        end
+      end
+    end
   end)
 
   it("every size 0..17, mesh dims of 1..4, sf 1..3, nested with Shard and _StridedShard: runs == reference", function()

@@ -86,6 +86,14 @@ static void chunk(int64_t n, int64_t k, int64_t idx, int64_t* size, int64_t* off
   *off = o;
 }
 
+/* _StridedShard(sf) on k: piece j of sf (torch.chunk), then its sub-piece idx of k (torch.chunk again). */
+static void nested(int64_t n, int64_t k, int64_t sf, int64_t idx, int64_t j, int64_t* size, int64_t* off) {
+  int64_t psz, poff;
+  chunk(n, sf, j, &psz, &poff);
+  chunk(psz, k, idx, size, off);
+  *off += poff;
+}
+
 static int shard_like(const eng_placement* p) {
   return p->kind == ENG_PLACEMENT_SHARD || p->kind == ENG_PLACEMENT_STRIDED_SHARD;
 }
@@ -111,7 +119,7 @@ static int held(const eng_placement* pl, const int* c, int d, int64_t* out) {
     int m = 0;
     for (int64_t j = 0; j < sf; j++) {
       int64_t sz, off;
-      chunk(n, k * sf, c[i] + j * k, &sz, &off);
+      nested(n, k, sf, c[i], j, &sz, &off);
       for (int64_t q = 0; q < sz; q++) nxt[m++] = cur[off + q];
     }
     memcpy(cur, nxt, sizeof(int64_t) * (size_t)m);
@@ -224,7 +232,7 @@ static void take(const local* x, int d, const int64_t* offs, const int64_t* lens
 /* Rank m of k's pieces of a dim of length n under Shard (sf 0) or _StridedShard(sf). */
 static int pieces(int64_t n, int64_t k, int64_t sf, int64_t m, int64_t* offs, int64_t* lens) {
   if (sf == 0) { chunk(n, k, m, &lens[0], &offs[0]); return 1; }
-  for (int64_t j = 0; j < sf; j++) chunk(n, k * sf, m + j * k, &lens[j], &offs[j]);
+  for (int64_t j = 0; j < sf; j++) nested(n, k, sf, m, j, &lens[j], &offs[j]);
   return (int)sf;
 }
 

@@ -17,9 +17,12 @@
  * _StridedShard(dim, split_factor) (PyTorch's `_StridedShard`, the layout
  * FSDP2 + TP produce when both shard one tensor dim): the dim, with the size
  * n it has at that point of the left-to-right application of the placements,
- * is cut with torch.chunk rules into k * split_factor chunks (chunk =
- * ceil(n / (k*sf)), trailing chunks short or empty) and mesh coordinate i
- * holds chunks i, i+k, ..., i+(sf-1)k concatenated in that order.  sf = 1 is
+ * is cut with torch.chunk rules into split_factor pieces, each piece into k
+ * sub-pieces (torch.chunk again), and mesh coordinate i holds sub-piece i of
+ * every piece concatenated in order (PyTorch's right-to-left nested
+ * sharding: [_StridedShard(d, sf=tp), Shard(d)] on (dp, tp) is each TP shard
+ * chunked over dp, for any size; when k*sf divides n it is torch.chunk into
+ * k*sf chunks, coordinate i holding chunks i, i+k, ...).  sf = 1 is
  * the same layout as Shard(dim) but a different placement.  Its local shard
  * is in general not one contiguous slice of the global tensor: see
  * eng_local_shard_runs and the `offset` field of eng_dist_spec.  Op dispatch

@@ -28,6 +28,14 @@ eng_tensor* eng_embedding_masked(eng_tensor* weight_shard, eng_tensor* indices, 
  * ignore_index contribute nothing (mean divides by the non-ignored count). */
 eng_tensor* eng_cross_entropy(eng_tensor* logits, eng_tensor* target, int64_t ignore_index,
                               int reduction, double label_smoothing);
+/* The fused classifier (llm.c's fused_classifier): cross entropy of bf16/f16
+ * logits [N, C] with f32 accumulation and no f32 copy of the logits; the loss
+ * is f32 (not rounded to the logits' dtype), the logits' gradient has their
+ * dtype.  Arguments as eng_cross_entropy.  Other logits (f32, f64, [C],
+ * [N, C, d1, ...]) and DTensors give eng_cross_entropy of the logits in f32
+ * (f64 kept), which the fused path equals up to the gradient's rounding. */
+eng_tensor* eng_fused_classifier(eng_tensor* logits, eng_tensor* target, int64_t ignore_index, int reduction,
+                                 double label_smoothing);
 /* nll_loss (PyTorch's): logp [C] / [N, C] / [N, C, d1, ...] (classes in dim
  * 1), target i32/i64 class ids of logp's shape without the class dim,
  * weight NULL or [C] (a constant: no gradient).  reduction 0 none, 1 mean

@@ -31,8 +31,13 @@ eng_dist_spec* dt_spec_adjoint(eng_dist_spec* s);
 int dt_is_shard_like(const eng_placement* p);
 /* Replicate() with every other field 0. */
 eng_placement dt_replicate(void);
-/* Size of the local shard of a _StridedShard: n entries cut into k*sf
- * torch.chunk pieces, coordinate idx holding pieces idx, idx+k, ... */
+/* _StridedShard(sf) on a mesh dim of size k (PyTorch's right-to-left nested
+ * sharding): the n entries are cut into sf torch.chunk pieces, each piece
+ * into k torch.chunk sub-pieces, and coordinate idx holds sub-piece idx of
+ * every piece in turn.  dt_strided_piece gives sub-piece idx of piece j (its
+ * size and offset in the n entries) and returns 0 when piece j itself is
+ * empty (so is every later one), else 1; dt_strided_size the local size. */
+int dt_strided_piece(int64_t n, int k, int sf, int idx, int j, int64_t* size, int64_t* offset);
 int64_t dt_strided_size(int64_t n, int k, int sf, int idx);
 /* Runs (global start, length) of tensor dim d of the shard at coord, in
  * local order, adjacent runs merged: malloc'd arrays in *st / *len (free

@@ -178,13 +178,25 @@ static void chunk(int64_t n, int64_t k, int64_t idx, int64_t* size, int64_t* off
 }
 
 /* Pieces past the end of the dim are empty (offsets grow with the index), so
- * the loops over a _StridedShard's pieces stop at the first empty one after
- * the first: O(min(sf, n)) work and memory, whatever the split factor. */
+ * the loops over a _StridedShard's pieces stop at the first empty piece:
+ * O(min(sf, n)) work and memory, whatever the split factor.  A sub-piece
+ * may be empty in a non-empty piece and not in a later, shorter one (4 and 3
+ * entries over 3: sub-piece 2 holds 0 and 1), so only an empty piece ends
+ * the loops. */
+int dt_strided_piece(int64_t n, int k, int sf, int idx, int j, int64_t* size, int64_t* offset) {
+  int64_t psz, poff, sz, off;
+  chunk(n, sf, j, &psz, &poff);
+  if (psz == 0) { *size = 0; *offset = poff; return 0; }
+  chunk(psz, k, idx, &sz, &off);
+  *size = sz;
+  *offset = poff + off;
+  return 1;
+}
+
 int64_t dt_strided_size(int64_t n, int k, int sf, int idx) {
   int64_t total = 0, sz, off;
   for (int j = 0; j < sf; j++) {
-    chunk(n, (int64_t)k * sf, idx + (int64_t)j * k, &sz, &off);
-    if (sz == 0) break;
+    if (!dt_strided_piece(n, k, sf, idx, j, &sz, &off)) break;
     total += sz;
   }
   return total;
@@ -229,9 +241,9 @@ int dt_dim_runs(const int64_t* gshape, int ndim, int mesh_ndim, const int64_t* m
     int64_t nL = 0;
     for (int j = 0; j < sf; j++) {
       int64_t sz, off;
-      chunk(L, k * sf, coord[i] + (int64_t)j * k, &sz, &off);
+      int more = dt_strided_piece(L, (int)k, sf, coord[i], j, &sz, &off);
       if (j == 0) anc = runs_map(st, len, cnt, anc, off);
-      else if (sz == 0) break; /* and every later piece */
+      if (!more) break; /* and every later piece */
       nL += sz;
       /* local range [off, off+sz) through the current runs */
       int64_t acc = 0;

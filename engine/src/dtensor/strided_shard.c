@@ -1,26 +1,20 @@
 /* strided_shard.c: data movement for the _StridedShard placement (PyTorch's
  * `_StridedShard._split_tensor`): on a mesh dim of size k with split factor
  * sf, the dim (n entries at that point of the left-to-right application of
- * the placements) is cut into k*sf torch.chunk pieces (chunk = ceil(n/(k*sf)),
- * trailing pieces short or empty) and coordinate i holds pieces i, i+k, ...,
- * i+(sf-1)k concatenated.  Layout math (sizes, runs of the global dim) is in
+ * the placements) is cut into sf torch.chunk pieces, each piece into k
+ * torch.chunk sub-pieces, and coordinate i holds sub-piece i of every piece
+ * concatenated (the right-to-left nested sharding of FSDP over TP: the TP
+ * split first, then each TP shard over FSDP; equal to torch.chunk into k*sf
+ * pieces, i, i+k, ..., when k*sf divides n).  Layout math (sizes, runs of the global dim) is in
  * dtensor/spec.c; the redistribute transitions in dtensor/redistribute.c call the
  * gather and the selection here, distribute_tensor the scatter, the random
  * factories and fills dt_random_local.
  *
  * The collectives of eng/comm.h work on dim 0 of contiguous buffers: dim d
  * is moved to the front of a contiguous buffer ("front order"), every
- * coordinate's local padded to coordinate 0's size (the largest: piece sizes
- * never grow with the index). */
+ * coordinate's local padded to coordinate 0's size (the largest: sub-piece 0
+ * of every piece is its largest). */
 #include "dtensor/dtensor_impl.h"
-
-static void piece(int64_t n, int64_t chunks, int64_t idx, int64_t* size, int64_t* off) {
-  int64_t full = chunks > 0 ? (n + chunks - 1) / chunks : 0;
-  int64_t o = idx * full;
-  if (o > n) o = n;
-  *size = n - o < full ? n - o : full;
-  *off = o;
-}
 
 static int copy_view(eng_tensor* dst, const eng_tensor* src) {
   if (!dst || !src) return -1;
@@ -52,7 +46,7 @@ static void zero_rows(eng_tensor* B, int64_t row, int64_t len) {
 }
 
 /* Between the full tensor (dim d of length L) and a front-order buffer in
- * which coordinate r's pieces r, r+k, ... follow each other from row r*M:
+ * which coordinate r's sub-pieces follow each other from row r*M:
  * to_packed copies full -> packed (the scatter's send buffer), else
  * packed -> full (the gathered buffer).  0 or -1. */
 static int move_pieces(const eng_tensor* packed, const eng_tensor* full, const eng_tensor* like, int d, int64_t L, int k, int sf,
@@ -62,8 +56,8 @@ static int move_pieces(const eng_tensor* packed, const eng_tensor* full, const e
     int64_t at = (int64_t)r * M;
     for (int j = 0; j < sf && !rc; j++) {
       int64_t sz, off;
-      piece(L, (int64_t)k * sf, r + (int64_t)j * k, &sz, &off);
-      if (sz <= 0) break; /* later pieces are empty too */
+      if (!dt_strided_piece(L, k, sf, r, j, &sz, &off)) break; /* later pieces are empty too */
+      if (sz == 0) continue;
       eng_tensor* p = front_rows(packed, like, d, at, sz);
       eng_tensor* f = dt_narrow_view(full, d, off, sz);
       rc = to_packed ? copy_view(p, f) : copy_view(f, p);
@@ -86,8 +80,8 @@ eng_tensor* dt_strided_select(const eng_tensor* x, int d, int k, int sf, int coo
   int64_t at = 0;
   for (int j = 0; j < sf; j++) {
     int64_t sz, off;
-    piece(n, (int64_t)k * sf, coord + (int64_t)j * k, &sz, &off);
-    if (sz <= 0) break; /* later pieces are empty too */
+    if (!dt_strided_piece(n, k, sf, coord, j, &sz, &off)) break; /* later pieces are empty too */
+    if (sz == 0) continue;
     eng_tensor* s = dt_narrow_view(x, d, off, sz);
     eng_tensor* t = dt_narrow_view(out, d, at, sz);
     int rc = copy_view(t, s);
@@ -124,14 +118,14 @@ eng_tensor* dt_strided_gather(const char* op, eng_pg* pg, const eng_tensor* x, i
   eng_tensor_release(sv);
   if (!rc) rc = eng_pg_all_gather_into(pg, R, send, NULL);
   eng_tensor_release(send);
-  /* coordinate r's rows start at r*M: its pieces r, r+k, ... in order */
+  /* coordinate r's rows start at r*M: its sub-piece of each piece in order */
   if (!rc) rc = move_pieces(R, out, x, d, L, k, sf, M, 0);
   eng_tensor_release(R);
   if (rc) { eng_tensor_release(out); return NULL; }
   return out;
 }
 
-/* Scatter from group rank src: src packs coordinate r's pieces into rows
+/* Scatter from group rank src: src packs coordinate r's sub-pieces into rows
  * [r*M, r*M + m_r) (the rest zero), every rank receives M rows and keeps its m. */
 static eng_tensor* strided_scatter(eng_pg* pg, const eng_tensor* x, int d, int k, int sf, int coord, int src) {
   int nd = x->ndim;

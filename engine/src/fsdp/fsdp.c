@@ -1061,8 +1061,11 @@ eng_fsdp_group* eng_fsdp_group_new(eng_mesh* mesh, int n, eng_tensor** params, c
           (long long)rows_of(q, g->config.shard_rank, 0));
       goto fail;
     }
+    /* the unsharded parameter's elements: the full tensor, or (FSDP over TP) the TP local shard only */
+    int64_t unumel = 1;
+    for (int d = 0; d < q->ndim; d++) unumel *= q->shape[d];
     q->uoff = g->buffers.unsharded_numel;
-    g->buffers.unsharded_numel += sp->numel;
+    g->buffers.unsharded_numel += unumel;
   }
   if (ensure_leaves(g)) goto fail;
   alias_shards(g);

@@ -125,8 +125,8 @@ static int ce_bw_cuda(eng_node* n, eng_tensor** go, eng_tensor** gi) {
 }
 
 static eng_tensor* ce_cuda(eng_tensor* x, eng_tensor* target, int64_t N, int64_t C, int64_t ignore, int red,
-                           double eps, int tnd, const int64_t* tshape) {
-  const char* op = "cross_entropy";
+                           double eps, int tnd, const int64_t* tshape, int f32_loss) {
+  const char* op = f32_loss ? "fused_classifier" : "cross_entropy";
   int rdt = x->dtype, ldt = rdt == ENG_F64 ? ENG_F64 : ENG_F32;
   eng_tensor *X = NULL, *T = NULL, *lse = NULL, *loss = NULL, *stats = NULL, *out = NULL;
   int64_t two = 2;
@@ -147,13 +147,13 @@ static eng_tensor* ce_cuda(eng_tensor* x, eng_tensor* target, int64_t N, int64_t
         eng_cu_reduce_all(0, ldt, N, eng_ptr(loss), eng_ptr(out), ldt, 1.0, op))
       goto fail;
   }
-  if (rdt != ldt) {
+  if (rdt != ldt && !f32_loss) {
     eng_tensor* r = eng_as_contig(out, rdt);
     eng_tensor_release(out);
     if (!(out = r)) goto fail;
   }
   if (eng_any_requires_grad(1, &x)) {
-    eng_node* nd = eng_record("CrossEntropyBackward", ce_bw_cuda, 1, &x, out);
+    eng_node* nd = eng_record(f32_loss ? "FusedClassifierBackward" : "CrossEntropyBackward", ce_bw_cuda, 1, &x, out);
     if (!nd || eng_node_save(nd, X) || eng_node_save(nd, T) || eng_node_save(nd, lse) ||
         (stats && eng_node_save(nd, stats)))
       goto fail;
@@ -207,7 +207,7 @@ eng_tensor* eng_cross_entropy(eng_tensor* logits, eng_tensor* target, int64_t ig
   for (int d = 2; d < x->ndim; d++) inner *= x->shape[d];
   if (x->device == ENG_CUDA) {
     if (inner != 1) return eng_cu_unsupportedp("cross_entropy with logits [N, C, d1, ...]", x);
-    return ce_cuda(x, target, N, C, ignore_index, reduction, label_smoothing, tnd, tshape);
+    return ce_cuda(x, target, N, C, ignore_index, reduction, label_smoothing, tnd, tshape, 0);
   }
   int rdt = x->dtype, cdt = compute_dtype(rdt);
   eng_tensor *X = NULL, *T = NULL, *lse = NULL, *loss = NULL, *out = NULL;
@@ -250,6 +250,152 @@ eng_tensor* eng_cross_entropy(eng_tensor* logits, eng_tensor* target, int64_t ig
     eng_node* nd = eng_record("CrossEntropyBackward", ce_bw, 1, &x, out);
     if (!nd || eng_node_save(nd, X) || eng_node_save(nd, T) || eng_node_save(nd, lse)) goto fail;
     nd->ints[0] = N; nd->ints[1] = C; nd->ints[2] = inner; nd->ints[3] = ignore_index;
+    nd->ints[4] = reduction; nd->ints[5] = count;
+    nd->scalars[0] = label_smoothing;
+  }
+  eng_tensor_release(X); eng_tensor_release(T); eng_tensor_release(lse); eng_tensor_release(loss);
+  return out;
+fail:
+  eng_tensor_release(X); eng_tensor_release(T); eng_tensor_release(lse); eng_tensor_release(loss);
+  eng_tensor_release(out);
+  return NULL;
+}
+
+/* ------------------------------------------------------------ fused classifier
+ * llm.c's fused_classifier for an autograd engine: cross entropy on bf16/f16
+ * logits [N, C] without f32 logits.  Forward: one pass over the logits in
+ * their dtype (f32 accumulation, online logsumexp on CUDA), the loss in f32
+ * (not rounded to the logits' dtype), lse saved per row.  Backward: one pass
+ * writing the gradient in the logits' dtype from the logits, lse and the
+ * upstream gradient (read on the device: no host sync on CUDA).  About 6
+ * bytes of traffic per logit (read, read + write) where cross_entropy on
+ * :float() logits moves about 24 (cast, read, read + write in f32, cast
+ * back); llm.c's 4 comes from writing the gradient over the logits in the
+ * forward, which an autograd op may not do (the logits stay the caller's).
+ * Other dtypes, [C] logits and DTensors (no sharding rule of its own) take
+ * cross_entropy on f32 logits, the result the fused path approximates. */
+
+/* Rows split over the engine's threads (as run_ce). */
+typedef struct {
+  int dt, bw;
+  int64_t C, ignore;
+  double eps, gconst;
+  const uint16_t* x;
+  const int64_t* tgt;
+  const float *lse_in, *gs;
+  float *loss, *lse;
+  uint16_t* gx;
+  int fail;
+} fc_ctx;
+
+static void fc_range(void* vc, int64_t lo, int64_t hi) {
+  fc_ctx* c = vc;
+  int r = c->bw ? kc_cross_entropy_half_bw(c->dt, hi - lo, c->C, c->x + lo * c->C, c->tgt + lo, c->ignore, c->eps,
+                                           c->lse_in + lo, c->gs ? c->gs + lo : NULL, c->gconst, c->gx + lo * c->C)
+                : kc_cross_entropy_half(c->dt, hi - lo, c->C, c->x + lo * c->C, c->tgt + lo, c->ignore, c->eps,
+                                        c->loss + lo, c->lse + lo);
+  if (r) __atomic_store_n(&c->fail, 1, __ATOMIC_RELAXED);
+}
+
+static int run_fc(fc_ctx* c, int64_t N) {
+  kc_parallel_blas(N * c->C >= PAR_MIN_NUMEL ? eng_threads() : 1, N, fc_range, c);
+  return c->fail ? eng_err("fused_classifier: out of memory") : 0;
+}
+
+/* saved: 0 logits (contiguous half), 1 target (contiguous i64), 2 lse (f32).
+ * ints: 0 N, 1 C, 3 ignore_index, 4 reduction, 5 count; scalars: 0 eps. */
+static int fc_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
+  eng_tensor *X = eng_node_saved(n, 0), *T = eng_node_saved(n, 1), *lse = eng_node_saved(n, 2);
+  if (!X || !T || !lse) return -1;
+  if (!eng_node_needs_grad(n, 0)) return 0;
+  int64_t N = n->ints[0], C = n->ints[1], ignore = n->ints[3], count = n->ints[5];
+  int red = (int)n->ints[4];
+  eng_tensor *G = NULL, *gx = NULL;
+  double gconst = 0.0;
+  int rc = -1;
+  if (red == RED_NONE) {
+    if (!(G = eng_as_contig(go[0], ENG_F32))) goto done;
+  } else {
+    double g;
+    if (eng_tensor_item(go[0], &g)) goto done;
+    gconst = red == RED_MEAN ? g / (double)count : g;
+  }
+  if (!(gx = eng_new(X->ndim, X->shape, X->dtype, X->device))) goto done;
+  fc_ctx c = {0};
+  c.dt = X->dtype; c.bw = 1; c.C = C; c.ignore = ignore; c.eps = n->scalars[0]; c.gconst = gconst;
+  c.x = (const uint16_t*)eng_ptr(X); c.tgt = (const int64_t*)eng_ptr(T); c.lse_in = (const float*)eng_ptr(lse);
+  c.gs = G ? (const float*)eng_ptr(G) : NULL; c.gx = (uint16_t*)eng_ptr(gx);
+  if (run_fc(&c, N)) goto done;
+  if ((gi[0] = eng_grad_to_input(n, 0, gx))) rc = 0;
+done:
+  eng_tensor_release(G); eng_tensor_release(gx);
+  return rc;
+}
+
+eng_tensor* eng_fused_classifier(eng_tensor* logits, eng_tensor* target, int64_t ignore_index, int reduction,
+                                 double label_smoothing) {
+  const char* op = "fused_classifier";
+  ENG_CHECK(logits, "fused_classifier"); ENG_CHECK(target, "fused_classifier");
+  eng_tensor* x = logits;
+  int half = x->dtype == ENG_BF16 || x->dtype == ENG_F16;
+  if (ENG_DT_ACTIVE(x->dist || ENG_META_T(x) || target->dist || ENG_META_T(target)) || !half || x->ndim != 2) {
+    /* the reference: cross_entropy on f32 (f64 stays f64) logits, DTensor rules included */
+    if (!eng_dtype_is_floating(x->dtype))
+      return eng_errp("%s: logits %s must be floating point", op, eng_desc(x));
+    eng_tensor* xf = x->dtype == ENG_F64 ? eng_tensor_retain(x) : eng_tensor_to_dtype(x, ENG_F32);
+    if (!xf) return NULL;
+    eng_tensor* r = eng_cross_entropy(xf, target, ignore_index, reduction, label_smoothing);
+    eng_tensor_release(xf);
+    if (!r) eng_err_prefix("%s", op);
+    return r;
+  }
+  if (target->dtype != ENG_I64 && target->dtype != ENG_I32)
+    return eng_errp("%s: target %s must hold class indices (i64 or i32)", op, eng_desc(target));
+  if (x->device != target->device)
+    return eng_errp("%s: logits %s and target %s on different devices", op, eng_desc(x), eng_desc(target));
+  if (reduction < RED_NONE || reduction > RED_SUM)
+    return eng_errp("%s: reduction code %d is invalid (0 none, 1 mean, 2 sum)", op, reduction);
+  if (!(label_smoothing >= 0.0 && label_smoothing <= 1.0))
+    return eng_errp("%s: label_smoothing must be between 0.0 and 1.0, got %g", op, label_smoothing);
+  int64_t N = x->shape[0], C = x->shape[1];
+  if (target->ndim != 1 || target->shape[0] != N)
+    return eng_errp("%s: target %s does not match logits %s (expected target shape [%lld])", op, eng_desc(target),
+                    eng_desc(x), (long long)N);
+  if (C < 1) return eng_errp("%s: logits %s have no classes", op, eng_desc(x));
+  if (x->device == ENG_CUDA) return ce_cuda(x, target, N, C, ignore_index, reduction, label_smoothing, 1, &N, 1);
+  eng_tensor *X = NULL, *T = NULL, *lse = NULL, *loss = NULL, *out = NULL;
+  if (!(T = eng_as_contig(target, ENG_I64))) goto fail;
+  const int64_t* tg = (const int64_t*)eng_ptr(T);
+  int64_t count = 0;
+  for (int64_t i = 0; i < N; i++) {
+    if (tg[i] == ignore_index) continue;
+    if (tg[i] < 0 || tg[i] >= C) {
+      eng_errp("%s: target %lld at position %lld is out of range for %lld classes (class ids are 0-based: valid "
+               "0..%lld, or ignore_index %lld); logits %s", op, (long long)tg[i], (long long)i + 1, (long long)C,
+               (long long)C - 1, (long long)ignore_index, eng_desc(x));
+      goto fail;
+    }
+    count++;
+  }
+  if (!(X = eng_as_contig(x, x->dtype))) goto fail;
+  if (!(lse = eng_new(1, &N, ENG_F32, x->device)) || !(loss = eng_new(1, &N, ENG_F32, x->device))) goto fail;
+  fc_ctx c = {0};
+  c.dt = x->dtype; c.C = C; c.ignore = ignore_index; c.eps = label_smoothing; c.x = (const uint16_t*)eng_ptr(X);
+  c.tgt = tg; c.loss = (float*)eng_ptr(loss); c.lse = (float*)eng_ptr(lse);
+  if (run_fc(&c, N)) goto fail;
+  if (reduction == RED_NONE) {
+    out = loss; loss = NULL;
+  } else {
+    double s = 0.0;
+    const float* l = (const float*)eng_ptr(loss);
+    for (int64_t i = 0; i < N; i++) s += l[i];
+    if (reduction == RED_MEAN) s = count ? s / (double)count : NAN;
+    if (!(out = eng_tensor_full(0, NULL, s, ENG_F32, x->device))) goto fail;
+  }
+  if (eng_any_requires_grad(1, &x)) {
+    eng_node* nd = eng_record("FusedClassifierBackward", fc_bw, 1, &x, out);
+    if (!nd || eng_node_save(nd, X) || eng_node_save(nd, T) || eng_node_save(nd, lse)) goto fail;
+    nd->ints[0] = N; nd->ints[1] = C; nd->ints[2] = 1; nd->ints[3] = ignore_index;
     nd->ints[4] = reduction; nd->ints[5] = count;
     nd->scalars[0] = label_smoothing;
   }

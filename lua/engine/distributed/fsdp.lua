@@ -608,9 +608,11 @@ function M.fully_shard(module, opts)
   end
   local Wd = mesh:size(mesh:ndim())
   local drank = mesh:get_local_rank(mesh:ndim())
-  -- FSDP over TP on the same dim: each rank keeps the dp-chunk of its TP shard (FSDP2's layout), labelled
-  -- [_StridedShard(d, sf = tp), Shard(d)]; with uneven sizes that label can describe other rows (torch.chunk of
-  -- k*sf pieces), so every coordinate's rows are checked (pure arithmetic, the same on every rank)
+  -- FSDP over TP on the same dim: each rank keeps the dp-chunk of its TP shard (FSDP2's layout, padded to the
+  -- largest chunk in the all-gather as on one dim), labelled [_StridedShard(d, sf = tp), Shard(d)]. That label
+  -- applies the placements left to right: the dp-chunks of every TP shard, concatenated, then torch.chunk over
+  -- tp; for uneven sizes with dp >= 3 the second chunking can cut across TP shards (dp 3, tp 2, size 7), so
+  -- every coordinate's rows are checked (pure arithmetic, the same on every rank; with dp = 2 always the same)
   for _, e in ipairs(order) do
     local c = e.p._c
     if c.dist ~= nil then
@@ -637,9 +639,10 @@ function M.fully_shard(module, opts)
             local same = got == rows and (rows == 0 or (#runs == 1 and runs[1][1] == j * ct + i * cd))
             if not same then
               fail(string.format("%s: parameter '%s' (%s): FSDP and tensor parallelism both shard dim %d, and for "
-                .. "its size %d the dp-chunks of the TP shards are not a _StridedShard(%d, sf=%d) layout (make the "
-                .. "size divisible by dp x tp = %d)", op, e.uses[1].name, e.p:_layout_str(), e.cdim + 1, n, e.cdim + 1,
-                T, Wd * T))
+                .. "its size %d the dp-chunks of the TP shards over dp = %d are not a [_StridedShard(%d, sf=%d), "
+                .. "Shard(%d)] layout (torch.chunk of the concatenated dp-chunks over tp cuts across TP shards: its "
+                .. "state dict could not name the rows; make the size divisible by dp x tp = %d, or use dp = 2)",
+                op, e.uses[1].name, e.p:_layout_str(), e.cdim + 1, n, Wd, e.cdim + 1, T, e.cdim + 1, Wd * T))
             end
           end
         end

@@ -12,8 +12,10 @@
 --
 -- _StridedShard(dim, split_factor) (PyTorch's private `_StridedShard`, the
 -- layout of FSDP2 + TP sharding one tensor dim twice): on a mesh dim of size
--- k the dim is cut into k * split_factor torch.chunk pieces and mesh
--- coordinate i holds pieces i, i+k, ..., i+(sf-1)k.  As in PyTorch, where
+-- k the dim is cut into split_factor torch.chunk pieces, each piece into k
+-- torch.chunk sub-pieces, and mesh coordinate i holds sub-piece i of every
+-- piece (right-to-left nested sharding; pieces i, i+k, ... of k*sf when the
+-- size divides evenly).  As in PyTorch, where
 -- _StridedShard subclasses Shard, p:is_shard() is true (p:is_strided_shard()
 -- tells them apart) and p.dim, p.split_factor are fields; unlike PyTorch 2.5
 -- (whose __eq__ ignores split_factor against a Shard), == compares the kind

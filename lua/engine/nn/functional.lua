@@ -97,6 +97,22 @@ function F.cross_entropy(logits, target, opts)
   return engine.cross_entropy(logits, target, opts)
 end
 
+-- fused_classifier(logits, target [, {ignore_index = -100, reduction = "mean", label_smoothing = 0}]):
+-- cross entropy for the last layer of a language model with bf16/f16 logits, in one pass over the logits in
+-- their dtype (f32 accumulation), an f32 loss and a gradient in the logits' dtype: the value of
+-- cross_entropy(logits:float(), ...) without the f32 logits (llm.c's fused classifier).  Logits [N, C] or
+-- [B, T, C] with targets [B, T] (flattened).
+function F.fused_classifier(logits, target, opts)
+  need_tensor(logits, "fused_classifier", 1)
+  need_tensor(target, "fused_classifier", 2)
+  local ls, ts = logits:shape(), target:shape()
+  if #ls >= 3 and #ts == #ls - 1 then
+    logits = logits:reshape(-1, ls[#ls])
+    target = target:reshape(-1)
+  end
+  return engine.fused_classifier(logits, target, opts)
+end
+
 -- mse_loss(input, target [, {reduction = "mean" | "sum" | "none"}])
 function F.mse_loss(input, target, opts)
   need_tensor(input, "mse_loss", 1)

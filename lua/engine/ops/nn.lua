@@ -6,6 +6,8 @@
 --   engine.cross_entropy(logits, target, {ignore_index = -100, reduction = "mean", label_smoothing = 0})
 --       logits [N, C], [C] or [N, C, d1, ...] (classes in dim 2, 1-based); target holds 0-BASED
 --       class ids (i64/i32), like token ids: they are data, not Lua indices
+--   engine.fused_classifier(logits, target, {ignore_index, reduction, label_smoothing})   bf16/f16 logits
+--       [N, C] -> f32 loss without f32 logits (llm.c's fused classifier); others: cross_entropy(logits:float())
 --   engine.scaled_dot_product_attention(q, k, v, {attn_mask = nil, dropout_p = 0, is_causal = false,
 --       scale = 1/sqrt(E)})             q [..., L, E], k [..., S, E], v [..., S, Ev]; bool mask: true = attend
 --
@@ -87,6 +89,25 @@ function M.cross_entropy(logits, target, opts)
   end
   local ls = number_opt(opts.label_smoothing, 0, op, "label_smoothing")
   return wrap(C.eng_cross_entropy(x, t, ignore, code, ls))
+end
+
+-- fused_classifier(logits, target [, {ignore_index = -100, reduction = "mean", label_smoothing = 0}]):
+-- llm.c's fused classifier (eng_fused_classifier): cross entropy of bf16/f16 logits [N, C] without an f32
+-- copy of them; the loss is f32, the logits' gradient keeps their dtype.  Other logits and DTensors give
+-- cross_entropy(logits:float(), ...).
+function M.fused_classifier(logits, target, opts)
+  local op = "fused_classifier"
+  local x, t = ct(logits, op, 1), ct(target, op, 2)
+  opts = opts_arg(opts, op, ce_opts)
+  local ignore = number_opt(opts.ignore_index, -100, op, "ignore_index")
+  if ignore % 1 ~= 0 then error(op .. ": ignore_index must be an integer, got " .. ignore, 2) end
+  local red = opts.reduction or "mean"
+  local code = reductions[red]
+  if code == nil then
+    error(string.format("%s: reduction must be \"none\", \"mean\" or \"sum\", got %s", op, tostring(red)), 2)
+  end
+  local ls = number_opt(opts.label_smoothing, 0, op, "label_smoothing")
+  return wrap(C.eng_fused_classifier(x, t, ignore, code, ls))
 end
 
 -- ============================================================ scaled_dot_product_attention
