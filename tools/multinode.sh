@@ -15,6 +15,8 @@
 # The namespaces are removed on exit (also after a failure or an interrupt); namespaces left by an
 # earlier run killed with SIGKILL are removed at the next start.  Without root, ip/unshare, or where
 # namespaces or veth pairs are refused, everything is skipped with the reason.
+# Environment: ENGINE_MULTINODE_NET (the /24's first three octets), ENGINE_MULTINODE_FAULT_TIMEOUT (the comm
+# timeout of the fault cases, default 5 s), ENGINE_DIST_TEST_TIMEOUT (per test, default 120 s).
 # Last line: "N passed, N failed, N skipped".
 set -u
 
