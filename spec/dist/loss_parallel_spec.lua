@@ -3,7 +3,9 @@
 -- (last) dim; loss and the gathered logits gradient must equal
 -- engine.cross_entropy on the full logits, for even and uneven vocab splits
 -- (V = 13 and 5 over 4 ranks: empty slices too), ignore_index and every
--- reduction; exactly 3 all_reduces forward and no collective backward.
+-- reduction; exactly 3 all_reduces forward and no collective backward.  Through loss_parallel (PyTorch's
+-- usage): a plain target, a class weight, a class dim that is not the last, a 2-D mesh; [Partial, Shard(class)]
+-- logits are refused with PyTorch's reason.
 local engine = require("engine")
 local dist = engine.distributed
 local util = require("spec.dist.helpers.util")
@@ -165,14 +167,117 @@ describe("loss_parallel as PyTorch code uses it", function()
       assert.are.equal("all_reduce=3", counts) -- the three of the vocab-parallel path, no all_gather of the logits
     end)
 
-  it("[Partial, Shard(class)] logits: the Partial is reduced, the class dim stays sharded (no false error)", function()
-    local logits, y, want = ref_case()
+  it("[Partial, Shard(class)] logits fail on every rank with PyTorch's reason (Shard or Replicate only)", function()
+    local logits, y = ref_case()
     local m2 = dist.init_device_mesh("cpu", { 1, W })
-    local n = 12 / W
     local loc = dist.distribute_tensor(logits, m2, { dist.Replicate(), S(2) }):to_local()
     local p = dist.DTensor.from_local(loc, m2, { dist.Partial(), S(2) })
-    local loss = dist.loss_parallel(function() return F.cross_entropy(p, y) end)
-    assert.is_true(math.abs(loss:full_tensor():item() - want) < 1e-5, tostring(loss:full_tensor():item()))
-    assert.are.equal(n, loc:size(2))
+    local counts, e = util.counted(function()
+      return errmsg(dist.loss_parallel, function() return F.cross_entropy(p, y) end)
+    end)
+    assert.is_truthy(e:find("accepts only Shard or Replicate on the other mesh dims, got Partial(sum) on mesh dim 1",
+      1, true), e)
+    assert.is_falsy(e:find("two mesh dims", 1, true), e)
+    assert.are.equal("", counts) -- before any communication
+    -- the weighted form says the same
+    e = errmsg(dist.loss_parallel, function() return F.cross_entropy(p, y, { weight = engine.ones(12) }) end)
+    assert.is_truthy(e:find("accepts only Shard or Replicate", 1, true), e)
+  end)
+
+  -- one process's loss and logits gradient for logits of shape `shape` (class dim 2 when 2+ dims), targets and
+  -- options (a weight as a plain tensor)
+  local function reference(logits, y, opts)
+    local l = logits:clone():requires_grad_()
+    local lr = F.cross_entropy(l, y, opts)
+    if lr:dim() > 0 then lr = (lr * engine.arange(lr:numel()):float():view(unpack(lr:shape())):add(1)):sum() end
+    lr:backward()
+    return lr:item(), l.grad
+  end
+  local function parallel(logits, y, opts, class_dim)
+    local d = dist.distribute_tensor(logits, mesh, { S(class_dim) }):requires_grad_()
+    local counts, loss = util.counted(function()
+      return dist.loss_parallel(function() return F.cross_entropy(d, y, opts) end)
+    end)
+    local sc = nil
+    if loss:dim() > 0 then
+      sc = dist.distribute_tensor(engine.arange(loss:numel()):float():view(unpack(loss:shape())):add(1), mesh,
+        { dist.Replicate() })
+    end
+    local bcounts = util.counted(function()
+      local l = loss
+      if sc then l = (l * sc):sum() end
+      l:backward()
+    end)
+    local v = loss:full_tensor()
+    if v:dim() > 0 then v = (v * engine.arange(v:numel()):float():view(unpack(v:shape())):add(1)):sum() end
+    return v:item(), d.grad:full_tensor(), counts, bcounts
+  end
+
+  local function weights(n) local t = {} for i = 1, n do t[i] = 0.25 + (i * 7 % 5) * 0.3 end return engine.tensor(t) end
+
+  for _, red in ipairs({ "mean", "sum", "none" }) do
+    it("a class weight (plain tensor), reduction " .. red .. ": vocab parallel (3 all_reduces), one process's loss and "
+      .. "gradient", function()
+      local logits, y = ref_case()
+      local y2 = y:clone(); y2[3] = -100  -- an ignored row too
+      local opts = { weight = weights(12), reduction = red }
+      for _, t in ipairs({ y, y2 }) do
+        local want, gwant = reference(logits, t, opts)
+        local got, g, counts, bcounts = parallel(logits, t, opts, 2)
+        assert.is_true(math.abs(got - want) < 1e-5 * math.max(1, math.abs(want)), got .. " vs " .. want)
+        local gmax = math.max(1, gwant:abs():max():item())  -- f32, upstream gradients up to 12 for "none"
+        assert.is_true(diff(g, gwant) < 1e-6 * gmax, "grad differs: " .. diff(g, gwant))
+        assert.are.equal("all_reduce=3", counts) -- no all_gather of the logits
+        assert.are.equal("", bcounts)
+      end
+    end)
+  end
+
+  for _, red in ipairs({ "mean", "none" }) do
+    it("logits [N, C, d] sharded on the class dim 2 (not last), reduction " .. red .. ", with and without a weight: "
+      .. "vocab parallel, one process's loss and gradient", function()
+      engine.manual_seed(8)
+      local logits = engine.randn(3, 12, 4)
+      local y = engine.tensor({ { 0, 11, 5, 7 }, { 2, 3, -100, 9 }, { 10, 1, 6, 4 } }, "i64")
+      for _, w in ipairs({ false, true }) do
+        local opts = { reduction = red, weight = w and weights(12) or nil }
+        local want, gwant = reference(logits, y, opts)
+        local got, g, counts, bcounts = parallel(logits, y, opts, 2)
+        assert.is_true(math.abs(got - want) < 1e-5 * math.max(1, math.abs(want)), got .. " vs " .. want)
+        local gmax = math.max(1, gwant:abs():max():item())  -- f32, upstream gradients up to 12 for "none"
+        assert.is_true(diff(g, gwant) < 1e-6 * gmax, "grad differs: " .. diff(g, gwant))
+        assert.are.equal("all_reduce=3", counts)
+        assert.are.equal("", bcounts)
+      end
+    end)
+  end
+
+  it("2-D mesh [Shard(batch), Shard(class)] with a weight, mean: equal to one process; class group 3 all_reduces, "
+    .. "the batch group the divisor's", function()
+    if W ~= 4 then return end
+    local m2 = dist.init_device_mesh("cpu", { 2, 2 }, { "dp", "tp" })
+    local logits, y = ref_case()
+    local opts = { weight = weights(12) }
+    local want, gwant = reference(logits, y, opts)
+    local d = dist.distribute_tensor(logits, m2, { S(1), S(2) }):requires_grad_()
+    local yd = dist.distribute_tensor(y, m2, { S(1), dist.Replicate() })
+    local wd = dist.distribute_tensor(opts.weight, m2, { dist.Replicate(), dist.Replicate() })
+    local loss = F.cross_entropy(d, yd, { weight = wd })
+    loss:backward()
+    local got = loss:full_tensor():item()
+    assert.is_true(math.abs(got - want) < 1e-5, got .. " vs " .. want)
+    assert.is_true(diff(d.grad:full_tensor(), gwant) < 1e-6)
+    local kinds = {}
+    local l0 = dist.dump_collectives()
+    local last = l0[#l0].id
+    local c = dist.count_collectives(function() F.cross_entropy(d, yd, { weight = wd }) end)
+    for _, e in ipairs(dist.dump_collectives()) do
+      if e.id > last and e.kind ~= "barrier" then
+        local k = e.kind .. " " .. (e.group:match("^(%a+):") or e.group)
+        kinds[k] = (kinds[k] or 0) + 1
+      end
+    end
+    assert.is_nil(c.all_gather, "no all_gather of the logits")
+    assert.are.equal(3, kinds["all_reduce tp"])
   end)
 end)

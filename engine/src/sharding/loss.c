@@ -5,13 +5,17 @@
  *     none: S(d'); sum: Partial(sum); mean: Partial(sum) of local sum / GLOBAL
  *     count of non-ignored targets (one all_reduce of that count over each
  *     mesh dim that shards the batch, inside the local function);
- *   logits S(cd) with cd the LAST dim, target R, no label smoothing (loss
- *     parallel) -> Replicate, via eng_cross_entropy_vocab_parallel over that
- *     mesh dim's group (3 all_reduces forward, none backward; the logits
- *     gradient stays Shard(cd): no all_gather of the logits).  Offered on the
- *     first mesh dim that shards the class dim only (one group);
+ *   logits S(cd), target R, no label smoothing (loss parallel) -> Replicate,
+ *     via eng_cross_entropy_vocab_parallel over that mesh dim's group (3
+ *     all_reduces forward, none backward; the logits gradient stays Shard(cd):
+ *     no all_gather of the logits); a class dim that is not the last is moved
+ *     last by a permute of the local shard.  Offered on the first mesh dim
+ *     that shards the class dim only (one group);
  *   all R -> R.
- * Partial logits are replicated first (the loss is not linear). */
+ * Partial logits are replicated first (the loss is not linear), except with
+ * a class dim sharded on another mesh dim: PyTorch's loss_parallel accepts
+ * only Shard or Replicate beside it, and so does this rule (an error, before
+ * any communication). */
 #include "dtensor/dtensor_impl.h"
 #include "sharding/sharding.h"
 #include "ops/ops.h"
@@ -20,6 +24,25 @@ enum { RED_NONE = 0, RED_MEAN = 1, RED_SUM = 2 };
 
 static int class_dim(const eng_dist_spec* x) { return x->ndim == 1 ? 0 : 1; }
 static int target_dim(int cd, int d) { return d < cd ? d : d - 1; }
+
+/* The mesh dim that shards the class dim first (-1 none); with one, a Partial on another mesh dim is an error
+ * (PyTorch's loss_parallel: "accepts only Shard or Replicate on non-class mesh dimensions"). */
+static int class_mesh_dim(const eng_dist_spec* x, int cd) {
+  int vm = -1;
+  for (int j = 0; j < x->mesh_ndim && vm < 0; j++)
+    if (sh_is_S(&x->placements[j]) && x->placements[j].dim == cd) vm = j;
+  if (vm < 0) return -1;
+  for (int j = 0; j < x->mesh_ndim; j++)
+    if (x->placements[j].kind == ENG_PLACEMENT_PARTIAL) {
+      char b[64];
+      eng_placement_describe(&x->placements[j], b, sizeof b);
+      return eng_err("loss parallel (logits sharded on the class dim %d over mesh dim %d) accepts only Shard or "
+                     "Replicate on the other mesh dims, got %s on mesh dim %d (reduce the Partial first: "
+                     "redistribute the logits to Replicate there)", cd + dt_base(), vm + dt_base(), b,
+                     j + dt_base()) - 1;
+    }
+  return vm;
+}
 
 static int ce_push(eng_strategy* out, int cap, int n, eng_placement x, eng_placement t, eng_placement o) {
   eng_strategy st;
@@ -36,13 +59,11 @@ static int ce_rule(const eng_op_call* c, const eng_dist_spec* const* s, int m, e
     int td = target_dim(cd, d);
     n = ce_push(out, cap, n, sh_S(d), sh_S(td), red == RED_NONE ? sh_S(td) : sh_P(ENG_REDUCE_SUM));
   }
-  /* vocab parallel on the first mesh dim that shards the class dim now (not where another placement, e.g. a
-   * Partial, would have to become Shard(class) too: the class dim would end up on two mesh dims) */
-  int first = sh_is_S(&x->placements[m]) && x->placements[m].dim == cd;
-  for (int j = 0; j < m; j++)
-    if (sh_is_S(&x->placements[j]) && x->placements[j].dim == cd) first = 0;
-  if (n >= 0 && first && cd == x->ndim - 1 && c->scalars[0] == 0.0)
-    n = ce_push(out, cap, n, sh_S(cd), sh_R(), sh_R());
+  /* vocab parallel on the first mesh dim that shards the class dim now (not where another placement would have
+   * to become Shard(class) too: the class dim would end up on two mesh dims) */
+  int vm = class_mesh_dim(x, cd);
+  if (vm < -1) return -1;
+  if (n >= 0 && vm == m && c->scalars[0] == 0.0) n = ce_push(out, cap, n, sh_S(cd), sh_R(), sh_R());
   if (n < 0) return n;
   return sh_all_replicate(out, cap, n, 2, 1);
 }
@@ -109,6 +130,26 @@ static int batch_mean(const eng_dist_spec* x, const int* batch, int nb, eng_tens
   return rc ? -1 : (outs[0] ? 0 : -1);
 }
 
+/* The vocab-parallel loss of this rank's logits shard (class dim cd sharded over mesh dim vm), the class dim moved
+ * last by a permute of the local shard when it is not; *den: the mean's divisor on this rank's rows. */
+static eng_tensor* vocab_parallel(const eng_dist_spec* x, int vm, int cd, eng_tensor* logits, eng_tensor* target,
+                                  eng_tensor* weight, int64_t ignore, int red, double* den) {
+  eng_tensor* lx = logits;
+  int nd = logits->ndim;
+  if (cd != nd - 1) {
+    int perm[ENG_MAX_DIMS], k = 0;
+    for (int d = 0; d < nd; d++) if (d != cd) perm[k++] = d;
+    perm[k] = cd;
+    if (!(lx = eng_permute(logits, nd, perm))) return NULL;
+  } else eng_tensor_retain(lx);
+  eng_pg* g = eng_mesh_get_group(x->mesh, vm);
+  eng_tensor* r = sh_cross_entropy_vocab_parallel_w(lx, target, weight, x->offset[cd], x->shape[cd], g, ignore, red,
+                                                    den);
+  eng_pg_release(g);
+  eng_tensor_release(lx);
+  return r;
+}
+
 static int ce_local(const eng_op_call* c, const eng_dist_spec* const* is, const eng_dist_spec* const* os,
                     eng_tensor** outs) {
   (void)os;
@@ -126,15 +167,12 @@ static int ce_local(const eng_op_call* c, const eng_dist_spec* const* is, const 
   if (!x->member) return eng_err("not a member of the mesh");
   int rd = red == RED_MEAN && nb > 0 ? RED_SUM : red;
   eng_tensor* r;
-  if (vm >= 0) {
-    eng_pg* g = eng_mesh_get_group(x->mesh, vm);
-    r = eng_cross_entropy_vocab_parallel(logits, target, x->offset[cd], x->shape[cd], g, ignore, rd);
-    eng_pg_release(g);
-  } else
+  double cnt = 0;
+  if (vm >= 0) r = vocab_parallel(x, vm, cd, logits, target, NULL, ignore, rd, &cnt);
+  else
     r = eng_cross_entropy(logits, target, ignore, rd, c->scalars[0]);
   if (rd == red) { outs[0] = r; return r ? 0 : -1; }
-  double cnt = 0;
-  int rc = r ? local_count(target, ignore, &cnt) : -1;
+  int rc = r ? (vm >= 0 ? 0 : local_count(target, ignore, &cnt)) : -1;
   return batch_mean(x, batch, nb, r, rc, cnt, outs);
 }
 
@@ -148,7 +186,6 @@ const eng_op_def eng_opdef_cross_entropy = {"cross_entropy", 1, ce_rule, ce_shap
  * non-ignored targets' weights: one all_reduce per batch mesh dim).  A
  * sharded class dim is replicated first (the all-Replicate strategy). */
 static int nll_rule(const eng_op_call* c, const eng_dist_spec* const* s, int m, eng_strategy* out, int cap) {
-  (void)m;
   const eng_dist_spec* x = s[0];
   int cd = class_dim(x), red = (int)c->ints[1], n = 0;
   for (int d = 0; d < x->ndim && n >= 0; d++) {
@@ -160,6 +197,18 @@ static int nll_rule(const eng_op_call* c, const eng_dist_spec* const* s, int m, 
     st.out[0] = red == RED_NONE ? sh_S(td) : sh_P(ENG_REDUCE_SUM);
     n = sh_push(out, cap, n, &st);
   }
+  /* cross_entropy with class weights on class-sharded logits: vocab parallel as cross_entropy's rule (the
+   * replicated weight gives every row's target weight locally: still 3 all_reduces) */
+  if (c->ints[2] && n >= 0) {
+    int vm = class_mesh_dim(x, cd);
+    if (vm < -1) return -1;
+    if (vm == m && c->scalars[0] == 0.0) {
+      eng_strategy st;
+      memset(&st, 0, sizeof st);
+      st.in[0] = sh_S(cd); st.in[1] = sh_R(); st.in[2] = sh_R(); st.out[0] = sh_R();
+      n = sh_push(out, cap, n, &st);
+    }
+  }
   if (n < 0) return n;
   return sh_all_replicate(out, cap, n, 3, 1);
 }
@@ -168,13 +217,19 @@ static int nll_local(const eng_op_call* c, const eng_dist_spec* const* is, const
                      eng_tensor** outs) {
   (void)os;
   const eng_dist_spec* x = is[0];
-  int red = (int)c->ints[1], batch[8], nb = 0;
-  for (int m = 0; m < x->mesh_ndim; m++)
-    if (sh_is_S(&x->placements[m])) batch[nb++] = m;
+  int cd = class_dim(x), red = (int)c->ints[1], batch[8], nb = 0, vm = -1;
+  for (int m = 0; m < x->mesh_ndim; m++) {
+    const eng_placement* p = &x->placements[m];
+    if (!sh_is_S(p)) continue;
+    if (p->dim != cd) batch[nb++] = m;
+    else if (vm < 0 && c->ints[2]) vm = m;
+    else return eng_err("the class dim is sharded over two mesh dims (%d and %d)", vm + dt_base(), m + dt_base());
+  }
   if (!x->member) return eng_err("not a member of the mesh");
   int rd = red == RED_MEAN && nb > 0 ? RED_SUM : red;
   double ws = 0;
-  eng_tensor* r = c->ints[2] ? eng_cross_entropy_weighted_local(c->in[0], c->in[1], c->in[2], c->ints[0], rd,
+  eng_tensor* r = vm >= 0 ? vocab_parallel(x, vm, cd, c->in[0], c->in[1], c->in[2], c->ints[0], rd, &ws)
+                : c->ints[2] ? eng_cross_entropy_weighted_local(c->in[0], c->in[1], c->in[2], c->ints[0], rd,
                                                                 c->scalars[0], &ws)
                              : eng_nll_loss_local(c->in[0], c->in[1], c->in[2], c->ints[0], rd, &ws);
   if (rd == red) { outs[0] = r; return r ? 0 : -1; }

@@ -12,22 +12,34 @@
  * out of range) are exchanged inside the first all_reduce, so every rank
  * fails with the same message instead of some waiting in a collective.
  *
+ * With class weights (PyTorch's loss_parallel with a weight): every rank
+ * holds the replicated weight [vocab_total] and the replicated targets, so the
+ * weight of each row's target class is known locally: row i's loss is scaled
+ * by weight[t_i], mean divides by the sum of those weights, and the gradient
+ * of row i is scaled the same way (only the target's weight enters it) -- the
+ * same three all_reduces, no more.
+ *
  * A distributed op (it takes a process group): it lives with the sharding
  * rules, whose cross_entropy rule for logits sharded on the class dim runs it. */
 #include "core/internal.h"
 #include "ops/ops.h"
+#include "sharding/sharding.h"
 #include <math.h>
 
 enum { RED_NONE = 0, RED_MEAN = 1, RED_SUM = 2 };
 
 /* saved: 0 logits (contiguous [..., V_local], compute dtype), 1 targets (i64,
- * [M]), 2 lse ([M], global log-sum-exp).  ints: 0 M, 1 V_local,
- * 2 vocab_offset, 3 ignore_index, 4 reduction, 5 count. */
+ * [M]), 2 lse ([M], global log-sum-exp), 3 (weighted only) the row weights
+ * weight[t_i] (f64, [M]).  ints: 0 M, 1 V_local, 2 vocab_offset,
+ * 3 ignore_index, 4 reduction, 6 weighted; scalars[0] the mean's divisor
+ * (the count, or the sum of the row weights). */
 static int cevp_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
   if (!eng_node_needs_grad(n, 0)) return 0;
   eng_tensor *X = eng_node_saved(n, 0), *T = eng_node_saved(n, 1), *L = eng_node_saved(n, 2);
-  if (!X || !T || !L) return -1;
-  int64_t M = n->ints[0], V = n->ints[1], off = n->ints[2], ignore = n->ints[3], count = n->ints[5];
+  eng_tensor* RW = n->ints[6] ? eng_node_saved(n, 3) : NULL;
+  if (!X || !T || !L || (n->ints[6] && !RW)) return -1;
+  int64_t M = n->ints[0], V = n->ints[1], off = n->ints[2], ignore = n->ints[3];
+  const double* rw = RW ? (const double*)eng_ptr(RW) : NULL;
   int red = (int)n->ints[4];
   int cdt = X->dtype;
   eng_tensor *G = NULL, *gx = NULL;
@@ -38,14 +50,14 @@ static int cevp_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
   } else {
     double g;
     if (eng_tensor_item(go[0], &g)) goto done;
-    gconst = red == RED_MEAN ? g / (double)count : g;
+    gconst = red == RED_MEAN ? g / n->scalars[0] : g;
   }
   if (!(gx = eng_new(X->ndim, X->shape, cdt, X->device))) goto done;
   const int64_t* tg = (const int64_t*)eng_ptr(T);
   const double* gs = G ? (const double*)eng_ptr(G) : NULL;
   for (int64_t i = 0; i < M; i++) {
     int64_t t = tg[i];
-    double s = t == ignore ? 0.0 : (gs ? gs[i] : gconst);
+    double s = t == ignore ? 0.0 : (gs ? gs[i] : gconst) * (rw ? rw[i] : 1.0);
     int64_t tl = t - off;
     if (cdt == ENG_F32) {
       const float* x = (const float*)eng_ptr(X) + i * V;
@@ -82,6 +94,13 @@ static int allreduce(struct eng_pg* g, eng_tensor* t, int op) {
 eng_tensor* eng_cross_entropy_vocab_parallel(eng_tensor* logits, eng_tensor* target, int64_t vocab_offset,
                                              int64_t vocab_total, struct eng_pg* group, int64_t ignore_index,
                                              int reduction) {
+  return sh_cross_entropy_vocab_parallel_w(logits, target, NULL, vocab_offset, vocab_total, group, ignore_index,
+                                           reduction, NULL);
+}
+
+eng_tensor* sh_cross_entropy_vocab_parallel_w(eng_tensor* logits, eng_tensor* target, eng_tensor* weight,
+                                              int64_t vocab_offset, int64_t vocab_total, struct eng_pg* group,
+                                              int64_t ignore_index, int reduction, double* wsum_out) {
   const char* op = "cross_entropy_vocab_parallel";
   ENG_CHECK(logits, op); ENG_CHECK(target, op);
   if (eng_meta_check(logits, op)) return NULL;
@@ -102,10 +121,12 @@ eng_tensor* eng_cross_entropy_vocab_parallel(eng_tensor* logits, eng_tensor* tar
      * gradient, through the copies' backward) */
     eng_tensor* xh = eng_tensor_to_device(x, ENG_CPU);
     eng_tensor* th = xh ? eng_op_host(target, target->dtype) : NULL;
-    eng_tensor* r = th ? eng_cross_entropy_vocab_parallel(xh, th, vocab_offset, vocab_total, group, ignore_index,
-                                                          reduction) : NULL;
+    eng_tensor* wh = th && weight ? eng_op_host(weight, weight->dtype) : NULL;
+    eng_tensor* r = th && (wh || !weight) ? sh_cross_entropy_vocab_parallel_w(xh, th, wh, vocab_offset, vocab_total,
+                                                                              group, ignore_index, reduction,
+                                                                              wsum_out) : NULL;
     eng_tensor* out = r ? eng_tensor_to_device(r, ENG_CUDA) : NULL;
-    eng_tensor_release(xh); eng_tensor_release(th); eng_tensor_release(r);
+    eng_tensor_release(xh); eng_tensor_release(th); eng_tensor_release(wh); eng_tensor_release(r);
     return out;
   }
   if (reduction < RED_NONE || reduction > RED_SUM)
@@ -118,12 +139,15 @@ eng_tensor* eng_cross_entropy_vocab_parallel(eng_tensor* logits, eng_tensor* tar
   if (!ok)
     return eng_errp("%s: target %s does not match logits %s (expected target shape %s: the logits' shape without "
                     "the class (last) dim)", op, eng_desc(target), eng_desc(x), eng_shape_str(tnd, x->shape));
+  if (weight && (weight->ndim != 1 || weight->shape[0] != vocab_total || !eng_dtype_is_floating(weight->dtype)))
+    return eng_errp("%s: weight %s must be a floating 1-d tensor of vocab_total = %lld class weights", op,
+                    eng_desc(weight), (long long)vocab_total);
   if (group && !eng_pg_is_member(group))
     return eng_errp("%s: this rank is not a member of the process group %s", op, eng_pg_name(group));
   int64_t V = x->shape[x->ndim - 1], M = 1;
   for (int d = 0; d < tnd; d++) M *= x->shape[d];
   int rdt = x->dtype, cdt = rdt == ENG_F64 ? ENG_F64 : ENG_F32;
-  eng_tensor *X = NULL, *T = NULL, *mx = NULL, *se = NULL, *tl = NULL, *lse = NULL, *out = NULL;
+  eng_tensor *X = NULL, *T = NULL, *mx = NULL, *se = NULL, *tl = NULL, *lse = NULL, *out = NULL, *Wt = NULL, *RW = NULL;
   /* Local errors are reported through the max all_reduce (code in the last
    * slot): 1 slice out of range, 2 a target out of range. */
   double err = 0.0;
@@ -131,14 +155,20 @@ eng_tensor* eng_cross_entropy_vocab_parallel(eng_tensor* logits, eng_tensor* tar
   if (vocab_total < 1 || vocab_offset < 0 || vocab_offset + V > vocab_total) err = 1.0;
   if (!(T = eng_as_contig(target, ENG_I64))) goto fail;
   const int64_t* tg = (const int64_t*)eng_ptr(T);
-  int64_t count = 0;
+  /* the row weights weight[t_i] (targets and weight are replicated: no communication) */
+  if (weight && (!(Wt = eng_as_contig(weight, ENG_F64)) || !(RW = eng_new(1, &M, ENG_F64, ENG_CPU)))) goto fail;
+  const double* wv = Wt ? (const double*)eng_ptr(Wt) : NULL;
+  double* rw = RW ? (double*)eng_ptr(RW) : NULL;
+  double wsum = 0.0;
   for (int64_t i = 0; i < M; i++) {
+    if (rw) rw[i] = 0.0;
     if (tg[i] == ignore_index) continue;
     if (tg[i] < 0 || tg[i] >= vocab_total) {
       if (err == 0.0) { err = 2.0; bad_pos = i; bad_t = tg[i]; }
       break;
     }
-    count++;
+    if (rw) rw[i] = wv[tg[i]];
+    wsum += rw ? rw[i] : 1.0;
   }
   int64_t Mp1 = M + 1, two = M + 1;
   if (!(X = eng_as_contig(x, cdt))) goto fail;
@@ -189,14 +219,14 @@ eng_tensor* eng_cross_entropy_vocab_parallel(eng_tensor* logits, eng_tensor* tar
   for (int64_t i = 0; i < M; i++) {
     double l = pm[i] + log(ps[i]);
     if (cdt == ENG_F32) ((float*)eng_ptr(lse))[i] = (float)l; else ((double*)eng_ptr(lse))[i] = l;
-    double loss = tg[i] == ignore_index ? 0.0 : l - pt[i];
+    double loss = tg[i] == ignore_index ? 0.0 : (l - pt[i]) * (rw ? rw[i] : 1.0);
     total += loss;
     if (reduction == RED_NONE) {
       if (cdt == ENG_F32) ((float*)eng_ptr(out))[i] = (float)loss; else ((double*)eng_ptr(out))[i] = loss;
     }
   }
   if (reduction != RED_NONE) {
-    if (reduction == RED_MEAN) total = count ? total / (double)count : NAN;
+    if (reduction == RED_MEAN) total = total / wsum; /* no target (count 0): NaN, as cross_entropy */
     if (cdt == ENG_F32) *(float*)eng_ptr(out) = (float)total; else *(double*)eng_ptr(out) = total;
   }
   if (rdt != cdt) {
@@ -206,15 +236,19 @@ eng_tensor* eng_cross_entropy_vocab_parallel(eng_tensor* logits, eng_tensor* tar
   }
   if (eng_any_requires_grad(1, &x)) {
     eng_node* nd = eng_record("CrossEntropyVocabParallelBackward", cevp_bw, 1, &x, out);
-    if (!nd || eng_node_save(nd, X) || eng_node_save(nd, T) || eng_node_save(nd, lse)) goto fail;
+    if (!nd || eng_node_save(nd, X) || eng_node_save(nd, T) || eng_node_save(nd, lse) || (RW && eng_node_save(nd, RW)))
+      goto fail;
     nd->ints[0] = M; nd->ints[1] = V; nd->ints[2] = vocab_offset; nd->ints[3] = ignore_index;
-    nd->ints[4] = reduction; nd->ints[5] = count;
+    nd->ints[4] = reduction; nd->ints[6] = RW != NULL;
+    nd->scalars[0] = wsum;
   }
+  if (wsum_out) *wsum_out = wsum;
   eng_tensor_release(X); eng_tensor_release(T); eng_tensor_release(mx); eng_tensor_release(se);
-  eng_tensor_release(tl); eng_tensor_release(lse);
+  eng_tensor_release(tl); eng_tensor_release(lse); eng_tensor_release(Wt); eng_tensor_release(RW);
   return out;
 fail:
   eng_tensor_release(X); eng_tensor_release(T); eng_tensor_release(mx); eng_tensor_release(se);
-  eng_tensor_release(tl); eng_tensor_release(lse); eng_tensor_release(out);
+  eng_tensor_release(tl); eng_tensor_release(lse); eng_tensor_release(out); eng_tensor_release(Wt);
+  eng_tensor_release(RW);
   return NULL;
 }

@@ -116,6 +116,12 @@ extern const eng_op_def eng_opdef_embedding, eng_opdef_cross_entropy;
  * weight, pos_weight; ops/loss_ext.c) ints[0] = kind (KC_PL_*), ints[1] = reduction (0 none, 1 mean, 2 sum,
  * 3 batchmean), scalars[0] = beta / delta; _checked: binary_cross_entropy (agree_local) */
 extern const eng_op_def eng_opdef_nll_loss, eng_opdef_ploss, eng_opdef_ploss_checked;
+/* sharding/loss_parallel.c: eng_cross_entropy_vocab_parallel with an optional replicated class weight
+ * [vocab_total] (NULL: none); *wsum_out (may be NULL) gets the mean's divisor: the count of non-ignored targets,
+ * or the sum of their weights.  New reference or NULL. */
+eng_tensor* sh_cross_entropy_vocab_parallel_w(eng_tensor* logits, eng_tensor* target, eng_tensor* weight,
+                                              int64_t vocab_offset, int64_t vocab_total, struct eng_pg* group,
+                                              int64_t ignore_index, int reduction, double* wsum_out);
 /* R1: softmax ints[0] = dim, ints[1] = log; norm (layer_norm/rms_norm, inputs x, w, b) ints[0] = n_norm,
  * ints[1] = rms, scalars[0] = eps; dropout scalars[0] = p; sdpa (q, k, v, mask) ints[0] = is_causal,
  * scalars[0] = dropout_p, scalars[1] = scale */

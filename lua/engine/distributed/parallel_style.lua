@@ -522,8 +522,9 @@ end
 -- loss_parallel(fn, ...): PyTorch's loss_parallel() context.  cross_entropy on logits sharded on
 -- the class dim (the output of ColwiseParallel{output_layouts = Shard(-1), use_local_output =
 -- false}) already runs vocab-parallel here (3 all_reduces forward, none backward, logits never
--- gathered), inside or outside this call; it exists so that PyTorch code ports as it is.  Logits of
--- more than 2 dims are flattened by the caller: logits:reshape(-1, V) keeps the class-dim shard.
+-- gathered), inside or outside this call; it exists so that PyTorch code ports as it is.  So do a class
+-- weight and logits [N, C, d1, ...] sharded on the class dim (not the last: a permute of the local shard);
+-- [Partial, Shard(class)] logits are an error (Shard or Replicate only beside the class dim, as PyTorch).
 -- Inside, plain tensors count as Replicate (PyTorch's documented usage passes a plain target, and a plain class
 -- weight): fn runs under implicit_replication.
 function M.loss_parallel(fn, ...)
