@@ -63,7 +63,8 @@ local CHECKSUMS = { ["engine-dcp/1"] = { fnv = C.ENG_CHECKSUM_FNV, default = "fn
   ["engine-dcp/2"] = { xxh64 = C.ENG_CHECKSUM_XXH64 }, ["engine-dcp/3"] = { xxh64 = C.ENG_CHECKSUM_XXH64 } }
 local META = ".metadata"
 
-local function E() return require("engine") end
+local engine = require("engine")
+local function E() return engine end
 local function D() return require("engine.distributed") end
 
 local function data_file(dir, r) return string.format("%s/__%d_0.distcp", dir, r) end

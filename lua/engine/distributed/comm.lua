@@ -8,6 +8,7 @@
 -- On a rank outside the group a collective is skipped (PyTorch semantics):
 -- in-place ones leave the tensor alone, out-of-place ones return the input.
 local core = require("engine.core")
+local engine = require("engine")
 require("engine.tensor")
 local ffi, C = core.ffi, core.C
 local ct, check = core.ct, core.check
@@ -514,7 +515,7 @@ function M.gather(t, out, dst, opts)
     local shape = t:shape()
     if #shape == 0 then shape = { 1 } end
     shape[1] = total or shape[1] * W
-    full = require("engine").empty(shape, { dtype = t.dtype, device = t.device })
+    full = engine.empty(shape, { dtype = t.dtype, device = t.device })
     co = full._c
   end
   local r = finish(opts, function(w) rc_check(call(co, w)) end, function() return list or full end)

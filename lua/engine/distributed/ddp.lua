@@ -15,6 +15,7 @@
 -- must be plain tensors on the group's device (DTensors: replicate_parameters or fully_shard).  Options are checked:
 -- an unknown key is an error.
 local core = require("engine.core")
+local engine = require("engine")
 local ffi, C = core.ffi, core.C
 local meshmod = require("engine.distributed.mesh")
 
@@ -59,7 +60,7 @@ local function new_class()
     rawset(self, "_group", group)
     -- PyTorch's _sync_module_states: every rank starts from rank 0's parameters and buffers
     if opts.init_sync ~= false then
-      require("engine").no_grad(function()
+      engine.no_grad(function()
         for _, p in module:named_parameters() do comm.broadcast(p, { group = group, group_src = 0 }) end
         if opts.broadcast_buffers ~= false then
           for _, b in module:named_buffers() do comm.broadcast(b, { group = group, group_src = 0 }) end

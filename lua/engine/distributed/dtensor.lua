@@ -15,6 +15,7 @@
 -- Ranks outside the mesh hold empty local tensors and skip communication.
 -- Collectives are counted by dist.comm_counts() / dist.count_collectives().
 local core = require("engine.core")
+local engine = require("engine")
 local Tensor = require("engine.tensor")
 local P = require("engine.distributed.placements")
 local meshmod = require("engine.distributed.mesh")
@@ -221,7 +222,7 @@ function Tensor.dtensor_like(name, t, a, b)
   end
   local lshape = {}
   for i = 0, c.ndim - 1 do lshape[i + 1] = tonumber(c.shape[i]) end
-  local E = require("engine")
+  local E = engine
   local loc
   if name == "full_like" then loc = E.full(lshape, a, lo)
   else loc = E[name:gsub("_like$", "")](lshape, lo) end

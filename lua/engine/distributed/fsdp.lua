@@ -16,6 +16,7 @@ local ffi, C = core.ffi, core.C
 local meshmod = require("engine.distributed.mesh")
 local dtensor = require("engine.distributed.dtensor")
 local P = require("engine.distributed.placements")
+local nnmod = require("engine.nn.module")
 
 local M = {}
 local fail = core.fail
@@ -445,7 +446,6 @@ end
 -- dist.fully_shard(module, {mesh, reshard_after_forward = true, mp_policy, offload_policy, shard_placement_fn})
 function M.fully_shard(module, opts)
   local op = "fully_shard"
-  local nnmod = require("engine.nn.module")
   if not nnmod.is_module(module) then fail(op .. ": expected an nn.Module, got " .. type(module)) end
   opts = opts or {}
   if type(opts) ~= "table" then fail(op .. ": options must be a table") end
@@ -790,8 +790,8 @@ function M.fully_shard(module, opts)
     sharded_by[e.d] = module
     for _, u in ipairs(e.uses) do
       rawget(u.m, "_parameters")[u.name] = e.d
-      local view = rawget(u.m, "_fsdp_view")
-      if not view then view = {}; rawset(u.m, "_fsdp_view", view) end
+      local view = rawget(u.m, "_param_view")
+      if not view then view = {}; rawset(u.m, "_param_view", view) end
       view[u.name] = { g = g, i = i - 1 }
     end
   end
@@ -855,5 +855,14 @@ function M.fsdp_counts(module)
            -- CPUOffloadPolicy on a CUDA mesh: the sharded parameters and gradients on the CPU (pinned: pin_memory)
            offload = C.eng_fsdp_group_offload(st.group) > 0, pinned = C.eng_fsdp_group_offload(st.group) == 2 }
 end
+
+-- FSDP's groups own the parameter slots of the modules they shard: nn.Module reads them through these (its
+-- parameter-view registration point), so nn never names FSDP.
+nnmod._register_param_views({
+  current = M._current,
+  leaf = M._leaf,
+  owner = "fully_shard (its FSDP group all-gathers the sharded parameter registered there for forward, so a new "
+    .. "Parameter would be ignored)",
+})
 
 return M

@@ -10,6 +10,7 @@
 -- PyTorch does; like PyTorch it requires the calling rank to be part of the mesh (the state of ranks
 -- outside it would be undefined), and the seed must be the same on every rank of the mesh.
 local core = require("engine.core")
+local engine = require("engine")
 
 local M = {}
 
@@ -27,7 +28,7 @@ function M.manual_seed(seed, mesh)
       .. "the DTensor RNG state on the rank would not be initialized and DTensor random ops would be undefined",
       dist.rank(), tostring(mesh)))
   end
-  require("engine").manual_seed(seed)
+  engine.manual_seed(seed)
 end
 
 return M

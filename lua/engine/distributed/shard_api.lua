@@ -20,6 +20,7 @@
 -- (st:reshard) or a DTensor output (Partial, Shard, Replicate) into the spec's layout, and
 -- return_local_tensor returns either's local tensor (module hooks take an object output as one value).
 local core = require("engine.core")
+local engine = require("engine")
 local ffi, C = core.ffi, core.C
 local specs = require("engine.distributed.sharding_spec")
 local stmod = require("engine.distributed.sharded_tensor")
@@ -296,7 +297,7 @@ function ST.save(path, sd)
     if k:match("^sharded:") then sums["xxh64:m:" .. k] = xxh64_hex({ v }) end
   end
   for k, v in pairs(sums) do meta[k] = v end
-  require("engine").save(path, tensors, meta)
+  engine.save(path, tensors, meta)
 end
 
 -- the checksums of a file of format /2 (see save): every tensor and record has one and matches it
@@ -387,7 +388,7 @@ function ST.load(path)
   local member = pg == nil or pg:is_member()
   local sd = {}
   local ok, err = pcall(function()
-    local tensors, meta = require("engine").load(path)
+    local tensors, meta = engine.load(path)
     verify(path, tensors, meta)
     local sharded = {}
     for k, v in pairs(meta) do

@@ -16,6 +16,7 @@
 -- the same batch (model parallelism of the tables; no data parallelism here).  Gradients flow back
 -- through the DTensor ops (no backward collective: the adjoints are local).
 local core = require("engine.core")
+local engine = require("engine")
 local specs = require("engine.distributed.sharding_spec")
 
 local M = {}
@@ -65,7 +66,7 @@ local function make_classes()
       if dist().is_dtensor(p) then p = p:full_tensor() end
       outs[i] = p
     end
-    return require("engine").cat(outs, 2)
+    return engine.cat(outs, 2)
   end
 
   local SEC = EC:extend("ShardedEmbeddingCollection")

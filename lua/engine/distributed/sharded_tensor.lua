@@ -141,9 +141,8 @@ local function factory(op, make)
   end
 end
 
-local engine_mod
+local engine_mod = require("engine")
 local function E()
-  engine_mod = engine_mod or require("engine")
   return engine_mod
 end
 

@@ -35,15 +35,11 @@ local function get_rng()
 end
 local function set_rng(seed, offset) C.eng_rng_set_state(seed, offset) end
 
-local fsdp_leaf
--- The tensor the forward computes with for parameter name of module m (registered as p): an FSDP group's
--- unsharded parameter, else p itself.
+-- The tensor the forward computes with for parameter name of module m (registered as p): what m's parameter
+-- view gives (an FSDP group's unsharded parameter; nn.Module._register_param_views), else p itself.
 local function used_tensor(m, name, p)
-  local view = rawget(m, "_fsdp_view")
-  if view and view[name] then
-    fsdp_leaf = fsdp_leaf or require("engine.distributed.fsdp")._leaf
-    return fsdp_leaf(view, name) or p
-  end
+  local view = rawget(m, "_param_view")
+  if view and view[name] then return mod._param_views().leaf(view, name) or p end
   return p
 end
 

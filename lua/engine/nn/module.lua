@@ -88,19 +88,28 @@ local function add_name(list, name)
   list[#list + 1] = name
 end
 
--- A parameter slot owned by an FSDP group (dist.fully_shard): forward computes with what the group
--- all-gathers from the parameter it registered, so a Parameter assigned in its place would be ignored.
-local function check_not_fsdp(self, name, p)
-  local view = rawget(self, "_fsdp_view")
+-- Parameter views (a registration point).  A system that takes over parameter slots of a module (FSDP's
+-- groups: lua/engine/distributed/fsdp.lua) keeps a view table in the module's _param_view field (parameter name
+-- -> its entry) and registers how to read it: current(view, name) the tensor forward computes with now (nil: the
+-- registered parameter), leaf(view, name) the tensor that gets the gradient (nn.checkpoint), owner a phrase
+-- for messages.  nn names no such system.
+local param_views = nil
+function M._register_param_views(kind) param_views = kind end
+function M._param_views() return param_views end
+
+-- A parameter slot owned by a view: forward computes with what the view gives for the parameter it
+-- registered, so a Parameter assigned in its place would be ignored.
+local function check_not_viewed(self, name, p)
+  local view = rawget(self, "_param_view")
   if view and view[name] and not rawequal(p, rawget(self, "_parameters")[name]) then
-    core.fail(string.format("%s: cannot assign to parameter '%s': it is managed by fully_shard (its FSDP group "
-      .. "all-gathers the sharded parameter registered there for forward, so a new Parameter would be ignored); "
-      .. "write new values into it instead: load_state_dict, or copy_ under no_grad", self.__name, name))
+    core.fail(string.format("%s: cannot assign to parameter '%s': it is managed by %s; "
+      .. "write new values into it instead: load_state_dict, or copy_ under no_grad", self.__name, name,
+      param_views and param_views.owner or "another system"))
   end
 end
 
 local function set_parameter(self, name, p)
-  check_not_fsdp(self, name, p)
+  check_not_viewed(self, name, p)
   local params = rawget(self, "_parameters")
   if params[name] == nil and not rawget(self, "_param_none")[name] then
     unregister(self, name)
@@ -126,7 +135,7 @@ local function module_newindex(self, k, v)
     set_module(self, k, v)
   elseif params[k] ~= nil or rawget(self, "_param_none")[k] then
     if v == nil then
-      check_not_fsdp(self, k, v)
+      check_not_viewed(self, k, v)
       params[k] = nil; rawget(self, "_param_none")[k] = true  -- like register_parameter(k, None)
     elseif is_tensor(v) then
       error(string.format("%s: cannot assign a plain tensor to parameter '%s': wrap it in nn.Parameter(t) "
@@ -149,14 +158,12 @@ local function module_newindex(self, k, v)
   end
 end
 
--- A module whose parameters belong to an FSDP group (dist.fully_shard) gives the unsharded parameter
--- while the group is unsharded (lua/engine/distributed/fsdp.lua asks the C group which one is current).
-local fsdp_current
-local function fsdp_param(self, k, v)
-  local view = rawget(self, "_fsdp_view")
+-- A module with a parameter view gives what the view says is current (for FSDP: the unsharded parameter
+-- while the group is unsharded).
+local function viewed_param(self, k, v)
+  local view = rawget(self, "_param_view")
   if view == nil then return v end
-  fsdp_current = fsdp_current or require("engine.distributed.fsdp")._current
-  return fsdp_current(view, k) or v
+  return param_views.current(view, k) or v
 end
 
 -- nn.checkpoint's region: while set, every parameter lookup appends (module, name) to this list, so that the
@@ -174,7 +181,7 @@ local function make_index(cls)
     if v ~= nil then
       local r = param_reads
       if r then r[#r + 1] = self; r[#r + 1] = k end
-      return fsdp_param(self, k, v)
+      return viewed_param(self, k, v)
     end
     v = rawget(self, "_modules")[k]
     if v ~= nil then return v end

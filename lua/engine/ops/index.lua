@@ -21,6 +21,8 @@
 -- run on full_tensor() and return a Replicate DTensor.
 local core = require("engine.core")
 local Tensor = require("engine.tensor")
+local F = Tensor.functions        -- engine.zeros, arange, full_like, tensor (loaded before the op families)
+local shape_ops = require("engine.ops.shape") -- engine.cat
 local ffi, C = core.ffi, core.C
 local wrap, ct, check = core.wrap, core.ct, core.check
 local methods = Tensor.methods
@@ -84,7 +86,7 @@ local function scatter_src(t, index, src, op)
   if type(src) == "boolean" then src = src and 1 or 0 end
   if is_num(src) then
     local ic = ct(index, op, 3)
-    if is_dt(index) then return require("engine").full_like(index, src, { dtype = t.dtype }) end
+    if is_dt(index) then return F.full_like(index, src, { dtype = t.dtype }) end
     return wrap(C.eng_tensor_full(ic.ndim, ic.shape, src, t._c.dtype, ic.device))
   end
   return src
@@ -187,7 +189,7 @@ local function tri(t, k, upper, op)
   local key = string.format("%d,%d,%d,%s,%s", r, q, k, upper and "u" or "l", o.device)
   local zero = tri_masks[key]
   if not zero then
-    local diff = require("engine").arange(q, o):view(1, q) - require("engine").arange(r, o):view(r, 1)
+    local diff = F.arange(q, o):view(1, q) - F.arange(r, o):view(r, 1)
     zero = upper and diff:lt(k) or diff:gt(k)
     if tri_n >= 32 then tri_masks, tri_n = {}, 0 end
     tri_masks[key], tri_n = zero, tri_n + 1
@@ -231,8 +233,7 @@ function methods.repeat_tensor(t, ...)
   local probe = C.eng_tensor_empty(n, arr, C.eng_dtype_from_name(t.dtype), 2) -- a meta tensor: checked, no data
   if probe == nil then fail(core.prefixed(op, core.last_error(), "empty")) end
   C.eng_tensor_release(probe)
-  local E = require("engine")
-  if zero then return E.zeros(out, { dtype = t.dtype, device = t.device }) end
+  if zero then return F.zeros(out, { dtype = t.dtype, device = t.device }) end
   local x = t
   if #reps > #sh then x = x:reshape(full) end
   for i = 1, #reps do
@@ -251,9 +252,9 @@ function methods.repeat_tensor(t, ...)
         -- doubled each time (log2 r of them, not a list of r tensors)
         local acc, pw, k = nil, x, r
         while k > 0 do
-          if k % 2 == 1 then acc = acc and E.cat({ acc, pw }, i) or pw end
+          if k % 2 == 1 then acc = acc and shape_ops.cat({ acc, pw }, i) or pw end
           k = math.floor(k / 2)
-          if k > 0 then pw = E.cat({ pw, pw }, i) end
+          if k > 0 then pw = shape_ops.cat({ pw, pw }, i) end
         end
         x = acc
       end
@@ -271,7 +272,6 @@ methods.repeatTensor = methods.repeat_tensor
 function methods.repeat_interleave(t, repeats, d)
   local op = "repeat_interleave"
   ct(t, op, 1)
-  local E = require("engine")
   if repeats == nil then
     if t:dim() ~= 1 or t:is_floating_point() then fail(op .. ": repeats alone must be a 1-D integer tensor") end
     local counts = (is_dt(t) and t:full_tensor() or t):tolist_flat()
@@ -280,8 +280,8 @@ function methods.repeat_interleave(t, repeats, d)
       if n < 0 then fail(op .. ": repeats must be non-negative, got " .. n) end
       for _ = 1, n do idx[#idx + 1] = i - 1 end
     end
-    local r = E.tensor(#idx > 0 and idx or {}, { dtype = "i64", device = t.device })
-    if #idx == 0 then r = E.zeros({ 0 }, dev_opts(t)) end
+    local r = F.tensor(#idx > 0 and idx or {}, { dtype = "i64", device = t.device })
+    if #idx == 0 then r = F.zeros({ 0 }, dev_opts(t)) end
     if is_dt(t) then return replicate_like(r, t) end
     return r
   end
@@ -291,7 +291,7 @@ function methods.repeat_interleave(t, repeats, d)
   local n = x:size(cd + 1)
   if is_num(repeats) then
     if repeats % 1 ~= 0 or repeats < 0 then fail(op .. ": repeats must be a non-negative integer, got " .. repeats) end
-    if repeats == 0 then local s = x:shape(); s[cd + 1] = 0; return E.zeros(s, { dtype = t.dtype, device = t.device }) end
+    if repeats == 0 then local s = x:shape(); s[cd + 1] = 0; return F.zeros(s, { dtype = t.dtype, device = t.device }) end
     local sh = x:shape()
     local esh = {}
     for i = 1, #sh do esh[#esh + 1] = sh[i]; if i == cd + 1 then esh[#esh + 1] = repeats end end
@@ -311,8 +311,8 @@ function methods.repeat_interleave(t, repeats, d)
     if k < 0 then fail(op .. ": repeats must be non-negative, got " .. k) end
     for _ = 1, k do idx[#idx + 1] = i - 1 end
   end
-  if #idx == 0 then local s = x:shape(); s[cd + 1] = 0; return E.zeros(s, { dtype = t.dtype, device = t.device }) end
-  local r = x:index_select(cd + 1, lift(E.tensor(idx, dev_opts(t)), x))
+  if #idx == 0 then local s = x:shape(); s[cd + 1] = 0; return F.zeros(s, { dtype = t.dtype, device = t.device }) end
+  local r = x:index_select(cd + 1, lift(F.tensor(idx, dev_opts(t)), x))
   return r
 end
 
@@ -338,7 +338,7 @@ function methods.roll(t, shifts, dims)
     if n > 0 then
       s = s % n
       if s ~= 0 then
-        x = require("engine").cat({ x:narrow(cd + 1, n - s + 1, s), x:narrow(cd + 1, 1, n - s) }, cd + 1)
+        x = shape_ops.cat({ x:narrow(cd + 1, n - s + 1, s), x:narrow(cd + 1, 1, n - s) }, cd + 1)
       end
     end
   end
@@ -353,13 +353,12 @@ function methods.flip(t, ...)
   local dl = (type(a) == "table" and not core.is_tensor(a)) and a or { ... }
   local seen = {}
   local x = t
-  local E = require("engine")
   for i = 1, #dl do
     local cd = cdim(dl[i], t:dim(), op)
     if seen[cd] then fail(string.format("%s: dim %d appears multiple times in the list of dims", op, cd + 1)) end
     seen[cd] = true
     local n = x:size(cd + 1)
-    if n > 1 then x = x:index_select(cd + 1, lift(E.arange(n - 1, -1, -1, dev_opts(t)), x)) end
+    if n > 1 then x = x:index_select(cd + 1, lift(F.arange(n - 1, -1, -1, dev_opts(t)), x)) end
   end
   if x == t then x = t:clone() end
   return x
@@ -378,7 +377,6 @@ function M.one_hot(t, num_classes)
     fail(op .. ": num_classes must be a non-negative integer or -1, got " .. tostring(num_classes))
   end
   if not is_dt(t) then return wrap(C.eng_one_hot(c, num_classes)) end  -- one C op (engine/src/ops/index.c)
-  local E = require("engine")
   if t:numel() > 0 then
     local mn, mx = number_of(t:min()), number_of(t:max())
     if mn < 0 then fail(op .. ": class values must be non-negative, got " .. mn) end
@@ -389,7 +387,7 @@ function M.one_hot(t, num_classes)
   elseif num_classes == -1 then
     fail(op .. ": can not infer total number of classes from an empty tensor")
   end
-  local classes = lift(E.arange(num_classes, dev_opts(t, t.dtype)), t)
+  local classes = lift(F.arange(num_classes, dev_opts(t, t.dtype)), t)
   local r = t:unsqueeze(-1):eq(classes):long()
   return r
 end

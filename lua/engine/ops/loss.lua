@@ -157,7 +157,7 @@ local function nll_parts(logp, target, weight, ignore, op)
   if weight then
     w = weight:index_select(1, safe:reshape(-1)):view(safe:shape())
   else
-    w = require("engine").ones_like(picked):detach()
+    w = Tensor.functions.ones_like(picked):detach()
   end
   if ign then w = w:masked_fill(ign, 0) end
   local loss = -(picked * w)
