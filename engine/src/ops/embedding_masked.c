@@ -4,6 +4,9 @@
  * only into owned rows.  The sum over the shards of the outputs is the full
  * embedding (a Partial(sum) output for the dispatcher). */
 #include "core/dispatch.h"
+#include "cuda/cuda_vocab.h"
+#include "ops/ops.h"
+#include "ops/vocab_parallel.h"
 
 /* saved: 0 indices (contiguous i64).  ints: 0 row_offset, 1 compute dtype. */
 static int embm_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
@@ -14,9 +17,19 @@ static int embm_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
   int64_t off = n->ints[0];
   int64_t shape[2] = {eng_node_in_shape(n, 0)[0], eng_node_in_shape(n, 0)[1]};
   int64_t rows = shape[0], dim = shape[1];
+  int rc = -1;
+  if (go[0]->device == ENG_CUDA) { /* the kernel overwrites gw (f32 accumulation, f64 for f64), owned rows only */
+    int adt = go[0]->dtype == ENG_F64 ? ENG_F64 : ENG_F32;
+    eng_tensor* Gd = eng_as_contig(go[0], go[0]->dtype);
+    eng_tensor* gwd = Gd ? eng_new(2, shape, adt, ENG_CUDA) : NULL;
+    if (gwd && !eng_cu_embedding_masked_bwd(Gd->dtype, idx->numel, eng_ptr(idx), ENG_I64, eng_ptr(Gd), dim, rows, off,
+                                            eng_ptr(gwd), "embedding_masked backward"))
+      rc = (gi[0] = eng_grad_to_input(n, 0, gwd)) ? 0 : -1;
+    eng_tensor_release(Gd); eng_tensor_release(gwd);
+    return rc;
+  }
   eng_tensor* G = eng_as_contig(go[0], cdt);
   eng_tensor* gw = G ? eng_tensor_zeros(2, shape, cdt, G->device) : NULL;
-  int rc = -1;
   if (gw) {
     const int64_t* ip = (const int64_t*)eng_ptr(idx);
     for (int64_t i = 0; i < idx->numel; i++) {
@@ -39,41 +52,35 @@ static int embm_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
   return rc;
 }
 
-/* On CUDA, from the device ops (their autograd gives the masked backward): out = embedding(weight,
- * clamp(idx - offset, 0, rows - 1)) with the rows of indices outside [offset, offset + rows) filled with 0.
- * Negative indices are an error, as on the CPU (one read of a device flag: the count of negatives). */
-static eng_tensor* cuda_masked(const char* op, eng_tensor* weight, eng_tensor* indices, int64_t off) {
-  int64_t rows = weight->shape[0];
-  eng_tensor *neg = NULL, *nneg = NULL, *loc = NULL, *cl = NULL, *lo = NULL, *hi = NULL, *out_m = NULL, *m = NULL,
-             *e = NULL, *out = NULL;
-  int prev = eng_set_grad_enabled(0); /* the index arithmetic needs no graph */
-  neg = eng_compare_scalar(indices, 0, ENG_LT);
-  nneg = neg ? eng_sum(neg, 0, NULL, 0) : NULL;
-  loc = eng_sub_scalar(indices, (double)off);
-  cl = loc ? eng_clamp(loc, 0, (double)(rows > 0 ? rows - 1 : 0)) : NULL;
-  lo = loc ? eng_compare_scalar(loc, 0, ENG_LT) : NULL;
-  hi = loc ? eng_compare_scalar(loc, (double)rows, ENG_GE) : NULL;
-  out_m = lo && hi ? eng_logical_or(lo, hi) : NULL;
-  m = out_m ? eng_unsqueeze(out_m, out_m->ndim) : NULL;
-  eng_set_grad_enabled(prev);
-  double bad = 0;
-  if (nneg && eng_tensor_item(nneg, &bad) == 0 && bad > 0)
-    eng_err("%s: indices %s hold %.0f negative values", op, eng_desc(indices), bad);
-  else if (m && rows > 0 && (e = eng_embedding(weight, cl, -1)))
-    out = eng_masked_fill(e, m, 0.0);
-  else if (m && rows == 0) {
-    int64_t shape[ENG_MAX_DIMS];
-    for (int d = 0; d < indices->ndim; d++) shape[d] = indices->shape[d];
-    shape[indices->ndim] = weight->shape[1];
-    out = eng_tensor_zeros(indices->ndim + 1, shape, weight->dtype, weight->device);
-  }
-  eng_tensor* all[] = {neg, nneg, loc, cl, lo, hi, out_m, m, e};
-  for (size_t i = 0; i < sizeof all / sizeof *all; i++) eng_tensor_release(all[i]);
-  if (!out) eng_err_prefix("%s", op);
-  return out;
+/* The first index outside [0, total) (total < 0: the first negative one) of a device index tensor, read back on the
+ * error path only: sets the error naming it. */
+static void bad_index(const char* op, eng_tensor* I, eng_tensor* indices, int64_t total) {
+  eng_tensor* h = eng_op_host(I, ENG_I64);
+  if (!h) return;
+  const int64_t* p = (const int64_t*)eng_ptr(h);
+  int64_t i = 0;
+  while (i < h->numel && p[i] >= 0 && (total < 0 || p[i] < total)) i++;
+  if (i == h->numel) eng_err("%s: an index of %s is out of range", op, eng_desc(indices));
+  else if (total < 0)
+    eng_err("%s: index %lld at flat position %lld of indices %s is negative", op, (long long)p[i], (long long)i + 1,
+            eng_desc(indices));
+  else
+    eng_err("index %lld out of range for weight of %lld rows (valid 0..%lld), at flat position %lld of the local "
+            "indices %s", (long long)p[i], (long long)total, (long long)total - 1, (long long)i, eng_desc(indices));
+  eng_tensor_release(h);
 }
 
+static eng_tensor* masked(eng_tensor* weight, eng_tensor* indices, int64_t row_offset, int64_t total);
+
 eng_tensor* eng_embedding_masked(eng_tensor* weight, eng_tensor* indices, int64_t row_offset) {
+  return masked(weight, indices, row_offset, -1);
+}
+
+eng_tensor* eng_embedding_masked_bounded(eng_tensor* weight, eng_tensor* indices, int64_t row_offset, int64_t total) {
+  return masked(weight, indices, row_offset, total);
+}
+
+static eng_tensor* masked(eng_tensor* weight, eng_tensor* indices, int64_t row_offset, int64_t total) {
   const char* op = "embedding_masked";
   ENG_CHECK(weight, op); ENG_CHECK(indices, op);
   if (eng_meta_check(weight, op)) return NULL;
@@ -91,12 +98,12 @@ eng_tensor* eng_embedding_masked(eng_tensor* weight, eng_tensor* indices, int64_
   if (weight->device != indices->device)
     return eng_errp("%s: weight %s and indices %s are on different devices", op, eng_desc(weight), eng_desc(indices));
   if (row_offset < 0) return eng_errp("%s: row_offset %lld must be >= 0", op, (long long)row_offset);
-  if (weight->device == ENG_CUDA) return cuda_masked(op, weight, indices, row_offset);
   int64_t rows = weight->shape[0], dim = weight->shape[1];
   eng_tensor* I = eng_as_contig(indices, ENG_I64);
   if (!I) return NULL;
+  int cuda = weight->device == ENG_CUDA;
   const int64_t* ip = (const int64_t*)eng_ptr(I);
-  for (int64_t i = 0; i < I->numel; i++)
+  for (int64_t i = 0; !cuda && i < I->numel; i++)
     if (ip[i] < 0) {
       eng_tensor_release(I);
       return eng_errp("%s: index %lld at flat position %lld of indices %s is negative", op, (long long)ip[i],
@@ -107,7 +114,15 @@ eng_tensor* eng_embedding_masked(eng_tensor* weight, eng_tensor* indices, int64_
   shape[indices->ndim] = dim;
   eng_tensor* W = eng_as_contig(weight, weight->dtype);
   eng_tensor* out = W ? eng_new(indices->ndim + 1, shape, weight->dtype, weight->device) : NULL;
-  if (out) {
+  if (out && cuda) { /* one kernel: owned rows gathered, the others zero; one read of the index flag */
+    int st = eng_cu_embedding_masked_fwd(I->numel, eng_ptr(I), ENG_I64, eng_ptr(W), rows,
+                                         dim * eng_dtype_size(weight->dtype), row_offset, total, eng_ptr(out), op);
+    if (st) {
+      if (st == 1) bad_index(op, I, indices, total);
+      eng_tensor_release(out);
+      out = NULL;
+    }
+  } else if (out) {
     int64_t rb = dim * eng_dtype_size(weight->dtype);
     const char* wp = eng_ptr(W);
     char* op_ = eng_ptr(out);

@@ -11,6 +11,7 @@
 #include "dtensor/dtensor_impl.h"
 #include "sharding/sharding.h"
 #include "ops/ops.h"
+#include "ops/vocab_parallel.h"
 
 static int emb_push(eng_strategy* out, int cap, int n, eng_placement w, eng_placement i, eng_placement o) {
   eng_strategy st;
@@ -56,6 +57,13 @@ static int emb_local(const eng_op_call* c, const eng_dist_spec* const* is, const
   eng_tensor* I = c->in[1];
   if (I->dtype != ENG_I32 && I->dtype != ENG_I64)
     return eng_err("indices must be i32 or i64, got %s", eng_desc(I));
+  if (I->numel > 0 && I->device == ENG_CUDA) {
+    /* CUDA: the gather kernel checks the range (one flag read; the indices stay on the device) */
+    eng_tensor* Ip = dt_plain(I);
+    outs[0] = Ip ? eng_embedding_masked_bounded(c->in[0], Ip, w->offset[0], w->shape[0]) : NULL;
+    eng_tensor_release(Ip);
+    return outs[0] ? 0 : -1;
+  }
   if (I->numel > 0) {
     eng_tensor* Ip = dt_plain(I); /* the local indices (a plain view) */
     eng_tensor* Ic = Ip ? eng_op_host(Ip, ENG_I64) : NULL; /* CUDA indices: read back once for the range check */
