@@ -10,14 +10,6 @@
 #include <pthread.h>
 #include <stdint.h>
 
-/* ---------------------------------------------------------------- grad mode */
-static __thread int g_grad_disabled;
-int eng_grad_enabled(void) { return !g_grad_disabled; }
-int eng_set_grad_enabled(int enabled) {
-  int prev = !g_grad_disabled;
-  g_grad_disabled = !enabled;
-  return prev;
-}
 
 /* ---------------------------------------------------------------- hooks */
 typedef struct eng_hook {
@@ -47,37 +39,12 @@ void eng_autograd_set_dist_hooks(const eng_autograd_dist_hooks* hooks) {
   else memset(&g_dist, 0, sizeof g_dist);
 }
 
-static eng_lua_dispatch_fn g_lua;
-void eng_set_lua_dispatcher(eng_lua_dispatch_fn fn) { g_lua = fn; }
-
-static pthread_mutex_t g_rel_mu = PTHREAD_MUTEX_INITIALIZER;
-static int64_t* g_rel; static int g_rel_n, g_rel_cap;
-
-static void lua_release_id(int64_t id) {
-  pthread_mutex_lock(&g_rel_mu);
-  if (g_rel_n == g_rel_cap) {
-    int cap = g_rel_cap ? g_rel_cap * 2 : 64;
-    int64_t* p = realloc(g_rel, (size_t)cap * sizeof *p);
-    if (p) { g_rel = p; g_rel_cap = cap; }
-  }
-  if (g_rel_n < g_rel_cap) g_rel[g_rel_n++] = id;
-  pthread_mutex_unlock(&g_rel_mu);
-}
-
-int eng_lua_released(int64_t* out, int max) {
-  pthread_mutex_lock(&g_rel_mu);
-  int n = g_rel_n < max ? g_rel_n : max;
-  if (n > 0) memcpy(out, g_rel + (g_rel_n - n), (size_t)n * sizeof *out);
-  g_rel_n -= n;
-  pthread_mutex_unlock(&g_rel_mu);
-  return n;
-}
 
 void eng_hook_list_free(struct eng_hook_list* h) {
   if (!h) return;
   for (eng_hook* k = h->head; k;) {
     eng_hook* nx = k->next;
-    if (!k->fn) lua_release_id(k->lua_id);
+    if (!k->fn) eng_lua_queue_release(k->lua_id);
     free(k);
     k = nx;
   }
@@ -102,7 +69,7 @@ static int hook_remove(struct eng_hook_list* l, int64_t handle) {
   for (eng_hook** pp = &l->head; *pp; pp = &(*pp)->next) {
     if ((*pp)->handle == handle) {
       eng_hook* k = *pp; *pp = k->next;
-      if (!k->fn) lua_release_id(k->lua_id);
+      if (!k->fn) eng_lua_queue_release(k->lua_id);
       free(k);
       return 1;
     }
@@ -115,9 +82,9 @@ static int hook_call(eng_hook* k, eng_tensor* t, eng_tensor** grad) {
   eng_tensor* out = NULL;
   int rc;
   if (k->fn) rc = k->fn(t, *grad, &out, k->ud);
-  else if (!g_lua) rc = eng_err("hook: no Lua dispatcher registered");
-  else if (k->post) rc = g_lua(1, k->lua_id, 1, &t, 0, &out); /* post hooks get the leaf */
-  else rc = g_lua(0, k->lua_id, 1, grad, 1, &out);
+  else if (!eng_lua_dispatcher()) rc = eng_err("hook: no Lua dispatcher registered");
+  else if (k->post) rc = eng_lua_dispatcher()(1, k->lua_id, 1, &t, 0, &out); /* post hooks get the leaf */
+  else rc = eng_lua_dispatcher()(0, k->lua_id, 1, grad, 1, &out);
   if (rc) { eng_tensor_release(out); return -1; }
   if (out) {
     if (*grad && !eng_same_shape(out, *grad)) {
@@ -253,7 +220,7 @@ int eng_node_set_output(eng_node* n, eng_tensor* out, int output_nr) {
 }
 
 int eng_any_requires_grad(int n, eng_tensor** ts) {
-  if (g_grad_disabled) return 0;
+  if (!eng_grad_enabled()) return 0;
   for (int i = 0; i < n; i++) if (ts[i] && ts[i]->requires_grad) return 1;
   return 0;
 }
@@ -287,7 +254,7 @@ eng_tensor* eng_grad_to_input(eng_node* n, int i, eng_tensor* g) {
   if (same) r = eng_tensor_retain(g);
   else { r = g_math.sum_to_shape(g, nd, sh); if (!r) return NULL; }
   if (r->dtype != eng_node_in_dtype(n, i)) {
-    eng_tensor* c = eng_tensor_to_dtype(r, eng_node_in_dtype(n, i));
+    eng_tensor* c = g_math.to_dtype(r, eng_node_in_dtype(n, i));
     eng_tensor_release(r);
     r = c;
   }
@@ -341,7 +308,7 @@ static int retain_hook(eng_tensor* t, eng_tensor* grad, eng_tensor** out, void* 
   (void)t; (void)out;
   eng_tensor* owner = ud;
   if (!grad) return 0;
-  if (!owner->grad) { owner->grad = eng_tensor_clone(grad); return owner->grad ? 0 : -1; }
+  if (!owner->grad) { owner->grad = g_math.clone(grad); return owner->grad ? 0 : -1; }
   return g_math.add_(owner->grad, grad, 1.0);
 }
 
@@ -363,17 +330,17 @@ void eng_tensor_drop_retain_hook(eng_tensor* t) {
 
 /* ---------------------------------------------------------------- Lua functions */
 static int lua_fn_backward(eng_node* n, eng_tensor** go, eng_tensor** gi) {
-  if (!g_lua) return eng_err("%s: no Lua dispatcher registered", n->name);
-  return g_lua(2, n->ints[0], n->n_outputs, go, n->n_inputs, gi);
+  if (!eng_lua_dispatcher()) return eng_err("%s: no Lua dispatcher registered", n->name);
+  return eng_lua_dispatcher()(2, n->ints[0], n->n_outputs, go, n->n_inputs, gi);
 }
 
-static void lua_fn_free(eng_node* n) { lua_release_id(n->ints[0]); }
+static void lua_fn_free(eng_node* n) { eng_lua_queue_release(n->ints[0]); }
 
 int eng_lua_function_attach(int64_t id, int n_inputs, eng_tensor** inputs, int n_outputs,
                             eng_tensor** outputs) {
-  if (!eng_any_requires_grad(n_inputs, inputs)) { lua_release_id(id); return 0; }
+  if (!eng_any_requires_grad(n_inputs, inputs)) { eng_lua_queue_release(id); return 0; }
   eng_node* n = eng_node_new("LuaFunctionBackward", lua_fn_backward, n_inputs, inputs, n_outputs);
-  if (!n) { lua_release_id(id); return -1; }
+  if (!n) { eng_lua_queue_release(id); return -1; }
   n->ints[0] = id;
   n->free_ctx = lua_fn_free;
   for (int k = 0; k < n_outputs; k++)
@@ -792,17 +759,15 @@ done:
   return rc;
 }
 
-/* ---------------------------------------------------------------- module hooks from Lua */
-void eng_lua_queue_release(int64_t id) { lua_release_id(id); }
 
-int eng_lua_dispatch_module(int64_t id, eng_tensor** ts, int n, eng_tensor** unused) {
-  (void)unused;
-  if (!g_lua) return eng_err("module hook: no Lua dispatcher registered");
-  eng_tensor* out[64] = {0};
-  if (n > 64) return eng_err("module hook: %d tensors (at most 64)", n);
-  int rc = g_lua(3, id, n, ts, n, out);
-  if (rc) { for (int i = 0; i < n; i++) eng_tensor_release(out[i]); return -1; }
-  for (int i = 0; i < n; i++)
-    if (out[i]) { eng_tensor_release(ts[i]); ts[i] = out[i]; }
-  return 0;
+/* ---------------------------------------------------------------- tensor release */
+/* What autograd keeps on a dying tensor: its retain_grad hook, its grad_fn, its hooks (core calls this through
+ * the function registered below: core does not call autograd). */
+static void free_autograd_state(eng_tensor* t) {
+  if (t->retains_grad) eng_tensor_drop_retain_hook(t);
+  if (t->grad_fn) eng_node_release(t->grad_fn);
+  eng_hook_list_free(t->hooks);
+  eng_hook_list_free(t->post_hooks);
 }
+
+__attribute__((constructor)) static void register_autograd_free(void) { eng_tensor_set_autograd_free(free_autograd_state); }

@@ -142,6 +142,12 @@ int eng_check_partial_overlap(const eng_tensor* dst, const eng_tensor* src, cons
  * else a fresh contiguous copy of src (NULL on failure). */
 eng_tensor* eng_unaliased(eng_tensor* dst, eng_tensor* src);
 
+/* A contiguous copy of t on device (same dtype and shape), no autograd: host <-> device through the device
+ * runtime's copies (core/device.h); to_device (ops/copy.c) records the node. */
+eng_tensor* eng_device_copy(eng_tensor* t, int device);
+/* Registration point: autograd frees what it keeps on a dying tensor (grad_fn, hooks). */
+void eng_tensor_set_autograd_free(void (*fn)(eng_tensor* t));
+
 /* Autograd helpers for op implementations. */
 /* Shape/dtype of input i recorded in node n. */
 int eng_node_in_ndim(const eng_node* n, int i);
@@ -163,7 +169,9 @@ eng_node* eng_record(const char* name, eng_backward_fn fn, int n_inputs, eng_ten
 eng_node* eng_record_multi(const char* name, eng_backward_fn fn, int n_inputs,
                            eng_tensor** inputs, int n_outputs, eng_tensor** outputs);
 
-/* Lua closures behind hooks (autograd/autograd.c). */
+/* Lua closures behind hooks (core/lua_callback.c): the registered dispatcher (NULL before the host sets it), a
+ * closure to release at Lua's next safe point, a module hook's call. */
+eng_lua_dispatch_fn eng_lua_dispatcher(void);
 void eng_lua_queue_release(int64_t id);
 int eng_lua_dispatch_module(int64_t id, eng_tensor** ts, int n, eng_tensor** unused);
 

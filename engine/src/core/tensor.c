@@ -179,17 +179,16 @@ eng_tensor* eng_tensor_retain(eng_tensor* t) {
 
 int32_t eng_tensor_refcount(const eng_tensor* t) { return t ? t->refcount : 0; }
 
-void eng_hook_list_free(struct eng_hook_list* h);    /* autograd/autograd.c */
-void eng_tensor_drop_retain_hook(eng_tensor* t);     /* autograd/autograd.c */
+/* What autograd keeps on a tensor (grad_fn, hooks, a retain_grad hook) is freed by the function autograd
+ * registers (a registration point: core does not call autograd). */
+static void (*g_autograd_free)(eng_tensor* t);
+void eng_tensor_set_autograd_free(void (*fn)(eng_tensor* t)) { g_autograd_free = fn; }
 
 void eng_tensor_release(eng_tensor* t) {
   if (!t) return;
   if (__atomic_sub_fetch(&t->refcount, 1, __ATOMIC_ACQ_REL) != 0) return;
-  if (t->retains_grad) eng_tensor_drop_retain_hook(t);
+  if (g_autograd_free && (t->retains_grad || t->grad_fn || t->hooks || t->post_hooks)) g_autograd_free(t);
   eng_tensor_release(t->grad);
-  if (t->grad_fn) eng_node_release(t->grad_fn);
-  eng_hook_list_free(t->hooks);
-  eng_hook_list_free(t->post_hooks);
   if (t->dist) eng_spec_release(t->dist);
   eng_storage_release(t->storage);
   free(t);
@@ -251,7 +250,7 @@ eng_tensor* eng_tensor_arange(double start, double end, double step, int dtype, 
   if (check_device(device, "arange")) return NULL;
   if (eng_is_device(device)) { /* made on the host, then copied */
     eng_tensor* h = eng_tensor_arange(start, end, step, dtype, ENG_CPU);
-    eng_tensor* r = h ? eng_tensor_to_device(h, device) : NULL;
+    eng_tensor* r = h ? eng_device_copy(h, device) : NULL;
     eng_tensor_release(h);
     return r;
   }
@@ -378,7 +377,7 @@ int eng_tensor_set(eng_tensor* t, const int64_t* index, double value) {
 }
 
 int eng_copy_raw(eng_tensor* dst, const eng_tensor* src, const int64_t* src_stride) {
-  if (dst->device != src->device) /* callers move data between devices with eng_tensor_to_device */
+  if (dst->device != src->device) /* callers move data between devices first (eng_device_copy) */
     return eng_err("copy: internal error: %s and %s are on different devices", eng_desc(dst), eng_desc(src));
   if (dst->device == ENG_META) return 0; /* shapes only */
   if (eng_is_device(dst->device))
@@ -550,7 +549,7 @@ eng_tensor* eng_unaliased(eng_tensor* dst, eng_tensor* src) {
 /* ------------------------------------------------------------ devices */
 /* A contiguous copy of t on device (same dtype and shape), no autograd:
  * host <-> device through the runtime's pinned staging buffers. */
-static eng_tensor* device_copy(eng_tensor* t, int device) {
+eng_tensor* eng_device_copy(eng_tensor* t, int device) {
   if (check_device(device, "to_device")) return NULL;
   if (device == ENG_META) return eng_new(t->ndim, t->shape, t->dtype, ENG_META); /* shape only */
   if (t->device == ENG_META)
@@ -574,34 +573,6 @@ static eng_tensor* device_copy(eng_tensor* t, int device) {
   }
   eng_tensor_release(src);
   if (rc) { eng_tensor_release(r); return NULL; }
-  return r;
-}
-
-/* The gradient goes back to the input's device (ints[0]) and dtype. */
-static int to_device_backward(eng_node* n, eng_tensor** go, eng_tensor** gi) {
-  if (!go[0]) return 0;
-  eng_tensor* g = go[0]->device == (int)n->ints[0] ? eng_tensor_retain(go[0]) : device_copy(go[0], (int)n->ints[0]);
-  if (!g) return -1;
-  gi[0] = eng_tensor_to_dtype(g, eng_node_in_dtype(n, 0));
-  eng_tensor_release(g);
-  return gi[0] ? 0 : -1;
-}
-
-eng_tensor* eng_tensor_to_device(eng_tensor* t, int device) {
-  ENG_CHECK(t, "to_device");
-  if (device != ENG_CPU && device != ENG_META && !eng_is_device(device))
-    return eng_errp("to_device: invalid device code %d (0 = cpu, 1 = cuda, 2 = meta)", device);
-  if (t->device == device) return eng_tensor_retain(t);
-  /* inside a DTensor op's local function (local mode) a DTensor input stands for its local tensor */
-  if (t->dist && !eng_dispatch_local_mode())
-    return eng_errp("to_device: %s is a DTensor; moving DTensors between devices is not supported", eng_desc(t));
-  eng_tensor* r = device_copy(t, device);
-  if (!r) return NULL;
-  if (eng_dtype_is_floating(t->dtype) && eng_any_requires_grad(1, &t)) {
-    eng_node* nd = eng_record("ToCopyBackward", to_device_backward, 1, &t, r);
-    if (!nd) { eng_tensor_release(r); return NULL; }
-    nd->ints[0] = t->device;
-  }
   return r;
 }
 
@@ -681,7 +652,7 @@ int eng_tensor_copy_(eng_tensor* dst, eng_tensor* src) {
     if (eng_check_partial_overlap(dst, src, "copy_")) return -1;
   }
   int rc;
-  eng_tensor* tmpt = dst->device != src->device ? device_copy(src, dst->device) : eng_unaliased(dst, src);
+  eng_tensor* tmpt = dst->device != src->device ? eng_device_copy(src, dst->device) : eng_unaliased(dst, src);
   if (!tmpt) return -1;
   if (tmpt != src) eng_broadcast_strides(tmpt, dst->ndim, dst->shape, bs);
   rc = eng_copy_raw(dst, tmpt, bs);
@@ -725,43 +696,6 @@ int eng_tensor_fill_(eng_tensor* t, double value) {
 }
 
 int eng_tensor_zero_(eng_tensor* t) { return eng_tensor_fill_(t, 0.0); }
-
-/* Identity-gradient copies (clone, contiguous) and casts. */
-static int copy_backward(eng_node* n, eng_tensor** go, eng_tensor** gi) {
-  if (!go[0]) return 0;
-  gi[0] = eng_tensor_to_dtype(go[0], eng_node_in_dtype(n, 0));
-  return gi[0] ? 0 : -1;
-}
-
-static eng_tensor* copy_as(eng_tensor* t, int dtype, const char* name) {
-  eng_tensor* r = eng_new(t->ndim, t->shape, dtype, t->device);
-  if (!r) return NULL;
-  if (eng_copy_raw(r, t, t->stride)) { eng_tensor_release(r); return NULL; }
-  if (eng_dtype_is_floating(dtype)) eng_record(name, copy_backward, 1, &t, r);
-  return r;
-}
-
-eng_tensor* eng_tensor_clone(eng_tensor* t) {
-  ENG_CHECK(t, "clone");
-  if (ENG_DT_ACTIVE(t->dist)) return eng_op_dispatch(ENG_OP_CLONE, &(eng_op_call){.name = "clone", .n_in = 1, .in = {t}});
-  return copy_as(t, t->dtype, "CloneBackward");
-}
-
-eng_tensor* eng_tensor_contiguous(eng_tensor* t) {
-  ENG_CHECK(t, "contiguous");
-  if (eng_tensor_is_contiguous(t)) return eng_tensor_retain(t);
-  if (ENG_DT_ACTIVE(t->dist))
-    return eng_op_dispatch(ENG_OP_CLONE, &(eng_op_call){.name = "contiguous", .n_in = 1, .in = {t}, .ints = {1}});
-  return copy_as(t, t->dtype, "CloneBackward");
-}
-
-eng_tensor* eng_tensor_to_dtype(eng_tensor* t, int dtype) {
-  ENG_CHECK(t, "to");
-  if (dtype < 0 || dtype >= ENG_NUM_DTYPES) return eng_errp("to: invalid dtype code %d", dtype);
-  if (t->dtype == dtype) return eng_tensor_retain(t);
-  if (ENG_DT_ACTIVE(t->dist)) return eng_op_dispatch(ENG_OP_CAST, &(eng_op_call){.name = "to", .n_in = 1, .in = {t}, .ints = {dtype}});
-  return copy_as(t, dtype, "ToCopyBackward");
-}
 
 eng_tensor* eng_tensor_detach(eng_tensor* t) {
   ENG_CHECK(t, "detach");

@@ -40,7 +40,7 @@ int eng_tensor_checksum(const eng_tensor* t, uint64_t* out) {
   if (t->dist)
     return eng_err("checksum: %s is a DTensor; checksum its local shard (to_local()) or the full tensor "
                    "(full_tensor())", eng_desc(t));
-  eng_tensor* h = t->device == ENG_CPU ? eng_tensor_retain((eng_tensor*)t) : eng_tensor_to_device((eng_tensor*)t, ENG_CPU);
+  eng_tensor* h = t->device == ENG_CPU ? eng_tensor_retain((eng_tensor*)t) : eng_device_copy((eng_tensor*)t, ENG_CPU);
   if (!h) { eng_err_prefix("checksum"); return -1; }
   eng_tensor* c = eng_as_contig(h, h->dtype);
   eng_tensor_release(h);

@@ -5,5 +5,6 @@
 #include "autograd/grad_math.h"
 
 __attribute__((constructor)) static void install_grad_math(void) {
-  eng_autograd_set_math(&(eng_autograd_math){.add = eng_add, .add_ = eng_add_, .sum_to_shape = eng_sum_to_shape});
+  eng_autograd_set_math(&(eng_autograd_math){.add = eng_add, .add_ = eng_add_, .sum_to_shape = eng_sum_to_shape,
+                                           .clone = eng_tensor_clone, .to_dtype = eng_tensor_to_dtype});
 }
