@@ -5,6 +5,7 @@
  * single-threaded inside each part. */
 #include "kcpu.h"
 #include <cblas.h>
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -97,6 +98,57 @@ void kc_gemm(int dt, int ta, int tb, int64_t M, int64_t N, int64_t K, double alp
   gemm_blas(dt, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
 }
 
+/* C = bias rows (or 0) + A @ op(B) for row-major C [M, N] (ldc = N), then
+ * epi(ctx, r0, r1) on each finished block of rows of C, on the thread that
+ * computed it while the block is still in its cache.  The products are the
+ * ones kc_fill_rows + kc_gemm(beta = 1) (or kc_gemm(beta = 0)) would run, so C
+ * matches that pair bit for bit; a product split by columns (N > M) runs the
+ * epilogue afterwards, by blocks of rows over the pool. */
+typedef struct {
+  gemm_job g;
+  const void* bias;
+  kc_range_fn epi;
+  void* ectx;
+} gemm_epi_job;
+
+static void gemm_epi_part(void* vj, int64_t lo, int64_t hi) {
+  const gemm_epi_job* j = vj;
+  int64_t a = lo * GEMM_UNIT, b = hi * GEMM_UNIT < j->g.M ? hi * GEMM_UNIT : j->g.M;
+  if (a >= b) return;
+  if (j->bias) {
+    size_t es = j->g.dt == KC_F32 ? 4 : 8;
+    for (int64_t i = a; i < b; i++)
+      memcpy((char*)j->g.C + (size_t)(i * j->g.ldc) * es, j->bias, (size_t)j->g.N * es);
+  }
+  gemm_part((void*)&j->g, lo, hi);
+  j->epi(j->ectx, a, b);
+}
+
+typedef struct { kc_range_fn epi; void* ectx; } epi_rows_job;
+static void epi_rows_part(void* vj, int64_t lo, int64_t hi) {
+  const epi_rows_job* j = vj;
+  j->epi(j->ectx, lo, hi);
+}
+
+void kc_gemm_epi(int dt, int ta, int tb, int64_t M, int64_t N, int64_t K, const void* A, int64_t lda,
+                 const void* B, int64_t ldb, const void* bias, void* C, kc_range_fn epi, void* ectx) {
+  if (M <= 0 || N <= 0) return;
+  double beta = bias ? 1.0 : 0.0;
+  if (K > 0 && M * N * K >= GEMM_SPLIT_MIN && M >= 2 * GEMM_UNIT && M >= N && !kc_in_parallel() &&
+      kc_get_threads() > 1) {
+    gemm_epi_job j = {{dt, ta, tb, 1, M, N, K, 1.0, A, lda, B, ldb, beta, C, N}, bias, epi, ectx};
+    int64_t units = (M + GEMM_UNIT - 1) / GEMM_UNIT;
+    int64_t t = kc_get_threads();
+    kc_parallel_for(units, (units + t - 1) / t, gemm_epi_part, &j);
+    return;
+  }
+  if (bias) kc_fill_rows(dt, M, N, bias, C, N);
+  kc_gemm(dt, ta, tb, M, N, K, 1.0, A, lda, B, ldb, beta, C, N);
+  epi_rows_job r = {epi, ectx};
+  int64_t grain = 16384 / N;
+  kc_parallel_for(M, grain > 1 ? grain : 1, epi_rows_part, &r);
+}
+
 /* out[i, :] = bias for rows i < rows (row stride ld), rows split over the pool. */
 typedef struct { size_t es; int64_t n, ld; const void* bias; void* out; } fill_job;
 
@@ -172,6 +224,48 @@ void kc_sum_rows(int dt, int64_t rows, int64_t n, const void* g, int64_t ld, voi
       for (int64_t j = 0; j < n; j++) o[j] += r[j];
     }
   }
+}
+
+/* gelu backward fused with the bias gradient: gh = gy * gelu'(h) (op KU_GELU
+ * or KU_GELU_TANH) over rows x n contiguous, and gb[j] = sum_i gh[i, j] (gb
+ * NULL: none) in kc_sum_rows's order (blocks of SUM_BLK rows, their totals
+ * added in block order), so both equal the unfused pair bit for bit. */
+typedef struct { int dt, op; int64_t rows, n; const char *gy, *h; char* gh; float* part; } gelu_grad_job;
+
+static void gelu_grad_part(void* vj, int64_t lo, int64_t hi) {
+  const gelu_grad_job* j = vj;
+  size_t es = j->dt == KC_F32 ? 4 : 8, rb = (size_t)j->n * es;
+  for (int64_t b = lo; b < hi; b++) {
+    int64_t i0 = b * SUM_BLK, ni = j->rows - i0 < SUM_BLK ? j->rows - i0 : SUM_BLK;
+    for (int64_t i = i0; i < i0 + ni; i++)
+      kc_unary_grad_row(j->op, j->dt, j->n, j->gh + (size_t)i * rb, (int64_t)es, j->gy + (size_t)i * rb, (int64_t)es,
+                        j->h + (size_t)i * rb, (int64_t)es, j->h + (size_t)i * rb, (int64_t)es, NAN, NAN);
+    if (j->part) sum_block((const float*)(j->gh + (size_t)i0 * rb), j->n, ni, j->n, j->part + b * j->n);
+  }
+}
+
+void kc_gelu_bias_grad(int dt, int op, int64_t rows, int64_t n, const void* gy, const void* h, void* gh, void* gb) {
+  if (rows <= 0 || n <= 0) {
+    if (gb) memset(gb, 0, (size_t)(n > 0 ? n : 0) * (dt == KC_F32 ? 4 : 8));
+    return;
+  }
+  int64_t nb = (rows + SUM_BLK - 1) / SUM_BLK;
+  float* part = gb && dt == KC_F32 ? malloc((size_t)(nb * n) * sizeof *part) : NULL;
+  gelu_grad_job j = {dt, op, rows, n, gy, h, gh, part};
+  int64_t grain = (1 << 16) / (SUM_BLK * n);
+  kc_parallel_for(nb, grain > 1 ? grain : 1, gelu_grad_part, &j);
+  if (!gb) return;
+  if (!part) { kc_sum_rows(dt, rows, n, gh, n, gb); return; } /* f64, or no memory for the partials */
+  if (nb == 1) { /* kc_sum_rows's serial path: the same block sum into a zeroed total */
+    float* o = gb;
+    for (int64_t c = 0; c < n; c++) o[c] = 0.0f + part[c];
+  } else {
+    float* o = gb;
+    memset(o, 0, (size_t)n * sizeof *o);
+    for (int64_t b = 0; b < nb; b++)
+      for (int64_t c = 0; c < n; c++) o[c] += part[b * n + c];
+  }
+  free(part);
 }
 
 /* ------------------------------------------------------------ parallel batches */

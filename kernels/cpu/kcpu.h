@@ -137,6 +137,12 @@ void kc_norm_fwd(int dt, int rms, int64_t m, int64_t n, const void* x, const voi
  * accumulators, each may be NULL). */
 void kc_norm_bwd(int dt, int rms, int64_t m, int64_t n, const void* go, const void* x, const void* w,
                  const double* mean, const double* rstd, void* dx, double* dw, double* db);
+/* kc_norm_fwd of h = x + r (written to h, row by row just before its norm). */
+void kc_add_norm_fwd(int dt, int rms, int64_t m, int64_t n, const void* x, const void* r, void* h, const void* w,
+                     const void* b, double eps, void* y, double* mean, double* rstd);
+/* kc_norm_bwd with gres (may be NULL; needs dx) added to dx after it is computed. */
+void kc_norm_bwd_res(int dt, int rms, int64_t m, int64_t n, const void* go, const void* x, const void* w,
+                     const double* mean, const double* rstd, const void* gres, void* dx, double* dw, double* db);
 
 /* embedding.c: row gather / scatter-add; idx is i32 (idt 4) or i64 (5). */
 void kc_embedding_gather(int64_t n_idx, const void* idx, int idt, const char* w, int64_t row_bytes,
@@ -196,6 +202,16 @@ void kc_gemm(int dt, int ta, int tb, int64_t M, int64_t N, int64_t K, double alp
 void kc_fill_rows(int dt, int64_t rows, int64_t n, const void* bias, void* out, int64_t ld);
 /* out[j] = sum_i g[i, j] (row stride ld). */
 void kc_sum_rows(int dt, int64_t rows, int64_t n, const void* g, int64_t ld, void* out);
+/* C [M, N] (row-major, ldc = N) = bias rows (bias NULL: 0) + op(A) @ op(B), then
+ * epi(ctx, r0, r1) over every row of C in blocks, each run where its rows were
+ * computed (an epilogue while they are in cache).  C equals kc_fill_rows +
+ * kc_gemm(alpha 1, beta 1) (no bias: kc_gemm with beta 0) bit for bit. */
+void kc_gemm_epi(int dt, int ta, int tb, int64_t M, int64_t N, int64_t K, const void* A, int64_t lda,
+                 const void* B, int64_t ldb, const void* bias, void* C, kc_range_fn epi, void* ectx);
+/* gh = gy * gelu'(h) (op KU_GELU or KU_GELU_TANH; rows x n, contiguous) and,
+ * unless gb is NULL, gb = kc_sum_rows(gh), in one pass over the rows; both
+ * equal kc_unary_grad_row + kc_sum_rows bit for bit. */
+void kc_gelu_bias_grad(int dt, int op, int64_t rows, int64_t n, const void* gy, const void* h, void* gh, void* gb);
 /* Runs fn(ctx, lo, hi) over [0, n) in contiguous parts on the worker pool
  * (parallel.c) when threads > 1, each part's kc_gemm calls single-threaded:
  * for batches of small products, where splitting each product does not pay.

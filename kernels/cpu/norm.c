@@ -100,12 +100,30 @@ typedef struct {
   double *mean, *rstd, *pw, *pb;
   const double *cmean, *crstd;
   int64_t pstride;
+  const void* r;    /* forward with a residual: h = x + r is normalized (and written to h) */
+  void* h;
+  const void* gres; /* backward: added to dx (the gradient of h from its other uses) */
 } norm_job;
+
+/* h = x + r over rows [lo, hi) (the add of kc_binary_row, element by element) */
+static void add_rows(const norm_job* j, int64_t lo, int64_t hi) {
+  int64_t a = lo * j->n, e = hi * j->n;
+  if (j->dt == KC_F64) {
+    const double *x = j->x, *r = j->r;
+    double* h = j->h;
+    for (int64_t i = a; i < e; i++) h[i] = x[i] + r[i];
+  } else {
+    const float *x = j->x, *r = j->r;
+    float* h = j->h;
+    for (int64_t i = a; i < e; i++) h[i] = x[i] + r[i];
+  }
+}
 
 static void fwd_part(void* vj, int64_t lo, int64_t hi) {
   const norm_job* j = vj;
   size_t es = j->dt == KC_F64 ? 8 : 4;
-  const char* x = (const char*)j->x + (size_t)(lo * j->n) * es;
+  if (j->r) add_rows(j, lo, hi);
+  const char* x = (const char*)(j->r ? j->h : j->x) + (size_t)(lo * j->n) * es;
   char* y = (char*)j->y + (size_t)(lo * j->n) * es;
   double* mean = j->mean ? j->mean + lo : NULL;
   if (j->dt == KC_F64) fwd_f64(j->rms, hi - lo, j->n, (const double*)x, j->w, j->b, j->eps, (double*)y, mean, j->rstd + lo);
@@ -114,7 +132,12 @@ static void fwd_part(void* vj, int64_t lo, int64_t hi) {
 
 void kc_norm_fwd(int dt, int rms, int64_t m, int64_t n, const void* x, const void* w, const void* b,
                  double eps, void* y, double* mean, double* rstd) {
-  norm_job j = {dt, rms, m, n, x, w, b, NULL, eps, y, NULL, mean, rstd, NULL, NULL, NULL, NULL, 0};
+  kc_add_norm_fwd(dt, rms, m, n, x, NULL, NULL, w, b, eps, y, mean, rstd);
+}
+
+void kc_add_norm_fwd(int dt, int rms, int64_t m, int64_t n, const void* x, const void* r, void* h, const void* w,
+                     const void* b, double eps, void* y, double* mean, double* rstd) {
+  norm_job j = {dt, rms, m, n, x, w, b, NULL, eps, y, NULL, mean, rstd, NULL, NULL, NULL, NULL, 0, r, h, NULL};
   int64_t g = n > 0 ? ROW_GRAIN / n : m;
   kc_parallel_for(m, g > 1 ? g : 1, fwd_part, &j);
 }
@@ -137,13 +160,30 @@ static void bwd_part(void* vj, int64_t lo, int64_t hi) {
     else
       bwd_f32(j->rms, r1 - r0, j->n, (const float*)((const char*)j->go + off), (const float*)((const char*)j->x + off),
               j->w, mean, j->crstd + r0, dx, pw, pb);
+    if (dx && j->gres) { /* + the residual's gradient, after dx is stored (one rounding each, as two ops) */
+      int64_t cnt = (r1 - r0) * j->n;
+      if (j->dt == KC_F64) {
+        double* d = dx;
+        const double* g = (const double*)((const char*)j->gres + off);
+        for (int64_t i = 0; i < cnt; i++) d[i] = d[i] + g[i];
+      } else {
+        float* d = dx;
+        const float* g = (const float*)((const char*)j->gres + off);
+        for (int64_t i = 0; i < cnt; i++) d[i] = d[i] + g[i];
+      }
+    }
   }
 }
 
 void kc_norm_bwd(int dt, int rms, int64_t m, int64_t n, const void* go, const void* x, const void* w,
                  const double* mean, const double* rstd, void* dx, double* dw, double* db) {
+  kc_norm_bwd_res(dt, rms, m, n, go, x, w, mean, rstd, NULL, dx, dw, db);
+}
+
+void kc_norm_bwd_res(int dt, int rms, int64_t m, int64_t n, const void* go, const void* x, const void* w,
+                     const double* mean, const double* rstd, const void* gres, void* dx, double* dw, double* db) {
   int64_t nblk = (m + BLK - 1) / BLK;
-  norm_job j = {dt, rms, m, n, x, w, NULL, go, 0, NULL, dx, NULL, NULL, dw, db, mean, rstd, 0};
+  norm_job j = {dt, rms, m, n, x, w, NULL, go, 0, NULL, dx, NULL, NULL, dw, db, mean, rstd, 0, NULL, NULL, gres};
   double* part = NULL;
   if ((dw || db) && nblk > 1 && n > 0)
     part = calloc((size_t)nblk * (size_t)n * ((dw ? 1 : 0) + (db ? 1 : 0)), sizeof *part);

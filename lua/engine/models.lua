@@ -165,7 +165,20 @@ function FeedForward:__init(dim, hidden_dim, dropout_p)
   self.resid_dropout = nn.Dropout(dropout_p)
 end
 
+-- A module called as a plain function: no forward hooks (tensor parallelism, FSDP and user hooks
+-- install them) and its class's own forward.
+local hook_count = engine.C.eng_module_hook_count
+local function plain(m, class)
+  local cm = rawget(m, "_cmod")
+  return m.forward == class.forward and (cm == nil or (hook_count(cm, 0) == 0 and hook_count(cm, 1) == 0))
+end
+
 function FeedForward:forward(x)
+  local w1, gelu = self.w1, self.gelu
+  if plain(w1, nn.Linear) and plain(gelu, nn.GELU) then
+    -- w1 and its gelu as one op (F.linear_gelu: the same values and gradients; DTensors run the two ops)
+    return self.resid_dropout(self.w2(F.linear_gelu(x, w1.weight, w1.bias, gelu.approximate)))
+  end
   return self.resid_dropout(self.w2(self.gelu(self.w1(x))))
 end
 
@@ -182,8 +195,15 @@ function TransformerBlock:__init(args)
 end
 
 function TransformerBlock:forward(x)
-  local h = x + self.attention(self.attention_norm(x))
-  return h + self.feed_forward(self.ffn_norm(h))
+  local a = self.attention(self.attention_norm(x))
+  local norm = self.ffn_norm
+  if plain(norm, nn.LayerNorm) then
+    -- the residual add and ffn_norm as one op (F.add_layer_norm: the same values and gradients)
+    local n, h = F.add_layer_norm(x, a, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
+    return h + self.feed_forward(n)
+  end
+  local h = x + a
+  return h + self.feed_forward(norm(h))
 end
 
 -- ---------------------------------------------------------------- Transformer

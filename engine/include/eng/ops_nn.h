@@ -8,6 +8,11 @@ struct eng_pg; /* comm.h */
 eng_tensor* eng_matmul(eng_tensor* a, eng_tensor* b);
 /* x [..., in] @ w[out, in]^T + bias[out] (bias may be NULL). */
 eng_tensor* eng_linear(eng_tensor* x, eng_tensor* w, eng_tensor* bias);
+/* gelu(linear(x, w, bias)) (approximate: 0 exact (erf), 1 tanh) as one op on
+ * the CPU for f32/f64 (x at least 2-D): the gelu is the GEMM's epilogue, and
+ * backward fuses gelu's gradient with the bias gradient.  Equal to the
+ * composition bit for bit; DTensors, CUDA and other dtypes run the composition. */
+eng_tensor* eng_linear_gelu(eng_tensor* x, eng_tensor* w, eng_tensor* bias, int approximate);
 
 eng_tensor* eng_softmax(eng_tensor* t, int dim);
 eng_tensor* eng_log_softmax(eng_tensor* t, int dim);
@@ -15,6 +20,13 @@ eng_tensor* eng_log_softmax(eng_tensor* t, int dim);
  * may be NULL. */
 eng_tensor* eng_layer_norm(eng_tensor* x, int n_norm, eng_tensor* weight, eng_tensor* bias, double eps);
 eng_tensor* eng_rms_norm(eng_tensor* x, int n_norm, eng_tensor* weight, double eps);
+/* h = x + r and y = layer_norm(h, ...) as one op (a pre-norm block's residual add and the norm after it):
+ * returns y (new reference) and sets *sum to h (new reference).  On the CPU for f32/f64 with x and r of one
+ * shape and dtype, one pass forward and one backward (h's gradient from its other uses is added in the
+ * norm's backward pass); everything else (DTensors, CUDA, broadcasting, other dtypes) runs eng_add then
+ * eng_layer_norm.  Values and gradients equal that composition. */
+eng_tensor* eng_add_layer_norm(eng_tensor* x, eng_tensor* r, int n_norm, eng_tensor* weight, eng_tensor* bias,
+                               double eps, eng_tensor** sum);
 /* weight [num, dim], indices i32/i64 of any shape -> [..., dim].
  * padding_idx < 0: none. */
 eng_tensor* eng_embedding(eng_tensor* weight, eng_tensor* indices, int64_t padding_idx);

@@ -11,6 +11,7 @@
 #include "kernels/cpu/kcpu.h"
 #include "cuda/cuda_ops.h"
 #include <limits.h>
+#include <math.h>
 #include <stdio.h>
 
 void eng_mview_of(const eng_tensor* t, int vec, int nb, const int64_t* bshape, eng_mview* m) {
@@ -381,19 +382,22 @@ static void lin_tasks_run(void* vt, int64_t lo, int64_t hi) {
   }
 }
 
-static int linear_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
+/* Linear's backward for the output gradient g0 (inputs x, w[, bias] saved
+ * as 0, 1).  gb0: the bias gradient when the caller has it already (the
+ * fused linear + gelu), else it is the column sums of g0. */
+static int linear_bw_g(eng_node* n, eng_tensor* g0, eng_tensor* gb0, eng_tensor** gi) {
   eng_tensor *x = eng_node_saved(n, 0), *w = eng_node_saved(n, 1);
   if (!x || !w) return -1;
   lin_plan p;
   lin_plan_make(x, &p);
-  if (eng_cu_same_device(n->name, x, go[0])) return -1;
+  if (eng_cu_same_device(n->name, x, g0)) return -1;
   int cdt = mm_cdt(x), dev = x->device;
   eng_tensor *G = NULL, *X = NULL, *W = NULL, *hg = NULL, *hx = NULL, *hw = NULL;
   eng_tensor *gx = NULL, *gw = NULL, *gb = NULL;
   int rc = -1, nt = 0;
   lin_task task[2];
   eng_mview vg, vx, vw, vc;
-  if (!(G = in_dtype(go[0], cdt)) || eng_mview_prep(G, p.vec, 0, p.nb, p.bshape, &vg, &hg)) goto done;
+  if (!(G = in_dtype(g0, cdt)) || eng_mview_prep(G, p.vec, 0, p.nb, p.bshape, &vg, &hg)) goto done;
   int zero = eng_shape_numel(p.nb, p.bshape) == 0;
   int need_x = eng_node_needs_grad(n, 0), need_w = eng_node_needs_grad(n, 1);
   if (need_x) { /* gx = g @ w, summed straight into x's gradient buffer when it has one */
@@ -423,7 +427,9 @@ static int linear_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
   }
   if (need_x && !(gi[0] = eng_grad_to_input(n, 0, gx))) goto done;
   if (need_w && !(gi[1] = eng_grad_to_input(n, 1, gw))) goto done;
-  if (n->n_inputs > 2 && eng_node_needs_grad(n, 2)) { /* gb = column sums of g */
+  if (n->n_inputs > 2 && eng_node_needs_grad(n, 2) && gb0) {
+    if (!(gi[2] = eng_grad_to_input(n, 2, gb0))) goto done;
+  } else if (n->n_inputs > 2 && eng_node_needs_grad(n, 2)) { /* gb = column sums of g */
     eng_tensor* Gc = eng_as_contig(hg ? hg : G, cdt);
     int64_t of = w->shape[0];
     if (!Gc || !(gb = eng_new(1, &of, cdt, w->device))) { eng_tensor_release(Gc); goto done; }
@@ -442,6 +448,8 @@ done:
   eng_tensor_release(gx); eng_tensor_release(gw); eng_tensor_release(gb);
   return rc;
 }
+
+static int linear_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) { return linear_bw_g(n, go[0], NULL, gi); }
 
 eng_tensor* eng_linear(eng_tensor* x, eng_tensor* w, eng_tensor* bias) {
   ENG_CHECK(x, "linear"); ENG_CHECK(w, "linear");
@@ -508,5 +516,88 @@ eng_tensor* eng_linear(eng_tensor* x, eng_tensor* w, eng_tensor* bias) {
 fail:
   eng_tensor_release(X); eng_tensor_release(W); eng_tensor_release(Bi);
   eng_tensor_release(hx); eng_tensor_release(hw); eng_tensor_release(out);
+  return NULL;
+}
+
+/* ------------------------------------------------------------------ linear + gelu */
+/* gelu(x @ w^T + bias) as one op on the CPU (f32, f64): the gelu runs as the
+ * GEMM's epilogue on each block of rows the thread just computed, and its
+ * backward computes gelu's gradient and the bias gradient in one pass before
+ * linear's two products.  Saved: x, w, the pre-activation h.  Values and
+ * gradients equal eng_gelu(eng_linear(x, w, bias)) bit for bit; every other
+ * case (DTensors, meta, CUDA, other dtypes) runs that composition. */
+typedef struct { int dt, op; int64_t n; char *h, *y; } lg_epi;
+
+static void lg_epi_rows(void* vc, int64_t r0, int64_t r1) {
+  const lg_epi* c = vc;
+  size_t rb = (size_t)c->n * (c->dt == ENG_F32 ? 4 : 8);
+  for (int64_t i = r0; i < r1; i++) {
+    int64_t es = c->dt == ENG_F32 ? 4 : 8;
+    kc_unary_row(c->op, c->dt, c->n, c->y + (size_t)i * rb, es, c->h + (size_t)i * rb, es, NAN, NAN);
+  }
+}
+
+/* saved: 0 x, 1 w, 2 h.  ints: 0 the gelu kernel op. */
+static int linear_gelu_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
+  eng_tensor* h = eng_node_saved(n, 2);
+  if (!h) return -1;
+  int dt = h->dtype;
+  int64_t of = h->shape[h->ndim - 1], rows = of ? h->numel / of : 0;
+  int need_b = n->n_inputs > 2 && eng_node_needs_grad(n, 2);
+  eng_tensor* G = eng_as_contig(go[0], dt);
+  eng_tensor* gh = G ? eng_new(h->ndim, h->shape, dt, h->device) : NULL;
+  eng_tensor* gb = need_b ? eng_new(1, &of, dt, h->device) : NULL;
+  int rc = -1;
+  if (G && gh && (!need_b || gb)) {
+    kc_gelu_bias_grad(dt, (int)n->ints[0], rows, of, eng_ptr(G), eng_ptr(h), (void*)eng_ptr(gh),
+                      gb ? (void*)eng_ptr(gb) : NULL);
+    rc = linear_bw_g(n, gh, gb, gi);
+  }
+  eng_tensor_release(G); eng_tensor_release(gh); eng_tensor_release(gb);
+  return rc;
+}
+
+eng_tensor* eng_linear_gelu(eng_tensor* x, eng_tensor* w, eng_tensor* bias, int approximate) {
+  ENG_CHECK(x, "linear_gelu"); ENG_CHECK(w, "linear_gelu");
+  if (approximate != 0 && approximate != 1)
+    return eng_errp("linear_gelu: approximate must be 0 (exact, erf) or 1 (tanh), got %d", approximate);
+  int fused = x->device == ENG_CPU && w->device == ENG_CPU && (!bias || bias->device == ENG_CPU) &&
+              !x->dist && !w->dist && !(bias && bias->dist) && (x->dtype == ENG_F32 || x->dtype == ENG_F64) &&
+              w->dtype == x->dtype && (!bias || bias->dtype == x->dtype) && x->ndim >= 2 && w->ndim == 2 &&
+              w->shape[1] == x->shape[x->ndim - 1] && (!bias || (bias->ndim == 1 && bias->shape[0] == w->shape[0]));
+  if (!fused) { /* the composition: its ops check, dispatch DTensors and run other devices */
+    eng_tensor* h = eng_linear(x, w, bias);
+    if (!h) return NULL;
+    eng_tensor* y = eng_gelu(h, approximate);
+    eng_tensor_release(h);
+    return y;
+  }
+  int dt = x->dtype;
+  int64_t in_f = w->shape[1], out_f = w->shape[0], rows = in_f ? x->numel / in_f : 0;
+  if (!in_f) rows = eng_shape_numel(x->ndim - 1, x->shape);
+  int64_t oshape[ENG_MAX_DIMS];
+  for (int d = 0; d < x->ndim - 1; d++) oshape[d] = x->shape[d];
+  oshape[x->ndim - 1] = out_f;
+  eng_tensor *X = eng_as_contig(x, dt), *W = X ? eng_as_contig(w, dt) : NULL, *Bi = NULL;
+  eng_tensor *h = NULL, *y = NULL;
+  if (!X || !W || (bias && !(Bi = eng_as_contig(bias, dt)))) goto fail;
+  if (!(h = eng_new(x->ndim, oshape, dt, x->device)) || !(y = eng_new(x->ndim, oshape, dt, x->device))) goto fail;
+  lg_epi e = {dt, approximate ? KU_GELU_TANH : KU_GELU, out_f, (char*)eng_ptr(h), (char*)eng_ptr(y)};
+  kc_gemm_epi(dt, 0, 1, rows, out_f, in_f, eng_ptr(X), in_f, eng_ptr(W), in_f, Bi ? eng_ptr(Bi) : NULL,
+              (void*)eng_ptr(h), lg_epi_rows, &e);
+  eng_tensor_release(X); eng_tensor_release(W); eng_tensor_release(Bi);
+  X = W = Bi = NULL;
+  eng_tensor* in[3] = {x, w, bias};
+  int nin = bias ? 3 : 2;
+  if (eng_any_requires_grad(nin, in)) {
+    eng_node* nd = eng_record("LinearGeluBackward", linear_gelu_bw, nin, in, y);
+    if (!nd || eng_node_save(nd, x) || eng_node_save(nd, w) || eng_node_save(nd, h)) goto fail;
+    nd->ints[0] = e.op;
+  }
+  eng_tensor_release(h);
+  return y;
+fail:
+  eng_tensor_release(X); eng_tensor_release(W); eng_tensor_release(Bi);
+  eng_tensor_release(h); eng_tensor_release(y);
   return NULL;
 }

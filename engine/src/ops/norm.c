@@ -131,3 +131,104 @@ eng_tensor* eng_layer_norm(eng_tensor* x, int n_norm, eng_tensor* weight, eng_te
 eng_tensor* eng_rms_norm(eng_tensor* x, int n_norm, eng_tensor* weight, double eps) {
   return norm("rms_norm", 1, x, n_norm, weight, NULL, eps);
 }
+
+/* ------------------------------------------------------------------ add + layer_norm */
+/* h = x + r and y = layer_norm(h) as one op (the pre-norm block's residual
+ * add and the norm after it): one pass over the rows forward; backward adds
+ * h's gradient from its other uses (go[0]) into the norm's input gradient in
+ * the same pass, and gives that sum to x and r.  saved: 0 h, 1 w, 2 mean,
+ * 3 rstd; inputs 0 x, 1 r, 2 w, 3 b; outputs 0 h, 1 y; ints as norm_bw. */
+static int add_norm_bw(eng_node* nd, eng_tensor** go, eng_tensor** gi) {
+  int64_t m = nd->ints[1], n = nd->ints[2];
+  int cdt = (int)nd->ints[3];
+  eng_tensor *h = eng_node_saved(nd, 0), *w = eng_node_saved(nd, 1);
+  eng_tensor *mean = eng_node_saved(nd, 2), *rstd = eng_node_saved(nd, 3);
+  if (!h || !mean || !rstd || (nd->ints[4] && !w)) return -1;
+  int need_x = eng_node_needs_grad(nd, 0), need_r = eng_node_needs_grad(nd, 1);
+  int need_w = w && eng_node_needs_grad(nd, 2), need_b = eng_node_needs_grad(nd, 3);
+  if (!go[1]) { /* only h's gradient: the add's backward */
+    if (need_x && !(gi[0] = eng_grad_to_input(nd, 0, go[0]))) return -1;
+    if (need_r && !(gi[1] = eng_grad_to_input(nd, 1, go[0]))) return -1;
+    return 0;
+  }
+  eng_tensor *G = eng_as_contig(go[1], cdt), *R = go[0] ? eng_as_contig(go[0], cdt) : NULL;
+  eng_tensor* W = w ? eng_as_contig(w, cdt) : NULL;
+  eng_tensor* dx = need_x || need_r ? eng_new(h->ndim, h->shape, cdt, h->device) : NULL;
+  double* dw = need_w ? calloc((size_t)(n > 0 ? n : 1), sizeof(double)) : NULL;
+  double* db = need_b ? calloc((size_t)(n > 0 ? n : 1), sizeof(double)) : NULL;
+  int rc = -1;
+  if ((need_w && !dw) || (need_b && !db)) { eng_err("%s: out of memory", nd->name); goto done; }
+  if (!G || (go[0] && !R) || (w && !W) || ((need_x || need_r) && !dx)) goto done;
+  kc_norm_bwd_res(cdt, 0, m, n, eng_ptr(G), eng_ptr(h), W ? eng_ptr(W) : NULL, (const double*)eng_ptr(mean),
+                  (const double*)eng_ptr(rstd), R ? eng_ptr(R) : NULL, dx ? eng_ptr(dx) : NULL, dw, db);
+  if (need_x && !(gi[0] = eng_grad_to_input(nd, 0, dx))) goto done;
+  if (need_r && !(gi[1] = eng_grad_to_input(nd, 1, dx))) goto done;
+  for (int k = 0; k < 2; k++) {
+    double* acc = k == 0 ? dw : db;
+    if (!acc) continue;
+    int slot = k + 2;
+    eng_tensor* t = eng_new(eng_node_in_ndim(nd, slot), eng_node_in_shape(nd, slot), cdt, h->device);
+    if (!t) goto done;
+    kc_convert(n, eng_ptr(t), cdt, acc, KC_F64);
+    gi[slot] = eng_grad_to_input(nd, slot, t);
+    eng_tensor_release(t);
+    if (!gi[slot]) goto done;
+  }
+  rc = 0;
+done:
+  eng_tensor_release(G); eng_tensor_release(R); eng_tensor_release(W); eng_tensor_release(dx);
+  free(dw); free(db);
+  return rc;
+}
+
+eng_tensor* eng_add_layer_norm(eng_tensor* x, eng_tensor* r, int n_norm, eng_tensor* weight, eng_tensor* bias,
+                               double eps, eng_tensor** sum) {
+  const char* op = "add_layer_norm";
+  ENG_CHECK(x, op); ENG_CHECK(r, op);
+  if (!sum) return eng_errp("%s: sum (the output h = x + r) must not be NULL", op);
+  *sum = NULL;
+  int fused = x->device == ENG_CPU && r->device == ENG_CPU && !x->dist && !r->dist &&
+              (x->dtype == ENG_F32 || x->dtype == ENG_F64) && r->dtype == x->dtype && eng_same_shape(x, r) &&
+              n_norm >= 1 && n_norm <= x->ndim && eps >= 0.0 && isfinite(eps);
+  eng_tensor* p[2] = {weight, bias};
+  for (int k = 0; k < 2; k++)
+    if (p[k] && (p[k]->device != ENG_CPU || p[k]->dist || p[k]->dtype != x->dtype)) fused = 0;
+  if (!fused) { /* the composition: its ops check, dispatch DTensors and run other devices */
+    eng_tensor* h = eng_add(x, r);
+    if (!h) return NULL;
+    eng_tensor* y = eng_layer_norm(h, n_norm, weight, bias, eps);
+    if (!y) { eng_tensor_release(h); return NULL; }
+    *sum = h;
+    return y;
+  }
+  if (check_param(op, "weight", x, n_norm, weight) || check_param(op, "bias", x, n_norm, bias)) return NULL;
+  int cdt = x->dtype;
+  int64_t n = 1, m = 1;
+  for (int d = 0; d < x->ndim; d++) { if (d < x->ndim - n_norm) m *= x->shape[d]; else n *= x->shape[d]; }
+  eng_tensor *X = eng_as_contig(x, cdt), *R = eng_as_contig(r, cdt);
+  eng_tensor *W = weight ? eng_as_contig(weight, cdt) : NULL, *B = bias ? eng_as_contig(bias, cdt) : NULL;
+  eng_tensor* h = eng_new(x->ndim, x->shape, cdt, x->device);
+  eng_tensor* y = eng_new(x->ndim, x->shape, cdt, x->device);
+  eng_tensor* mean = eng_new(1, &m, ENG_F64, x->device);
+  eng_tensor* rstd = eng_new(1, &m, ENG_F64, x->device);
+  int ok = 0;
+  if (!X || !R || (weight && !W) || (bias && !B) || !h || !y || !mean || !rstd) goto done;
+  kc_add_norm_fwd(cdt, 0, m, n, eng_ptr(X), eng_ptr(R), eng_ptr(h), W ? eng_ptr(W) : NULL, B ? eng_ptr(B) : NULL,
+                  eps, eng_ptr(y), (double*)eng_ptr(mean), (double*)eng_ptr(rstd));
+  eng_tensor* in[4] = {x, r, weight, bias};
+  if (eng_any_requires_grad(4, in)) {
+    eng_tensor* outs[2] = {h, y};
+    eng_node* nd = eng_record_multi("AddLayerNormBackward", add_norm_bw, 4, in, 2, outs);
+    if (!nd || eng_node_save(nd, h) || eng_node_save(nd, weight) || eng_node_save(nd, mean) ||
+        eng_node_save(nd, rstd))
+      goto done;
+    nd->ints[0] = 0; nd->ints[1] = m; nd->ints[2] = n; nd->ints[3] = cdt; nd->ints[4] = weight != NULL;
+  }
+  ok = 1;
+done:
+  eng_tensor_release(X); eng_tensor_release(R); eng_tensor_release(W); eng_tensor_release(B);
+  eng_tensor_release(mean); eng_tensor_release(rstd);
+  if (!ok) { eng_tensor_release(h); eng_tensor_release(y); return NULL; }
+  *sum = h;
+  return y;
+}

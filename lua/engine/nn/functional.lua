@@ -18,6 +18,13 @@ function F.linear(x, weight, bias)
   return engine.linear(x, weight, bias)
 end
 
+-- linear_gelu(x, weight [, bias [, approximate = "none" | "tanh"]]): gelu(linear(x, weight, bias)) as one op
+-- (the gelu is the GEMM's epilogue on the CPU; the same values and gradients as the two ops)
+function F.linear_gelu(x, weight, bias, approximate)
+  if type(approximate) == "table" then approximate = approximate.approximate end
+  return engine.linear_gelu(x, weight, bias, approximate)
+end
+
 function F.relu(x) need_tensor(x, "relu", 1); return x:relu() end
 function F.silu(x) need_tensor(x, "silu", 1); return x:silu() end
 function F.tanh(x) need_tensor(x, "tanh", 1); return x:tanh() end
@@ -41,6 +48,12 @@ function F.log_softmax(x, dim)
   need_tensor(x, "log_softmax", 1)
   if dim == nil then error("log_softmax: dim is required (1-based; -1 is the last dim)", 2) end
   return x:log_softmax(dim)
+end
+
+-- add_layer_norm(x, r, normalized_shape, weight, bias [, eps = 1e-5]) -> y, h: h = x + r and y = layer_norm(h)
+-- as one op (a pre-norm block's residual add and its next norm; the same values and gradients as the two ops)
+function F.add_layer_norm(x, r, normalized_shape, weight, bias, eps)
+  return engine.add_layer_norm(x, r, normalized_shape, weight, bias, eps or 1e-5)
 end
 
 -- layer_norm(x, normalized_shape, weight, bias [, eps = 1e-5])

@@ -57,6 +57,17 @@ function M.linear(x, w, b)
   return wrap(C.eng_linear(ct(x, "linear", 1), ct(w, "linear", 2), ct_opt(b, "linear", 3)))
 end
 
+-- linear_gelu(x, w [, b [, approximate = "none" | "tanh"]]) = gelu(linear(x, w, b)), fused on the CPU
+-- (eng_linear_gelu): the same values and gradients, one pass fewer over the activations each way.
+function M.linear_gelu(x, w, b, approximate)
+  local a = approximate == nil and "none" or approximate
+  if a ~= "none" and a ~= "tanh" then
+    error("linear_gelu: approximate must be \"none\" or \"tanh\", got " .. tostring(approximate), 2)
+  end
+  return wrap(C.eng_linear_gelu(ct(x, "linear_gelu", 1), ct(w, "linear_gelu", 2), ct_opt(b, "linear_gelu", 3),
+    a == "tanh" and 1 or 0))
+end
+
 -- ============================================================ softmax / log_softmax
 local function softmax_fn(name, cfun)
   return function(t, d)
@@ -216,6 +227,23 @@ function M.layer_norm(x, normalized_shape, weight, bias, eps)
   local n = c2_norm_dims(op, cx, normalized_shape)
   if eps ~= nil and type(eps) ~= "number" then error(op .. ": eps must be a number", 2) end
   return wrap(C.eng_layer_norm(cx, n, ct_opt(weight, op, 3), ct_opt(bias, op, 4), eps or 1e-5))
+end
+
+-- add_layer_norm(x, r, normalized_shape, weight, bias [, eps = 1e-5]) -> y, h: h = x + r and
+-- y = layer_norm(h) as one op (eng_add_layer_norm: one pass each way on the CPU; the same values and
+-- gradients as the add and the norm).
+local sum_out = c2_ffi.new("eng_tensor*[1]")
+function M.add_layer_norm(x, r, normalized_shape, weight, bias, eps)
+  local op = "add_layer_norm"
+  local cx, cr = ct(x, op, 1), ct(r, op, 2)
+  local n = c2_norm_dims(op, cx, normalized_shape)
+  if eps ~= nil and type(eps) ~= "number" then error(op .. ": eps must be a number", 2) end
+  sum_out[0] = nil
+  local y = C.eng_add_layer_norm(cx, cr, n, ct_opt(weight, op, 4), ct_opt(bias, op, 5), eps or 1e-5, sum_out)
+  local h = sum_out[0]
+  sum_out[0] = nil
+  y = wrap(y)
+  return y, wrap(h)
 end
 
 local c2_finfo_eps = { [0] = 1.1920928955078125e-07, 2.220446049250313e-16, 0.0078125, 0.0009765625 }
