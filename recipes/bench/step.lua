@@ -2,9 +2,12 @@
 --
 --   build/engine recipes/bench/step.lua [--steps=20] [--warmup=3] [--threads=2] [--torch=1]
 --       [--n_layers=4] [--dim=256] [--n_heads=4] [--seq=128] [--batch=8] [--gemm_reps=5]
---       [--model=gpt|llama] [--n_kv_heads=2] [--multiple_of=256]
+--       [--model=gpt|llama] [--n_kv_heads=2] [--multiple_of=256] [--fused=1]
 --   make bench
 --
+-- --fused=0 runs the GPT through the unfused ops (a no-op forward hook on each block's w1 and ffn_norm makes the
+-- blocks call linear, gelu, add and layer_norm one by one instead of linear_gelu and add_layer_norm): the
+-- before/after of those fusions in one build.
 -- --model=llama times nn.Llama (torchtitan's model: RMSNorm, rotary, grouped-query attention with
 -- --n_kv_heads k/v heads, SwiGLU of hidden size multiple_of-rounded 8 dim / 3, untied output) at the same
 -- size, its GEMM floor over its own Linear shapes, and PyTorch 2.x running the same model
@@ -18,9 +21,10 @@
 --      step (each Linear's forward x W^T, grad-input g W and grad-weight g^T x at M = batch x seq),
 --      and 6 x params x tokens / that rate: the time a step would take if it were nothing but GEMMs
 --      at that rate.  Also the measured time of those GEMMs themselves (attention excluded).
---   3. PyTorch: tools/bench_step_torch.py with the same model, batch and init under /usr/bin/python3
---      (torch.set_num_threads(1), OpenBLAS with --threads threads), when torch is importable there;
---      both medians and the ratio.
+--   3. PyTorch: tools/bench_step_torch.py with the same model, batch and init under tools/.venv/bin/python
+--      (PyTorch 2.x from tools/install-torch.sh, MKL, torch.set_num_threads(--threads)), else under
+--      /usr/bin/python3 (torch.set_num_threads(1), OpenBLAS with --threads threads) when torch is importable
+--      there; both medians and the ratio.
 -- The BLAS core and why it runs (engine.blas_core()) and thread counts are logged: OPENBLAS_CORETYPE changes
 -- sgemm speed by up to 1.8x on the same machine (shared/reference/environment.md section 5).
 local engine = require("engine")
@@ -28,7 +32,7 @@ local nn, optim = engine.nn, engine.optim
 local F = nn.functional
 
 local o = { steps = 20, warmup = 3, threads = 2, torch = 1, n_layers = 4, dim = 256, n_heads = 4, seq = 128,
-  batch = 8, vocab = 256, gemm_reps = 5, model = "gpt", n_kv_heads = 2, multiple_of = 256 }
+  batch = 8, vocab = 256, gemm_reps = 5, model = "gpt", n_kv_heads = 2, multiple_of = 256, fused = 1 }
 for _, a in ipairs(arg or {}) do
   local k, v = a:match("^%-%-([%w_]+)=(.*)$")
   if not k or o[k] == nil then
@@ -71,6 +75,12 @@ else
     max_seq_len = o.seq, dropout_p = 0 }
   for name, p in model:named_parameters() do  -- GPT-2 style init, as recipes/gpt.lua and the torch script
     if name:match("embeddings%.weight$") then nn.init.normal_(p, 0, 0.02) end
+  end
+  if o.fused == 0 then
+    for _, layer in ipairs(model.layers) do
+      layer.feed_forward.w1:register_forward_hook(function() end)
+      layer.ffn_norm:register_forward_hook(function() end)
+    end
   end
 end
 model:train()
@@ -179,14 +189,21 @@ if o.torch ~= 0 and llama then
     print("bench/step: no torch 2.x in tools/.venv (tools/install-torch.sh): PyTorch baseline skipped")
   end
 elseif o.torch ~= 0 then
-  local has = os.execute("/usr/bin/python3 -c 'import torch' >/dev/null 2>&1")
+  -- PyTorch 2.x from tools/.venv (tools/install-torch.sh: MKL, torch.set_num_threads(--threads)) when it is
+  -- there, else the system's torch (Debian's: OpenBLAS at --threads threads, one torch thread)
+  local home = (ENGINE_HOME and ENGINE_HOME ~= "") and ENGINE_HOME or "."
+  local venv = home .. "/tools/.venv/bin/python"
+  local has_venv = os.execute("'" .. venv .. "' -c 'import torch' >/dev/null 2>&1")
+  has_venv = has_venv == 0 or has_venv == true
+  local has = has_venv or os.execute("/usr/bin/python3 -c 'import torch' >/dev/null 2>&1")
   if has == 0 or has == true then
     collectgarbage()
-    local home = (ENGINE_HOME and ENGINE_HOME ~= "") and ENGINE_HOME or "."
-    local cmd = string.format("OPENBLAS_NUM_THREADS=%d /usr/bin/python3 '%s/tools/bench_step_torch.py' "
-      .. "--steps=%d --warmup=%d --torch_threads=1 --blas_threads=%d --n_layers=%d --dim=%d --n_heads=%d "
-      .. "--seq=%d --batch=%d --vocab=%d 2>&1", o.threads, home, o.steps, o.warmup, o.threads, o.n_layers, o.dim,
-      o.n_heads, o.seq, o.batch, o.vocab)
+    local py = has_venv and venv or "/usr/bin/python3"
+    local tt = has_venv and o.threads or 1
+    local cmd = string.format("OMP_NUM_THREADS=%d MKL_NUM_THREADS=%d OPENBLAS_NUM_THREADS=%d '%s' "
+      .. "'%s/tools/bench_step_torch.py' --steps=%d --warmup=%d --torch_threads=%d --blas_threads=%d "
+      .. "--n_layers=%d --dim=%d --n_heads=%d --seq=%d --batch=%d --vocab=%d 2>&1", tt, o.threads, o.threads, py,
+      home, o.steps, o.warmup, tt, o.threads, o.n_layers, o.dim, o.n_heads, o.seq, o.batch, o.vocab)
     local p = io.popen(cmd)
     local out = p:read("*a")
     p:close()
@@ -194,11 +211,11 @@ elseif o.torch ~= 0 then
     torch_ms = tonumber(out:match("torch_step_ms median=([%d%.]+)"))
     if not torch_ms then print("bench/step: the PyTorch benchmark failed (output above)") end
   else
-    print("bench/step: /usr/bin/python3 has no torch (tools/install-deps.sh --torch): PyTorch baseline skipped")
+    print("bench/step: no torch in tools/.venv (tools/install-torch.sh) or /usr/bin/python3: PyTorch baseline skipped")
   end
 end
 
-print(string.format("summary: engine %.1f ms/step | GEMM floor %.1f ms (%.1f GFLOP/s) | PyTorch %s | "
-  .. "engine/PyTorch %s | BLAS %s, %d threads", eng_ms, floor_ms, rate / 1e9,
+print(string.format("summary: engine%s %.1f ms/step | GEMM floor %.1f ms (%.1f GFLOP/s) | PyTorch %s | "
+  .. "engine/PyTorch %s | BLAS %s, %d threads", o.fused == 0 and " (unfused)" or "", eng_ms, floor_ms, rate / 1e9,
   torch_ms and string.format("%.1f ms/step", torch_ms) or "n/a",
   torch_ms and string.format("%.2f", eng_ms / torch_ms) or "n/a", engine.blas_corename(), o.threads))
