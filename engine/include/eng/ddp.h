@@ -21,6 +21,10 @@ typedef struct eng_ddp eng_ddp;
  * must pass the same shapes and dtypes in the same order (checked: one agreement over pg, the same error on every
  * member).  bucket_bytes <= 0: 25 MiB.  NULL and an error on failure. */
 eng_ddp* eng_ddp_new(eng_pg* pg, int n, eng_tensor** params, int64_t bucket_bytes);
+/* The same reducer for DTensor data parallelism: params are DTensors (Replicate over pg's ranks) whose gradients
+ * arrive as this rank's partial sums (leaves marked with eng_dtensor_set_grad_deferred); each bucket is ONE
+ * all_reduce (sum), so .grad ends with the reduced value, as the per-parameter Partial -> Replicate would give. */
+eng_ddp* eng_ddp_new_partial(eng_pg* pg, int n, eng_tensor** params, int64_t bucket_bytes);
 eng_ddp* eng_ddp_retain(eng_ddp* d);
 void eng_ddp_release(eng_ddp* d);
 /* no_sync: 0 keeps gradients local (accumulating), 1 (the default) reduces in the next backward. */

@@ -254,6 +254,12 @@ int eng_dtensor_wrap_output(eng_tensor* out, eng_dist_spec* spec);
  * with the adjoint spec (Partial -> Replicate). */
 eng_tensor* eng_dtensor_ones_grad(eng_tensor* t);
 
+/* DTensor data parallelism with buckets: while marked (on != 0), the DTensor leaf takes each gradient as this rank's
+ * partial sum in its own layout, with no communication at AccumulateGrad (a Partial(sum) gradient keeps its local
+ * values; a Replicate one counts on the first rank of each mesh dim, zeros elsewhere); a bucketing reducer
+ * (eng_ddp_new_partial) sums it over the group.  Returns the previous mark, -1 on error. */
+int eng_dtensor_set_grad_deferred(eng_tensor* leaf, int on);
+
 /* ---- async */
 /* Waits for a pending async redistribute whose result shares t's storage
  * (no-op otherwise). */

@@ -34,6 +34,7 @@ struct eng_ddp {
   int next;          /* next bucket to start */
   int require_sync;
   int queued;        /* the end-of-backward callback is queued */
+  int partial;       /* DTensor data parallelism: gradients are partial sums, each bucket all_reduce(sum) */
   int64_t stat_coll, stat_bytes, run_coll, run_bytes;
 };
 
@@ -48,7 +49,8 @@ static eng_tensor* slice_of(const eng_ddp* d, int i) {
 /* Start bucket k's all_reduce (avg). */
 static int start(eng_ddp* d, int k) {
   bucket* b = &d->b[k];
-  if (eng_pg_all_reduce(d->pg, b->buf, ENG_REDUCE_AVG, &b->work)) {
+  if (d->partial && eng_pg_size(d->pg) == 1) return 0; /* as the DTensor path: a group of one rank issues nothing */
+  if (eng_pg_all_reduce(d->pg, b->buf, d->partial ? ENG_REDUCE_SUM : ENG_REDUCE_AVG, &b->work)) {
     eng_err_prefix("DistributedDataParallel: bucket %d of %d (%d parameters)", k, d->nb, b->n);
     return -1;
   }
@@ -139,8 +141,8 @@ static int post_acc(eng_tensor* t, eng_tensor* grad, eng_tensor** out, void* ud)
 
 static uint64_t mix(uint64_t h, uint64_t v) { h ^= v + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2); return h; }
 
-eng_ddp* eng_ddp_new(eng_pg* pg, int n, eng_tensor** params, int64_t bucket_bytes) {
-  const char* op = "DistributedDataParallel";
+static eng_ddp* make(eng_pg* pg, int n, eng_tensor** params, int64_t bucket_bytes, int partial) {
+  const char* op = partial ? "replicate_parameters (bucketed)" : "DistributedDataParallel";
   if (!pg) return eng_errp("%s: process group is NULL", op);
   if (n < 0 || (n > 0 && !params)) return eng_errp("%s: %d parameters given without a list", op, n);
   if (bucket_bytes <= 0) bucket_bytes = DEFAULT_BUCKET_BYTES;
@@ -150,8 +152,12 @@ eng_ddp* eng_ddp_new(eng_pg* pg, int n, eng_tensor** params, int64_t bucket_byte
   for (int i = 0; i < n && !err; i++) {
     eng_tensor* p = params[i];
     if (!p) { err = 1; eng_err("%s: parameter %d is NULL", op, i); break; }
-    if (p->dist) { err = 1; eng_err("%s: parameter %d is a DTensor %s: DistributedDataParallel takes plain tensors (use "
-                                    "replicate_parameters or fully_shard for DTensors)", op, i, eng_desc(p)); break; }
+    if (p->dist && !partial) { err = 1; eng_err("%s: parameter %d is a DTensor %s: DistributedDataParallel takes plain "
+                                                "tensors (use replicate_parameters or fully_shard for DTensors)", op, i,
+                                                eng_desc(p)); break; }
+    if (!p->dist && partial && p->requires_grad) {
+      err = 1; eng_err("%s: parameter %d %s is a plain tensor: the bucketed DTensor path takes DTensors whose "
+                       "gradients are partial sums (replicate_parameters)", op, i, eng_desc(p)); break; }
     if (p->grad_fn) { err = 1; eng_err("%s: parameter %d %s is not a leaf", op, i, eng_desc(p)); break; }
     if (p->device == ENG_META) { err = 1; eng_err("%s: parameter %d %s is on the meta device", op, i, eng_desc(p)); break; }
     if (!p->requires_grad) continue;
@@ -166,6 +172,7 @@ eng_ddp* eng_ddp_new(eng_pg* pg, int n, eng_tensor** params, int64_t bucket_byte
   if (!d) return eng_errp("%s: out of memory", op);
   d->refcount = 1;
   d->require_sync = 1;
+  d->partial = partial;
   d->pg = eng_pg_retain(pg);
   d->p = calloc((size_t)(n ? n : 1), sizeof *d->p);
   d->hook = calloc((size_t)(n ? n : 1), sizeof *d->hook);
@@ -212,6 +219,14 @@ eng_ddp* eng_ddp_new(eng_pg* pg, int n, eng_tensor** params, int64_t bucket_byte
     if (d->hook[i] < 0) { d->hook[i] = 0; eng_ddp_release(d); return NULL; }
   }
   return d;
+}
+
+eng_ddp* eng_ddp_new(eng_pg* pg, int n, eng_tensor** params, int64_t bucket_bytes) {
+  return make(pg, n, params, bucket_bytes, 0);
+}
+
+eng_ddp* eng_ddp_new_partial(eng_pg* pg, int n, eng_tensor** params, int64_t bucket_bytes) {
+  return make(pg, n, params, bucket_bytes, 1);
 }
 
 eng_ddp* eng_ddp_retain(eng_ddp* d) { if (d) d->refcount++; return d; }

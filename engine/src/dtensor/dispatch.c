@@ -419,13 +419,71 @@ static int dist_node_backward(eng_node* n, eng_tensor** go, eng_tensor** gi) {
  * Replicate (the adjoint: a gradient is never a Partial sum, PyTorch's
  * Redistribute.backward; a Replicate gradient relabelled Partial would count
  * the gradient once per rank). */
+/* Leaves whose gradients a bucketing reducer sums (eng_dtensor_set_grad_deferred): a small set of pointers (the
+ * reducer holds a reference to each until it unmarks them). */
+static eng_tensor** g_deferred;
+static int g_ndeferred, g_capdeferred;
+
+static int deferred_find(const eng_tensor* t) {
+  for (int i = 0; i < g_ndeferred; i++) if (g_deferred[i] == t) return i;
+  return -1;
+}
+
+int eng_dtensor_set_grad_deferred(eng_tensor* leaf, int on) {
+  ENG_CHECK_I(leaf, "set_grad_deferred");
+  int i = deferred_find(leaf), prev = i >= 0;
+  if (on && !prev) {
+    if (!leaf->dist) return eng_err("set_grad_deferred: %s is not a DTensor", eng_desc(leaf));
+    if (g_ndeferred == g_capdeferred) {
+      int cap = g_capdeferred ? 2 * g_capdeferred : 64;
+      eng_tensor** n = realloc(g_deferred, (size_t)cap * sizeof *n);
+      if (!n) return eng_err("set_grad_deferred: out of memory");
+      g_deferred = n; g_capdeferred = cap;
+    }
+    g_deferred[g_ndeferred++] = leaf;
+  } else if (!on && prev) {
+    g_deferred[i] = g_deferred[--g_ndeferred];
+  }
+  return prev;
+}
+
+/* A deferred leaf's gradient: this rank's partial sum in the leaf's layout, no communication.  The gradient goes to
+ * Partial(sum) on every mesh dim where the leaf is Replicate (Partial stays, Replicate keeps its values on the first
+ * rank of the dim and zeros elsewhere: local steps) and is labelled with the leaf's spec; the reducer's all_reduce
+ * (sum) over the group makes it the reduced value. */
+static eng_tensor* deferred_grad(eng_tensor* g, eng_dist_spec* want) {
+  eng_placement pl[ENG_MAX_DIMS];
+  for (int i = 0; i < want->mesh_ndim; i++) {
+    pl[i] = want->placements[i];
+    if (pl[i].kind == ENG_PLACEMENT_REPLICATE) { memset(&pl[i], 0, sizeof pl[i]); pl[i].kind = ENG_PLACEMENT_PARTIAL; pl[i].op = ENG_REDUCE_SUM; }
+  }
+  eng_dist_spec* part = dt_spec_make(want->mesh, pl, want->ndim, want->shape, want->stride);
+  if (!part) return NULL;
+  eng_tensor* r = NULL;
+  /* a plain gradient is in the leaf's layout (the reduced value, as AccumulateGrad takes it) */
+  const eng_dist_spec* src = g->dist ? g->dist : want;
+  if (!g->dist || eng_dtensor_wait(g) == 0) {
+    if (eng_dist_spec_equal(src, part)) r = dt_plain(g);
+    else {
+      eng_tensor* p = dt_redistribute_local(g, src, part, 0, 0); /* forward rule: R -> P divides by the dim size */
+      r = p ? dt_plain(p) : NULL;
+      eng_tensor_release(p);
+    }
+  }
+  eng_dist_spec_release(part);
+  return r;
+}
+
 static eng_tensor* dist_grad_for_leaf(eng_tensor* leaf, eng_tensor* g) {
   if (!g) return NULL;
   if (!leaf->dist) return eng_tensor_retain(g);
   eng_dist_spec* want = dt_spec_adjoint(leaf->dist);
   if (!want) return NULL;
   eng_tensor* r = NULL;
-  if (g->dist && eng_dist_spec_equal(g->dist, want)) r = eng_tensor_retain(g);
+  if (g_ndeferred && deferred_find(leaf) >= 0) {
+    if (!(r = deferred_grad(g, want))) eng_err_prefix("AccumulateGrad");
+    else dt_attach(r, want);
+  } else if (g->dist && eng_dist_spec_equal(g->dist, want)) r = eng_tensor_retain(g);
   else {
     if (g->dist) {
       if (eng_dtensor_wait(g) == 0) r = dt_redistribute_local(g, g->dist, want, 0, 1);

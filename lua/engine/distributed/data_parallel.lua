@@ -22,13 +22,68 @@ local P = require("engine.distributed.placements")
 
 local M = {}
 
-function M.replicate_parameters(module, mesh)
+-- replicate_parameters(module, mesh [, {bucket_cap_mb = 25}]): with bucket_cap_mb (a 1-D mesh), the gradients are
+-- reduced in buckets as DistributedDataParallel does (the same C reducer, engine/include/eng/ddp.h): each parameter's
+-- gradient stays this rank's partial sum at AccumulateGrad (eng_dtensor_set_grad_deferred), buckets of about
+-- bucket_cap_mb MiB in reverse registration order are ONE all_reduce (sum) each, started as soon as backward has
+-- produced all of a bucket's gradients, and the end of backward writes the sums into the Replicate .grad: the same
+-- gradients as the per-parameter Partial -> Replicate, in ceil(bytes / bucket) collectives instead of one per
+-- parameter.  dist.dp_comm_stats(module) says what the last backward issued.
+local function attach_reducer(module, mesh, list, cap)
+  local op = "replicate_parameters"
+  if mesh:ndim() ~= 1 then
+    core.fail(op .. ": bucket_cap_mb needs a 1-D DeviceMesh (the data-parallel dim), got " .. tostring(mesh))
+  end
+  if type(cap) ~= "number" or cap <= 0 then core.fail(op .. ": bucket_cap_mb must be a positive number, got " .. tostring(cap)) end
+  local arr = ffi.new("eng_tensor*[?]", math.max(#list, 1))
+  for i, d in ipairs(list) do arr[i - 1] = d._c end
+  local r = C.eng_ddp_new_partial(mesh:get_group()._c, #list, arr, math.floor(cap * 1048576))
+  if r == nil then core.raise() end
+  for _, d in ipairs(list) do core.check(C.eng_dtensor_set_grad_deferred(d._c, 1) < 0 and -1 or 0) end
+  local ptrs = {}
+  for i, d in ipairs(list) do ptrs[i] = d._c end
+  -- the reducer retains the parameters; unmark them before it lets them go
+  local red = ffi.gc(r, function(x)
+    for _, c in ipairs(ptrs) do C.eng_dtensor_set_grad_deferred(c, 0) end
+    C.eng_ddp_release(x)
+  end)
+  rawset(module, "_dp_reducer", red)
+  rawset(module, "_dp_params", list)
+end
+
+-- dp_comm_stats(module) -> {collectives, bytes, buckets, bucket_bytes = {...}, bucket_params = {...}} of the last
+-- synced backward of a module given to replicate_parameters with bucket_cap_mb (nil without buckets).
+function M.dp_comm_stats(module)
+  local r = rawget(module, "_dp_reducer")
+  if r == nil then return nil end
+  local c, b = ffi.new("int64_t[1]"), ffi.new("int64_t[1]")
+  core.check(C.eng_ddp_last_stats(r, c, b))
+  local s = { collectives = tonumber(c[0]), bytes = tonumber(b[0]), buckets = tonumber(C.eng_ddp_num_buckets(r)),
+    bucket_bytes = {}, bucket_params = {} }
+  local np, nb = ffi.new("int[1]"), ffi.new("int64_t[1]")
+  for k = 0, s.buckets - 1 do
+    core.check(C.eng_ddp_bucket_info(r, k, np, nb))
+    s.bucket_params[k + 1], s.bucket_bytes[k + 1] = np[0], tonumber(nb[0])
+  end
+  return s
+end
+
+function M.replicate_parameters(module, mesh, opts)
   local op = "replicate_parameters"
   local nn = require("engine.nn")
   if not nn.is_module(module) then core.fail(op .. ": expected an nn.Module, got " .. type(module)) end
   if not meshmod.is_mesh(mesh) then
     core.fail(op .. ": mesh must be a DeviceMesh (dist.init_device_mesh), got " .. type(mesh))
   end
+  opts = opts or {}
+  if type(opts) ~= "table" then core.fail(op .. ": options must be a table, got " .. type(opts)) end
+  for k in pairs(opts) do
+    if k ~= "bucket_cap_mb" then core.fail(op .. ": unknown option '" .. tostring(k) .. "' (bucket_cap_mb)") end
+  end
+  if opts.bucket_cap_mb ~= nil and mesh:ndim() ~= 1 then
+    core.fail(op .. ": bucket_cap_mb needs a 1-D DeviceMesh (the data-parallel dim), got " .. tostring(mesh))
+  end
+  local list = {}
   local full = {}
   for i = 1, mesh:ndim() do full[i] = P.Replicate() end
   local memo = {}
@@ -44,11 +99,13 @@ function M.replicate_parameters(module, mesh)
           d._c.is_param = 1
           if p._c.requires_grad ~= 0 then core.check(C.eng_tensor_set_requires_grad(d._c, 1), 3) end
           memo[key] = d
+          list[#list + 1] = d
         end
         params[name] = d
       end
     end
   end
+  if opts.bucket_cap_mb ~= nil then attach_reducer(module, mesh, list, opts.bucket_cap_mb) end
   return module
 end
 
