@@ -125,12 +125,17 @@ describe("fuzz regressions: layout math with huge _StridedShard split factors", 
     local coord = ffi.new("int[1]", 1)
     local src, dst = pl(3, 0, 2147483647), pl(0, 0, 0)
     local ls, off = ffi.new("int64_t[1]"), ffi.new("int64_t[1]")
+    -- the nested rule (PyTorch's uneven _StridedShard): sf torch.chunk pieces of 5 rows (pieces 0..4 hold one row
+    -- each), each piece chunked over the 2 coordinates: coordinate 0 holds every row, coordinate 1 none
     assert.equal(0, C.eng_local_shape_and_offset(1, shape, 1, mesh, coord, src, ls, off))
-    -- 2 * (2^31 - 1) pieces of 5 rows: pieces 0..4 hold one row each; coordinate 1 holds pieces 1 and 3
-    assert.equal(2, tonumber(ls[0]))
+    assert.equal(0, tonumber(ls[0]))
     local st, len = ffi.new("int64_t[4]"), ffi.new("int64_t[4]")
-    assert.equal(2, C.eng_local_shard_runs(1, shape, 1, mesh, coord, src, 0, st, len, 4))
-    assert.same({ 1, 1, 3, 1 }, { tonumber(st[0]), tonumber(len[0]), tonumber(st[1]), tonumber(len[1]) })
+    assert.equal(0, C.eng_local_shard_runs(1, shape, 1, mesh, coord, src, 0, st, len, 4))
+    coord[0] = 0
+    assert.equal(0, C.eng_local_shape_and_offset(1, shape, 1, mesh, coord, src, ls, off))
+    assert.equal(5, tonumber(ls[0]))
+    assert.equal(1, C.eng_local_shard_runs(1, shape, 1, mesh, coord, src, 0, st, len, 4))
+    assert.same({ 0, 5 }, { tonumber(st[0]), tonumber(len[0]) })
     local steps = ffi.new("eng_transform_info[4]")
     assert.equal(1, C.eng_redistribute_plan(1, mesh, coord, src, dst, 1, shape, steps, 4))
   end)
