@@ -5,7 +5,9 @@
 --    naming the rank that ended and both ranks' last collectives;
 --  * a collective mismatch outside pcall: both ranks fail with the mismatch, the job ends;
 --  * a rank stuck in compute: the others give up after ENGINE_COMM_TIMEOUT seconds, print their flight
---    recorder and abort the job.
+--    recorder and what each member does, and abort the job; the stuck rank says where it stands when the
+--    launcher ends it;
+--  * ranks waiting on different groups: the comm watchdog ends both within seconds with one verdict.
 local engine = require("engine")
 local dist = engine.distributed
 
@@ -91,5 +93,29 @@ describe("collective failures end the job instead of hanging", function()
     assert.matches("%[rank 0%] all_reduce: the other ranks of group world did not join #1 all_reduce f32%[2%] op=sum " ..
       "within 2 s %(ENGINE_COMM_TIMEOUT", out)
     assert.matches("collective flight recorder, rank 0: last 1 of 1 collectives, oldest first:\n  #0 world seq 0 barrier", out)
+    -- the waiting rank names what the stuck one does (the watchdog has no record of it waiting) ...
+    assert.matches("what the other members of world do:\n  rank 1: waits in no collective", out)
+    -- ... and the stuck rank, ended by the launcher, says where it stands (it printed nothing before)
+    assert.matches("%[rank 1%] ended by signal 15 %(the launcher ends the job.-this rank waits in no collective's check", out)
+    assert.matches("collective flight recorder, rank 1: last 1 of 1 collectives", out)
+  end)
+
+  it("ranks waiting on different groups outside pcall: both end within seconds with the same verdict", function()
+    skip()
+    local out, rc, secs = job([[
+      local engine = require("engine"); local dist = engine.distributed
+      local g = dist.new_group({0, 1})
+      if dist.rank() == 0 then dist.all_reduce(engine.ones(2), "sum", {group = g}) else dist.all_reduce(engine.ones(2)) end
+      print("not reached")
+    ]])
+    assert.is_true(secs < 25, "took " .. secs .. " s")
+    assert.are_not.equal(0, rc)
+    assert.are_not.equal(124, rc)
+    assert.is_nil(out:find("not reached", 1, true))
+    local n = 0
+    for _ in out:gmatch("deadlock across groups %(found by the comm watchdog") do n = n + 1 end
+    assert.equal(2, n, out) -- each rank's error
+    assert.matches("rank 0 waits in #0 all_reduce f32%[2%] op=sum on group group%[0,1%] for rank 1; rank 1 waits in " ..
+      "#0 all_reduce f32%[2%] op=sum on group world for rank 0", out)
   end)
 end)

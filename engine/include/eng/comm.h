@@ -264,6 +264,13 @@ int eng_comm_get_check(void);
  * ENGINE_COMM_TIMEOUT). */
 int eng_comm_set_timeout(double seconds);
 double eng_comm_get_timeout(void);
+/* The comm watchdog: after a rank has waited this many seconds in a signature
+ * check or agreement it tells the other ranks what it waits for, and ranks
+ * waiting on different groups for each other fail with the same error naming
+ * what each waits for (default 1, env ENGINE_COMM_WATCHDOG; 0 turns it off;
+ * set it the same way on every rank). */
+int eng_comm_set_watchdog(double seconds);
+double eng_comm_get_watchdog(void);
 typedef struct eng_coll_record {
   int64_t id;        /* position in this process's history (0, 1, ...) */
   int64_t seq;       /* sequence number within its group */

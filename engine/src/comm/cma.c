@@ -148,7 +148,12 @@ static int probe(eng_pg* pg) {
 int comm_cma_usable(eng_pg* pg, int device) {
   if (!pg || !pg->member || device != ENG_CPU || pg->size < 2 || !enabled() || eng_comm_get_debug()) return 0;
 #ifdef __linux__
-  if (pg->cma == 0) pg->cma = probe(pg);
+  if (pg->cma == 0) {
+    /* the probe's collectives run on the data communicator: agree first (on the control one), so that a
+     * rank meeting another rank's collective here fails with a mismatch instead of waiting for ever */
+    if (comm_check_on() && eng_pg_agree(pg, 0, COMM_FNV_SEED ^ 0x5c0b, "single-copy probe")) return -1;
+    pg->cma = probe(pg);
+  }
   return pg->cma > 0;
 #else
   pg->cma = CMA_NO_OTHER;
@@ -178,7 +183,7 @@ const char* eng_pg_single_copy_reason(eng_pg* pg) {
   }
 }
 
-int eng_pg_single_copy_usable(eng_pg* pg) { return comm_cma_usable(pg, ENG_CPU); }
+int eng_pg_single_copy_usable(eng_pg* pg) { return comm_cma_usable(pg, ENG_CPU) > 0; }
 
 #ifdef __linux__
 /* The largest block of trailing dims that is contiguous in both geometries
@@ -468,7 +473,9 @@ int eng_pg_box_exchange(eng_pg* pg, const char* op, int kind, int ndim, int dtyp
 #else
   if (kind < 0 || kind >= ENG_NUM_COLL_KINDS || kind == ENG_COLL_BARRIER)
     return eng_err("%s: box exchange: collective kind %d is not one that moves data", op, kind);
-  if (!comm_cma_usable(pg, ENG_CPU)) return 1; /* the same on every member (non-members: nothing to move) */
+  int usable = comm_cma_usable(pg, ENG_CPU);
+  if (usable < 0) return -1;
+  if (!usable) return 1; /* the same on every member (non-members: nothing to move) */
   const char* what = eng_coll_kind_name(kind);
   eng_tensor key; /* identifies the collective: dtype, and later the elements this rank sends */
   memset(&key, 0, sizeof key);
@@ -669,7 +676,9 @@ int eng_pg_gather_blocks(eng_pg* pg, const char* op, int dtype, const void* src,
   (void)dst_numel; (void)eligible;
   return 1;
 #else
-  if (!comm_cma_usable(pg, ENG_CPU)) return 1; /* the same on every member */
+  int usable = comm_cma_usable(pg, ENG_CPU);
+  if (usable < 0) return -1;
+  if (!usable) return 1; /* the same on every member */
   int k = pg->size, me = pg->rank;
   int64_t es = eng_dtype_size(dtype);
   /* local checks: every block inside src and dst */

@@ -19,7 +19,11 @@ struct eng_pg {
   int64_t seq;          /* collectives issued on this group */
   MPI_Comm comm;        /* MPI_COMM_NULL on a non-member */
   MPI_Comm ctl;         /* control traffic (signature checks, agreements): a dup of comm */
-  int broken;           /* a member has ended while this rank waited on the group: collectives fail */
+  int broken;           /* collectives fail: 1 a member has ended while this rank waited on the group; 2 the
+                           watchdog found the group in a deadlock across groups (broken_msg says which) */
+  char* broken_msg;     /* broken == 2: the watchdog's verdict (malloc) */
+  uint64_t key;         /* the group's identity across its members (the watchdog's records name groups by it) */
+  int64_t nctl;         /* control operations (signature checks, agreements) begun on this group */
   int* ranks;           /* world ranks of the members (size entries) */
   char name[96];
   void* nccl;           /* NCCL backend state, created on first use */
@@ -121,6 +125,25 @@ COMM_INTERNAL void comm_check_finish_all(void);
  * issued the same valid collective, else -1 on every member. */
 COMM_INTERNAL int comm_check(eng_pg* pg, const char* name, int kind, const eng_tensor* key, int local_err);
 
+/* The watchdog (comm/peer_health.c): what each rank waits for, readable by its peers.  A rank that has
+ * waited in a signature check or agreement (signature_check.c, check_wait) for ENGINE_COMM_WATCHDOG seconds
+ * (default 1; 0 turns it off) sends every other world rank a record of that wait (the group, by key and
+ * members, the control operation's number, what it is); from the records it holds a waiting rank builds
+ * the wait-for graph (a rank waits for the members of its group that are not in the same operation) and,
+ * when it and the ranks it waits for can never go on (a cycle of waiting ranks), fails with a verdict that
+ * names what every rank of the cycle waits for; it sends the verdict to all, so every rank of the cycle
+ * raises the same error, and the groups involved refuse further calls.
+ * wd_begin: this rank starts waiting on pg (what: a description of the operation); wd_poll: called while
+ * waiting (waited: seconds so far): -1 with the error set (pg marked broken) when a deadlock is found;
+ * wd_end: the wait is over;
+ * wd_members_text: for the timeout report, what each member of pg is known to do. */
+COMM_INTERNAL void comm_wd_begin(eng_pg* pg, const char* what);
+COMM_INTERNAL int comm_wd_poll(eng_pg* pg, double waited);
+COMM_INTERNAL void comm_wd_end(void);
+COMM_INTERNAL void comm_wd_members_text(const eng_pg* pg, char* b, int cap);
+/* Live member groups by key (process_group.c), for the watchdog. */
+COMM_INTERNAL eng_pg* comm_pg_find(uint64_t key);
+
 /* Peers that have ended (comm/peer_health.c).  listen: at start-up, starts listening for the other ranks'
  * goodbyes; poll: takes in the goodbyes arrived; peer_ended: a member of pg that has ended (world rank), or
  * -1; peer_goodbye: the last collectives an ended world rank sent, or NULL. */
@@ -143,7 +166,8 @@ COMM_INTERNAL void comm_account_undo(int kind, const eng_tensor* key);
 
 /* Single-copy strided exchanges between the ranks of one node (comm/cma.c).
  * usable: collective on a group's first call (every member must call it with
- * the same device), then cached; 1 when the path may be taken.
+ * the same device), then cached; 1 when the path may be taken, -1 (error set,
+ * on every member) when the members met different operations there.
  * exchange: `in` (any strides) is split along `split` by torch.chunk rules
  * (split < 0: not split, every rank gets all of it), piece r goes to group
  * rank r, and `out` is the pieces received from ranks 0..k-1 concatenated

@@ -10,6 +10,7 @@
  * (mpi.c, nccl.c: they only see raw contiguous buffers), single-copy
  * exchanges (cma.c), DeviceMesh (mesh.c) and the runtime (dist_runtime.c). */
 #include "comm/comm_impl.h"
+#include "comm/guard.h"
 #include "kernels/cpu/kcpu.h"
 #include <limits.h>
 #include <stdio.h>
@@ -71,6 +72,9 @@ int comm_ensure_init(const char* op) {
   return 0;
 }
 
+static int registry_add(eng_pg* pg);
+static void registry_remove(const eng_pg* pg);
+
 static void name_from_ranks(char* b, int cap, const int* ranks, int n) {
   int k = snprintf(b, cap, "group[");
   for (int i = 0; i < n && k < cap - 8; i++) k += snprintf(b + k, cap - k, i ? ",%d" : "%d", ranks[i]);
@@ -108,7 +112,44 @@ eng_pg* comm_pg_from_mpi(MPI_Comm c, const char* name) {
   if (name) snprintf(pg->name, sizeof pg->name, "%s", name);
   else if (pg->member) name_from_ranks(pg->name, sizeof pg->name, pg->ranks, pg->size);
   else snprintf(pg->name, sizeof pg->name, "(not a member)");
+  if (pg->member && registry_add(pg)) { eng_pg_release(pg); return NULL; }
   return pg;
+}
+
+/* ------------------------------------------------------------------ group keys (the watchdog's names) */
+/* The key of a group is the same on its members and differs between live groups, even two over the same
+ * ranks (the world and a 1-D mesh over it): the members take the maximum of their creation counters (one
+ * small all_reduce on the new control communicator, once per group) and hash it with the member list. */
+static int64_t g_key_next = 1;
+static eng_pg** g_live;
+static int g_nlive, g_cap_live;
+
+static int registry_add(eng_pg* pg) {
+  int64_t mine = g_key_next, uid = mine;
+  if (pg->size > 1) {
+    int rc = MPI_Allreduce(&mine, &uid, 1, MPI_INT64_T, MPI_MAX, pg->ctl);
+    if (rc != MPI_SUCCESS) return eng_err("process group: %s", comm_mpi_errstr(rc));
+  }
+  g_key_next = uid + 1;
+  pg->key = comm_fnv(pg->ranks, sizeof(int) * (size_t)pg->size, comm_fnv(&uid, sizeof uid, COMM_FNV_SEED));
+  if (g_nlive == g_cap_live) {
+    int cap = g_cap_live ? 2 * g_cap_live : 16;
+    eng_pg** n = realloc(g_live, sizeof *n * (size_t)cap);
+    if (!n) return 0; /* not findable: the watchdog then treats its records as unknown */
+    g_live = n; g_cap_live = cap;
+  }
+  g_live[g_nlive++] = pg;
+  return 0;
+}
+
+static void registry_remove(const eng_pg* pg) {
+  for (int i = 0; i < g_nlive; i++)
+    if (g_live[i] == pg) { g_live[i] = g_live[--g_nlive]; return; }
+}
+
+eng_pg* comm_pg_find(uint64_t key) {
+  for (int i = 0; i < g_nlive; i++) if (g_live[i]->key == key) return g_live[i];
+  return NULL;
 }
 
 eng_pg* eng_pg_world(void) {
@@ -124,6 +165,7 @@ eng_pg* eng_pg_retain(eng_pg* pg) {
 void eng_pg_release(eng_pg* pg) {
   if (!pg) return;
   if (__atomic_sub_fetch(&pg->refcount, 1, __ATOMIC_ACQ_REL) != 0) return;
+  registry_remove(pg);
   if (pg->pend_check && eng_dist_is_initialized()) comm_check_finish(pg); /* complete the request before freeing ctl */
 #if defined(ENG_HAVE_CUDA) && defined(ENG_HAVE_NCCL)
   if (pg->nccl) comm_nccl_pg_free(pg->nccl);
@@ -131,6 +173,7 @@ void eng_pg_release(eng_pg* pg) {
   if (pg->comm != MPI_COMM_NULL && eng_dist_is_initialized()) MPI_Comm_free(&pg->comm);
   if (pg->ctl != MPI_COMM_NULL && eng_dist_is_initialized() && !pg->broken) MPI_Comm_free(&pg->ctl);
   free(pg->ranks);
+  free(pg->broken_msg);
   free(pg);
 }
 
@@ -138,14 +181,14 @@ void eng_pg_release(eng_pg* pg) {
  * guard against ranks creating groups with different arguments). */
 int comm_world_agree(const void* data, size_t n, const char* op, const char* what) {
   if (eng_dist_world_size() == 1) return 0;
-  int64_t h = (int64_t)(comm_fnv(data, n, COMM_FNV_SEED) >> 1);
-  int64_t v[2] = {h, -h}, r[2];
-  int rc = MPI_Allreduce(v, r, 2, MPI_INT64_T, MPI_MAX, MPI_COMM_WORLD);
-  if (rc != MPI_SUCCESS) return eng_err("%s: %s", op, comm_mpi_errstr(rc));
-  if (r[0] != -r[1])
+  /* an agreement on the world group: a rank that meets another rank's collective there (group creation on
+   * some ranks only) fails with a mismatch instead of waiting for ever, and the watchdog sees the wait */
+  uint64_t h = comm_fnv(data, n, COMM_FNV_SEED);
+  if (!eng_pg_agree(g_world, 0, h, op)) return 0;
+  if (strstr(eng_last_error(), "reached it with different arguments"))
     return eng_err("%s: the ranks called it with different %s (it is collective: every rank must pass the same "
                    "arguments)", op, what);
-  return 0;
+  return -1;
 }
 
 static int new_group_key(const int* ranks, int n, int* key);
@@ -959,7 +1002,9 @@ int eng_work_wait(eng_work* w) {
   if (!w->done) {
     int ok = 1;
     if (w->backend == 1) {
+      comm_guard_begin(w->pg, eng_coll_kind_name(w->kind)); /* under the comm timeout, as blocking calls */
       int rc = MPI_Wait(&w->req, MPI_STATUS_IGNORE);
+      comm_guard_end();
       if (rc != MPI_SUCCESS) {
         eng_err("%s: %s on group %s (async)", eng_coll_kind_name(w->kind), comm_mpi_errstr(rc), w->pg->name);
         ok = 0;

@@ -80,6 +80,8 @@ typedef struct fprint {
   int32_t kind, dtype, op, root, ndim, err;
   int64_t shape[8];
   uint64_t key;
+  int32_t n_vals;   /* agreements: values carried (a second all_reduce once the signatures agreed) */
+  char name[36];    /* what the rank calls it (agreements: the operation, e.g. checkpoint.save) */
   char msg[232];
 } fprint;
 
@@ -99,16 +101,17 @@ static void fp_make(fprint* f, eng_pg* pg, int kind, int op, int root, const eng
 
 static int fp_same(const fprint* a, const fprint* b) {
   if (a->seq != b->seq || a->kind != b->kind || a->dtype != b->dtype || a->op != b->op || a->root != b->root ||
-      a->ndim != b->ndim || a->key != b->key)
+      a->ndim != b->ndim || a->key != b->key || a->n_vals != b->n_vals ||
+      (a->kind == KIND_AGREE && strcmp(a->name, b->name)))
     return 0;
   for (int d = 0; d < a->ndim; d++) if (a->shape[d] != b->shape[d]) return 0;
   return 1;
 }
 
 static uint64_t fp_hash(const fprint* f) {
-  int64_t v[16] = {f->seq, f->kind, f->dtype, f->op, f->root, f->ndim, (int64_t)f->key};
-  for (int d = 0; d < f->ndim && d < 8; d++) v[7 + d] = f->shape[d];
-  return comm_fnv(v, sizeof v, COMM_FNV_SEED);
+  int64_t v[16] = {f->seq, f->kind, f->dtype, f->op, f->root, f->ndim, (int64_t)f->key, f->n_vals};
+  for (int d = 0; d < f->ndim && d < 8; d++) v[8 + d] = f->shape[d];
+  return comm_fnv(f->name, strlen(f->name), comm_fnv(v, sizeof v, COMM_FNV_SEED));
 }
 
 static const char* kind_name_any(int kind) { return kind == KIND_AGREE ? "agreement" : eng_coll_kind_name(kind); }
@@ -118,6 +121,7 @@ static int fp_desc(char* b, int cap, const fprint* f) {
   if (k < cap && f->dtype >= 0) k += snprintf(b + k, cap - k, " %s%s", eng_dtype_name(f->dtype), eng_shape_str(f->ndim, f->shape));
   if (k < cap && f->op >= 0) k += snprintf(b + k, cap - k, " op=%s", eng_reduce_op_name(f->op));
   if (k < cap && f->root >= 0) k += snprintf(b + k, cap - k, " root=%d", f->root);
+  if (k < cap && f->kind == KIND_AGREE && f->name[0]) k += snprintf(b + k, cap - k, " (%s)", f->name);
   return k < cap ? k : cap;
 }
 
@@ -133,20 +137,38 @@ static int ended_error(eng_pg* pg, const char* name, const fprint* f, int who) {
 }
 
 static void timeout_abort(eng_pg* pg, const char* name, const fprint* f, double waited) {
-  char d[200];
+  char d[200], who[1024];
   fp_desc(d, sizeof d, f);
+  comm_wd_members_text(pg, who, sizeof who);
   fprintf(stderr,
           "[rank %d] %s: the other ranks of group %s did not join %s within %.0f s (ENGINE_COMM_TIMEOUT; "
           "dist.set_comm_timeout): a rank is stuck (computing, or waiting in a collective on another group) or "
-          "has failed. Aborting the job.\n%s",
-          comm_world_rank(), name, pg->name, d, waited, eng_comm_history_format(16));
+          "has failed. Aborting the job.\n%s%s",
+          comm_world_rank(), name, pg->name, d, waited, who, eng_comm_history_format(16));
   fflush(stderr);
+  fflush(stdout);
+  /* the other waiting ranks reach their own timeout within a moment: let them report before MPI_Abort
+   * ends them (a rank of this node may be killed at once) */
+  double t = eng_time(), pause = timeout_s() < 4 ? timeout_s() / 2 : 2;
+  while (eng_time() - t < pause) {
+    struct timespec ts = {0, 20000000};
+    nanosleep(&ts, NULL);
+  }
   MPI_Abort(MPI_COMM_WORLD, 3);
   exit(3);
 }
 
 /* Waits for the check's all_reduce; -1 (error set) when a member has ended. */
+static int check_wait_loop(eng_pg* pg, MPI_Request* r, const char* name, const fprint* f, int* watched);
+
 static int check_wait(eng_pg* pg, MPI_Request* r, const char* name, const fprint* f) {
+  int watched = 0;
+  int rc = check_wait_loop(pg, r, name, f, &watched);
+  if (watched) comm_wd_end();
+  return rc;
+}
+
+static int check_wait_loop(eng_pg* pg, MPI_Request* r, const char* name, const fprint* f, int* watched) {
   int flag = 0;
   double t0 = 0;
   for (long spin = 0;; spin++) {
@@ -159,6 +181,7 @@ static int check_wait(eng_pg* pg, MPI_Request* r, const char* name, const fprint
     if (t0 == 0) t0 = now;
     if (now - t0 > 0.02) {
       comm_peers_poll();
+      if (*watched && comm_wd_poll(pg, 0)) return -1; /* a verdict (sent before any goodbye) names this group */
       int who = comm_peer_ended(pg);
       if (who >= 0) {
         /* A peer that finished this check and then ended sends its goodbye on another communicator: the
@@ -173,6 +196,17 @@ static int check_wait(eng_pg* pg, MPI_Request* r, const char* name, const fprint
         }
         return ended_error(pg, name, f, who); /* *r stays pending: the peer is gone */
       }
+      if (!*watched) {
+        /* waiting longer than a collective takes: tell the watchdog what for (it publishes it when the
+         * wait goes on, and finds ranks waiting on different groups) */
+        char d[240];
+        int k = fp_desc(d, sizeof d, f);
+        if (f->kind != KIND_AGREE && strcmp(name, kind_name_any(f->kind)) && k < (int)sizeof d)
+          snprintf(d + k, sizeof d - k, " (%s)", name);
+        comm_wd_begin(pg, d);
+        *watched = 1;
+      }
+      if (comm_wd_poll(pg, now - t0)) return -1; /* *r stays pending: the group is unusable */
       struct timespec ts = {0, 200000};
       nanosleep(&ts, NULL);
     }
@@ -182,7 +216,7 @@ static int check_wait(eng_pg* pg, MPI_Request* r, const char* name, const fprint
 
 /* Builds the error every member reports after a failed check (all members
  * take part: each knows the check failed). */
-static int check_report(eng_pg* pg, const char* name, const fprint* mine_f, int local_err) {
+static int check_report(eng_pg* pg, const char* name, const fprint* mine_f, int local_err, int resync) {
   int W = pg->size;
   report* me = calloc(1, sizeof *me);
   report* all = calloc((size_t)W, sizeof *all);
@@ -193,6 +227,16 @@ static int check_report(eng_pg* pg, const char* name, const fprint* mine_f, int 
   int rc = MPI_Allgather(me, (int)sizeof *me, MPI_BYTE, all, (int)sizeof *me, MPI_BYTE, pg->ctl);
   free(me);
   if (rc != MPI_SUCCESS) { free(all); return eng_err("%s: signature check failed: %s", name, comm_mpi_errstr(rc)); }
+  if (resync) {
+    /* the members may have met different operations (an agreement, which takes no sequence number, and a
+     * collective, which does): every member goes on from the same number, so the group stays usable */
+    int64_t next = 0;
+    for (int i = 0; i < W; i++) {
+      int64_t s = all[i].f.seq + (all[i].f.kind != KIND_AGREE);
+      if (s > next) next = s;
+    }
+    pg->seq = next - (mine_f->kind != KIND_AGREE); /* a collective's caller counts it afterwards */
+  }
   if (local_err == 1) { free(all); return -1; } /* our own message stands */
   char msg[2048];
   int k = 0, first_err = -1, relayed = -1;
@@ -210,8 +254,8 @@ static int check_report(eng_pg* pg, const char* name, const fprint* mine_f, int 
     snprintf(msg, sizeof msg, "%s: rank %d (group rank %d of %s) failed its checks: %s", name, pg->ranks[first_err],
              first_err, pg->name, all[first_err].f.msg);
   } else {
-    int agreements = 1;
-    for (int i = 0; i < W; i++) agreements &= all[i].f.kind == KIND_AGREE;
+    int agreements = 1; /* the same agreement everywhere: its arguments differ */
+    for (int i = 0; i < W; i++) agreements &= all[i].f.kind == KIND_AGREE && !strcmp(all[i].f.name, all[0].f.name);
     if (agreements) {
       free(all);
       return eng_err("%s: the ranks of group %s reached it with different arguments", name, pg->name);
@@ -288,7 +332,7 @@ int comm_check_finish(eng_pg* pg) {
   if (check_wait(pg, &p->r, p->name, &p->f)) return -1; /* a peer has ended: p stays allocated (request pending) */
   int ok = p->v[3] == -p->v[4] && p->v[5] == 0;
   if (ok) { free(p); return 0; }
-  check_report(pg, p->name, &p->f, 0);
+  check_report(pg, p->name, &p->f, 0, 0);
   pg->aborted = 1;
   pg->aborted_seq = p->f.seq;
 #if defined(ENG_HAVE_CUDA) && defined(ENG_HAVE_NCCL)
@@ -309,6 +353,7 @@ static int check_start(eng_pg* pg, const char* name, const fprint* f) {
   if (pg->aborted) return group_aborted(pg, name);
   pend_check* p = calloc(1, sizeof *p);
   if (!p) return check_run(pg, name, f, f->err);
+  pg->nctl++;
   int64_t h = (int64_t)(fp_hash(f) >> 1);
   p->v[0] = h; p->v[1] = -h; p->v[2] = f->err ? 1 : 0;
   p->f = *f;
@@ -335,24 +380,38 @@ static int check_run_vals(eng_pg* pg, const char* name, const fprint* f, int64_t
   if (pg->broken) {
     int who = comm_peer_ended(pg);
     if (local_err) return -1;
+    if (pg->broken == 2)
+      return eng_err("%s: group %s is unusable: the comm watchdog found it in a deadlock: %s", name, pg->name,
+                     pg->broken_msg ? pg->broken_msg : "?");
     return eng_err("%s: group %s is unusable: rank %d has ended while this rank waited for it", name, pg->name, who);
   }
   if (pg->size < 2) return local_err ? -1 : 0;
-  int m = 3 + n_vals;
-  int64_t* v = malloc(2 * (size_t)m * sizeof(int64_t)); /* leaked when a peer has ended (the request stays pending) */
+  /* one fixed-size exchange for every check and agreement: control operations that meet each other (a
+   * checkpoint's agreement and another rank's all_reduce) then always match in MPI and the hashes tell the
+   * mismatch; an agreement's values follow in a second all_reduce once the signatures agreed */
+  int64_t* v = malloc(6 * sizeof(int64_t)); /* leaked when a peer has ended (the request stays pending) */
   if (!v) return eng_err("%s: out of memory (signature check)", name);
   int64_t h = (int64_t)(fp_hash(f) >> 1);
   v[0] = h; v[1] = -h; v[2] = local_err ? 1 : 0;
-  for (int i = 0; i < n_vals; i++) v[3 + i] = vals[i];
+  pg->nctl++;
   MPI_Request r;
-  int rc = MPI_Iallreduce(v, v + m, m, MPI_INT64_T, MPI_MAX, pg->ctl, &r);
+  int rc = MPI_Iallreduce(v, v + 3, 3, MPI_INT64_T, MPI_MAX, pg->ctl, &r);
   if (rc != MPI_SUCCESS) { free(v); return eng_err("%s: signature check failed: %s", name, comm_mpi_errstr(rc)); }
   if (check_wait(pg, &r, name, f)) return -1;
-  int ok = v[m] == -v[m + 1] && v[m + 2] == 0;
-  if (ok) for (int i = 0; i < n_vals; i++) vals[i] = v[m + 3 + i];
+  int ok = v[3] == -v[4] && v[5] == 0;
   free(v);
-  if (ok) return 0;
-  return check_report(pg, name, f, local_err);
+  if (!ok) return check_report(pg, name, f, local_err, 1);
+  if (n_vals <= 0) return 0;
+  int64_t* w = malloc(2 * (size_t)n_vals * sizeof(int64_t));
+  if (!w) return eng_err("%s: out of memory (agreement)", name);
+  memcpy(w, vals, (size_t)n_vals * sizeof(int64_t));
+  pg->nctl++;
+  rc = MPI_Iallreduce(w, w + n_vals, n_vals, MPI_INT64_T, MPI_MAX, pg->ctl, &r);
+  if (rc != MPI_SUCCESS) { free(w); return eng_err("%s: agreement failed: %s", name, comm_mpi_errstr(rc)); }
+  if (check_wait(pg, &r, name, f)) return -1;
+  memcpy(vals, w + n_vals, (size_t)n_vals * sizeof(int64_t));
+  free(w);
+  return 0;
 }
 
 static void debug_log(const eng_pg* pg, const char* name, const fprint* f) {
@@ -369,7 +428,9 @@ int comm_check(eng_pg* pg, const char* name, int kind, const eng_tensor* key, in
   fp_make(&f, pg, kind, 0, 0, NULL, local_err);
   f.dtype = key ? key->dtype : -1;
   if (debug_on()) debug_log(pg, name, &f);
-  return check_run(pg, name, &f, local_err);
+  if (!check_run(pg, name, &f, local_err)) return 0;
+  pg->seq++; /* as run() counts a failed collective (the caller counts a passed one) */
+  return -1;
 }
 
 int eng_pg_agree(eng_pg* pg, int local_err, uint64_t key, const char* op) {
@@ -384,6 +445,8 @@ int eng_pg_agree_max(eng_pg* pg, int local_err, uint64_t key, const char* op, in
   fprint f;
   fp_make(&f, pg, KIND_AGREE, 0, 0, NULL, local_err ? (local_err == 2 ? 2 : 1) : 0);
   f.key = key;
+  f.n_vals = n;
+  snprintf(f.name, sizeof f.name, "%s", op);
   return check_run_vals(pg, op, &f, vals, n);
 }
 

@@ -257,9 +257,10 @@ static int check_local_size(step_ctx* c, const eng_tensor* x, int d, int64_t L) 
 static int try_cma(step_ctx* c, eng_tensor* x, int kind, int split, int cat, const int64_t* out_shape, int bad,
                    eng_tensor** out) {
   *out = NULL;
-  if (c->async || eng_shape_numel(x->ndim, c->ls) * eng_dtype_size(x->dtype) < CMA_MIN_BYTES ||
-      !comm_cma_usable(c->pg, x->device))
-    return bad ? -1 : 1;
+  int usable = c->async || eng_shape_numel(x->ndim, c->ls) * eng_dtype_size(x->dtype) < CMA_MIN_BYTES
+                   ? 0 : comm_cma_usable(c->pg, x->device);
+  if (usable < 0) return -1; /* the members met different operations (error set on every member) */
+  if (!usable) return bad ? -1 : 1;
   eng_tensor* o = bad ? NULL : new_like_shape(x, x->ndim, out_shape);
   int rc = comm_cma_exchange(c->pg, c->op, kind, o, x, split, cat, bad || !o);
   if (rc) { eng_tensor_release(o); return rc; }

@@ -640,6 +640,14 @@ function M.set_comm_timeout(seconds)
   if C.eng_comm_set_timeout(seconds) ~= 0 then cerr(2) end
 end
 function M.get_comm_timeout() return tonumber(C.eng_comm_get_timeout()) end
+-- set_comm_watchdog(s): after s seconds of waiting in a collective's check a rank tells the others what it
+-- waits for, and ranks waiting on different groups for each other fail within about s + 1 seconds with one
+-- error naming what each waits for (ENGINE_COMM_WATCHDOG, default 1; 0 turns it off; the same on every rank).
+function M.set_comm_watchdog(seconds)
+  if type(seconds) ~= "number" then error("set_comm_watchdog: seconds must be a number", 2) end
+  if C.eng_comm_set_watchdog(seconds) ~= 0 then cerr(2) end
+end
+function M.get_comm_watchdog() return tonumber(C.eng_comm_get_watchdog()) end
 
 local state_names = { [0] = "issued", "completed", "failed" }
 

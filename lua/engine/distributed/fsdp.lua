@@ -554,6 +554,10 @@ function M.fully_shard(module, opts)
     rgrad[#rgrad + 1] = e.p._c.requires_grad ~= 0 and "1" or "0"
     _ = i
   end
+  -- the mixed-precision policy decides the gathers' dtype and path: ranks that differ would wait in different
+  -- collectives in the first forward
+  sig[#sig + 1] = string.format("mp_policy:%s:%s:%s:%s", tostring(mp.param_dtype), tostring(mp.reduce_dtype),
+    tostring(mp.output_dtype), tostring(mp.cast_forward_inputs))
   end)
   if not scan_ok then C.eng_set_error_message(tostring(scan_err)) end
   -- every rank must pass the same mesh: equal shape and ranks are not enough, two init_device_mesh calls make
@@ -586,8 +590,8 @@ function M.fully_shard(module, opts)
     if not scan_ok then error(scan_err, 0) end
     local msg = core.last_error()
     if msg:find("failed its checks", 1, true) then fail(msg) end
-    fail("fully_shard: the ranks disagree on the module's parameters, their shard dims, the mesh or "
-      .. "reshard_after_forward (" .. msg .. ")")
+    fail("fully_shard: the ranks disagree on the module's parameters, their shard dims, the mesh, "
+      .. "reshard_after_forward or mp_policy (" .. msg .. ")")
   end
   if rg[0] ~= -rg[1] then
     local frozen = {}

@@ -1103,6 +1103,13 @@ resharded = function(self, spec)
   if not specs.is_sharding_spec(spec) then
     fail(op .. ": resharding_spec must be a ChunkShardingSpec or an EnumerableShardingSpec, got " .. type(spec))
   end
+  -- collective: the ranks agree on the target first (a rank whose spec equals its current one would return at
+  -- once while the others wait in the exchange: an error on every rank instead)
+  local gpg = self._pg or comm.world_group()
+  if core.C.eng_pg_agree(gpg._c, 0, hash_str(tostring(spec)), op) ~= 0 then
+    fail(string.format("%s: the ranks passed different resharding specs (this rank: %s): it is collective, every "
+      .. "rank must pass the same spec (%s)", op, tostring(spec), core.last_error()))
+  end
   if rawequal(spec, self._spec) or spec == self._spec then return self end
   local pg = self._pg
   local world, me = world_of(pg), group_rank(pg)

@@ -1,0 +1,128 @@
+-- recipes/bench/watchdog.lua: cost of the comm watchdog (ENGINE_COMM_WATCHDOG, comm/peer_health.c) on the DP
+-- training step, and how fast it finds ranks waiting on different groups.
+--
+--   mpirun -np 4 build/engine recipes/bench/watchdog.lua [--steps=8] [--rounds=3] [--warmup=2]
+--       [--n_layers=4] [--dim=256] [--n_heads=4] [--seq=128] [--batch=8] [--threads=0]
+--
+-- Trains the reference GPT data-parallel with DTensors as recipes/bench/comm_check.lua does, and times the
+-- step with the watchdog off (dist.set_comm_watchdog(0)) and on (1 s, the default) in the same run:
+-- rounds x steps steps in each mode, alternating step by step (drift and other load hit both alike), after
+-- `warmup` steps.  Prints the median ms/step of each mode and the overhead in percent, the cost per tiny
+-- all_reduce (500, off and on), then makes a deadlock across groups (rank 0 in an all_reduce on one group,
+-- the others on another) and prints how long the verdict took on each rank (the goal: <= 10 s).
+-- Rank 0 prints; every rank runs the same steps.
+local engine = require("engine")
+local nn, optim, dist = engine.nn, engine.optim, engine.distributed
+local F = nn.functional
+
+local o = { steps = 8, rounds = 3, warmup = 2, n_layers = 4, dim = 256, n_heads = 4, seq = 128, batch = 8,
+  threads = 0 }
+for _, a in ipairs(arg or {}) do
+  local k, v = a:match("^%-%-([%w_]+)=(.*)$")
+  if not k or o[k] == nil then error("bench/watchdog: bad argument '" .. a .. "'", 0) end
+  o[k] = tonumber(v) or error("bench/watchdog: --" .. k .. " must be a number", 0)
+end
+
+local function median(t)
+  local s = { unpack(t) }
+  table.sort(s)
+  local n = #s
+  return n % 2 == 1 and s[(n + 1) / 2] or 0.5 * (s[n / 2] + s[n / 2 + 1])
+end
+
+dist.init()
+local rank, world = dist.rank(), dist.world_size()
+local function log(...) if rank == 0 then print(string.format(...)); io.stdout:flush() end end
+if o.threads > 0 then engine.set_num_threads(o.threads) end
+local mesh = dist.init_device_mesh("cpu", { world }, { "dp" })
+
+engine.manual_seed(1337)
+local model = nn.Transformer{ n_layers = o.n_layers, dim = o.dim, n_heads = o.n_heads, vocab_size = 256,
+  max_seq_len = o.seq, dropout_p = 0 }
+dist.replicate_parameters(model, mesh)
+model:train()
+local params = model:parameters()
+local opt = optim.AdamW(params, { lr = 1e-4, betas = { 0.9, 0.95 }, weight_decay = 0.1 })
+
+engine.manual_seed(100 + rank) -- this rank's rows of the global batch
+local ids = (engine.rand(o.batch, o.seq + 1) * 255.99):long()   -- truncates: byte ids 0..255
+local x, y = ids:narrow(2, 1, o.seq):contiguous(), ids:narrow(2, 2, o.seq):contiguous()
+local S = dist.Shard
+
+local function step()
+  local dx = dist.from_local(x, mesh, { S(1) })
+  local dy = dist.from_local(y, mesh, { S(1) })
+  local logits = dist.implicit_replication(function() return model(dx) end)
+  local loss = F.cross_entropy(logits, dy)
+  loss:backward()
+  optim.clip_grad_norm_(params, 1.0)
+  opt:step()
+  opt:zero_grad()
+  local l = loss:full_tensor():item()
+  collectgarbage()
+  return l
+end
+
+local function timed(wd, n, out)
+  dist.set_comm_watchdog(wd)
+  for _ = 1, n do
+    dist.barrier()
+    local t0 = engine.time()
+    step()
+    out[#out + 1] = (engine.time() - t0) * 1e3
+  end
+end
+
+log("bench/watchdog: %d rank(s), %d threads each, GPT %d layers dim %d seq %d, batch %d per rank",
+  world, engine.get_num_threads(), o.n_layers, o.dim, o.seq, o.batch)
+for _ = 1, o.warmup do step() end
+local counts = dist.count_collectives(step)
+local ncoll = 0
+for _, v in pairs(counts) do ncoll = ncoll + v end
+local off, on = {}, {}
+for _ = 1, o.rounds * o.steps do -- alternate step by step
+  timed(0, 1, off)
+  timed(1, 1, on)
+end
+local function tiny(wd)
+  dist.set_comm_watchdog(wd)
+  local t = engine.ones(1)
+  dist.barrier()
+  local t0 = engine.time()
+  for _ = 1, 500 do dist.all_reduce(t) end
+  return (engine.time() - t0) / 500 * 1e6
+end
+local us_off, us_on = {}, {}
+for _ = 1, 3 do us_off[#us_off + 1] = tiny(0); us_on[#us_on + 1] = tiny(1) end
+dist.set_comm_watchdog(1)
+local m_off, m_on = median(off), median(on)
+log("collectives per step: %d", ncoll)
+log("watchdog off: %.1f ms/step (median of %d)", m_off, #off)
+log("watchdog on:  %.1f ms/step (median of %d)", m_on, #on)
+log("overhead:     %+.2f%% (step medians, on vs off)", 100 * (m_on - m_off) / m_off)
+local diffs = {}
+for i = 1, #on do diffs[i] = on[i] - off[i] end
+log("paired:       %+.2f%% (median of the step-by-step differences, on - off, over the off median)",
+  100 * median(diffs) / m_off)
+log("all_reduce f32[1]: %.1f us off, %.1f us on", median(us_off), median(us_on))
+
+-- detection: rank 0 waits on g1, the others on g2 (with the default watchdog, 1 s)
+if world > 1 then
+  local all = {}
+  for i = 1, world do all[i] = i - 1 end
+  local g1, g2 = dist.new_group(all), dist.new_group(all)
+  dist.barrier()
+  local t0 = engine.time()
+  local ok, err = pcall(function()
+    if rank == 0 then dist.all_reduce(engine.ones(2), "sum", { group = g1 })
+    else dist.all_reduce(engine.ones(2), "sum", { group = g2 }) end
+  end)
+  local secs = engine.time() - t0
+  local found = not ok and tostring(err):find("deadlock across groups", 1, true) ~= nil
+  local t = engine.tensor({ secs, found and 1 or 0 }, "f64")
+  local mx = t:clone()
+  dist.all_reduce(mx, "max")
+  dist.all_reduce(t, "min")
+  log("cross-group wait found on %s rank(s) in %.2f s (slowest rank; goal <= 10 s)",
+    t:tolist_flat()[2] == 1 and "every" or "NOT every", mx:tolist_flat()[1])
+end
