@@ -216,7 +216,9 @@ function M._get_current_process_group() return current_pg end
 -- tensor "xxh64:t:<name>", XXH64 (16 hex digits) of "<dtype>[<shape>]\0" then its bytes, and per
 -- ShardedTensor record "xxh64:m:sharded:<key>", of the record's text; load verifies every one (a
 -- flipped byte is an error naming the tensor or record and the file).  Files of format /1 (no
--- checksums) still load.
+-- checksums) still load.  Device tensors (CUDA shards, plain CUDA tensors) are written as host copies;
+-- load puts a ShardedTensor's shards back on the device its placements name (this rank's GPU) and a plain
+-- tensor saved from a GPU back on the GPU (record "device:<key>" = "cuda", checksummed like the others).
 local function enc_list(l) return table.concat(l, ",") end
 local function dec_list(s)
   local r = {}
@@ -270,6 +272,13 @@ local function xxh64_hex(parts, t)
 end
 local function tensor_sum(t) return xxh64_hex({ t.dtype .. "[" .. table.concat(t:shape(), ",") .. "]\0" }, t) end
 
+-- the host copy a file holds (a CPU tensor as it is)
+local function host(t)
+  t = t:detach()
+  if t.device ~= "cpu" then t = t:to("cpu") end
+  return t
+end
+
 function ST.save(path, sd)
   local op = "sharded_tensor.save"
   path = rank_path(path, op)
@@ -280,13 +289,14 @@ function ST.save(path, sd)
     if stmod.is_sharded_tensor(v) then
       local enc = encode(v)
       meta["sharded:" .. k] = enc
-      for i, s in ipairs(v:local_shards()) do tensors[k .. "/shard" .. i] = s.tensor:detach() end
+      for i, s in ipairs(v:local_shards()) do tensors[k .. "/shard" .. i] = host(s.tensor) end
     elseif core.is_tensor(v) then
       if dist().is_dtensor(v) then
         fail(string.format("%s: '%s' is a DTensor: save ShardedTensors and plain tensors here (dist.checkpoint saves "
           .. "DTensors)", op, k))
       end
-      tensors[k] = v:detach()
+      if v.device == "cuda" then meta["device:" .. k] = "cuda" end
+      tensors[k] = host(v)
     else
       fail(string.format("%s: '%s' is a %s, not a tensor or a ShardedTensor", op, k, type(v)))
     end
@@ -294,7 +304,7 @@ function ST.save(path, sd)
   local sums = {}
   for name, t in pairs(tensors) do sums["xxh64:t:" .. name] = tensor_sum(t) end
   for k, v in pairs(meta) do
-    if k:match("^sharded:") then sums["xxh64:m:" .. k] = xxh64_hex({ v }) end
+    if k:match("^sharded:") or k:match("^device:") then sums["xxh64:m:" .. k] = xxh64_hex({ v }) end
   end
   for k, v in pairs(sums) do meta[k] = v end
   engine.save(path, tensors, meta)
@@ -326,7 +336,9 @@ local function verify(path, tensors, meta)
   for k in pairs(meta) do keys[#keys + 1] = k end
   table.sort(keys)
   for _, k in ipairs(keys) do
-    if k:match("^sharded:") then check("the record '" .. k .. "'", meta["xxh64:m:" .. k], xxh64_hex({ meta[k] })) end
+    if k:match("^sharded:") or k:match("^device:") then
+      check("the record '" .. k .. "'", meta["xxh64:m:" .. k], xxh64_hex({ meta[k] }))
+    end
     local t = k:match("^xxh64:t:(.*)$")
     if t and tensors[t] == nil then error(string.format("'%s': tensor '%s' is missing from the file", path, t), 0) end
     local m = k:match("^xxh64:m:(.*)$")
@@ -368,6 +380,13 @@ local function decode(key, enc, tensors, pg)
   for i, idx in ipairs(dec_list(f[6])) do
     local t = tensors[key .. "/shard" .. i]
     if t == nil then error(string.format("'%s': local shard %d is missing from the file", key, i), 0) end
+    local pl = metas[idx] and metas[idx].placement
+    if pl and pl.device ~= "cpu" then
+      -- back on this rank's GPU (the placement must name it: the same check as creation)
+      local why = ST._cuda_placement_error("sharded_tensor.load: '" .. key .. "'", idx, pl)
+      if why then error(why, 0) end
+      t = t:to(ST._device_of_kind("cuda"))
+    end
     list[i] = { tensor = t, metadata = metas[idx] }
   end
   return setmetatable({ _spec = spec, _metadata = md, _size = size, _shards = list, _pg = pg, dtype = f[2] },
@@ -397,7 +416,10 @@ function ST.load(path)
     end
     for k, t in pairs(tensors) do
       local owner = k:match("^(.*)/shard%d+$")
-      if not (owner and sd[owner]) then sd[k] = t end
+      if not (owner and sd[owner]) then
+        if meta["device:" .. k] == "cuda" then t = t:to(ST._device_of_kind("cuda")) end
+        sd[k] = t
+      end
     end
   end)
   local mine = ok and "" or tostring(err)

@@ -24,6 +24,9 @@
 -- dispatcher; otherwise ops run shard by shard on the local shards.  The mesh of a group is made
 -- once (collective over the world: to_dtensor on a ShardedTensor of the world group; a subgroup's
 -- mesh must be passed in or come from from_dtensor).
+--
+-- Devices: placements "rank:R/cuda:D" (or "rank:R/cuda") put the shards on rank R's GPU (see "devices" below);
+-- their collectives run on device buffers (NCCL), their DTensors live on a CUDA mesh.
 local core = require("engine.core")
 local specs = require("engine.distributed.sharding_spec")
 local comm = require("engine.distributed.comm")
@@ -90,7 +93,120 @@ local function check_placements(op, shards_md, pg)
   end
 end
 
--- Builds a ShardedTensor of `size` laid out by `spec`, each local shard made by make(shape, dtype).
+-- ---------------------------------------------------------------- devices
+-- A spec's placements are all on the CPU ("rank:R/cpu") or all on CUDA devices ("rank:R/cuda:D" or
+-- "rank:R/cuda"); mixing them is refused (the collectives of one ShardedTensor run on one backend: MPI for
+-- CPU shards, NCCL for CUDA ones, chosen per tensor by the process group).  The engine keeps one GPU per
+-- process (the node-local rank's, engine/include/eng/cuda.h), so a placement "rank:R/cuda:D" must name
+-- rank R's own GPU (PyTorch allocates on cuda:D, which is that GPU in the usual "rank:i/cuda:i" layouts);
+-- another index is refused on every rank, naming the rank, both GPUs and the fix; "cuda" alone is the
+-- rank's GPU.  Tests swap the probe (M._set_device_probe) to run the CUDA paths' logic on CPU tensors.
+local cuda_probe = {
+  available = function() return require("engine.cuda").is_available() end,
+  reason = function() return require("engine.cuda").unavailable_reason() end,
+  current = function() return require("engine.cuda").current_device() end,
+  count = function() return require("engine.cuda").device_count() end,
+  tensor_device = "cuda", -- the engine device of CUDA shards
+  mesh_device = "cuda",   -- the DeviceMesh device type of their DTensors
+}
+local probe = cuda_probe
+
+-- spec -> "cpu" | "cuda" (the placements' device type; cached), or an error naming the mixed placements.
+local spec_kind = setmetatable({}, { __mode = "k" })
+local function placements_of(spec)
+  if getmetatable(spec) == specs.ChunkShardingSpecClass then return spec.placements end
+  local l = {}
+  for i, s in ipairs(spec.shards) do l[i] = s.placement end
+  return l
+end
+local function kind_of(spec, op)
+  local k = spec_kind[spec]
+  if k then return k end
+  local first
+  for i, p in ipairs(placements_of(spec)) do
+    if p ~= nil then
+      local pk = p.device == "cpu" and "cpu" or "cuda"
+      if first == nil then first = { pk, i, p }
+      elseif first[1] ~= pk then
+        fail(string.format("%s: the placements mix devices (%d: %s, %d: %s): a ShardedTensor's shards are all on the "
+          .. "CPU or all on CUDA devices (mixed placements are not supported)", op or "ShardedTensor", first[2],
+          tostring(first[3]), i, tostring(p)))
+      end
+    end
+  end
+  k = first and first[1] or "cpu"
+  spec_kind[spec] = k
+  return k
+end
+M._kind_of = kind_of
+
+-- The engine device of shards of placement kind k ("cpu" / "cuda").
+function M._device_of_kind(k)
+  if k == "cpu" then return "cpu" end
+  return probe.tensor_device
+end
+
+-- The engine device of a spec's shards ("cpu", or the probe's CUDA device).
+local function spec_device(spec, op)
+  if kind_of(spec, op) == "cpu" then return "cpu" end
+  return probe.tensor_device
+end
+
+-- Why this rank cannot hold a shard placed on placement p (a CUDA one), or nil.
+local function cuda_placement_error(op, i, p)
+  local me = require("engine.distributed").rank()
+  if not probe.available() then
+    return string.format("%s: shard %d is placed on %s, but rank %d has no usable GPU (%s)", op, i, tostring(p), me,
+      probe.reason())
+  end
+  local want = tonumber(p.device:match("^cuda:(%d+)$"))
+  local cur = probe.current()
+  if want ~= nil and want ~= cur then
+    return string.format("%s: shard %d is placed on %s, but rank %d uses GPU %d: the engine keeps one GPU per process "
+      .. "(the node-local rank's, modulo the GPU count); place each rank's shards on its own GPU (\"rank:%d/cuda:%d\", "
+      .. "as \"rank:i/cuda:i %% device_count\" on one node) or on \"rank:%d/cuda\"", op, i, tostring(p), me, cur, me,
+      cur, me)
+  end
+  return nil
+end
+M._cuda_placement_error = cuda_placement_error
+
+-- The placement string of global rank r's CUDA shards in specs the engine makes (from_dtensor, the
+-- ShardedTensor form of DTensors): PyTorch's "rank:r/cuda:(r % device_count)" (torch/distributed/tensor/
+-- parallel/fsdp.py), the GPU the engine picks for r when ranks fill the nodes in order.
+local function cuda_placement(r)
+  local n = probe.count()
+  return string.format("rank:%d/cuda:%d", r, n > 0 and r % n or 0)
+end
+M._cuda_placement = cuda_placement
+
+-- M._set_device_probe(p): tests replace the CUDA probe ({available, reason, current, count, tensor_device,
+-- mesh_device}); nil restores it.  Clears the cached meshes of CUDA placements.
+local meshes
+function M._set_device_probe(p)
+  probe = p or cuda_probe
+  for k in pairs(meshes) do if k:match("^cuda|") then meshes[k] = nil end end
+end
+
+-- Every rank of the group agrees on the CUDA placements of spec: this rank's local error (a placement on
+-- another GPU, no GPU) fails every rank, with its message where it occurred and naming the rank elsewhere.
+-- One small all_reduce over the host (MPI), only for CUDA specs.  Collective.
+local function agree_cuda(op, spec, pg, err)
+  local gpg = pg or comm.world_group()
+  if err then core.C.eng_set_error_message(err) end
+  if core.C.eng_pg_agree(gpg._c, err and 1 or 0, 0, op) ~= 0 then
+    if err then fail(err) end
+    fail(string.format("%s: %s: another rank cannot hold its shards (%s)", op, tostring(spec), core.last_error()))
+  end
+end
+
+local function topts(dt, dev)
+  if dev == "cpu" then return { dtype = dt } end
+  return { dtype = dt, device = dev }
+end
+
+-- Builds a ShardedTensor of `size` laid out by `spec`, each local shard made by make(shape, dtype, box,
+-- device).  Collective for CUDA placements (agree_cuda); not for CPU ones.
 local function build(op, spec, size, opts, make)
   if not specs.is_sharding_spec(spec) then
     fail(op .. ": the first argument must be a ChunkShardingSpec or an EnumerableShardingSpec")
@@ -107,14 +223,18 @@ local function build(op, spec, size, opts, make)
   local me = group_rank(pg)
   local gm = gmap(pg)
   check_placements(op, md.shards_metadata, pg)
-  local shards = {}
-  for i, s in ipairs(md.shards_metadata) do
-    if s.placement.device ~= "cpu" then
-      fail(string.format("%s: shard %d is placed on %s; this build keeps ShardedTensor shards on the CPU", op, i,
-        s.placement.device))
+  local dev = spec_device(spec, op)
+  if kind_of(spec, op) ~= "cpu" then
+    local err
+    for i, s in ipairs(md.shards_metadata) do
+      if not err and me ~= nil and gm[s.placement.rank] == me then err = cuda_placement_error(op, i, s.placement) end
     end
+    if me ~= nil then agree_cuda(op, spec, pg, err) end
+  end
+  local shards = {}
+  for _, s in ipairs(md.shards_metadata) do
     if me ~= nil and gm[s.placement.rank] == me then
-      local t = make(s.shard_sizes, dtype, s)
+      local t = make(s.shard_sizes, dtype, s, dev)
       if opts.requires_grad then t.requires_grad = true end
       shards[#shards + 1] = { tensor = t, metadata = s }
     end
@@ -146,12 +266,14 @@ local function E()
   return engine_mod
 end
 
-M.empty = factory("sharded_tensor.empty", function(shape, dt) return E().empty(shape, { dtype = dt }) end)
-M.zeros = factory("sharded_tensor.zeros", function(shape, dt) return E().zeros(shape, { dtype = dt }) end)
-M.ones = factory("sharded_tensor.ones", function(shape, dt) return E().ones(shape, { dtype = dt }) end)
+M.empty = factory("sharded_tensor.empty", function(shape, dt, _, dev) return E().empty(shape, topts(dt, dev)) end)
+M.zeros = factory("sharded_tensor.zeros", function(shape, dt, _, dev) return E().zeros(shape, topts(dt, dev)) end)
+M.ones = factory("sharded_tensor.ones", function(shape, dt, _, dev) return E().ones(shape, topts(dt, dev)) end)
 function M.full(spec, size, value, opts)
   if type(value) ~= "number" then fail("sharded_tensor.full: fill value must be a number, got " .. type(value)) end
-  return build("sharded_tensor.full", spec, size, opts, function(shape, dt) return E().full(shape, value, { dtype = dt }) end)
+  return build("sharded_tensor.full", spec, size, opts, function(shape, dt, _, dev)
+    return E().full(shape, value, topts(dt, dev))
+  end)
 end
 
 -- rand / randn(spec, size, opts): every shard is its box of the global random tensor that
@@ -182,11 +304,14 @@ local function random_factory(op, kind)
     local seed = st[0]
     local first = true
     local offset
-    local t = build(op, spec, size, opts, function(shape, dt, box)
+    local t = build(op, spec, size, opts, function(shape, dt, box, dev)
       if first then offset = C.eng_rng_reserve(numel); first = false end
       local start = {}
       for d = 1, #shape do start[d] = box.shard_offsets[d] + 1 end
-      return E().random_slice(kind, size, start, shape, { dtype = dt, seed = seed, offset = offset })
+      local r = E().random_slice(kind, size, start, shape, { dtype = dt, seed = seed, offset = offset })
+      -- CUDA shards: drawn on the host and copied (the CPU and CUDA Philox streams are bit-identical)
+      if dev ~= "cpu" and r.device ~= dev then r = r:to(dev) end
+      return r
     end)
     if first then C.eng_rng_reserve(numel) end   -- no local shard: advance the generator all the same
     return t
@@ -223,7 +348,7 @@ end
 -- every rank's shard boxes, dtypes and local checks are all-gathered first and the same checks run on
 -- every rank (a shard placed on another rank, a tensor whose shape is not its shard_sizes, dtypes that
 -- disagree, overlaps, gaps, boxes out of bounds), so all ranks raise the same error, naming the rank.
-local FIELDS = 4 -- per shard: rank, dtype code, local error code, ndim; then offsets, sizes
+local FIELDS = 5 -- per shard: rank, dtype code, local error code, ndim, device (-1 CPU, D >= 0 GPU D); then offsets, sizes
 function M.init_from_local_shards(shards, size, opts)
   local op = "init_from_local_shards"
   local C, ffi = core.C, core.ffi
@@ -236,12 +361,13 @@ function M.init_from_local_shards(shards, size, opts)
   if type(shards) ~= "table" then fail(op .. ": local_shards must be a list of {tensor = t, metadata = ShardMetadata}") end
   if type(size) ~= "table" then fail(op .. ": size must be a list of sizes") end
   local nd = #size
-  -- local rows: rank, dtype, err (0 ok, 1 wrong placement, 2 shape mismatch, 3 bad entry), ndim, offsets, sizes
-  local rows, list = {}, {}
+  -- local rows: rank, dtype, err (0 ok, 1 wrong placement, 2 shape mismatch, 3 bad entry, 4 the tensor is not on
+  -- its placement's device, 5 a CUDA placement this rank cannot hold), ndim, device, offsets, sizes
+  local rows, list, cerr = {}, {}, nil
   for i, e in ipairs(shards) do
     local t = type(e) == "table" and (e.tensor or e[1]) or nil
     local md = type(e) == "table" and (e.metadata or e[2]) or nil
-    local err, dt = 0, -1
+    local err, dt, dv = 0, -1, -1
     if not core.is_tensor(t) or getmetatable(md) ~= specs.ShardMetadataClass then err = 3
     else
       dt = core.dtype(t.dtype, op)
@@ -250,8 +376,16 @@ function M.init_from_local_shards(shards, size, opts)
       if err == 0 and (#sh ~= #md.shard_sizes) then err = 2 end
       for d = 1, #sh do if err == 0 and sh[d] ~= md.shard_sizes[d] then err = 2 end end
       if #md.shard_offsets ~= nd then err = 2 end
+      if err == 0 and md.placement.device ~= "cpu" then
+        -- PyTorch: "Local shard tensor device does not match with local Shard's placement!"
+        if t.device ~= probe.tensor_device then err = 4
+        else
+          cerr = cuda_placement_error(op, i, md.placement)
+          if cerr then err = 5 else dv = probe.current() end
+        end
+      elseif err == 0 and t.device ~= "cpu" then err = 4 end
     end
-    local row = { gme, dt, err, nd }
+    local row = { gme, dt, err, nd, dv }
     for d = 1, nd do row[FIELDS + d] = md and md.shard_offsets[d] or 0; row[FIELDS + nd + d] = md and md.shard_sizes[d] or 0 end
     rows[i] = row
     list[i] = { tensor = t, metadata = md }
@@ -263,13 +397,23 @@ function M.init_from_local_shards(shards, size, opts)
   -- the same checks on every rank
   local metas, dtype = {}, nil
   local why = { "is placed on another rank", "has a tensor whose shape differs from its shard_sizes (or dims from the size)",
-    "is not a {tensor = t, metadata = ShardMetadata} pair" }
+    "is not a {tensor = t, metadata = ShardMetadata} pair",
+    "has a tensor on another device than its placement (Local shard tensor device does not match with local Shard's "
+      .. "placement)", "is placed on a GPU that rank cannot use" }
+  local kind
   for r = 0, world - 1 do
     local A = per_rank[r]
     for j = 1, #A / width do
       local base = (j - 1) * width
       local rr, dt, err = A[base + 1], A[base + 2], A[base + 3]
+      if err == 5 and rr == gme and cerr then fail(cerr) end
       if err ~= 0 then fail(string.format("%s: rank %d's local shard %d %s", op, rr, j, why[err])) end
+      local k = A[base + 5] < 0 and "cpu" or "cuda"
+      if kind == nil then kind = { k, rr, j }
+      elseif kind[1] ~= k then
+        fail(string.format("%s: the local shards mix devices (rank %d's shard %d on %s, rank %d's shard %d on %s): a "
+          .. "ShardedTensor's shards are all on the CPU or all on CUDA devices", op, kind[2], kind[3], kind[1], rr, j, k))
+      end
       if dtype == nil then dtype = dt
       elseif dt ~= dtype then
         fail(string.format("%s: the local shards disagree on the dtype (rank %d's shard %d is %s, an earlier one %s)", op, rr,
@@ -277,7 +421,9 @@ function M.init_from_local_shards(shards, size, opts)
       end
       local o, z = {}, {}
       for d = 1, nd do o[d] = A[base + FIELDS + d]; z[d] = A[base + FIELDS + nd + d] end
-      metas[#metas + 1] = specs.ShardMetadata{ shard_offsets = o, shard_sizes = z, placement = "rank:" .. rr .. "/cpu" }
+      local dv = A[base + 5]
+      metas[#metas + 1] = specs.ShardMetadata{ shard_offsets = o, shard_sizes = z,
+        placement = "rank:" .. rr .. (dv < 0 and "/cpu" or ("/cuda:" .. dv)) }
     end
   end
   check_placements(op, metas, pg)
@@ -355,20 +501,22 @@ local function scatter_shards(op, tensor, spec, src, pg, world, me)
   local gm = gmap(pg)
   local copts = { group = pg or comm.world_group(), group_src = src }
   local d = spec:shard_dim(#shape)
+  local dev = spec_device(spec, op)   -- CUDA placements: the scatter runs on device buffers (NCCL)
   local direct = #shards == world
   for dd = 1, d - 1 do direct = direct and shape[dd] == 1 end
   for i, s in ipairs(shards) do
     direct = direct and gm[s.placement.rank] == i - 1 and s.shard_sizes[d] * world == shape[d]
   end
   local src_t = me == src and tensor:detach() or nil
+  if src_t and src_t.device ~= dev then src_t = src_t:to(dev) end   -- to the placements' device first
   if direct then
     return build(op, spec, shape, { dtype = dtype, process_group = pg }, function(shp, dt)
-      local out = E().empty(shp, { dtype = dt })
+      local out = E().empty(shp, topts(dt, dev))
       comm.scatter(out, src_t, nil, copts)
       return out
     end)
   end
-  if world > 1 then
+  if world > 1 and kind_of(spec, op) == "cpu" then
     -- single copy: each shard moves once, straight out of src's tensor (comm.box_exchange)
     local built = build(op, spec, shape, { dtype = dtype, process_group = pg }, function(shp, dt)
       return E().empty(shp, { dtype = dt })
@@ -396,7 +544,7 @@ local function scatter_shards(op, tensor, spec, src, pg, world, me)
   for r = 0, world - 1 do maxn = math.max(maxn, per_rank[r]) end
   local send
   if src_t then
-    send = E().empty({ world * maxn }, { dtype = dtype })
+    send = E().empty({ world * maxn }, topts(dtype, dev))
     local cursor = {}
     for r = 0, world - 1 do cursor[r] = r * maxn end
     for _, s in ipairs(shards) do
@@ -409,7 +557,7 @@ local function scatter_shards(op, tensor, spec, src, pg, world, me)
       cursor[r] = cursor[r] + n
     end
   end
-  local recv = E().empty({ maxn }, { dtype = dtype })
+  local recv = E().empty({ maxn }, topts(dtype, dev))
   comm.scatter(recv, send, nil, copts)
   local pos = 0
   local single = per_rank[me] == maxn
@@ -570,8 +718,9 @@ local function same_list(a, b)
 end
 
 -- ---------------------------------------------------------------- the DTensor bridge
--- 1-D meshes by their global ranks ("0,1,2,3"): made once, collective over the world.
-local meshes = {}
+-- 1-D meshes by their global ranks ("0,1,2,3"; "cuda|0,1,2,3" for CUDA ones): made once, collective over
+-- the world.
+meshes = {}
 
 -- The ChunkShardingSpec an EnumerableShardingSpec is equal to (its shards sorted along one dim,
 -- full on the others, sized as torch.chunk), or nil.
@@ -619,7 +768,6 @@ local function dt_layout(st)
       return nil, string.format("rank %d holds several shards (placements %d and %d), a DTensor one shard per rank",
         p.rank, seen[p.rank], i)
     end
-    if p.device ~= "cpu" then return nil, "placement " .. tostring(p) .. " is not on the CPU" end
     if gm[p.rank] == nil then return nil, "placement " .. tostring(p) .. " names a rank outside the process group" end
     seen[p.rank] = i
     ranks[i] = p.rank   -- placements are global ranks
@@ -627,12 +775,28 @@ local function dt_layout(st)
   return ranks, c:shard_dim(#st._size)
 end
 
-local function mesh_for(ranks, pg, given, op)
+-- The meshes' cache key: the ranks, prefixed by "cuda|" for CUDA placements (a CUDA mesh).
+local function mesh_key(ranks, kind)
   local key = table.concat(ranks, ",")
+  if kind ~= "cpu" then key = "cuda|" .. key end
+  return key
+end
+
+-- The 1-D mesh of the placements' ranks, of the placements' device type (a CUDA mesh for CUDA placements:
+-- its DTensors' collectives run through NCCL).
+local function mesh_for(ranks, pg, given, op, kind)
+  kind = kind or "cpu"
+  local key = mesh_key(ranks, kind)
+  local rk = table.concat(ranks, ",")
+  local mdev = kind == "cpu" and "cpu" or probe.mesh_device
   local dist = require("engine.distributed")
   if given ~= nil then
     if not require("engine.distributed.mesh").is_mesh(given) or given:ndim() ~= 1 or not same_list(given:flat_ranks(), ranks) then
-      fail(string.format("%s: mesh must be a 1-D DeviceMesh over the ranks [%s] (the placements' ranks in order)", op, key))
+      fail(string.format("%s: mesh must be a 1-D DeviceMesh over the ranks [%s] (the placements' ranks in order)", op, rk))
+    end
+    if given.device_type ~= mdev then
+      fail(string.format("%s: mesh is a %s DeviceMesh, the placements are on %s: pass a DeviceMesh(\"%s\", {%s})", op,
+        given.device_type, kind == "cpu" and "the CPU" or "CUDA devices", mdev, rk))
     end
     meshes[key] = meshes[key] or given
     return given
@@ -641,9 +805,9 @@ local function mesh_for(ranks, pg, given, op)
   if m then return m end
   if pg ~= nil and pg:size() ~= dist.world_size() then
     fail(string.format("%s: no DeviceMesh over the ranks [%s] yet; making one is collective over the world, so for a "
-      .. "ShardedTensor of a subgroup pass {mesh = dist.DeviceMesh(\"cpu\", {%s})} made on every rank", op, key, key))
+      .. "ShardedTensor of a subgroup pass {mesh = dist.DeviceMesh(\"%s\", {%s})} made on every rank", op, rk, mdev, rk))
   end
-  m = dist.DeviceMesh("cpu", ranks)   -- collective over the world: every rank of the world group is here
+  m = dist.DeviceMesh(mdev, ranks)   -- collective over the world: every rank of the world group is here
   meshes[key] = m
   return m
 end
@@ -656,13 +820,13 @@ function ShardedTensor:to_dtensor(opts)
   local op = "to_dtensor"
   local ranks, d = dt_layout(self)
   if ranks == nil then fail(string.format("%s: %s has no DTensor equivalent: %s", op, tostring(self._spec), d)) end
-  local mesh = mesh_for(ranks, self._pg, opts and opts.mesh, op)
+  local mesh = mesh_for(ranks, self._pg, opts and opts.mesh, op, kind_of(self._spec, op))
   local l = shards_of(self)
   local t = l[1] and l[1].tensor
   if t == nil then
     local z = { unpack(self._size) }
     z[d] = 0
-    t = E().empty(z, { dtype = self.dtype })
+    t = E().empty(z, topts(self.dtype, spec_device(self._spec, op)))
   end
   local dt = require("engine.distributed.dtensor").DTensor.from_local(t, mesh, { require("engine.distributed.placements").Shard(d) },
     { shape = self._size, stride = contiguous_stride(self._size) })
@@ -686,10 +850,12 @@ function M.from_dtensor(dt)
   end
   local mesh = dt.device_mesh
   local ranks = mesh:flat_ranks()
-  local key = table.concat(ranks, ",")
+  local cuda = mesh.device_type ~= "cpu"
+  local key = mesh_key(ranks, cuda and "cuda" or "cpu")
   meshes[key] = meshes[key] or mesh
   local pls = {}
-  for i, r in ipairs(ranks) do pls[i] = "rank:" .. r .. "/cpu" end
+  -- a CUDA mesh: PyTorch's placements of its chunk-sharded tensors, "rank:r/cuda:(r % device_count)"
+  for i, r in ipairs(ranks) do pls[i] = cuda and cuda_placement(r) or ("rank:" .. r .. "/cpu") end
   local size = {}
   for i = 0, s.ndim - 1 do size[i + 1] = tonumber(s.shape[i]) end
   local spec = specs.ChunkShardingSpec{ dim = s.placements[0].dim + 1, placements = pls }
@@ -703,7 +869,7 @@ local function dt_ready(st)
   if dt then return dt end
   if st._nodt then return nil end
   local ranks = dt_layout(st)
-  if ranks and meshes[table.concat(ranks, ",")] then return st:to_dtensor() end
+  if ranks and meshes[mesh_key(ranks, kind_of(st._spec))] then return st:to_dtensor() end
   return nil
 end
 
@@ -904,7 +1070,8 @@ local function compare(op, a, b, close)
       if bad ~= 0 then good = 0 end
     end
   end
-  local flag = E().full({ 1 }, good, { dtype = "i64" })
+  -- (on the shards' device: a CUDA ShardedTensor's group reduces through NCCL)
+  local flag = E().full({ 1 }, good, topts("i64", spec_device(a._spec, op)))
   comm.all_reduce(flag, "min", a._pg and { group = a._pg } or nil)
   return flag:item() == 1
 end
@@ -988,8 +1155,11 @@ function ShardedTensor:gather(dst, out)
   local copts = { group = gpg, group_dst = dst }
   local gm = gmap(pg)
   local d, rows = slab_layout(md.shards_metadata, md.size, world, gm)
+  -- CUDA shards: every buffer on the device (the collective runs through NCCL), the full tensor on dst's GPU
+  -- (PyTorch's _get_preferred_device for an NCCL group); no single-copy path (host memory only)
+  local dev = spec_device(self._spec, op)
   -- the way taken (the same on every rank: the metadata and the group's single-copy probe agree)
-  local boxes = not d and world > 1 and gpg:single_copy_usable()
+  local boxes = not d and world > 1 and kind_of(self._spec, op) == "cpu" and gpg:single_copy_usable()
   local full
   if me == dst then
     if out ~= nil and not (core.is_tensor(out) and same_list(out:shape(), md.size)) then
@@ -999,9 +1169,9 @@ function ShardedTensor:gather(dst, out)
       core.C.eng_pg_report_error(gpg._c, 7, msg) -- the others' gather fails with it
       fail(msg)
     end
-    local fits = out ~= nil and out.dtype == self.dtype
+    local fits = out ~= nil and out.dtype == self.dtype and out.device == dev
     if fits and d and d > 1 then fits = out:is_contiguous() end
-    full = fits and out or E().empty(md.size, { dtype = self.dtype })
+    full = fits and out or E().empty(md.size, topts(self.dtype, dev))
   end
   local function done()
     if me ~= dst then return nil end
@@ -1014,7 +1184,7 @@ function ShardedTensor:gather(dst, out)
     for k = d + 1, #md.size do rest[#rest + 1] = md.size[k] end
     local mine = shards_of(self)[1]
     local send
-    if mine == nil then send = E().empty({ 0, unpack(rest) }, { dtype = self.dtype })
+    if mine == nil then send = E().empty({ 0, unpack(rest) }, topts(self.dtype, dev))
     elseif d == 1 then send = mine.tensor:detach()
     else send = mine.tensor:detach():reshape({ rows[me + 1], unpack(rest) }) end
     local recv = full
@@ -1042,7 +1212,7 @@ function ShardedTensor:gather(dst, out)
   local per_rank = {}
   for r = 1, world do per_rank[r] = 0 end
   for _, s in ipairs(md.shards_metadata) do per_rank[gm[s.placement.rank] + 1] = per_rank[gm[s.placement.rank] + 1] + s:numel() end
-  local send = E().empty({ per_rank[me + 1] }, { dtype = self.dtype })
+  local send = E().empty({ per_rank[me + 1] }, topts(self.dtype, dev))
   local pos = 0
   for _, s in ipairs(shards_of(self)) do
     local n = s.metadata:numel()
@@ -1052,7 +1222,7 @@ function ShardedTensor:gather(dst, out)
   if me == dst then
     local total = 0
     for r = 1, world do total = total + per_rank[r] end
-    recv = E().empty({ total }, { dtype = self.dtype })
+    recv = E().empty({ total }, topts(self.dtype, dev))
   end
   copts.sizes = per_rank
   comm.gather(send, recv, nil, copts)
@@ -1114,8 +1284,14 @@ resharded = function(self, spec)
   local pg = self._pg
   local world, me = world_of(pg), group_rank(pg)
   local gm = gmap(pg)
-  local target = build(op, spec, self._size, { dtype = self.dtype, process_group = pg }, function(shape, dt)
-    return E().empty(shape, { dtype = dt })
+  local dev = spec_device(self._spec, op)
+  if kind_of(spec, op) ~= kind_of(self._spec, op) then
+    fail(string.format("%s: %s is on %s, the resharding spec %s on %s: moving a ShardedTensor between the CPU and "
+      .. "CUDA devices by reshard is not supported (gather it, or build one on the other device)", op, tostring(self._spec),
+      kind_of(self._spec), tostring(spec), kind_of(spec)))
+  end
+  local target = build(op, spec, self._size, { dtype = self.dtype, process_group = pg }, function(shape, dt, _, tdev)
+    return E().empty(shape, topts(dt, tdev))
   end)
   -- the DTensor path (making the mesh when the group is the world: reshard is collective over it)
   local dt = dt_ready(self)
@@ -1172,8 +1348,10 @@ resharded = function(self, spec)
     moves[k] = { from = p.from, src = idx_src[p.i], src_off = so, to = p.to, dst = idx_dst[p.j], dst_off = tof,
       shape = p.len }
   end
-  if comm.box_exchange(moves, srcs, dsts, { group = pg, dtype = self.dtype, ndim = nd, op = op }) then return target end
-  local send = E().empty({ world * maxb }, { dtype = self.dtype })
+  if kind_of(self._spec, op) == "cpu" and comm.box_exchange(moves, srcs, dsts, { group = pg, dtype = self.dtype, ndim = nd, op = op }) then
+    return target
+  end
+  local send = E().empty({ world * maxb }, topts(self.dtype, dev))
   for _, p in ipairs(pairs_) do
     if p.from == me then
       send:narrow(1, p.to * maxb + p.pos + 1, p.n):view(unpack(p.len)):copy_(box(src_of(src[p.i]), src[p.i], p))

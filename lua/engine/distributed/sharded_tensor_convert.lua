@@ -35,11 +35,19 @@ local function layout(t)
 end
 M._layout_of = layout
 
+-- "cpu" or "cuda": the placements' device type of t's shards
 local function device_str(t)
-  local d = t.device
-  if d == "cuda" then return "cuda:" .. tostring(C.eng_cuda_current_device and C.eng_cuda_current_device() or 0) end
+  if t.device == "cuda" then return "cuda" end
   return "cpu"
 end
+
+-- The placement of global rank r's shard on device type dev: "rank:r/cpu", or PyTorch's
+-- "rank:r/cuda:(r % device_count)" (each rank names its own GPU, not this rank's)
+local function placement_of(r, dev)
+  if dev == "cuda" then return stmod.sharded_tensor._cuda_placement(r) end
+  return string.format("rank:%d/cpu", r)
+end
+M._placement_of = placement_of
 
 local function chunk_box(n, k, i)
   -- torch.chunk: ceil(n/k) per piece, trailing pieces short or empty
@@ -62,7 +70,7 @@ M._st_from_global = st_from_global
 -- per group rank (trailing ones empty).
 local function chunk_sharded(size, dtype, d, rank, world_size, pg, loc, dev)
   local pls = {}
-  for r = 0, world_size - 1 do pls[r + 1] = string.format("rank:%d/%s", pg and pg:global_rank(r) or r, dev or "cpu") end
+  for r = 0, world_size - 1 do pls[r + 1] = placement_of(pg and pg:global_rank(r) or r, dev or "cpu") end
   local spec = specs.ChunkShardingSpec{ dim = d, placements = pls }
   local md = spec:build_metadata(size, specs.TensorProperties{ dtype = dtype })
   local mine = md.shards_metadata[rank + 1]
@@ -126,12 +134,12 @@ local function sharded_of_dtensor(t, op)
       for i = 0, mesh:size(md_dim) - 1 do
         c[md_dim] = i
         local ls, off = dtensor.compute_local_shape_and_global_offset(shape, mesh, pl, c)
-        shards[#shards + 1] = specs.ShardMetadata{ shard_offsets = off, shard_sizes = ls, placement = string.format("rank:%d/%s", g:global_rank(i), dev) }
+        shards[#shards + 1] = specs.ShardMetadata{ shard_offsets = off, shard_sizes = ls, placement = placement_of(g:global_rank(i), dev) }
       end
     else
       local off = {}
       for d = 1, #shape do off[d] = 0 end
-      shards[1] = specs.ShardMetadata{ shard_offsets = off, shard_sizes = shape, placement = string.format("rank:%d/%s", g:global_rank(g:rank()), dev) }
+      shards[1] = specs.ShardMetadata{ shard_offsets = off, shard_sizes = shape, placement = placement_of(g:global_rank(g:rank()), dev) }
     end
     local md = specs.ShardedTensorMetadata{ shards_metadata = shards, size = shape, tensor_properties = props }
     local mine = shards[p:is_shard() and (coord[md_dim] + 1) or 1]
@@ -176,7 +184,7 @@ local function sharded_of_dtensor(t, op)
     if tp_is_shard then c[n] = j end
     local ls, off = dtensor.compute_local_shape_and_global_offset(shape, mesh, tpv, c)
     local md = specs.ShardMetadata{ shard_offsets = off, shard_sizes = ls,
-      placement = string.format("rank:%d/%s", tg:global_rank(tp_is_shard and j or tg:rank()), dev) }
+      placement = placement_of(tg:global_rank(tp_is_shard and j or tg:rank()), dev) }
     outer[#outer + 1] = md
     if not tp_is_shard or j == coord[n] then mine = md end
   end
