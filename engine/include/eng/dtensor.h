@@ -247,6 +247,10 @@ int eng_dtensor_local_mode(void);
  * tensor mixed with DTensors is taken as Replicate.  Returns the previous value. */
 int eng_dtensor_set_implicit_replication(int on);
 int eng_dtensor_implicit_replication(void);
+/* Thread-local (PyTorch's loss_parallel context): while on, cross_entropy on logits sharded on the class dim
+ * accepts only Shard or Replicate beside it (a Partial is an error, as PyTorch).  Returns the previous value. */
+int eng_dtensor_set_loss_parallel(int on);
+int eng_dtensor_loss_parallel(void);
 /* Attaches spec (new reference taken) to an op output computed on local
  * tensors; checks the local shape on members. */
 int eng_dtensor_wrap_output(eng_tensor* out, eng_dist_spec* spec);

@@ -14,3 +14,16 @@ int eng_dtensor_set_implicit_replication(int on) {
 }
 
 int eng_dtensor_implicit_replication(void) { return g_implicit; }
+
+/* PyTorch's loss_parallel() context (dist.loss_parallel): cross_entropy's rule (sharding/loss.c) holds class-dim
+ * sharded logits to what PyTorch's loss_parallel accepts (Shard or Replicate beside the class dim); outside it,
+ * other layouts take the general path (a Partial is reduced first). */
+static __thread int g_loss_parallel;
+
+int eng_dtensor_set_loss_parallel(int on) {
+  int prev = g_loss_parallel;
+  g_loss_parallel = on ? 1 : 0;
+  return prev;
+}
+
+int eng_dtensor_loss_parallel(void) { return g_loss_parallel; }

@@ -12,10 +12,10 @@
  *     last by a permute of the local shard.  Offered on the first mesh dim
  *     that shards the class dim only (one group);
  *   all R -> R.
- * Partial logits are replicated first (the loss is not linear), except with
- * a class dim sharded on another mesh dim: PyTorch's loss_parallel accepts
- * only Shard or Replicate beside it, and so does this rule (an error, before
- * any communication). */
+ * Partial logits are replicated first (the loss is not linear); inside
+ * dist.loss_parallel, with the class dim sharded on another mesh dim, a
+ * Partial is an error before any communication (PyTorch's loss_parallel
+ * accepts only Shard or Replicate beside it). */
 #include "dtensor/dtensor_impl.h"
 #include "sharding/sharding.h"
 #include "ops/ops.h"
@@ -25,8 +25,10 @@ enum { RED_NONE = 0, RED_MEAN = 1, RED_SUM = 2 };
 static int class_dim(const eng_dist_spec* x) { return x->ndim == 1 ? 0 : 1; }
 static int target_dim(int cd, int d) { return d < cd ? d : d - 1; }
 
-/* The mesh dim that shards the class dim first (-1 none); with one, a Partial on another mesh dim is an error
- * (PyTorch's loss_parallel: "accepts only Shard or Replicate on non-class mesh dimensions"). */
+/* The mesh dim that shards the class dim first (-1 none).  With a Partial on another mesh dim: inside
+ * loss_parallel an error (PyTorch's loss_parallel: "accepts only Shard or Replicate on non-class mesh
+ * dimensions"); outside, -1 (no vocab-parallel offer: the general path reduces the Partial first, as PyTorch's
+ * log_softmax + nll_loss strategies do). */
 static int class_mesh_dim(const eng_dist_spec* x, int cd) {
   int vm = -1;
   for (int j = 0; j < x->mesh_ndim && vm < 0; j++)
@@ -34,6 +36,7 @@ static int class_mesh_dim(const eng_dist_spec* x, int cd) {
   if (vm < 0) return -1;
   for (int j = 0; j < x->mesh_ndim; j++)
     if (x->placements[j].kind == ENG_PLACEMENT_PARTIAL) {
+      if (!eng_dtensor_loss_parallel()) return -1;
       char b[64];
       eng_placement_describe(&x->placements[j], b, sizeof b);
       return eng_err("loss parallel (logits sharded on the class dim %d over mesh dim %d) accepts only Shard or "

@@ -27,6 +27,7 @@
 --            Replicate without communication (from_local: every rank holds the same init),
 --            activations Shard(sequence_dim).
 local core = require("engine.core")
+local implicit = require("engine.distributed.implicit_replication")
 local P = require("engine.distributed.placements")
 local dtensor = require("engine.distributed.dtensor")
 
@@ -524,12 +525,20 @@ end
 -- false}) already runs vocab-parallel here (3 all_reduces forward, none backward, logits never
 -- gathered), inside or outside this call; it exists so that PyTorch code ports as it is.  So do a class
 -- weight and logits [N, C, d1, ...] sharded on the class dim (not the last: a permute of the local shard);
--- [Partial, Shard(class)] logits are an error (Shard or Replicate only beside the class dim, as PyTorch).
--- Inside, plain tensors count as Replicate (PyTorch's documented usage passes a plain target, and a plain class
--- weight): fn runs under implicit_replication.
+-- inside, [Partial, Shard(class)] logits are an error (Shard or Replicate only beside the class dim, as PyTorch);
+-- outside, such logits take the general path (the Partial reduced first).  Inside, plain tensors count as
+-- Replicate (PyTorch's documented usage passes a plain target, and a plain class weight): fn runs under
+-- implicit_replication.
+local function lp_finish(prev, ok, ...)
+  core.C.eng_dtensor_set_loss_parallel(prev)
+  if not ok then error((...), 0) end
+  return ...
+end
+
 function M.loss_parallel(fn, ...)
   if type(fn) ~= "function" then fail("loss_parallel: expected a function to run, got " .. type(fn)) end
-  return require("engine.distributed.implicit_replication").implicit_replication(fn, ...)
+  local prev = core.C.eng_dtensor_set_loss_parallel(1)
+  return lp_finish(prev, pcall(implicit.implicit_replication, fn, ...))
 end
 
 return M
