@@ -243,8 +243,12 @@ int eng_pg_box_exchange(eng_pg* pg, const char* op, int kind, int ndim, int dtyp
  * on every rank); block b starts at element src_off[b] of every chunk, holds
  * lens[b * W + r] elements on group rank r (W = the group's size) and goes to
  * element dst_off[b * W + r] of dst (dst_numel elements, on every rank).
- * eligible: 0 when this rank cannot take part (its chunk is not current); the
- * ranks agree on it.  Collective on the members of pg, counted as one
+ * eligible: bit 0 clear when this rank cannot take part (its chunk is not
+ * current); the ranks agree on it.  Bit 1 (2 | 1: set on every member, or it
+ * is ignored) drops the closing exchange: the caller then makes sure that its
+ * next exchange on pg (any collective or agreement) comes before it changes
+ * src, and a failed read is this rank's error (-1) instead of a decline.
+ * Collective on the members of pg, counted as one
  * all_gather.  Returns 0 done; 1 declined, the same on every member (single
  * copy not usable on pg, a rank not eligible, or a read failing, after which
  * the group stops using the path): the caller then all-gathers over MPI; -1

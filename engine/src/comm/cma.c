@@ -682,7 +682,7 @@ int eng_pg_gather_blocks(eng_pg* pg, const char* op, int dtype, const void* src,
   int k = pg->size, me = pg->rank;
   int64_t es = eng_dtype_size(dtype);
   /* local checks: every block inside src and dst */
-  int bad = es <= 0 || nblocks < 0 || (nblocks && (!src_off || !lens || !dst_off)) || (eligible && src_numel && !src) ||
+  int bad = es <= 0 || nblocks < 0 || (nblocks && (!src_off || !lens || !dst_off)) || ((eligible & 1) && src_numel && !src) ||
             (dst_numel && !dst);
   for (int b = 0; b < nblocks && !bad; b++)
     for (int r = 0; r < k && !bad; r++) {
@@ -696,7 +696,8 @@ int eng_pg_gather_blocks(eng_pg* pg, const char* op, int dtype, const void* src,
   key.dtype = dtype; key.ndim = 1; key.shape[0] = key.numel = src_numel;
   if (comm_check(pg, "all_gather", ENG_COLL_ALL_GATHER, &key, bad)) return -1;
   /* the headers: every rank's verdict (1 bad blocks: an error everywhere; 2 out of memory: declined) */
-  gb_head mine = {(int64_t)getpid(), (uint64_t)(uintptr_t)src, eligible ? 1 : 0, bad ? 1 : 0};
+  /* eligible: bit 0 this rank takes part, bit 1 the caller defers the closing exchange (below) */
+  gb_head mine = {(int64_t)getpid(), (uint64_t)(uintptr_t)src, eligible & 3, bad ? 1 : 0};
   gb_head* all = malloc(sizeof *all * (size_t)k);
   if (!all && !mine.err) mine.err = 2;
   int rc = GUARDED(XCHG, MPI_Allgather(&mine, (int)sizeof mine, MPI_BYTE, all ? (void*)all : (void*)&mine,
@@ -710,8 +711,11 @@ int eng_pg_gather_blocks(eng_pg* pg, const char* op, int dtype, const void* src,
       free(all);
       return -1;
     }
-  for (int r = 0; r < k; r++)
-    if (all[r].err || !all[r].eligible) { free(all); return 1; } /* the same headers on every rank */
+  int defer = 1;
+  for (int r = 0; r < k; r++) {
+    if (all[r].err || !(all[r].eligible & 1)) { free(all); return 1; } /* the same headers on every rank */
+    defer &= (all[r].eligible >> 1) & 1;
+  }
   int64_t rec = comm_account_begin(pg, ENG_COLL_ALL_GATHER, &key);
   int err = 0;
   for (int step = 0; step < k && !err; step++) {
@@ -737,6 +741,23 @@ int eng_pg_gather_blocks(eng_pg* pg, const char* op, int dtype, const void* src,
       if (n == CMA_IOV || want > (ssize_t)1 << 30) { err = read_iov((pid_t)all[from].pid, liov, riov, n, want); n = 0; want = 0; }
     }
     if (!err && n > 0) err = read_iov((pid_t)all[from].pid, liov, riov, n, want);
+  }
+  if (defer) {
+    /* every rank asked for it: no closing exchange.  The caller's next exchange on pg (a signature check, a
+     * header exchange, any collective) is what keeps the chunks unchanged until all have read: every rank
+     * waits there until every other rank has left this call, and this rank's reads end inside it.  A failed
+     * read can no longer be declined on every rank: it is this rank's error (the others find it at that next
+     * exchange). */
+    if (err) {
+      free(all);
+      comm_account_end(rec, 2);
+      return eng_err("%s: all_gather on group %s: a single-copy read of a peer's chunk failed (%s); the group's "
+                     "other ranks fail at their next collective on it", op, pg->name, strerror(err));
+    }
+    free(all);
+    comm_account_end(rec, 1);
+    g_count++;
+    return 0;
   }
   free(all);
   /* every rank has read every chunk before any rank goes on (and may change its chunk); a failed read anywhere

@@ -100,6 +100,9 @@ typedef struct fsdp_in_flight {
                                    * all-reduced over the replicas yet (reduce dtype, chunk_numel elements, not
                                    * divided); the next reduction with all-reduce on adds it before its all-reduce
                                    * (PyTorch's partial reduce output) */
+  int close_pending;              /* an in-place all-gather (gather_in_place) ran without its closing exchange:
+                                   * a later exchange on the shard group must come before the shards can change
+                                   * (synced() clears it, flush_closes() makes that exchange) */
   int64_t all_gathers_issued;     /* collectives issued so far (eng_fsdp_group_count) */
   int64_t reduce_scatters_issued;
 } fsdp_in_flight;
@@ -120,6 +123,7 @@ typedef struct fsdp_tree {
   group_list current_forward;     /* root only: this forward's pre-forward order, being recorded (weak) */
   group_list post_forward_order;  /* root only: this forward's post-forward order (weak) */
   int end_of_backward_queued;     /* root: the end-of-backward callback is queued */
+  int in_forward;                 /* root: between its pre-forward and post-forward (outside backward) */
   group_list forward_prefetch;    /* set_modules_to_forward_prefetch: groups unsharded in this one's pre-forward */
   int explicit_forward_prefetch;  /* that list was set (it replaces the implicit forward prefetch) */
   group_list backward_prefetch;   /* set_modules_to_backward_prefetch: groups unsharded in this one's pre-backward */
@@ -333,7 +337,9 @@ static void alias_shards(eng_fsdp_group* g) {
  * rows of a parameter are one range of it); a rank whose shards no longer view g->buffers.flat_shard makes every rank
  * take the MPI all-gather.  No gathered buffer and no copy-out: the reference GPT's step at 2 ranks all-gathers 9
  * groups of 3 MB.  0 done, 1 not taken (the MPI all-gather follows), -1 error. */
-static int gather_in_place(eng_fsdp_group* g) {
+static void synced(eng_fsdp_group* g);
+
+static int gather_in_place(eng_fsdp_group* g, int defer) {
   if (g->config.device != ENG_CPU || g->config.cpu_offload || g->n_params == 0) return 1;
   for (int i = 0; i < g->n_params; i++) {
     const fparam* q = &g->params[i];
@@ -363,8 +369,14 @@ static int gather_in_place(eng_fsdp_group* g) {
   int rc =
       eng_pg_gather_blocks(g->config.shard_group, "FSDP unshard", g->buffers.unsharded_dtype,
                            elig ? eng_ptr(g->buffers.flat_shard) : NULL, g->buffers.chunk_numel, g->n_params, src_off,
-                           lens, dst_off, eng_ptr(g->buffers.unsharded), g->buffers.unsharded_numel, elig);
+                           lens, dst_off, eng_ptr(g->buffers.unsharded), g->buffers.unsharded_numel,
+                           elig | (defer ? 2 : 0));
   g->buffers.unsharded->storage->version = v;
+  if (rc == 0) {
+    /* its header exchange waited for every rank: the earlier in-place all-gathers on this group are closed */
+    synced(g);
+    g->in_flight.close_pending = defer;
+  }
   return rc;
 }
 
@@ -410,6 +422,7 @@ static int ag_finish(eng_fsdp_group* g) {
     eng_work_release(g->in_flight.all_gather);
     g->in_flight.all_gather = NULL;
   }
+  if (!rc && g->in_flight.all_gather_layout == 0) synced(g); /* every rank has joined it */
   if (!rc) rc = ag_copy_out(g, g->in_flight.all_gather_output, g->in_flight.all_gather_layout);
   free_tensor(&g->in_flight.all_gather_input); free_tensor(&g->in_flight.all_gather_output);
   if (rc) { eng_err_prefix("FSDP unshard"); return -1; }
@@ -418,8 +431,10 @@ static int ag_finish(eng_fsdp_group* g) {
   return 0;
 }
 
-int eng_fsdp_group_unshard(eng_fsdp_group* g, int async_op) {
-  if (!g) return eng_err("unshard: group is NULL");
+/* defer: the hooks' unshard inside the root's forward or a backward whose end-of-backward callback is queued,
+ * where the root's post-forward or that callback closes an in-place all-gather that nothing closed before
+ * (flush_closes): the in-place all-gather then skips its closing exchange. */
+static int unshard(eng_fsdp_group* g, int async_op, int defer) {
   if (g->state == ST_UNSHARDED) return 0;
   if (g->in_flight.all_gather_output) return async_op ? 0 : ag_finish(g);
   if (g->n_params == 0) { g->state = ST_UNSHARDED; return 0; }
@@ -437,7 +452,7 @@ int eng_fsdp_group_unshard(eng_fsdp_group* g, int async_op) {
     goto out;
   }
   if (!L && !async_op) {
-    int ip = gather_in_place(g);
+    int ip = gather_in_place(g, defer);
     if (ip < 0) { eng_err_prefix("FSDP unshard (all_gather)"); goto out; }
     if (ip == 0) {
       g->in_flight.all_gathers_issued++;
@@ -487,6 +502,37 @@ out:
     }
   }
   eng_set_grad_enabled(prev);
+  return rc;
+}
+
+int eng_fsdp_group_unshard(eng_fsdp_group* g, int async_op) {
+  if (!g) return eng_err("unshard: group is NULL");
+  return unshard(g, async_op, 0);
+}
+
+/* Clears close_pending on every group of g's tree that shares g's shard group: called after an exchange on that
+ * group that every member joined (an in-place all-gather's header exchange, a completed all-gather or
+ * reduce-scatter), which no rank leaves before every rank has finished the reads of the earlier ones. */
+static void synced(eng_fsdp_group* g) {
+  eng_fsdp_group* r = g->tree.root;
+  g->in_flight.close_pending = 0;
+  if (!r) return;
+  for (int k = 0; k < r->tree.all.count; k++)
+    if (r->tree.all.items[k]->config.shard_group == g->config.shard_group)
+      r->tree.all.items[k]->in_flight.close_pending = 0;
+}
+
+/* The closing exchange (one agreement) of every in-place all-gather of r's tree that skipped its own and that no
+ * later exchange closed: after it, each rank may change its shards. */
+static int flush_closes(eng_fsdp_group* r) {
+  int rc = 0;
+  int n = r->tree.all.count ? r->tree.all.count : 1;
+  for (int k = 0; k < n; k++) {
+    eng_fsdp_group* g = r->tree.all.count ? r->tree.all.items[k] : r;
+    if (!g->in_flight.close_pending) continue;
+    if (eng_pg_agree(g->config.shard_group, 0, 0x46534450u, "FSDP unshard (closing exchange)") && !rc) rc = -1;
+    synced(g);
+  }
   return rc;
 }
 
@@ -548,6 +594,7 @@ static int rs_finish(eng_fsdp_group* g) {
     rc = eng_work_wait(g->in_flight.reduce_scatter);
     eng_work_release(g->in_flight.reduce_scatter);
     g->in_flight.reduce_scatter = NULL;
+    if (!rc) synced(g); /* every rank has joined it */
   }
   free_tensor(&g->in_flight.reduce_scatter_input);
   if (!rc && g->config.replicate_group) {
@@ -763,7 +810,7 @@ static int pre_backward(eng_fsdp_group* g) {
   for (int i = 0; i < g->n_params; i++) g->params[i].ready = 0;
   g->backward.gradients_ready = 0;
   g->backward.post_backward_done = 0;
-  if (eng_fsdp_group_unshard(g, 0)) return -1;
+  if (unshard(g, 0, g->tree.root && g->tree.root->tree.end_of_backward_queued)) return -1;
   if (g->tree.explicit_backward_prefetch)
     prefetch_list(g->tree.backward_prefetch.items, g->tree.backward_prefetch.count);
   else if (g->config.implicit_prefetch) {
@@ -836,9 +883,10 @@ int eng_fsdp_group_pre_forward(eng_fsdp_group* g, eng_tensor** ts, int n) {
     }
     g->tree.current_forward.count = 0;
     g->tree.post_forward_order.count = 0;
+    g->tree.in_forward = 1;
   }
   if (r && !in_bw && !in_list(&r->tree.current_forward, g)) rc = push(&r->tree.current_forward, g);
-  if (!rc) rc = eng_fsdp_group_unshard(g, 0);
+  if (!rc) rc = unshard(g, 0, r && (in_bw ? r->tree.end_of_backward_queued : r->tree.in_forward));
   if (!rc && !in_bw) {
     if (g->tree.explicit_forward_prefetch)
       prefetch_list(g->tree.forward_prefetch.items, g->tree.forward_prefetch.count);
@@ -866,6 +914,12 @@ int eng_fsdp_group_pre_forward(eng_fsdp_group* g, eng_tensor** ts, int n) {
 int eng_fsdp_group_post_forward(eng_fsdp_group* g, eng_tensor** ts, int n) {
   eng_fsdp_group* r = g->tree.root;
   int in_bw = eng_autograd_in_backward();
+  if (r == g && !in_bw) {
+    /* the end of the root's forward: close the in-place all-gathers no later exchange closed, before the
+     * caller can change a shard */
+    g->tree.in_forward = 0;
+    if (flush_closes(g)) return -1;
+  }
   if (g->config.output_dtype >= 0 && cast_floating(ts, n, g->config.output_dtype)) return -1;
   int grad = eng_grad_enabled();
   if (r && !in_bw && !in_list(&r->tree.post_forward_order, g) && push(&r->tree.post_forward_order, g)) return -1;
@@ -917,6 +971,7 @@ static int root_final(void* ud) {
     g->backward.pre_backward_done = 0; g->backward.post_backward_done = 0; g->backward.gradients_ready = 0;
     for (int i = 0; i < g->n_params; i++) g->params[i].ready = 0;
   }
+  if (flush_closes(r) && !rc) rc = -1;
   return rc;
 }
 
