@@ -18,13 +18,14 @@ local M = {}
 -- ---------------------------------------------------------------- ModelArgs
 local defaults = {
   n_layers = 2, vocab_size = 8, max_seq_len = 16, dim = 16, n_heads = 4, dropout_p = 0.1,
-  use_attn_mask = true, weight_tying = true, checkpoint_activations = false,
+  use_attn_mask = true, weight_tying = true, checkpoint_activations = false, gelu = "none",
 }
 M.ModelArgs_defaults = defaults
 
 local kinds = {
   n_layers = "count", vocab_size = "count", max_seq_len = "count", dim = "count", n_heads = "count",
   dropout_p = "prob", use_attn_mask = "boolean", weight_tying = "boolean", checkpoint_activations = "boolean",
+  gelu = "gelu",
 }
 
 -- ModelArgs{...}: the defaults above, overridden by the given fields.
@@ -46,6 +47,9 @@ function M.ModelArgs(t)
       error(string.format("ModelArgs: %s must be a number in [0, 1], got %s", k, tostring(v)), 2)
     elseif kind == "boolean" and type(v) ~= "boolean" then
       error(string.format("ModelArgs: %s must be a boolean, got %s", k, tostring(v)), 2)
+    elseif kind == "gelu" and v ~= "none" and v ~= "tanh" then
+      error(string.format("ModelArgs: gelu must be \"none\" (exact) or \"tanh\" (GPT-2's approximation), got %s",
+        tostring(v)), 2)
     end
     a[k] = v
   end
@@ -119,6 +123,71 @@ function MLPStacked:forward(x)
   return x
 end
 
+-- ---------------------------------------------------------------- fused QKV projection
+-- The attention modules keep wq, wk, wv as three nn.Linear (the parameter and state dict names, the TP plans
+-- and hooks see three projections, as before), but their weights are views of ONE tensor [q rows; k rows; v
+-- rows] (fuse_linear_weights), so the forward runs one GEMM: engine.cat_adjacent of the three weights is a view
+-- of that tensor (no copy), its gradient is cat's (each weight gets its rows of the fused gradient), and the
+-- output is split into q, k, v (views; split's backward is one cat).  Loading a state dict copies into the views
+-- (the fusion stays); module:to(...) converts each parameter and then calls _refuse, which makes them views of
+-- one tensor again.  DTensor weights (tensor parallelism, FSDP's sharded parameters) and projections with hooks
+-- or biases run the three GEMMs as before (a cat of three Shard(0) DTensors is not the head layout of each
+-- rank); plain weights that are not adjacent (e.g. FSDP's unsharded parameters) are concatenated (a copy) for
+-- the one GEMM.  module.fuse_qkv = false runs the three GEMMs.
+
+-- fuse_linear_weights(linears): makes the weights of the given nn.Linear modules views of one new tensor (their
+-- rows in order), in place: each Parameter keeps its identity, flags and gradient (set_data, as module:to).
+-- Returns true when the weights are (now) adjacent; false (nothing changed) for DTensors, meta tensors,
+-- differing dtypes/devices/column counts or non-leaf weights.
+function M.fuse_linear_weights(mods)
+  local ws = {}
+  for i, m in ipairs(mods) do
+    local w = rawget(m, "_parameters") and m._parameters.weight
+    if w == nil or w._c.dist ~= nil or w._c.grad_fn ~= nil or w.is_meta or w:dim() ~= 2 then return false end
+    if i > 1 and (w.dtype ~= ws[1].dtype or w.device ~= ws[1].device or w:size(2) ~= ws[1]:size(2)) then
+      return false
+    end
+    ws[i] = w
+  end
+  if #ws < 2 then return false end
+  if engine.tensors_adjacent(ws, 1) then return true end
+  for _, w in ipairs(ws) do if not w:is_contiguous() then return false end end
+  local fused = engine.no_grad(function() return engine.cat(ws, 1) end)
+  local off = 1
+  for _, w in ipairs(ws) do
+    local rows = w:size(1)
+    local v = fused:narrow(1, off, rows)
+    if engine.C.eng_tensor_set_data(w._c, v._c) ~= 0 then error("fuse_linear_weights: " .. require("engine.core").last_error(), 2) end
+    off = off + rows
+  end
+  return true
+end
+
+-- A module called as a plain function: no forward hooks (tensor parallelism, FSDP and user hooks
+-- install them) and its class's own forward.
+local hook_count = engine.C.eng_module_hook_count
+local function plain(m, class)
+  local cm = rawget(m, "_cmod")
+  return m.forward == class.forward and (cm == nil or (hook_count(cm, 0) == 0 and hook_count(cm, 1) == 0))
+end
+
+-- q, k, v = project_qkv(attn, x): one GEMM when the three projections allow it (see above), else three.
+local function project_qkv(self, x)
+  local wq, wk, wv = self.wq, self.wk, self.wv
+  if self.fuse_qkv ~= false and x._c.dist == nil and plain(wq, nn.Linear) and plain(wk, nn.Linear)
+    and plain(wv, nn.Linear) and wq.bias == nil and wk.bias == nil and wv.bias == nil then
+    local a, b, c = wq.weight, wk.weight, wv.weight
+    if a._c.dist == nil and b._c.dist == nil and c._c.dist == nil then
+      local parts = F.linear(x, engine.cat_adjacent({ a, b, c }, 1)):split({ a:size(1), b:size(1), c:size(1) }, -1)
+      return parts[1], parts[2], parts[3]
+    end
+  end
+  return wq(x), wk(x), wv(x)
+end
+M._project_qkv = project_qkv
+
+local function refuse_qkv(self) M.fuse_linear_weights({ self.wq, self.wk, self.wv }) end
+
 -- ---------------------------------------------------------------- Attention
 local Attention = nn.Module:extend("Attention")
 M.Attention = Attention
@@ -135,13 +204,17 @@ function Attention:__init(args)
   self.wk = nn.Linear(args.dim, args.dim, { bias = false })
   self.wv = nn.Linear(args.dim, args.dim, { bias = false })
   self.wo = nn.Linear(args.dim, args.dim, { bias = false })
+  self.fuse_qkv = true
+  M.fuse_linear_weights({ self.wq, self.wk, self.wv })
 end
+
+Attention._refuse = refuse_qkv
 
 -- x [bsz, seq_len, dim] -> [bsz, seq_len, dim]; causal when use_attn_mask.
 function Attention:forward(x)
   local s = x:shape()
   local bsz, seq_len = s[1], s[2]
-  local queries, keys, values = self.wq(x), self.wk(x), self.wv(x)
+  local queries, keys, values = project_qkv(self, x)
   -- n_heads from the weight, not self.n_heads: tensor parallelism shards the heads
   local local_dim = queries:size(-1)
   local n_heads = math.floor(local_dim / self.head_dim)
@@ -158,19 +231,13 @@ end
 local FeedForward = nn.Module:extend("FeedForward")
 M.FeedForward = FeedForward
 
-function FeedForward:__init(dim, hidden_dim, dropout_p)
+-- FeedForward(dim, hidden_dim, dropout_p [, gelu = "none" | "tanh"]): tanh is GPT-2's GELU (PyTorch's
+-- approximate="tanh"; nn.GELU("tanh")).
+function FeedForward:__init(dim, hidden_dim, dropout_p, gelu)
   self.w1 = nn.Linear(dim, hidden_dim)
-  self.gelu = nn.GELU()
+  self.gelu = nn.GELU{ approximate = gelu or "none" }
   self.w2 = nn.Linear(hidden_dim, dim)
   self.resid_dropout = nn.Dropout(dropout_p)
-end
-
--- A module called as a plain function: no forward hooks (tensor parallelism, FSDP and user hooks
--- install them) and its class's own forward.
-local hook_count = engine.C.eng_module_hook_count
-local function plain(m, class)
-  local cm = rawget(m, "_cmod")
-  return m.forward == class.forward and (cm == nil or (hook_count(cm, 0) == 0 and hook_count(cm, 1) == 0))
 end
 
 function FeedForward:forward(x)
@@ -191,7 +258,7 @@ function TransformerBlock:__init(args)
   self.attention_norm = nn.LayerNorm(args.dim)
   self.attention = Attention(args)
   self.ffn_norm = nn.LayerNorm(args.dim)
-  self.feed_forward = FeedForward(args.dim, 4 * args.dim, args.dropout_p)
+  self.feed_forward = FeedForward(args.dim, 4 * args.dim, args.dropout_p, args.gelu)
 end
 
 function TransformerBlock:forward(x)
@@ -475,16 +542,19 @@ function LlamaAttention:__init(a)
   self.wk = nn.Linear(a.dim, a.n_kv_heads * self.head_dim, { bias = false })
   self.wv = nn.Linear(a.dim, a.n_kv_heads * self.head_dim, { bias = false })
   self.wo = nn.Linear(a.n_heads * self.head_dim, a.dim, { bias = false })
+  self.fuse_qkv = true   -- one GEMM for q, k, v (see "fused QKV projection" above)
+  M.fuse_linear_weights({ self.wq, self.wk, self.wv })
 end
+
+LlamaAttention._refuse = refuse_qkv
 
 -- x [B, T, dim], cos / sin the rotary tables ([T, 1, head_dim] interleaved, or [T, head_dim / 2]) -> [B, T, dim].  The head counts come from the
 -- projections' sizes (-1), so under tensor parallelism each rank runs its local q and k/v heads.
 function LlamaAttention:forward(x, cos, sin)
   local s = x:shape()
   local B, T, hd = s[1], s[2], self.head_dim
-  local xq = self.wq(x):view(B, T, -1, hd)
-  local xk = self.wk(x):view(B, T, -1, hd)
-  local xv = self.wv(x):view(B, T, -1, hd)
+  local q, k, v = project_qkv(self, x)
+  local xq, xk, xv = q:view(B, T, -1, hd), k:view(B, T, -1, hd), v:view(B, T, -1, hd)
   xq, xk = M.apply_rotary_emb(xq, cos, sin), M.apply_rotary_emb(xk, cos, sin)
   local keys, values = M.repeat_kv(xk, self.n_rep), M.repeat_kv(xv, self.n_rep)
   local out = F.scaled_dot_product_attention(xq:transpose(2, 3), keys:transpose(2, 3), values:transpose(2, 3),

@@ -20,6 +20,11 @@ eng_tensor* eng_unsqueeze(eng_tensor* t, int dim);
 eng_tensor* eng_flatten(eng_tensor* t, int start_dim, int end_dim);
 eng_tensor* eng_cat(int n, eng_tensor** ts, int dim);
 eng_tensor* eng_stack(int n, eng_tensor** ts, int dim);
+/* cat along (0-based) dim of tensors that already lie side by side in one storage (eng_tensors_adjacent): a VIEW
+ * of that storage, no copy, with cat's gradient (each input gets its slice); otherwise eng_cat (a copy).  The
+ * fused QKV weight of the models (lua/engine/models.lua). */
+eng_tensor* eng_cat_adjacent(int n, eng_tensor** ts, int dim);
+int eng_tensors_adjacent(int n, eng_tensor** ts, int dim);
 /* Split into pieces of split_size (last one smaller); writes up to max_out
  * new references into out and returns how many, or -1. */
 int eng_split(eng_tensor* t, int64_t split_size, int dim, int max_out, eng_tensor** out);

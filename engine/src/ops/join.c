@@ -153,12 +153,62 @@ static eng_tensor* join(int n, eng_tensor** ts, int dim, int stack) {
 eng_tensor* eng_cat(int n, eng_tensor** ts, int dim) { return join(n, ts, dim, 0); }
 eng_tensor* eng_stack(int n, eng_tensor** ts, int dim) { return join(n, ts, dim, 1); }
 
+/* 1 when the plain tensors ts lie side by side along (normalized) dim d in one storage: same dtype, device,
+ * rank, strides and sizes except along d, each starting where the previous one ends. */
+static int adjacent(int n, eng_tensor** ts, int d) {
+  const eng_tensor* a = ts[0];
+  if (d < 0 || d >= a->ndim) return 0;
+  for (int i = 0; i < n; i++) {
+    const eng_tensor* t = ts[i];
+    if (t->dist || t->device == ENG_META || !t->storage || t->storage != a->storage || t->dtype != a->dtype ||
+        t->device != a->device || t->ndim != a->ndim)
+      return 0;
+    for (int k = 0; k < a->ndim; k++)
+      if (t->stride[k] != a->stride[k] || (k != d && t->shape[k] != a->shape[k])) return 0;
+    if (i > 0 && t->offset != ts[i - 1]->offset + ts[i - 1]->shape[d] * a->stride[d]) return 0;
+  }
+  return 1;
+}
+
+int eng_tensors_adjacent(int n, eng_tensor** ts, int dim) {
+  if (n < 1 || !ts) return 0;
+  for (int i = 0; i < n; i++) if (!ts[i]) return 0;
+  int nd = ts[0]->ndim;
+  if (nd < 1 || dim < -nd || dim >= nd) return 0;
+  return adjacent(n, ts, dim < 0 ? dim + nd : dim);
+}
+
+eng_tensor* eng_cat_adjacent(int n, eng_tensor** ts, int dim) {
+  if (!eng_tensors_adjacent(n, ts, dim)) return eng_cat(n, ts, dim);
+  const eng_tensor* a = ts[0];
+  int d = dim < 0 ? dim + a->ndim : dim;
+  int64_t sh[ENG_MAX_DIMS];
+  for (int k = 0; k < a->ndim; k++) sh[k] = a->shape[k];
+  sh[d] = 0;
+  for (int i = 0; i < n; i++) sh[d] += ts[i]->shape[d];
+  eng_tensor* out = eng_view_of(ts[0], a->ndim, sh, a->stride, a->offset);
+  if (!out) return NULL;
+  if (eng_any_requires_grad(n, ts) && eng_dtype_is_floating(a->dtype)) {
+    eng_node* nd = eng_record("CatBackward", join_bw, n, ts, out);
+    if (!nd) { eng_tensor_release(out); return NULL; }
+    nd->ints[0] = d; nd->ints[1] = 0;
+  }
+  return out;
+}
+
 /* ------------------------------------------------------------ split / chunk */
 /* ctx: the n_outputs piece sizes; ints[0]: dim.  A zero tensor of the
  * input's shape with each piece's gradient (NULL: zero) copied in. */
 static int split_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
   const int64_t* sizes = n->ctx;
   int dim = (int)n->ints[0];
+  int all = n->n_outputs > 0 && n->n_outputs <= 16;
+  for (int k = 0; k < n->n_outputs && all; k++)
+    all = go[k] && go[k]->dtype == eng_node_in_dtype(n, 0) && go[k]->ndim == eng_node_in_ndim(n, 0);
+  if (all) { /* every piece has a gradient: one cat (no zero fill; the QKV split of the models) */
+    gi[0] = eng_cat(n->n_outputs, go, dim);
+    return gi[0] ? 0 : -1;
+  }
   int dev = ENG_CPU;
   for (int k = 0; k < n->n_outputs; k++) if (go[k]) { dev = go[k]->device; break; }
   eng_tensor* z = eng_tensor_zeros(eng_node_in_ndim(n, 0), eng_node_in_shape(n, 0), eng_node_in_dtype(n, 0), dev);

@@ -596,6 +596,15 @@ local function each_state_tensor(self, fn)
   if not ok then error(err, 3) end
 end
 
+-- After to / to_empty: modules whose parameters are views of one fused tensor (the models' QKV weights,
+-- lua/engine/models.lua) make them views of one tensor again (each parameter was converted on its own).
+local function refuse(self)
+  for _, m in ipairs(self:modules()) do
+    local f = m._refuse
+    if f then f(m) end
+  end
+end
+
 -- to(dtype) / to("cuda") / to("cpu") / to{dtype=, device=}: converts the
 -- parameters (floating ones only for a dtype change) and buffers IN PLACE, as
 -- PyTorch's module.to: every Parameter keeps its identity (the same Lua
@@ -649,6 +658,7 @@ function Module:to(what)
     if is_param and t._c.grad ~= nil then swap(t._c.grad, true) end
     swap(t._c, true)
   end)
+  refuse(self)
   return self
 end
 -- to_empty{device = "cpu"} (or to_empty("cpu")): PyTorch's module.to_empty.
@@ -677,6 +687,7 @@ function Module:to_empty(opts)
     if t._c.grad ~= nil then core.check(C.eng_tensor_set_grad(t._c, nil)) end
     swap(t._c)
   end)
+  refuse(self)
   return self
 end
 

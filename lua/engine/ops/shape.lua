@@ -181,6 +181,18 @@ function M.cat(list, d)
 end
 M.concat = M.cat
 
+-- cat_adjacent(list, dim = 1): cat of tensors that already lie side by side along dim in one storage (the views
+-- of one fused parameter): a view of it, no copy, with cat's gradient; other lists are copied as by cat.
+-- tensors_adjacent(list, dim = 1) says whether they lie so.
+function M.cat_adjacent(list, d)
+  local n, arr = tensor_list(list, "cat_adjacent")
+  return wrap(C.eng_cat_adjacent(n, arr, cdim(d == nil and 1 or d, arr[0].ndim, "cat_adjacent")))
+end
+function M.tensors_adjacent(list, d)
+  local n, arr = tensor_list(list, "tensors_adjacent")
+  return C.eng_tensors_adjacent(n, arr, cdim(d == nil and 1 or d, arr[0].ndim, "tensors_adjacent")) == 1
+end
+
 -- stack(list, dim = 1): dim may be ndim + 1.
 function M.stack(list, d)
   local n, arr = tensor_list(list, "stack")
