@@ -7,7 +7,8 @@ GPT-2-small-shaped model on the GPU, in eager mode and with torch.compile.
 
 The model mirrors engine.nn.Transformer (common_dtensor.py's architecture): token + learned position embeddings,
 pre-LayerNorm blocks with bias-free q/k/v/o projections and causal F.scaled_dot_product_attention, a 4x MLP
-with exact GELU, final LayerNorm, output projection tied to the token embeddings, logits cast to float32.
+with GELU (exact, or --gelu=tanh: GPT-2's, as gpu_step.lua passes), final LayerNorm, output projection tied to
+the token embeddings, logits cast to float32.
 Parameters, activations and AdamW states (fused AdamW) are bf16; dropout 0; random tokens; one step =
 forward + cross entropy + backward + optimizer step + zero_grad, timed to torch.cuda.synchronize().
 
@@ -31,6 +32,8 @@ def parse():
     p.add_argument("--modes", default="eager,compile")
     p.add_argument("--peak_tflops", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--gelu", default="none", choices=["none", "tanh"],
+                   help="the feed-forward GELU: exact, or GPT-2's tanh approximation (the engine's gelu option)")
     return p.parse_args()
 
 
@@ -66,7 +69,7 @@ def main():
             self.wo = nn.Linear(dim, dim, bias=False)
             self.ffn_norm = nn.LayerNorm(dim)
             self.w1 = nn.Linear(dim, 4 * dim)
-            self.gelu = nn.GELU()
+            self.gelu = nn.GELU(approximate=o.gelu)
             self.w2 = nn.Linear(4 * dim, dim)
 
         def forward(self, x):

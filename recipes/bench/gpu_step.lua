@@ -4,7 +4,7 @@
 --       [--n_layers=12] [--dim=768] [--n_heads=12] [--vocab=50304] [--torch=1] [--compile=1] [--peak_n=8192]
 --
 -- Model: engine.nn.Transformer (common_dtensor.py's architecture: learned position embeddings, pre-LayerNorm blocks,
--- bias-free attention projections, 4x GELU MLP, tied output weights) with 12 layers, dim 768, 12 heads,
+-- bias-free attention projections (one fused QKV GEMM), 4x GELU MLP (tanh, as GPT-2), tied output weights) with 12 layers, dim 768, 12 heads,
 -- seq 1024, vocab 50304, dropout 0; parameters, activations and AdamW states in bf16; random tokens; batch 8.
 -- One step = forward + cross entropy + backward + AdamW step + zero_grad, timed to a device sync.  The engine's
 -- loss is model(x, y): the fused classifier on the bf16 logits (F.fused_classifier, f32 loss).
@@ -26,7 +26,7 @@ local F = nn.functional
 local C = engine.C
 
 local o = { steps = 20, warmup = 5, batch = 8, seq = 1024, n_layers = 12, dim = 768, n_heads = 12, vocab = 50304,
-  torch = 1, compile = 1, peak_n = 8192 }
+  torch = 1, compile = 1, peak_n = 8192, gelu = "tanh" }   -- GPT-2's GELU (PyTorch's approximate="tanh")
 local U = dofile((debug.getinfo(1, "S").source:match("^@(.*)/[^/]*$") or ".") .. "/util.lua")
 U.parse_args("bench/gpu_step", o, arg)
 
@@ -156,9 +156,9 @@ if o.torch ~= 0 then
   local python = os.getenv("PYTHON") or "python3"
   local home = (ENGINE_HOME and ENGINE_HOME ~= "") and ENGINE_HOME or "."
   local cmd = string.format("%s '%s/tools/bench_gpu_torch.py' --steps=%d --warmup=%d --batch=%d --seq=%d "
-    .. "--n_layers=%d --dim=%d --n_heads=%d --vocab=%d --modes=%s --peak_tflops=%.3f 2>&1", python, home, o.steps,
-    o.warmup, o.batch, o.seq, o.n_layers, o.dim, o.n_heads, o.vocab, o.compile ~= 0 and "eager,compile" or "eager",
-    peak / 1e12)
+    .. "--n_layers=%d --dim=%d --n_heads=%d --vocab=%d --modes=%s --peak_tflops=%.3f --gelu=%s 2>&1", python, home,
+    o.steps, o.warmup, o.batch, o.seq, o.n_layers, o.dim, o.n_heads, o.vocab,
+    o.compile ~= 0 and "eager,compile" or "eager", peak / 1e12, o.gelu)
   print("pytorch: " .. cmd)
   local p = io.popen(cmd)
   local out = p:read("*a")

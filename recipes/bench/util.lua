@@ -52,7 +52,7 @@ end
 function M.build_model(o)
   engine.manual_seed(0)
   local model = models.Transformer{ n_layers = o.n_layers, dim = o.dim, n_heads = o.n_heads, vocab_size = o.vocab,
-    max_seq_len = o.seq, dropout_p = 0 }
+    max_seq_len = o.seq, dropout_p = 0, gelu = o.gelu or "none" }
   for name, p in model:named_parameters() do
     if name:match("embeddings%.weight$") then nn.init.normal_(p, 0, 0.02) end
   end
