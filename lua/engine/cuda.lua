@@ -40,6 +40,17 @@ function M.synchronize()
   core.check(C.eng_cuda_synchronize())
 end
 
+-- Deferred device error checks (docs/cuda.md, "No host synchronisation in a step"): the ops that may find bad
+-- input on the GPU (embedding, cross entropy) do not read their flags back; check_errors() waits for the
+-- pending checks and raises the first error with the op's message; poll_errors() raises the errors of the
+-- kernels that have completed, without waiting (optimizers call it at each step); any host sync (item(),
+-- synchronize(), a copy to the host) raises them too.  pending_checks(): how many are pending.
+-- sync_count(): host synchronisations performed by the runtime so far (a training step should add none).
+function M.check_errors() core.check(C.eng_cuda_check_errors()) end
+function M.poll_errors() core.check(C.eng_cuda_poll_errors()) end
+function M.pending_checks() return tonumber(C.eng_cuda_pending_checks()) end
+function M.sync_count() return tonumber(C.eng_cuda_sync_count()) end
+
 function M.get_device_properties(d)
   need("get_device_properties")
   local p = ffi.new("eng_cuda_device_props")

@@ -129,6 +129,22 @@ int eng_cuda_memset(void* dst, int value, int64_t nbytes);
 /* For op implementations: 0 when status (a kernels/cuda kcu_* status) is 0,
  * else -1 with "<op>: CUDA kernel failed: <message>". */
 int eng_cuda_check(int status, const char* op);
+
+/* Deferred device error checks (engine/src/cuda/deferred.c): ops such as embedding and cross entropy do not
+ * read their error flags back (no host sync per op); a bad index is raised, with the op's message, at the next
+ * host synchronisation of the runtime (a device-to-host copy such as loss:item(), eng_cuda_synchronize), at
+ * eng_cuda_poll_errors (no wait: the checks whose kernels are done; the optimizers call it at each step) or at
+ * eng_cuda_check_errors (waits for the pending checks).  Both return 0, or -1 with the message.
+ * eng_cuda_pending_checks: how many checks are pending.  eng_cuda_sync_count: host synchronisations the
+ * runtime has performed (stream/device/event syncs, blocking copies) since start-up, for the specs ("a training
+ * step performs none").  eng_deferred_test_flag: a check in plain host memory, complete at once, whose int the
+ * caller sets (the specs check the bookkeeping and messages without a GPU); its message is
+ * "<op>: test check failed (a = <a>, b = <b>)". */
+int eng_cuda_poll_errors(void);
+int eng_cuda_check_errors(void);
+int eng_cuda_pending_checks(void);
+int64_t eng_cuda_sync_count(void);
+int* eng_deferred_test_flag(const char* op, int64_t a, int64_t b);
 /* The process's cuBLASLt context (kernels/cuda/kcuda.h kcu_gemm_ctx*, with
  * a 32 MiB workspace from the allocator), created at first use. */
 void* eng_cuda_gemm_context(void);

@@ -17,6 +17,17 @@
 #include "core/internal.h"
 #include "ops/bmm.h"
 
+/* Deferred device error checks (cuda/deferred.c): a kernel that may find bad input writes the int at the
+ * address eng_cuda_deferred_flag returns (non-zero: bad); after the launch eng_cuda_deferred_commit records
+ * the event that completes the check.  The host raises fmt's message (op, a, b) at the next poll, host sync or
+ * eng_cuda_check_errors (eng/cuda.h).  No host synchronisation. */
+typedef void (*eng_deferred_fmt)(char* buf, size_t n, const char* op, int64_t a, int64_t b);
+int* eng_cuda_deferred_flag(const char* op, eng_deferred_fmt fmt, int64_t a, int64_t b);
+int eng_cuda_deferred_commit(int* flag);
+/* The runtime counts its host synchronisations (eng_cuda_sync_count) and looks at the pending checks after each. */
+void eng_cuda_count_sync(void);
+int eng_cuda_after_sync(void);
+
 /* "<op>: not implemented for cuda tensors (<t>)": -1 / NULL. */
 int eng_cu_unsupported(const char* op, const eng_tensor* t);
 void* eng_cu_unsupportedp(const char* op, const eng_tensor* t);

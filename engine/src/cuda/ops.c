@@ -151,34 +151,28 @@ int eng_cu_norm_bwd(int dt, int rms, int64_t m, int64_t n, const void* gy, const
   return rc;
 }
 
-/* A device int flag, zeroed; read back (sync) by flag_read. */
-static int* flag_new(const char* op) {
-  int* f = eng_cuda_malloc(sizeof(int));
-  if (!f) { eng_err_prefix("%s", op); return NULL; }
-  if (eng_cuda_memset(f, 0, sizeof(int))) { eng_cuda_free(f); eng_err_prefix("%s", op); return NULL; }
-  return f;
+/* The error messages of the deferred checks (cuda/deferred.c): the ones these ops raised when they read
+ * their flags back after each launch (a host sync per op). */
+static void emb_fmt(char* buf, size_t n, const char* op, int64_t V, int64_t unused) {
+  (void)unused;
+  snprintf(buf, n, "%s: an index is out of range for a weight of %lld rows (valid 0..%lld)", op, (long long)V,
+           (long long)V - 1);
 }
 
-static int flag_read(int* f, int* out, const char* op) {
-  int rc = eng_cuda_memcpy_d2h(out, f, sizeof(int));
-  eng_cuda_free(f);
-  if (rc) eng_err_prefix("%s", op);
-  return rc;
+static void ce_fmt(char* buf, size_t n, const char* op, int64_t C, int64_t ignore) {
+  snprintf(buf, n, "%s: a target is out of range for %lld classes (valid: 0..%lld, or ignore_index %lld)", op,
+           (long long)C, (long long)C - 1, (long long)ignore);
 }
 
 int eng_cu_embedding_fwd(int64_t n_idx, const void* idx, int idt, const void* w, int64_t V, int64_t row_bytes,
                          void* out, const char* op) {
   if (n_idx == 0) return 0;
   STREAM_OR_FAIL(op);
-  int* bad = flag_new(op);
+  int* bad = eng_cuda_deferred_flag(op, emb_fmt, V, 0);
   if (!bad) return -1;
   int st = kcu_embedding_fwd(n_idx, idx, idt, w, V, row_bytes, out, bad, s);
-  if (st) { eng_cuda_free(bad); return ck(st, op); }
-  int b = 0;
-  if (flag_read(bad, &b, op)) return -1;
-  if (b) return eng_err("%s: an index is out of range for a weight of %lld rows (valid 0..%lld)", op, (long long)V,
-                        (long long)V - 1);
-  return 0;
+  int rc = eng_cuda_deferred_commit(bad);
+  return st ? ck(st, op) : rc;
 }
 
 int eng_cu_embedding_bwd(int gdt, int64_t n_idx, const void* idx, int idt, const void* go, int64_t dim, int64_t V,
@@ -191,16 +185,11 @@ int eng_cu_cross_entropy_fwd(int dt, int64_t N, int64_t C, const void* x, const 
                              double eps, void* loss, void* lse, const char* op) {
   if (N == 0) return 0;
   STREAM_OR_FAIL(op);
-  int* bad = flag_new(op);
+  int* bad = eng_cuda_deferred_flag(op, ce_fmt, C, ignore);
   if (!bad) return -1;
   int st = kcu_cross_entropy_fwd(dt, N, C, x, tgt, tdt, ignore, eps, loss, lse, bad, s);
-  if (st) { eng_cuda_free(bad); return ck(st, op); }
-  int b = 0;
-  if (flag_read(bad, &b, op)) return -1;
-  if (b)
-    return eng_err("%s: a target is out of range for %lld classes (valid: 0..%lld, or ignore_index %lld)", op,
-                   (long long)C, (long long)C - 1, (long long)ignore);
-  return 0;
+  int rc = eng_cuda_deferred_commit(bad);
+  return st ? ck(st, op) : rc;
 }
 
 int eng_cu_cross_entropy_bwd(int dt, int64_t N, int64_t C, const void* x, const void* tgt, int tdt, int64_t ignore,

@@ -13,6 +13,7 @@
  * without the CUDA backend (no ENG_HAVE_CUDA) has the same functions, which
  * report that this build has no CUDA backend. */
 #include "core/internal.h"
+#include "cuda/cuda_ops.h"
 #include <stdio.h>
 #include <pthread.h>
 
@@ -84,6 +85,20 @@ static int cuerr(cudaError_t e, const char* op, const char* what) {
   cudaGetLastError();
   return eng_err("%s: %s failed: CUDA error %d %s: %s", op, what, (int)e, cudaGetErrorName(e), cudaGetErrorString(e));
 }
+
+/* Host synchronisations go through these two, which count them (eng_cuda_sync_count); an event that has
+ * completed already costs no wait and is not counted. */
+static cudaError_t stream_sync(cudaStream_t s) {
+  eng_cuda_count_sync();
+  return cudaStreamSynchronize(s);
+}
+static cudaError_t event_sync(cudaEvent_t ev) {
+  cudaError_t e = cudaEventQuery(ev);
+  if (e != cudaErrorNotReady) return e;
+  eng_cuda_count_sync();
+  return cudaEventSynchronize(ev);
+}
+
 
 /* ---------------------------------------------------------------- device and streams */
 static pthread_mutex_t g_init_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -162,7 +177,7 @@ int eng_cuda_event_query(void* ev) {
   return -1;
 }
 double eng_cuda_event_elapsed_ms(void* start, void* end) {
-  if (!start || !end || cudaEventSynchronize((cudaEvent_t)end) != cudaSuccess) { cudaGetLastError(); return -1; }
+  if (!start || !end || event_sync((cudaEvent_t)end) != cudaSuccess) { cudaGetLastError(); return -1; }
   float ms = 0;
   if (cudaEventElapsedTime(&ms, (cudaEvent_t)start, (cudaEvent_t)end) != cudaSuccess) { cudaGetLastError(); return -1; }
   return ms;
@@ -229,16 +244,19 @@ int eng_cuda_stream_wait(int waiter, int signaller) {
 int eng_cuda_stream_synchronize(int which) {
   const char* op = "cuda stream_synchronize";
   if (check_stream_id(which, op) || ensure(op)) return -1;
-  cudaError_t e = cudaStreamSynchronize(g_stream[which]);
-  return e == cudaSuccess ? 0 : cuerr(e, op, "cudaStreamSynchronize");
+  cudaError_t e = stream_sync(g_stream[which]);
+  if (e != cudaSuccess) return cuerr(e, op, "cudaStreamSynchronize");
+  return which == ENG_CUDA_STREAM_COMPUTE ? eng_cuda_after_sync() : 0;
 }
 
 int eng_cuda_synchronize(void) {
   const char* op = "cuda synchronize";
   if (ensure(op)) return -1;
+  eng_cuda_count_sync();
   cudaError_t e = cudaDeviceSynchronize();
   if (e == cudaSuccess) e = cudaGetLastError();
-  return e == cudaSuccess ? 0 : cuerr(e, op, "cudaDeviceSynchronize");
+  if (e != cudaSuccess) return cuerr(e, op, "cudaDeviceSynchronize");
+  return eng_cuda_after_sync();
 }
 
 int eng_cuda_check(int status, const char* op) {
@@ -328,6 +346,7 @@ static void destroy_block(cblock* b) {
 
 /* Frees every cached and pending block (after a device sync). */
 static void release_cached_locked(void) {
+  eng_cuda_count_sync();
   cudaDeviceSynchronize();
   cudaGetLastError();
   reap_pending();
@@ -419,7 +438,7 @@ int eng_cuda_free(void* ptr) {
     } else {
       /* no event: wait for the stream instead, then cache the block */
       cudaGetLastError();
-      cudaStreamSynchronize(g_stream[ENG_CUDA_STREAM_COMM]);
+      stream_sync(g_stream[ENG_CUDA_STREAM_COMM]);
       cudaGetLastError();
       push_free(b);
     }
@@ -577,7 +596,7 @@ int eng_cuda_memcpy_h2d(void* dst, const void* src, int64_t n) {
   cudaError_t e;
   if (is_pinned(src)) {
     e = cudaMemcpyAsync(dst, src, (size_t)n, cudaMemcpyHostToDevice, s);
-    if (e == cudaSuccess) e = cudaStreamSynchronize(s);
+    if (e == cudaSuccess) e = stream_sync(s);
     return e == cudaSuccess ? 0 : cuerr(e, op, "cudaMemcpyAsync");
   }
   pthread_mutex_lock(&g_copy_mu);
@@ -586,7 +605,7 @@ int eng_cuda_memcpy_h2d(void* dst, const void* src, int64_t n) {
   int k = 0;
   for (int64_t off = 0; off < n && e == cudaSuccess; off += STAGE_BYTES, k ^= 1) {
     size_t len = (size_t)(n - off < STAGE_BYTES ? n - off : STAGE_BYTES);
-    e = cudaEventSynchronize(g_stage_ev[k]); /* the previous DMA out of this buffer is done */
+    e = event_sync(g_stage_ev[k]); /* the previous DMA out of this buffer is done */
     if (e != cudaSuccess) break;
     memcpy(g_stage[k], (const char*)src + off, len);
     e = cudaMemcpyAsync((char*)dst + off, g_stage[k], len, cudaMemcpyHostToDevice, s);
@@ -604,8 +623,9 @@ int eng_cuda_memcpy_d2h(void* dst, const void* src, int64_t n) {
   cudaError_t e;
   if (is_pinned(dst)) {
     e = cudaMemcpyAsync(dst, src, (size_t)n, cudaMemcpyDeviceToHost, s);
-    if (e == cudaSuccess) e = cudaStreamSynchronize(s);
-    return e == cudaSuccess ? 0 : cuerr(e, op, "cudaMemcpyAsync");
+    if (e == cudaSuccess) e = stream_sync(s);
+    if (e != cudaSuccess) return cuerr(e, op, "cudaMemcpyAsync");
+    return eng_cuda_after_sync(); /* the work before the copy is done: its deferred checks raise here */
   }
   pthread_mutex_lock(&g_copy_mu);
   if (stage_init(op)) { pthread_mutex_unlock(&g_copy_mu); return -1; }
@@ -616,22 +636,23 @@ int eng_cuda_memcpy_d2h(void* dst, const void* src, int64_t n) {
   /* chunk i goes into buffer i % 2; chunk i - 1 is copied out meanwhile */
   for (int64_t off = 0; off < n && e == cudaSuccess; off += STAGE_BYTES, k ^= 1) {
     size_t len = (size_t)(n - off < STAGE_BYTES ? n - off : STAGE_BYTES);
-    e = cudaEventSynchronize(g_stage_ev[k]);
+    e = event_sync(g_stage_ev[k]);
     if (e == cudaSuccess) e = cudaMemcpyAsync(g_stage[k], (const char*)src + off, len, cudaMemcpyDeviceToHost, s);
     if (e == cudaSuccess) e = cudaEventRecord(g_stage_ev[k], s);
     if (e == cudaSuccess && prev_off >= 0) {
-      e = cudaEventSynchronize(g_stage_ev[k ^ 1]);
+      e = event_sync(g_stage_ev[k ^ 1]);
       if (e == cudaSuccess) memcpy((char*)dst + prev_off, g_stage[k ^ 1], prev_len);
     }
     prev_off = off;
     prev_len = len;
   }
   if (e == cudaSuccess && prev_off >= 0) {
-    e = cudaEventSynchronize(g_stage_ev[k ^ 1]);
+    e = event_sync(g_stage_ev[k ^ 1]);
     if (e == cudaSuccess) memcpy((char*)dst + prev_off, g_stage[k ^ 1], prev_len);
   }
   pthread_mutex_unlock(&g_copy_mu);
-  return e == cudaSuccess ? 0 : cuerr(e, op, "staged device-to-host copy");
+  if (e != cudaSuccess) return cuerr(e, op, "staged device-to-host copy");
+  return eng_cuda_after_sync(); /* the work before the copy is done: its deferred checks raise here */
 }
 
 int eng_cuda_memcpy_d2d(void* dst, const void* src, int64_t n) {

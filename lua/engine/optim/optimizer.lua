@@ -287,7 +287,13 @@ function Optimizer:_after_step()
 end
 
 -- Runs closure (if any) with gradients on and returns its result.
+-- Every step starts here: first the device errors of the kernels that have completed (deferred checks of
+-- embedding and cross entropy on CUDA, engine/src/cuda/deferred.c; no wait, no host sync) are raised, then the
+-- closure (if any) runs.
 function Optimizer:_closure(closure)
+  if core.C.eng_cuda_pending_checks() > 0 and core.C.eng_cuda_poll_errors() ~= 0 then
+    error(core.last_error(), 3)
+  end
   if closure == nil then return nil end
   local autograd = require("engine.autograd")
   return autograd.enable_grad(closure)
