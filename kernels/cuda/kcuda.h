@@ -127,6 +127,27 @@ int kcu_norm_fwd(int dt, int rms, int64_t m, int64_t n, const void* x, const voi
 size_t kcu_norm_bwd_workspace(int64_t m, int64_t n, int dt);
 int kcu_norm_bwd(int dt, int rms, int64_t m, int64_t n, const void* gy, const void* x, const void* w,
                  const void* mean, const void* rstd, void* dx, void* dw, void* db, void* ws, cudaStream_t stream);
+/* The residual add fused in: h = x + r (rounded to dt, written to h) is
+ * normalised (r NULL: kcu_norm_fwd).  Backward: gres (NULL or the gradient
+ * of h from its other uses; needs dx) is added to dx after dx is rounded to
+ * dt, as autograd adds two gradients.  f32/bf16/f16 rows of a multiple of 16
+ * bytes (n <= 256 vectors, aligned) take the warp-per-row vector kernels;
+ * partition and rounding in kcuda_norm.cuh. */
+int kcu_add_norm_fwd(int dt, int rms, int64_t m, int64_t n, const void* x, const void* r, void* h, const void* w,
+                     const void* b, double eps, void* y, void* mean, void* rstd, cudaStream_t stream);
+int kcu_norm_bwd_res(int dt, int rms, int64_t m, int64_t n, const void* gy, const void* x, const void* w,
+                     const void* mean, const void* rstd, const void* gres, void* dx, void* dw, void* db, void* ws,
+                     cudaStream_t stream);
+
+/* ================================================================ colsum.cu
+ * dst[j] = scale * sum over rows of x[row, j], x a contiguous [rows, n]
+ * matrix of dt (f32 bf16 f16), f32 accumulation, dst of odt (f32 f64 bf16
+ * f16): a 2-D reduction (row tiles x column tiles, then a pass over the
+ * partial rows in ws, kcu_colsum_workspace bytes, may be 0); deterministic.
+ * The bias gradient of linear. */
+size_t kcu_colsum_workspace(int64_t rows, int64_t n, int dt);
+int kcu_colsum(int dt, int64_t rows, int64_t n, const void* x, void* dst, int odt, double scale, void* ws,
+               cudaStream_t stream);
 
 /* ================================================================ embedding.cu
  * out[i, :] = w[idx[i], :] (rows of row_bytes bytes, any dtype); idx i32
