@@ -65,11 +65,17 @@ int eng_cu_scatter_dim(int es, int64_t outer, int64_t D, int64_t inner, const in
 /* softmax / log_softmax (bw: gradient from the saved output x and g). */
 int eng_cu_softmax(int dt, int log_, int bw, int64_t outer, int64_t D, int64_t inner, const void* x, const void* g,
                    void* y, const char* op);
-/* layer/rms norm; mean/rstd f32 (f64 for f64 data); dw/db overwritten. */
-int eng_cu_norm_fwd(int dt, int rms, int64_t m, int64_t n, const void* x, const void* w, const void* b, double eps,
-                    void* y, void* mean, void* rstd, const char* op);
+/* layer/rms norm in dt (f32 bf16 f16 f64); mean/rstd f32 (f64 for f64 data); dw/db overwritten.
+ * r (may be NULL): the residual, h = x + r is written and normalised; gres (may be NULL): h's
+ * gradient from its other uses, added to dx. */
+int eng_cu_norm_fwd(int dt, int rms, int64_t m, int64_t n, const void* x, const void* r, void* h, const void* w,
+                    const void* b, double eps, void* y, void* mean, void* rstd, const char* op);
 int eng_cu_norm_bwd(int dt, int rms, int64_t m, int64_t n, const void* gy, const void* x, const void* w,
-                    const void* mean, const void* rstd, void* dx, void* dw, void* db, const char* op);
+                    const void* mean, const void* rstd, const void* gres, void* dx, void* dw, void* db,
+                    const char* op);
+/* out[j] = scale * sum over rows of x[row, j] (contiguous [rows, n], dt f32 bf16 f16; out of odt):
+ * the 2-D column sum (bias gradients). */
+int eng_cu_colsum(int dt, int64_t rows, int64_t n, const void* x, void* out, int odt, double scale, const char* op);
 /* Embedding gather; syncs to check the indices (error naming the range). */
 int eng_cu_embedding_fwd(int64_t n_idx, const void* idx, int idt, const void* w, int64_t V, int64_t row_bytes,
                          void* out, const char* op);

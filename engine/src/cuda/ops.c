@@ -133,21 +133,33 @@ int eng_cu_softmax(int dt, int log_, int bw, int64_t outer, int64_t D, int64_t i
   return ck(kcu_softmax(dt, outer, D, inner, x, y, log_, s), op);
 }
 
-int eng_cu_norm_fwd(int dt, int rms, int64_t m, int64_t n, const void* x, const void* w, const void* b, double eps,
-                    void* y, void* mean, void* rstd, const char* op) {
+int eng_cu_norm_fwd(int dt, int rms, int64_t m, int64_t n, const void* x, const void* r, void* h, const void* w,
+                    const void* b, double eps, void* y, void* mean, void* rstd, const char* op) {
   if (m == 0) return 0;
   STREAM_OR_FAIL(op);
-  return ck(kcu_norm_fwd(dt, rms, m, n, x, w, b, eps, y, mean, rstd, s), op);
+  return ck(kcu_add_norm_fwd(dt, rms, m, n, x, r, h, w, b, eps, y, mean, rstd, s), op);
 }
 
 int eng_cu_norm_bwd(int dt, int rms, int64_t m, int64_t n, const void* gy, const void* x, const void* w,
-                    const void* mean, const void* rstd, void* dx, void* dw, void* db, const char* op) {
+                    const void* mean, const void* rstd, const void* gres, void* dx, void* dw, void* db,
+                    const char* op) {
   STREAM_OR_FAIL(op);
   size_t wsb = kcu_norm_bwd_workspace(m, n, dt);
   void* ws = eng_cuda_malloc((int64_t)(wsb > 0 ? wsb : 1));
   if (!ws) { eng_err_prefix("%s", op); return -1; }
-  int rc = ck(kcu_norm_bwd(dt, rms, m, n, gy, x, w, mean, rstd, dx, dw, db, ws, s), op);
+  int rc = ck(kcu_norm_bwd_res(dt, rms, m, n, gy, x, w, mean, rstd, gres, dx, dw, db, ws, s), op);
   eng_cuda_free(ws);
+  return rc;
+}
+
+int eng_cu_colsum(int dt, int64_t rows, int64_t n, const void* x, void* out, int odt, double scale, const char* op) {
+  if (n == 0) return 0;
+  STREAM_OR_FAIL(op);
+  size_t wsb = kcu_colsum_workspace(rows, n, dt);
+  void* ws = wsb ? eng_cuda_malloc((int64_t)wsb) : NULL;
+  if (wsb && !ws) { eng_err_prefix("%s", op); return -1; }
+  int rc = ck(kcu_colsum(dt, rows, n, x, out, odt, scale, ws, s), op);
+  eng_cuda_free(ws); /* stream-ordered */
   return rc;
 }
 
@@ -629,10 +641,14 @@ int eng_cu_scatter_dim(int es, int64_t outer, int64_t D, int64_t inner, const in
                        void* out, const char* op) { return NOCU(op); }
 int eng_cu_softmax(int dt, int log_, int bw, int64_t outer, int64_t D, int64_t inner, const void* x, const void* g,
                    void* y, const char* op) { return NOCU(op); }
-int eng_cu_norm_fwd(int dt, int rms, int64_t m, int64_t n, const void* x, const void* w, const void* b, double eps,
-                    void* y, void* mean, void* rstd, const char* op) { return NOCU(op); }
+int eng_cu_norm_fwd(int dt, int rms, int64_t m, int64_t n, const void* x, const void* r, void* h, const void* w,
+                    const void* b, double eps, void* y, void* mean, void* rstd, const char* op) { return NOCU(op); }
 int eng_cu_norm_bwd(int dt, int rms, int64_t m, int64_t n, const void* gy, const void* x, const void* w,
-                    const void* mean, const void* rstd, void* dx, void* dw, void* db, const char* op) {
+                    const void* mean, const void* rstd, const void* gres, void* dx, void* dw, void* db,
+                    const char* op) {
+  return NOCU(op);
+}
+int eng_cu_colsum(int dt, int64_t rows, int64_t n, const void* x, void* out, int odt, double scale, const char* op) {
   return NOCU(op);
 }
 int eng_cu_embedding_fwd(int64_t n_idx, const void* idx, int idt, const void* w, int64_t V, int64_t row_bytes,

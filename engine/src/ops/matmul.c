@@ -435,7 +435,9 @@ static int linear_bw_g(eng_node* n, eng_tensor* g0, eng_tensor* gb0, eng_tensor*
     if (!Gc || !(gb = eng_new(1, &of, cdt, w->device))) { eng_tensor_release(Gc); goto done; }
     int64_t rows = of ? Gc->numel / of : 0;
     int rc2 = 0;
-    if (dev == ENG_CUDA) rc2 = eng_cu_reduce_dim(0, cdt, 1, rows, of, eng_ptr(Gc), eng_ptr(gb), cdt, 1.0, n->name);
+    if (dev == ENG_CUDA) /* f32/bf16/f16: the 2-D column sum (row x column tiles, then the partial rows) */
+      rc2 = cdt == ENG_F64 ? eng_cu_reduce_dim(0, cdt, 1, rows, of, eng_ptr(Gc), eng_ptr(gb), cdt, 1.0, n->name)
+                           : eng_cu_colsum(cdt, rows, of, eng_ptr(Gc), eng_ptr(gb), cdt, 1.0, n->name);
     else kc_sum_rows(cdt, rows, of, (void*)eng_ptr(Gc), of, (void*)eng_ptr(gb));
     eng_tensor_release(Gc);
     if (rc2) goto done;

@@ -1,7 +1,10 @@
 /* norm.c: layer_norm and rms_norm over the last n_norm dims, with fused
  * forward (saves per-row mean and rstd, in f64) and fused backward for x, weight and
  * bias.  f64 inputs compute in f64, everything else in f32 (weight and bias
- * are converted to the compute type; the output has x's dtype). */
+ * are converted to the compute type; the output has x's dtype).  On CUDA,
+ * bf16/f16 inputs whose weight and bias share their dtype run natively (the
+ * kernels read and write the half type, f32 arithmetic, f32 mean/rstd; no
+ * casts); add_layer_norm runs fused on CUDA for f32/bf16/f16. */
 #include "core/internal.h"
 #include "core/dispatch.h"
 #include "kernels/cpu/kcpu.h"
@@ -45,7 +48,7 @@ static int norm_bw(eng_node* nd, eng_tensor** go, eng_tensor** gi) {
     eng_tensor* dbt = need_b ? eng_new(eng_node_in_ndim(nd, 2), eng_node_in_shape(nd, 2), cdt, x->device) : NULL;
     int ok = (!need_w || dwt) && (!need_b || dbt) && eng_cu_same_device(nd->name, x, go[0]) == 0 &&
              eng_cu_norm_bwd(cdt, rms, m, n, eng_ptr(G), eng_ptr(X), W ? eng_ptr(W) : NULL,
-                             rms ? NULL : eng_ptr(mean), eng_ptr(rstd), dx ? eng_ptr(dx) : NULL,
+                             rms ? NULL : eng_ptr(mean), eng_ptr(rstd), NULL, dx ? eng_ptr(dx) : NULL,
                              dwt ? eng_ptr(dwt) : NULL, dbt ? eng_ptr(dbt) : NULL, nd->name) == 0;
     if (ok && need_x) ok = (gi[0] = eng_grad_to_input(nd, 0, dx)) != NULL;
     if (ok && need_w) ok = (gi[1] = eng_grad_to_input(nd, 1, dwt)) != NULL;
@@ -90,6 +93,9 @@ static eng_tensor* norm(const char* op, int rms, eng_tensor* x, int n_norm, eng_
     return eng_op_dispatch(ENG_OP_NORM, &(eng_op_call){.name = op, .n_in = 3, .in = {x, w, b}, .ints = {n_norm, rms}, .scalars = {eps}});
   if (check_param(op, "weight", x, n_norm, w) || check_param(op, "bias", x, n_norm, b)) return NULL;
   int cdt = x->dtype == ENG_F64 ? ENG_F64 : ENG_F32;
+  if (x->device == ENG_CUDA && (x->dtype == ENG_BF16 || x->dtype == ENG_F16) && (!w || w->dtype == x->dtype) &&
+      (!b || b->dtype == x->dtype))
+    cdt = x->dtype; /* the half-precision kernels: no casts */
   int64_t n = 1, m = 1;
   for (int d = 0; d < x->ndim; d++) { if (d < x->ndim - n_norm) m *= x->shape[d]; else n *= x->shape[d]; }
   eng_tensor *X = eng_as_contig(x, cdt), *W = w ? eng_as_contig(w, cdt) : NULL, *B = b ? eng_as_contig(b, cdt) : NULL;
@@ -100,8 +106,8 @@ static eng_tensor* norm(const char* op, int rms, eng_tensor* x, int n_norm, eng_
   eng_tensor* out = NULL;
   if (!X || (w && !W) || (b && !B) || !y || (!rms && !mean) || !rstd) goto done;
   if (x->device == ENG_CUDA) {
-    if (eng_cu_norm_fwd(cdt, rms, m, n, eng_ptr(X), W ? eng_ptr(W) : NULL, B ? eng_ptr(B) : NULL, eps, eng_ptr(y),
-                        mean ? eng_ptr(mean) : NULL, eng_ptr(rstd), op))
+    if (eng_cu_norm_fwd(cdt, rms, m, n, eng_ptr(X), NULL, NULL, W ? eng_ptr(W) : NULL, B ? eng_ptr(B) : NULL, eps,
+                        eng_ptr(y), mean ? eng_ptr(mean) : NULL, eng_ptr(rstd), op))
       goto done;
   } else {
     kc_norm_fwd(cdt, rms, m, n, eng_ptr(X), W ? eng_ptr(W) : NULL, B ? eng_ptr(B) : NULL, eps, eng_ptr(y),
@@ -159,6 +165,21 @@ static int add_norm_bw(eng_node* nd, eng_tensor** go, eng_tensor** gi) {
   int rc = -1;
   if ((need_w && !dw) || (need_b && !db)) { eng_err("%s: out of memory", nd->name); goto done; }
   if (!G || (go[0] && !R) || (w && !W) || ((need_x || need_r) && !dx)) goto done;
+  if (h->device == ENG_CUDA) { /* dw, db written in cdt by the kernel */
+    eng_tensor* dwt = need_w ? eng_new(eng_node_in_ndim(nd, 2), eng_node_in_shape(nd, 2), cdt, h->device) : NULL;
+    eng_tensor* dbt = need_b ? eng_new(eng_node_in_ndim(nd, 3), eng_node_in_shape(nd, 3), cdt, h->device) : NULL;
+    int ok = (!need_w || dwt) && (!need_b || dbt) && eng_cu_same_device(nd->name, h, go[1]) == 0 &&
+             eng_cu_norm_bwd(cdt, 0, m, n, eng_ptr(G), eng_ptr(h), W ? eng_ptr(W) : NULL, eng_ptr(mean),
+                             eng_ptr(rstd), R && dx ? eng_ptr(R) : NULL, dx ? eng_ptr(dx) : NULL,
+                             dwt ? eng_ptr(dwt) : NULL, dbt ? eng_ptr(dbt) : NULL, nd->name) == 0;
+    if (ok && need_x) ok = (gi[0] = eng_grad_to_input(nd, 0, dx)) != NULL;
+    if (ok && need_r) ok = (gi[1] = eng_grad_to_input(nd, 1, dx)) != NULL;
+    if (ok && need_w) ok = (gi[2] = eng_grad_to_input(nd, 2, dwt)) != NULL;
+    if (ok && need_b) ok = (gi[3] = eng_grad_to_input(nd, 3, dbt)) != NULL;
+    eng_tensor_release(dwt); eng_tensor_release(dbt);
+    if (ok) rc = 0;
+    goto done;
+  }
   kc_norm_bwd_res(cdt, 0, m, n, eng_ptr(G), eng_ptr(h), W ? eng_ptr(W) : NULL, (const double*)eng_ptr(mean),
                   (const double*)eng_ptr(rstd), R ? eng_ptr(R) : NULL, dx ? eng_ptr(dx) : NULL, dw, db);
   if (need_x && !(gi[0] = eng_grad_to_input(nd, 0, dx))) goto done;
@@ -187,12 +208,15 @@ eng_tensor* eng_add_layer_norm(eng_tensor* x, eng_tensor* r, int n_norm, eng_ten
   ENG_CHECK(x, op); ENG_CHECK(r, op);
   if (!sum) return eng_errp("%s: sum (the output h = x + r) must not be NULL", op);
   *sum = NULL;
-  int fused = x->device == ENG_CPU && r->device == ENG_CPU && !x->dist && !r->dist &&
-              (x->dtype == ENG_F32 || x->dtype == ENG_F64) && r->dtype == x->dtype && eng_same_shape(x, r) &&
+  /* CPU: f32/f64 (f64 stats); CUDA: f32/bf16/f16 in their dtype (f32 stats) */
+  int cuda = x->device == ENG_CUDA;
+  int fused = ((x->device == ENG_CPU && (x->dtype == ENG_F32 || x->dtype == ENG_F64)) ||
+               (cuda && (x->dtype == ENG_F32 || x->dtype == ENG_BF16 || x->dtype == ENG_F16))) &&
+              r->device == x->device && !x->dist && !r->dist && r->dtype == x->dtype && eng_same_shape(x, r) &&
               n_norm >= 1 && n_norm <= x->ndim && eps >= 0.0 && isfinite(eps);
   eng_tensor* p[2] = {weight, bias};
   for (int k = 0; k < 2; k++)
-    if (p[k] && (p[k]->device != ENG_CPU || p[k]->dist || p[k]->dtype != x->dtype)) fused = 0;
+    if (p[k] && (p[k]->device != x->device || p[k]->dist || p[k]->dtype != x->dtype)) fused = 0;
   if (!fused) { /* the composition: its ops check, dispatch DTensors and run other devices */
     eng_tensor* h = eng_add(x, r);
     if (!h) return NULL;
@@ -209,12 +233,18 @@ eng_tensor* eng_add_layer_norm(eng_tensor* x, eng_tensor* r, int n_norm, eng_ten
   eng_tensor *W = weight ? eng_as_contig(weight, cdt) : NULL, *B = bias ? eng_as_contig(bias, cdt) : NULL;
   eng_tensor* h = eng_new(x->ndim, x->shape, cdt, x->device);
   eng_tensor* y = eng_new(x->ndim, x->shape, cdt, x->device);
-  eng_tensor* mean = eng_new(1, &m, ENG_F64, x->device);
-  eng_tensor* rstd = eng_new(1, &m, ENG_F64, x->device);
+  eng_tensor* mean = eng_new(1, &m, cuda ? ENG_F32 : ENG_F64, x->device);
+  eng_tensor* rstd = eng_new(1, &m, cuda ? ENG_F32 : ENG_F64, x->device);
   int ok = 0;
   if (!X || !R || (weight && !W) || (bias && !B) || !h || !y || !mean || !rstd) goto done;
-  kc_add_norm_fwd(cdt, 0, m, n, eng_ptr(X), eng_ptr(R), eng_ptr(h), W ? eng_ptr(W) : NULL, B ? eng_ptr(B) : NULL,
-                  eps, eng_ptr(y), (double*)eng_ptr(mean), (double*)eng_ptr(rstd));
+  if (cuda) {
+    if (eng_cu_norm_fwd(cdt, 0, m, n, eng_ptr(X), eng_ptr(R), eng_ptr(h), W ? eng_ptr(W) : NULL,
+                        B ? eng_ptr(B) : NULL, eps, eng_ptr(y), eng_ptr(mean), eng_ptr(rstd), op))
+      goto done;
+  } else {
+    kc_add_norm_fwd(cdt, 0, m, n, eng_ptr(X), eng_ptr(R), eng_ptr(h), W ? eng_ptr(W) : NULL, B ? eng_ptr(B) : NULL,
+                    eps, eng_ptr(y), (double*)eng_ptr(mean), (double*)eng_ptr(rstd));
+  }
   eng_tensor* in[4] = {x, r, weight, bias};
   if (eng_any_requires_grad(4, in)) {
     eng_tensor* outs[2] = {h, y};
