@@ -15,7 +15,12 @@
  *   - where libengine has the CUDA kernels and a GPU is present: the kernels'
  *     outputs bit for bit against this emulation (skipped otherwise).
  * Prints "N passed, N failed" last. */
+/* no FP contraction: the kernels round every product (kcuda_norm.cuh); test_contraction_off checks it */
+#if defined(__clang__)
+#pragma STDC FP_CONTRACT OFF
+#elif defined(__GNUC__)
 #pragma GCC optimize("fp-contract=off")
+#endif
 #include <stdio.h>
 #include <string.h>
 #include <math.h>
