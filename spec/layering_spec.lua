@@ -26,7 +26,7 @@ local ALLOWED = {
   ops = { core = true, autograd = true, cuda = true },
   io = { core = true },
   comm = { core = true, cuda = true },
-  dtensor = { core = true, autograd = true, comm = true, sharding = true, ops = true },
+  dtensor = { core = true, autograd = true, comm = true, ops = true },
   sharding = { core = true, autograd = true, comm = true, dtensor = true, ops = true },
   cuda = { core = true, ops = true },
   sharded_tensor = { core = true, comm = true, dtensor = true },
@@ -63,7 +63,8 @@ describe("engine/src layout", function()
     for _, f in ipairs(files) do
       local dir = f:match("^([%w_]+)/")
       for inc in read(SRC .. "/" .. f):gmatch('#include "([^"]+)"') do
-        if not inc:match("^kernels/") and inc ~= "engine.h" then
+        -- the public headers (eng/*.h, the API the FFI reads) may be included anywhere
+        if not inc:match("^kernels/") and not inc:match("^eng/") and inc ~= "engine.h" then
           local idir = inc:match("^([%w_]+)/[^/]+$")
           assert(idir, f .. ": private include \"" .. inc .. "\" must name its folder (e.g. \"core/internal.h\")")
           assert(headers[inc], f .. ": \"" .. inc .. "\" is not a header under " .. SRC)
@@ -88,6 +89,13 @@ describe("engine/src layout", function()
         for name in s:gmatch("(eng_dist_[%w_]+)%s*%(") do error(f .. " calls " .. name .. " by name") end
         for name in s:gmatch("(eng_dispatch[%w_]*)%s*%(") do error(f .. " calls " .. name .. " by name") end
       end
+    end
+  end)
+
+  it("includes the public API header by header (no engine.h inside the library)", function()
+    for _, f in ipairs(files) do
+      assert.is_nil(read(SRC .. "/" .. f):match('#include "engine.h"'), f .. " includes engine.h: include the "
+        .. "eng/*.h headers of what it calls")
     end
   end)
 
@@ -162,6 +170,27 @@ describe("engine/src layout", function()
     end
     assert.is_true(checked > 300, "only " .. checked .. " cross-folder calls seen")
     assert(#bad == 0, table.concat(bad, "\n"))
+    -- each folder's private headers declare only what that folder defines (a function declared in dir/x.h is
+    -- defined by an object of dir/)
+    local declared, misplaced = 0, {}
+    for _, f in ipairs(files) do
+      local dir = f:match("^([%w_]+)/[^/]+%.h$")
+      if dir then
+        local code = read(SRC .. "/" .. f):gsub("/%*.-%*/", "")
+        for line in code:gmatch("[^\n]+") do
+          local name = not line:match("^%s") and not line:match("static") and not line:match("^#")
+            and not line:match("^typedef") and line:match("^[%w_][%w_ %*]-[%s%*]([%w_]+)%s*%(")
+          if name and def[name] then
+            declared = declared + 1
+            if def[name] ~= dir then
+              misplaced[#misplaced + 1] = f .. " declares " .. name .. ", which " .. def[name] .. "/ defines"
+            end
+          end
+        end
+      end
+    end
+    assert.is_true(declared > 100, "only " .. declared .. " private declarations checked")
+    assert(#misplaced == 0, table.concat(misplaced, "\n"))
   end)
 
   it("opens each subsystem's main file with what it owns and may call", function()

@@ -9,6 +9,9 @@
  */
 #ifndef ENG_AUTOGRAD_H
 #define ENG_AUTOGRAD_H
+#include <stdint.h>
+#include <stddef.h>
+#include "tensor.h"
 
 struct eng_node;
 struct eng_node_dist;

@@ -1,6 +1,8 @@
 /* base.h: dtypes, devices, errors, runtime and allocator statistics. */
 #ifndef ENG_BASE_H
 #define ENG_BASE_H
+#include <stdint.h>
+#include <stddef.h>
 
 typedef enum eng_dtype {
   ENG_F32 = 0, ENG_F64 = 1, ENG_BF16 = 2, ENG_F16 = 3,

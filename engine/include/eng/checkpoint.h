@@ -8,6 +8,9 @@
  * last.  Offsets and sizes are 0-based, in C's dim order. */
 #ifndef ENG_CHECKPOINT_H
 #define ENG_CHECKPOINT_H
+#include <stdint.h>
+#include <stddef.h>
+#include "tensor.h"
 
 /* ---- rank data files */
 typedef struct eng_ckpt_writer eng_ckpt_writer;

@@ -43,6 +43,9 @@
  * process; error messages from collectives end with the most recent entries. */
 #ifndef ENG_COMM_H
 #define ENG_COMM_H
+#include <stdint.h>
+#include <stddef.h>
+#include "tensor.h"
 
 typedef struct eng_pg eng_pg;
 typedef struct eng_work eng_work;

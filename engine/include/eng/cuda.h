@@ -33,6 +33,9 @@
  * the other); pinned memory (eng_cuda_host_alloc) is copied directly. */
 #ifndef ENG_CUDA_H
 #define ENG_CUDA_H
+#include <stdint.h>
+#include <stddef.h>
+#include "tensor.h"
 
 typedef enum eng_cuda_stream_id { ENG_CUDA_STREAM_COMPUTE = 0, ENG_CUDA_STREAM_COMM = 1 } eng_cuda_stream_id;
 

@@ -14,6 +14,10 @@
  * dtypes or devices differ. */
 #ifndef ENG_DDP_H
 #define ENG_DDP_H
+#include <stdint.h>
+#include <stddef.h>
+#include "module.h"
+#include "dtensor.h"
 
 typedef struct eng_ddp eng_ddp;
 

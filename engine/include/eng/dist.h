@@ -2,6 +2,9 @@
  * collectives build on it. */
 #ifndef ENG_DIST_H
 #define ENG_DIST_H
+#include <stdint.h>
+#include <stddef.h>
+#include "tensor.h"
 
 /* Initializes MPI if it is not yet (a singleton run is world size 1);
  * idempotent.  The engine host calls it before running a recipe. */

@@ -51,6 +51,9 @@
  * leaf's .grad is a DTensor (a plain gradient is taken in the leaf's layout). */
 #ifndef ENG_DTENSOR_H
 #define ENG_DTENSOR_H
+#include <stdint.h>
+#include <stddef.h>
+#include "mesh.h"
 
 typedef enum eng_placement_kind {
   ENG_PLACEMENT_REPLICATE = 0, ENG_PLACEMENT_SHARD = 1, ENG_PLACEMENT_PARTIAL = 2, ENG_PLACEMENT_STRIDED_SHARD = 3

@@ -49,6 +49,10 @@
  * On a CPU mesh it is a no-op. */
 #ifndef ENG_FSDP_H
 #define ENG_FSDP_H
+#include <stdint.h>
+#include <stddef.h>
+#include "module.h"
+#include "dtensor.h"
 
 typedef struct eng_fsdp_group eng_fsdp_group;
 

@@ -1,6 +1,9 @@
 /* io.h: safetensors files of named tensors. */
 #ifndef ENG_IO_H
 #define ENG_IO_H
+#include <stdint.h>
+#include <stddef.h>
+#include "tensor.h"
 
 /* Writes n named tensors (any dtype, any strides) and an optional
  * __metadata__ of string pairs (n_meta keys and values; may be 0). */

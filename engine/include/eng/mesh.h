@@ -9,6 +9,9 @@
  * Mesh dims are 0-based here; coordinates and local ranks are 0-based. */
 #ifndef ENG_MESH_H
 #define ENG_MESH_H
+#include <stdint.h>
+#include <stddef.h>
+#include "comm.h"
 
 typedef struct eng_mesh eng_mesh;
 

@@ -8,6 +8,9 @@
  */
 #ifndef ENG_MODULE_H
 #define ENG_MODULE_H
+#include <stdint.h>
+#include <stddef.h>
+#include "tensor.h"
 
 typedef struct eng_module eng_module;
 typedef int (*eng_module_hook_fn)(eng_module* m, int kind, eng_tensor** tensors, int n, void* ud);

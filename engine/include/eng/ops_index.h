@@ -6,6 +6,9 @@
  * nonzero go through the host (a documented fallback, see ops/index.c). */
 #ifndef ENG_OPS_INDEX_H
 #define ENG_OPS_INDEX_H
+#include <stdint.h>
+#include <stddef.h>
+#include "tensor.h"
 
 /* torch.gather: out[..., i_d, ...] = x[..., index[..., i_d, ...], ...];
  * index has x's ndim, index.size(k) <= x.size(k) for k != dim; out has

@@ -6,6 +6,9 @@
  * CUDA tensors: a documented host fallback (engine/src/ops/math.c). */
 #ifndef ENG_OPS_MATH_H
 #define ENG_OPS_MATH_H
+#include <stdint.h>
+#include <stddef.h>
+#include "tensor.h"
 
 /* Unary math with autograd (floor/ceil/round/trunc/sign: zero gradient).
  * Integer inputs: floor, ceil, round, trunc, sign, square keep the dtype;

@@ -1,6 +1,9 @@
 /* ops_nn.h: matmul, linear and the fused neural-network ops. */
 #ifndef ENG_OPS_NN_H
 #define ENG_OPS_NN_H
+#include <stdint.h>
+#include <stddef.h>
+#include "tensor.h"
 
 struct eng_pg; /* comm.h */
 

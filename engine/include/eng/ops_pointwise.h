@@ -3,6 +3,9 @@
  * bf16/f16 compute in f32 and round the result. */
 #ifndef ENG_OPS_POINTWISE_H
 #define ENG_OPS_POINTWISE_H
+#include <stdint.h>
+#include <stddef.h>
+#include "tensor.h"
 
 eng_tensor* eng_add(eng_tensor* a, eng_tensor* b);
 eng_tensor* eng_sub(eng_tensor* a, eng_tensor* b);

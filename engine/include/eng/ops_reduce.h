@@ -3,6 +3,9 @@
  * float dtype; integer and bool sums give i64. */
 #ifndef ENG_OPS_REDUCE_H
 #define ENG_OPS_REDUCE_H
+#include <stdint.h>
+#include <stddef.h>
+#include "tensor.h"
 
 eng_tensor* eng_sum(eng_tensor* t, int n_dims, const int* dims, int keepdim);
 eng_tensor* eng_mean(eng_tensor* t, int n_dims, const int* dims, int keepdim);

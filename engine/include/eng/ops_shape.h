@@ -2,6 +2,9 @@
  * Views share storage with their input. */
 #ifndef ENG_OPS_SHAPE_H
 #define ENG_OPS_SHAPE_H
+#include <stdint.h>
+#include <stddef.h>
+#include "tensor.h"
 
 /* shape may contain one -1 (inferred).  view errors if the strides do not
  * allow it; reshape copies then. */

@@ -2,6 +2,9 @@
  * All operate in place on n parameters without autograd. */
 #ifndef ENG_OPTIM_H
 #define ENG_OPTIM_H
+#include <stdint.h>
+#include <stddef.h>
+#include "tensor.h"
 
 /* AdamW (decoupled weight decay, torch.optim.AdamW semantics); step is the
  * 1-based step count after increment.  Entries whose grad is NULL are skipped. */

@@ -8,6 +8,9 @@
  * The report lists them by total time (GPU time where there is any, else host time). */
 #ifndef ENG_PROFILER_H
 #define ENG_PROFILER_H
+#include <stdint.h>
+#include <stddef.h>
+#include "tensor.h"
 
 typedef struct eng_profile_entry {
   char name[64];

@@ -8,6 +8,9 @@
  * a multiple of 4. */
 #ifndef ENG_RNG_H
 #define ENG_RNG_H
+#include <stdint.h>
+#include <stddef.h>
+#include "tensor.h"
 
 enum { ENG_RNG_UNIFORM = 0, ENG_RNG_NORMAL = 1, ENG_RNG_BERNOULLI = 2 };
 

@@ -4,6 +4,9 @@
  * offsets are 0-based.  Numbers in messages: shards 1-based (Lua list order). */
 #ifndef ENG_SHARDED_TENSOR_H
 #define ENG_SHARDED_TENSOR_H
+#include <stdint.h>
+#include <stddef.h>
+#include "mesh.h"
 
 /* Checks n shard boxes of ndim dims (offsets/sizes: n x ndim, row-major)
  * against a tensor of the given shape: non-negative, inside the tensor, no

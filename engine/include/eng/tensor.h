@@ -1,6 +1,8 @@
 /* tensor.h: the tensor type, storage, creation, views and copies. */
 #ifndef ENG_TENSOR_H
 #define ENG_TENSOR_H
+#include <stdint.h>
+#include <stddef.h>
 
 typedef struct eng_storage {
   int32_t refcount;

@@ -7,6 +7,8 @@
 #include "core/internal.h"
 #include "autograd/dist_hooks.h"
 #include "autograd/grad_math.h"
+#include "autograd/autograd.h"
+#include "eng/profiler.h"
 #include <pthread.h>
 #include <stdint.h>
 

@@ -7,6 +7,8 @@
 #define ENG_AUTOGRAD_DIST_HOOKS_H
 #include "core/internal.h"
 
+typedef struct eng_dist_spec eng_dist_spec; /* a DTensor layout (eng/dtensor.h), passed through */
+
 struct eng_node_dist;
 
 typedef struct eng_autograd_dist_hooks {

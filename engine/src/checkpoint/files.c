@@ -14,6 +14,8 @@
  * for a load: every needed chunk is checksummed, then copied. */
 #include "core/internal.h"
 #include "kernels/cpu/kcpu.h"
+#include "eng/checkpoint.h"
+#include "eng/io.h"
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>

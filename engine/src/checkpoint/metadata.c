@@ -6,6 +6,8 @@
  * metadata is validated (sharded_tensor/: inside the tensor, no overlaps,
  * exact cover), so a loader never reads past a chunk or leaves a hole. */
 #include "core/internal.h"
+#include "eng/checkpoint.h"
+#include "eng/sharded_tensor.h"
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>

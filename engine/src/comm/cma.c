@@ -26,6 +26,7 @@
 #define _GNU_SOURCE
 #include "comm/comm_impl.h"
 #include "comm/guard.h"
+#include "eng/comm.h"
 #include <errno.h>
 #include <limits.h>
 #include <stdio.h>

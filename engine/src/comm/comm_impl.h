@@ -6,6 +6,7 @@
 #ifndef ENG_COMM_IMPL_H
 #define ENG_COMM_IMPL_H
 #include "core/internal.h"
+#include "eng/comm.h"
 #include <mpi.h>
 
 /* The comm_* functions below are internal to libengine (not exported). */

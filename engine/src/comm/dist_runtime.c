@@ -1,6 +1,7 @@
 /* dist_runtime.c: MPI start-up and shutdown, rank and world size, merged
  * test counts and the test watchdog. */
 #include "comm/comm_impl.h"
+#include "eng/comm.h"
 #include <pthread.h>
 #include <stdio.h>
 #include <time.h>

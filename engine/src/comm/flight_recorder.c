@@ -5,6 +5,7 @@
  * for the reports of a failed signature check and for the goodbye a rank
  * sends when it ends (PyTorch's NCCL flight recorder). */
 #include "comm/comm_impl.h"
+#include "eng/comm.h"
 #include <stdio.h>
 
 /* ------------------------------------------------------------------ counters */

@@ -15,6 +15,7 @@
  * The watcher polls once a second while no call is in flight. */
 #define _GNU_SOURCE
 #include "comm/guard.h"
+#include "eng/comm.h"
 #include <errno.h>
 #include <pthread.h>
 #include <stdio.h>

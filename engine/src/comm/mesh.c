@@ -1,6 +1,10 @@
 /* mesh.c: DeviceMesh: an N-d array of world ranks, optional dim names, one
  * process group per mesh dim (this rank's row), slicing and flattening. */
 #include "comm/comm_impl.h"
+#include "eng/comm.h"
+#include "eng/cuda.h"
+#include "eng/dist.h"
+#include "eng/mesh.h"
 #include <stdio.h>
 #include <unistd.h>
 

@@ -9,6 +9,7 @@
 #include "comm/comm_impl.h"
 #include "comm/guard.h"
 #include "kernels/cpu/kcpu.h"
+#include "eng/comm.h"
 #include <limits.h>
 #include <math.h>
 #include <stdio.h>

@@ -19,6 +19,8 @@
  * (and ENG_HAVE_NCCL) only the two capability queries are compiled, and
  * they report no GPU / no NCCL. */
 #include "comm/comm_impl.h"
+#include "eng/comm.h"
+#include "eng/cuda.h"
 
 #if defined(ENG_HAVE_CUDA)
 #include <cuda_runtime.h>

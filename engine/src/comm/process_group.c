@@ -12,6 +12,8 @@
 #include "comm/comm_impl.h"
 #include "comm/guard.h"
 #include "kernels/cpu/kcpu.h"
+#include "eng/comm.h"
+#include "eng/dist.h"
 #include <limits.h>
 #include <stdio.h>
 

@@ -6,6 +6,8 @@
  * comm/peer_health.c for peers that have ended and aborts the job after the
  * timeout. */
 #include "comm/comm_impl.h"
+#include "eng/comm.h"
+#include "eng/dist.h"
 #include <sched.h>
 #include <stdio.h>
 #include <time.h>

@@ -23,7 +23,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
-#include "engine.h"
+#include "eng/base.h"
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <cpuid.h>
 #include <sys/syscall.h>

@@ -21,6 +21,9 @@
 #define ENG_CORE_DISPATCH_H
 #include "core/internal.h"
 
+/* A DTensor layout (eng/dtensor.h): core and the ops only pass it through. */
+typedef struct eng_dist_spec eng_dist_spec;
+
 #define ENG_OP_MAX_IN 8
 #define ENG_OP_MAX_OUT 4
 

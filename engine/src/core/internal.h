@@ -1,7 +1,11 @@
 /* internal.h: helpers shared by the engine's sources (not public). */
 #ifndef ENG_INTERNAL_H
 #define ENG_INTERNAL_H
-#include "engine.h"
+/* core's own public headers (what core defines); a file includes the public headers of whatever else it calls
+ * (eng/dtensor.h, eng/comm.h, ...) and the private header of the folder it calls into */
+#include "eng/base.h"
+#include "eng/tensor.h"
+#include "eng/autograd.h"   /* eng_node (a tensor's grad_fn), grad mode, the Lua dispatcher's type */
 #include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
@@ -147,27 +151,6 @@ eng_tensor* eng_unaliased(eng_tensor* dst, eng_tensor* src);
 eng_tensor* eng_device_copy(eng_tensor* t, int device);
 /* Registration point: autograd frees what it keeps on a dying tensor (grad_fn, hooks). */
 void eng_tensor_set_autograd_free(void (*fn)(eng_tensor* t));
-
-/* Autograd helpers for op implementations. */
-/* Shape/dtype of input i recorded in node n. */
-int eng_node_in_ndim(const eng_node* n, int i);
-const int64_t* eng_node_in_shape(const eng_node* n, int i);
-int eng_node_in_dtype(const eng_node* n, int i);
-/* For a backward function of node n while it runs: the gradient already
- * summed for input i by other consumers when only the backward pass holds it
- * (contiguous, input i's shape and dtype), else NULL.  The function may add
- * its contribution into it in place and return it (retained) as gi[i]; the
- * engine then adds nothing more.  Borrowed. */
-eng_tensor* eng_grad_accum_slot(eng_node* n, int i);
-/* Reduce a gradient g (broadcast result) to input i's shape and dtype. */
-eng_tensor* eng_grad_to_input(eng_node* n, int i, eng_tensor* g);
-/* Record a one-output node for out if any input needs grad.  Returns the node
- * (borrowed, owned by out) or NULL if no grad is needed. */
-eng_node* eng_record(const char* name, eng_backward_fn fn, int n_inputs, eng_tensor** inputs,
-                     eng_tensor* out);
-/* Same for several outputs. */
-eng_node* eng_record_multi(const char* name, eng_backward_fn fn, int n_inputs,
-                           eng_tensor** inputs, int n_outputs, eng_tensor** outputs);
 
 /* Lua closures behind hooks (core/lua_callback.c): the registered dispatcher (NULL before the host sets it), a
  * closure to release at Lua's next safe point, a module hook's call. */

@@ -1,5 +1,6 @@
 /* module.c: module objects owning forward-pre / forward-post hooks. */
 #include "core/internal.h"
+#include "eng/module.h"
 
 typedef struct mhook {
   struct mhook* next;

@@ -4,6 +4,7 @@
  * each begin, without waiting) or at the report (waiting). */
 #include "core/internal.h"
 #include "core/device.h"
+#include "eng/profiler.h"
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>

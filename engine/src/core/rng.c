@@ -5,6 +5,7 @@
 #include "core/dispatch.h"
 #include "core/device.h"
 #include "kernels/cpu/kcpu.h"
+#include "eng/rng.h"
 #include <math.h>
 #include <pthread.h>
 

@@ -6,6 +6,7 @@
  * same in both builds. */
 #include "core/device.h"
 #include "cuda/cuda_ops.h"
+#include "eng/cuda.h"
 
 static int cu_available(void) { return eng_cuda_is_available(); }
 static const char* cu_reason(void) { return eng_cuda_unavailable_reason(); }

@@ -6,6 +6,7 @@
 #ifdef ENG_HAVE_CUDA
 #include "kernels/cuda/kcuda.h"
 #include "kernels/cuda/kindex_cuda.h"
+#include "eng/cuda.h"
 
 static cudaStream_t S(void) { return (cudaStream_t)eng_cuda_stream(ENG_CUDA_STREAM_COMPUTE); }
 

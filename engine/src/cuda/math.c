@@ -4,6 +4,7 @@
 
 #ifdef ENG_HAVE_CUDA
 #include "kernels/cuda/kmath_cuda.h"
+#include "eng/cuda.h"
 
 int eng_cu_math_unary(int kop, int idt, int odt, int nd, const int64_t* shape, void* out, const int64_t* so,
                       const void* x, const int64_t* sx, const double* p, const char* op) {

@@ -26,6 +26,7 @@ int eng_cu_same_device(const char* op, const eng_tensor* a, const eng_tensor* b)
 
 #ifdef ENG_HAVE_CUDA
 #include "kernels/cuda/kcuda.h"
+#include "eng/cuda.h"
 
 static cudaStream_t S(void) { return (cudaStream_t)eng_cuda_stream(ENG_CUDA_STREAM_COMPUTE); }
 /* Kernel status -> engine error (also when the stream could not be had). */

@@ -5,6 +5,7 @@
 #ifdef ENG_HAVE_CUDA
 #include "kernels/cuda/kcuda.h"
 #include "kernels/cuda/kvocab_cuda.h"
+#include "eng/cuda.h"
 
 static int ck(int st, const char* op) { return st == 0 ? 0 : eng_cuda_check(st, op); }
 #define STREAM_OR_FAIL(op)                                                      \

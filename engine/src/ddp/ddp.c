@@ -4,6 +4,8 @@
  * Subsystem ddp/: DistributedDataParallel's reducer.  May call: core/, autograd/ (hooks, end-of-backward
  * callbacks, through the public API), comm/ (all_reduce, agreement). */
 #include "core/internal.h"
+#include "eng/comm.h"
+#include "eng/ddp.h"
 #include <stdio.h>
 
 #define DEFAULT_BUCKET_BYTES ((int64_t)25 << 20)

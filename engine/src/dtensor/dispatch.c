@@ -22,7 +22,6 @@
  * to the leaf's spec (dist_grad_for_leaf). */
 #include "dtensor/dtensor_impl.h"
 #include "autograd/dist_hooks.h"
-#include "sharding/sharding.h"
 #include "dtensor/dispatch.h"
 #include <math.h>
 #include <stdio.h>
@@ -59,59 +58,9 @@ int eng_no_rule_i(const char* name, const eng_op_call* c) {
   return -1;
 }
 
-/* ------------------------------------------------------------------ rule helpers */
-int sh_is_linear_P(const eng_placement* p) {
+/* Partial(sum) or Partial(avg): a scaling in place keeps it. */
+static int linear_partial(const eng_placement* p) {
   return p->kind == ENG_PLACEMENT_PARTIAL && (p->op == ENG_REDUCE_SUM || p->op == ENG_REDUCE_AVG);
-}
-
-int sh_push(eng_strategy* out, int cap, int n, const eng_strategy* s) {
-  if (n < 0) return n;
-  if (n >= cap) return n; /* silently drop: the dispatcher's buffer is large enough for every rule here */
-  out[n] = *s;
-  return n + 1;
-}
-
-int sh_all_replicate(eng_strategy* out, int cap, int n, int n_in, int n_out) {
-  eng_strategy s;
-  memset(&s, 0, sizeof s);
-  for (int i = 0; i < n_in && i < ENG_OP_MAX_IN; i++) s.in[i] = sh_R();
-  for (int j = 0; j < n_out && j < ENG_OP_MAX_OUT; j++) s.out[j] = sh_R();
-  return sh_push(out, cap, n, &s);
-}
-
-int sh_shape_same0(const eng_op_call* c, const eng_dist_spec* const* s, int* ndims, int64_t (*shapes)[8]) {
-  (void)c;
-  ndims[0] = s[0]->ndim;
-  for (int d = 0; d < s[0]->ndim; d++) shapes[0][d] = s[0]->shape[d];
-  return 0;
-}
-
-int sh_shape_broadcast(const eng_op_call* c, const eng_dist_spec* const* s, int* ndims, int64_t (*shapes)[8]) {
-  int nd = 0;
-  int64_t out[ENG_MAX_DIMS];
-  for (int i = 0; i < c->n_in; i++) {
-    if (!s[i]) continue;
-    if (s[i]->ndim > nd) {
-      for (int d = ENG_MAX_DIMS - 1; d >= 0; d--) out[d] = 0;
-      int64_t prev[ENG_MAX_DIMS];
-      for (int d = 0; d < nd; d++) prev[d] = shapes[0][d];
-      int shift = s[i]->ndim - nd;
-      for (int d = 0; d < s[i]->ndim; d++) out[d] = d < shift ? 1 : prev[d - shift];
-      nd = s[i]->ndim;
-    } else for (int d = 0; d < nd; d++) out[d] = shapes[0][d];
-    int off = nd - s[i]->ndim;
-    for (int d = 0; d < s[i]->ndim; d++) {
-      int64_t a = out[d + off], b = s[i]->shape[d];
-      if (a == b || b == 1) continue;
-      if (a == 1) out[d + off] = b;
-      else return eng_err("shapes %s and %s cannot be broadcast together", eng_shape_str(nd, out),
-                          eng_shape_str(s[i]->ndim, s[i]->shape));
-    }
-    for (int d = 0; d < nd; d++) shapes[0][d] = out[d];
-  }
-  ndims[0] = nd;
-  for (int j = 1; j < ENG_OP_MAX_OUT; j++) { ndims[j] = nd; for (int d = 0; d < nd; d++) shapes[j][d] = shapes[0][d]; }
-  return 0;
 }
 
 /* ------------------------------------------------------------------ cost */
@@ -258,11 +207,11 @@ static eng_dist_spec* input_adjoint(const eng_dist_spec* req, const eng_strategy
   int same = 1;
   for (int m = 0; m < req->mesh_ndim; m++) {
     eng_placement p = req->placements[m];
-    if (p.kind == ENG_PLACEMENT_PARTIAL) p = sh_R();
+    if (p.kind == ENG_PLACEMENT_PARTIAL) p = (eng_placement){ENG_PLACEMENT_REPLICATE, 0, 0};
     else if (p.kind == ENG_PLACEMENT_REPLICATE) {
       int out_rep = 1;
       for (int j = 0; j < n_out; j++) if (outs[j] && outs[j]->placements[m].kind != ENG_PLACEMENT_REPLICATE) out_rep = 0;
-      if (!out_rep) p = sh_P(ENG_REDUCE_SUM);
+      if (!out_rep) p = (eng_placement){ENG_PLACEMENT_PARTIAL, 0, ENG_REDUCE_SUM};
     }
     if (!eng_placement_equal(&p, &req->placements[m])) same = 0;
     pl[m] = p;
@@ -778,7 +727,7 @@ int eng_dispatch_inplace(const char* name, int mode, eng_op_call* c, int (*fn)(e
   if (as->has_partial) {
     int ok = mode == 1 || (mode == 2 && c->n_in == 1);
     for (int m = 0; ok && m < as->mesh_ndim; m++)
-      if (as->placements[m].kind == ENG_PLACEMENT_PARTIAL && mode == 2 && !sh_is_linear_P(&as->placements[m])) ok = 0;
+      if (as->placements[m].kind == ENG_PLACEMENT_PARTIAL && mode == 2 && !linear_partial(&as->placements[m])) ok = 0;
     if (!ok) {
       eng_err("%s: no sharding strategy for %s (in-place on a Partial DTensor)", name, layouts(c, b, sizeof b));
       goto done;

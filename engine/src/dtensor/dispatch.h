@@ -6,6 +6,7 @@
 #ifndef ENG_DTENSOR_DISPATCH_H
 #define ENG_DTENSOR_DISPATCH_H
 #include "core/dispatch.h"
+#include "eng/dtensor.h"
 
 typedef struct eng_strategy {
   eng_placement in[ENG_OP_MAX_IN];   /* required placement per tensor input */

@@ -2,14 +2,17 @@
  * Partial, _StridedShard), torch.chunk layout math, redistribute with its
  * planner and cost model, resharding math, implicit replication and the op
  * dispatcher (sharding propagation), which installs itself into autograd.
- * May call: core/, autograd/, comm/, ops/ (local compute), sharding/ (the
- * per-op rules it dispatches to). */
+ * May call: core/, autograd/, comm/, ops/ (local compute).  The per-op
+ * rules (sharding/) sit above it and register their op defs in its op table
+ * (dtensor/dispatch.h); the dispatcher never names them. */
 /* dtensor.c: the DTensor API: from_local / to_local / full_tensor (with
  * their autograd nodes), distribute_tensor, factories, the building blocks
  * for op dispatch (local mode, wrap_output) and descriptions.
  * Redistribution itself is in dtensor/redistribute.c; specs and layout math in
  * dtensor/spec.c. */
 #include "dtensor/dtensor_impl.h"
+#include "autograd/autograd.h"
+#include "eng/rng.h"
 #include <stdio.h>
 
 /* ------------------------------------------------------------------ queries */

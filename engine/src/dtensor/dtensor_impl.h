@@ -5,6 +5,9 @@
 #ifndef ENG_DTENSOR_IMPL_H
 #define ENG_DTENSOR_IMPL_H
 #include "core/dispatch.h"
+#include "eng/comm.h"
+#include "eng/mesh.h"
+#include "eng/dtensor.h"
 
 /* Base (0 or 1) for dims printed in messages (eng_dtensor_set_display_base). */
 int dt_base(void);

@@ -13,7 +13,9 @@
  *     whose ints name sizes the stand-ins lack) keep their input's dtype.
  * Meta results record no autograd history. */
 #include "dtensor/dispatch.h"
-#include "sharding/sharding.h"
+#include "eng/ops_nn.h"
+#include "eng/ops_reduce.h"
+#include "eng/rng.h"
 
 static int meta_t(const eng_tensor* t) { return t && t->device == ENG_META; }
 
@@ -56,20 +58,20 @@ static int probe_dtypes(const eng_op_def* def, const eng_op_call* c, int* dts) {
   int n_out = def->n_out, prc = 0;
   if (def->keeps_dtype) {
     for (int j = 0; j < n_out; j++) outs[j] = eng_tensor_retain(pc.in[0]);
-  } else if (def == &eng_opdef_sdpa) {
+  } else if (def == eng_dt_op_def(ENG_OP_SDPA)) {
     outs[0] = eng_scaled_dot_product_attention(pc.in[0], pc.in[1], pc.in[2], pc.in[3], pc.scalars[0], (int)pc.ints[0],
                                                pc.scalars[1]);
-  } else if (def == &eng_opdef_dropout) {
+  } else if (def == eng_dt_op_def(ENG_OP_DROPOUT)) {
     outs[0] = eng_dropout(pc.in[0], pc.scalars[0], 1);
-  } else if (def == &eng_opdef_embedding) {
+  } else if (def == eng_dt_op_def(ENG_OP_EMBEDDING)) {
     outs[0] = eng_embedding(pc.in[0], pc.in[1], -1); /* the padding index may not exist in the stand-in */
-  } else if (def == &eng_opdef_cross_entropy) {
+  } else if (def == eng_dt_op_def(ENG_OP_CROSS_ENTROPY)) {
     outs[0] = eng_cross_entropy(pc.in[0], pc.in[1], pc.ints[0], (int)pc.ints[1], pc.scalars[0]);
-  } else if (def == &eng_opdef_mean) {
+  } else if (def == eng_dt_op_def(ENG_OP_MEAN)) {
     int dims[ENG_MAX_DIMS], n = 0;
     for (int d = 0; d < pc.in[0]->ndim; d++) if (pc.ints[0] >> d & 1) dims[n++] = d;
     outs[0] = n ? eng_mean(pc.in[0], n, dims, (int)pc.ints[1]) : eng_tensor_retain(pc.in[0]);
-  } else if (def == &eng_opdef_max_dim) {
+  } else if (def == eng_dt_op_def(ENG_OP_MAX_DIM)) {
     eng_tensor* idx = NULL;
     outs[0] = pc.ints[2] ? eng_max_dim(pc.in[0], (int)pc.ints[0], (int)pc.ints[1], &idx)
                          : eng_min_dim(pc.in[0], (int)pc.ints[0], (int)pc.ints[1], &idx);

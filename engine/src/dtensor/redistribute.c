@@ -29,6 +29,8 @@
  * result's storage is registered and eng_dtensor_wait finishes it. */
 #include "dtensor/dtensor_impl.h"
 #include "comm/comm_impl.h"
+#include "autograd/autograd.h"
+#include "eng/ops_pointwise.h"
 #include <pthread.h>
 #include <stdio.h>
 

@@ -15,6 +15,7 @@
  * coordinate's local padded to coordinate 0's size (the largest: sub-piece 0
  * of every piece is its largest). */
 #include "dtensor/dtensor_impl.h"
+#include "eng/rng.h"
 
 static int copy_view(eng_tensor* dst, const eng_tensor* src) {
   if (!dst || !src) return -1;

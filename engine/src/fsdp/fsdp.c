@@ -6,6 +6,13 @@
  * parameters, makes the groups, finds the root and looks parameters up; no
  * Lua runs inside these hooks. */
 #include "core/internal.h"
+#include "eng/comm.h"
+#include "eng/cuda.h"
+#include "eng/dtensor.h"
+#include "eng/fsdp.h"
+#include "eng/mesh.h"
+#include "eng/module.h"
+#include "eng/ops_pointwise.h"
 #include <stdio.h>
 
 enum { ST_SHARDED = 0, ST_UNSHARDED = 1, ST_POST_FWD = 2 };

@@ -13,6 +13,7 @@
  *   read little-endian, so the value is the same on every machine for the
  *   same bytes. */
 #include "core/internal.h"
+#include "eng/io.h"
 
 static uint64_t mix_bytes(const unsigned char* p, int64_t n) {
   uint64_t h = 0xcbf29ce484222325ULL ^ (uint64_t)n;

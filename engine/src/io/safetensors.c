@@ -10,6 +10,7 @@
  * dtypes, shapes against byte ranges, ranges inside the buffer and not
  * overlapping, duplicate names) with errors naming the file. */
 #include "core/internal.h"
+#include "eng/io.h"
 #include <errno.h>
 #include <stdio.h>
 #include <unistd.h>

@@ -14,6 +14,8 @@
 #include "kernels/cpu/kcpu.h"
 #include "cuda/cuda_ops.h"
 #include "ops/ops.h"
+#include "autograd/autograd.h"
+#include "eng/rng.h"
 #include <math.h>
 
 static int compute_dtype(int dt) { return dt == ENG_F64 ? ENG_F64 : ENG_F32; }

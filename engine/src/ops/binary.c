@@ -4,6 +4,8 @@
 #include "core/dispatch.h"
 #include "kernels/cpu/kcpu.h"
 #include "cuda/cuda_ops.h"
+#include "autograd/autograd.h"
+#include "eng/ops_pointwise.h"
 #include <math.h>
 #include <string.h>
 

@@ -4,6 +4,7 @@
  * input's dtype and device). */
 #include "core/dispatch.h"
 #include "core/device.h"
+#include "autograd/autograd.h"
 
 /* Identity-gradient copies (clone, contiguous) and casts. */
 static int copy_backward(eng_node* n, eng_tensor** go, eng_tensor** gi) {

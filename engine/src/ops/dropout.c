@@ -9,6 +9,8 @@
 #include "kernels/cpu/kcpu.h"
 #include "cuda/cuda_ops.h"
 #include "ops/ops.h"
+#include "autograd/autograd.h"
+#include "eng/dtensor.h" /* reads the layout of a DTensor operand (its global shape) */
 #include <math.h>
 
 typedef struct { uint64_t seed, j; double keep, scale; int dt; } drop_ctx;

@@ -4,6 +4,7 @@
 #include "core/dispatch.h"
 #include "kernels/cpu/kcpu.h"
 #include "cuda/cuda_ops.h"
+#include "autograd/autograd.h"
 
 static int embedding_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
   eng_tensor* idx = eng_node_saved(n, 0);

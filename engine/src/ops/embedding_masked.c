@@ -7,6 +7,7 @@
 #include "cuda/cuda_vocab.h"
 #include "ops/ops.h"
 #include "ops/vocab_parallel.h"
+#include "autograd/autograd.h"
 
 /* saved: 0 indices (contiguous i64).  ints: 0 row_offset, 1 compute dtype. */
 static int embm_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {

@@ -21,6 +21,10 @@
 #include "core/dispatch.h"
 #include "kernels/cpu/kindex.h"
 #include "cuda/cuda_index.h"
+#include "autograd/autograd.h"
+#include "eng/ops_index.h"
+#include "eng/ops_pointwise.h"
+#include "eng/ops_shape.h"
 
 /* The host fallback's copies (ops.h). */
 eng_tensor* eng_op_host(eng_tensor* t, int dtype) {

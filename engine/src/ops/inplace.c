@@ -7,6 +7,7 @@
 #include "core/dispatch.h"
 #include "kernels/cpu/kcpu.h"
 #include "cuda/cuda_ops.h"
+#include "eng/ops_pointwise.h"
 #include <math.h>
 
 /* The in-place target must keep its shape: x broadcast to a. */

@@ -5,6 +5,9 @@
 #include "core/dispatch.h"
 #include "kernels/cpu/kcpu.h"
 #include "cuda/cuda_ops.h"
+#include "autograd/autograd.h"
+#include "eng/cuda.h"
+#include "eng/ops_shape.h"
 #include <stdio.h>
 
 static int wrap_dim(int dim, int ndim, const char* op, const eng_tensor* t) {

@@ -6,6 +6,8 @@
 #include "core/dispatch.h"
 #include "kernels/cpu/kcpu.h"
 #include "cuda/cuda_ops.h"
+#include "autograd/autograd.h"
+#include "eng/ops_pointwise.h"
 #include <math.h>
 
 enum { RED_NONE = 0, RED_MEAN = 1, RED_SUM = 2 };

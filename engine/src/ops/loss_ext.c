@@ -18,6 +18,10 @@
 #include "core/dispatch.h"
 #include "ops/ops.h"
 #include "kernels/cpu/kcpu.h"
+#include "autograd/autograd.h"
+#include "eng/dtensor.h"
+#include "eng/ops_nn.h"
+#include "eng/ops_shape.h"
 #include <math.h>
 #include <stdio.h>
 

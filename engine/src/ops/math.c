@@ -16,6 +16,9 @@
 #include "kernels/cpu/kcpu.h"
 #include "kernels/cpu/kmath.h"
 #include "cuda/cuda_math.h"
+#include "autograd/autograd.h"
+#include "eng/ops_math.h"
+#include "eng/ops_pointwise.h"
 #include <math.h>
 
 static const char* const mu_names[KM_UCOUNT] = {"sin", "cos", "floor", "ceil", "round", "trunc", "sign", "erf",

@@ -10,6 +10,7 @@
 #include "core/dispatch.h"
 #include "kernels/cpu/kcpu.h"
 #include "cuda/cuda_ops.h"
+#include "autograd/autograd.h"
 #include <limits.h>
 #include <math.h>
 #include <stdio.h>

@@ -4,6 +4,8 @@
 #include "core/dispatch.h"
 #include "kernels/cpu/kcpu.h"
 #include "cuda/cuda_ops.h"
+#include "eng/dtensor.h"
+#include "eng/mesh.h"
 #include <math.h>
 
 static int is_half(int dt) { return dt == ENG_BF16 || dt == ENG_F16; }

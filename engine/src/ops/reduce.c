@@ -8,6 +8,10 @@
 #include <stdio.h>
 #include "kernels/cpu/kcpu.h"
 #include "cuda/cuda_ops.h"
+#include "autograd/autograd.h"
+#include "eng/ops_pointwise.h"
+#include "eng/ops_shape.h"
+#include "eng/dtensor.h" /* reads the layout of a DTensor operand (its global shape) */
 #include <math.h>
 
 /* ------------------------------------------------------------ helpers */

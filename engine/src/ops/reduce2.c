@@ -16,6 +16,11 @@
 #include "ops/ops.h"
 #include "kernels/cpu/kcpu.h"
 #include "kernels/cpu/kmath.h"
+#include "autograd/autograd.h"
+#include "eng/ops_math.h"
+#include "eng/ops_pointwise.h"
+#include "eng/ops_reduce.h"
+#include "eng/ops_shape.h"
 #include <math.h>
 
 static const char* const r2_names[] = {"prod", "amax", "amin", "logsumexp", "var", "std", "norm", "all", "any"};

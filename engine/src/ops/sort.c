@@ -16,6 +16,8 @@
 #include "ops/ops.h"
 #include "kernels/cpu/kcpu.h"
 #include "kernels/cpu/kmath.h"
+#include "autograd/autograd.h"
+#include "eng/ops_shape.h"
 #include <math.h>
 
 static const char* const al_names[] = {"cumsum", "cumprod", "argsort", "sort", "topk", "kthvalue"};

@@ -8,6 +8,7 @@
 #include "core/dispatch.h"
 #include "kernels/cpu/kcpu.h"
 #include "cuda/cuda_ops.h"
+#include "autograd/autograd.h"
 #include <math.h>
 
 static const char* const u_names[KU_COUNT] = {"neg", "exp", "log", "sqrt", "rsqrt", "abs", "tanh",

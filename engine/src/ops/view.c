@@ -4,6 +4,8 @@
  * cat/stack/split/chunk/index_select live in ops/join.c. */
 #include "core/internal.h"
 #include "core/dispatch.h"
+#include "autograd/autograd.h"
+#include "eng/ops_shape.h"
 #include <stdio.h>
 
 /* "[1,3]" strides of t, for error messages. */

@@ -9,6 +9,7 @@
  * one process gives. */
 #include "sharding/sharding.h"
 #include "ops/ops.h"
+#include "eng/ops_nn.h"
 
 /* out: the attention weights' dim count (batch dims + 2), or -1 */
 static int weights_ndim(const eng_dist_spec* const* s) {

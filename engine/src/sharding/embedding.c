@@ -12,6 +12,7 @@
 #include "sharding/sharding.h"
 #include "ops/ops.h"
 #include "ops/vocab_parallel.h"
+#include "eng/ops_nn.h"
 
 static int emb_push(eng_strategy* out, int cap, int n, eng_placement w, eng_placement i, eng_placement o) {
   eng_strategy st;

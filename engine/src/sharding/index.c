@@ -25,6 +25,8 @@
 #include "dtensor/dtensor_impl.h"
 #include "sharding/sharding.h"
 #include "sharding/sharding_index.h"
+#include "eng/ops_index.h"
+#include "eng/ops_shape.h"
 
 static const char* dt_desc(const eng_tensor* t) {
   static __thread char buf[4][700];

@@ -19,6 +19,9 @@
 #include "dtensor/dtensor_impl.h"
 #include "sharding/sharding.h"
 #include "ops/ops.h"
+#include "eng/ops_nn.h"
+#include "eng/ops_pointwise.h"
+#include "eng/ops_shape.h"
 
 enum { RED_NONE = 0, RED_MEAN = 1, RED_SUM = 2 };
 

@@ -31,6 +31,7 @@
 #include "ops/ops.h"
 #include "sharding/sharding.h"
 #include "ops/vocab_parallel.h"
+#include "autograd/autograd.h"
 
 enum { RED_NONE = 0, RED_MEAN = 1, RED_SUM = 2 };
 

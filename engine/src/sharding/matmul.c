@@ -8,6 +8,7 @@
  *     x R, W S(0), b S(0) -> S(last); x P, W R, b P -> P; all R -> R. */
 #include "dtensor/dtensor_impl.h"
 #include "sharding/sharding.h"
+#include "eng/ops_nn.h"
 
 typedef struct mm_dims {
   int nb;          /* output batch dims */

@@ -5,6 +5,7 @@
  * all-reduces them into .grad); x sharded on a normalized dim, Partial x
  * (not linear) and sharded weight/bias are replicated first; all R -> R. */
 #include "sharding/sharding.h"
+#include "eng/ops_nn.h"
 
 static int norm_rule(const eng_op_call* c, const eng_dist_spec* const* s, int m, eng_strategy* out, int cap) {
   int n = 0, n_batch = s[0]->ndim - (int)c->ints[0];

@@ -12,6 +12,7 @@
  *     Partial. */
 #include "dtensor/dtensor_impl.h"
 #include "sharding/sharding.h"
+#include "eng/ops_pointwise.h"
 
 /* ------------------------------------------------------------------ unary */
 static int unary_like(const eng_dist_spec* s, int m, int keep_linear_partial, int keep_any_partial,

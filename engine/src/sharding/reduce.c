@@ -8,6 +8,8 @@
  *   argmax/argmin over a sharded dim: replicate that dim first. */
 #include "dtensor/dtensor_impl.h"
 #include "sharding/sharding.h"
+#include "eng/ops_pointwise.h"
+#include "eng/ops_reduce.h"
 
 static int popcount_below(int64_t mask, int d) {
   return __builtin_popcountll((unsigned long long)mask & ((1ull << d) - 1));

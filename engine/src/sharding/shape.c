@@ -27,6 +27,7 @@
 #include "dtensor/dtensor_impl.h"
 #include "sharding/sharding.h"
 #include "sharding/sharding_shape.h"
+#include "eng/ops_shape.h"
 #include <stdio.h>
 
 static const char* dt_desc(const eng_tensor* t) {

@@ -3,6 +3,7 @@
  * independent); S(softmax dim) and Partial inputs are replicated first (the
  * op is not linear); R -> R. */
 #include "sharding/sharding.h"
+#include "eng/ops_nn.h"
 
 static int softmax_rule(const eng_op_call* c, const eng_dist_spec* const* s, int m, eng_strategy* out, int cap) {
   int n = 0;
