@@ -11,6 +11,7 @@
 #include "kernels/cpu/kcpu.h"
 #include "cuda/cuda_ops.h"
 #include "autograd/autograd.h"
+#include "eng/ops_pointwise.h"
 #include <limits.h>
 #include <math.h>
 #include <stdio.h>

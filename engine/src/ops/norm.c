@@ -10,6 +10,7 @@
 #include "kernels/cpu/kcpu.h"
 #include "cuda/cuda_ops.h"
 #include "autograd/autograd.h"
+#include "eng/ops_pointwise.h"
 #include <math.h>
 
 static int check_param(const char* op, const char* what, eng_tensor* x, int n_norm, eng_tensor* p) {
