@@ -19,6 +19,7 @@
  * at once, so the specs check the bookkeeping and the messages on machines without a GPU. */
 #include "core/internal.h"
 #include "cuda/cuda_ops.h"
+#include "eng/cuda.h"
 #include <stdio.h>
 #include <string.h>
 #include <pthread.h>

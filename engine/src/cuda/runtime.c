@@ -13,6 +13,7 @@
  * without the CUDA backend (no ENG_HAVE_CUDA) has the same functions, which
  * report that this build has no CUDA backend. */
 #include "core/internal.h"
+#include "eng/cuda.h"
 #include "cuda/cuda_ops.h"
 #include <stdio.h>
 #include <pthread.h>
