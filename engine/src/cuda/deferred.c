@@ -43,7 +43,9 @@ static volatile int* g_host;    /* RING flags, host address (mapped pinned memor
 static int* g_dev;              /* their device address (NULL: not allocated on a device) */
 static int g_mapped;            /* g_host is mapped pinned memory */
 static pending g_ring[RING];
+#ifdef ENG_HAVE_CUDA
 static void* g_events[RING];    /* one event per ring position, created on first use */
+#endif
 static int g_head, g_count;     /* oldest pending entry, number pending */
 static int64_t g_syncs;         /* host synchronisations counted by eng_cuda_count_sync */
 
