@@ -28,7 +28,7 @@ local ALLOWED = {
   comm = { core = true, cuda = true },
   dtensor = { core = true, autograd = true, comm = true, ops = true },
   sharding = { core = true, autograd = true, comm = true, dtensor = true, ops = true },
-  cuda = { core = true, ops = true },
+  cuda = { core = true },
   sharded_tensor = { core = true, comm = true, dtensor = true },
   checkpoint = { core = true, io = true, comm = true, dtensor = true, sharded_tensor = true },
   fsdp = { core = true, autograd = true, comm = true, dtensor = true, ops = true, cuda = true },

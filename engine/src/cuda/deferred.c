@@ -18,7 +18,7 @@
  * The ring logic is device-free: eng_deferred_test_flag() registers a slot in plain host memory that is complete
  * at once, so the specs check the bookkeeping and the messages on machines without a GPU. */
 #include "core/internal.h"
-#include "cuda/cuda_ops.h"
+#include "cuda/cuda_runtime.h"
 #include "eng/cuda.h"
 #include <stdio.h>
 #include <string.h>

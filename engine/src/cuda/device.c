@@ -5,7 +5,7 @@
  * available: this build has no CUDA backend ..."), so messages stay the
  * same in both builds. */
 #include "core/device.h"
-#include "cuda/cuda_ops.h"
+#include "cuda/cuda_runtime.h"
 #include "eng/cuda.h"
 
 static int cu_available(void) { return eng_cuda_is_available(); }

@@ -1,6 +1,9 @@
-/* Subsystem cuda/: the CUDA device runtime and the device side of the ops
- * (cuda_ops.h).  May call: core/, ops/ (bmm.h), kernels/cuda/.  Built without
- * nvcc too (every function then reports that there is no CUDA backend). */
+/* Subsystem cuda/: the CUDA device runtime (availability, streams, memory,
+ * events, copies), its device table for core (cuda/device.c), its own kernels
+ * (cuda/primitives.c) and the deferred device error checks (cuda/deferred.c).
+ * The device side of the ops lives with the ops (ops/cuda_*.c).
+ * May call: core/, kernels/cuda/.  Built without nvcc too (every function
+ * then reports that there is no CUDA backend). */
 /* runtime.c: the CUDA device runtime of the engine (public API in
  * eng/cuda.h): availability, device selection, the compute and
  * communication streams, the caching stream-ordered device allocator,
@@ -14,7 +17,7 @@
  * report that this build has no CUDA backend. */
 #include "core/internal.h"
 #include "eng/cuda.h"
-#include "cuda/cuda_ops.h"
+#include "cuda/cuda_runtime.h"
 #include <stdio.h>
 #include <pthread.h>
 

@@ -7,7 +7,7 @@
 #include "core/internal.h"
 #include "core/dispatch.h"
 #include "kernels/cpu/kcpu.h"
-#include "cuda/cuda_ops.h"
+#include "ops/cuda_ops.h"
 #include "ops/ops.h"
 #include "autograd/autograd.h"
 #include "eng/dtensor.h" /* reads the layout of a DTensor operand (its global shape) */

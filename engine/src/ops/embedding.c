@@ -3,7 +3,7 @@
 #include "core/internal.h"
 #include "core/dispatch.h"
 #include "kernels/cpu/kcpu.h"
-#include "cuda/cuda_ops.h"
+#include "ops/cuda_ops.h"
 #include "autograd/autograd.h"
 
 static int embedding_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {

@@ -4,7 +4,7 @@
  * only into owned rows.  The sum over the shards of the outputs is the full
  * embedding (a Partial(sum) output for the dispatcher). */
 #include "core/dispatch.h"
-#include "cuda/cuda_vocab.h"
+#include "ops/cuda_vocab.h"
 #include "ops/ops.h"
 #include "ops/vocab_parallel.h"
 #include "autograd/autograd.h"

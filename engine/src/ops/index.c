@@ -10,7 +10,7 @@
  *
  * CUDA: gather, scatter (replace) and index_copy of every dtype, scatter_add
  * and index_add of f32/f64/i32/i64 run the kernels of kernels/cuda/index.cu
- * (cuda/index.c); the index is checked on the host first (one small copy to
+ * (ops/cuda_index.c); the index is checked on the host first (one small copy to
  * the host and back).  The remaining cases (scatter_add / index_add of
  * bf16, f16, u8, bool: no atomics for them there) and nonzero take the
  * documented fallback: the CUDA operands are copied to the host, the CPU
@@ -20,7 +20,7 @@
 #include "ops/ops.h"
 #include "core/dispatch.h"
 #include "kernels/cpu/kindex.h"
-#include "cuda/cuda_index.h"
+#include "ops/cuda_index.h"
 #include "autograd/autograd.h"
 #include "eng/ops_index.h"
 #include "eng/ops_pointwise.h"

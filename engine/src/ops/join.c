@@ -4,7 +4,7 @@
 #include "core/internal.h"
 #include "core/dispatch.h"
 #include "kernels/cpu/kcpu.h"
-#include "cuda/cuda_ops.h"
+#include "ops/cuda_ops.h"
 #include "autograd/autograd.h"
 #include "eng/cuda.h"
 #include "eng/ops_shape.h"

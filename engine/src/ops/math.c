@@ -15,7 +15,7 @@
 #include "ops/ops.h"
 #include "kernels/cpu/kcpu.h"
 #include "kernels/cpu/kmath.h"
-#include "cuda/cuda_math.h"
+#include "ops/cuda_math.h"
 #include "autograd/autograd.h"
 #include "eng/ops_math.h"
 #include "eng/ops_pointwise.h"

@@ -9,7 +9,7 @@
 #include "ops/bmm.h"
 #include "core/dispatch.h"
 #include "kernels/cpu/kcpu.h"
-#include "cuda/cuda_ops.h"
+#include "ops/cuda_ops.h"
 #include "autograd/autograd.h"
 #include "eng/ops_pointwise.h"
 #include <limits.h>

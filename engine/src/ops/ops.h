@@ -6,7 +6,10 @@
  * the guard that hands DTensor and meta arguments to the dispatcher through
  * the registration point core/dispatch.h (by op id: ops never name the
  * dispatcher, an op def or the DTensor layer).
- * May call: core/, autograd/ (recording nodes), cuda/ (device side), kernels/. */
+ * The device side of the ops is here too (ops/cuda_*.c over kernels/cuda/,
+ * declared in ops/cuda_*.h).
+ * May call: core/, autograd/ (recording nodes), cuda/ (the runtime: streams,
+ * memory, deferred checks), kernels/. */
 #ifndef ENG_OPS_H
 #define ENG_OPS_H
 #include "core/dispatch.h"

@@ -3,7 +3,7 @@
  * touched, so an error leaves all parameters and states unchanged. */
 #include "core/dispatch.h"
 #include "kernels/cpu/kcpu.h"
-#include "cuda/cuda_ops.h"
+#include "ops/cuda_ops.h"
 #include "eng/dtensor.h"
 #include "eng/mesh.h"
 #include <math.h>

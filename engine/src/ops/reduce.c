@@ -7,7 +7,7 @@
 #include "core/dispatch.h"
 #include <stdio.h>
 #include "kernels/cpu/kcpu.h"
-#include "cuda/cuda_ops.h"
+#include "ops/cuda_ops.h"
 #include "autograd/autograd.h"
 #include "eng/ops_pointwise.h"
 #include "eng/ops_shape.h"

@@ -2,7 +2,7 @@
  * reference loops) or on CUDA (cuda/cuda_vocab.h).  Pure local compute: the all_reduces between the phases are
  * the caller's, on the same buffers. */
 #include "ops/vocab_parallel.h"
-#include "cuda/cuda_vocab.h"
+#include "ops/cuda_vocab.h"
 #include <math.h>
 
 static const char* OP = "cross_entropy_vocab_parallel";

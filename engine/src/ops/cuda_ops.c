@@ -1,10 +1,10 @@
-/* ops.c: the device side of the engine's ops (see cuda/cuda_ops.h): thin
+/* cuda_ops.c: the device side of the engine's ops (see ops/cuda_ops.h): thin
  * wrappers over the kernels of kernels/cuda (kcuda.h) that take the compute
  * stream and workspaces from the runtime (cuda/runtime.c) and turn kernel
  * statuses into engine errors, plus the pieces with more logic: batched
  * GEMM planning over cuBLASLt, flash attention, multi-tensor optimizer
  * launches grouped by dtype. */
-#include "cuda/cuda_ops.h"
+#include "ops/cuda_ops.h"
 #include <math.h>
 #include <stdio.h>
 
@@ -38,18 +38,7 @@ static int ck(int st, const char* op) {
   cudaStream_t s = S();                                      \
   if (!s) { eng_err_prefix("%s", op); return -1; }
 
-int eng_cu_copy(int nd, const int64_t* shape, void* dst, int ddt, const int64_t* sd, const void* src, int sdt,
-                const int64_t* ss, const char* op) {
-  if (eng_shape_numel(nd, shape) == 0) return 0;
-  STREAM_OR_FAIL(op);
-  return ck(kcu_copy(nd, shape, dst, ddt, sd, src, sdt, ss, s), op);
-}
 
-int eng_cu_fill(void* dst, int dt, int64_t n, double v, const char* op) {
-  if (n == 0) return 0;
-  STREAM_OR_FAIL(op);
-  return ck(kcu_fill(dt, n, dst, v, s), op);
-}
 
 int eng_cu_unary(int uop, int dt, int nd, const int64_t* shape, void* out, const int64_t* so, const void* x,
                  const int64_t* sx, double p0, double p1, const char* op) {
@@ -219,12 +208,6 @@ int eng_cu_masked_mean(int dt, int64_t N, const void* vals, const void* tgt, int
   return ck(kcu_masked_mean(dt, N, vals, tgt, tdt, ignore, out, s), op);
 }
 
-int eng_cu_random(int kind, int dt, int64_t n, uint64_t seed, uint64_t offset, double a, double b, void* out,
-                  const char* op) {
-  if (n == 0) return 0;
-  STREAM_OR_FAIL(op);
-  return ck(kcu_random(kind, dt, n, seed, offset, a, b, out, s), op);
-}
 
 int eng_cu_dropout(int dt, int64_t n, uint64_t seed, uint64_t offset, double keep, double scale, const void* x,
                    void* y, const char* op) {
@@ -612,9 +595,6 @@ int eng_cu_bmm_run(int abdt, int cdt, int nb, const int64_t* bshape, const eng_m
 
 #define NOCU(op) eng_err("%s: CUDA is not available: this build has no CUDA backend", op)
 
-int eng_cu_copy(int nd, const int64_t* shape, void* dst, int ddt, const int64_t* sd, const void* src, int sdt,
-                const int64_t* ss, const char* op) { return NOCU(op); }
-int eng_cu_fill(void* dst, int dt, int64_t n, double v, const char* op) { return NOCU(op); }
 int eng_cu_unary(int uop, int dt, int nd, const int64_t* shape, void* out, const int64_t* so, const void* x,
                  const int64_t* sx, double p0, double p1, const char* op) { return NOCU(op); }
 int eng_cu_unary_grad(int uop, int dt, int nd, const int64_t* shape, void* gi, const int64_t* sgi, const void* g,
@@ -669,8 +649,6 @@ int eng_cu_sdpa_bwd(eng_tensor* q, eng_tensor* k, eng_tensor* v, eng_tensor* o, 
                     int causal, double scale, eng_tensor** dq, eng_tensor** dk, eng_tensor** dv, const char* op) {
   return NOCU(op);
 }
-int eng_cu_random(int kind, int dt, int64_t n, uint64_t seed, uint64_t offset, double a, double b, void* out,
-                  const char* op) { return NOCU(op); }
 int eng_cu_dropout(int dt, int64_t n, uint64_t seed, uint64_t offset, double keep, double scale, const void* x,
                    void* y, const char* op) { return NOCU(op); }
 int eng_cu_adamw(int n, eng_tensor** p, eng_tensor** g, eng_tensor** m, eng_tensor** v, eng_tensor** w, double lr,

@@ -1,4 +1,4 @@
-/* cuda_ops.h: the device side of the engine's ops (cuda/ops.c), not public.
+/* cuda_ops.h: the device side of the engine's ops (ops/cuda_ops.c), not public.
  *
  * Each op's compute part calls these when its tensors live on ENG_CUDA
  * (t->device == ENG_CUDA) instead of the CPU kernels; everything else about
@@ -15,18 +15,8 @@
 #ifndef ENG_CUDA_OPS_H
 #define ENG_CUDA_OPS_H
 #include "core/internal.h"
+#include "cuda/cuda_runtime.h"
 #include "ops/bmm.h"
-
-/* Deferred device error checks (cuda/deferred.c): a kernel that may find bad input writes the int at the
- * address eng_cuda_deferred_flag returns (non-zero: bad); after the launch eng_cuda_deferred_commit records
- * the event that completes the check.  The host raises fmt's message (op, a, b) at the next poll, host sync or
- * eng_cuda_check_errors (eng/cuda.h).  No host synchronisation. */
-typedef void (*eng_deferred_fmt)(char* buf, size_t n, const char* op, int64_t a, int64_t b);
-int* eng_cuda_deferred_flag(const char* op, eng_deferred_fmt fmt, int64_t a, int64_t b);
-int eng_cuda_deferred_commit(int* flag);
-/* The runtime counts its host synchronisations (eng_cuda_sync_count) and looks at the pending checks after each. */
-void eng_cuda_count_sync(void);
-int eng_cuda_after_sync(void);
 
 /* "<op>: not implemented for cuda tensors (<t>)": -1 / NULL. */
 int eng_cu_unsupported(const char* op, const eng_tensor* t);
@@ -34,10 +24,8 @@ void* eng_cu_unsupportedp(const char* op, const eng_tensor* t);
 /* Error when a and b are on different devices, naming both: -1, else 0. */
 int eng_cu_same_device(const char* op, const eng_tensor* a, const eng_tensor* b);
 
-/* Raw strided kernels (kernels/cuda/elementwise.cu, select.cu). */
-int eng_cu_copy(int nd, const int64_t* shape, void* dst, int ddt, const int64_t* sd, const void* src, int sdt,
-                const int64_t* ss, const char* op);
-int eng_cu_fill(void* dst, int dt, int64_t n, double v, const char* op);
+/* Raw strided kernels (kernels/cuda/elementwise.cu, select.cu); the copy and the fill are the runtime's
+ * (cuda/cuda_runtime.h). */
 int eng_cu_unary(int uop, int dt, int nd, const int64_t* shape, void* out, const int64_t* so, const void* x,
                  const int64_t* sx, double p0, double p1, const char* op);
 int eng_cu_unary_grad(int uop, int dt, int nd, const int64_t* shape, void* gi, const int64_t* sgi, const void* g,
@@ -102,8 +90,6 @@ int eng_cu_sdpa_bwd(eng_tensor* q, eng_tensor* k, eng_tensor* v, eng_tensor* o, 
                     int causal, double scale, eng_tensor** dq, eng_tensor** dk, eng_tensor** dv, const char* op);
 
 /* Counter-based RNG on contiguous data (same numbers as the CPU). */
-int eng_cu_random(int kind, int dt, int64_t n, uint64_t seed, uint64_t offset, double a, double b, void* out,
-                  const char* op);
 int eng_cu_dropout(int dt, int64_t n, uint64_t seed, uint64_t offset, double keep, double scale, const void* x,
                    void* y, const char* op);
 

@@ -1,6 +1,6 @@
-/* math.c: device side of the extra pointwise math (ops/math.c) over the
- * kernels of kernels/cuda/math.cu (cuda/cuda_math.h). */
-#include "cuda/cuda_math.h"
+/* cuda_math.c: device side of the extra pointwise math (ops/math.c) over the
+ * kernels of kernels/cuda/math.cu (ops/cuda_math.h). */
+#include "ops/cuda_math.h"
 
 #ifdef ENG_HAVE_CUDA
 #include "kernels/cuda/kmath_cuda.h"

@@ -1,6 +1,6 @@
-/* vocab_parallel.c: device side of the vocab-parallel local ops (see cuda/cuda_vocab.h): the kernels of
+/* cuda_vocab.c: device side of the vocab-parallel local ops (see ops/cuda_vocab.h): the kernels of
  * kernels/cuda/vocab_parallel.cu and the masked embedding of kernels/cuda/embedding.cu on the compute stream. */
-#include "cuda/cuda_vocab.h"
+#include "ops/cuda_vocab.h"
 
 #ifdef ENG_HAVE_CUDA
 #include "kernels/cuda/kcuda.h"

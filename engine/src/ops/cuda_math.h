@@ -1,4 +1,4 @@
-/* cuda_math.h: the device side of ops/math.c (cuda/math.c), not public.
+/* cuda_math.h: the device side of ops/math.c (ops/cuda_math.c), not public.
  * Thin wrappers over kernels/cuda/math.cu taking the compute stream; 0 or
  * -1 with "<op>: ..." (in a build without the CUDA backend: the error). */
 #ifndef ENG_CUDA_MATH_H

@@ -1,7 +1,7 @@
-/* index.c: device side of gather / scatter / index_add / index_copy (see
- * cuda/cuda_index.h): the host-checked index goes to the device once per
+/* cuda_index.c: device side of gather / scatter / index_add / index_copy (see
+ * ops/cuda_index.h): the host-checked index goes to the device once per
  * call, then one kernel of kernels/cuda/index.cu runs on the compute stream. */
-#include "cuda/cuda_index.h"
+#include "ops/cuda_index.h"
 
 #ifdef ENG_HAVE_CUDA
 #include "kernels/cuda/kcuda.h"
