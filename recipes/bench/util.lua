@@ -1,4 +1,5 @@
--- recipes/bench/util.lua: what the training-step benches (fsdp_step, tp_step, gpt_2d_step, fsdp_memory) share:
+-- recipes/bench/util.lua: what the training-step benches (fsdp_step, tp_step, gpt_2d_step, fsdp_memory, and the
+-- comm benches comm_check and watchdog) share:
 -- --key=value parsing, the median, a sleeping barrier, the reference GPT and its fixed random batch, collective
 -- counts per step, the load average, and finding a Python that imports torch.  Not a bench: a bench loads it with
 --   local U = dofile((debug.getinfo(1, "S").source:match("^@(.*)/[^/]*$") or ".") .. "/util.lua")
@@ -113,6 +114,49 @@ function M.python_with(python, import)
   local rc = os.execute("'" .. py .. "' -c '" .. import .. "' >/dev/null 2>&1")
   if rc == 0 or rc == true then return py, py end
   return nil, py
+end
+
+-- The data-parallel GPT step of the comm benches (comm_check, watchdog): recipes/dp_gpt.lua's step with DTensors
+-- (Replicate parameters on a 1-D "dp" mesh of the world, batch Shard(1), cross_entropy mean over the sharded batch,
+-- gradients all_reduced by AccumulateGrad, clip_grad_norm_, AdamW) on a fixed random batch of this rank's rows.
+-- o: n_layers, dim, n_heads, seq, batch.  Returns step (one training step; returns the loss) and the mesh.
+function M.dp_gpt_step(o)
+  local dist, optim = engine.distributed, engine.optim
+  local F = nn.functional
+  local mesh = dist.init_device_mesh("cpu", { dist.world_size() }, { "dp" })
+  engine.manual_seed(1337)
+  local model = nn.Transformer{ n_layers = o.n_layers, dim = o.dim, n_heads = o.n_heads, vocab_size = 256,
+    max_seq_len = o.seq, dropout_p = 0 }
+  dist.replicate_parameters(model, mesh)
+  model:train()
+  local params = model:parameters()
+  local opt = optim.AdamW(params, { lr = 1e-4, betas = { 0.9, 0.95 }, weight_decay = 0.1 })
+  engine.manual_seed(100 + dist.rank()) -- this rank's rows of the global batch
+  local ids = (engine.rand(o.batch, o.seq + 1) * 255.99):long() -- truncates: byte ids 0..255
+  local x, y = ids:narrow(2, 1, o.seq):contiguous(), ids:narrow(2, 2, o.seq):contiguous()
+  local S = dist.Shard
+  local function step()
+    local dx = dist.from_local(x, mesh, { S(1) })
+    local dy = dist.from_local(y, mesh, { S(1) })
+    local logits = dist.implicit_replication(function() return model(dx) end)
+    local loss = F.cross_entropy(logits, dy)
+    loss:backward()
+    optim.clip_grad_norm_(params, 1.0)
+    opt:step()
+    opt:zero_grad()
+    local l = loss:full_tensor():item()
+    collectgarbage()
+    return l
+  end
+  return step, mesh
+end
+
+-- timed_step(step, out): one step after a barrier, its ms appended to out
+function M.timed_step(step, out)
+  engine.distributed.barrier()
+  local t0 = engine.time()
+  step()
+  out[#out + 1] = (engine.time() - t0) * 1e3
 end
 
 return M

@@ -12,65 +12,22 @@
 -- the others on another) and prints how long the verdict took on each rank (the goal: <= 10 s).
 -- Rank 0 prints; every rank runs the same steps.
 local engine = require("engine")
-local nn, optim, dist = engine.nn, engine.optim, engine.distributed
-local F = nn.functional
+local dist = engine.distributed
+local U = dofile((debug.getinfo(1, "S").source:match("^@(.*)/[^/]*$") or ".") .. "/util.lua")
+local median = U.median
 
-local o = { steps = 8, rounds = 3, warmup = 2, n_layers = 4, dim = 256, n_heads = 4, seq = 128, batch = 8,
-  threads = 0 }
-for _, a in ipairs(arg or {}) do
-  local k, v = a:match("^%-%-([%w_]+)=(.*)$")
-  if not k or o[k] == nil then error("bench/watchdog: bad argument '" .. a .. "'", 0) end
-  o[k] = tonumber(v) or error("bench/watchdog: --" .. k .. " must be a number", 0)
-end
-
-local function median(t)
-  local s = { unpack(t) }
-  table.sort(s)
-  local n = #s
-  return n % 2 == 1 and s[(n + 1) / 2] or 0.5 * (s[n / 2] + s[n / 2 + 1])
-end
+local o = U.parse_args("bench/watchdog", { steps = 8, rounds = 3, warmup = 2, n_layers = 4, dim = 256, n_heads = 4,
+  seq = 128, batch = 8, threads = 0 }, arg)
 
 dist.init()
 local rank, world = dist.rank(), dist.world_size()
 local function log(...) if rank == 0 then print(string.format(...)); io.stdout:flush() end end
 if o.threads > 0 then engine.set_num_threads(o.threads) end
-local mesh = dist.init_device_mesh("cpu", { world }, { "dp" })
+local step = U.dp_gpt_step(o)
 
-engine.manual_seed(1337)
-local model = nn.Transformer{ n_layers = o.n_layers, dim = o.dim, n_heads = o.n_heads, vocab_size = 256,
-  max_seq_len = o.seq, dropout_p = 0 }
-dist.replicate_parameters(model, mesh)
-model:train()
-local params = model:parameters()
-local opt = optim.AdamW(params, { lr = 1e-4, betas = { 0.9, 0.95 }, weight_decay = 0.1 })
-
-engine.manual_seed(100 + rank) -- this rank's rows of the global batch
-local ids = (engine.rand(o.batch, o.seq + 1) * 255.99):long()   -- truncates: byte ids 0..255
-local x, y = ids:narrow(2, 1, o.seq):contiguous(), ids:narrow(2, 2, o.seq):contiguous()
-local S = dist.Shard
-
-local function step()
-  local dx = dist.from_local(x, mesh, { S(1) })
-  local dy = dist.from_local(y, mesh, { S(1) })
-  local logits = dist.implicit_replication(function() return model(dx) end)
-  local loss = F.cross_entropy(logits, dy)
-  loss:backward()
-  optim.clip_grad_norm_(params, 1.0)
-  opt:step()
-  opt:zero_grad()
-  local l = loss:full_tensor():item()
-  collectgarbage()
-  return l
-end
-
-local function timed(wd, n, out)
-  dist.set_comm_watchdog(wd)
-  for _ = 1, n do
-    dist.barrier()
-    local t0 = engine.time()
-    step()
-    out[#out + 1] = (engine.time() - t0) * 1e3
-  end
+local function timed(mode, n, out)
+  dist.set_comm_watchdog(mode)
+  for _ = 1, n do U.timed_step(step, out) end
 end
 
 log("bench/watchdog: %d rank(s), %d threads each, GPT %d layers dim %d seq %d, batch %d per rank",
