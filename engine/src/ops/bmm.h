@@ -25,6 +25,11 @@ int eng_mview_prep(eng_tensor* t, int vec, int transpose, int nb, const int64_t*
 /* How BLAS reads m: trans 0 = row-major with leading dim ld, 1 = the
  * transpose of a row-major matrix.  0 if it cannot (copy it first). */
 int eng_mview_layout(const eng_mview* m, int* trans, int64_t* ld);
+/* Do the batch dims (strides bs over bshape) and one matrix dim (size n, stride s) of an operand coalesce into
+ * one dim?  Sets its stride in *fs. */
+int eng_mview_fold(int nb, const int64_t* bshape, const int64_t* bs, int64_t n, int64_t s, int64_t* fs);
+/* 1 when every batch dim of size > 1 has stride 0 (one matrix broadcast over the batch). */
+int eng_mview_zero_strides(int nb, const int64_t* bshape, const int64_t* bs);
 /* C[b] = alpha * A[b] @ B[b] + beta * C[b] over the batch index space bshape
  * (dt ENG_F32 or ENG_F64); A: M x K, B: K x N (both from eng_mview_prep),
  * C: M x N with unit column stride.  Where C has stride 0 in a batch dim of

@@ -464,27 +464,6 @@ static int view_gemm(int abdt, int cdt, const eng_mview* A, const eng_mview* B, 
                A->cols, alpha, beta, 1, 0, 0, 0, bias, op);
 }
 
-/* Do the batch dims (strides bs) and one matrix dim (size n, stride s) fold
- * into one dim?  (as ops/matmul.c's fold) */
-static int fold(int nb, const int64_t* bshape, const int64_t* bs, int64_t n, int64_t s, int64_t* fs) {
-  int64_t expect = 0;
-  int have = 0;
-  *fs = s;
-  if (n > 1) { expect = s * n; have = 1; }
-  for (int d = nb - 1; d >= 0; d--) {
-    if (bshape[d] == 1) continue;
-    if (!have) { *fs = bs[d]; expect = bs[d] * bshape[d]; have = 1; continue; }
-    if (bs[d] != expect) return 0;
-    expect *= bshape[d];
-  }
-  return 1;
-}
-
-static int zero_strides(int nb, const int64_t* bshape, const int64_t* bs) {
-  for (int d = 0; d < nb; d++) if (bshape[d] > 1 && bs[d] != 0) return 0;
-  return 1;
-}
-
 /* Is the batch offset a single stride times the row-major batch index? */
 static int uniform_batch(int nb, const int64_t* bshape, const int64_t* bs, int64_t* stride) {
   int64_t inner = 1, s = 0;
@@ -543,8 +522,8 @@ int eng_cu_bmm_run(int abdt, int cdt, int nb, const int64_t* bshape, const eng_m
   if (tot > 1) {
     int64_t fa, fc, fb, sa, sb, sc;
     /* rows fold: B shared by every batch, A and C batches stacked row-wise */
-    if (zero_strides(nb, bshape, B->bs) && fold(nb, bshape, A->bs, M, A->rs, &fa) &&
-        fold(nb, bshape, C->bs, M, C->rs, &fc)) {
+    if (eng_mview_zero_strides(nb, bshape, B->bs) && eng_mview_fold(nb, bshape, A->bs, M, A->rs, &fa) &&
+        eng_mview_fold(nb, bshape, C->bs, M, C->rs, &fc)) {
       eng_mview A2 = *A, C2 = *C;
       A2.rows = C2.rows = M * tot; A2.rs = fa; C2.rs = fc;
       int t1, t2; int64_t l1, l2;
@@ -552,8 +531,8 @@ int eng_cu_bmm_run(int abdt, int cdt, int nb, const int64_t* bshape, const eng_m
         return view_gemm(abdt, cdt, &A2, B, &C2, 0, 0, 0, alpha, beta, bias, op);
     }
     /* contraction fold: one C for all batches, the sum runs over (b, k) */
-    if (zero_strides(nb, bshape, C->bs) && fold(nb, bshape, A->bs, K, A->cs, &fa) &&
-        fold(nb, bshape, B->bs, K, B->rs, &fb)) {
+    if (eng_mview_zero_strides(nb, bshape, C->bs) && eng_mview_fold(nb, bshape, A->bs, K, A->cs, &fa) &&
+        eng_mview_fold(nb, bshape, B->bs, K, B->rs, &fb)) {
       eng_mview A2 = *A, B2 = *B;
       A2.cols = B2.rows = K * tot; A2.cs = fa; B2.rs = fb;
       int t1, t2; int64_t l1, l2;

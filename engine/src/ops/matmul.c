@@ -70,9 +70,7 @@ int eng_mview_prep(eng_tensor* t, int vec, int transpose, int nb, const int64_t*
   return 0;
 }
 
-/* Do the batch dims (strides bs) and one matrix dim (size n, stride s) of an
- * operand coalesce into one dim?  Sets its stride. */
-static int fold(int nb, const int64_t* bshape, const int64_t* bs, int64_t n, int64_t s, int64_t* fs) {
+int eng_mview_fold(int nb, const int64_t* bshape, const int64_t* bs, int64_t n, int64_t s, int64_t* fs) {
   int64_t expect = 0;
   int have = 0;
   *fs = s;
@@ -86,7 +84,7 @@ static int fold(int nb, const int64_t* bshape, const int64_t* bs, int64_t n, int
   return 1;
 }
 
-static int zero_strides(int nb, const int64_t* bshape, const int64_t* bs) {
+int eng_mview_zero_strides(int nb, const int64_t* bshape, const int64_t* bs) {
   for (int d = 0; d < nb; d++) if (bshape[d] > 1 && bs[d] != 0) return 0;
   return 1;
 }
@@ -148,8 +146,8 @@ int eng_bmm_run(int dt, int nb, const int64_t* bshape, const eng_mview* A, const
   if (tot > 1) {
     int64_t fa, fc, fb;
     /* rows fold: B shared by every batch, A and C batches stacked row-wise */
-    if (M * tot <= INT_MAX && zero_strides(nb, bshape, B->bs) && fold(nb, bshape, A->bs, M, A->rs, &fa) &&
-        fold(nb, bshape, C->bs, M, C->rs, &fc)) {
+    if (M * tot <= INT_MAX && eng_mview_zero_strides(nb, bshape, B->bs) &&
+        eng_mview_fold(nb, bshape, A->bs, M, A->rs, &fa) && eng_mview_fold(nb, bshape, C->bs, M, C->rs, &fc)) {
       eng_mview A2 = *A, C2 = *C;
       A2.rows = C2.rows = M * tot; A2.rs = fa; C2.rs = fc;
       int t1, t2; int64_t l1, l2;
@@ -157,8 +155,8 @@ int eng_bmm_run(int dt, int nb, const int64_t* bshape, const eng_mview* A, const
         return gemm1(dt, &A2, B, &C2, alpha, beta, op);
     }
     /* contraction fold: one C for all batches, the sum runs over (b, k) */
-    if (K * tot <= INT_MAX && zero_strides(nb, bshape, C->bs) && fold(nb, bshape, A->bs, K, A->cs, &fa) &&
-        fold(nb, bshape, B->bs, K, B->rs, &fb)) {
+    if (K * tot <= INT_MAX && eng_mview_zero_strides(nb, bshape, C->bs) &&
+        eng_mview_fold(nb, bshape, A->bs, K, A->cs, &fa) && eng_mview_fold(nb, bshape, B->bs, K, B->rs, &fb)) {
       eng_mview A2 = *A, B2 = *B;
       A2.cols = B2.rows = K * tot; A2.cs = fa; B2.rs = fb;
       int t1, t2; int64_t l1, l2;
