@@ -8,15 +8,7 @@ local nn = engine.nn
 local F = nn.functional
 local dist = engine.distributed
 
-local function err(fn, ...)
-  local ok, msg = pcall(fn)
-  assert.is_false(ok, "expected an error")
-  msg = tostring(msg)
-  for i = 1, select("#", ...) do
-    local s = select(i, ...)
-    assert.is_truthy(msg:find(s, 1, true), "error message '" .. msg .. "' does not contain '" .. s .. "'")
-  end
-end
+local err = require("spec.helpers.errors").err -- err(fn, ...): fn raises, naming each string
 
 local function maxabs(t) return t:numel() == 0 and 0 or t:double():abs():max():item() end
 

@@ -5,15 +5,7 @@ local engine = require("engine")
 local nn, optim, models = engine.nn, engine.optim, engine.models
 local F = nn.functional
 
-local function err(fn, ...)
-  local ok, msg = pcall(fn)
-  assert.is_false(ok, "expected an error")
-  msg = tostring(msg)
-  for i = 1, select("#", ...) do
-    local s = select(i, ...)
-    assert.is_truthy(msg:find(s, 1, true), "error message '" .. msg .. "' does not contain '" .. s .. "'")
-  end
-end
+local err = require("spec.helpers.errors").err -- err(fn, ...): fn raises, naming each string
 
 local function maxdiff(a, b) return (a:double() - b:double()):abs():max():item() end
 

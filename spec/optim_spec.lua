@@ -6,15 +6,7 @@ local engine = require("engine")
 local nn, optim = engine.nn, engine.optim
 local sched = optim.lr_scheduler
 
-local function err(fn, ...)
-  local ok, msg = pcall(fn)
-  assert.is_false(ok, "expected an error")
-  msg = tostring(msg)
-  for i = 1, select("#", ...) do
-    local s = select(i, ...)
-    assert.is_truthy(msg:find(s, 1, true), "error message '" .. msg .. "' does not contain '" .. s .. "'")
-  end
-end
+local err = require("spec.helpers.errors").err -- err(fn, ...): fn raises, naming each string
 
 local function close(a, b, tol, what)
   local av = engine.is_tensor(a) and a:tolist_flat() or a

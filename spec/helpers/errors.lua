@@ -15,4 +15,11 @@ function M.has(msg, ...)
   end
 end
 
+-- err(fn, ...): fn() raises an error whose message holds every string (plain text); returns the message.
+function M.err(fn, ...)
+  local msg = M.err_of(fn)
+  M.has(msg, ...)
+  return msg
+end
+
 return M
