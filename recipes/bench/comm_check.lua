@@ -15,31 +15,10 @@ local dist = engine.distributed
 local U = dofile((debug.getinfo(1, "S").source:match("^@(.*)/[^/]*$") or ".") .. "/util.lua")
 local median = U.median
 
-local o = U.parse_args("bench/comm_check", { steps = 8, rounds = 3, warmup = 2, n_layers = 4, dim = 256, n_heads = 4,
-  seq = 128, batch = 8, threads = 0 }, arg)
-
-dist.init()
-local rank, world = dist.rank(), dist.world_size()
-local function log(...) if rank == 0 then print(string.format(...)); io.stdout:flush() end end
-if o.threads > 0 then engine.set_num_threads(o.threads) end
-local step = U.dp_gpt_step(o)
-
-local function timed(mode, n, out)
-  dist.set_comm_check(mode)
-  for _ = 1, n do U.timed_step(step, out) end
-end
-
-log("bench/comm_check: %d rank(s), %d threads each, GPT %d layers dim %d seq %d, batch %d per rank",
-  world, engine.get_num_threads(), o.n_layers, o.dim, o.seq, o.batch)
-for _ = 1, o.warmup do step() end
-local counts = dist.count_collectives(step)
-local ncoll = 0
-for _, v in pairs(counts) do ncoll = ncoll + v end
-local off, on = {}, {}
-for _ = 1, o.rounds * o.steps do -- alternate step by step: drift and other load hit both modes alike
-  timed(false, 1, off)
-  timed(true, 1, on)
-end
+-- the data-parallel GPT step, timed with the feature off and on step by step after the warmup
+local b = U.dp_ab_bench("bench/comm_check", arg, function(on) dist.set_comm_check(on and true or false) end)
+local o, rank, world, log, step = b.o, b.rank, b.world, b.log, b.step
+local counts, ncoll, off, on = b.counts, b.ncoll, b.off, b.on
 -- the check's own cost per collective: a tiny all_reduce with the check off and on
 local function tiny(check)
   dist.set_comm_check(check)

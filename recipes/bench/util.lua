@@ -159,4 +159,33 @@ function M.timed_step(step, out)
   out[#out + 1] = (engine.time() - t0) * 1e3
 end
 
+-- dp_ab_bench(name, argv, set): the frame of the comm benches (comm_check, watchdog): parses --steps, --rounds,
+-- --warmup, --n_layers, --dim, --n_heads, --seq, --batch, --threads; starts the distributed runtime; builds the DP
+-- GPT step; runs the warmup, counts one step's collectives, then rounds x steps steps with set(false) and set(true)
+-- alternating step by step (drift and other load hit both alike).  Returns {o, rank, world, log, step, counts,
+-- ncoll, off, on} (off / on: ms per step); leaves the feature on.
+function M.dp_ab_bench(name, argv, set)
+  local dist = engine.distributed
+  local o = M.parse_args(name, { steps = 8, rounds = 3, warmup = 2, n_layers = 4, dim = 256, n_heads = 4, seq = 128,
+    batch = 8, threads = 0 }, argv)
+  dist.init()
+  local rank, world = dist.rank(), dist.world_size()
+  local function log(...) if rank == 0 then print(string.format(...)); io.stdout:flush() end end
+  if o.threads > 0 then engine.set_num_threads(o.threads) end
+  local step = M.dp_gpt_step(o)
+  log("%s: %d rank(s), %d threads each, GPT %d layers dim %d seq %d, batch %d per rank", name, world,
+    engine.get_num_threads(), o.n_layers, o.dim, o.seq, o.batch)
+  for _ = 1, o.warmup do step() end
+  local counts = dist.count_collectives(step)
+  local ncoll = 0
+  for _, v in pairs(counts) do ncoll = ncoll + v end
+  local off, on = {}, {}
+  for _ = 1, o.rounds * o.steps do
+    set(false); M.timed_step(step, off)
+    set(true); M.timed_step(step, on)
+  end
+  return { o = o, rank = rank, world = world, log = log, step = step, counts = counts, ncoll = ncoll, off = off,
+    on = on }
+end
+
 return M

@@ -16,31 +16,10 @@ local dist = engine.distributed
 local U = dofile((debug.getinfo(1, "S").source:match("^@(.*)/[^/]*$") or ".") .. "/util.lua")
 local median = U.median
 
-local o = U.parse_args("bench/watchdog", { steps = 8, rounds = 3, warmup = 2, n_layers = 4, dim = 256, n_heads = 4,
-  seq = 128, batch = 8, threads = 0 }, arg)
-
-dist.init()
-local rank, world = dist.rank(), dist.world_size()
-local function log(...) if rank == 0 then print(string.format(...)); io.stdout:flush() end end
-if o.threads > 0 then engine.set_num_threads(o.threads) end
-local step = U.dp_gpt_step(o)
-
-local function timed(mode, n, out)
-  dist.set_comm_watchdog(mode)
-  for _ = 1, n do U.timed_step(step, out) end
-end
-
-log("bench/watchdog: %d rank(s), %d threads each, GPT %d layers dim %d seq %d, batch %d per rank",
-  world, engine.get_num_threads(), o.n_layers, o.dim, o.seq, o.batch)
-for _ = 1, o.warmup do step() end
-local counts = dist.count_collectives(step)
-local ncoll = 0
-for _, v in pairs(counts) do ncoll = ncoll + v end
-local off, on = {}, {}
-for _ = 1, o.rounds * o.steps do -- alternate step by step
-  timed(0, 1, off)
-  timed(1, 1, on)
-end
+-- the data-parallel GPT step, timed with the feature off and on step by step after the warmup
+local b = U.dp_ab_bench("bench/watchdog", arg, function(on) dist.set_comm_watchdog(on and 1 or 0) end)
+local o, rank, world, log, step = b.o, b.rank, b.world, b.log, b.step
+local counts, ncoll, off, on = b.counts, b.ncoll, b.off, b.on
 local function tiny(wd)
   dist.set_comm_watchdog(wd)
   local t = engine.ones(1)
