@@ -9,12 +9,18 @@ SYMS=0
 [ "${2:-}" = "--symbols" ] && SYMS=1
 D=$B/CMakeFiles/engine.dir/engine/src
 [ -d "$D" ] || { echo "callgraph.sh: no objects under $D (build first)" >&2; exit 1; }
-declare -A def
+# the objects of sources that exist (an old build directory keeps objects of moved or removed files)
+objs=()
 for o in "$D"/*/*.o; do
+  src=engine/src/$(basename "$(dirname "$o")")/$(basename "$o" .o)
+  [ -f "$src" ] && objs+=("$o")
+done
+declare -A def
+for o in "${objs[@]}"; do
   f=$(basename "$(dirname "$o")")
   while read -r s; do def[$s]=$f; done < <(nm --defined-only -g "$o" | awk '{print $3}')
 done
-for o in "$D"/*/*.o; do
+for o in "${objs[@]}"; do
   f=$(basename "$(dirname "$o")")
   while read -r s; do
     t=${def[$s]:-}
