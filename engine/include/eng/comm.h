@@ -303,4 +303,23 @@ int eng_comm_cuda_device_count(void);
 /* 1 when CUDA tensors use NCCL in this build. */
 int eng_comm_have_nccl(void);
 
+/* For the specs: the device-free logic of the NCCL path (comm/gpu_wait.c) driven on any device by a stub.
+ * test_gpu_wait: the host-side wait on GPU collective #seq (an all_reduce) of pg whose stub event behaves as
+ * scenario says: "complete" (done after some polls), "never" (never completes: the comm timeout ends the
+ * wait), "async_error" (the communicator reports an asynchronous error after 50 ms).  0 or -1 (error set,
+ * pg unusable).  test_gpu_init: the agreed creation of pg's communicator (collective on pg), where this
+ * rank's stub creation is mode: 0 succeeds after a few polls, 1 not ready (no GPU), 2 fails after 50 ms,
+ * 3 never completes unless aborted.  0 or -1 (the same error on every member).  test_gpu_aborts: stub
+ * communicators aborted so far on this rank. */
+int eng_comm_test_gpu_wait(eng_pg* pg, const char* scenario, int64_t seq);
+int eng_comm_test_gpu_init(eng_pg* pg, int mode);
+int eng_comm_test_gpu_aborts(void);
+/* The order of stream and event operations around GPU collectives (comm/stream_order.c), recorded for the
+ * specs on every device: stream_trace(1) clears the trace and starts recording (0 stops; also
+ * ENGINE_COMM_STREAM_TRACE=1), trace_text is what was recorded, one operation a line (borrowed),
+ * trace_mark appends a line of the caller's. */
+int eng_comm_stream_trace(int on);
+const char* eng_comm_stream_trace_text(void);
+void eng_comm_stream_trace_mark(const char* what);
+
 #endif

@@ -13,8 +13,10 @@
  * rank, 0 before MPI starts) modulo the device count, unless
  * eng_cuda_set_device() chose one before.
  *
- * Streams: a compute stream (kernels, copies, allocation order) and a
- * communication stream (collectives); eng_cuda_stream_wait() orders one after
+ * Streams: a compute stream (kernels, copies, allocation order), a
+ * communication stream (collectives) and a reduce-scatter stream (so that an
+ * all-gather never queues behind a reduce-scatter, as FSDP2's separate
+ * streams); eng_cuda_stream_wait() orders one after
  * the other through an event, without a host sync.  Both are non-blocking
  * streams: nothing is ever queued on the legacy default stream.
  *
@@ -37,7 +39,12 @@
 #include <stddef.h>
 #include "tensor.h"
 
-typedef enum eng_cuda_stream_id { ENG_CUDA_STREAM_COMPUTE = 0, ENG_CUDA_STREAM_COMM = 1 } eng_cuda_stream_id;
+typedef enum eng_cuda_stream_id {
+  ENG_CUDA_STREAM_COMPUTE = 0,
+  ENG_CUDA_STREAM_COMM = 1,   /* collectives, all-gathers included */
+  ENG_CUDA_STREAM_REDUCE = 2, /* reduce-scatters (FSDP's gradients), beside the all-gathers */
+  ENG_CUDA_NUM_STREAMS = 3
+} eng_cuda_stream_id;
 
 /* 1: this build has the CUDA backend (whether or not a GPU is present). */
 int eng_cuda_built(void);

@@ -21,8 +21,9 @@ struct eng_pg {
   MPI_Comm comm;        /* MPI_COMM_NULL on a non-member */
   MPI_Comm ctl;         /* control traffic (signature checks, agreements): a dup of comm */
   int broken;           /* collectives fail: 1 a member has ended while this rank waited on the group; 2 the
-                           watchdog found the group in a deadlock across groups (broken_msg says which) */
-  char* broken_msg;     /* broken == 2: the watchdog's verdict (malloc) */
+                           watchdog found the group in a deadlock across groups (broken_msg says which); 3 a wait
+                           on a GPU collective failed (timeout, NCCL async error: comm/gpu_wait.c) */
+  char* broken_msg;     /* broken == 2, 3: the verdict, the failure (malloc) */
   uint64_t key;         /* the group's identity across its members (the watchdog's records name groups by it) */
   int64_t nctl;         /* control operations (signature checks, agreements) begun on this group */
   int* ranks;           /* world ranks of the members (size entries) */
@@ -69,6 +70,41 @@ COMM_INTERNAL int comm_nccl_test(void* event); /* 1 done, 0 running, -1 error */
 COMM_INTERNAL void comm_nccl_event_free(void* event);
 COMM_INTERNAL void comm_nccl_pg_free(void* state);
 COMM_INTERNAL void comm_nccl_pg_abort(void* state);
+
+/* The host-side wait on a GPU collective and the agreed communicator creation (comm/gpu_wait.c,
+ * device-free): the device calls come through this table (nccl.c installs NCCL's; the specs a stub).
+ * query: 1 the event has completed, 0 not yet, -1 error (message set); async_error: 1 and msg when the
+ * communicator of pg has an asynchronous error; abort: abort pg's communicator (and forget it);
+ * init_start / init_poll: begin / go on creating pg's communicator (ctx: the backend's), 1 done, 0 in
+ * progress, -1 failed (msg); init_abort: abandon a creation in progress, or a communicator just made. */
+typedef struct comm_gpu_ops {
+  int (*query)(void* ev);
+  int (*async_error)(eng_pg* pg, char* msg, int cap);
+  void (*abort)(eng_pg* pg);
+  int (*init_start)(eng_pg* pg, void* ctx, char* msg, int cap);
+  int (*init_poll)(eng_pg* pg, void* ctx, char* msg, int cap);
+  void (*init_abort)(eng_pg* pg, void* ctx);
+} comm_gpu_ops;
+COMM_INTERNAL void comm_gpu_ops_set(const comm_gpu_ops* ops);
+/* Waits on the host for ev (the event after collective #seq of kind on pg), polling the event and the
+ * communicator's async error, published to the watchdog, under ENGINE_COMM_TIMEOUT; 0 done, else -1: the
+ * communicator is aborted, pg is marked unusable (broken = 3) and the error names group, collective, seq. */
+COMM_INTERNAL int comm_gpu_wait(eng_pg* pg, void* ev, int kind, int64_t seq);
+COMM_INTERNAL int comm_gpu_wait_with(const comm_gpu_ops* ops, eng_pg* pg, void* ev, int kind, int64_t seq);
+/* Creates pg's communicator with ops' init functions, agreed over MPI on every member: ready 0 (why: the
+ * reason) fails every member before NCCL is called; a creation failing on some ranks fails on all, naming
+ * them and each one's message.  0 or -1 (the same error on every member). */
+COMM_INTERNAL int comm_gpu_init_agree(const comm_gpu_ops* ops, eng_pg* pg, int ready, const char* why, void* ctx);
+/* -1 naming pg's failure when a GPU wait marked it unusable (broken = 3), else 0. */
+COMM_INTERNAL int comm_gpu_refuse(const eng_pg* pg, const char* name);
+
+/* GPU streams of the collectives and the trace of their stream/event order (comm/stream_order.c):
+ * stream_for: the stream (eng_cuda_stream_id) collective kind runs on; trace_issue: appends the operations
+ * of issuing collective #seq (async: an event follows, else the compute stream waits) when tracing. */
+COMM_INTERNAL int comm_stream_for(int kind);
+COMM_INTERNAL int comm_stream_trace_on(void);
+COMM_INTERNAL void comm_stream_trace(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
+COMM_INTERNAL void comm_stream_trace_issue(const eng_pg* pg, int kind, int64_t seq, int async);
 
 /* FNV-1a hash of n bytes (signature checks, comm_world_agree); h: COMM_FNV_SEED or a previous hash. */
 #define COMM_FNV_SEED 1469598103934665603ull

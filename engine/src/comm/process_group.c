@@ -324,6 +324,7 @@ struct eng_work {
   int32_t done, status, backend; /* backend: 0 none, 1 MPI, 2 NCCL */
   int kind;
   int64_t rec;
+  int64_t seq;                   /* the collective's sequence number on pg (named by a failed GPU wait) */
   eng_pg* pg;
   MPI_Request req;
   void* event;
@@ -777,6 +778,7 @@ static int run(const coll* c, eng_work** work) {
     return 0;
   }
   if (!eng_dist_is_initialized()) return eng_err("%s: the distributed runtime is not running", c->name);
+  if (comm_gpu_refuse(c->pg, c->name)) return -1; /* a GPU wait aborted its communicator */
   int err = validate(c);
   int64_t seq = c->pg->seq;
   const eng_tensor* kt = key_tensor(c);
@@ -821,6 +823,7 @@ static int run(const coll* c, eng_work** work) {
     w = work_new(c->pg, c->kind);
     if (!w) { fin_abort(&f); comm_record_end(rec, 2); return -1; }
     w->rec = rec;
+    w->seq = seq;
   }
 #if defined(ENG_HAVE_CUDA) && defined(ENG_HAVE_NCCL)
   if (cuda && c->kind != ENG_COLL_BARRIER) rc = comm_nccl_issue(c->pg, &a, w ? &w->event : NULL);
@@ -835,6 +838,7 @@ static int run(const coll* c, eng_work** work) {
     if (w) { w->done = 1; eng_work_release(w); }
     return -1;
   }
+  if (c->kind != ENG_COLL_BARRIER) comm_stream_trace_issue(c->pg, c->kind, seq, w != NULL);
   if (!w) {
     fin_run(&f);
     comm_record_end(rec, 1);
@@ -1013,9 +1017,11 @@ int eng_work_wait(eng_work* w) {
       }
     } else if (w->backend == 2) {
 #if defined(ENG_HAVE_CUDA) && defined(ENG_HAVE_NCCL)
-      if (comm_nccl_wait(w->event)) ok = 0;
+      /* on the host, under the comm timeout and the watchdog, then the compute stream waits too */
+      if (comm_gpu_wait(w->pg, w->event, w->kind, w->seq) || comm_nccl_wait(w->event)) ok = 0;
 #endif
     }
+    if (ok && w->kind != ENG_COLL_BARRIER) comm_stream_trace("wait s0 <- e%lld", (long long)w->seq);
     work_finish(w, ok);
   }
   if (w->status) return eng_set_error_message(w->err);

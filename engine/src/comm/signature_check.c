@@ -385,6 +385,7 @@ static int check_run_vals(eng_pg* pg, const char* name, const fprint* f, int64_t
     if (pg->broken == 2)
       return eng_err("%s: group %s is unusable: the comm watchdog found it in a deadlock: %s", name, pg->name,
                      pg->broken_msg ? pg->broken_msg : "?");
+    if (pg->broken == 3) return comm_gpu_refuse(pg, name);
     return eng_err("%s: group %s is unusable: rank %d has ended while this rank waited for it", name, pg->name, who);
   }
   if (pg->size < 2) return local_err ? -1 : 0;

@@ -108,8 +108,8 @@ static cudaError_t event_sync(cudaEvent_t ev) {
 static pthread_mutex_t g_init_mu = PTHREAD_MUTEX_INITIALIZER;
 static int g_ready;
 static int g_dev = -1;
-static cudaStream_t g_stream[2];
-static cudaEvent_t g_stream_ev[2];
+static cudaStream_t g_stream[ENG_CUDA_NUM_STREAMS];
+static cudaEvent_t g_stream_ev[ENG_CUDA_NUM_STREAMS];
 
 /* Initializes the device on first use; sets it current on this thread. */
 static int ensure(const char* op) {
@@ -118,7 +118,7 @@ static int ensure(const char* op) {
   if (!g_ready) {
     if (g_dev < 0) g_dev = eng_cuda_local_rank() % g_count;
     cudaError_t e = cudaSetDevice(g_dev);
-    for (int i = 0; i < 2 && e == cudaSuccess; i++) {
+    for (int i = 0; i < ENG_CUDA_NUM_STREAMS && e == cudaSuccess; i++) {
       e = cudaStreamCreateWithFlags(&g_stream[i], cudaStreamNonBlocking);
       if (e == cudaSuccess) e = cudaEventCreateWithFlags(&g_stream_ev[i], cudaEventDisableTiming);
     }
@@ -135,8 +135,8 @@ static int ensure(const char* op) {
 }
 
 static int check_stream_id(int which, const char* op) {
-  if (which != ENG_CUDA_STREAM_COMPUTE && which != ENG_CUDA_STREAM_COMM)
-    return eng_err("%s: invalid stream id %d (0 = compute, 1 = communication)", op, which);
+  if (which < 0 || which >= ENG_CUDA_NUM_STREAMS)
+    return eng_err("%s: invalid stream id %d (0 = compute, 1 = communication, 2 = reduce-scatter)", op, which);
   return 0;
 }
 
@@ -432,9 +432,20 @@ int eng_cuda_free(void* ptr) {
   }
   b->in_use = 0;
   g_st.allocated -= b->size;
-  if (b->streams & (1u << ENG_CUDA_STREAM_COMM)) {
+  if (b->streams) {
+    /* one event after the work queued so far on every stream that used the block: the last of them waits
+     * for the others (rare: a block used on both communication streams), then records it */
+    int last = -1;
     cudaError_t e = b->ev ? cudaSuccess : cudaEventCreateWithFlags(&b->ev, cudaEventDisableTiming);
-    if (e == cudaSuccess) e = cudaEventRecord(b->ev, g_stream[ENG_CUDA_STREAM_COMM]);
+    for (int i = 1; i < ENG_CUDA_NUM_STREAMS && e == cudaSuccess; i++) {
+      if (!(b->streams & (1u << i))) continue;
+      if (last >= 0) {
+        e = cudaEventRecord(g_stream_ev[last], g_stream[last]);
+        if (e == cudaSuccess) e = cudaStreamWaitEvent(g_stream[i], g_stream_ev[last], 0);
+      }
+      last = i;
+    }
+    if (e == cudaSuccess) e = cudaEventRecord(b->ev, g_stream[last]);
     if (e == cudaSuccess) {
       b->pending = 1;
       b->fnext = g_pending;
@@ -442,7 +453,8 @@ int eng_cuda_free(void* ptr) {
     } else {
       /* no event: wait for the stream instead, then cache the block */
       cudaGetLastError();
-      stream_sync(g_stream[ENG_CUDA_STREAM_COMM]);
+      for (int i = 1; i < ENG_CUDA_NUM_STREAMS; i++)
+        if (b->streams & (1u << i)) stream_sync(g_stream[i]);
       cudaGetLastError();
       push_free(b);
     }

@@ -430,6 +430,7 @@ static int ag_finish(eng_fsdp_group* g) {
     g->in_flight.all_gather = NULL;
   }
   if (!rc && g->in_flight.all_gather_layout == 0) synced(g); /* every rank has joined it */
+  if (!rc) eng_comm_stream_trace_mark("fsdp copy-out"); /* compute reads the all-gather's output */
   if (!rc) rc = ag_copy_out(g, g->in_flight.all_gather_output, g->in_flight.all_gather_layout);
   free_tensor(&g->in_flight.all_gather_input); free_tensor(&g->in_flight.all_gather_output);
   if (rc) { eng_err_prefix("FSDP unshard"); return -1; }
@@ -728,6 +729,7 @@ static int post_backward(eng_fsdp_group* g) {
       }
       if (!rc && g->config.shard_size > 1) {
         g->in_flight.reduce_scatters_issued++;
+        eng_comm_stream_trace_mark("fsdp gradients packed"); /* compute produced the reduce-scatter's input */
         rc =
             eng_pg_reduce_scatter_into(g->config.shard_group, g->in_flight.reduce_scatter_output,
                                        g->in_flight.reduce_scatter_input, ENG_REDUCE_SUM, &g->in_flight.reduce_scatter);
