@@ -178,6 +178,13 @@ function methods.backward(t, grad, opts)
   if core.is_tensor(opts) or (type(grad) == "table" and not core.is_tensor(grad)) then
     opts, grad = grad, nil
   end
+  if opts ~= nil and type(opts) ~= "table" then
+    core.fail(string.format("backward: options must be a table ({retain_graph = true}), got %s", type(opts)))
+  end
+  opts = core.check_opts(opts, { "retain_graph" }, "backward")
+  if grad ~= nil and not core.is_tensor(grad) then
+    core.fail(string.format("backward: gradient must be a tensor or nil, got %s", type(grad)))
+  end
   local ts = ffi.new("eng_tensor*[1]", ct(t, "backward", 1))
   local gs = ffi.new("eng_tensor*[1]", grad and ct(grad, "backward", 1) or nil)
   core.gc_backward()

@@ -492,6 +492,8 @@ function methods.get(t, ...)
   return item_buf[0]
 end
 function methods.set(t, v, ...)
+  if type(v) == "boolean" then v = v and 1 or 0 end
+  if type(v) ~= "number" then core.fail(string.format("set: the value must be a number or boolean, got %s", type(v))) end
   global_values(t, "set")
   fill_index(t, "set", ...)
   check(C.eng_tensor_set(t._c, idx_buf, v))

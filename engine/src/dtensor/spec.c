@@ -21,10 +21,10 @@ const char* eng_placement_describe(const eng_placement* p, char* buf, int cap) {
   if (!p) { snprintf(buf, cap, "?"); return buf; }
   switch (p->kind) {
     case ENG_PLACEMENT_SHARD:
-      snprintf(buf, cap, "Shard(%d)", p->dim >= 0 ? p->dim + g_display_base : p->dim);
+      snprintf(buf, cap, "Shard(%lld)", p->dim >= 0 ? (long long)p->dim + g_display_base : (long long)p->dim);
       break;
     case ENG_PLACEMENT_STRIDED_SHARD:
-      snprintf(buf, cap, "_StridedShard(dim=%d, sf=%d)", p->dim >= 0 ? p->dim + g_display_base : p->dim,
+      snprintf(buf, cap, "_StridedShard(dim=%lld, sf=%d)", p->dim >= 0 ? (long long)p->dim + g_display_base : (long long)p->dim,
                p->split_factor);
       break;
     case ENG_PLACEMENT_REPLICATE: snprintf(buf, cap, "Replicate()"); break;
@@ -126,10 +126,10 @@ int dt_check_placements(const char* op, const eng_mesh* mesh, int n, const eng_p
       case ENG_PLACEMENT_REPLICATE: p.dim = 0; p.op = 0; p.split_factor = 0; break;
       case ENG_PLACEMENT_SHARD:
         if (p.dim < -ndim || p.dim >= ndim) {
-          int shown = p.dim >= 0 ? p.dim + g_display_base : p.dim;
+          long long shown = p.dim >= 0 ? (long long)p.dim + g_display_base : p.dim;  /* dim may be INT_MAX */
           if (ndim == 0)
-            return eng_err("%s: Shard(%d) (placement %d) cannot shard a 0-d tensor", op, shown, i + g_display_base);
-          return eng_err("%s: Shard(%d) (placement %d) is out of range for a %d-d tensor (valid: %d..%d or -%d..-1)",
+            return eng_err("%s: Shard(%lld) (placement %d) cannot shard a 0-d tensor", op, shown, i + g_display_base);
+          return eng_err("%s: Shard(%lld) (placement %d) is out of range for a %d-d tensor (valid: %d..%d or -%d..-1)",
                          op, shown, i + g_display_base, ndim, g_display_base, ndim - 1 + g_display_base, ndim);
         }
         if (p.dim < 0) p.dim += ndim;
@@ -138,14 +138,14 @@ int dt_check_placements(const char* op, const eng_mesh* mesh, int n, const eng_p
         break;
       case ENG_PLACEMENT_STRIDED_SHARD:
         if (p.split_factor < 1)
-          return eng_err("%s: _StridedShard(dim=%d, sf=%d) (placement %d): split_factor must be >= 1", op,
-                         p.dim >= 0 ? p.dim + g_display_base : p.dim, p.split_factor, i + g_display_base);
+          return eng_err("%s: _StridedShard(dim=%lld, sf=%d) (placement %d): split_factor must be >= 1", op,
+                         p.dim >= 0 ? (long long)p.dim + g_display_base : (long long)p.dim, p.split_factor, i + g_display_base);
         if (p.dim < -ndim || p.dim >= ndim) {
-          int shown = p.dim >= 0 ? p.dim + g_display_base : p.dim;
+          long long shown = p.dim >= 0 ? (long long)p.dim + g_display_base : p.dim;  /* dim may be INT_MAX */
           if (ndim == 0)
-            return eng_err("%s: _StridedShard(dim=%d, sf=%d) (placement %d) cannot shard a 0-d tensor", op, shown,
+            return eng_err("%s: _StridedShard(dim=%lld, sf=%d) (placement %d) cannot shard a 0-d tensor", op, shown,
                            p.split_factor, i + g_display_base);
-          return eng_err("%s: _StridedShard(dim=%d, sf=%d) (placement %d) is out of range for a %d-d tensor (valid "
+          return eng_err("%s: _StridedShard(dim=%lld, sf=%d) (placement %d) is out of range for a %d-d tensor (valid "
                          "dims: %d..%d or -%d..-1)", op, shown, p.split_factor, i + g_display_base, ndim,
                          g_display_base, ndim - 1 + g_display_base, ndim);
         }
@@ -289,7 +289,7 @@ int eng_local_shard_runs(int ndim, const int64_t* gshape, int mesh_ndim, const i
   const char* op = "local_shard_runs";
   if (!gshape || !mesh_shape || !coord || !pl) return eng_err("%s: NULL argument", op);
   if (check_layout_args(op, ndim, mesh_ndim, mesh_shape, coord, pl)) return -1;
-  if (dim < 0 || dim >= ndim) return eng_err("%s: dim %d out of range for %d dims", op, dim + g_display_base, ndim);
+  if (dim < 0 || dim >= ndim) return eng_err("%s: dim %lld out of range for %d dims", op, (long long)dim + g_display_base, ndim);
   int64_t *st, *len, total, anc;
   int n;
   if (dt_dim_runs(gshape, ndim, mesh_ndim, mesh_shape, coord, pl, dim, &st, &len, &n, &total, &anc)) return -1;

@@ -591,7 +591,7 @@ function M.shard_tensor(tensor, spec, opts, local_err, op)
   if not err then
     if not core.is_tensor(tensor) then err = op .. ": expected a tensor, got " .. type(tensor)
     elseif dist.is_dtensor(tensor) then err = op .. ": expected a plain tensor, got a DTensor (use redistribute)"
-    elseif not tensor:is_contiguous() then err = "input tensor is not a contiguous Tensor"
+    elseif not tensor:is_contiguous() then err = op .. ": input tensor is not a contiguous Tensor"
     elseif not specs.is_sharding_spec(spec) then
       err = op .. ": sharding_spec must be a ChunkShardingSpec or an EnumerableShardingSpec"
     end

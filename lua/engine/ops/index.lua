@@ -437,6 +437,7 @@ methods.moveaxis = methods.movedim
 function methods.unflatten(t, d, sizes)
   local op = "unflatten"
   local c = ct(t, op, 1)
+  if c.ndim == 0 then fail(string.format("%s: a 0-d tensor (%s[]) has no dim to unflatten", op, t.dtype)) end
   local cd = cdim(d, c.ndim, op)
   if type(sizes) ~= "table" or #sizes == 0 then fail(op .. ": sizes must be a non-empty table of sizes") end
   local sh = t:shape()

@@ -88,6 +88,9 @@ end
 -- ("key" NUL "value" NUL each), the entry named skip left out (where the checksum itself is stored).  The
 -- checkpoint formats store it so that a changed value (a step, a serialized option) fails the load.
 function M.metadata_checksum(meta, skip)
+  if type(meta) ~= "table" then
+    error(string.format("metadata_checksum: meta must be a table of metadata entries, got %s", type(meta)), 2)
+  end
   local keys = {}
   for k in pairs(meta) do if k ~= skip then keys[#keys + 1] = k end end
   table.sort(keys)

@@ -29,7 +29,12 @@ local fail = core.fail
 
 local function is_dt(t) return core.is_tensor(t) and t._c.dist ~= nil end
 local function lift(t, like) return Tensor.lift_replicate(t, like) end
-local function number_of(t) if is_dt(t) then return t:full_tensor():item() end return t:item() end
+local function number_of(t)
+  local v
+  if is_dt(t) then v = t:full_tensor():item() else v = t:item() end
+  if type(v) == "boolean" then v = v and 1 or 0 end
+  return v
+end
 local function need(t, op, pos, what)
   if not core.is_tensor(t) then
     if what == nil then fail(string.format("%s: argument %d must be a tensor, got %s", op, pos, type(t))) end

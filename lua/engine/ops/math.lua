@@ -98,7 +98,9 @@ end
 local function binary(name, cfun, logical)
   local f = function(a, b)
     if logical then
-      if core.is_tensor(a) then b = logical_scalar(b, a, name) else a = logical_scalar(a, b, name) end
+      if core.is_tensor(a) then b = logical_scalar(b, a, name)
+      elseif core.is_tensor(b) then a = logical_scalar(a, b, name)
+      else fail(string.format("%s: at least one argument must be a tensor, got %s and %s", name, type(a), type(b))) end
     end
     local ca, cb = operands(a, b, name)
     return wrap(cfun(ca, cb))
