@@ -158,8 +158,10 @@ local function deserialize(s, key)
       while true do
         if s:sub(pos, pos) ~= "[" then fail("expected '['") end
         pos = pos + 1
+        local kpos = pos
         local k = parse(depth + 1)
-        if type(k) ~= "string" and type(k) ~= "number" then fail("bad key") end
+        if (type(k) ~= "string" and type(k) ~= "number") or k ~= k then pos = kpos; fail("bad key") end
+        if t[k] ~= nil then pos = kpos; fail("duplicate key " .. (type(k) == "string" and string.format("%q", k) or tostring(k))) end
         if s:sub(pos, pos + 1) ~= "]=" then fail("expected ']='") end
         pos = pos + 2
         t[k] = parse(depth + 1)
@@ -172,20 +174,31 @@ local function deserialize(s, key)
     for _, lit in ipairs({ { "true", true }, { "false", false }, { "nan", 0 / 0 }, { "-inf", -math.huge }, { "inf", math.huge } }) do
       if s:sub(pos, pos + #lit[1] - 1) == lit[1] then pos = pos + #lit[1]; return lit[2] end
     end
+    -- uint64 (digits then U) and int64 (optional '-', digits, L): out of range is an error, never a wrapped value
     local n = s:match("^%-?%d+U", pos)
     if n then
-      pos = pos + #n
+      if n:sub(1, 1) == "-" then fail("negative uint64") end
       local v = 0ULL
-      for i = 1, #n - 1 do v = v * 10 + (n:byte(i) - 48) end
+      for i = 1, #n - 1 do
+        local d = n:byte(i) - 48
+        if v > (0xFFFFFFFFFFFFFFFFULL - d) / 10 then fail("uint64 out of range") end
+        v = v * 10 + d
+      end
+      pos = pos + #n
       return v
     end
     n = s:match("^%-?%d+L", pos)
     if n then
-      pos = pos + #n
       local neg = n:sub(1, 1) == "-"
-      local v = 0LL
-      for i = neg and 2 or 1, #n - 1 do v = v * 10 + (n:byte(i) - 48) end
-      return neg and -v or v
+      local v, lim = 0ULL, neg and 0x8000000000000000ULL or 0x7FFFFFFFFFFFFFFFULL
+      for i = neg and 2 or 1, #n - 1 do
+        local d = n:byte(i) - 48
+        if v > (lim - d) / 10 then fail("int64 out of range") end
+        v = v * 10 + d
+      end
+      pos = pos + #n
+      local r = ffi.cast("int64_t", v)
+      return neg and -r or r
     end
     n = s:match("^%-?[%d%.]+[eE]?[%+%-]?%d*", pos)
     if n and tonumber(n) then pos = pos + #n; return tonumber(n) end
