@@ -26,6 +26,24 @@ static int check_param(const char* op, const char* what, eng_tensor* x, int n_no
   return 0;
 }
 
+/* The weight and bias gradients summed on the host in f64 (dw, db: n values each, NULL when not needed) as the
+ * node's inputs first_slot and first_slot + 1 (their shapes and dtypes).  0 or -1. */
+static int affine_grads(eng_node* nd, int first_slot, int64_t n, int cdt, int device, const double* dw,
+                        const double* db, eng_tensor** gi) {
+  for (int k = 0; k < 2; k++) {
+    const double* acc = k == 0 ? dw : db;
+    if (!acc) continue;
+    int slot = first_slot + k;
+    eng_tensor* t = eng_new(eng_node_in_ndim(nd, slot), eng_node_in_shape(nd, slot), cdt, device);
+    if (!t) return -1;
+    kc_convert(n, eng_ptr(t), cdt, acc, KC_F64);
+    gi[slot] = eng_grad_to_input(nd, slot, t);
+    eng_tensor_release(t);
+    if (!gi[slot]) return -1;
+  }
+  return 0;
+}
+
 static int norm_bw(eng_node* nd, eng_tensor** go, eng_tensor** gi) {
   int rms = (int)nd->ints[0];
   int64_t m = nd->ints[1], n = nd->ints[2];
@@ -62,17 +80,7 @@ static int norm_bw(eng_node* nd, eng_tensor** go, eng_tensor** gi) {
   kc_norm_bwd(cdt, rms, m, n, eng_ptr(G), eng_ptr(X), W ? eng_ptr(W) : NULL,
               rms ? NULL : (const double*)eng_ptr(mean), (const double*)eng_ptr(rstd), dx ? eng_ptr(dx) : NULL, dw, db);
   if (need_x) { gi[0] = eng_grad_to_input(nd, 0, dx); if (!gi[0]) goto done; }
-  for (int k = 0; k < 2; k++) {
-    double* acc = k == 0 ? dw : db;
-    if (!acc) continue;
-    int slot = k + 1;
-    eng_tensor* t = eng_new(eng_node_in_ndim(nd, slot), eng_node_in_shape(nd, slot), cdt, x->device);
-    if (!t) goto done;
-    kc_convert(n, eng_ptr(t), cdt, acc, KC_F64);
-    gi[slot] = eng_grad_to_input(nd, slot, t);
-    eng_tensor_release(t);
-    if (!gi[slot]) goto done;
-  }
+  if (affine_grads(nd, 1, n, cdt, x->device, dw, db, gi)) goto done;
   rc = 0;
 done:
   eng_tensor_release(G); eng_tensor_release(X); eng_tensor_release(W); eng_tensor_release(dx);
@@ -186,17 +194,7 @@ static int add_norm_bw(eng_node* nd, eng_tensor** go, eng_tensor** gi) {
                   (const double*)eng_ptr(rstd), R ? eng_ptr(R) : NULL, dx ? eng_ptr(dx) : NULL, dw, db);
   if (need_x && !(gi[0] = eng_grad_to_input(nd, 0, dx))) goto done;
   if (need_r && !(gi[1] = eng_grad_to_input(nd, 1, dx))) goto done;
-  for (int k = 0; k < 2; k++) {
-    double* acc = k == 0 ? dw : db;
-    if (!acc) continue;
-    int slot = k + 2;
-    eng_tensor* t = eng_new(eng_node_in_ndim(nd, slot), eng_node_in_shape(nd, slot), cdt, h->device);
-    if (!t) goto done;
-    kc_convert(n, eng_ptr(t), cdt, acc, KC_F64);
-    gi[slot] = eng_grad_to_input(nd, slot, t);
-    eng_tensor_release(t);
-    if (!gi[slot]) goto done;
-  }
+  if (affine_grads(nd, 2, n, cdt, h->device, dw, db, gi)) goto done;
   rc = 0;
 done:
   eng_tensor_release(G); eng_tensor_release(R); eng_tensor_release(W); eng_tensor_release(dx);
