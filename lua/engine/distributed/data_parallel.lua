@@ -19,6 +19,7 @@ local ffi, C = core.ffi, core.C
 local meshmod = require("engine.distributed.mesh")
 local dtensor = require("engine.distributed.dtensor")
 local P = require("engine.distributed.placements")
+local ddp = require("engine.distributed.ddp")
 
 local M = {}
 
@@ -56,16 +57,7 @@ end
 function M.dp_comm_stats(module)
   local r = rawget(module, "_dp_reducer")
   if r == nil then return nil end
-  local c, b = ffi.new("int64_t[1]"), ffi.new("int64_t[1]")
-  core.check(C.eng_ddp_last_stats(r, c, b))
-  local s = { collectives = tonumber(c[0]), bytes = tonumber(b[0]), buckets = tonumber(C.eng_ddp_num_buckets(r)),
-    bucket_bytes = {}, bucket_params = {} }
-  local np, nb = ffi.new("int[1]"), ffi.new("int64_t[1]")
-  for k = 0, s.buckets - 1 do
-    core.check(C.eng_ddp_bucket_info(r, k, np, nb))
-    s.bucket_params[k + 1], s.bucket_bytes[k + 1] = np[0], tonumber(nb[0])
-  end
-  return s
+  return ddp._reducer_stats(r)
 end
 
 function M.replicate_parameters(module, mesh, opts)

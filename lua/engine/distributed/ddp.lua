@@ -20,6 +20,21 @@ local ffi, C = core.ffi, core.C
 local meshmod = require("engine.distributed.mesh")
 
 local M = {}
+
+-- The last synced backward of a reducer (eng_ddp): collectives, bytes, and per bucket its parameters and bytes
+-- (also dist.dp_comm_stats of DTensor data parallelism, which runs on the same reducer).
+function M._reducer_stats(r)
+  local c, b = ffi.new("int64_t[1]"), ffi.new("int64_t[1]")
+  core.check(C.eng_ddp_last_stats(r, c, b))
+  local s = { collectives = tonumber(c[0]), bytes = tonumber(b[0]), buckets = tonumber(C.eng_ddp_num_buckets(r)),
+    bucket_bytes = {}, bucket_params = {} }
+  local np, nb = ffi.new("int[1]"), ffi.new("int64_t[1]")
+  for k = 0, s.buckets - 1 do
+    core.check(C.eng_ddp_bucket_info(r, k, np, nb))
+    s.bucket_params[k + 1], s.bucket_bytes[k + 1] = np[0], tonumber(nb[0])
+  end
+  return s
+end
 local OPTS = { process_group = true, device_mesh = true, bucket_cap_mb = true, init_sync = true,
   broadcast_buffers = true }
 
@@ -92,19 +107,7 @@ local function new_class()
   end
 
   -- comm_stats() -> {collectives = n, bytes = n, buckets = n, bucket_bytes = {...}, bucket_params = {...}}
-  function cls:comm_stats()
-    local r = rawget(self, "_reducer")
-    local c, b = ffi.new("int64_t[1]"), ffi.new("int64_t[1]")
-    core.check(C.eng_ddp_last_stats(r, c, b))
-    local s = { collectives = tonumber(c[0]), bytes = tonumber(b[0]), buckets = tonumber(C.eng_ddp_num_buckets(r)),
-      bucket_bytes = {}, bucket_params = {} }
-    local np, nb = ffi.new("int[1]"), ffi.new("int64_t[1]")
-    for k = 0, s.buckets - 1 do
-      core.check(C.eng_ddp_bucket_info(r, k, np, nb))
-      s.bucket_params[k + 1], s.bucket_bytes[k + 1] = np[0], tonumber(nb[0])
-    end
-    return s
-  end
+  function cls:comm_stats() return M._reducer_stats(rawget(self, "_reducer")) end
   return cls
 end
 
