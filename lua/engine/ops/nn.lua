@@ -87,8 +87,9 @@ methods.log_softmax = M.log_softmax
 local reductions = { none = 0, mean = 1, sum = 2 }
 local ce_opts = { ignore_index = true, reduction = true, label_smoothing = true }
 
-function M.cross_entropy(logits, target, opts)
-  local op = "cross_entropy"
+-- The options of cross_entropy and fused_classifier, then the C op cfn.  Always tail-called: its errors
+-- (levels 2 and 3 of the helpers) then point at the caller's line, as from the public function itself.
+local function ce_call(op, cfn, logits, target, opts)
   local x, t = ct(logits, op, 1), ct(target, op, 2)
   opts = opts_arg(opts, op, ce_opts)
   local ignore = number_opt(opts.ignore_index, -100, op, "ignore_index")
@@ -99,7 +100,11 @@ function M.cross_entropy(logits, target, opts)
     error(string.format("%s: reduction must be \"none\", \"mean\" or \"sum\", got %s", op, tostring(red)), 2)
   end
   local ls = number_opt(opts.label_smoothing, 0, op, "label_smoothing")
-  return wrap(C.eng_cross_entropy(x, t, ignore, code, ls))
+  return wrap(cfn(x, t, ignore, code, ls))
+end
+
+function M.cross_entropy(logits, target, opts)
+  return ce_call("cross_entropy", C.eng_cross_entropy, logits, target, opts)
 end
 
 -- fused_classifier(logits, target [, {ignore_index = -100, reduction = "mean", label_smoothing = 0}]):
@@ -107,18 +112,7 @@ end
 -- copy of them; the loss is f32, the logits' gradient keeps their dtype.  Other logits and DTensors give
 -- cross_entropy(logits:float(), ...).
 function M.fused_classifier(logits, target, opts)
-  local op = "fused_classifier"
-  local x, t = ct(logits, op, 1), ct(target, op, 2)
-  opts = opts_arg(opts, op, ce_opts)
-  local ignore = number_opt(opts.ignore_index, -100, op, "ignore_index")
-  if ignore % 1 ~= 0 then error(op .. ": ignore_index must be an integer, got " .. ignore, 2) end
-  local red = opts.reduction or "mean"
-  local code = reductions[red]
-  if code == nil then
-    error(string.format("%s: reduction must be \"none\", \"mean\" or \"sum\", got %s", op, tostring(red)), 2)
-  end
-  local ls = number_opt(opts.label_smoothing, 0, op, "label_smoothing")
-  return wrap(C.eng_fused_classifier(x, t, ignore, code, ls))
+  return ce_call("fused_classifier", C.eng_fused_classifier, logits, target, opts)
 end
 
 -- ============================================================ scaled_dot_product_attention
