@@ -62,6 +62,16 @@ static int run_ce(ce_ctx* c, int64_t N) {
 /* saved: 0 logits (contiguous, compute dtype), 1 target (contiguous i64),
  * 2 lse.  ints: 0 N, 1 C, 2 inner, 3 ignore_index, 4 reduction, 5 count.
  * scalars: 0 label_smoothing. */
+/* The incoming gradient of a loss: for reduction none a contiguous copy in dtype dt (*G, new reference), else
+ * the scalar it scales every element's gradient by (*gconst: g, or g / count for mean).  0 or -1. */
+static int upstream_grad(eng_tensor* go, int red, int64_t count, int dt, eng_tensor** G, double* gconst) {
+  if (red == RED_NONE) return (*G = eng_as_contig(go, dt)) ? 0 : -1;
+  double g;
+  if (eng_tensor_item(go, &g)) return -1;
+  *gconst = red == RED_MEAN ? g / (double)count : g;
+  return 0;
+}
+
 static int ce_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
   eng_tensor *X = eng_node_saved(n, 0), *T = eng_node_saved(n, 1), *lse = eng_node_saved(n, 2);
   if (!X || !T || !lse) return -1;
@@ -73,13 +83,7 @@ static int ce_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
   eng_tensor *G = NULL, *gx = NULL;
   double gconst = 0.0;
   int rc = -1;
-  if (red == RED_NONE) {
-    if (!(G = eng_as_contig(go[0], cdt))) goto done;
-  } else {
-    double g;
-    if (eng_tensor_item(go[0], &g)) goto done;
-    gconst = red == RED_MEAN ? g / (double)count : g;
-  }
+  if (upstream_grad(go[0], red, count, cdt, &G, &gconst)) goto done;
   if (!(gx = eng_new(X->ndim, X->shape, cdt, X->device))) goto done;
   ce_ctx c = {0};
   c.dt = cdt; c.bw = 1; c.C = C; c.inner = inner; c.ignore = ignore; c.eps = eps; c.gconst = gconst;
@@ -315,13 +319,7 @@ static int fc_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
   eng_tensor *G = NULL, *gx = NULL;
   double gconst = 0.0;
   int rc = -1;
-  if (red == RED_NONE) {
-    if (!(G = eng_as_contig(go[0], ENG_F32))) goto done;
-  } else {
-    double g;
-    if (eng_tensor_item(go[0], &g)) goto done;
-    gconst = red == RED_MEAN ? g / (double)count : g;
-  }
+  if (upstream_grad(go[0], red, count, ENG_F32, &G, &gconst)) goto done;
   if (!(gx = eng_new(X->ndim, X->shape, X->dtype, X->device))) goto done;
   fc_ctx c = {0};
   c.dt = X->dtype; c.bw = 1; c.C = C; c.ignore = ignore; c.eps = n->scalars[0]; c.gconst = gconst;
