@@ -11,43 +11,24 @@
 local engine = require("engine")
 local dist = engine.distributed
 
-local self_exe = require("spec.helpers.proc").self_exe
+local proc = require("spec.helpers.proc")
 
-local function have_mpirun()
-  local p = io.popen("command -v mpirun")
-  local s = p:read("*l")
-  p:close()
-  return s ~= nil and s ~= ""
-end
-
--- Runs `code` on 2 ranks (env: extra variables); returns the output (both ranks, stdout and stderr), the
--- exit code and the wall time.
+-- Runs `code` on 2 ranks (env: extra variables, {NAME = value}); returns the output (both ranks, stdout and
+-- stderr), the exit code and the wall time.
 local function job(code, env)
-  local exe = self_exe()
-  local home = rawget(_G, "ENGINE_HOME") or os.getenv("ENGINE_HOME") or "."
   local f = os.tmpname()
   local h = io.open(f, "w")
   h:write(code)
   h:close()
-  -- Under the sanitizer stage LD_PRELOAD holds libasan for the engine: it goes to the ranks (-x), not to mpirun
-  -- itself (OpenMPI's launcher is not ours to check, and its abort path reads freed memory under ASan).
-  local preload = os.getenv("LD_PRELOAD")
-  local pre = preload and preload ~= "" and string.format("-x LD_PRELOAD='%s' ", preload) or ""
-  local cmd = string.format(
-    "env -u LD_PRELOAD $(env | grep -o '^\\(OMPI\\|PMIX\\|OPAL\\|ORTE\\)[A-Za-z0-9_]*' | sed 's/^/-u /') " ..
-    "ENGINE_HOME='%s' %s timeout 60 mpirun --allow-run-as-root --oversubscribe --bind-to none --mca btl self,vader " ..
-    "--mca pml ob1 %s-np 2 '%s' '%s' 2>&1; echo \"rc=$?\"", home, env or "", pre, exe, f)
   local t0 = engine.time()
-  local p = io.popen(cmd)
-  local out = p:read("*a")
-  p:close()
+  local out, rc = proc.job(2, f, {}, { env = env, timeout = 60 })
   os.remove(f)
-  return out, tonumber(out:match("rc=(%d+)%s*$")), engine.time() - t0
+  return out, rc, engine.time() - t0
 end
 
 local function skip()
   if dist.world_size() ~= 1 then pending("single-process spec (starts its own 2-rank jobs)") end
-  if not have_mpirun() then pending("needs mpirun") end
+  if not proc.have_mpirun() then pending("needs mpirun") end
 end
 
 describe("collective failures end the job instead of hanging", function()
@@ -90,7 +71,7 @@ describe("collective failures end the job instead of hanging", function()
       dist.barrier()
       if dist.rank() == 1 then local t = engine.time(); while engine.time() - t < 20 do end end
       dist.all_reduce(engine.ones(2))
-    ]], "ENGINE_COMM_TIMEOUT=2")
+    ]], { ENGINE_COMM_TIMEOUT = 2 })
     assert.is_true(secs < 18, "took " .. secs .. " s")
     assert.are_not.equal(0, rc)
     assert.are_not.equal(124, rc)

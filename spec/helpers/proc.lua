@@ -39,8 +39,16 @@ function M.job(np, script, args, opts)
     xs[#xs + 1] = "-x " .. k
   end
   if os.getenv("ENGINE_HOME") then xs[#xs + 1] = "-x ENGINE_HOME" end
-  local launcher = string.format("env $(env | grep -o '^\\(OMPI\\|PMIX\\|OPAL\\|ORTE\\)[A-Za-z0-9_]*' | sed 's/^/-u /') %s "
-    .. "timeout -k 5 %d ", table.concat(envs, " "), opts.timeout or 120)
+  -- Under the sanitizer stage LD_PRELOAD holds libasan for the engine: it goes to the ranks (-x), not to mpirun
+  -- itself (OpenMPI's launcher is not ours to check, and its abort path reads freed memory under ASan).
+  local preload = os.getenv("LD_PRELOAD")
+  local unset = ""
+  if np > 0 and preload and preload ~= "" then
+    unset = "-u LD_PRELOAD "
+    xs[#xs + 1] = string.format("-x LD_PRELOAD='%s'", preload)
+  end
+  local launcher = string.format("env %s$(env | grep -o '^\\(OMPI\\|PMIX\\|OPAL\\|ORTE\\)[A-Za-z0-9_]*' | sed 's/^/-u /') %s "
+    .. "timeout -k 5 %d ", unset, table.concat(envs, " "), opts.timeout or 120)
   if np > 0 then
     launcher = launcher .. "mpirun --allow-run-as-root --oversubscribe --bind-to none --mca btl self,vader --mca pml ob1 "
       .. table.concat(xs, " ") .. " -np " .. np .. " "
