@@ -64,7 +64,6 @@ local CHECKSUMS = { ["engine-dcp/1"] = { fnv = C.ENG_CHECKSUM_FNV, default = "fn
 local META = ".metadata"
 
 local engine = require("engine")
-local function E() return engine end
 local function D() return require("engine.distributed") end
 
 local function data_file(dir, r) return string.format("%s/__%d_0.distcp", dir, r) end
@@ -371,7 +370,6 @@ end
 local function gather_strings(s)
   local n = nranks()
   if n == 1 then return { [0] = s } end
-  local engine = E()
   local dist = D()
   local lens = engine.zeros({ n }, { dtype = "i64" })
   lens:narrow(1, myrank() + 1, 1):fill_(#s)
@@ -468,10 +466,10 @@ local function finish_save(h)
         meta["t:" .. key] = entry
       end
       for key, s in pairs(h.values) do meta["v:" .. key] = s end
-      meta[META_SUM] = E().metadata_checksum(meta, META_SUM)
+      meta[META_SUM] = engine.metadata_checksum(meta, META_SUM)
       local wdir = h.staging or h.dir
       local tmp = string.format("%s/%s.tmp%d", wdir, META, myrank())
-      E().save(tmp, {}, meta)
+      engine.save(tmp, {}, meta)
       if C.eng_ckpt_commit_file(tmp, wdir .. "/" .. META) ~= 0 then error(core.last_error(), 0) end
       if h.staging then
         -- the switch: one rename-exchange; then the staging name holds the previous checkpoint
@@ -649,7 +647,7 @@ function M.save(state, dir, opts)
   else
     h.writer = ffi.gc(w, C.eng_ckpt_writer_free)
     local ok2, e2 = pcall(function()
-      E().no_grad(function()
+      engine.no_grad(function()
         for _, p in ipairs(h.plan) do
           local off = C.eng_ckpt_writer_add(h.writer, p.box.tensor._c, opts.async and 1 or 0)
           if off < 0 then error(core.last_error(), 0) end
@@ -692,7 +690,7 @@ local function read_metadata(dir, op)
       or ""), 0)
   end
   f:close()
-  local ok, _, meta = pcall(E().load, path)
+  local ok, _, meta = pcall(engine.load, path)
   if not ok then error(string.format("%s: the metadata file '%s' is unreadable: %s", op, path, tostring(_)), 0) end
   local algos = CHECKSUMS[meta.format]
   if not algos then
@@ -705,7 +703,7 @@ local function read_metadata(dir, op)
       tostring(meta.checksum)), 0)
   end
   if meta.format == FORMAT then
-    local got = E().metadata_checksum(meta, META_SUM)
+    local got = engine.metadata_checksum(meta, META_SUM)
     if meta[META_SUM] ~= got then
       error(string.format("%s: the metadata file '%s' fails its checksum (stored %s, computed %s): an entry or value "
         .. "(e.g. the step) changed since it was saved; the checkpoint is corrupt", op, path, tostring(meta[META_SUM]),
@@ -842,13 +840,13 @@ end
 
 -- a new tensor of box (offsets, sizes) of entry e from its chunks (each overlapping chunk verified)
 local function read_box(dir, id, algo, e, box)
-  local staging = E().empty(box.sizes, { dtype = e.dtype })
+  local staging = engine.empty(box.sizes, { dtype = e.dtype })
   if numel_of(box.sizes) == 0 then return staging end
   local readers = new_readers(dir, id, algo, nil)
   local ok, err = pcall(function()
     local ovs = overlaps(e, box)
     for _, ov in ipairs(ovs) do readers:verify(ov.chunk) end
-    E().no_grad(function()
+    engine.no_grad(function()
       for _, ov in ipairs(ovs) do fill(readers, e, staging, ov) end
     end)
   end)
@@ -956,7 +954,7 @@ function M.load(state, dir, opts)
   -- every rank raises (saying the state is partly loaded; the values are not set) instead of one rank
   -- stopping half-filled while the others go on to their next collective.
   local ok2, err2 = pcall(function()
-    E().no_grad(function()
+    engine.no_grad(function()
       for _, s in ipairs(stage) do fill(readers, s.e, s.dst, s.ov) end
     end)
     readers:check_unchanged(verified)
@@ -965,7 +963,7 @@ function M.load(state, dir, opts)
   agree(not ok2 and string.format("%s: '%s' changed during the load, after its chunks were verified (the tensors of "
     .. "the state are partly loaded): %s", op, dir, tostring(err2)) or nil, op, str_hash(id))
   for _, s in ipairs(sets) do
-    if s.fill ~= nil then E().no_grad(function() s.it.value:fill_(s.fill) end)
+    if s.fill ~= nil then engine.no_grad(function() s.it.value:fill_(s.fill) end)
     else s.it.parent[s.it.pkey] = s.value end
   end
   return state
@@ -1012,7 +1010,7 @@ function M.load_safetensors(path, state, opts)
   local op = "load_safetensors"
   opts = check_opts(opts, { strict = true }, op)
   if type(path) ~= "string" then error(op .. ": path must be a string", 2) end
-  local ok, tensors = pcall(E().load, path)
+  local ok, tensors = pcall(engine.load, path)
   if not ok then error(op .. ": " .. tostring(tensors), 2) end
   local items, keys = flatten(state, op)
   local missing, unexpected, plan = {}, {}, {}
@@ -1039,7 +1037,7 @@ function M.load_safetensors(path, state, opts)
     error(string.format("%s: %s does not match the state (missing in the file: %s; in the file but not in the state: %s)",
       op, path, table.concat(missing, ", "), table.concat(unexpected, ", ")), 2)
   end
-  E().no_grad(function()
+  engine.no_grad(function()
     for _, p in ipairs(plan) do
       local src = p.src
       for d = 1, #p.box.sizes do src = src:narrow(d, p.box.offsets[d] + 1, p.box.sizes[d]) end

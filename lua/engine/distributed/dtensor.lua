@@ -222,10 +222,9 @@ function Tensor.dtensor_like(name, t, a, b)
   end
   local lshape = {}
   for i = 0, c.ndim - 1 do lshape[i + 1] = tonumber(c.shape[i]) end
-  local E = engine
   local loc
-  if name == "full_like" then loc = E.full(lshape, a, lo)
-  else loc = E[name:gsub("_like$", "")](lshape, lo) end
+  if name == "full_like" then loc = engine.full(lshape, a, lo)
+  else loc = engine[name:gsub("_like$", "")](lshape, lo) end
   local r = DTensor.from_local(loc:detach(), mesh, pl, { shape = shape, stride = stride })
   if lo.requires_grad then check(C.eng_tensor_set_requires_grad(r._c, 1)) end
   return r

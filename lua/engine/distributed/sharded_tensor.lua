@@ -262,17 +262,14 @@ local function factory(op, make)
 end
 
 local engine_mod = require("engine")
-local function E()
-  return engine_mod
-end
 
-M.empty = factory("sharded_tensor.empty", function(shape, dt, _, dev) return E().empty(shape, topts(dt, dev)) end)
-M.zeros = factory("sharded_tensor.zeros", function(shape, dt, _, dev) return E().zeros(shape, topts(dt, dev)) end)
-M.ones = factory("sharded_tensor.ones", function(shape, dt, _, dev) return E().ones(shape, topts(dt, dev)) end)
+M.empty = factory("sharded_tensor.empty", function(shape, dt, _, dev) return engine_mod.empty(shape, topts(dt, dev)) end)
+M.zeros = factory("sharded_tensor.zeros", function(shape, dt, _, dev) return engine_mod.zeros(shape, topts(dt, dev)) end)
+M.ones = factory("sharded_tensor.ones", function(shape, dt, _, dev) return engine_mod.ones(shape, topts(dt, dev)) end)
 function M.full(spec, size, value, opts)
   if type(value) ~= "number" then fail("sharded_tensor.full: fill value must be a number, got " .. type(value)) end
   return build("sharded_tensor.full", spec, size, opts, function(shape, dt, _, dev)
-    return E().full(shape, value, topts(dt, dev))
+    return engine_mod.full(shape, value, topts(dt, dev))
   end)
 end
 
@@ -308,7 +305,7 @@ local function random_factory(op, kind)
       if first then offset = C.eng_rng_reserve(numel); first = false end
       local start = {}
       for d = 1, #shape do start[d] = box.shard_offsets[d] + 1 end
-      local r = E().random_slice(kind, size, start, shape, { dtype = dt, seed = seed, offset = offset })
+      local r = engine_mod.random_slice(kind, size, start, shape, { dtype = dt, seed = seed, offset = offset })
       -- CUDA shards: drawn on the host and copied (the CPU and CUDA Philox streams are bit-identical)
       if dev ~= "cpu" and r.device ~= dev then r = r:to(dev) end
       return r
@@ -325,14 +322,14 @@ M.randn = random_factory("sharded_tensor.randn", "normal")
 -- lengths, one all_gather of the lists padded to the longest.  Collective.
 local function all_gather_lists(list, dtype, pg, world, me)
   local opts = pg and { group = pg } or nil
-  local lens = E().zeros({ world }, { dtype = "i64" })
+  local lens = engine_mod.zeros({ world }, { dtype = "i64" })
   lens:narrow(1, me + 1, 1):fill_(#list)
   comm.all_reduce(lens, "sum", opts)
   local l, maxl = lens:totable(), 1
   for r = 1, world do maxl = math.max(maxl, l[r]) end
-  local buf = E().zeros({ maxl }, { dtype = dtype })
-  if #list > 0 then buf:narrow(1, 1, #list):copy_(E().tensor(list, dtype)) end
-  local all = E().empty({ world * maxl }, { dtype = dtype })
+  local buf = engine_mod.zeros({ maxl }, { dtype = dtype })
+  if #list > 0 then buf:narrow(1, 1, #list):copy_(engine_mod.tensor(list, dtype)) end
+  local all = engine_mod.empty({ world * maxl }, { dtype = dtype })
   comm.all_gather_into(all, buf, opts)
   local a, out = all:totable(), {}
   for r = 0, world - 1 do
@@ -511,7 +508,7 @@ local function scatter_shards(op, tensor, spec, src, pg, world, me)
   if src_t and src_t.device ~= dev then src_t = src_t:to(dev) end   -- to the placements' device first
   if direct then
     return build(op, spec, shape, { dtype = dtype, process_group = pg }, function(shp, dt)
-      local out = E().empty(shp, topts(dt, dev))
+      local out = engine_mod.empty(shp, topts(dt, dev))
       comm.scatter(out, src_t, nil, copts)
       return out
     end)
@@ -519,7 +516,7 @@ local function scatter_shards(op, tensor, spec, src, pg, world, me)
   if world > 1 and kind_of(spec, op) == "cpu" then
     -- single copy: each shard moves once, straight out of src's tensor (comm.box_exchange)
     local built = build(op, spec, shape, { dtype = dtype, process_group = pg }, function(shp, dt)
-      return E().empty(shp, { dtype = dt })
+      return engine_mod.empty(shp, { dtype = dt })
     end)
     local mine = {}
     for _, s in ipairs(built._shards) do mine[s.metadata] = s.tensor end
@@ -544,7 +541,7 @@ local function scatter_shards(op, tensor, spec, src, pg, world, me)
   for r = 0, world - 1 do maxn = math.max(maxn, per_rank[r]) end
   local send
   if src_t then
-    send = E().empty({ world * maxn }, topts(dtype, dev))
+    send = engine_mod.empty({ world * maxn }, topts(dtype, dev))
     local cursor = {}
     for r = 0, world - 1 do cursor[r] = r * maxn end
     for _, s in ipairs(shards) do
@@ -557,7 +554,7 @@ local function scatter_shards(op, tensor, spec, src, pg, world, me)
       cursor[r] = cursor[r] + n
     end
   end
-  local recv = E().empty({ maxn }, topts(dtype, dev))
+  local recv = engine_mod.empty({ maxn }, topts(dtype, dev))
   comm.scatter(recv, send, nil, copts)
   local pos = 0
   local single = per_rank[me] == maxn
@@ -826,7 +823,7 @@ function ShardedTensor:to_dtensor(opts)
   if t == nil then
     local z = { unpack(self._size) }
     z[d] = 0
-    t = E().empty(z, topts(self.dtype, spec_device(self._spec, op)))
+    t = engine_mod.empty(z, topts(self.dtype, spec_device(self._spec, op)))
   end
   local dt = require("engine.distributed.dtensor").DTensor.from_local(t, mesh, { require("engine.distributed.placements").Shard(d) },
     { shape = self._size, stride = contiguous_stride(self._size) })
@@ -947,7 +944,7 @@ local function unary(name, to)
     if dt then return wrap_like(self, m(dt, x, y), true) end
     local out = {}
     for i, s in ipairs(shards_of(self)) do out[i] = m(s.tensor, x, y) end
-    local dtype = #out == 0 and m(E().empty({ 0 }, { dtype = self.dtype }), x, y).dtype or nil
+    local dtype = #out == 0 and m(engine_mod.empty({ 0 }, { dtype = self.dtype }), x, y).dtype or nil
     return with_locals(self, out, dtype)
   end
 end
@@ -1015,8 +1012,8 @@ local function binary(name)
     end
     local dtype = nil
     if #out == 0 then
-      local z = E().empty({ 0 }, { dtype = st.dtype })
-      local y = ost and E().empty({ 0 }, { dtype = other.dtype }) or other
+      local z = engine_mod.empty({ 0 }, { dtype = st.dtype })
+      local y = ost and engine_mod.empty({ 0 }, { dtype = other.dtype }) or other
       dtype = (swap and f(y, z) or f(z, y)).dtype
     end
     return with_locals(st, out, dtype)
@@ -1071,7 +1068,7 @@ local function compare(op, a, b, close)
     end
   end
   -- (on the shards' device: a CUDA ShardedTensor's group reduces through NCCL)
-  local flag = E().full({ 1 }, good, topts("i64", spec_device(a._spec, op)))
+  local flag = engine_mod.full({ 1 }, good, topts("i64", spec_device(a._spec, op)))
   comm.all_reduce(flag, "min", a._pg and { group = a._pg } or nil)
   return flag:item() == 1
 end
@@ -1171,7 +1168,7 @@ function ShardedTensor:gather(dst, out)
     end
     local fits = out ~= nil and out.dtype == self.dtype and out.device == dev
     if fits and d and d > 1 then fits = out:is_contiguous() end
-    full = fits and out or E().empty(md.size, topts(self.dtype, dev))
+    full = fits and out or engine_mod.empty(md.size, topts(self.dtype, dev))
   end
   local function done()
     if me ~= dst then return nil end
@@ -1184,7 +1181,7 @@ function ShardedTensor:gather(dst, out)
     for k = d + 1, #md.size do rest[#rest + 1] = md.size[k] end
     local mine = shards_of(self)[1]
     local send
-    if mine == nil then send = E().empty({ 0, unpack(rest) }, topts(self.dtype, dev))
+    if mine == nil then send = engine_mod.empty({ 0, unpack(rest) }, topts(self.dtype, dev))
     elseif d == 1 then send = mine.tensor:detach()
     else send = mine.tensor:detach():reshape({ rows[me + 1], unpack(rest) }) end
     local recv = full
@@ -1212,7 +1209,7 @@ function ShardedTensor:gather(dst, out)
   local per_rank = {}
   for r = 1, world do per_rank[r] = 0 end
   for _, s in ipairs(md.shards_metadata) do per_rank[gm[s.placement.rank] + 1] = per_rank[gm[s.placement.rank] + 1] + s:numel() end
-  local send = E().empty({ per_rank[me + 1] }, topts(self.dtype, dev))
+  local send = engine_mod.empty({ per_rank[me + 1] }, topts(self.dtype, dev))
   local pos = 0
   for _, s in ipairs(shards_of(self)) do
     local n = s.metadata:numel()
@@ -1222,7 +1219,7 @@ function ShardedTensor:gather(dst, out)
   if me == dst then
     local total = 0
     for r = 1, world do total = total + per_rank[r] end
-    recv = E().empty({ total }, topts(self.dtype, dev))
+    recv = engine_mod.empty({ total }, topts(self.dtype, dev))
   end
   copts.sizes = per_rank
   comm.gather(send, recv, nil, copts)
@@ -1291,7 +1288,7 @@ resharded = function(self, spec)
       kind_of(self._spec), tostring(spec), kind_of(spec)))
   end
   local target = build(op, spec, self._size, { dtype = self.dtype, process_group = pg }, function(shape, dt, _, tdev)
-    return E().empty(shape, topts(dt, tdev))
+    return engine_mod.empty(shape, topts(dt, tdev))
   end)
   -- the DTensor path (making the mesh when the group is the world: reshard is collective over it)
   local dt = dt_ready(self)
@@ -1351,7 +1348,7 @@ resharded = function(self, spec)
   if kind_of(self._spec, op) == "cpu" and comm.box_exchange(moves, srcs, dsts, { group = pg, dtype = self.dtype, ndim = nd, op = op }) then
     return target
   end
-  local send = E().empty({ world * maxb }, topts(self.dtype, dev))
+  local send = engine_mod.empty({ world * maxb }, topts(self.dtype, dev))
   for _, p in ipairs(pairs_) do
     if p.from == me then
       send:narrow(1, p.to * maxb + p.pos + 1, p.n):view(unpack(p.len)):copy_(box(src_of(src[p.i]), src[p.i], p))
