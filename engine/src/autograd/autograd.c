@@ -5,6 +5,7 @@
  * (dist_hooks.h); autograd never names dtensor/. */
 /* autograd.c: graph nodes, saved tensors, hooks and the backward pass. */
 #include "core/internal.h"
+#include "core/dispatch.h"
 #include "autograd/dist_hooks.h"
 #include "autograd/grad_math.h"
 #include "autograd/autograd.h"
@@ -513,13 +514,12 @@ static int accumulate_backward(eng_node* n, eng_tensor** go, eng_tensor** gi) {
     else {
       leaf->grad = eng_new(leaf->ndim, leaf->shape, leaf->dtype, leaf->device);
       if (leaf->grad) eng_copy_raw(leaf->grad, g, g->stride);
-      if (leaf->grad && g->dist) leaf->grad->dist = g_dist.spec_retain(g->dist); /* DTensor grads stay DTensors */
+      if (leaf->grad && g->dist) leaf->grad->dist = eng_spec_retain(g->dist); /* DTensor grads stay DTensors */
       eng_tensor_release(g);
       if (!leaf->grad) return -1;
     }
     /* a plain local gradient of a DTensor leaf is in the leaf's layout */
-    if (leaf->dist && !leaf->grad->dist && g_dist.spec_retain)
-      leaf->grad->dist = g_dist.spec_retain(leaf->dist);
+    if (leaf->dist && !leaf->grad->dist) leaf->grad->dist = eng_spec_retain(leaf->dist);
   } else {
     int rc = g_math.add_(leaf->grad, g, 1.0);
     eng_tensor_release(g);

@@ -7,8 +7,6 @@
 #define ENG_AUTOGRAD_DIST_HOOKS_H
 #include "core/internal.h"
 
-typedef struct eng_dist_spec eng_dist_spec; /* a DTensor layout (eng/dtensor.h), passed through */
-
 struct eng_node_dist;
 
 typedef struct eng_autograd_dist_hooks {
@@ -21,7 +19,6 @@ typedef struct eng_autograd_dist_hooks {
   void (*node_free)(struct eng_node_dist* d);
   /* The gradient g of a DTensor leaf in the leaf's layout (new reference). */
   eng_tensor* (*grad_for_leaf)(eng_tensor* leaf, eng_tensor* g);
-  eng_dist_spec* (*spec_retain)(eng_dist_spec* s);
   /* Global element count of a DTensor; ones of its global shape in its layout. */
   int64_t (*numel)(const eng_tensor* t);
   eng_tensor* (*ones_grad)(eng_tensor* t);

@@ -789,6 +789,6 @@ __attribute__((constructor)) static void install_dispatcher(void) {
                                            .wait = eng_dtensor_wait, .norm_reduce = eng_dt_norm_reduce});
   eng_autograd_set_dist_hooks(&(eng_autograd_dist_hooks){
       .mark_node = dist_mark_node, .node_backward = dist_node_backward, .node_free = dist_node_free,
-      .grad_for_leaf = dist_grad_for_leaf, .spec_retain = eng_dist_spec_retain,
+      .grad_for_leaf = dist_grad_for_leaf,
       .numel = eng_dtensor_numel, .ones_grad = eng_dtensor_ones_grad});
 }
