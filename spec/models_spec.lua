@@ -18,7 +18,8 @@ end
 describe("ModelArgs", function()
   it("has the seed's defaults", function()
     assert.are.same({ n_layers = 2, vocab_size = 8, max_seq_len = 16, dim = 16, n_heads = 4, dropout_p = 0.1,
-      use_attn_mask = true, weight_tying = true, checkpoint_activations = false, gelu = "none" }, models.ModelArgs())
+      use_attn_mask = true, weight_tying = true, checkpoint_activations = false, gelu = "none", attn_bias = false,
+      norm_eps = 1e-5 }, models.ModelArgs())
     local a = models.ModelArgs({ dim = 32, weight_tying = false })
     assert.are.equal(32, a.dim)
     assert.is_false(a.weight_tying)

@@ -19,13 +19,17 @@ local M = {}
 local defaults = {
   n_layers = 2, vocab_size = 8, max_seq_len = 16, dim = 16, n_heads = 4, dropout_p = 0.1,
   use_attn_mask = true, weight_tying = true, checkpoint_activations = false, gelu = "none",
+  attn_bias = false, norm_eps = 1e-5,
 }
 M.ModelArgs_defaults = defaults
+-- attn_bias: wq, wk, wv and wo get biases (GPT-2's c_attn and c_proj); norm_eps: the LayerNorms' eps (GPT-2's
+-- layer_norm_epsilon).  With gelu = "tanh" and the defaults otherwise this is GPT-2's architecture
+-- (engine.hf loads and saves GPT-2 checkpoints of Hugging Face into it).
 
 local kinds = {
   n_layers = "count", vocab_size = "count", max_seq_len = "count", dim = "count", n_heads = "count",
   dropout_p = "prob", use_attn_mask = "boolean", weight_tying = "boolean", checkpoint_activations = "boolean",
-  gelu = "gelu",
+  gelu = "gelu", attn_bias = "boolean", norm_eps = "positive",
 }
 
 -- ModelArgs{...}: the defaults above, overridden by the given fields.
@@ -45,6 +49,8 @@ function M.ModelArgs(t)
       error(string.format("ModelArgs: %s must be a positive integer, got %s", k, tostring(v)), 2)
     elseif kind == "prob" and (type(v) ~= "number" or v < 0 or v > 1) then
       error(string.format("ModelArgs: %s must be a number in [0, 1], got %s", k, tostring(v)), 2)
+    elseif kind == "positive" and (type(v) ~= "number" or not (v > 0)) then
+      error(string.format("ModelArgs: %s must be a positive number, got %s", k, tostring(v)), 2)
     elseif kind == "boolean" and type(v) ~= "boolean" then
       error(string.format("ModelArgs: %s must be a boolean, got %s", k, tostring(v)), 2)
     elseif kind == "gelu" and v ~= "none" and v ~= "tanh" then
@@ -131,35 +137,51 @@ end
 -- output is split into q, k, v (views; split's backward is one cat).  Loading a state dict copies into the views
 -- (the fusion stays); module:to(...) converts each parameter and then calls _refuse, which makes them views of
 -- one tensor again.  DTensor weights (tensor parallelism, FSDP's sharded parameters) and projections with hooks
--- or biases run the three GEMMs as before (a cat of three Shard(0) DTensors is not the head layout of each
--- rank); plain weights that are not adjacent (e.g. FSDP's unsharded parameters) are concatenated (a copy) for
--- the one GEMM.  module.fuse_qkv = false runs the three GEMMs.
+-- run the three GEMMs as before (a cat of three Shard(0) DTensors is not the head layout of each rank); plain
+-- weights that are not adjacent (e.g. FSDP's unsharded parameters) are concatenated (a copy) for the one GEMM.
+-- Biases (attn_bias) are fused the same way and the one GEMM adds them.  module.fuse_qkv = false runs the
+-- three GEMMs.
 
 -- fuse_linear_weights(linears): makes the weights of the given nn.Linear modules views of one new tensor (their
 -- rows in order), in place: each Parameter keeps its identity, flags and gradient (set_data, as module:to).
 -- Returns true when the weights are (now) adjacent; false (nothing changed) for DTensors, meta tensors,
--- differing dtypes/devices/column counts or non-leaf weights.
-function M.fuse_linear_weights(mods)
-  local ws = {}
-  for i, m in ipairs(mods) do
-    local w = rawget(m, "_parameters") and m._parameters.weight
-    if w == nil or w._c.dist ~= nil or w._c.grad_fn ~= nil or w.is_meta or w:dim() ~= 2 then return false end
-    if i > 1 and (w.dtype ~= ws[1].dtype or w.device ~= ws[1].device or w:size(2) ~= ws[1]:size(2)) then
-      return false
-    end
-    ws[i] = w
-  end
-  if #ws < 2 then return false end
-  if engine.tensors_adjacent(ws, 1) then return true end
-  for _, w in ipairs(ws) do if not w:is_contiguous() then return false end end
-  local fused = engine.no_grad(function() return engine.cat(ws, 1) end)
+-- differing dtypes/devices/column counts or non-leaf weights.  When every module has a bias (attn_bias), the
+-- biases are made views of one tensor too (the same conditions), so the fused GEMM adds one fused bias.
+local function fuse_rows(ts)
+  if engine.tensors_adjacent(ts, 1) then return true end
+  for _, t in ipairs(ts) do if not t:is_contiguous() then return false end end
+  local fused = engine.no_grad(function() return engine.cat(ts, 1) end)
   local off = 1
-  for _, w in ipairs(ws) do
-    local rows = w:size(1)
+  for _, t in ipairs(ts) do
+    local rows = t:size(1)
     local v = fused:narrow(1, off, rows)
-    if engine.C.eng_tensor_set_data(w._c, v._c) ~= 0 then error("fuse_linear_weights: " .. require("engine.core").last_error(), 2) end
+    if engine.C.eng_tensor_set_data(t._c, v._c) ~= 0 then error("fuse_linear_weights: " .. require("engine.core").last_error(), 3) end
     off = off + rows
   end
+  return true
+end
+
+local function fusable(ts, dim)
+  for i, t in ipairs(ts) do
+    if t._c.dist ~= nil or t._c.grad_fn ~= nil or t.is_meta or t:dim() ~= dim then return false end
+    if i > 1 and (t.dtype ~= ts[1].dtype or t.device ~= ts[1].device or (dim == 2 and t:size(2) ~= ts[1]:size(2))) then
+      return false
+    end
+  end
+  return #ts >= 2
+end
+
+function M.fuse_linear_weights(mods)
+  local ws, bs = {}, {}
+  for i, m in ipairs(mods) do
+    local p = rawget(m, "_parameters")
+    local w = p and p.weight
+    if w == nil then return false end
+    ws[i] = w
+    if bs and p.bias ~= nil then bs[i] = p.bias else bs = nil end
+  end
+  if not fusable(ws, 2) or not fuse_rows(ws) then return false end
+  if bs and fusable(bs, 1) then fuse_rows(bs) end
   return true
 end
 
@@ -172,13 +194,19 @@ local function plain(m, class)
 end
 
 -- q, k, v = project_qkv(attn, x): one GEMM when the three projections allow it (see above), else three.
+-- With biases on all three (attn_bias) the GEMM adds their concatenation (a view when fused, as the weights).
 local function project_qkv(self, x)
   local wq, wk, wv = self.wq, self.wk, self.wv
   if self.fuse_qkv ~= false and x._c.dist == nil and plain(wq, nn.Linear) and plain(wk, nn.Linear)
-    and plain(wv, nn.Linear) and wq.bias == nil and wk.bias == nil and wv.bias == nil then
+    and plain(wv, nn.Linear) then
     local a, b, c = wq.weight, wk.weight, wv.weight
-    if a._c.dist == nil and b._c.dist == nil and c._c.dist == nil then
-      local parts = F.linear(x, engine.cat_adjacent({ a, b, c }, 1)):split({ a:size(1), b:size(1), c:size(1) }, -1)
+    local ba, bb, bc = wq.bias, wk.bias, wv.bias
+    local nb = (ba and 1 or 0) + (bb and 1 or 0) + (bc and 1 or 0)
+    if a._c.dist == nil and b._c.dist == nil and c._c.dist == nil and (nb == 0 or (nb == 3
+      and ba._c.dist == nil and bb._c.dist == nil and bc._c.dist == nil)) then
+      local bias = nb == 3 and engine.cat_adjacent({ ba, bb, bc }, 1) or nil
+      local parts = F.linear(x, engine.cat_adjacent({ a, b, c }, 1), bias)
+        :split({ a:size(1), b:size(1), c:size(1) }, -1)
       return parts[1], parts[2], parts[3]
     end
   end
@@ -200,10 +228,11 @@ function Attention:__init(args)
   self.dropout_p = args.dropout_p
   self.resid_dropout = nn.Dropout(args.dropout_p)
   self.use_attn_mask = args.use_attn_mask
-  self.wq = nn.Linear(args.dim, args.dim, { bias = false })
-  self.wk = nn.Linear(args.dim, args.dim, { bias = false })
-  self.wv = nn.Linear(args.dim, args.dim, { bias = false })
-  self.wo = nn.Linear(args.dim, args.dim, { bias = false })
+  local bias = args.attn_bias
+  self.wq = nn.Linear(args.dim, args.dim, { bias = bias })
+  self.wk = nn.Linear(args.dim, args.dim, { bias = bias })
+  self.wv = nn.Linear(args.dim, args.dim, { bias = bias })
+  self.wo = nn.Linear(args.dim, args.dim, { bias = bias })
   self.fuse_qkv = true
   M.fuse_linear_weights({ self.wq, self.wk, self.wv })
 end
@@ -255,9 +284,9 @@ M.TransformerBlock = TransformerBlock
 
 function TransformerBlock:__init(args)
   args = args_of(args)
-  self.attention_norm = nn.LayerNorm(args.dim)
+  self.attention_norm = nn.LayerNorm(args.dim, { eps = args.norm_eps })
   self.attention = Attention(args)
-  self.ffn_norm = nn.LayerNorm(args.dim)
+  self.ffn_norm = nn.LayerNorm(args.dim, { eps = args.norm_eps })
   self.feed_forward = FeedForward(args.dim, 4 * args.dim, args.dropout_p, args.gelu)
 end
 
@@ -287,7 +316,7 @@ function Transformer:__init(args)
   self.dropout = nn.Dropout(args.dropout_p)
   self.layers = nn.ModuleList()
   for _ = 1, args.n_layers do self.layers:append(TransformerBlock(args)) end
-  self.norm = nn.LayerNorm(args.dim)
+  self.norm = nn.LayerNorm(args.dim, { eps = args.norm_eps })
   self.output = nn.Linear(args.dim, args.vocab_size, { bias = false })
   if args.weight_tying then
     self.output.weight = self.tok_embeddings.weight
@@ -417,7 +446,11 @@ end
 local llama_defaults = {
   dim = 256, n_layers = 4, n_heads = 4, n_kv_heads = false, vocab_size = 256, multiple_of = 256,
   ffn_dim_multiplier = false, norm_eps = 1e-5, rope_theta = 10000, max_seq_len = 2048, depth_init = true,
+  ffn_hidden_dim = false, weight_tying = false,
 }
+-- ffn_hidden_dim: the SwiGLU hidden size itself (Hugging Face's intermediate_size), instead of the one
+-- multiple_of and ffn_dim_multiplier derive; weight_tying: output.weight IS tok_embeddings.weight
+-- (tie_word_embeddings).
 M.LlamaArgs_defaults = llama_defaults
 
 -- LlamaArgs{...}: torchtitan's ModelArgs (n_kv_heads nil: n_heads; ffn_dim_multiplier nil: none).
@@ -464,11 +497,17 @@ function M.LlamaArgs(t)
     error("Llama: ffn_dim_multiplier must be a positive number or nil, got " .. tostring(a.ffn_dim_multiplier), 2)
   end
   if type(a.depth_init) ~= "boolean" then error("Llama: depth_init must be a boolean", 2) end
+  if type(a.weight_tying) ~= "boolean" then error("Llama: weight_tying must be a boolean", 2) end
+  local fh = a.ffn_hidden_dim
+  if fh and (type(fh) ~= "number" or fh % 1 ~= 0 or fh < 1) then
+    error("Llama: ffn_hidden_dim must be a positive integer or nil, got " .. tostring(fh), 2)
+  end
   return a
 end
 
 -- SwiGLU hidden size (torchtitan: int(2 * 4 dim / 3), times ffn_dim_multiplier, rounded up to multiple_of).
 function M.llama_ffn_dim(a)
+  if a.ffn_hidden_dim then return a.ffn_hidden_dim end
   local hidden = math.floor(2 * (4 * a.dim) / 3)
   if a.ffn_dim_multiplier then hidden = math.floor(a.ffn_dim_multiplier * hidden) end
   return a.multiple_of * math.floor((hidden + a.multiple_of - 1) / a.multiple_of)
@@ -597,8 +636,8 @@ local Llama = nn.Module:extend("Llama")
 M.Llama = Llama
 
 -- Llama{dim, n_layers, n_heads, n_kv_heads, vocab_size, multiple_of, ffn_dim_multiplier, norm_eps,
--- rope_theta, max_seq_len, depth_init} (torchtitan's ModelArgs and defaults, vocab_size 256 and dim 256
--- here).  Initialised as torchtitan's init_weights: embeddings N(0, 1); wq/wk/wv/w1 N(0, 0.02);
+-- rope_theta, max_seq_len, depth_init, ffn_hidden_dim, weight_tying} (torchtitan's ModelArgs and defaults,
+-- vocab_size 256 and dim 256 here; the last two for Hugging Face's Llamas, see engine.hf).  Initialised as torchtitan's init_weights: embeddings N(0, 1); wq/wk/wv/w1 N(0, 0.02);
 -- wo/w2/w3 N(0, weight_init_std); norms 1; output N(0, dim^-0.5).  (torchtitan draws the output weight
 -- from a normal truncated at 3 std; the others' truncation at +-2 is > 60 std: a plain normal.)
 function Llama:__init(args)
@@ -610,6 +649,7 @@ function Llama:__init(args)
   for i = 0, a.n_layers - 1 do self.layers:append(LlamaBlock(i, a)) end
   self.norm = nn.RMSNorm(a.dim, { eps = a.norm_eps })
   self.output = nn.Linear(a.dim, a.vocab_size, { bias = false })
+  if a.weight_tying then self.output.weight = self.tok_embeddings.weight end
   local c, s = M.rope_tables(a.dim / a.n_heads, 2 * a.max_seq_len, a.rope_theta)
   self:register_buffer("rope_cos", c:float(), false)
   self:register_buffer("rope_sin", s:float(), false)
@@ -645,7 +685,7 @@ function Llama:init_weights(opts)
     init.ones_(layer.ffn_norm.weight)
   end
   init.ones_(self.norm.weight)
-  init.normal_(self.output.weight, 0, a.dim ^ -0.5, g)
+  if not a.weight_tying then init.normal_(self.output.weight, 0, a.dim ^ -0.5, g) end
 end
 
 -- tokens i64 [B, T] (0-based ids) -> logits f32 [B, T, vocab_size] (opts.float == false keeps the
@@ -729,6 +769,7 @@ function Llama.parallelize(model, mesh, opts)
     plan["layers.*.feed_forward"] = dist.PrepareModuleInput{ input_layouts = { S(2) }, desired_input_layouts = { R() } }
   end
   dist.parallelize_module(model, mesh, plan)
+  if a.weight_tying then model.output.weight = model.tok_embeddings.weight end
   return model
 end
 
