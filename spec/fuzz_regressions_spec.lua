@@ -87,27 +87,46 @@ describe("fuzz regressions: safetensors and checkpoint metadata", function()
 end)
 
 describe("fuzz regressions: token shard header (eng_token_shard_parse_header)", function()
-  local function header(magic, version, n)
+  local function header(magic, version, n, vocab)
     local h = ffi.new("int32_t[256]")
-    h[0], h[1], h[2] = magic, version, n
+    h[0], h[1], h[2], h[3] = magic, version, n, vocab or 0
     return ffi.string(h, 1024)
   end
-  local n = ffi.new("int64_t[1]")
+  local n, width, vocab = ffi.new("int64_t[1]"), ffi.new("int32_t[1]"), ffi.new("int32_t[1]")
 
   it("accepts exactly the header plus 2 bytes per token", function()
-    assert.equal(0, C.eng_token_shard_parse_header("x.bin", header(20240520, 1, 3), 1024, 1030, n))
+    assert.equal(0, C.eng_token_shard_parse_header("x.bin", header(20240520, 1, 3), 1024, 1030, n, width, vocab))
     assert.equal(3, tonumber(n[0]))
-    assert.equal(-1, C.eng_token_shard_parse_header("x.bin", header(20240520, 1, 3), 1024, 1031, n))
+    assert.equal(2, width[0])
+    assert.equal(0, vocab[0])
+    assert.equal(-1, C.eng_token_shard_parse_header("x.bin", header(20240520, 1, 3), 1024, 1031, n, nil, nil))
+  end)
+
+  it("reads llm.c's uint32 shards (magic 20240801, version 7) and the vocabulary size in slot 3", function()
+    assert.equal(0, C.eng_token_shard_parse_header("x.bin", header(20240801, 7, 3, 128256), 1024, 1036, n, width,
+      vocab))
+    assert.equal(3, tonumber(n[0]))
+    assert.equal(4, width[0])
+    assert.equal(128256, vocab[0])
+    assert.equal(-1, C.eng_token_shard_parse_header("x.bin", header(20240801, 7, 3), 1024, 1030, n, nil, nil))
+    assert.equal(-1, C.eng_token_shard_parse_header("x.bin", header(20240801, 1, 3), 1024, 1036, n, nil, nil))
+    assert.truthy(ffi.string(C.eng_last_error()):find("unsupported version 1 for magic 20240801", 1, true))
+    assert.equal(-1, C.eng_token_shard_parse_header("x.bin", header(20240520, 2, 3), 1024, 1036, n, nil, nil))
+    assert.equal(-1, C.eng_token_shard_parse_header("x.bin", header(20240520, 1, 3, -5), 1024, 1030, n, nil, nil))
+    assert.truthy(ffi.string(C.eng_last_error()):find("vocabulary size (slot 3) is -5", 1, true))
   end)
 
   it("refuses negative counts, short headers and a count past int32 bytes", function()
-    assert.equal(-1, C.eng_token_shard_parse_header("x.bin", header(20240520, 1, -1), 1024, 1024, n))
+    assert.equal(-1, C.eng_token_shard_parse_header("x.bin", header(20240520, 1, -1), 1024, 1024, n, nil, nil))
     assert.truthy(ffi.string(C.eng_last_error()):find("the header says -1 tokens", 1, true))
-    assert.equal(-1, C.eng_token_shard_parse_header(nil, header(20240520, 1, 0), 1000, 1024, n))
+    assert.equal(-1, C.eng_token_shard_parse_header(nil, header(20240520, 1, 0), 1000, 1024, n, nil, nil))
     assert.truthy(ffi.string(C.eng_last_error()):find("read_shard: (memory): file has 1000 bytes", 1, true))
-    -- 2^31 - 1 tokens: the expected size (4 GiB + 1022) is computed in 64 bits
-    assert.equal(0, C.eng_token_shard_parse_header("x.bin", header(20240520, 1, 2147483647), 1024, 1024 + 2 * 2147483647, n))
+    -- 2^31 - 1 tokens: the expected size (4 GiB + 1022, or 8 GiB + 1020) is computed in 64 bits
+    assert.equal(0, C.eng_token_shard_parse_header("x.bin", header(20240520, 1, 2147483647), 1024,
+      1024 + 2 * 2147483647, n, nil, nil))
     assert.equal(2147483647, tonumber(n[0]))
+    assert.equal(0, C.eng_token_shard_parse_header("x.bin", header(20240801, 7, 2147483647), 1024,
+      1024 + 4 * 2147483647, n, nil, nil))
   end)
 end)
 

@@ -54,12 +54,15 @@ uint64_t eng_xxh64_digest(const eng_xxh64_state* s);
 uint64_t eng_xxh64(const void* data, int64_t n);
 
 /* llm.c token shards (engine.data.read_shard): a header of 256 little-endian
- * int32 (magic 20240520, version 1, token count), then the tokens as
- * little-endian uint16.  Checks the first header_bytes bytes of a file of
- * file_size bytes (header_bytes may be short: the file is then too short)
- * and writes the token count; -1 with an error naming path (NULL: "(memory)")
- * on a bad magic, version or count, or a size that does not match the count. */
+ * int32 (magic 20240520 and version 1: uint16 tokens, or magic 20240801 and
+ * version 7: uint32 tokens; token count; slot 3: vocabulary size, 0 when
+ * unknown), then the tokens, little-endian.  Checks the first header_bytes
+ * bytes of a file of file_size bytes (header_bytes may be short: the file is
+ * then too short) and writes the token count, the bytes per token (2 or 4)
+ * and the vocabulary size (each pointer may be NULL); -1 with an error naming
+ * path (NULL: "(memory)") on a bad magic, version, count or vocabulary size,
+ * or a size that does not match the count. */
 int eng_token_shard_parse_header(const char* path, const void* header, int64_t header_bytes, int64_t file_size,
-                                 int64_t* n_tokens);
+                                 int64_t* n_tokens, int32_t* token_bytes, int32_t* vocab_size);
 
 #endif

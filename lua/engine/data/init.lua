@@ -19,13 +19,11 @@ data.write_shard = shards.write_shard
 data.read_shard = shards.read_shard
 data.SHARD_MAGIC, data.SHARD_VERSION = shards.MAGIC, shards.VERSION
 
--- read_shards({paths}) -> list of Shards
-function data.read_shards(paths)
-  if type(paths) == "string" then paths = { paths } end
-  local out = {}
-  for i, p in ipairs(paths) do out[i] = shards.read_shard(p) end
-  return out
-end
+data.SHARD_MAGIC_U32, data.SHARD_VERSION_U32 = shards.MAGIC_U32, shards.VERSION_U32
+data.shard_info = shards.shard_info
+-- read_shards(path, glob or {paths}) -> list of Shards, with .n (total tokens), .paths, .vocab_size
+data.read_shards = shards.read_shards
+data.expand_paths = shards.expand
 
 data.BatchSampler = sampler.BatchSampler
 data.ValLoader = sampler.ValLoader

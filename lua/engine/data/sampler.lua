@@ -16,8 +16,10 @@
 -- chunks; iteration ends when a shard has no room for another batch (then the
 -- next shard is used), so it covers the data once.
 --
--- A source is a Shard (data.read_shard), a list of Shards, a 1-D integer tensor,
--- or a Lua list of token ids.
+-- A source is a Shard (data.read_shard), a list of Shards (data.read_shards), a
+-- path or glob pattern of shard files ('data/x_train_*.bin': sorted, read in
+-- that order), a list of paths, a 1-D integer tensor, or a Lua list of token ids.
+-- Several shards are concatenated in order (windows stay inside one shard).
 local bit = require("bit")
 local core = require("engine.core")
 local ffi, C = core.ffi, core.C
@@ -45,8 +47,17 @@ local function segments(source, op)
       for i = 1, n do buf[i - 1] = x[i] end
       segs[#segs + 1] = { ptr = buf, n = n, keep = buf }
     else
-      error(op .. ": a source must be a Shard, a list of Shards, an integer tensor or a list of token ids", 4)
+      error(op .. ": a source must be a Shard, a list of Shards, a path or glob of shard files, a list of paths, "
+        .. "an integer tensor or a list of token ids", 4)
     end
+  end
+  if type(source) == "string" or (type(source) == "table" and type(source[1]) == "string") then
+    local ok, list = pcall(shards.read_shards, source)
+    if not ok then
+      local msg = tostring(list)
+      error(msg:find("^read_shards:") and (msg:gsub("^read_shards:", op .. ":")) or op .. ": " .. msg, 4)
+    end
+    source = list
   end
   if type(source) == "table" and getmetatable(source) ~= shards.Shard and not core.is_tensor(source)
       and type(source[1]) == "table" then
