@@ -239,8 +239,10 @@ end
 
 Attention._refuse = refuse_qkv
 
--- x [bsz, seq_len, dim] -> [bsz, seq_len, dim]; causal when use_attn_mask.
-function Attention:forward(x)
+-- x [bsz, seq_len, dim] -> [bsz, seq_len, dim]; causal when use_attn_mask.  attention(x, kv): the cached
+-- path of generation (Attention:forward_cached).
+function Attention:forward(x, kv)
+  if kv ~= nil then return self:forward_cached(x, kv) end
   local s = x:shape()
   local bsz, seq_len = s[1], s[2]
   local queries, keys, values = project_qkv(self, x)
@@ -254,6 +256,62 @@ function Attention:forward(x)
     self.training and self.dropout_p or 0, self.use_attn_mask)
   output = output:transpose(2, 3):contiguous():view(bsz, seq_len, -1)
   return self.resid_dropout(self.wo(output))
+end
+
+-- ---------------------------------------------------------------- the KV cache of generation
+-- kv = {pos =, max_len =, k =, v =}: one layer's cache (engine.generation makes them).  x holds the new
+-- positions pos .. pos + t - 1 (0-based); their keys and values are written into the buffers k, v
+-- [B, kv heads, max_len, head_dim] (allocated at the first call, in the keys' dtype and device: under tensor
+-- parallelism each rank caches its local heads) and the queries attend to the pos + t cached positions.
+-- q [B, t, Hq, hd], k, v [B, t, Hkv, hd] (plain tensors: a rank's local heads), n_rep = Hq / Hkv
+-- -> [B, t, Hq * hd].
+function M.kv_attention(q, k, v, kv, n_rep)
+  local B, t, hd = q:size(1), q:size(2), q:size(4)
+  local hkv, pos = k:size(3), kv.pos
+  if pos + t > kv.max_len then
+    error(string.format("kv_attention: positions %d..%d do not fit the cache of %d positions", pos, pos + t - 1,
+      kv.max_len), 2)
+  end
+  if kv.k == nil then
+    kv.k = engine.zeros(B, hkv, kv.max_len, hd, { dtype = k.dtype, device = k.device })
+    kv.v = engine.zeros(B, hkv, kv.max_len, hd, { dtype = v.dtype, device = v.device })
+  end
+  kv.k:narrow(3, pos + 1, t):copy_(k:transpose(2, 3))
+  kv.v:narrow(3, pos + 1, t):copy_(v:transpose(2, 3))
+  local S = pos + t
+  local out
+  if pos == 0 then
+    -- prefill: the new keys themselves, causal (as the training forward)
+    out = F.scaled_dot_product_attention(q:transpose(2, 3), M.repeat_kv(k, n_rep):transpose(2, 3),
+      M.repeat_kv(v, n_rep):transpose(2, 3), nil, 0, true)
+  elseif t == 1 then
+    -- one new token: it attends to every cached position (no mask); with grouped-query attention the
+    -- n_rep query heads of a k/v head are the rows of one product with that head's cached keys (no copy of
+    -- the cache: head h uses k/v head floor(h / n_rep), as repeat_kv)
+    local keys, values = kv.k:narrow(3, 1, S), kv.v:narrow(3, 1, S)   -- [B, Hkv, S, hd] views
+    out = F.scaled_dot_product_attention(q:reshape(B, hkv, n_rep, hd), keys, values, nil, 0, false)
+    return out:reshape(B, 1, hkv * n_rep * hd)
+  else
+    -- t new positions after pos cached ones: query i sees keys 0 .. pos + i (a bottom-right causal mask)
+    local keys = M.repeat_kv(kv.k:narrow(3, 1, S):transpose(2, 3), n_rep):transpose(2, 3)
+    local values = M.repeat_kv(kv.v:narrow(3, 1, S):transpose(2, 3), n_rep):transpose(2, 3)
+    local mask = engine.arange(0, S, { device = q.device }):view(1, S)
+      :le(engine.arange(pos, S, { device = q.device }):view(t, 1))
+    out = F.scaled_dot_product_attention(q:transpose(2, 3), keys, values, mask, 0, false)
+  end
+  return out:transpose(2, 3):contiguous():view(B, t, -1)
+end
+
+-- attention(x, kv) (generation's cached path; see M.kv_attention): x [B, t, dim] at positions kv.pos ..
+-- kv.pos + t - 1 -> [B, t, dim].  The projections are the training forward's (biases included; under tensor
+-- parallelism their DTensor outputs are taken as the local heads).
+function Attention:forward_cached(x, kv)
+  local s = x:shape()
+  local B, t, hd = s[1], s[2], self.head_dim
+  local q, k, v = project_qkv(self, x)
+  if q._c.dist ~= nil then q, k, v = q:to_local(), k:to_local(), v:to_local() end
+  local out = M.kv_attention(q:view(B, t, -1, hd), k:view(B, t, -1, hd), v:view(B, t, -1, hd), kv, 1)
+  return self.resid_dropout(self.wo(out))
 end
 
 -- ---------------------------------------------------------------- FeedForward
@@ -290,8 +348,10 @@ function TransformerBlock:__init(args)
   self.feed_forward = FeedForward(args.dim, 4 * args.dim, args.dropout_p, args.gelu)
 end
 
-function TransformerBlock:forward(x)
-  local a = self.attention(self.attention_norm(x))
+-- block(x) or block(x, kv) (generation: the attention's KV cache, see M.kv_attention)
+function TransformerBlock:forward(x, kv)
+  local a
+  if kv == nil then a = self.attention(self.attention_norm(x)) else a = self.attention(self.attention_norm(x), kv) end
   local norm = self.ffn_norm
   if plain(norm, nn.LayerNorm) then
     -- the residual add and ffn_norm as one op (F.add_layer_norm: the same values and gradients)
@@ -352,6 +412,29 @@ function Transformer:forward(tokens, targets)
   h = self.norm(h)
   local logits = self.output(h)
   if targets ~= nil then return logits, F.fused_classifier(logits, targets) end
+  return logits:float()
+end
+
+-- model:forward_cached(tokens, cache [, last_only]) (generation, engine.generation): tokens i64 [B, t] at
+-- positions cache.pos .. cache.pos + t - 1 (learned position rows pos + 1 ..), the earlier positions' keys and
+-- values in cache = {pos =, max_len =, layers = {kv per layer}} -> logits f32 [B, t, vocab_size] ([B, 1,
+-- vocab_size]: the last position only, with last_only); cache.pos advances by t.
+function Transformer:forward_cached(tokens, cache, last_only)
+  local t, pos = tokens:size(2), cache.pos
+  if pos + t > self.max_seq_len then
+    error(string.format("Transformer: positions %d..%d exceed max_seq_len %d", pos, pos + t - 1, self.max_seq_len), 2)
+  end
+  local h = self.tok_embeddings(tokens) + self.pos_embeddings(engine.arange(pos, pos + t, { device = tokens.device }))
+  h = self.dropout(h)
+  for i, layer in ipairs(self.layers) do
+    local kv = cache.layers[i]
+    kv.pos = pos
+    h = layer(h, kv)
+  end
+  if last_only and t > 1 then h = h:narrow(2, t, 1) end
+  local logits = self.output(self.norm(h))
+  cache.pos = pos + t
+  if logits._c.dist ~= nil then logits = logits:full_tensor() end
   return logits:float()
 end
 
@@ -589,10 +672,16 @@ LlamaAttention._refuse = refuse_qkv
 
 -- x [B, T, dim], cos / sin the rotary tables ([T, 1, head_dim] interleaved, or [T, head_dim / 2]) -> [B, T, dim].  The head counts come from the
 -- projections' sizes (-1), so under tensor parallelism each rank runs its local q and k/v heads.
-function LlamaAttention:forward(x, cos, sin)
+-- attention(x, cos, sin, kv): generation's cached path (M.kv_attention; cos / sin the rows of x's positions).
+function LlamaAttention:forward(x, cos, sin, kv)
   local s = x:shape()
   local B, T, hd = s[1], s[2], self.head_dim
   local q, k, v = project_qkv(self, x)
+  if kv ~= nil then
+    if q._c.dist ~= nil then q, k, v = q:to_local(), k:to_local(), v:to_local() end
+    local xq, xk = M.apply_rotary_emb(q:view(B, T, -1, hd), cos, sin), M.apply_rotary_emb(k:view(B, T, -1, hd), cos, sin)
+    return self.wo(M.kv_attention(xq, xk, v:view(B, T, -1, hd), kv, self.n_rep))
+  end
   local xq, xk, xv = q:view(B, T, -1, hd), k:view(B, T, -1, hd), v:view(B, T, -1, hd)
   xq, xk = M.apply_rotary_emb(xq, cos, sin), M.apply_rotary_emb(xk, cos, sin)
   local keys, values = M.repeat_kv(xk, self.n_rep), M.repeat_kv(xv, self.n_rep)
@@ -627,8 +716,10 @@ function LlamaBlock:__init(layer_id, a)
   self.weight_init_std = a.depth_init and 0.02 / math.sqrt(2 * (layer_id + 1)) or 0.02 / math.sqrt(2 * a.n_layers)
 end
 
-function LlamaBlock:forward(x, cos, sin)
-  local h = x + self.attention(self.attention_norm(x), cos, sin)
+function LlamaBlock:forward(x, cos, sin, kv)
+  local h
+  if kv == nil then h = x + self.attention(self.attention_norm(x), cos, sin)
+  else h = x + self.attention(self.attention_norm(x), cos, sin, kv) end
   return h + self.feed_forward(self.ffn_norm(h))
 end
 
@@ -712,6 +803,28 @@ function Llama:forward(tokens, opts)
   return out:float()
 end
 
+-- model:forward_cached(tokens, cache [, last_only]): generation's forward, as Transformer:forward_cached (the
+-- rotary rows pos + 1 .. pos + t of the tables).
+function Llama:forward_cached(tokens, cache, last_only)
+  local t, pos = tokens:size(2), cache.pos
+  if pos + t > self.max_seq_len then
+    error(string.format("Llama: positions %d..%d exceed max_seq_len %d", pos, pos + t - 1, self.max_seq_len), 2)
+  end
+  local cos, sin = self:_rope()
+  cos, sin = M.rope_interleave(cos:narrow(1, pos + 1, t), sin:narrow(1, pos + 1, t))
+  local h = self.tok_embeddings(tokens)
+  for i, layer in ipairs(self.layers) do
+    local kv = cache.layers[i]
+    kv.pos = pos
+    h = layer(h, cos, sin, kv)
+  end
+  if last_only and t > 1 then h = h:narrow(2, t, 1) end
+  local out = self.output(self.norm(h))
+  cache.pos = pos + t
+  if out._c.dist ~= nil then out = out:full_tensor() end
+  return out:float()
+end
+
 -- Llama.parallelize(model, tp_mesh [, {loss_parallel = false, use_seq_parallel = false}]): torchtitan's
 -- apply_tp for Llama: tok_embeddings RowwiseParallel (input Replicate, output Replicate); per block
 -- wq/wk/wv/w1/w3 ColwiseParallel, wo/w2 RowwiseParallel (local outputs: attention runs on its
@@ -772,6 +885,11 @@ function Llama.parallelize(model, mesh, opts)
   if a.weight_tying then model.output.weight = model.tok_embeddings.weight end
   return model
 end
+
+-- model:generate(ids, opts): sampling with a KV cache (engine.generation)
+local generation = require("engine.generation")
+Transformer.generate = generation.generate
+Llama.generate = generation.generate
 
 -- The plans PyTorch's DTensor tests give its MLPs: MLPModule.tp_plan() = {net1 = Colwise, net2 = Rowwise};
 -- MLPStacked.tp_plan(n_layers) the same for layers.<i>.net1/net2 (here as one "layers.*" pattern).

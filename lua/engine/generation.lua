@@ -1,0 +1,388 @@
+-- engine.generation: autoregressive sampling for the language models (nn.Transformer, nn.Llama), with a
+-- KV cache.  Mixed into both classes as model:generate:
+--
+--   local ids = model:generate({10, 65, 110, 100}, {max_new_tokens = 100, temperature = 0.8, top_k = 40,
+--     top_p = 0.95, seed = 1})                       -- a Lua list of 0-based ids -> the list, prompt included
+--   local out = model:generate(prompt_bt, {max_new_tokens = 20, temperature = 0})   -- i64 [B, T] -> [B, T + n]
+--
+-- ids: a Lua list of 0-based token ids, a list of such lists (a batch: equal lengths), or an i64 tensor [T]
+-- or [B, T]; the result has the same form and holds the prompt followed by the new tokens.
+-- opts (an unknown key is an error):
+--   max_new_tokens = 20   tokens to add to each row
+--   temperature = 1       logits / temperature before sampling; 0: greedy (argmax, the first one on ties)
+--   top_k = nil           keep the tokens whose (scaled) logit is >= the k-th largest (ties at the k-th kept)
+--   top_p = 1             nucleus: in decreasing order of probability, keep the tokens whose preceding
+--                         probabilities sum to < top_p (at least one); after top_k, as Hugging Face's
+--                         TemperatureLogitsWarper -> TopKLogitsWarper -> TopPLogitsWarper
+--   seed = nil            draws from engine.Generator():manual_seed(seed): the same seed gives the same tokens
+--   generator = nil       an engine.Generator to draw from (advanced); neither: the global generator
+--   eos = nil             a token id (or a list of ids): a row stops at it (the eos is kept); once every row
+--                         has stopped, generation ends; rows that stopped earlier are padded with their eos
+--   kv_cache = true       false: every token recomputes the whole context (the old way; for comparisons)
+--   stream = nil          function(id, row) called for each new token as it is chosen (row: 1-based batch row)
+--
+-- It runs under no_grad with every module in eval mode, and restores each module's training flag after.
+--
+-- The KV cache: per layer, buffers [B, heads, max_len, head_dim] for the keys and values (max_len =
+-- min(max_seq_len, prompt + max_new_tokens); under tensor parallelism each rank caches its local heads).  The
+-- prompt runs as one forward (prefill, only the last position's logits computed), then each new token runs
+-- alone at its position (the learned position row or rotary row of that position) attending to the cache.
+--
+-- Beyond max_seq_len: the model always sees the last max_seq_len tokens (as nanoGPT's sampler and the
+-- uncached path: the same tokens either way).  The positions of the window then shift by one each token, and
+-- every cached key depends on its position, so once the context is longer than max_seq_len each token
+-- recomputes the prefill of the window (the cost of the uncached path; the cache is the fast path up to
+-- max_seq_len).  A prompt longer than max_seq_len is likewise cut to its last max_seq_len tokens for the
+-- model (the result still holds the whole prompt).
+--
+-- Tensor parallelism (Transformer.parallelize / Llama.parallelize without sequence parallelism): the model's
+-- plan runs as in training; the chosen tokens are broadcast from the first rank of the parameters' mesh each
+-- step, so every rank continues with the same tokens (with the same seed they are the single-process ones).
+local engine = require("engine")
+
+local M = {}
+
+local OPTS = { "max_new_tokens", "temperature", "top_k", "top_p", "seed", "generator", "eos", "kv_cache", "stream" }
+local KNOWN = {}
+for _, k in ipairs(OPTS) do KNOWN[k] = true end
+
+local function is_int(v) return type(v) == "number" and v % 1 == 0 and v == v end
+
+-- the options, checked; errors at level `lvl` (the caller of generate)
+local function check_opts(opts, lvl)
+  if opts == nil then opts = {} end
+  if type(opts) ~= "table" or engine.is_tensor(opts) then
+    error("generate: options must be a table, got " .. (engine.is_tensor(opts) and "a tensor" or type(opts)), lvl)
+  end
+  for k in pairs(opts) do
+    if not KNOWN[k] then
+      error(string.format("generate: unknown option '%s' (options: %s)", tostring(k), table.concat(OPTS, ", ")), lvl)
+    end
+  end
+  local o = {}
+  o.max_new_tokens = opts.max_new_tokens == nil and 20 or opts.max_new_tokens
+  if not is_int(o.max_new_tokens) or o.max_new_tokens < 0 then
+    error("generate: max_new_tokens must be a non-negative integer, got " .. tostring(opts.max_new_tokens), lvl)
+  end
+  o.temperature = opts.temperature == nil and 1 or opts.temperature
+  if type(o.temperature) ~= "number" or not (o.temperature >= 0) or o.temperature == math.huge then
+    error("generate: temperature must be a finite number >= 0 (0: greedy), got " .. tostring(opts.temperature), lvl)
+  end
+  if opts.top_k ~= nil and (not is_int(opts.top_k) or opts.top_k < 1) then
+    error("generate: top_k must be a positive integer, got " .. tostring(opts.top_k), lvl)
+  end
+  o.top_k = opts.top_k
+  o.top_p = opts.top_p == nil and 1 or opts.top_p
+  if type(o.top_p) ~= "number" or not (o.top_p > 0 and o.top_p <= 1) then
+    error("generate: top_p must be a number in (0, 1], got " .. tostring(opts.top_p), lvl)
+  end
+  if opts.seed ~= nil and opts.generator ~= nil then
+    error("generate: give either seed or generator, not both", lvl)
+  end
+  if opts.seed ~= nil then
+    if not is_int(opts.seed) or opts.seed < 0 then
+      error("generate: seed must be a non-negative integer, got " .. tostring(opts.seed), lvl)
+    end
+    o.generator = engine.Generator():manual_seed(opts.seed)
+  elseif opts.generator ~= nil then
+    if not engine.is_generator(opts.generator) then
+      error("generate: generator must be an engine.Generator, got " .. type(opts.generator), lvl)
+    end
+    o.generator = opts.generator
+  end
+  local eos = opts.eos
+  if eos ~= nil then
+    if type(eos) ~= "table" then eos = { eos } end
+    if #eos == 0 then error("generate: eos must be a token id or a non-empty list of ids", lvl) end
+    o.eos = {}
+    for _, e in ipairs(eos) do
+      if not is_int(e) or e < 0 then error("generate: eos must be a token id (an integer >= 0), got " .. tostring(e), lvl) end
+      o.eos[e] = true
+    end
+    o.eos_first = eos[1]
+  end
+  if opts.kv_cache ~= nil and type(opts.kv_cache) ~= "boolean" then
+    error("generate: kv_cache must be a boolean, got " .. type(opts.kv_cache), lvl)
+  end
+  o.kv_cache = opts.kv_cache ~= false
+  if opts.stream ~= nil and type(opts.stream) ~= "function" then
+    error("generate: stream must be a function(id, row), got " .. type(opts.stream), lvl)
+  end
+  o.stream = opts.stream
+  return o
+end
+
+-- ids -> rows (a list of Lua lists of ids) and the form to give back
+local function read_ids(ids, vocab, lvl)
+  local rows, form = {}, {}
+  if engine.is_tensor(ids) then
+    if ids._c.dist ~= nil then error("generate: expected plain token ids, got a DTensor", lvl) end
+    local s = ids:shape()
+    if #s ~= 1 and #s ~= 2 then
+      error(string.format("generate: expected token ids [T] or [B, T], got a tensor [%s]", table.concat(s, ",")), lvl)
+    end
+    if ids.dtype ~= "i64" and ids.dtype ~= "i32" then
+      error("generate: expected an integer tensor of token ids (i64), got " .. ids.dtype, lvl)
+    end
+    form.tensor, form.ndim, form.device, form.dtype = true, #s, ids.device, ids.dtype
+    local t = ids:cpu():to("i64")
+    if #s == 1 then t = t:view(1, -1) end
+    rows = t:totable()
+  elseif type(ids) == "table" then
+    if type(ids[1]) == "table" then
+      form.batch = true
+      for i, r in ipairs(ids) do
+        if type(r) ~= "table" then error("generate: a batch of ids must be a list of lists, row " .. i .. " is a " .. type(r), lvl) end
+        local copy = {}
+        for j, v in ipairs(r) do copy[j] = v end
+        rows[i] = copy
+      end
+    else
+      local copy = {}
+      for j, v in ipairs(ids) do copy[j] = v end
+      rows[1] = copy
+    end
+  else
+    error("generate: expected token ids (a Lua list, a list of lists, or an i64 tensor [T] or [B, T]), got " .. type(ids), lvl)
+  end
+  local T = #rows[1]
+  if #rows == 0 or T == 0 then error("generate: the prompt is empty (give at least one token id)", lvl) end
+  for i, r in ipairs(rows) do
+    if #r ~= T then
+      error(string.format("generate: the prompts of a batch must have one length: row 1 has %d ids, row %d has %d",
+        T, i, #r), lvl)
+    end
+    for j, v in ipairs(r) do
+      if not is_int(v) or v < 0 or (vocab and v >= vocab) then
+        error(string.format("generate: token id %s (row %d, position %d) is not in [0, %s)", tostring(v), i, j,
+          tostring(vocab)), lvl)
+      end
+    end
+  end
+  return rows, form
+end
+
+local function give_back(rows, form)
+  if form.tensor then
+    local t = engine.tensor(rows, { dtype = form.dtype })
+    if form.ndim == 1 then t = t:view(-1) end
+    if form.device ~= "cpu" then t = t:to(form.device) end
+    return t
+  end
+  if form.batch then return rows end
+  return rows[1]
+end
+
+-- the parameters' device and, under tensor parallelism, their mesh
+local function placement_of(model)
+  local w = model.tok_embeddings and model.tok_embeddings.weight
+  if w == nil then
+    for _, p in model:named_parameters() do w = p; break end
+  end
+  if w == nil then return "cpu", nil end
+  if w._c.dist ~= nil then return w:to_local().device, w.device_mesh end
+  return w.device, nil
+end
+
+-- sequence parallelism shards the positions between the blocks: one new token cannot be split
+local function check_plan(model, lvl)
+  local norm = model.norm
+  local cm = norm and rawget(norm, "_cmod")
+  if cm ~= nil and (engine.C.eng_module_hook_count(cm, 0) > 0 or engine.C.eng_module_hook_count(cm, 1) > 0) then
+    error("generate: the model's final norm has forward hooks (sequence parallelism shards the positions, which "
+      .. "one new token cannot be); parallelize the model without use_seq_parallel to generate", lvl)
+  end
+end
+
+-- ---------------------------------------------------------------- sampling
+local ffi = require("ffi")
+
+-- the index (0-based) of the largest of p[0 .. n-1], the first on ties
+local function argmax(p, n)
+  local best, bv = 0, p[0]
+  for i = 1, n - 1 do
+    local x = p[i]
+    if x > bv or (bv ~= bv and x == x) then best, bv = i, x end
+  end
+  return best
+end
+
+-- One token from the scaled logits of a row: values vals[1..m] (decreasing) and their ids ids[1..m] when the
+-- candidates were cut (top_k / top_p); u in [0, 1)
+local function draw(vals, ids, m, top_p, u)
+  local mx = vals[1]
+  local w, total = {}, 0
+  for i = 1, m do
+    local e = math.exp(vals[i] - mx)
+    w[i] = e
+    total = total + e
+  end
+  -- nucleus: keep i while the probabilities before it sum to < top_p (at least the first)
+  local n = m
+  if top_p < 1 then
+    local before = 0
+    for i = 1, m do
+      if i > 1 and before >= top_p * total then n = i - 1; break end
+      before = before + w[i]
+    end
+    total = 0
+    for i = 1, n do total = total + w[i] end
+  end
+  local x = u * total
+  for i = 1, n do
+    x = x - w[i]
+    if x < 0 then return ids[i] end
+  end
+  return ids[n]
+end
+
+-- next token ids (a Lua list, one per row) from logits f32 [B, V] (any device)
+local function choose(logits, o, dist_mesh)
+  local B, V = logits:size(1), logits:size(2)
+  local l = logits:float():cpu():contiguous()
+  local nxt = {}
+  if o.temperature == 0 then
+    local p = ffi.cast("float*", l:data_ptr())
+    for b = 1, B do nxt[b] = argmax(p + (b - 1) * V, V) end
+  else
+    local scaled = o.temperature == 1 and l or (l / o.temperature):contiguous()
+    local u = engine.rand(B, { dtype = "f64", generator = o.generator }):totable()
+    local p = ffi.cast("float*", scaled:data_ptr())
+    local k = o.top_k and math.min(o.top_k, V)
+    local sorted_v, sorted_i
+    if k or o.top_p < 1 then
+      -- candidates in decreasing order: the top k (and any ties with the k-th), or all of them for top_p alone
+      if k and k < V then
+        local tv = scaled:topk(k, 2)
+        local thr = tv:select(2, k):totable()
+        local need = k
+        for b = 1, B do
+          local row, c = p + (b - 1) * V, 0
+          for i = 0, V - 1 do if row[i] >= thr[b] then c = c + 1 end end
+          need = math.max(need, c)
+        end
+        local sv, si = scaled:topk(need, 2)
+        sorted_v, sorted_i = sv:totable(), si:totable()
+        for b = 1, B do
+          local vb, ib = sorted_v[b], sorted_i[b]
+          local m = #vb
+          while m > 1 and vb[m] < thr[b] do vb[m], ib[m] = nil, nil; m = m - 1 end
+        end
+      else
+        local sv, si = scaled:sort(2, true)
+        sorted_v, sorted_i = sv:totable(), si:totable()
+      end
+      for b = 1, B do
+        nxt[b] = draw(sorted_v[b], sorted_i[b], #sorted_v[b], o.top_p, u[b])
+      end
+    else
+      for b = 1, B do
+        local row = p + (b - 1) * V
+        local mx = row[0]
+        for i = 1, V - 1 do if row[i] > mx then mx = row[i] end end
+        local total = 0
+        for i = 0, V - 1 do total = total + math.exp(row[i] - mx) end
+        local x, pick = u[b] * total, V - 1
+        for i = 0, V - 1 do
+          x = x - math.exp(row[i] - mx)
+          if x < 0 then pick = i; break end
+        end
+        nxt[b] = pick
+      end
+    end
+  end
+  if dist_mesh ~= nil then
+    -- every rank continues with the first rank's tokens (ranks hold the same logits; this makes it certain)
+    local dist = engine.distributed
+    local t = engine.tensor(nxt, { dtype = "i64" })
+    for d = 1, dist_mesh:ndim() do
+      dist.broadcast(t, { group = dist_mesh:get_group(d), group_src = 0 })
+    end
+    nxt = t:totable()
+  end
+  return nxt
+end
+
+-- ---------------------------------------------------------------- the loop
+local function last_tokens(rows, n)
+  local out = {}
+  for b, r in ipairs(rows) do
+    local x = {}
+    for i = math.max(1, #r - n + 1), #r do x[#x + 1] = r[i] end
+    out[b] = x
+  end
+  return out
+end
+
+local function run(model, rows, o, device, mesh)
+  local M_ctx = model.max_seq_len
+  local B, T0 = #rows, #rows[1]
+  local done, n_done = {}, 0
+  local function ids_tensor(list) return engine.tensor(list, { dtype = "i64", device = device }) end
+  local cache
+  local function new_cache()
+    local L = math.min(M_ctx, T0 + o.max_new_tokens)
+    local layers = {}
+    for i = 1, #model.layers do layers[i] = { pos = 0, max_len = L } end
+    return { pos = 0, max_len = L, layers = layers }
+  end
+  -- the logits [B, V] of the next token after rows
+  local function prefill()
+    local ctx = last_tokens(rows, M_ctx)
+    if o.kv_cache then
+      if cache == nil or cache.pos > 0 then
+        cache = cache or new_cache()
+        cache.pos = 0
+      end
+      return model:forward_cached(ids_tensor(ctx), cache, true):select(2, 1)
+    end
+    local logits = model(ids_tensor(ctx))
+    if logits._c.dist ~= nil then logits = logits:full_tensor() end
+    return logits:select(2, logits:size(2))
+  end
+  if o.max_new_tokens == 0 then return end
+  local logits = prefill()
+  for step = 1, o.max_new_tokens do
+    local nxt = choose(logits, o, mesh)
+    for b = 1, B do
+      local id = nxt[b]
+      if done[b] then id = done[b] end
+      rows[b][#rows[b] + 1] = id
+      if not done[b] then
+        if o.stream then o.stream(id, b) end
+        if o.eos and o.eos[id] then done[b] = id; n_done = n_done + 1 end
+      end
+    end
+    if n_done == B or step == o.max_new_tokens then break end
+    if o.kv_cache and cache.pos < cache.max_len then
+      local col = {}
+      for b = 1, B do col[b] = { rows[b][#rows[b]] } end
+      logits = model:forward_cached(ids_tensor(col), cache):select(2, 1)
+    else
+      logits = prefill()
+    end
+  end
+end
+
+-- model:generate(ids [, opts]) -> ids with the new tokens (see the header)
+function M.generate(model, ids, opts)
+  if type(model) ~= "table" or type(model.forward_cached) ~= "function" then
+    error("generate: expected a language model (nn.Transformer or nn.Llama) as self (model:generate(ids, opts))", 2)
+  end
+  local o = check_opts(opts, 3)
+  local a = model.model_args
+  local rows, form = read_ids(ids, a and a.vocab_size, 3)
+  if o.kv_cache then check_plan(model, 3) end
+  local device, mesh = placement_of(model)
+  local modes = {}
+  for i, m in ipairs(model:modules()) do modes[i] = rawget(m, "training") end
+  model:eval()
+  local prev = engine.set_grad_enabled(false)
+  local ok, err = pcall(run, model, rows, o, device, mesh)
+  engine.set_grad_enabled(prev)
+  for i, m in ipairs(model:modules()) do rawset(m, "training", modes[i]) end
+  if not ok then error(err, 0) end
+  return give_back(rows, form)
+end
+
+return M
