@@ -67,7 +67,7 @@ function engine.live_tensors() return tonumber(C.eng_tensor_live_count()) end
 
 -- Lazily loaded sub-libraries.
 local lazy = { nn = "engine.nn", optim = "engine.optim", data = "engine.data", cuda = "engine.cuda",
-  distributed = "engine.distributed", models = "engine.models", profiler = "engine.profiler" }
+  distributed = "engine.distributed", models = "engine.models", profiler = "engine.profiler", hf = "engine.hf" }
 setmetatable(engine, { __index = function(t, k)
   local m = lazy[k]
   if m then local v = require(m); rawset(t, k, v); return v end
