@@ -240,12 +240,14 @@ end
 local function choose(logits, o, dist_mesh)
   local B, V = logits:size(1), logits:size(2)
   local l = logits:float():cpu():contiguous()
+  local keep = { l }   -- the tensors read through pointers stay referenced until the end
   local nxt = {}
   if o.temperature == 0 then
     local p = ffi.cast("float*", l:data_ptr())
     for b = 1, B do nxt[b] = argmax(p + (b - 1) * V, V) end
   else
     local scaled = o.temperature == 1 and l or (l / o.temperature):contiguous()
+    keep[2] = scaled
     local u = engine.rand(B, { dtype = "f64", generator = o.generator }):totable()
     local p = ffi.cast("float*", scaled:data_ptr())
     local k = o.top_k and math.min(o.top_k, V)
@@ -300,7 +302,26 @@ local function choose(logits, o, dist_mesh)
     end
     nxt = t:totable()
   end
+  keep[1] = nil
   return nxt
+end
+
+-- generation.sample(logits [, opts]) -> a Lua list of token ids (0-based), one per row of logits [B, V] (or
+-- [V]: one id): the sampler of generate on given logits, with its options temperature, top_k, top_p, seed,
+-- generator (the others are errors here).
+function M.sample(logits, opts)
+  if not engine.is_tensor(logits) or (logits:dim() ~= 1 and logits:dim() ~= 2) then
+    error("generation.sample: expected logits [B, V] or [V], got " .. (engine.is_tensor(logits)
+      and "a tensor of " .. logits:dim() .. " dims" or type(logits)), 2)
+  end
+  if type(opts) == "table" then
+    for _, k in ipairs({ "max_new_tokens", "eos", "kv_cache", "stream" }) do
+      if opts[k] ~= nil then error("generation.sample: option '" .. k .. "' is generate's, not sample's", 2) end
+    end
+  end
+  local o = check_opts(opts, 3)
+  if logits:dim() == 1 then return choose(logits:view(1, -1), o, nil)[1] end
+  return choose(logits, o, nil)
 end
 
 -- ---------------------------------------------------------------- the loop
