@@ -179,31 +179,35 @@ describe("generate", function()
     end)
   end
 
-  it("the cached path uses attention biases", function()
-    local m = gpt()
-    engine.manual_seed(3)
-    for _, layer in ipairs(m.layers) do
-      local at = layer.attention
-      for _, k in ipairs({ "wq", "wk", "wv", "wo" }) do
-        local lin = nn.Linear(32, 32)
-        engine.no_grad(function() lin.weight:copy_(at[k].weight); lin.bias:normal_(0, 0.5) end)
-        at[k] = lin
+  it("the cached path uses attention biases (attn_bias, fused or three GEMMs)", function()
+    for _, fuse in ipairs({ true, false }) do
+      local m = gpt({ attn_bias = true })
+      engine.manual_seed(3)
+      for _, layer in ipairs(m.layers) do
+        local at = layer.attention
+        at.fuse_qkv = fuse
+        engine.no_grad(function()
+          for _, k in ipairs({ "wq", "wk", "wv", "wo" }) do at[k].bias:normal_(0, 0.5) end
+        end)
       end
+      m:eval()
+      engine.no_grad(function()
+        local x = engine.tensor({ { 1, 5, 9, 2, 33, 4, 7, 8 } })
+        local full = m(x)
+        local layers = {}
+        for i = 1, #m.layers do layers[i] = { pos = 0, max_len = 8 } end
+        local cache = { pos = 0, max_len = 8, layers = layers }
+        local got = { m:forward_cached(x:narrow(2, 1, 3), cache) }
+        for t = 4, 8 do got[#got + 1] = m:forward_cached(x:narrow(2, t, 1), cache) end
+        local d = maxdiff(engine.cat(got, 2), full)
+        assert.is_true(d <= 1e-5, "biased cached logits differ by " .. d)
+        -- the biases matter: without v's the logits move (k's adds one constant to every score of a query)
+        for _, layer in ipairs(m.layers) do engine.no_grad(function() layer.attention.wv.bias:zero_() end) end
+        assert.is_true(maxdiff(m(x), full) > 1e-3)
+      end)
+      local a = m:generate(PROMPT, { max_new_tokens = 8, temperature = 0 })
+      assert.are.same(m:generate(PROMPT, { max_new_tokens = 8, temperature = 0, kv_cache = false }), a)
     end
-    m:eval()
-    engine.no_grad(function()
-      local x = engine.tensor({ { 1, 5, 9, 2, 33, 4, 7, 8 } })
-      local full = m(x)
-      local layers = {}
-      for i = 1, #m.layers do layers[i] = { pos = 0, max_len = 8 } end
-      local cache = { pos = 0, max_len = 8, layers = layers }
-      local got = { m:forward_cached(x:narrow(2, 1, 3), cache) }
-      for t = 4, 8 do got[#got + 1] = m:forward_cached(x:narrow(2, t, 1), cache) end
-      local d = maxdiff(engine.cat(got, 2), full)
-      assert.is_true(d <= 1e-5, "biased cached logits differ by " .. d)
-    end)
-    local a = m:generate(PROMPT, { max_new_tokens = 8, temperature = 0 })
-    assert.are.same(m:generate(PROMPT, { max_new_tokens = 8, temperature = 0, kv_cache = false }), a)
   end)
 
   it("gives back the form it was given", function()
