@@ -18,7 +18,8 @@
 --   generator = nil       an engine.Generator to draw from (advanced); neither: the global generator
 --   eos = nil             a token id (or a list of ids): a row stops at it (the eos is kept); once every row
 --                         has stopped, generation ends; rows that stopped earlier are padded with their eos
---   kv_cache = true       false: every token recomputes the whole context (the old way; for comparisons)
+--   kv_cache = true       false: every token recomputes the whole context (the old way; for comparisons).
+--                         Unset under sequence parallelism: false (see below)
 --   stream = nil          function(id, row) called for each new token as it is chosen (row: 1-based batch row)
 --
 -- It runs under no_grad with every module in eval mode, and restores each module's training flag after.
@@ -35,9 +36,16 @@
 -- max_seq_len).  A prompt longer than max_seq_len is likewise cut to its last max_seq_len tokens for the
 -- model (the result still holds the whole prompt).
 --
--- Tensor parallelism (Transformer.parallelize / Llama.parallelize without sequence parallelism): the model's
--- plan runs as in training; the chosen tokens are broadcast from the first rank of the parameters' mesh each
--- step, so every rank continues with the same tokens (with the same seed they are the single-process ones).
+-- Distributed models: every rank of the mesh of a sharded parameter (tensor parallelism: Transformer.parallelize,
+-- Llama.parallelize; FSDP) calls generate with the same ids and options.  The model's plan runs as in training
+-- (the cached step goes through the model's own forward hooks, so FSDP unshards the root's parameters); each
+-- rank caches its local heads; the chosen tokens are broadcast from the first rank of that mesh each step, so
+-- every rank continues with the same tokens (with the same seed they are the single-process ones).  DTensor
+-- parameters run under implicit replication (Replicate-only DTensor data parallelism: each rank may generate
+-- alone).  Sequence parallelism (use_seq_parallel: detected by the forward hooks of the model's final norm) shards
+-- the positions between the blocks, which one new token cannot be: there the context is recomputed per token
+-- (kv_cache = false), padded on the right to a multiple of the mesh size (causal: the padding does not change the
+-- logits read) within the largest such multiple <= max_seq_len; kv_cache = true is an error.
 local engine = require("engine")
 
 local M = {}
@@ -173,25 +181,32 @@ local function give_back(rows, form)
   return rows[1]
 end
 
--- the parameters' device and, under tensor parallelism, their mesh
-local function placement_of(model)
-  local w = model.tok_embeddings and model.tok_embeddings.weight
-  if w == nil then
-    for _, p in model:named_parameters() do w = p; break end
+-- How the model is laid out: {device = the parameters' device, dtensor = any DTensor parameter (run under
+-- implicit replication: plain token ids meet Replicate parameters), mesh = the mesh of a sharded parameter (tensor
+-- parallelism, FSDP: every rank of it runs each forward, and the chosen tokens are broadcast over it), sp = the
+-- final norm has forward hooks (sequence parallelism: the positions are sharded between the blocks)}
+local function layout_of(model)
+  local L = { device = "cpu" }
+  local first = true
+  for _, p in ipairs(model:parameters()) do
+    local d = p._c.dist
+    if d ~= nil then
+      L.dtensor = true
+      if first then L.device = p:to_local().device end
+      if L.mesh == nil then
+        for _, pl in ipairs(p.placements) do
+          if pl:is_shard() then L.mesh = p.device_mesh; break end
+        end
+      end
+    elseif first then
+      L.device = p.device
+    end
+    first = false
   end
-  if w == nil then return "cpu", nil end
-  if w._c.dist ~= nil then return w:to_local().device, w.device_mesh end
-  return w.device, nil
-end
-
--- sequence parallelism shards the positions between the blocks: one new token cannot be split
-local function check_plan(model, lvl)
   local norm = model.norm
-  local cm = norm and rawget(norm, "_cmod")
-  if cm ~= nil and (engine.C.eng_module_hook_count(cm, 0) > 0 or engine.C.eng_module_hook_count(cm, 1) > 0) then
-    error("generate: the model's final norm has forward hooks (sequence parallelism shards the positions, which "
-      .. "one new token cannot be); parallelize the model without use_seq_parallel to generate", lvl)
-  end
+  local cm = type(norm) == "table" and rawget(norm, "_cmod")
+  L.sp = cm ~= nil and cm ~= false and (engine.C.eng_module_hook_count(cm, 0) > 0 or engine.C.eng_module_hook_count(cm, 1) > 0)
+  return L
 end
 
 -- ---------------------------------------------------------------- sampling
@@ -335,36 +350,54 @@ local function last_tokens(rows, n)
   return out
 end
 
-local function run(model, rows, o, device, mesh)
+-- model:forward_cached(tokens, cache, last_only) called through the model's own forward hooks (FSDP unshards
+-- the root's parameters in them): the model's forward is that function for the call
+local function call_cached(model, tokens, cache, last_only)
+  if rawget(model, "_cmod") == nil then return model:forward_cached(tokens, cache, last_only) end
+  local prev = rawget(model, "forward")
+  rawset(model, "forward", function(self, x) return self:forward_cached(x, cache, last_only) end)
+  local ok, r = pcall(model, tokens)
+  rawset(model, "forward", prev)
+  if not ok then error(r, 0) end
+  return r
+end
+
+local function run(model, rows, o, L)
   local M_ctx = model.max_seq_len
   local B, T0 = #rows, #rows[1]
   local done, n_done = {}, 0
-  local function ids_tensor(list) return engine.tensor(list, { dtype = "i64", device = device }) end
+  local function ids_tensor(list) return engine.tensor(list, { dtype = "i64", device = L.device }) end
+  -- sequence parallelism (uncached): the context padded on the right to a multiple of the mesh size (causal:
+  -- the padding does not change the logits read), within the largest such multiple <= max_seq_len
+  local pad = L.sp and L.mesh and L.mesh:size() or 1
+  local window = M_ctx - M_ctx % pad
   local cache
   local function new_cache()
-    local L = math.min(M_ctx, T0 + o.max_new_tokens)
+    local cap = math.min(M_ctx, T0 + o.max_new_tokens)
     local layers = {}
-    for i = 1, #model.layers do layers[i] = { pos = 0, max_len = L } end
-    return { pos = 0, max_len = L, layers = layers }
+    for i = 1, #model.layers do layers[i] = { pos = 0, max_len = cap } end
+    return { pos = 0, max_len = cap, layers = layers }
   end
-  -- the logits [B, V] of the next token after rows
+  -- the logits [B, V] of the next token after rows, from the whole window
   local function prefill()
-    local ctx = last_tokens(rows, M_ctx)
     if o.kv_cache then
-      if cache == nil or cache.pos > 0 then
-        cache = cache or new_cache()
-        cache.pos = 0
-      end
-      return model:forward_cached(ids_tensor(ctx), cache, true):select(2, 1)
+      cache = cache or new_cache()
+      cache.pos = 0
+      return call_cached(model, ids_tensor(last_tokens(rows, M_ctx)), cache, true):select(2, 1)
+    end
+    local ctx = last_tokens(rows, window)
+    local n = #ctx[1]
+    if n % pad ~= 0 then
+      for _, r in ipairs(ctx) do for _ = 1, pad - n % pad do r[#r + 1] = 0 end end
     end
     local logits = model(ids_tensor(ctx))
     if logits._c.dist ~= nil then logits = logits:full_tensor() end
-    return logits:select(2, logits:size(2))
+    return logits:select(2, n)
   end
   if o.max_new_tokens == 0 then return end
   local logits = prefill()
   for step = 1, o.max_new_tokens do
-    local nxt = choose(logits, o, mesh)
+    local nxt = choose(logits, o, L.mesh)
     for b = 1, B do
       local id = nxt[b]
       if done[b] then id = done[b] end
@@ -378,7 +411,7 @@ local function run(model, rows, o, device, mesh)
     if o.kv_cache and cache.pos < cache.max_len then
       local col = {}
       for b = 1, B do col[b] = { rows[b][#rows[b]] } end
-      logits = model:forward_cached(ids_tensor(col), cache):select(2, 1)
+      logits = call_cached(model, ids_tensor(col), cache):select(2, 1)
     else
       logits = prefill()
     end
@@ -393,13 +426,25 @@ function M.generate(model, ids, opts)
   local o = check_opts(opts, 3)
   local a = model.model_args
   local rows, form = read_ids(ids, a and a.vocab_size, 3)
-  if o.kv_cache then check_plan(model, 3) end
-  local device, mesh = placement_of(model)
+  local L = layout_of(model)
+  if L.sp then
+    if type(opts) == "table" and opts.kv_cache == true then
+      error("generate: kv_cache = true needs the positions whole on each rank, and the model's final norm has "
+        .. "forward hooks (sequence parallelism shards them); parallelize without use_seq_parallel, or leave "
+        .. "kv_cache unset (the context is then recomputed per token)", 3)
+    end
+    o.kv_cache = false
+  end
   local modes = {}
   for i, m in ipairs(model:modules()) do modes[i] = rawget(m, "training") end
   model:eval()
   local prev = engine.set_grad_enabled(false)
-  local ok, err = pcall(run, model, rows, o, device, mesh)
+  local ok, err
+  if L.dtensor then
+    ok, err = pcall(engine.distributed.implicit_replication, run, model, rows, o, L)
+  else
+    ok, err = pcall(run, model, rows, o, L)
+  end
   engine.set_grad_enabled(prev)
   for i, m in ipairs(model:modules()) do rawset(m, "training", modes[i]) end
   if not ok then error(err, 0) end

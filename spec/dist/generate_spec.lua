@@ -94,11 +94,44 @@ describe("generate under tensor parallelism", function()
       end)
   end
 
-  it("refuses sequence parallelism with a clear error on every rank", function()
-    local m = gpt()
-    models.Transformer.parallelize(m, mesh, { use_seq_parallel = true })
-    local ok, e = pcall(m.generate, m, PROMPT, { max_new_tokens = 2 })
-    assert.is_false(ok)
-    assert.matches("without use_seq_parallel", tostring(e), 1, true)
+  -- sequence parallelism shards the positions: generate recomputes the (padded) context per token
+  for _, case in ipairs({
+    { "Transformer", gpt, function(m) models.Transformer.parallelize(m, mesh, { use_seq_parallel = true }) end },
+    { "Llama", llama, function(m) models.Llama.parallelize(m, mesh, { use_seq_parallel = true }) end },
+  }) do
+    it(case[1] .. " with sequence parallelism: the single-process tokens (recomputed, padded context)", function()
+      local ref, m = case[2](), case[2]()
+      case[3](m)
+      local o = { max_new_tokens = 28, temperature = 0 }
+      local got = m:generate(PROMPT, o)
+      assert.are.same(ref:generate(PROMPT, o), got)
+      assert.is_true(agreed(got))
+      local ok, e = pcall(m.generate, m, PROMPT, { max_new_tokens = 2, kv_cache = true })
+      assert.is_false(ok)
+      assert.matches("parallelize without use_seq_parallel", tostring(e), 1, true)
+    end)
+  end
+
+  it("FSDP (fully_shard per block and root): the single-process tokens through the cache", function()
+    for _, make in ipairs({ gpt, llama }) do
+      local ref, m = make(), make()
+      for _, block in ipairs(m.layers:children()) do dist.fully_shard(block, { mesh = mesh }) end
+      dist.fully_shard(m, { mesh = mesh })
+      local o = { max_new_tokens = 30, temperature = 0.9, top_k = 10, seed = 2 }
+      local got = m:generate(PROMPT, o)
+      assert.are.same(ref:generate(PROMPT, o), got)
+      assert.is_true(agreed(got))
+    end
+  end)
+
+  it("DTensor data parallelism (Replicate parameters): each rank generates alone", function()
+    local ref, m = gpt(), gpt()
+    dist.replicate_parameters(m, mesh)
+    assert.is_true(dist.is_dtensor(m.output.weight))
+    local o = { max_new_tokens = 10, temperature = 0 }
+    local want = ref:generate(PROMPT, o)
+    -- rank 0 alone: no collective (a broadcast here would hang)
+    if dist.rank() == 0 then assert.are.same(want, m:generate(PROMPT, o)) end
+    dist.barrier()
   end)
 end)
