@@ -15,7 +15,7 @@ RECIPE_FILE = $(firstword $(wildcard recipes/$(RECIPE).lua recipes/$(RECIPE)_gpt
 MPIRUN = mpirun --allow-run-as-root --oversubscribe --bind-to none --mca btl self,vader --mca pml ob1 \
          -x MALLOC_MMAP_MAX_=0 -x MALLOC_TRIM_THRESHOLD_=1073741824
 
-.PHONY: all deps build asan-build fuzz-build fuzz run test data clean sanitize bench
+.PHONY: all deps build asan-build fuzz-build fuzz run test data clean sanitize bench plot
 
 all: build
 
@@ -43,6 +43,12 @@ data: build
 
 run: build data
 	$(MPIRUN) -np $(NP) $(BUILD)/engine $(RECIPE_FILE) $(ARGS)
+
+# the loss/throughput curves of run folders: make plot RUNS="runs/a runs/b" (default: the newest run in runs/)
+RUNS ?= $(lastword $(sort $(wildcard runs/*)))
+plot: build
+	@if [ -z "$(RUNS)" ]; then echo "make plot: no run folder (RUNS=\"runs/a runs/b\")"; exit 2; fi
+	@$(BUILD)/engine tools/plot.lua $(RUNS) $(PLOT_ARGS)
 
 test: build asan-build fuzz-build
 	@tools/run-tests.sh $(BUILD) --sanitize $(ASAN_BUILD) --fuzz $(FUZZ_BUILD)

@@ -23,9 +23,33 @@
  * is the Lua 5.1 way to end a script quietly with a failure status (as
  * lua.c and luajit.c treat it): busted's exit(n) does `error()` when n is not
  * 0, after printing its own summary.  It stays nil, and nothing is printed. */
+/* A usage error (engine.cli: a bad option, or --help) is not a crash: the Lua library's
+ * __engine_error_hook(msg) gives its exit code and stream, kept here for main to print once and exit
+ * with, without a traceback. */
+static int g_quiet_code = -1;
+static char* g_quiet_msg = NULL;
+static int g_quiet_stdout = 0;
+
+static int usage_error(lua_State* L, const char* msg) {
+  lua_getglobal(L, "__engine_error_hook");
+  if (!lua_isfunction(L, -1)) { lua_pop(L, 1); return 0; }
+  lua_pushstring(L, msg);
+  if (lua_pcall(L, 1, 2, 0) != 0) { lua_pop(L, 1); return 0; }
+  int is = lua_isnumber(L, -2);
+  if (is) {
+    g_quiet_code = (int)lua_tointeger(L, -2);
+    g_quiet_stdout = lua_isstring(L, -1) && !strcmp(lua_tostring(L, -1), "stdout");
+    free(g_quiet_msg);
+    g_quiet_msg = strdup(msg);
+  }
+  lua_pop(L, 2);
+  return is;
+}
+
 static int traceback(lua_State* L) {
   if (lua_isnoneornil(L, 1)) { lua_settop(L, 1); return 1; }
   const char* msg = lua_tostring(L, 1);
+  if (msg && usage_error(L, msg)) { lua_pushnil(L); return 1; }
   if (!msg) {
     if (luaL_callmeta(L, 1, "__tostring") && lua_type(L, -1) == LUA_TSTRING) return 1;
     msg = lua_pushfstring(L, "(error object is a %s value)", luaL_typename(L, 1));
@@ -156,6 +180,27 @@ int main(int argc, char** argv) {
     lua_getglobal(L, "__engine_at_exit");
     if (lua_isfunction(L, -1)) status = run_chunk(L, 0, 0);
     else lua_pop(L, 1);
+  }
+  /* A usage error: printed once (rank 0) and every rank exits with its code, when every rank raised one
+   * (a deterministic error of the arguments); otherwise the failing ranks print it and the job aborts. */
+  if (status != 0 && g_quiet_code >= 0) {
+    int world = eng_dist_world_size(), agreed = 1;
+    if (world > 1) {
+      int64_t n = 1;
+      agreed = eng_dist_allreduce_counts_timeout(&n, 1, 5.0) == 0 && n == world;
+    }
+    if (agreed) {
+      if (eng_dist_rank() == 0 && g_quiet_msg) {
+        FILE* out = g_quiet_stdout ? stdout : stderr;
+        fprintf(out, "%s\n", g_quiet_msg);
+        fflush(out);
+      }
+      lua_close(L);
+      eng_dist_finalize();
+      return g_quiet_code;
+    }
+    fprintf(stderr, "engine: rank %d: %s\n", eng_dist_rank(), g_quiet_msg ? g_quiet_msg : "");
+    fflush(stderr);
   }
   /* A failing rank of a multi-rank job ends the whole job: the other ranks
    * may be waiting for it in a collective, and MPI_Finalize would wait for

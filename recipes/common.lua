@@ -6,51 +6,212 @@
 --   local C = dofile((debug.getinfo(1, "S").source:match("^@(.*)/[^/]*$") or ".") .. "/common.lua")
 local engine = require("engine")
 local nn, optim, data, dist = engine.nn, engine.optim, engine.data, engine.distributed
+local cli = require("engine.cli")
+local run = require("engine.run")
 
 local M = {}
 
 local HOME = (ENGINE_HOME and ENGINE_HOME ~= "") and ENGINE_HOME or "."
 
--- the options of recipes/gpt.lua and recipes/fsdp_gpt.lua alike (each adds its own)
-function M.defaults(extra)
-  local d = {
-    n_layers = 4, dim = 256, n_heads = 4, seq = 128, dropout = 0.0,
-    batch = 8, steps = 600, lr = 2e-3, warmup = 30, min_lr_ratio = 0.1, weight_decay = 0.1,
-    beta1 = 0.9, beta2 = 0.95, grad_clip = 1.0, seed = 1337, threads = 0,
-    train = HOME .. "/data/kjv_train.bin", val = HOME .. "/data/kjv_val.bin",
-    log_every = 10, eval_every = 100, eval_batches = 20,
-    ckpt_dir = HOME .. "/checkpoints", ckpt_every = 0, resume = "", ckpt_keep = 0, ckpt_async = 0,
-    sample_len = 300, temperature = 0.8, prompt = "And God said", log_exact = 0, device = "cpu",
+-- The options of recipes/gpt.lua and recipes/fsdp_gpt.lua alike: engine.cli option specs ({name, default, help,
+-- group, int, min, max, choices}), in --help's order.  options(extra) appends a recipe's own (a later spec of the
+-- same name replaces an earlier one: a recipe changes a default).
+local GROUPS = { "model", "training", "data", "parallel", "run", "logging", "checkpoint", "sampling" }
+M.GROUPS = GROUPS
+
+function M.options(extra)
+  local I = true
+  local list = {
+    { "n_layers", 4, "transformer blocks", group = "model", int = I, min = 1 },
+    { "dim", 256, "model width", group = "model", int = I, min = 1 },
+    { "n_heads", 4, "attention heads", group = "model", int = I, min = 1 },
+    { "seq", 128, "context length in tokens", group = "model", int = I, min = 1 },
+    { "dropout", 0.0, "dropout probability", group = "model", min = 0, max = 1 },
+    { "vocab_size", 0, "vocabulary size; 0: the tokenizer's, else the training data's", group = "model", int = I,
+      min = 0 },
+    { "batch", 8, "sequences per rank per step", group = "training", int = I, min = 1 },
+    { "steps", 600, "optimizer steps", group = "training", int = I, min = 1 },
+    { "lr", 2e-3, "peak learning rate", group = "training", min = 0 },
+    { "warmup", 30, "steps of linear warmup, then cosine decay to min_lr_ratio x lr at --steps", group = "training",
+      int = I, min = 0 },
+    { "min_lr_ratio", 0.1, "the final learning rate as a fraction of --lr", group = "training", min = 0 },
+    { "weight_decay", 0.1, "AdamW weight decay", group = "training", min = 0 },
+    { "beta1", 0.9, "AdamW beta1", group = "training", min = 0, max = 1 },
+    { "beta2", 0.95, "AdamW beta2", group = "training", min = 0, max = 1 },
+    { "grad_clip", 1.0, "clip the global gradient norm to this; 0: no clipping", group = "training", min = 0 },
+    { "seed", 1337, "seed of the model init, data order, dropout and sample", group = "training", int = I },
+    { "threads", 0, "BLAS/kernel threads per rank; 0: the BLAS default with one rank, cores / ranks with several",
+      group = "training", int = I, min = 0 },
+    { "device", "cpu", "cpu, or cuda: the model, batches and meshes on each rank's GPU, NCCL between ranks",
+      group = "training", choices = { "cpu", "cuda" } },
+    { "train", HOME .. "/data/kjv_train.bin", "training tokens: an llm.c shard, or a glob of shards in quotes "
+      .. "('data/x_train_*.bin')", group = "data" },
+    { "val", HOME .. "/data/kjv_val.bin", "validation tokens (a shard or a glob)", group = "data" },
+    { "tokenizer", "byte", "byte (one token per byte), a Hugging Face tokenizer.json, or a folder with GPT-2's "
+      .. "vocab.json + merges.txt: decodes samples, sets the vocabulary", group = "data" },
+    { "out", "", "the run folder: config, checkpoints, metrics.jsonl, log.txt, samples; default "
+      .. "runs/<recipe>-<date>-<time> in the current directory", group = "run" },
+    { "resume", "", "continue a run: its run folder (its config and newest checkpoint), a checkpoint, or latest "
+      .. "(the newest checkpoint of --out / --ckpt_dir)", group = "run" },
+    { "log_every", 10, "steps between progress lines (rank 0: loss, lr, grad norm, ms/step, tokens/s, MFU, "
+      .. "memory, ETA) and metrics.jsonl rows", group = "logging", int = I, min = 1 },
+    { "log_exact", 0, "1: losses with 17 digits and a digest of the final parameters, to compare runs bit for bit",
+      group = "logging", int = I, choices = { 0, 1 } },
+    { "eval_every", 100, "steps between validation losses (also before the first and after the last); 0: only "
+      .. "those", group = "logging", int = I, min = 0 },
+    { "eval_batches", 20, "validation batches per evaluation", group = "logging", int = I, min = 1 },
+    { "ckpt_dir", "", "checkpoints; default <out>/checkpoints", group = "checkpoint" },
+    { "ckpt_every", 0, "steps between checkpoints; 0: only at the end, -1: never", group = "checkpoint", int = I,
+      min = -1 },
+    { "ckpt_keep", 0, "keep the newest K distributed checkpoints; 0: all", group = "checkpoint", int = I, min = 0 },
+    { "ckpt_async", 0, "1: save distributed checkpoints in a background thread while training goes on",
+      group = "checkpoint", int = I, choices = { 0, 1 } },
+    { "sample_len", 300, "tokens sampled at the end (saved in <out>/samples.txt); 0: none", group = "sampling",
+      int = I, min = 0 },
+    { "temperature", 0.8, "sampling temperature; 0: greedy", group = "sampling", min = 0 },
+    { "prompt", "And God said", "the sample's prompt", group = "sampling" },
   }
-  for k, v in pairs(extra or {}) do d[k] = v end
-  return d
+  for _, opt in ipairs(extra or {}) do
+    local replaced = false
+    for i, o in ipairs(list) do
+      if o[1] == opt[1] then
+        -- a default only ({name, value}): keep the help and checks
+        if opt[3] == nil then
+          local c = {}
+          for k, v in pairs(o) do c[k] = v end
+          c[2] = opt[2]
+          list[i] = c
+        else list[i] = opt end
+        replaced = true
+      end
+    end
+    if not replaced then list[#list + 1] = opt end
+  end
+  -- in group order
+  local rank_of = {}
+  for i, g in ipairs(GROUPS) do rank_of[g] = i end
+  local order = {}
+  for i, o in ipairs(list) do order[o] = i end
+  table.sort(list, function(a, b)
+    local ga, gb = rank_of[a.group or ""] or 99, rank_of[b.group or ""] or 99
+    if ga ~= gb then return ga < gb end
+    return order[a] < order[b]
+  end)
+  return list
 end
 
--- parse_args(name, defaults, argv, positive) -> options: --key=value for the keys of defaults (numbers where the
--- default is one), then every key of `positive` that is set must be a positive integer
-function M.parse_args(name, defaults, argv, positive)
-  local o = {}
-  for k, v in pairs(defaults) do o[k] = v end
-  for _, a in ipairs(argv) do
-    local k, v = a:match("^%-%-([%w_]+)=(.*)$")
-    if not k then error(name .. ": bad argument '" .. a .. "' (expected --key=value)", 0) end
-    local d = defaults[k]
-    if d == nil then
-      local names = {}
-      for n in pairs(defaults) do names[#names + 1] = n end
-      table.sort(names)
-      error(name .. ": unknown option --" .. k .. " (options: " .. table.concat(names, ", ") .. ")", 0)
+-- parse(name, options, argv, description) -> o, given (engine.cli.parse with --config)
+function M.parse(name, options, argv, description)
+  local o, given = cli.parse(argv, { name = name, description = description, options = options, config = true,
+    epilog = "Values: --key=value or --key value; a --config file (.lua, .json, .toml) of option values, which the "
+      .. "command line overrides.  A resumed run folder (--resume=runs/x) takes its saved options; options set on "
+      .. "the command line override them, except the model's shape." })
+  o.warmup = math.min(o.warmup, o.steps)
+  M.resolve_vocab(name, o)
+  return o, given
+end
+
+-- resolve_vocab(name, o): o.tok (the tokenizer of --tokenizer) and o.vocab_size when 0 (the tokenizer's; with the
+-- byte tokenizer, the training data's when its shard header records one, else 256)
+function M.resolve_vocab(name, o)
+  if o.tokenizer == "byte" then o.tok = data.ByteTokenizer()
+  else
+    if not data.load_tokenizer then M.usage_error(name, "--tokenizer=%s: this engine has no BPE tokenizer", o.tokenizer) end
+    local ok, tok = pcall(data.load_tokenizer, o.tokenizer)
+    if not ok then M.usage_error(name, "--tokenizer=%s: %s", o.tokenizer, tostring(tok)) end
+    o.tok = tok
+  end
+  if o.vocab_size == 0 then
+    o.vocab_size = o.tok.vocab_size
+    if o.tokenizer == "byte" and data.shard_info then
+      local ok, info = pcall(data.shard_info, o.train)
+      if ok and info and info.vocab_size and info.vocab_size > 0 then o.vocab_size = info.vocab_size end
     end
-    if type(d) == "number" then
-      o[k] = tonumber(v) or error(name .. ": --" .. k .. " must be a number, got '" .. v .. "'", 0)
+  elseif o.vocab_size < o.tok.vocab_size then
+    M.usage_error(name, "--vocab_size=%d is smaller than the tokenizer's %d tokens", o.vocab_size, o.tok.vocab_size)
+  end
+end
+
+-- config_json(o) -> the resolved options as JSON (saved in every checkpoint)
+function M.config_json(o) return require("engine.json").encode(cli.config_table(o)) end
+
+-- flops_per_token(model, o) -> the training FLOPs per token (6 N + 12 L d T; engine.run.flops_per_token)
+function M.flops_per_token(model, o)
+  return run.flops_per_token(model:num_parameters(), o.n_layers, o.dim, o.seq)
+end
+
+-- usage_error(name, fmt, ...): a bad combination of options (printed once, without a traceback)
+function M.usage_error(name, fmt, ...) return cli.usage_error(name, fmt, ...) end
+
+-- The options that give the model's shape: a resumed run keeps them (a different value on the command line is an
+-- error naming the option), and the per-run options a resumed run does not take from its saved config.
+M.SHAPE_OPTIONS = { "n_layers", "dim", "n_heads", "seq", "vocab_size", "n_kv_heads", "multiple_of",
+  "ffn_dim_multiplier", "tokenizer" }
+local PER_RUN = { out = true, resume = true, config = true, threads = true }
+
+-- the config saved in a checkpoint (a JSON string), or nil
+local function checkpoint_config(path)
+  local f = io.open(path .. "/.metadata", "rb")
+  if f then
+    f:close()
+    local st = { config = "" }
+    local ok = pcall(dist.checkpoint.load, st, path, { strict = false })
+    return ok and st.config ~= "" and st.config or nil
+  end
+  local ok, info = pcall(require("engine.checkpoint").load, path, {})
+  return ok and info and info.extra and info.extra.config or nil
+end
+
+-- start(name, o, given) -> the run (engine.run; collective): resolves --resume (a run folder, a checkpoint or
+-- latest) and the options it brings, checks the model's shape against it, creates or reopens the run folder
+-- (--out), sets o.ckpt_dir (default <out>/checkpoints) and o.resume (a checkpoint path, "latest" or ""), and saves
+-- the resolved options in <out>/config.json.
+function M.start(name, o, given)
+  local json = require("engine.json")
+  local saved, resuming_folder = nil, false
+  if o.resume ~= "" and o.resume ~= "latest" then
+    if run.exists(o.resume .. "/config.json") then     -- a run folder
+      resuming_folder = true
+      saved = json.read_file(o.resume .. "/config.json")
+      if o.out == "" then o.out = o.resume end
+      o.resume = "latest"
+      if not given.ckpt_dir then o.ckpt_dir = saved.ckpt_dir or "" end
+    elseif not run.exists(o.resume) then
+      M.usage_error(name, "--resume=%s: no such run folder or checkpoint", o.resume)
     else
-      o[k] = v
+      local s = checkpoint_config(o.resume)
+      if s then saved = json.decode(s) end
+    end
+  elseif o.resume == "latest" and o.out ~= "" and run.exists(o.out .. "/config.json") then
+    resuming_folder = true
+    saved = json.read_file(o.out .. "/config.json")
+    if not given.ckpt_dir then o.ckpt_dir = saved.ckpt_dir or "" end
+  end
+  if saved then
+    for _, k in ipairs(M.SHAPE_OPTIONS) do
+      local sv = saved[k]
+      if sv ~= nil and o[k] ~= nil then
+        if given[k] and o[k] ~= sv then
+          M.usage_error(name, "--%s=%s differs from the resumed run's %s=%s (the model's shape must match: resume "
+            .. "without --%s)", k, tostring(o[k]), k, tostring(sv), k)
+        end
+        o[k] = sv
+      end
+    end
+    if resuming_folder then
+      for k, v in pairs(saved) do
+        if o[k] ~= nil and not given[k] and not PER_RUN[k] and k ~= "ckpt_dir" then o[k] = v end
+      end
     end
   end
-  for _, k in ipairs(positive) do
-    if o[k] ~= nil and (o[k] < 1 or o[k] % 1 ~= 0) then error(name .. ": --" .. k .. " must be a positive integer", 0) end
+  if o.resume == "latest" and o.out == "" and o.ckpt_dir == "" then
+    M.usage_error(name, "--resume=latest continues the run of --out (or the checkpoints of --ckpt_dir): give one")
   end
-  return o
+  local r = run.start{ name = name, out = o.out, resume = resuming_folder or o.resume == "latest" }
+  o.out = r.dir
+  if o.ckpt_dir == "" then o.ckpt_dir = r.dir .. "/checkpoints" end
+  r:save_config(o)
+  return r
 end
 
 -- --threads: N > 0 per rank; 0 keeps the BLAS default with one rank and gives each of `world` ranks
@@ -58,11 +219,8 @@ end
 -- --device: "cpu" or "cuda" (the model, the batches and the meshes on the GPU of this rank's node-local rank;
 -- NCCL between ranks); cuda without a usable GPU is an error naming the reason.
 function M.check_device(name, o)
-  if o.device ~= "cpu" and o.device ~= "cuda" then
-    error(string.format("%s: --device must be cpu or cuda, got '%s'", name, tostring(o.device)), 0)
-  end
   if o.device == "cuda" and not engine.cuda.is_available() then
-    error(name .. ": --device=cuda: " .. engine.cuda.unavailable_reason(), 0)
+    M.usage_error(name, "--device=cuda: %s", engine.cuda.unavailable_reason())
   end
 end
 
@@ -175,15 +333,18 @@ function M.checkpointer(t)
   return setmetatable(t, Ck)
 end
 
-function Ck:state(at_step)
+-- (config: the run's resolved options as JSON, saved in every checkpoint; a load reads it when there is one)
+function Ck:state(at_step, with_config)
   local dcp = dist.checkpoint
-  return { model = self.model:state_dict(), optim = dcp.get_optimizer_state_dict(self.model, self.opt),
+  local st = { model = self.model:state_dict(), optim = dcp.get_optimizer_state_dict(self.model, self.opt),
     step = at_step, rng = engine.get_rng_state(), data = self.sampler:state() }
+  if with_config then st.config = self.config or "" end
+  return st
 end
 
 function Ck:load(path)
   local dcp = dist.checkpoint
-  local st = self:state(0)
+  local st = self:state(0, checkpoint_config(path) ~= nil)
   dcp.load(st, path)
   dcp.set_optimizer_state_dict(self.model, self.opt, st.optim)
   engine.set_rng_state(st.rng)
@@ -224,7 +385,7 @@ function Ck:save(at_step)
   self:finish()
   local dcp = dist.checkpoint
   local path = dcp.path(self.dir, at_step)
-  local h = dcp.save(self:state(at_step), path, { async = self.async })
+  local h = dcp.save(self:state(at_step, self.config ~= nil), path, { async = self.async })
   local function done()
     self.last = path
     self.log(self.name .. ": saved %s", path)
@@ -242,8 +403,14 @@ end
 function M.train(t)
   local o, log, name, opt, params, ck = t.o, t.log, t.name, t.opt, t.params, t.ck
   local step = t.step
-  if step == 0 or step >= o.steps then log("step %5d | val loss %.4f", step, t.evaluate()) end
+  if step == 0 or step >= o.steps then
+    local vl = t.evaluate()
+    log("step %5d | val loss %.4f", step, vl)
+    if t.run then t.run:metrics{ step = step, val_loss = vl } end
+  end
 
+  local R = t.run
+  local peak_flops = t.flops_per_token and run.peak_flops(o.device)
   reset_peak(o)
   local t_log, n_log = engine.time(), 0
   local times = {}
@@ -270,20 +437,31 @@ function M.train(t)
     n_log = n_log + 1
     if step % o.log_every == 0 or step == o.steps then
       local dt = (engine.time() - t_log) / n_log
+      local gn, tps, mem = gnorm:item(), t.tokens / dt, peak_bytes(o) / 2 ^ 20
+      local mfu = peak_flops and t.flops_per_token * tps / peak_flops or nil
+      local eta = M.median(times) * (o.steps - step)
       log("step %5d | loss " .. (o.log_exact == 1 and "%.17g" or "%.6f") .. " | lr %.3e | grad norm %.4f | %.1f ms/step "
-        .. "| %.0f tok/s | peak %.1f MiB", step, l, lr, gnorm:item(), dt * 1e3, t.tokens / dt,
-        peak_bytes(o) / 2 ^ 20)
+        .. "| %.0f tok/s | MFU %s | peak %.1f MiB | ETA %s", step, l, lr, gn, dt * 1e3, tps,
+        mfu and string.format("%.1f%%", 100 * mfu) or "n/a", mem, run.eta(eta))
+      if R then
+        R:metrics{ step = step, loss = l, lr = lr, grad_norm = gn, ms_per_step = dt * 1e3, tokens_per_s = tps,
+          mfu = mfu, peak_mem_mib = mem, eta_s = eta }
+      end
       t_log, n_log = engine.time(), 0
     end
     if o.eval_every > 0 and step % o.eval_every == 0 and step ~= o.steps then
       local te = engine.time()
-      log("step %5d | val loss %.4f | (eval %.1f s)", step, t.evaluate(), engine.time() - te)
+      local vl = t.evaluate()
+      log("step %5d | val loss %.4f | (eval %.1f s)", step, vl, engine.time() - te)
+      if R then R:metrics{ step = step, val_loss = vl } end
       t_log = t_log + (engine.time() - te)
     end
     if o.ckpt_every > 0 and step % o.ckpt_every == 0 and step ~= o.steps then t.save(step) end
   end
   if #times > 0 then
-    log("step %5d | val loss %.4f", step, t.evaluate())
+    local vl = t.evaluate()
+    log("step %5d | val loss %.4f", step, vl)
+    if R then R:metrics{ step = step, val_loss = vl } end
     log(name .. ": median %.1f ms/step over %d steps (%.0f tok/s)", M.median(times) * 1e3, #times,
       t.tokens / M.median(times))
     if o.ckpt_every >= 0 then t.save(step) end

@@ -51,26 +51,40 @@ local C = dofile((debug.getinfo(1, "S").source:match("^@(.*)/[^/]*$") or ".") ..
 local CFG = rawget(_G, "FSDP_GPT")
 local NAME = CFG and CFG.name or "fsdp_gpt"
 
-local defaults = C.defaults{ reshard_after_forward = "true", param_dtype = "", reduce_dtype = "", hsdp = 1,
-  grad_accum = 1 }
-for k, v in pairs(CFG and CFG.defaults or {}) do defaults[k] = v end
+local options = {
+  { "reshard_after_forward", "true", "true: free each block's unsharded parameters after its forward and "
+    .. "all-gather them again in backward; false: keep them until backward; N: keep an N-rank sharding after forward",
+    group = "parallel" },
+  { "param_dtype", "", "mixed precision: compute in this dtype (e.g. bf16); empty: off", group = "parallel",
+    choices = { "", "f32", "bf16", "f16", "f64" } },
+  { "reduce_dtype", "", "mixed precision: reduce-scatter gradients in this dtype; empty: off", group = "parallel",
+    choices = { "", "f32", "bf16", "f16", "f64" } },
+  { "hsdp", 1, "R > 1: a 2-D mesh of R replicas x W/R shards (HSDP); 1: a 1-D mesh", group = "parallel", int = true,
+    min = 1 },
+  { "grad_accum", 1, "microbatches of --batch rows per step (gradients reduce-scattered once per step)",
+    group = "parallel", int = true, min = 1 },
+}
+if CFG and (CFG.two_d or CFG.tp_option) then
+  options[#options + 1] = { "tp", 2, "ranks per tensor-parallel group", group = "parallel", int = true, min = 1 }
+  options[#options + 1] = { "sp", 0, "1: sequence parallelism with TP", group = "parallel", int = true,
+    choices = { 0, 1 } }
+end
+for _, opt in ipairs(CFG and CFG.options or {}) do options[#options + 1] = opt end
+for k, v in pairs(CFG and CFG.defaults or {}) do options[#options + 1] = { k, v } end
+options = C.options(options)
+
+local DESCRIPTION = CFG and CFG.description or "The KJV GPT of recipes/gpt.lua trained with fully sharded data "
+  .. "parallelism (dist.fully_shard, PyTorch's FSDP2): mpirun -np N build/engine recipes/fsdp_gpt.lua."
 
 local function parse_args(argv)
-  local o = C.parse_args(NAME, defaults, argv, { "n_layers", "dim", "n_heads", "seq", "batch", "steps", "log_every",
-    "eval_batches", "hsdp", "grad_accum", "tp" })
+  local o, given = C.parse(NAME, options, argv, DESCRIPTION)
   o.tp, o.sp = o.tp or 1, o.sp or 0
-  if o.sp ~= 0 and o.sp ~= 1 then error(NAME .. ": --sp must be 0 or 1", 0) end
-  if o.warmup < 0 then error(NAME .. ": --warmup must be >= 0", 0) end
-  if o.ckpt_keep < 0 or o.ckpt_keep % 1 ~= 0 then error(NAME .. ": --ckpt_keep must be a non-negative integer", 0) end
-  if o.ckpt_async ~= 0 and o.ckpt_async ~= 1 then error(NAME .. ": --ckpt_async must be 0 or 1", 0) end
-  if o.log_exact ~= 0 and o.log_exact ~= 1 then error(NAME .. ": --log_exact must be 0 or 1", 0) end
   local raf = o.reshard_after_forward
   if raf == "true" then o.raf = true
   elseif raf == "false" then o.raf = false
   elseif tonumber(raf) and tonumber(raf) >= 1 and tonumber(raf) % 1 == 0 then o.raf = tonumber(raf)
-  else error(NAME .. ": --reshard_after_forward must be true, false or a rank count N, got '" .. raf .. "'", 0) end
-  o.warmup = math.min(o.warmup, o.steps)
-  return o
+  else C.usage_error(NAME, "--reshard_after_forward must be true, false or a rank count N, got '%s'", raf) end
+  return o, given
 end
 
 -- bytes of this rank's part of a tensor (the local shard of a DTensor)
@@ -81,28 +95,29 @@ local function local_bytes(t)
 end
 
 local function main(argv)
-  local o = parse_args(argv)
+  local o, given = parse_args(argv)
   C.check_device(NAME, o)
   dist.init()
   local rank, world = dist.rank(), dist.world_size()
-  local log = C.logger(rank)
   C.set_threads(o.threads, world)
 
   -- the mesh: 1-D over the world, or HSDP (replicate, shard); with FSDP_GPT.two_d (recipes/gpt_2d.lua) a
   -- (dp, tp) mesh, or (replicate, shard, tp) with --hsdp: FSDP on the data-parallel dims, TP on "tp"
   local tp = o.tp
   local two_d = (CFG and CFG.two_d) or tp > 1
-  if world % tp ~= 0 then error(string.format(NAME .. ": --tp=%d does not divide the %d ranks", tp, world), 0) end
+  if world % tp ~= 0 then C.usage_error(NAME, "--tp=%d does not divide the %d ranks", tp, world) end
   local dpw = world / tp     -- data-parallel ranks: the size of the FSDP mesh
   if dpw % o.hsdp ~= 0 then
-    if tp == 1 then error(string.format(NAME .. ": --hsdp=%d does not divide the %d ranks", o.hsdp, world), 0) end
-    error(string.format(NAME .. ": --hsdp=%d does not divide the %d data-parallel ranks (%d ranks / --tp=%d)", o.hsdp,
-      dpw, world, tp), 0)
+    if tp == 1 then C.usage_error(NAME, "--hsdp=%d does not divide the %d ranks", o.hsdp, world) end
+    C.usage_error(NAME, "--hsdp=%d does not divide the %d data-parallel ranks (%d ranks / --tp=%d)", o.hsdp, dpw, world,
+      tp)
   end
-  if o.sp == 1 and tp == 1 then error(NAME .. ": --sp=1 needs tensor parallelism (--tp=N > 1)", 0) end
+  if o.sp == 1 and tp == 1 then C.usage_error(NAME, "--sp=1 needs tensor parallelism (--tp=N > 1)") end
   if o.sp == 1 and o.seq % tp ~= 0 then
-    error(string.format(NAME .. ": --sp=1 shards the sequence: --seq=%d must be divisible by --tp=%d", o.seq, tp), 0)
+    C.usage_error(NAME, "--sp=1 shards the sequence: --seq=%d must be divisible by --tp=%d", o.seq, tp)
   end
+  local R = C.start(NAME, o, given)   -- the run folder (--out), --resume's config, config.json
+  local log = function(...) R:log(...) end
   local mesh, root_mesh, tp_mesh
   local dp_rank = rank           -- this rank's place among the data-parallel ranks (which rows it reads)
   if two_d and o.hsdp > 1 then
@@ -130,7 +145,7 @@ local function main(argv)
   if CFG and CFG.build then   -- another model (recipes/llama.lua --fsdp=1): its own build and TP plan
     model = CFG.build(o)
   else
-    model = nn.Transformer{ n_layers = o.n_layers, dim = o.dim, n_heads = o.n_heads, vocab_size = 256,
+    model = nn.Transformer{ n_layers = o.n_layers, dim = o.dim, n_heads = o.n_heads, vocab_size = o.vocab_size,
       max_seq_len = o.seq, dropout_p = o.dropout }
     C.init_weights(model, o.n_layers)
   end
@@ -163,10 +178,10 @@ local function main(argv)
     world_size = dpw, max_batches = o.eval_batches })
   local tokens_per_step = dpw * rows * o.seq
 
-  log(NAME .. ": %d params (%d layers, dim %d, %d heads, seq %d, vocab 256), %d " .. (two_d and "dp " or "")
+  log(NAME .. ": %d params (%d layers, dim %d, %d heads, seq %d, vocab %d), %d " .. (two_d and "dp " or "")
     .. "rank(s) x %d microbatch(es) x "
     .. "batch %d = %d tokens/step, %d steps, lr %g (warmup %d, cosine to %g), wd %g, clip %g, seed %d, threads %d, "
-    .. "BLAS %s", n_params, o.n_layers, o.dim, o.n_heads, o.seq, dpw, o.grad_accum, o.batch, tokens_per_step,
+    .. "BLAS %s", n_params, o.n_layers, o.dim, o.n_heads, o.seq, o.vocab_size, dpw, o.grad_accum, o.batch, tokens_per_step,
     o.steps, o.lr, o.warmup, o.min_lr_ratio * o.lr, o.weight_decay, o.grad_clip, o.seed, engine.get_num_threads(),
     engine.blas_core())
   if two_d then
@@ -208,11 +223,11 @@ local function main(argv)
 
   -- distributed checkpoints: each rank its shards (recipes/gpt.lua's --ckpt_format=dcp)
   local ck = C.checkpointer{ name = NAME, log = log, rank = rank, model = model, opt = opt, sampler = train,
-    dir = o.ckpt_dir, keep = o.ckpt_keep, async = o.ckpt_async == 1 }
+    dir = o.ckpt_dir, keep = o.ckpt_keep, async = o.ckpt_async == 1, config = C.config_json(o) }
   local step = 0
   if o.resume ~= "" then step = ck:resume(o.resume) end
 
-  C.train{ name = NAME, o = o, log = log, model = model, opt = opt, params = params, train = train, step = step,
+  C.train{ name = NAME, o = o, log = log, run = R, flops_per_token = C.flops_per_token(model, o), model = model, opt = opt, params = params, train = train, step = step,
     lr_at = lr_at, tokens = tokens_per_step, ck = ck, save = function(at_step) ck:save(at_step) end,
     evaluate = function()
       return C.evaluate(model, val, function(x, y) return F.cross_entropy(model(x), y):item() end, n_val, o)
@@ -240,8 +255,12 @@ local function main(argv)
   -- draws the same tokens, rank 0 prints them; with --sp the context is padded on the right to a multiple of
   -- tp (causal attention: the padding does not change the logits read)
   if o.sample_len > 0 then
-    log(NAME .. ": sample (temperature %g):\n%s\n", o.temperature, C.sample(o, model, model, o.sp == 1 and tp or nil))
+    local text = C.sample(o, model, model, o.sp == 1 and tp or nil)
+    log(NAME .. ": sample (temperature %g):\n%s\n", o.temperature, text)
+    R:write("samples.txt", string.format("step %d, temperature %g, prompt %q:\n%s\n\n", o.steps, o.temperature,
+      o.prompt, text), "a")
   end
+  R:close()
 end
 
 main(arg and { unpack(arg, 1, #arg) } or {})

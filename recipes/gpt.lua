@@ -67,42 +67,44 @@ local C = dofile((debug.getinfo(1, "S").source:match("^@(.*)/[^/]*$") or ".") ..
 local MODEL = rawget(_G, "GPT_MODEL")
 local NAME = MODEL and MODEL.name or "gpt"
 
-local defaults = C.defaults{ ckpt_format = "dcp", tp = 1, sp = 0, dtensor_dp = 0, bucket_cap_mb = 25 }
-for k, v in pairs(MODEL and MODEL.defaults or {}) do defaults[k] = v end
--- recipes/tp_gpt.lua sets GPT_DEFAULTS (e.g. {tp = 0}) before running this file
-for k, v in pairs(rawget(_G, "GPT_DEFAULTS") or {}) do defaults[k] = v end
+local options = {
+  { "tp", 1, "tensor-parallel size: 1 none, 0 all ranks, N: N ranks per group, the rest data parallel on a "
+    .. "{dp, tp} mesh", group = "parallel", int = true, min = 0 },
+  { "sp", 0, "1: sequence parallelism with TP", group = "parallel", int = true, choices = { 0, 1 } },
+  { "dtensor_dp", 0, "1: without TP, data parallelism through DTensors (Replicate parameters on a dp mesh, "
+    .. "Shard(1) batches, gradients reduced by autograd)", group = "parallel", int = true, choices = { 0, 1 } },
+  { "bucket_cap_mb", 25, "plain data parallelism: DistributedDataParallel's gradient bucket size in MiB",
+    group = "parallel", min = 1e-9 },
+  { "ckpt_format", "dcp", "dcp: distributed checkpoints (every rank its shards, step_%08d/, loadable at any "
+    .. "world size or --tp); full: one safetensors file of full tensors (step_%08d.safetensors)",
+    group = "checkpoint", choices = { "dcp", "full" } },
+}
+for _, opt in ipairs(MODEL and MODEL.options or {}) do options[#options + 1] = opt end
+-- recipes/tp_gpt.lua sets GPT_DEFAULTS (e.g. {tp = 0}) before running this file: new defaults
+for k, v in pairs(rawget(_G, "GPT_DEFAULTS") or {}) do options[#options + 1] = { k, v } end
+options = C.options(options)
 
-local function parse_args(argv)
-  local o = C.parse_args(NAME, defaults, argv,
-    { "n_layers", "dim", "n_heads", "seq", "batch", "steps", "log_every", "eval_batches" })
-  if o.warmup < 0 then error(NAME .. ": --warmup must be >= 0", 0) end
-  if o.tp < 0 or o.tp % 1 ~= 0 then error(NAME .. ": --tp must be 0 (all ranks) or a positive integer", 0) end
-  if o.sp ~= 0 and o.sp ~= 1 then error(NAME .. ": --sp must be 0 or 1", 0) end
-  if o.ckpt_format ~= "dcp" and o.ckpt_format ~= "full" then error(NAME .. ": --ckpt_format must be dcp or full", 0) end
-  if o.ckpt_keep < 0 or o.ckpt_keep % 1 ~= 0 then error(NAME .. ": --ckpt_keep must be a non-negative integer", 0) end
-  if o.dtensor_dp ~= 0 and o.dtensor_dp ~= 1 then error(NAME .. ": --dtensor_dp must be 0 or 1", 0) end
-  if o.log_exact ~= 0 and o.log_exact ~= 1 then error(NAME .. ": --log_exact must be 0 or 1", 0) end
-  if o.bucket_cap_mb <= 0 then error(NAME .. ": --bucket_cap_mb must be positive", 0) end
-  o.warmup = math.min(o.warmup, o.steps)
-  return o
-end
+local DESCRIPTION = MODEL and MODEL.description or "A byte-level GPT (the Transformer of PyTorch's common_dtensor.py) "
+  .. "trained on the King James Bible, on one process, data parallel (mpirun -np N), tensor parallel (--tp) or "
+  .. "DTensor data parallel (--dtensor_dp=1)."
 
 local function main(argv)
-  local o = parse_args(argv)
+  local o, given = C.parse(NAME, options, argv, DESCRIPTION)
   C.check_device(NAME, o)
   dist.init()
   local rank, world = dist.rank(), dist.world_size()
-  local log = C.logger(rank)
   C.set_threads(o.threads, world)
 
   -- layout: tp ranks per tensor-parallel group, dp = world / tp groups of data parallelism
   local tp = o.tp == 0 and world or o.tp
-  if world % tp ~= 0 then error(string.format(NAME .. ": --tp=%d does not divide the %d ranks", tp, world), 0) end
+  if world % tp ~= 0 then C.usage_error(NAME, "--tp=%d does not divide the %d ranks", tp, world) end
   local dp = math.floor(world / tp)
-  if o.sp == 1 and tp == 1 then error(NAME .. ": --sp=1 needs tensor parallelism (--tp=0 or --tp=N > 1)", 0) end
+  if o.sp == 1 and tp == 1 then C.usage_error(NAME, "--sp=1 needs tensor parallelism (--tp=0 or --tp=N > 1)") end
   if o.sp == 1 and o.seq % tp ~= 0 then
-    error(string.format(NAME .. ": --sp=1 shards the sequence: --seq=%d must be divisible by the tp size %d", o.seq, tp), 0)
+    C.usage_error(NAME, "--sp=1 shards the sequence: --seq=%d must be divisible by the tp size %d", o.seq, tp)
   end
+  local R = C.start(NAME, o, given)   -- the run folder (--out), --resume's config, config.json
+  local log = function(...) R:log(...) end
   local mesh, dp_rank = nil, rank
   if tp > 1 then
     mesh = dist.init_device_mesh(o.device, { dp, tp }, { "dp", "tp" })
@@ -116,7 +118,7 @@ local function main(argv)
   -- model
   local function build()
     if MODEL then return MODEL.build(o) end
-    local m = nn.Transformer{ n_layers = o.n_layers, dim = o.dim, n_heads = o.n_heads, vocab_size = 256,
+    local m = nn.Transformer{ n_layers = o.n_layers, dim = o.dim, n_heads = o.n_heads, vocab_size = o.vocab_size,
       max_seq_len = o.seq, dropout_p = o.dropout }
     C.init_weights(m, o.n_layers)
     return m
@@ -157,8 +159,8 @@ local function main(argv)
 
   log(NAME .. ": %d params (%s), %d rank(s) x batch %d = %d tokens/step, "
     .. "%d steps, lr %g (warmup %d, cosine to %g), wd %g, clip %g, seed %d, threads %d, BLAS %s",
-    model:num_parameters(), MODEL and MODEL.describe(o) or string.format("%d layers, dim %d, %d heads, seq %d, vocab 256",
-    o.n_layers, o.dim, o.n_heads, o.seq), dp, o.batch, dp * o.batch * o.seq,
+    model:num_parameters(), MODEL and MODEL.describe(o) or string.format("%d layers, dim %d, %d heads, seq %d, vocab %d",
+    o.n_layers, o.dim, o.n_heads, o.seq, o.vocab_size), dp, o.batch, dp * o.batch * o.seq,
     o.steps, o.lr, o.warmup, o.min_lr_ratio * o.lr, o.weight_decay, o.grad_clip, o.seed,
     engine.get_num_threads(), engine.blas_core())
   if tp > 1 then
@@ -233,7 +235,7 @@ local function main(argv)
   -- optimizer state (keyed by parameter names), plus the step, the RNG state and the data position; a
   -- load fills the current layout whatever the layout at save time (world size, --tp, --dtensor_dp).
   local ck = C.checkpointer{ name = NAME, log = log, rank = rank, model = model, opt = opt, sampler = train,
-    dir = o.ckpt_dir, keep = o.ckpt_keep, async = o.ckpt_async == 1 }
+    dir = o.ckpt_dir, keep = o.ckpt_keep, async = o.ckpt_async == 1, config = C.config_json(o) }
 
   local step = 0
   if o.resume ~= "" then
@@ -270,14 +272,14 @@ local function main(argv)
     if rank == 0 then
       os.execute("mkdir -p '" .. o.ckpt_dir:gsub("'", "'\\''") .. "'")
       local path = checkpoint.save(checkpoint.path(o.ckpt_dir, at_step),
-        { model = ck_model, optimizer = ck_opt, sampler = train, step = at_step })
+        { model = ck_model, optimizer = ck_opt, sampler = train, step = at_step, extra = { config = ck.config } })
       log(NAME .. ": saved %s", path)
     end
     ck.last = checkpoint.path(o.ckpt_dir, at_step)
     if world > 1 then dist.barrier() end
   end
 
-  C.train{ name = NAME, o = o, log = log, model = model, opt = opt, params = params, train = train, step = step,
+  C.train{ name = NAME, o = o, log = log, run = R, flops_per_token = C.flops_per_token(model, o), model = model, opt = opt, params = params, train = train, step = step,
     lr_at = lr_at, tokens = dp * o.batch * o.seq, ck = ck, save = save,
     evaluate = function() return C.evaluate(model, val, eval_loss, nil, o) end,
     backward = function(x, y)
@@ -308,7 +310,10 @@ local function main(argv)
   if o.sample_len > 0 and (rank == 0 or tp > 1) then
     local text = C.sample(o, model, function(ids) return local_value(forward(ids)) end, o.sp == 1 and tp or nil)
     log(NAME .. ": sample (temperature %g):\n%s\n", o.temperature, text)
+    R:write("samples.txt", string.format("step %d, temperature %g, prompt %q:\n%s\n\n", o.steps, o.temperature,
+      o.prompt, text), "a")
   end
+  R:close()
 end
 
 main(arg and { unpack(arg, 1, #arg) } or {})

@@ -23,37 +23,56 @@ local nn = engine.nn
 
 GPT_MODEL = {
   name = "llama",
-  defaults = { n_kv_heads = 2, multiple_of = 256, ffn_dim_multiplier = 0, norm_eps = 1e-5, rope_theta = 10000,
-    dtensor_dp = 1 },
+  description = "A byte-level Llama (torchtitan's model: RMSNorm, rotary embeddings, grouped-query attention, "
+    .. "SwiGLU) trained on the King James Bible: recipes/gpt.lua's options and the Llama's own; --fsdp=1 trains it "
+    .. "with recipes/fsdp_gpt.lua (FSDP, or FSDP over TP with --tp) and that recipe's options.",
+  options = {
+    { "n_kv_heads", 2, "key/value heads (grouped-query attention; n_heads must be a multiple)", group = "model",
+      int = true, min = 1 },
+    { "multiple_of", 256, "the SwiGLU hidden size is rounded up to a multiple of this", group = "model", int = true,
+      min = 1 },
+    { "ffn_dim_multiplier", 0, "scales the SwiGLU hidden size; 0: none", group = "model", min = 0 },
+    { "norm_eps", 1e-5, "RMSNorm epsilon", group = "model", min = 0 },
+    { "rope_theta", 10000, "rotary embedding base", group = "model", min = 0 },
+    { "fsdp", 0, "1: train with FSDP (recipes/fsdp_gpt.lua)", group = "parallel", int = true, choices = { 0, 1 } },
+    { "dtensor_dp", 1 },
+  },
   build = function(o)
     if o.dropout ~= 0 then error("llama: --dropout does not apply (the Llama has no dropout)", 0) end
     return nn.Llama{ dim = o.dim, n_layers = o.n_layers, n_heads = o.n_heads, n_kv_heads = o.n_kv_heads,
-      vocab_size = 256, multiple_of = o.multiple_of,
+      vocab_size = o.vocab_size, multiple_of = o.multiple_of,
       ffn_dim_multiplier = o.ffn_dim_multiplier > 0 and o.ffn_dim_multiplier or nil,
       norm_eps = o.norm_eps, rope_theta = o.rope_theta, max_seq_len = o.seq }
   end,
   parallelize = function(model, tp_mesh, o) nn.Llama.parallelize(model, tp_mesh, { use_seq_parallel = o.sp == 1 }) end,
   describe = function(o)
-    return string.format("%d layers, dim %d, %d heads, %d kv heads, ffn %d, seq %d, vocab 256", o.n_layers, o.dim,
+    return string.format("%d layers, dim %d, %d heads, %d kv heads, ffn %d, seq %d, vocab %d", o.n_layers, o.dim,
       o.n_heads, o.n_kv_heads, require("engine.models").llama_ffn_dim({ dim = o.dim, multiple_of = o.multiple_of,
-        ffn_dim_multiplier = o.ffn_dim_multiplier > 0 and o.ffn_dim_multiplier or nil }), o.seq)
+        ffn_dim_multiplier = o.ffn_dim_multiplier > 0 and o.ffn_dim_multiplier or nil }), o.seq, o.vocab_size)
   end,
 }
 local here = (arg and arg[0] or "recipes/llama.lua"):match("^(.*)/[^/]*$") or "."
 -- --fsdp=1: recipes/fsdp_gpt.lua with the Llama (each block and the root fully sharded; its --reshard_after_forward,
 -- --param_dtype/--reduce_dtype, --hsdp, --grad_accum and --tp options, checkpoints through dist.checkpoint)
+-- --fsdp=1 (or --fsdp 1) picks recipes/fsdp_gpt.lua; the other arguments go to the recipe run
 local use_fsdp, rest = false, { [0] = arg and arg[0] }
-for _, a in ipairs(arg or {}) do
-  if a == "--fsdp=1" then use_fsdp = true elseif a ~= "--fsdp=0" then rest[#rest + 1] = a end
+local argv = arg or {}
+local i = 1
+while i <= #argv do
+  local a = argv[i]
+  local v = a:match("^%-%-fsdp=(.*)$")
+  if a == "--fsdp" then v = argv[i + 1]; i = i + 1 end
+  if v then use_fsdp = v == "1" or v == "true"
+  else rest[#rest + 1] = a end
+  i = i + 1
 end
 local ok, err
 if use_fsdp then
   local M = GPT_MODEL
-  local defaults = {}
-  for k, v in pairs(M.defaults) do if k ~= "dtensor_dp" then defaults[k] = v end end
-  defaults.tp, defaults.sp = 1, 0
-  FSDP_GPT = { name = "llama", defaults = defaults, build = M.build,
-    parallelize = M.parallelize }
+  local opts = {}
+  for _, o in ipairs(M.options) do if o[1] ~= "dtensor_dp" and o[1] ~= "fsdp" then opts[#opts + 1] = o end end
+  FSDP_GPT = { name = "llama", options = opts, defaults = { tp = 1, sp = 0 }, tp_option = true, build = M.build,
+    parallelize = M.parallelize, description = M.description }
   local saved = arg
   arg = rest
   ok, err = pcall(dofile, here .. "/fsdp_gpt.lua")

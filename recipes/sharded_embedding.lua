@@ -8,7 +8,7 @@
 --   mpirun -np 4 build/engine recipes/sharded_embedding.lua
 --   build/engine recipes/sharded_embedding.lua --shard=0          # one process, the same losses
 --
--- Options (--name=value): --steps 200, --batch 64, --users 200, --items 120, --dim 16, --lr 0.02 (AdamW),
+-- Options (--help lists them): --steps 200, --batch 64, --users 200, --items 120, --dim 16, --lr 0.02 (AdamW),
 -- --seed 1, --log 50 (steps between loss lines), --shard 1.
 -- Prints "step N | loss X" lines, then "final loss X | accuracy Y".
 local engine = require("engine")
@@ -16,13 +16,21 @@ local nn = engine.nn
 local F = nn.functional
 local dist = engine.distributed
 
-local opts = { steps = 200, batch = 64, users = 200, items = 120, dim = 16, lr = 0.02, seed = 1, log = 50, shard = 1 }
-for _, a in ipairs(arg or {}) do
-  local k, v = a:match("^%-%-([%w_]+)=(.*)$")
-  if not k or opts[k] == nil then error("sharded_embedding: unknown argument '" .. a .. "' (--steps, --batch, --users, "
-    .. "--items, --dim, --lr, --seed, --log, --shard)", 0) end
-  opts[k] = tonumber(v) or error("sharded_embedding: --" .. k .. " must be a number", 0)
-end
+local opts = require("engine.cli").parse(arg or {}, { name = "sharded_embedding",
+  description = "A click-prediction model with its embedding tables sharded by a Sharder (row-wise user and item "
+    .. "tables, column-wise category and hour tables), trained on synthetic clicks; every rank reads the same "
+    .. "batches, so the losses equal one process's (--shard=0).",
+  options = {
+    { "steps", 200, "optimizer steps", int = true, min = 1 },
+    { "batch", 64, "rows per step", int = true, min = 1 },
+    { "users", 200, "rows of the user table", int = true, min = 1 },
+    { "items", 120, "rows of the item table", int = true, min = 1 },
+    { "dim", 16, "embedding dim of the user, item and category tables", int = true, min = 1 },
+    { "lr", 0.02, "AdamW learning rate", min = 0 },
+    { "seed", 1, "seed of the data and the model", int = true },
+    { "log", 50, "steps between loss lines", int = true, min = 1 },
+    { "shard", 1, "1: tables sharded over the ranks; 0: the same model unsharded", int = true, choices = { 0, 1 } },
+  } })
 local R = dist.rank()
 local CATS, HOURS, BAG = 40, 24, 3
 

@@ -32,7 +32,7 @@ describe("recipes --device", function()
     assert.matches("fsdp_gpt: %-%-device=cuda: CUDA is not available", out)
     out, st = proc.job(0, "recipes/gpt.lua", args({ "--device=tpu" }))
     assert.are_not.equal(0, st)
-    assert.matches("%-%-device must be cpu or cuda, got 'tpu'", out)
+    assert.matches("%-%-device must be one of cpu, cuda, got 'tpu'", out)
   end)
 end)
 

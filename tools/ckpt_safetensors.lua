@@ -17,20 +17,17 @@ local engine = require("engine")
 local dist = engine.distributed
 local ckpt = dist.checkpoint
 
-local function usage(msg)
-  io.stderr:write((msg and ("ckpt_safetensors: " .. msg .. "\n") or "") ..
-    "usage: engine tools/ckpt_safetensors.lua to CKPT_DIR OUT.safetensors [--prefix=model.]\n" ..
-    "       engine tools/ckpt_safetensors.lua from IN.safetensors CKPT_DIR [--prefix=model.]\n")
-  os.exit(2)
-end
-
-local args, prefix = {}, "model."
-for _, a in ipairs(arg or {}) do
-  local p = a:match("^%-%-prefix=(.*)$")
-  if p then prefix = p elseif a:match("^%-%-") then usage("unknown option " .. a) else args[#args + 1] = a end
-end
-if #args ~= 3 then usage() end
-local mode, src, dst = args[1], args[2], args[3]
+local cli = require("engine.cli")
+local NAME = "ckpt_safetensors"
+local o = cli.parse(arg or {}, { name = NAME,
+  description = "A distributed checkpoint (dist.checkpoint folder) to one safetensors file of full tensors (to "
+    .. "CKPT_DIR OUT.safetensors), and back (from IN.safetensors CKPT_DIR).  One process.",
+  arguments = { { "mode", "to or from", choices = { "to", "from" } }, { "src", "what to read" },
+    { "dst", "what to write" } },
+  options = { { "prefix", "model.", "the keys of the checkpoint that are converted (to: the prefix is dropped; "
+    .. "from: it is added); empty: every tensor under its full key, values in the file's metadata" } } })
+local mode, src, dst, prefix = o.mode, o.src, o.dst, o.prefix
+local function usage(msg) cli.usage_error(NAME, "%s", msg) end
 if dist.world_size() ~= 1 then usage("run it as one process") end
 
 local function starts(s, p) return s:sub(1, #p) == p end
@@ -60,6 +57,4 @@ elseif mode == "from" then
   end
   ckpt.save(state, dst)
   print(string.format("ckpt_safetensors: %d tensors of %s -> %s", n, src, dst))
-else
-  usage("the mode is 'to' or 'from'")
 end

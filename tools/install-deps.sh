@@ -5,6 +5,8 @@
 set -euo pipefail
 pkgs=(build-essential cmake pkg-config luajit libluajit-5.1-dev lua-busted openmpi-bin libopenmpi-dev
       libopenblas-dev bible-kjv bible-kjv-text
+      lua-argparse   # engine.cli: the command line of every recipe and tool
+      gnuplot-nox    # tools/plot.lua: loss and throughput curves of runs (make plot)
       clang libclang-rt-dev)  # clang + libFuzzer: the fuzz targets of spec/fuzz (make fuzz-build)
 if [ "${1:-}" = "--torch" ]; then pkgs+=(python3-torch python3-numpy); fi
 missing=()

@@ -33,8 +33,10 @@ done
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
 BUSTED=$(command -v busted || echo /usr/bin/busted)
-MPIRUN="mpirun --allow-run-as-root --oversubscribe --bind-to none --mca btl self,vader --mca pml ob1 -x MALLOC_MMAP_MAX_=0 -x MALLOC_TRIM_THRESHOLD_=1073741824 -x ENGINE_SUMMARY_DIR"
+MPIRUN="mpirun --allow-run-as-root --oversubscribe --bind-to none --mca btl self,vader --mca pml ob1 -x MALLOC_MMAP_MAX_=0 -x MALLOC_TRIM_THRESHOLD_=1073741824 -x ENGINE_SUMMARY_DIR -x ENGINE_RUNS_DIR"
 TMP=$(mktemp -d)
+# the recipes' run folders (runs/<recipe>-<date>-<time>) go there, not into the checkout
+export ENGINE_RUNS_DIR="$TMP/runs"
 trap 'rm -rf "$TMP"' EXIT
 passed=0; failed=0; skipped=0
 

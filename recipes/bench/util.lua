@@ -10,23 +10,23 @@ local models = require("engine.models")
 
 local M = {}
 
--- parse_args(name, o, argv, each): --key=value into the defaults table o (numbers where the default is one);
--- each(k, v, a) (optional) sees every argument
-function M.parse_args(name, o, argv, each)
-  for _, a in ipairs(argv or {}) do
-    local k, v = a:match("^%-%-([%w_]+)=(.*)$")
-    if not k or o[k] == nil then
-      local names = {}
-      for n in pairs(o) do names[#names + 1] = "--" .. n end
-      table.sort(names)
-      error(name .. ": bad argument '" .. a .. "' (options: " .. table.concat(names, " ") .. ")", 0)
+-- parse_args(name, o, argv, each [, help]): the options of the defaults table o (engine.cli: --key=value or --key
+-- value, --help, typos; numbers where the default is one) into o; each(k, v, a) (optional) sees every option set,
+-- with v its value and a "--k=v"; help (optional) gives an option's meaning by name
+function M.parse_args(name, o, argv, each, help)
+  local keys = {}
+  for k in pairs(o) do keys[#keys + 1] = k end
+  table.sort(keys)
+  local options = {}
+  for i, k in ipairs(keys) do options[i] = { k, o[k], help and help[k] or "" } end
+  local v, given = require("engine.cli").parse(argv, { name = name, options = options,
+    description = "A benchmark: it prints its figures beside their baselines measured in the same run." })
+  for k in pairs(o) do o[k] = v[k] end
+  if each then
+    for _, a in ipairs(argv or {}) do
+      local k = a:match("^%-%-([%w_]+)")
+      if k and given[k] then each(k, tostring(o[k]), "--" .. k .. "=" .. tostring(o[k])); given[k] = nil end
     end
-    if type(o[k]) == "number" then
-      o[k] = tonumber(v) or error(name .. ": --" .. k .. " must be a number", 0)
-    else
-      o[k] = v
-    end
-    if each then each(k, v, a) end
   end
   return o
 end
