@@ -134,7 +134,8 @@ describe("recipes with distributed checkpoints", function()
     local dir = TMP .. "/dp"
     local function args(np, extra)
       local a = { "--n_layers=1", "--dim=32", "--n_heads=4", "--seq=16", "--lr=3e-3", "--log_every=1", "--threads=1",
-        "--steps=4", "--train=" .. train_bin, "--ckpt_dir=" .. dir, "--batch=" .. math.floor(4 / np) }
+        "--steps=4", "--train=" .. train_bin, "--val=" .. val_bin, "--eval_batches=1", "--sample_len=0", "--ckpt_dir=" .. dir,
+        "--batch=" .. math.floor(4 / np) }
       for _, v in ipairs(extra) do a[#a + 1] = v end
       return a
     end
