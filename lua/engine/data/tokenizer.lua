@@ -1,4 +1,6 @@
--- engine.data.tokenizer: the byte-level tokenizer (vocab 256: token = byte value).
+-- engine.data.tokenizer: the byte-level tokenizer (vocab 256: token = byte value; name "byte", no eot).
+-- BPE tokenizers (the same encode/decode/vocab_size/eot/name) are engine.data.bpe, both through
+-- data.load_tokenizer(spec).
 --   local tok = data.ByteTokenizer()
 --   local ids = tok:encode("hello")            -- {104, 101, 108, 108, 111} (0-based ids)
 --   local t = tok:encode("hello", {tensor = true})   -- i64 [5]
@@ -11,11 +13,19 @@ local M = {}
 local ByteTokenizer = {}
 ByteTokenizer.__index = ByteTokenizer
 ByteTokenizer.vocab_size = 256
+ByteTokenizer.name = "byte"
+ByteTokenizer.eot = nil          -- no end-of-text token: every id is a byte
 M.ByteTokenizer = setmetatable(ByteTokenizer, { __call = function(cls) return setmetatable({}, cls) end })
 
 -- encode(s [, {tensor = false}]) -> list of byte values, or an i64 tensor
 function ByteTokenizer:encode(s, opts)
   if type(s) ~= "string" then error("encode: expected a string, got " .. type(s), 2) end
+  if opts ~= nil then
+    if type(opts) ~= "table" then error("encode: options must be a table, got " .. type(opts), 2) end
+    for k in pairs(opts) do
+      if k ~= "tensor" then error("encode: unknown option '" .. tostring(k) .. "' (known: tensor)", 2) end
+    end
+  end
   local n = #s
   if opts and opts.tensor then
     local shape = ffi.new("int64_t[1]", n)
