@@ -70,6 +70,9 @@ function M.options(extra)
       int = I, min = 0 },
     { "temperature", 0.8, "sampling temperature; 0: greedy", group = "sampling", min = 0 },
     { "prompt", "And God said", "the sample's prompt", group = "sampling" },
+    { "top_k", 0, "sample among the k most likely tokens; 0: all", group = "sampling", int = I, min = 0 },
+    { "top_p", 1.0, "nucleus sampling: the smallest set of tokens of total probability >= top_p", group = "sampling",
+      min = 0, max = 1 },
   }
   for _, opt in ipairs(extra or {}) do
     local replaced = false
@@ -471,42 +474,16 @@ function M.train(t)
   return step
 end
 
--- sample(o, model, logits_of, pad) -> the text: --sample_len bytes after --prompt (seeded with --seed + 1:
--- the same run gives the same text), greedy at --temperature 0; logits_of(ids [1, t]) -> plain logits
--- [1, t, 256]; pad > 1 pads the context on the right to a multiple of pad (causal: later tokens do not matter)
-function M.sample(o, model, logits_of, pad)
-  model:eval()
-  engine.manual_seed(o.seed + 1)
-  local ids = data.encode(o.prompt)
-  if #ids == 0 then ids = { 10 } end
-  engine.no_grad(function()
-    for _ = 1, o.sample_len do
-      local ctx = {}
-      for i = math.max(1, #ids - o.seq + 1), #ids do ctx[#ctx + 1] = ids[i] end
-      local n = #ctx
-      if pad and pad > 1 then while #ctx % pad ~= 0 do ctx[#ctx + 1] = 10 end end
-      local logits = logits_of(M.to_device(o, engine.tensor({ ctx }))) -- [1, t, 256]
-      local last = logits:narrow(2, n, 1):tolist_flat()
-      local nxt
-      if o.temperature <= 0 then
-        nxt = 0
-        for i = 2, #last do if last[i] > last[nxt + 1] then nxt = i - 1 end end
-      else
-        local mx = -math.huge
-        for i = 1, #last do mx = math.max(mx, last[i]) end
-        local w, total = {}, 0
-        for i = 1, #last do w[i] = math.exp((last[i] - mx) / o.temperature); total = total + w[i] end
-        local u = engine.rand(1):item() * total
-        nxt = #last - 1
-        for i = 1, #last do
-          u = u - w[i]
-          if u <= 0 then nxt = i - 1; break end
-        end
-      end
-      ids[#ids + 1] = nxt
-    end
-  end)
-  return data.decode(ids)
+-- sample(o, model) -> the text: --sample_len tokens after --prompt through model:generate (the KV cache; seeded
+-- with --seed + 1: the same run gives the same text; greedy at --temperature 0; --top_k, --top_p), decoded with
+-- the run's tokenizer (o.tok).  With a sharded model (TP, FSDP) every rank of its mesh calls it.
+function M.sample(o, model)
+  local tok = o.tok or data.ByteTokenizer()
+  local ids = tok:encode(o.prompt)
+  if #ids == 0 then ids = { tok.eot or 10 } end
+  local out = model:generate(ids, { max_new_tokens = o.sample_len, temperature = o.temperature,
+    top_k = o.top_k > 0 and o.top_k or nil, top_p = o.top_p, seed = o.seed + 1 })
+  return tok:decode(out)
 end
 
 return M

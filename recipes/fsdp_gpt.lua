@@ -255,7 +255,7 @@ local function main(argv)
   -- draws the same tokens, rank 0 prints them; with --sp the context is padded on the right to a multiple of
   -- tp (causal attention: the padding does not change the logits read)
   if o.sample_len > 0 then
-    local text = C.sample(o, model, model, o.sp == 1 and tp or nil)
+    local text = C.sample(o, model)
     log(NAME .. ": sample (temperature %g):\n%s\n", o.temperature, text)
     R:write("samples.txt", string.format("step %d, temperature %g, prompt %q:\n%s\n\n", o.steps, o.temperature,
       o.prompt, text), "a")

@@ -259,7 +259,6 @@ local function main(argv)
     if shard then x = dist.from_local(x, mesh, { dist.Shard(1) }) end
     return dist.implicit_replication(function() return model(x) end)
   end
-  local function local_value(t) return dist.is_dtensor(t) and t:to_local() or t end
   local function eval_loss(x, y)
     if not ddp then return F.cross_entropy(model(x), y):item() end
     return dist.implicit_replication(function() return F.cross_entropy(model(x), y) end):to_local():item()
@@ -308,7 +307,7 @@ local function main(argv)
   -- a sample from rank 0 (seeded: the same run prints the same text); with TP every rank runs the
   -- forward (it is collective), with SP on a context padded on the right to a multiple of tp
   if o.sample_len > 0 and (rank == 0 or tp > 1) then
-    local text = C.sample(o, model, function(ids) return local_value(forward(ids)) end, o.sp == 1 and tp or nil)
+    local text = C.sample(o, model)
     log(NAME .. ": sample (temperature %g):\n%s\n", o.temperature, text)
     R:write("samples.txt", string.format("step %d, temperature %g, prompt %q:\n%s\n\n", o.steps, o.temperature,
       o.prompt, text), "a")
