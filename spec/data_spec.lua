@@ -284,6 +284,41 @@ describe("data.BatchSampler", function()
     assert.is_true(seen[0] > 30 and seen[2000] > 30)
   end)
 
+  it("reads a glob of shards (uint16 and uint32 mixed) and resumes exactly across them", function()
+    local dir = os.tmpname()
+    os.remove(dir)
+    assert(os.execute("mkdir -p '" .. dir .. "'"))
+    finally(function() os.execute("rm -rf '" .. dir .. "'") end)
+    data.write_shard(dir .. "/d_train_2.bin", toks(300, 100000))      -- ids past 65535: a uint32 shard
+    data.write_shard(dir .. "/d_train_1.bin", toks(200, 0))
+    data.write_shard(dir .. "/d_train_3.bin", toks(100, 5000))
+    local opts = { batch_size = 4, seq_len = 6, seed = 3 }
+    local g = data.BatchSampler(dir .. "/d_train_*.bin", opts)
+    local l = data.BatchSampler(data.read_shards({ dir .. "/d_train_1.bin", dir .. "/d_train_2.bin",
+      dir .. "/d_train_3.bin" }), opts)
+    assert.are.equal(200 - 6 + 300 - 6 + 100 - 6, g.total)
+    local xs, seen = {}, {}
+    for k = 1, 12 do
+      local x, y = g:next()
+      xs[k] = x:tolist()
+      assert.are.same(xs[k], l:next():tolist())
+      for _, row in ipairs(xs[k]) do
+        local base = row[1] >= 100000 and 100000 or row[1] >= 5000 and 5000 or 0
+        seen[base] = true
+        assert.are.equal(row[1] + 5, row[6], "a window stays in its shard")
+      end
+      assert.are.equal(xs[k][1][2], y:tolist()[1][1])
+    end
+    assert.is_true(seen[0] and seen[5000] and seen[100000])
+    local r = data.BatchSampler(dir .. "/d_train_*.bin", opts)
+    r:set_state({ seed = 3, position = 7 })
+    for k = 8, 12 do assert.are.same(xs[k], r:next():tolist()) end
+    local v = data.ValLoader(dir .. "/d_train_*.bin", { batch_size = 2, seq_len = 4 })
+    assert.are.same({ { 0, 1, 2, 3 }, { 4, 5, 6, 7 } }, v:next():tolist())
+    err(function() data.ValLoader(dir .. "/e_*.bin", { batch_size = 2, seq_len = 4 }) end,
+      "ValLoader: the pattern " .. dir .. "/e_*.bin matches no file")
+  end)
+
   it("accepts tensors and validates its options", function()
     local s = data.BatchSampler(engine.arange(0, 20), { batch_size = 2, seq_len = 19 })
     local x, y = s:next()
