@@ -5,34 +5,14 @@
 --   mpirun -np 2 build/engine recipes/gpt.lua --threads=1     # data parallel over 2 ranks
 --   make run ARGS="--steps=100"                               # the same through the Makefile
 --
--- Options (defaults in `defaults` below):
---   model      --n_layers --dim --n_heads --seq (context length) --dropout
---   training   --batch (per rank) --steps --lr (peak) --warmup (steps of linear warmup, then cosine
---              decay to --min_lr_ratio x lr at --steps) --weight_decay --beta1 --beta2 --grad_clip
---              --seed (model init, data order, dropout) --threads (BLAS/kernel threads per rank)
---   data       --train --val (llm.c token shards, byte tokens)
---   logging    --log_every (rank 0 prints step, loss, lr, grad norm, ms/step, tokens/s, peak memory)
---              --log_exact (1: losses printed with %.17g, and a digest of the final parameters (every full
---              tensor's checksum, in name order), so that runs can be compared bit for bit)
---              --eval_every --eval_batches (validation loss on the first eval_batches batches of val;
---              also before the first step and after the last)
---   checkpoint --ckpt_dir --ckpt_every (0: only at the end; -1: never) --resume (a checkpoint path, or
---              "latest" for the newest one in ckpt_dir) --ckpt_format (dcp: distributed checkpoints,
---              dist.checkpoint: every rank writes its own shards into ckpt_dir/step_%08d/, loadable at any
---              world size, mesh or --tp (the default); full: one safetensors file of full tensors,
---              engine.checkpoint, step_%08d.safetensors) --ckpt_keep (dcp: keep the newest K; 0: all)
---              --ckpt_async (dcp: 1 saves in a background thread while training goes on)
---   sampling   --sample_len (bytes generated at the end; 0: none) --temperature (0: greedy)
---              --prompt
---   parallel   --tp (tensor-parallel size: 1 none (default), 0 all ranks, N: N ranks per group, the
---              rest data parallel on a {dp, tp} mesh) --sp (1: sequence parallelism with TP)
---              --dtensor_dp (1: without TP, data parallelism through DTensors as recipes/dp_gpt.lua:
---              Replicate parameters on a "dp" mesh, Shard(1) batches, gradients reduced by autograd)
---              --bucket_cap_mb (plain data parallelism: DistributedDataParallel's bucket size, default 25)
---   device     --device (cpu (default) or cuda: the model, batches and meshes on each rank's GPU, NCCL between
---              ranks; one rank per GPU, docs/cuda.md)
---   (recipes/tp_gpt.lua runs this recipe with --tp=0 as its default; recipes/llama.lua runs it with
---   the Llama model)
+-- Options: `build/engine recipes/gpt.lua --help` lists every one with its default and meaning, in groups
+-- (model, training, data, parallel, run, logging, checkpoint, sampling; the specs are `options` below and
+-- C.options in recipes/common.lua); --key=value or --key value, or a --config file (.lua, .json, .toml).
+-- Each run writes a run folder (--out, default runs/gpt-<date>-<time>): config.json (the resolved options),
+-- log.txt, metrics.jsonl (a JSON line per logged step: loss, lr, grad norm, tokens/s, MFU, memory, ETA; and the
+-- validation losses), checkpoints/ and samples.txt; --resume=<run folder> continues it with its saved options.
+-- (recipes/tp_gpt.lua runs this recipe with --tp=0 as its default, recipes/dp_gpt.lua with --dtensor_dp=1;
+-- recipes/llama.lua runs it with the Llama model)
 --
 -- Defaults: `make run` trains the reference model (3.25M parameters) for 600 steps of 1024 tokens at a
 -- peak lr of 2e-3; measured on the 2-core project VM: validation loss 5.63 -> 1.87 in about 3 minutes
