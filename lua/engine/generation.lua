@@ -222,9 +222,11 @@ local function argmax(p, n)
   return best
 end
 
--- One token from the scaled logits of a row: values vals[1..m] (decreasing) and their ids ids[1..m] when the
--- candidates were cut (top_k / top_p); u in [0, 1)
-local function draw(vals, ids, m, top_p, u)
+-- The nucleus of a row's candidates vals[1..m] (decreasing scaled logits): n, the weights w[1..n] (exp(v - max))
+-- and their sum.  Hugging Face's TopPLogitsWarper removes a token when the probabilities up to it in increasing
+-- order sum to <= 1 - top_p: in decreasing order, i stays while the probabilities before it sum to < top_p
+-- (the first always stays).
+local function nucleus(vals, m, top_p)
   local mx = vals[1]
   local w, total = {}, 0
   for i = 1, m do
@@ -232,7 +234,6 @@ local function draw(vals, ids, m, top_p, u)
     w[i] = e
     total = total + e
   end
-  -- nucleus: keep i while the probabilities before it sum to < top_p (at least the first)
   local n = m
   if top_p < 1 then
     local before = 0
@@ -243,16 +244,47 @@ local function draw(vals, ids, m, top_p, u)
     total = 0
     for i = 1, n do total = total + w[i] end
   end
-  local x = u * total
-  for i = 1, n do
-    x = x - w[i]
-    if x < 0 then return ids[i] end
-  end
-  return ids[n]
+  return n, w, total
 end
 
--- next token ids (a Lua list, one per row) from logits f32 [B, V] (any device)
-local function choose(logits, o, dist_mesh)
+-- The candidates of each row of scaled (f32 [B, V] contiguous on the host, p its data) under top_k / top_p, in
+-- decreasing order: {vals, ids, n (kept by the nucleus), w, total} per row; nil when neither filters.
+-- top_k keeps every token whose scaled logit is >= the k-th largest (Hugging Face's TopKLogitsWarper: ties kept).
+local function candidates(scaled, p, B, V, o)
+  local k = o.top_k and math.min(o.top_k, V)
+  if not (k and k < V) and o.top_p >= 1 then return nil end
+  local sorted_v, sorted_i
+  if k and k < V then
+    local tv = scaled:topk(k, 2)
+    local thr = tv:select(2, k):totable()
+    local need = k
+    for b = 1, B do
+      local row, c = p + (b - 1) * V, 0
+      for i = 0, V - 1 do if row[i] >= thr[b] then c = c + 1 end end
+      need = math.max(need, c)
+    end
+    local sv, si = scaled:topk(need, 2)
+    sorted_v, sorted_i = sv:totable(), si:totable()
+    for b = 1, B do
+      local vb, ib = sorted_v[b], sorted_i[b]
+      local m = #vb
+      while m > 1 and vb[m] < thr[b] do vb[m], ib[m] = nil, nil; m = m - 1 end
+    end
+  else
+    local sv, si = scaled:sort(2, true)
+    sorted_v, sorted_i = sv:totable(), si:totable()
+  end
+  local rows = {}
+  for b = 1, B do
+    local n, w, total = nucleus(sorted_v[b], #sorted_v[b], o.top_p)
+    rows[b] = { vals = sorted_v[b], ids = sorted_i[b], n = n, w = w, total = total }
+  end
+  return rows
+end
+
+-- next token ids (a Lua list, one per row) from logits f32 [B, V] (any device); kept_only: the ids each row
+-- may draw (sorted) instead of a draw
+local function choose(logits, o, dist_mesh, kept_only)
   local B, V = logits:size(1), logits:size(2)
   local l = logits:float():cpu():contiguous()
   local keep = { l }   -- the tensors read through pointers stay referenced until the end
@@ -260,40 +292,32 @@ local function choose(logits, o, dist_mesh)
   if o.temperature == 0 then
     local p = ffi.cast("float*", l:data_ptr())
     for b = 1, B do nxt[b] = argmax(p + (b - 1) * V, V) end
+    if kept_only then for b = 1, B do nxt[b] = { nxt[b] } end end
   else
     local scaled = o.temperature == 1 and l or (l / o.temperature):contiguous()
     keep[2] = scaled
-    local u = engine.rand(B, { dtype = "f64", generator = o.generator }):totable()
     local p = ffi.cast("float*", scaled:data_ptr())
-    local k = o.top_k and math.min(o.top_k, V)
-    local sorted_v, sorted_i
-    if k or o.top_p < 1 then
-      -- candidates in decreasing order: the top k (and any ties with the k-th), or all of them for top_p alone
-      if k and k < V then
-        local tv = scaled:topk(k, 2)
-        local thr = tv:select(2, k):totable()
-        local need = k
-        for b = 1, B do
-          local row, c = p + (b - 1) * V, 0
-          for i = 0, V - 1 do if row[i] >= thr[b] then c = c + 1 end end
-          need = math.max(need, c)
+    local rows = candidates(scaled, p, B, V, o)
+    if kept_only then
+      for b = 1, B do
+        local ids = {}
+        if rows then for i = 1, rows[b].n do ids[i] = rows[b].ids[i] end else for i = 1, V do ids[i] = i - 1 end end
+        table.sort(ids)
+        nxt[b] = ids
+      end
+      return nxt
+    end
+    local u = engine.rand(B, { dtype = "f64", generator = o.generator }):totable()
+    for b = 1, B do
+      if rows then
+        local r = rows[b]
+        local x, pick = u[b] * r.total, r.ids[r.n]
+        for i = 1, r.n do
+          x = x - r.w[i]
+          if x < 0 then pick = r.ids[i]; break end
         end
-        local sv, si = scaled:topk(need, 2)
-        sorted_v, sorted_i = sv:totable(), si:totable()
-        for b = 1, B do
-          local vb, ib = sorted_v[b], sorted_i[b]
-          local m = #vb
-          while m > 1 and vb[m] < thr[b] do vb[m], ib[m] = nil, nil; m = m - 1 end
-        end
+        nxt[b] = pick
       else
-        local sv, si = scaled:sort(2, true)
-        sorted_v, sorted_i = sv:totable(), si:totable()
-      end
-      for b = 1, B do
-        nxt[b] = draw(sorted_v[b], sorted_i[b], #sorted_v[b], o.top_p, u[b])
-      end
-    else
-      for b = 1, B do
         local row = p + (b - 1) * V
         local mx = row[0]
         for i = 1, V - 1 do if row[i] > mx then mx = row[i] end end
@@ -337,6 +361,18 @@ function M.sample(logits, opts)
   local o = check_opts(opts, 3)
   if logits:dim() == 1 then return choose(logits:view(1, -1), o, nil)[1] end
   return choose(logits, o, nil)
+end
+
+-- generation.kept(logits [, opts]) -> for each row of logits [B, V] ([V]: one list), the sorted ids the sampler
+-- may draw under opts' temperature, top_k and top_p (temperature 0: the argmax alone); draws nothing
+function M.kept(logits, opts)
+  if not engine.is_tensor(logits) or (logits:dim() ~= 1 and logits:dim() ~= 2) then
+    error("generation.kept: expected logits [B, V] or [V], got " .. (engine.is_tensor(logits)
+      and "a tensor of " .. logits:dim() .. " dims" or type(logits)), 2)
+  end
+  local o = check_opts(opts, 3)
+  if logits:dim() == 1 then return choose(logits:view(1, -1), o, nil, true)[1] end
+  return choose(logits, o, nil, true)
 end
 
 -- ---------------------------------------------------------------- the loop
