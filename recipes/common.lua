@@ -110,27 +110,50 @@ function M.parse(name, options, argv, description)
       .. "command line overrides.  A resumed run folder (--resume=runs/x) takes its saved options; options set on "
       .. "the command line override them, except the model's shape." })
   o.warmup = math.min(o.warmup, o.steps)
-  M.resolve_vocab(name, o)
   return o, given
 end
 
--- resolve_vocab(name, o): o.tok (the tokenizer of --tokenizer) and o.vocab_size when 0 (the tokenizer's; with the
--- byte tokenizer, the training data's when its shard header records one, else 256)
+-- read_shards(name, path) -> the shards of --train / --val (a path, or a glob of llm.c shards; read once per run: the
+-- vocabulary check reads them first), a usage error naming the option when they cannot be read
+local shard_cache = {}
+function M.read_shards(name, path, what)
+  if shard_cache[path] then return shard_cache[path] end
+  local ok, sh = pcall(data.read_shards, path)
+  if not ok then M.usage_error(name, "--%s=%s: %s", what or "train", path, tostring(sh)) end
+  shard_cache[path] = sh
+  return sh
+end
+
+-- resolve_vocab(name, o): o.tok (the tokenizer of --tokenizer) and o.vocab_size when 0: the tokenizer's, or with the
+-- byte tokenizer the training data's (the shard header's vocabulary size, else the largest id in the train and
+-- val shards + 1, at least 256).  A shard header whose vocabulary differs from the tokenizer's is an error.
 function M.resolve_vocab(name, o)
   if o.tokenizer == "byte" then o.tok = data.ByteTokenizer()
   else
-    if not data.load_tokenizer then M.usage_error(name, "--tokenizer=%s: this engine has no BPE tokenizer", o.tokenizer) end
     local ok, tok = pcall(data.load_tokenizer, o.tokenizer)
     if not ok then M.usage_error(name, "--tokenizer=%s: %s", o.tokenizer, tostring(tok)) end
     o.tok = tok
   end
-  if o.vocab_size == 0 then
-    o.vocab_size = o.tok.vocab_size
-    if o.tokenizer == "byte" and data.shard_info then
-      local ok, info = pcall(data.shard_info, o.train)
-      if ok and info and info.vocab_size and info.vocab_size > 0 then o.vocab_size = info.vocab_size end
+  local train, val = M.read_shards(name, o.train, "train"), M.read_shards(name, o.val, "val")
+  local recorded, max_id = nil, -1
+  for _, list in ipairs({ train, val }) do
+    for _, sh in ipairs(list) do
+      if sh.vocab_size then recorded = math.max(recorded or 0, sh.vocab_size) end
+      max_id = math.max(max_id, sh.max_id or -1)
     end
-  elseif o.vocab_size < o.tok.vocab_size then
+  end
+  if o.tokenizer ~= "byte" and recorded and recorded ~= o.tok.vocab_size then
+    M.usage_error(name, "--tokenizer=%s has %d tokens but the data (%s) was made with a vocabulary of %d", o.tokenizer,
+      o.tok.vocab_size, o.train, recorded)
+  end
+  if o.vocab_size == 0 then
+    if o.tokenizer ~= "byte" then o.vocab_size = o.tok.vocab_size
+    else o.vocab_size = recorded or math.max(256, max_id + 1) end
+  end
+  if o.vocab_size <= max_id then
+    M.usage_error(name, "--vocab_size=%d: the data holds token id %d", o.vocab_size, max_id)
+  end
+  if o.tokenizer ~= "byte" and o.vocab_size < o.tok.vocab_size then
     M.usage_error(name, "--vocab_size=%d is smaller than the tokenizer's %d tokens", o.vocab_size, o.tok.vocab_size)
   end
 end
@@ -166,7 +189,8 @@ local function checkpoint_config(path)
 end
 
 -- start(name, o, given) -> the run (engine.run; collective): resolves --resume (a run folder, a checkpoint or
--- latest) and the options it brings, checks the model's shape against it, creates or reopens the run folder
+-- latest) and the options it brings, checks the model's shape against it, reads the data and the tokenizer
+-- (resolve_vocab: o.tok, o.vocab_size), creates or reopens the run folder
 -- (--out), sets o.ckpt_dir (default <out>/checkpoints) and o.resume (a checkpoint path, "latest" or ""), and saves
 -- the resolved options in <out>/config.json.
 function M.start(name, o, given)
@@ -210,6 +234,7 @@ function M.start(name, o, given)
   if o.resume == "latest" and o.out == "" and o.ckpt_dir == "" then
     M.usage_error(name, "--resume=latest continues the run of --out (or the checkpoints of --ckpt_dir): give one")
   end
+  M.resolve_vocab(name, o)   -- (after the resumed run's options: its data and tokenizer)
   local r = run.start{ name = name, out = o.out, resume = resuming_folder or o.resume == "latest" }
   o.out = r.dir
   if o.ckpt_dir == "" then o.ckpt_dir = r.dir .. "/checkpoints" end
@@ -483,7 +508,12 @@ function M.sample(o, model)
   if #ids == 0 then ids = { tok.eot or 10 } end
   local out = model:generate(ids, { max_new_tokens = o.sample_len, temperature = o.temperature,
     top_k = o.top_k > 0 and o.top_k or nil, top_p = o.top_p, seed = o.seed + 1 })
-  return tok:decode(out)
+  -- (a vocabulary beyond the tokenizer's, e.g. GPT-2 token shards trained without --tokenizer: the ids)
+  local ok, text = pcall(tok.decode, tok, out)
+  if ok then return text end
+  local t = {}
+  for i, id in ipairs(out) do t[i] = tostring(id) end
+  return "(token ids; give --tokenizer to decode them) " .. table.concat(t, " ")
 end
 
 return M

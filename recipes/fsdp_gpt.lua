@@ -171,9 +171,9 @@ local function main(argv)
   -- data: each rank draws batch x grad_accum rows per step (its rows of the global batch)
   local rows = o.batch * o.grad_accum
   -- (with TP: per data-parallel rank; the tp ranks of one dp row read the same rows)
-  local train = data.BatchSampler(data.read_shard(o.train), { batch_size = rows, seq_len = o.seq,
+  local train = data.BatchSampler(C.read_shards(NAME, o.train), { batch_size = rows, seq_len = o.seq,
     seed = o.seed, rank = dp_rank, world_size = dpw })
-  local val_shard = data.read_shard(o.val)
+  local val_shard = C.read_shards(NAME, o.val, "val")
   local val = data.ValLoader(val_shard, { batch_size = o.batch, seq_len = o.seq, rank = dp_rank,
     world_size = dpw, max_batches = o.eval_batches })
   local tokens_per_step = dpw * rows * o.seq

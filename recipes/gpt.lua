@@ -131,9 +131,9 @@ local function main(argv)
 
   -- data
   -- (the ranks of one tp group read the same batches)
-  local train = data.BatchSampler(data.read_shard(o.train), { batch_size = o.batch, seq_len = o.seq,
+  local train = data.BatchSampler(C.read_shards(NAME, o.train), { batch_size = o.batch, seq_len = o.seq,
     seed = o.seed, rank = dp_rank, world_size = dp })
-  local val_shard = data.read_shard(o.val)
+  local val_shard = C.read_shards(NAME, o.val, "val")
   local val = data.ValLoader(val_shard, { batch_size = o.batch, seq_len = o.seq, rank = dp_rank,
     world_size = dp, max_batches = o.eval_batches })
 

@@ -245,6 +245,55 @@ describe("recipes: command line, run folders, metrics", function()
     assert.are.equal("In the", saved.prompt)
   end)
 
+  it("--tokenizer: BPE shards train with the tokenizer's vocabulary and decoded samples", function()
+    local home = rawget(_G, "ENGINE_HOME") or "."
+    local tj = home .. "/data/tokenizers/kjv-bpe-4k/tokenizer.json"
+    local tok = engine.data.load_tokenizer(tj)
+    local words = { "In", "the", "beginning", "God", "created", "heaven", "and", "earth.", "Let", "there", "be",
+      "light:" }
+    local text, x = {}, 5
+    for i = 1, 3000 do
+      x = (x * 1103515245 + 12345) % 2147483648
+      text[i] = words[x % #words + 1]
+    end
+    local ids = tok:encode(table.concat(text, " "))
+    local tr, va = {}, {}
+    for i, id in ipairs(ids) do if i <= #ids - 400 then tr[#tr + 1] = id else va[#va + 1] = id end end
+    engine.data.write_shard(TMP .. "/bpe_train_1.bin", { unpack(tr, 1, 1000) }, { vocab_size = tok.vocab_size })
+    engine.data.write_shard(TMP .. "/bpe_train_2.bin", { unpack(tr, 1001) }, { vocab_size = tok.vocab_size })
+    engine.data.write_shard(TMP .. "/bpe_val.bin", va, { vocab_size = tok.vocab_size })
+    local function args(extra)
+      local a = { "--n_layers=1", "--dim=16", "--n_heads=2", "--seq=16", "--batch=2", "--steps=2", "--log_every=1",
+        "--eval_batches=1", "--threads=1", "--sample_len=6", "--prompt=God", "--train='" .. TMP .. "/bpe_train_*.bin'",
+        "--val=" .. TMP .. "/bpe_val.bin" }
+      for _, v in ipairs(extra) do a[#a + 1] = v end
+      return a
+    end
+    local out, rc = job(0, "recipes/gpt.lua", args({ "--tokenizer=" .. tj, "--out=" .. TMP .. "/bpe_a" }))
+    assert.are.equal(0, rc, out)
+    assert.is_truthy(out:find("vocab " .. tok.vocab_size .. ")", 1, true), out)
+    assert.is_truthy(out:find("train " .. TMP .. "/bpe_train_*.bin (" .. (#tr - 16) .. " tokens)", 1, true), out)
+    local sample = out:match("sample %(temperature [^)]*%):\n(God[^\n]*)")
+    assert.is_not_nil(sample, out)
+    assert.is_true(#sample > #"God" + 3, sample)   -- the prompt and 6 new tokens, decoded to text
+    assert.is_nil(out:find("(token ids", 1, true), out)
+    -- without the tokenizer the vocabulary still comes from the data (the header), and the sample is ids
+    out, rc = job(0, "recipes/gpt.lua", args({ "--out=" .. TMP .. "/bpe_b" }))
+    assert.are.equal(0, rc, out)
+    assert.is_truthy(out:find("vocab " .. tok.vocab_size .. ")", 1, true), out)
+    assert.is_truthy(out:find("(token ids; give --tokenizer to decode them)", 1, true), out)
+    -- a tokenizer of another vocabulary than the data's: refused, naming both
+    local f = io.open(TMP .. "/vocab.json", "w")
+    f:write('{"a": 0, "b": 1, "ab": 2}')
+    f:close()
+    f = io.open(TMP .. "/merges.txt", "w")
+    f:write("#version: 0.2\na b\n")
+    f:close()
+    out, rc = job(0, "recipes/gpt.lua", args({ "--tokenizer=" .. TMP, "--out=" .. TMP .. "/bpe_c" }))
+    assert.are.equal(2, rc, out)
+    assert.is_truthy(out:find("has 3 tokens but the data", 1, true), out)
+  end)
+
   it("tools/plot.lua draws the curves of runs to a PNG", function()
     if os.execute("command -v gnuplot >/dev/null 2>&1") ~= 0 then return pending("gnuplot is not installed") end
     local a, b = TMP .. "/plot_a", TMP .. "/plot_b"

@@ -186,7 +186,7 @@ local device_peaks = {
 
 -- gemm_rate(n, reps) -> f32 GEMM FLOP/s of this process (the best of a few timed n x n x n products)
 function M.gemm_rate(n, reps)
-  n, reps = n or 384, reps or 3
+  n, reps = n or 512, reps or 6
   -- (constant operands: the global RNG stream, which a resumed run restores, is not touched)
   local a, b = engine.ones(n, n) * 0.01, engine.ones(n, n) * 0.02
   local best = 0
