@@ -455,9 +455,9 @@ function M.train(t)
     local l = t.loss_value(r)
     if l ~= l or l == math.huge or l == -math.huge then -- the same on every rank (averaged): all stop together
       ck:finish()
-      error(string.format(name .. ": the loss is %s at step %d (lr %.3e): training diverged; lower --lr, raise "
+      cli.fail(string.format(name .. ": the loss is %s at step %d (lr %.3e): training diverged; lower --lr, raise "
         .. "--warmup or --grad_clip, or resume from an earlier checkpoint (last good checkpoint: %s)", tostring(l),
-        step + 1, lr, ck.last or "none"), 0)
+        step + 1, lr, ck.last or "none"))
     end
     r = nil
     step = step + 1

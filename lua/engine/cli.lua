@@ -46,6 +46,10 @@ rawset(_G, "__engine_error_hook", function(msg)
   return nil
 end)
 
+-- fail(msg [, code = 1]): raises msg as an error every rank reaches alike (a run that cannot go on, e.g. a diverged
+-- loss that all ranks see): printed once by rank 0, without a traceback, every rank exiting with code
+function M.fail(msg, code) raise(msg, code or 1) end
+
 -- usage_error(name, fmt, ...): raises "name: <message>" as a usage error
 function M.usage_error(name, fmt, ...)
   local msg = select("#", ...) > 0 and string.format(fmt, ...) or fmt
