@@ -39,6 +39,9 @@ describe("engine.cli", function()
     local o, given = cli.parse({ "--steps", "10", "--lr=1e-3", "--compile=true", "--device", "cuda" }, spec)
     assert.are.same({ 10, 1e-3, true, "cuda" }, { o.steps, o.lr, o.compile, o.device })
     assert.are.equal("cli", given.steps)
+    assert.is_true(cli.parse({ "--compile" }, spec).compile)
+    assert.is_true(cli.parse({ "--compile", "--steps=3" }, spec).compile)
+    assert.is_false(cli.parse({ "--compile", "false" }, spec).compile)
     o, given = cli.parse({}, spec)
     assert.are.same({ 600, 2e-3, false, "cpu" }, { o.steps, o.lr, o.compile, o.device })
     assert.is_nil(next(given))
@@ -93,7 +96,7 @@ describe("engine.cli", function()
   it("help lists every option with its default and meaning", function()
     local h = cli.help(spec)
     for _, s in ipairs({ "--steps <N>", "optimizer steps (default: 600)", "--lr <X>", "(default: 0.002)",
-      "--device <cpu|cuda>", "--compile <BOOL>", "--config <FILE>", "-h, --help" }) do
+      "--device <cpu|cuda>", "--compile [<BOOL>]", "--config <FILE>", "-h, --help" }) do
       assert.is_truthy(h:find(s, 1, true), s .. " in:\n" .. h)
     end
   end)

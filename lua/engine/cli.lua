@@ -7,7 +7,7 @@
 --       { "steps", 600, "optimizer steps", group = "training", int = true, min = 1 },
 --       { "lr", 2e-3, "peak learning rate", min = 0 },
 --       { "device", "cpu", "where the model runs", choices = { "cpu", "cuda" } },
---       { "compile", false, "a boolean: --compile, --compile=true|false|1|0" },
+--       { "compile", false, "a boolean: --compile, --compile=true|false|1|0, --compile false" },
 --     },
 --     arguments = { { "runs", "run folders", args = "+" } },   -- positional arguments (argparse's args: "?",
 --                                                                 -- "*", "+", N), given as lists when several
@@ -232,7 +232,9 @@ local function build(spec, list)
       meta = table.concat(cs, "|")
     end
     local text = help .. " (default: " .. show(default) .. ")"
-    local el = p:option("--" .. key, text):argname("<" .. meta .. ">"):args(1):count("0-1")
+    -- (a boolean also stands alone: --compile is --compile=true)
+    local el = p:option("--" .. key, text):argname(kind == "boolean" and "<BOOL>" or ("<" .. meta .. ">"))
+      :args(kind == "boolean" and "?" or 1):count("0-1")
     add(opt.group or "options", el)
   end
   if spec.config then
@@ -323,6 +325,7 @@ function M.parse(argv, spec)
   for _, a in ipairs(spec.arguments or {}) do o[a[1]] = r[a[1]] end
   for _, opt in ipairs(list) do
     local v = r[opt[1]]
+    if type(v) == "table" then v = #v == 0 and true or v[1] end   -- a boolean's optional value
     if v ~= nil then
       o[opt[1]] = convert(name, opt, v, "")
       given[opt[1]] = "cli"
