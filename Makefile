@@ -38,8 +38,11 @@ build: deps $(BUILD)/Makefile
 	  if [ $$rc -ne 0 ]; then tail -n 30 $(BUILD)/build.log; echo "make build: the build failed (rc $$rc; $(BUILD)/build.log)"; exit 1; fi
 	@test -x $(BUILD)/engine
 
+# (make run ARGS="--tokenizer=data/tokenizers/kjv-bpe-4k/tokenizer.json": the KJV shards of that tokenizer too)
+TOKENIZER = $(patsubst --tokenizer=%,%,$(filter --tokenizer=%,$(ARGS)))
 data: build
 	@$(BUILD)/engine tools/prepare_data.lua
+	@$(if $(TOKENIZER),$(BUILD)/engine tools/prepare_data.lua --tokenizer=$(TOKENIZER))
 
 run: build data
 	$(MPIRUN) -np $(NP) $(BUILD)/engine $(RECIPE_FILE) $(ARGS)

@@ -44,9 +44,10 @@ function M.options(extra)
       group = "training", int = I, min = 0 },
     { "device", "cpu", "cpu, or cuda: the model, batches and meshes on each rank's GPU, NCCL between ranks",
       group = "training", choices = { "cpu", "cuda" } },
-    { "train", HOME .. "/data/kjv_train.bin", "training tokens: an llm.c shard, or a glob of shards in quotes "
-      .. "('data/x_train_*.bin')", group = "data" },
-    { "val", HOME .. "/data/kjv_val.bin", "validation tokens (a shard or a glob)", group = "data" },
+    { "train", "", "training tokens: an llm.c shard, or a glob of shards in quotes ('data/x_train_*.bin'); default "
+      .. "data/kjv_train.bin, or with --tokenizer=.../<name>/tokenizer.json data/kjv_<name>_train.bin (make data, "
+      .. "tools/prepare_data.lua)", group = "data" },
+    { "val", "", "validation tokens (a shard or a glob); default as --train", group = "data" },
     { "tokenizer", "byte", "byte (one token per byte), a Hugging Face tokenizer.json, or a folder with GPT-2's "
       .. "vocab.json + merges.txt: decodes samples, sets the vocabulary", group = "data" },
     { "out", "", "the run folder: config, checkpoints, metrics.jsonl, log.txt, samples; default "
@@ -124,6 +125,18 @@ function M.read_shards(name, path, what)
   return sh
 end
 
+-- default_data(tokenizer, "train" | "val") -> the KJV shards tools/prepare_data.lua writes for the tokenizer:
+-- data/kjv_train.bin (byte), data/kjv_<name>_train.bin (<name>: the folder of a tokenizer.json or vocab.json, else
+-- the file's name without .json)
+function M.default_data(tokenizer, split)
+  if tokenizer == "byte" then return HOME .. "/data/kjv_" .. split .. ".bin" end
+  local p = tokenizer:gsub("/+$", "")
+  local base = p:match("([^/]+)$") or p
+  if base == "tokenizer.json" or base == "vocab.json" then p = p:match("^(.*)/[^/]*$") or "." end
+  base = (p:match("([^/]+)$") or p):gsub("%.json$", "")
+  return HOME .. "/data/kjv_" .. base .. "_" .. split .. ".bin"
+end
+
 -- resolve_vocab(name, o): o.tok (the tokenizer of --tokenizer) and o.vocab_size when 0: the tokenizer's, or with the
 -- byte tokenizer the training data's (the shard header's vocabulary size, else the largest id in the train and
 -- val shards + 1, at least 256).  A shard header whose vocabulary differs from the tokenizer's is an error.
@@ -133,6 +146,15 @@ function M.resolve_vocab(name, o)
     local ok, tok = pcall(data.load_tokenizer, o.tokenizer)
     if not ok then M.usage_error(name, "--tokenizer=%s: %s", o.tokenizer, tostring(tok)) end
     o.tok = tok
+  end
+  for _, k in ipairs({ "train", "val" }) do
+    if o[k] == "" then
+      o[k] = M.default_data(o.tokenizer, k)
+      if not run.exists(o[k]) then
+        M.usage_error(name, "no --%s given and no %s: prepare it with build/engine tools/prepare_data.lua%s", k, o[k],
+          o.tokenizer ~= "byte" and (" --tokenizer=" .. o.tokenizer) or "")
+      end
+    end
   end
   local train, val = M.read_shards(name, o.train, "train"), M.read_shards(name, o.val, "val")
   local recorded, max_id = nil, -1
