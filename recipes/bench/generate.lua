@@ -1,15 +1,17 @@
 -- recipes/bench/generate.lua: per-token generation time of the reference GPT with the KV cache, flat in the
 -- context length, against recomputing the whole context per token (the old sampler's way).
 --
---   build/engine recipes/bench/generate.lua [--threads=2] [--reps=3] [--tokens=32] [--old_tokens=3]
+--   build/engine recipes/bench/generate.lua [--threads=2] [--reps=5] [--tokens=32] [--old_tokens=3]
 --       [--short=64] [--long=1024] [--n_layers=4] [--dim=256] [--n_heads=4] [--vocab=256] [--batch=1]
 --
 -- The model: nn.Transformer (n_layers 4, dim 256, n_heads 4, vocab 256, max_seq_len long + 64 = 1088, dropout 0, seed
 -- 0, eval).  Each figure is the median over --reps runs of model:generate (greedy) on a fixed prompt of the given
 -- context length: the time between the first and the last streamed token divided by the tokens between them
--- (the prefill is not counted; the decode steps include the sampler).  Prints, in one run:
+-- (the prefill is not counted; the decode steps include the sampler); the three figures' runs are interleaved.
+-- Prints, in one run:
 --   1. cached per-token time at context --short (the baseline) and at --long, and their ratio (target <= 1.5x:
---      the per-token cost is flat in the context);
+--      the per-token cost is flat in the context), with the bytes a decode step reads (all the weights, and the
+--      f32 keys and values of the context: their ratio is what a step bound by memory bandwidth would show);
 --   2. per-token time recomputing the context at --long (kv_cache = false: the baseline) and the cache's
 --      speedup over it (target >= 10x).
 local engine = require("engine")
@@ -21,7 +23,7 @@ local o = require("engine.cli").parse(arg, {
   description = "Per-token generation time with the KV cache at a short and a long context, and without it.",
   options = {
     { "threads", 2, "BLAS and engine threads", int = true, min = 1 },
-    { "reps", 3, "runs per figure (the median is printed)", int = true, min = 1 },
+    { "reps", 5, "runs per figure (the median is printed)", int = true, min = 1 },
     { "tokens", 32, "tokens timed per cached run", int = true, min = 2 },
     { "old_tokens", 3, "tokens timed per uncached run", int = true, min = 2 },
     { "short", 64, "the short context (tokens)", int = true, min = 1 },
@@ -74,25 +76,35 @@ local function prompt(ctx)
   return rows
 end
 
--- seconds per token (the median of reps runs) generating n tokens after a prompt of ctx tokens
+-- seconds per token of one run generating n tokens after a prompt of ctx tokens
 local function per_token(ctx, n, cache)
-  local p, runs = prompt(ctx), {}
-  for r = 1, o.reps + 1 do       -- the first run warms up (buffers, page faults)
-    local stamps = {}
-    model:generate(p, { max_new_tokens = n + 1, temperature = 0, kv_cache = cache,
-      stream = function(_, row) if row == 1 then stamps[#stamps + 1] = now() end end })
-    if r > 1 then runs[#runs + 1] = (stamps[#stamps] - stamps[1]) / (#stamps - 1) end
-  end
-  return median(runs)
+  local stamps = {}
+  model:generate(prompt(ctx), { max_new_tokens = n + 1, temperature = 0, kv_cache = cache,
+    stream = function(_, row) if row == 1 then stamps[#stamps + 1] = now() end end })
+  return (stamps[#stamps] - stamps[1]) / (#stamps - 1)
 end
 
-local short = per_token(o.short, o.tokens, true)
-local long = per_token(o.long, o.tokens, true)
-local old = per_token(o.long, o.old_tokens, false)
+-- the three figures, interleaved run by run (a slow phase of the machine touches each alike), after one warm-up
+-- run of each (buffers, page faults); the medians over --reps
+per_token(o.short, 4, true); per_token(o.long, 4, true); per_token(o.long, 2, false)
+local runs = { short = {}, long = {}, old = {} }
+for _ = 1, o.reps do
+  runs.short[#runs.short + 1] = per_token(o.short, o.tokens, true)
+  runs.long[#runs.long + 1] = per_token(o.long, o.tokens, true)
+  runs.old[#runs.old + 1] = per_token(o.long, o.old_tokens, false)
+end
+local short, long, old = median(runs.short), median(runs.long), median(runs.old)
 local ratio, speedup = long / short, old / long
 print(string.format("bench/generate: KV cache, context %4d: %8.3f ms/token  (baseline)", o.short, short * 1e3))
 print(string.format("bench/generate: KV cache, context %4d: %8.3f ms/token  = %.2fx the context-%d time (target <= 1.5x): %s",
   o.long, long * 1e3, ratio, o.short, ratio <= 1.5 and "met" or "MISSED"))
+-- what a decode step must read: every weight once, and the cached keys and values of every layer (f32)
+local wbytes = model:num_parameters() * 4
+local function kvbytes(ctx) return o.n_layers * 2 * ctx * o.dim * 4 * o.batch end
+print(string.format("bench/generate: bytes read per token: weights %.1f MiB + keys/values %.1f MiB (context %d) or "
+  .. "%.1f MiB (context %d): a step bound by memory bandwidth would take %.2fx as long at %d", wbytes / 2 ^ 20,
+  kvbytes(o.short) / 2 ^ 20, o.short, kvbytes(o.long) / 2 ^ 20, o.long,
+  (wbytes + kvbytes(o.long)) / (wbytes + kvbytes(o.short)), o.long))
 print(string.format("bench/generate: recompute, context %4d: %8.3f ms/token  (baseline: the old sampler's way)",
   o.long, old * 1e3))
 print(string.format("bench/generate: KV cache speedup at context %d: %.1fx (target >= 10x): %s", o.long, speedup,
