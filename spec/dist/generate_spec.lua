@@ -1,6 +1,7 @@
 -- model:generate under tensor parallelism: Transformer.parallelize (heads as DTensors or local heads) and
 -- Llama.parallelize (grouped-query heads, vocab-sharded logits with loss_parallel) on a 1-D mesh of every
--- rank; each rank caches its local heads, and every rank gives the single-process tokens and logits.
+-- rank (1, 2 or 4 ranks); each rank caches its local heads, and every rank gives the single-process tokens and
+-- logits.
 local engine = require("engine")
 local nn = engine.nn
 local dist = engine.distributed
@@ -26,7 +27,7 @@ end
 
 local function llama()
   engine.manual_seed(12)
-  return sharpen(models.Llama{ dim = 32, n_layers = 2, n_heads = 4, n_kv_heads = 2, vocab_size = V,
+  return sharpen(models.Llama{ dim = 64, n_layers = 2, n_heads = 8, n_kv_heads = 4, vocab_size = V,
     max_seq_len = 24, multiple_of = 16 })
 end
 
@@ -87,7 +88,7 @@ describe("generate under tensor parallelism", function()
           local all = engine.cat(got, 2)
           local d = (all - full):abs():max():item()
           assert.is_true(d <= 1e-5, "logits differ by " .. d)
-          local heads = (name:match("Llama") and 2 or 4) / W
+          local heads = 4 / W   -- the local k/v heads (GPT: 4 heads; Llama: 4 k/v heads of 8)
           assert.are.same({ 2, heads, 5, 8 }, layers[1].k:shape())
           assert.is_false(dist.is_dtensor(layers[1].k))
         end)
