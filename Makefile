@@ -20,6 +20,7 @@ MPIRUN = mpirun --allow-run-as-root --oversubscribe --bind-to none --mca btl sel
 all: build
 
 deps:
+	@echo "make: [deps] the Debian packages the engine needs (tools/install-deps.sh installs any that are missing)"
 	@tools/install-deps.sh
 
 # ENGINE_WERROR=1 (set by .ci/run): compiler warnings are errors in every build
@@ -27,24 +28,36 @@ ENGINE_WERROR ?= 0
 WERROR_FLAG = -DENGINE_WERROR=$(if $(filter 1,$(ENGINE_WERROR)),ON,OFF)
 
 $(BUILD)/Makefile: CMakeLists.txt
+	@echo "make: [build] configuring $(BUILD)/ (cmake, Release; $(BUILD)/configure.log)"
 	@mkdir -p $(BUILD)
 	@cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release $(WERROR_FLAG) > $(BUILD)/configure.log 2>&1 || (cat $(BUILD)/configure.log; exit 1)
 
-# The build's output goes to $(BUILD)/build.log; errors and warnings are shown, and a failed build fails
-# (a compile error must not leave an old binary to be tested).
+# $(call cmake_build,DIR,PATTERN): cmake --build DIR, its whole output in DIR/build.log; shown as it comes: cmake's
+# progress lines ("[ 42%] Building C object ...", "[ 92%] Built target engine") and the lines matching PATTERN (the
+# errors, and for the main build the warnings).  A failed build fails, with the log's last lines (a compile error
+# must not leave an old binary to be tested).  (The exit status of cmake goes through DIR/build.rc: /bin/sh has no
+# pipefail.)
+define cmake_build
+{ cmake --build $(1) -j 2 2>&1; echo $$? > $(1)/build.rc; } | tee $(1)/build.log | \
+  grep --line-buffered -E '^\[ *[0-9]+%\]|$(2)'; rc=$$(cat $(1)/build.rc); \
+  if [ "$$rc" != 0 ]; then echo "--- the last lines of $(1)/build.log:"; tail -n 30 $(1)/build.log; \
+  echo "make: the build of $(1)/ failed (rc $$rc; $(1)/build.log)"; exit 1; fi
+endef
+
 build: deps $(BUILD)/Makefile
-	@cmake --build $(BUILD) -j 2 > $(BUILD)/build.log 2>&1; rc=$$?; \
-	  grep -E "error:|warning:|Error [0-9]" $(BUILD)/build.log; \
-	  if [ $$rc -ne 0 ]; then tail -n 30 $(BUILD)/build.log; echo "make build: the build failed (rc $$rc; $(BUILD)/build.log)"; exit 1; fi
+	@echo "make: [build] $(BUILD)/ (Release; a few minutes the first time), the whole output in $(BUILD)/build.log"
+	@$(call cmake_build,$(BUILD),error:|warning:|Error [0-9])
 	@test -x $(BUILD)/engine
 
 # (make run ARGS="--tokenizer=data/tokenizers/kjv-bpe-4k/tokenizer.json": the KJV shards of that tokenizer too)
 TOKENIZER = $(patsubst --tokenizer=%,%,$(filter --tokenizer=%,$(ARGS)))
 data: build
+	@echo "make: [data] the KJV token shards data/kjv_*.bin (tools/prepare_data.lua; kept when they are there and valid)"
 	@$(BUILD)/engine tools/prepare_data.lua
 	@$(if $(TOKENIZER),$(BUILD)/engine tools/prepare_data.lua --tokenizer=$(TOKENIZER))
 
 run: build data
+	@echo "make: [run] $(RECIPE_FILE) on $(NP) rank(s), into its run folder (runs/<recipe>-<date>-<time>/ unless --out)"
 	$(MPIRUN) -np $(NP) $(BUILD)/engine $(RECIPE_FILE) $(ARGS)
 
 # the loss/throughput curves of run folders: make plot RUNS="runs/a runs/b" (default: the newest run in runs/)
@@ -53,7 +66,8 @@ plot: build
 	@if [ -z "$(RUNS)" ]; then echo "make plot: no run folder (RUNS=\"runs/a runs/b\")"; exit 2; fi
 	@$(BUILD)/engine tools/plot.lua $(RUNS) $(PLOT_ARGS)
 
-test: build asan-build fuzz-build
+# (data: the README's examples, which spec/readme_spec.lua runs, train on data/kjv_{train,val}.bin)
+test: build data asan-build fuzz-build
 	@tools/run-tests.sh $(BUILD) --sanitize $(ASAN_BUILD) --fuzz $(FUZZ_BUILD)
 
 # ASan+UBSan build of the library, host and C tests (CPU only)
@@ -63,9 +77,8 @@ $(ASAN_BUILD)/Makefile: CMakeLists.txt
 	  > $(ASAN_BUILD)/configure.log 2>&1 || (cat $(ASAN_BUILD)/configure.log; exit 1)
 
 asan-build: deps $(ASAN_BUILD)/Makefile
-	@cmake --build $(ASAN_BUILD) -j 2 > $(ASAN_BUILD)/build.log 2>&1; rc=$$?; \
-	  grep -E "error:|Error [0-9]" $(ASAN_BUILD)/build.log; \
-	  if [ $$rc -ne 0 ]; then tail -n 30 $(ASAN_BUILD)/build.log; echo "make asan-build: the build failed (rc $$rc)"; exit 1; fi
+	@echo "make: [asan-build] $(ASAN_BUILD)/ (Debug, ASan+UBSan, CPU only), the whole output in $(ASAN_BUILD)/build.log"
+	@$(call cmake_build,$(ASAN_BUILD),error:|Error [0-9])
 	@test -x $(ASAN_BUILD)/engine
 
 # libFuzzer targets (spec/fuzz): clang, coverage + ASan + UBSan, CPU only.  Without clang or its libFuzzer
@@ -78,9 +91,8 @@ $(FUZZ_BUILD)/Makefile: CMakeLists.txt
 fuzz-build: deps
 	@if ! command -v clang >/dev/null 2>&1; then echo "fuzz-build: clang not found, fuzz targets not built"; \
 	else $(MAKE) --no-print-directory $(FUZZ_BUILD)/Makefile && \
-	  { cmake --build $(FUZZ_BUILD) -j 2 > $(FUZZ_BUILD)/build.log 2>&1; rc=$$?; \
-	    grep -E "error:|Error [0-9]" $(FUZZ_BUILD)/build.log; \
-	    if [ $$rc -ne 0 ]; then tail -n 30 $(FUZZ_BUILD)/build.log; echo "make fuzz-build: the build failed (rc $$rc)"; exit 1; fi; }; fi
+	  echo "make: [fuzz-build] $(FUZZ_BUILD)/ (clang, libFuzzer), the whole output in $(FUZZ_BUILD)/build.log" && \
+	  { $(call cmake_build,$(FUZZ_BUILD),error:|Error [0-9]); }; fi
 
 # Each fuzz target for FUZZ_SECONDS (default 60), one after the other, its corpus kept in $(FUZZ_BUILD)/corpus
 fuzz: fuzz-build
