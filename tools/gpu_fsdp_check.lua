@@ -7,12 +7,12 @@
 -- unsharded parameters and the outputs on the GPU; every step checks where each lives and fails loudly otherwise.
 local engine = require("engine")
 local nn, F, dist = engine.nn, engine.nn.functional, engine.distributed
-local opts = { offload = "0", pin_memory = "1" }
-for _, a in ipairs(arg or {}) do
-  local k, v = a:match("^%-%-([%w_]+)=(.*)$")
-  if not k or opts[k] == nil then error("gpu_fsdp_check: unknown argument " .. a .. " (--offload=0|1, --pin_memory=0|1)") end
-  opts[k] = v
-end
+local opts = require("engine.cli").parse(arg or {}, { name = "gpu_fsdp_check",
+  description = "FSDP on the GPU: a small MLP trains; with --offload=1 the sharded state stays on the CPU.",
+  options = {
+    { "offload", "0", "1: offload_policy = dist.CPUOffloadPolicy{pin_memory}", choices = { "0", "1" } },
+    { "pin_memory", "1", "1: pinned host memory for the offloaded state", choices = { "0", "1" } },
+  } })
 local offload, pin = opts.offload == "1", opts.pin_memory == "1"
 if not engine.cuda.is_available() then print("gpu_fsdp_check: no GPU: " .. tostring(engine.cuda.unavailable_reason and engine.cuda.unavailable_reason())); return end
 local mesh = dist.init_device_mesh("cuda", { dist.world_size() })

@@ -27,12 +27,16 @@ local engine = require("engine")
 local dist = engine.distributed
 local ckpt = dist.checkpoint
 
-local o = { mib = 1024, dir = (os.getenv("TMPDIR") or "/tmp") .. "/ckpt_bench", reps = 3, cold = 0, pairs = 3, tensors = 8 }
-for _, a in ipairs(arg or {}) do
-  local k, v = a:match("^%-%-([%w_]+)=(.*)$")
-  if not k or o[k] == nil then error("bench/checkpoint: bad argument " .. a .. " (--mib, --dir, --reps, --cold, --pairs, --tensors)", 0) end
-  o[k] = type(o[k]) == "number" and assert(tonumber(v), a) or v
-end
+local o = require("engine.cli").parse(arg or {}, { name = "bench/checkpoint",
+  description = "dist.checkpoint save and load throughput against writing and reading the same bytes directly.",
+  options = {
+    { "mib", 1024, "MiB of model state saved (over all ranks)", min = 1 },
+    { "dir", (os.getenv("TMPDIR") or "/tmp") .. "/ckpt_bench", "where the checkpoints are written" },
+    { "reps", 3, "repetitions", int = true, min = 1 },
+    { "cold", 0, "1: drop the page cache before loads (needs root)", int = true, choices = { 0, 1 } },
+    { "pairs", 3, "alternations of the two cases per rep", int = true, min = 1 },
+    { "tensors", 8, "tensors the state is split into", int = true, min = 1 },
+  } })
 
 dist.init()
 local W, R = dist.world_size(), dist.rank()

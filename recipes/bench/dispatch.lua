@@ -14,13 +14,13 @@
 -- to 1.5x.
 local engine = require("engine")
 
-local opts = { n = 100000, runs = 7, case = "" }
-for _, a in ipairs(arg or {}) do
-  local k, v = a:match("^%-%-([%w_]+)=(.*)$")
-  if not k or opts[k] == nil then error("dispatch: bad argument '" .. a .. "' (known: --n=, --runs=, --case=)", 0) end
-  if k == "case" then opts.case = v
-  else opts[k] = tonumber(v) or error("dispatch: --" .. k .. " must be a number", 0) end
-end
+local opts = require("engine.cli").parse(arg or {}, { name = "bench/dispatch",
+  description = "The host cost of one op from Lua (dispatch overhead), case by case in fresh processes.",
+  options = {
+    { "n", 100000, "ops per case and run", int = true, min = 1 },
+    { "runs", 7, "runs (the median is printed)", int = true, min = 1 },
+    { "case", "", "run one case in this process (the script runs itself so)" },
+  } })
 
 local function median(t)
   table.sort(t)

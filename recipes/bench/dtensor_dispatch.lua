@@ -19,19 +19,13 @@
 local engine = require("engine")
 local dist = engine.distributed
 
-local opts = { n = 20000, runs = 7, device = "cpu" }
-for _, a in ipairs(arg or {}) do
-  local k, v = a:match("^%-%-([%w_]+)=(.*)$")
-  if not k or opts[k] == nil then
-    error("dtensor_dispatch: bad argument '" .. a .. "' (known: --n=, --runs=, --device=)", 0)
-  end
-  if k == "device" then
-    if v ~= "cpu" and v ~= "cuda" then error("dtensor_dispatch: --device must be cpu or cuda", 0) end
-    opts[k] = v
-  else
-    opts[k] = tonumber(v) or error("dtensor_dispatch: --" .. k .. " must be a number", 0)
-  end
-end
+local opts = require("engine.cli").parse(arg or {}, { name = "bench/dtensor_dispatch",
+  description = "The host overhead of an op on DTensors against the same op on plain tensors.",
+  options = {
+    { "n", 20000, "ops per case and run", int = true, min = 1 },
+    { "runs", 7, "runs (the median is printed)", int = true, min = 1 },
+    { "device", "cpu", "where the tensors and the mesh are", choices = { "cpu", "cuda" } },
+  } })
 if opts.device == "cuda" and not engine.cuda.is_available() then
   print("dtensor_dispatch: --device=cuda: " .. engine.cuda.unavailable_reason())
   os.exit(0)

@@ -31,23 +31,25 @@ local engine = require("engine")
 local nn, optim = engine.nn, engine.optim
 local F = nn.functional
 
-local o = { steps = 20, warmup = 3, threads = 2, torch = 1, n_layers = 4, dim = 256, n_heads = 4, seq = 128,
-  batch = 8, vocab = 256, gemm_reps = 5, model = "gpt", n_kv_heads = 2, multiple_of = 256, fused = 1 }
-for _, a in ipairs(arg or {}) do
-  local k, v = a:match("^%-%-([%w_]+)=(.*)$")
-  if not k or o[k] == nil then
-    local names = {}
-    for n in pairs(o) do names[#names + 1] = "--" .. n end
-    table.sort(names)
-    error("bench/step: bad argument '" .. a .. "' (options: " .. table.concat(names, " ") .. ")", 0)
-  end
-  if k == "model" then
-    if v ~= "gpt" and v ~= "llama" then error("bench/step: --model must be gpt or llama, got '" .. v .. "'", 0) end
-    o[k] = v
-  else
-    o[k] = tonumber(v) or error("bench/step: --" .. k .. " must be a number", 0)
-  end
-end
+local o = require("engine.cli").parse(arg or {}, { name = "bench/step",
+  description = "The reference GPT (or Llama) training step against its GEMM floor and PyTorch's step.",
+  options = {
+    { "steps", 20, "timed steps", int = true, min = 1 },
+    { "warmup", 3, "untimed steps first", int = true, min = 0 },
+    { "threads", 2, "BLAS and engine threads", int = true, min = 1 },
+    { "torch", 1, "1: run PyTorch's step too (tools/.venv)", int = true, choices = { 0, 1 } },
+    { "n_layers", 4, "layers", int = true, min = 1 },
+    { "dim", 256, "model dim", int = true, min = 1 },
+    { "n_heads", 4, "heads", int = true, min = 1 },
+    { "seq", 128, "sequence length", int = true, min = 1 },
+    { "batch", 8, "batch", int = true, min = 1 },
+    { "vocab", 256, "vocabulary", int = true, min = 2 },
+    { "gemm_reps", 5, "repetitions of the GEMM-floor measurement", int = true, min = 1 },
+    { "model", "gpt", "the model", choices = { "gpt", "llama" } },
+    { "n_kv_heads", 2, "Llama's k/v heads", int = true, min = 1 },
+    { "multiple_of", 256, "Llama's FFN rounding", int = true, min = 1 },
+    { "fused", 1, "1: the fused paths (QKV, linear+GELU, add+LayerNorm)", int = true, choices = { 0, 1 } },
+  } })
 local llama = o.model == "llama"
 
 local function median(t)
