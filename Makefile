@@ -61,7 +61,7 @@ run: build data
 	$(MPIRUN) -np $(NP) $(BUILD)/engine $(RECIPE_FILE) $(ARGS)
 
 # the loss/throughput curves of run folders: make plot RUNS="runs/a runs/b" (default: the newest run in runs/)
-RUNS ?= $(lastword $(sort $(wildcard runs/*)))
+RUNS ?= $(shell ls -dt runs/*/ 2>/dev/null | head -n 1)
 plot: build
 	@if [ -z "$(RUNS)" ]; then echo "make plot: no run folder (RUNS=\"runs/a runs/b\")"; exit 2; fi
 	@$(BUILD)/engine tools/plot.lua $(RUNS) $(PLOT_ARGS)
