@@ -60,7 +60,8 @@ function M.options(extra)
       group = "logging", int = I, choices = { 0, 1 } },
     { "eval_every", 100, "steps between validation losses (also before the first and after the last); 0: only "
       .. "those", group = "logging", int = I, min = 0 },
-    { "eval_batches", 20, "validation batches per evaluation", group = "logging", int = I, min = 1 },
+    { "eval_batches", 20, "validation batches per evaluation and data-parallel rank (the ranks split the "
+      .. "validation data: N ranks evaluate N x this many)", group = "logging", int = I, min = 1 },
     { "ckpt_dir", "", "checkpoints; default <out>/checkpoints", group = "checkpoint" },
     { "ckpt_every", 0, "steps between checkpoints; 0: only at the end, -1: never", group = "checkpoint", int = I,
       min = -1 },
@@ -261,6 +262,8 @@ function M.start(name, o, given)
   o.out = r.dir
   if o.ckpt_dir == "" then o.ckpt_dir = r.dir .. "/checkpoints" end
   r:save_config(o)
+  r:log("%s: run folder %s (config.json, log.txt, metrics.jsonl%s)", name, r.dir,
+    o.ckpt_dir == r.dir .. "/checkpoints" and ", checkpoints/" or ("; checkpoints in " .. o.ckpt_dir))
   return r
 end
 
