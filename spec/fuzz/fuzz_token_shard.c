@@ -38,7 +38,7 @@ int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       CHECK(data[0] == 0x88 && data[1] == 0xD8 && data[2] == 0x34 && data[3] == 0x01); /* 20240520 LE */
       CHECK(data[4] == 1 && data[5] == 0 && data[6] == 0 && data[7] == 0);
     } else {
-      CHECK(data[0] == 0xE1 && data[1] == 0xD9 && data[2] == 0x34 && data[3] == 0x01); /* 20240801 LE */
+      CHECK(data[0] == 0xA1 && data[1] == 0xD9 && data[2] == 0x34 && data[3] == 0x01); /* 20240801 LE */
       CHECK(data[4] == 7 && data[5] == 0 && data[6] == 0 && data[7] == 0);
     }
     CHECK(vocab >= 0 && vocab == (int32_t)((uint32_t)data[12] | (uint32_t)data[13] << 8 | (uint32_t)data[14] << 16 |
