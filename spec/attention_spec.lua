@@ -249,3 +249,24 @@ describe("scaled_dot_product_attention", function()
     end)
   end)
 end)
+
+describe("scaled_dot_product_attention: one f32 query row (decoding)", function()
+  it("over a cache view equals the f64 computation, values and gradients", function()
+    engine.manual_seed(7)
+    for _, S in ipairs({ 1, 5, 17, 300 }) do
+      local q = engine.randn(2, 3, 1, 20)
+      local kbuf, vbuf = engine.randn(2, 3, 320, 20), engine.randn(2, 3, 320, 24)
+      local k, v = kbuf:narrow(3, 1, S), vbuf:narrow(3, 1, S)   -- strided views, as a KV cache's
+      local q32 = q:clone(); q32.requires_grad = true
+      local o = sdpa(q32, k, v, nil, 0, false)
+      local q64 = q:double(); q64.requires_grad = true
+      local o64 = sdpa(q64, k:double(), v:double(), nil, 0, false)
+      close(o, o64:tolist_flat(), 1e-5)
+      local w = engine.randn(2, 3, 1, 24)
+      local l32, l64 = (o * w):sum(), (o64 * w:double()):sum()
+      l32:backward()
+      l64:backward()
+      close(q32.grad, q64.grad:tolist_flat(), 1e-4)
+    end
+  end)
+end)

@@ -47,3 +47,42 @@ void kc_dropout_apply_f32(int64_t n, const float* x, const uint8_t* keep, float 
 void kc_dropout_apply_f64(int64_t n, const double* x, const uint8_t* keep, double scale, double* out) {
   for (int64_t i = 0; i < n; i++) out[i] = keep[i] ? x[i] * scale : 0.0;
 }
+
+/* One query row against S keys (decoding with a KV cache): p = softmax(scale * K q) over the S rows of K (row j at
+ * k + j*ldk, E contiguous values), out = p @ V (row j at v + j*ldv, Ev values).  The same softmax as
+ * kc_attn_softmax_f32; the products in 16-lane partial sums (fixed order), without BLAS's per-call cost.  Keys and
+ * values are read once each, prefetched as non-temporal so that the cache does not evict what the rest of the step
+ * (the weights) keeps reading. */
+static inline float dot16_f32(const float* a, const float* b, int64_t n) {
+  float acc[16] = {0};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int l = 0; l < 16; l++) acc[l] += a[i + l] * b[i + l];
+  float s = 0;
+  for (int l = 0; l < 16; l++) s += acc[l];
+  for (; i < n; i++) s += a[i] * b[i];
+  return s;
+}
+
+void kc_attn_decode_f32(int64_t S, int64_t E, int64_t Ev, float scale, const float* q, const float* k, int64_t ldk,
+                        const float* v, int64_t ldv, float* p, float* out) {
+  const int64_t ahead = 8;
+  for (int64_t j = 0; j < S; j++) {
+    if (j + ahead < S) __builtin_prefetch(k + (j + ahead) * ldk, 0, 0);
+    p[j] = scale * dot16_f32(q, k + j * ldk, E);
+  }
+  float m = kc_row_max_f32(S, p);
+  if (m == -INFINITY) {
+    for (int64_t j = 0; j < S; j++) p[j] = 0;
+    for (int64_t e = 0; e < Ev; e++) out[e] = 0;
+    return;
+  }
+  float inv = 1 / kc_row_expsum_f32(S, p, m, p);
+  for (int64_t j = 0; j < S; j++) p[j] *= inv;
+  for (int64_t e = 0; e < Ev; e++) out[e] = 0;
+  for (int64_t j = 0; j < S; j++) {
+    if (j + ahead < S) __builtin_prefetch(v + (j + ahead) * ldv, 0, 0);
+    const float pj = p[j], *vj = v + j * ldv;
+    for (int64_t e = 0; e < Ev; e++) out[e] += pj * vj[e];
+  }
+}

@@ -171,8 +171,17 @@ typedef struct {
 static void fwd_range(void* vc, int64_t lo, int64_t hi) {
   fwd_ctx* c = vc;
   int64_t blk = c->L * c->S, lds = c->S > 0 ? c->S : 1;
+  /* one f32 query row, no mask or dropout, rows of K, V and the output contiguous: decoding with a KV cache */
+  int decode = c->L == 1 && c->dt == ENG_F32 && !c->causal && !c->mask && !c->keep && !c->q.t && c->kt.t && !c->v.t &&
+               !c->out.t;
   for (int64_t b = lo; b < hi; b++) {
     char* P = c->P + b * blk * c->es;
+    if (decode) {
+      kc_attn_decode_f32(c->S, c->E, c->Ev, (float)c->scale, (const float*)(c->q.p + c->q.off[b]),
+                         (const float*)(c->kt.p + c->kt.off[b]), c->kt.ld, (const float*)(c->v.p + c->v.off[b]),
+                         c->v.ld, (float*)P, (float*)(c->out.p + c->out.off[b]));
+      continue;
+    }
     if (c->causal) {
       for (int64_t i0 = 0; i0 < c->L; i0 += CAUSAL_BLK) {
         int64_t i1 = i0 + CAUSAL_BLK < c->L ? i0 + CAUSAL_BLK : c->L, nc = i1 < c->S ? i1 : c->S;
