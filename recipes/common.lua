@@ -54,6 +54,8 @@ function M.options(extra)
       .. "runs/<recipe>-<date>-<time> in the current directory", group = "run" },
     { "resume", "", "continue a run: its run folder (its config and newest checkpoint), a checkpoint, or latest "
       .. "(the newest checkpoint of --out / --ckpt_dir)", group = "run" },
+    { "tensorboard", 0, "1: also a TensorBoard events file in the run folder (tensorboard --logdir runs)",
+      group = "logging", int = I, choices = { 0, 1 } },
     { "log_every", 10, "steps between progress lines (rank 0: loss, lr, grad norm, ms/step, tokens/s, MFU, "
       .. "memory, ETA) and metrics.jsonl rows", group = "logging", int = I, min = 1 },
     { "log_exact", 0, "1: losses with 17 digits and a digest of the final parameters, to compare runs bit for bit",
@@ -258,7 +260,8 @@ function M.start(name, o, given)
     M.usage_error(name, "--resume=latest continues the run of --out (or the checkpoints of --ckpt_dir): give one")
   end
   M.resolve_vocab(name, o)   -- (after the resumed run's options: its data and tokenizer)
-  local r = run.start{ name = name, out = o.out, resume = resuming_folder or o.resume == "latest" }
+  local r = run.start{ name = name, out = o.out, resume = resuming_folder or o.resume == "latest",
+    tensorboard = o.tensorboard == 1 }
   o.out = r.dir
   if o.ckpt_dir == "" then o.ckpt_dir = r.dir .. "/checkpoints" end
   r:save_config(o)

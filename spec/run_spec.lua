@@ -297,6 +297,53 @@ describe("recipes: command line, run folders, metrics", function()
     assert.is_truthy(out:find("has 3 tokens but the data", 1, true), out)
   end)
 
+  it("--tensorboard=1: an events file whose scalars are metrics.jsonl's (engine.tensorboard)", function()
+    local tb = require("engine.tensorboard")
+    assert.are.equal(0xE3069283, tb.crc32c("123456789"))   -- the CRC-32C check value
+    -- PyTorch's SummaryWriter wrote this file (tools/gen_tensorboard_fixture.py): our reader gets its scalars
+    local home = rawget(_G, "ENGINE_HOME") or "."
+    local ev = tb.read(home .. "/spec/fixtures/tensorboard/torch_events.tfevents")
+    assert.are.equal("brain.Event:2", ev[1].file_version)
+    local got = {}
+    for _, e in ipairs(ev) do
+      for tag, v in pairs(e.scalars) do got[#got + 1] = string.format("%d %s %.4g %.2f", e.step, tag, v, e.wall_time) end
+    end
+    assert.are.same({ "1 train/loss 5.5 1795800001.50", "1 train/lr 0.001 1795800001.50", "2 train/loss 4.25 1795800002.50",
+      "2 train/lr 0.002 1795800002.50", "3 train/loss 3.125 1795800003.50", "3 train/lr 0.003 1795800003.50",
+      "300 val/loss 3 1795800100.25" }, got)
+    -- a flipped byte fails the CRC
+    local f = io.open(home .. "/spec/fixtures/tensorboard/torch_events.tfevents", "rb")
+    local bytes = f:read("*a")
+    f:close()
+    local bad = TMP .. "/bad.tfevents"
+    f = io.open(bad, "wb")
+    f:write(bytes:sub(1, 60) .. string.char((bytes:byte(61) + 1) % 256) .. bytes:sub(62))
+    f:close()
+    assert.has_error(function() tb.read(bad) end)
+    -- the recipe's events: the same numbers as metrics.jsonl (as f32)
+    local dir = TMP .. "/run_tb"
+    local out, rc = job(0, "recipes/gpt.lua", tiny({ "--steps=4", "--out=" .. dir, "--tensorboard=1", "--sample_len=0" }))
+    assert.are.equal(0, rc, out)
+    local p = io.popen("ls '" .. dir .. "'/events.out.tfevents.*")
+    local path = p:read("*l")
+    p:close()
+    assert.is_not_nil(path, out)
+    local by = {}
+    for _, e in ipairs(tb.read(path)) do
+      for tag, v in pairs(e.scalars) do by[tag .. "@" .. e.step] = v end
+    end
+    local n = 0
+    for _, r in ipairs(run.read_metrics(dir)) do
+      if r.loss then
+        assert.is_true(math.abs(by["train/loss@" .. r.step] - r.loss) <= 1e-6 * r.loss, tostring(r.step))
+        assert.is_true(math.abs(by["train/lr@" .. r.step] - r.lr) <= 1e-6 * r.lr)
+        n = n + 1
+      end
+      if r.val_loss then assert.is_true(math.abs(by["val/loss@" .. r.step] - r.val_loss) <= 1e-6 * r.val_loss) end
+    end
+    assert.are.equal(4, n)
+  end)
+
   it("tools/plot.lua draws the curves of runs to a PNG", function()
     if os.execute("command -v gnuplot >/dev/null 2>&1") ~= 0 then return pending("gnuplot is not installed") end
     local a, b = TMP .. "/plot_a", TMP .. "/plot_b"

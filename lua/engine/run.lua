@@ -8,6 +8,7 @@
 --   r:metrics{ step = 10, loss = 2.5, lr = 1e-3 }  -- rank 0: one JSON line in <dir>/metrics.jsonl
 --   r:write("samples.txt", text, "a")             -- rank 0: a file in the run folder
 --   r:save_config(o)                               -- rank 0: <dir>/config.json (the resolved options)
+--   run.start{..., tensorboard = true}             -- also a TensorBoard events file of the metrics (engine.tensorboard)
 --
 -- The run folder: --out, or by default runs/<name>-<YYYYmmdd>-<HHMMSS> under the current directory (the ranks
 -- agree on the name: rank 0's clock; $ENGINE_RUNS_DIR replaces "runs", as the test suite does).  A folder that holds a run (config.json, metrics.jsonl, log.txt or
@@ -66,8 +67,8 @@ end
 -- start{name, out ("" or nil: the default), resume (bool), runs_dir = "runs"} -> a Run (collective)
 function M.start(t)
   for k in pairs(t) do
-    if k ~= "name" and k ~= "out" and k ~= "resume" and k ~= "runs_dir" then
-      error("run.start: unknown option '" .. tostring(k) .. "' (options: name, out, resume, runs_dir)", 2)
+    if k ~= "name" and k ~= "out" and k ~= "resume" and k ~= "runs_dir" and k ~= "tensorboard" then
+      error("run.start: unknown option '" .. tostring(k) .. "' (options: name, out, resume, runs_dir, tensorboard)", 2)
     end
   end
   local name = t.name or "run"
@@ -105,6 +106,7 @@ function M.start(t)
   if rank == 0 then
     r.log_file = io.open(dir .. "/log.txt", "a")
     r.metrics_file = io.open(dir .. "/metrics.jsonl", "a")
+    if t.tensorboard then r.tb = require("engine.tensorboard").writer(dir) end
   end
   return r
 end
@@ -132,6 +134,16 @@ function Run:metrics(t)
   if row.time_s == nil then row.time_s = engine.time() - self.t0 end
   self.metrics_file:write(json.encode(row), "\n")
   self.metrics_file:flush()
+  if self.tb and type(row.step) == "number" then  -- TensorBoard: train/<key> and val/loss
+    local s = {}
+    for k, v in pairs(row) do
+      if type(v) == "number" and k ~= "step" and k ~= "time_s" and k ~= "eta_s" then
+        s[k == "val_loss" and "val/loss" or ("train/" .. k)] = v
+      end
+    end
+    self.tb:add_scalars(s, row.step)
+    self.tb:flush()
+  end
 end
 
 -- r:write(file, text [, mode "w"]): rank 0 writes a file of the run folder
@@ -150,6 +162,7 @@ function Run:save_config(o, extra)
 end
 
 function Run:close()
+  if self.tb then self.tb:close(); self.tb = nil end
   if self.log_file then self.log_file:close(); self.log_file = nil end
   if self.metrics_file then self.metrics_file:close(); self.metrics_file = nil end
 end
