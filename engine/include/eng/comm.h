@@ -278,6 +278,12 @@ double eng_comm_get_timeout(void);
  * set it the same way on every rank). */
 int eng_comm_set_watchdog(double seconds);
 double eng_comm_get_watchdog(void);
+/* The straggler report: a rank that has waited this many seconds in a collective's signature check for members
+ * that wait in no collective (they compute, or are stuck outside the comm layer) prints once what each member of
+ * the group does, and goes on waiting (the job ends at the timeout unless they come); the lowest waiting rank of
+ * the group prints it.  Default 30, env ENGINE_COMM_STRAGGLER; 0 turns it off. */
+int eng_comm_set_straggler(double seconds);
+double eng_comm_get_straggler(void);
 typedef struct eng_coll_record {
   int64_t id;        /* position in this process's history (0, 1, ...) */
   int64_t seq;       /* sequence number within its group */

@@ -178,6 +178,9 @@ COMM_INTERNAL void comm_wd_begin(eng_pg* pg, const char* what);
 COMM_INTERNAL int comm_wd_poll(eng_pg* pg, double waited);
 COMM_INTERNAL void comm_wd_end(void);
 COMM_INTERNAL void comm_wd_members_text(const eng_pg* pg, char* b, int cap);
+/* wd_straggler_text: for the straggler report, the members of pg that wait in no collective and what each
+ * member does; 0 when none, or when a lower member of pg waits in the same operation (it reports). */
+COMM_INTERNAL int comm_wd_straggler_text(const eng_pg* pg, char* b, int cap);
 /* Live member groups by key (process_group.c), for the watchdog. */
 COMM_INTERNAL eng_pg* comm_pg_find(uint64_t key);
 

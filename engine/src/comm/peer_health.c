@@ -399,6 +399,25 @@ int comm_wd_poll(eng_pg* pg, double waited) {
   return -1;
 }
 
+int comm_wd_straggler_text(const eng_pg* pg, char* b, int cap) {
+  b[0] = 0;
+  if (!g_st || !pg->member || !g_waiting || !wd_after()) return 0;
+  comm_peers_poll();
+  int idle = 0, me = comm_world_rank();
+  for (int i = 0; i < pg->size; i++) {
+    int x = pg->ranks[i];
+    if (x == me || x < 0 || x >= g_world_n) continue;
+    if (g_ended && g_ended[x]) continue;
+    if (g_st[x].type == WD_WAIT) {
+      /* a lower rank waiting in this same operation reports instead */
+      if (x < me && g_st[x].gkey == g_me.gkey && g_st[x].nctl == g_me.nctl) return 0;
+    } else idle++;
+  }
+  if (!idle) return 0;
+  comm_wd_members_text(pg, b, cap);
+  return b[0] != 0;
+}
+
 void comm_wd_members_text(const eng_pg* pg, char* b, int cap) {
   int k = 0;
   b[0] = 0;

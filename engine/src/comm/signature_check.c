@@ -25,6 +25,16 @@ static int debug_on(void) {
   return g_debug;
 }
 
+static double g_straggler = -1;  /* seconds; 0: off; -1: not read yet */
+static double straggler_s(void) {
+  if (g_straggler < 0) {
+    const char* e = getenv("ENGINE_COMM_STRAGGLER");
+    double v = e ? atof(e) : 30;
+    g_straggler = v > 0 ? v : 0;
+  }
+  return g_straggler;
+}
+
 static double timeout_s(void) {
   if (g_timeout < 0) {
     const char* e = getenv("ENGINE_COMM_TIMEOUT");
@@ -57,6 +67,13 @@ int eng_comm_get_check(void) { return check_on(); }
 double eng_comm_get_timeout(void) { return timeout_s(); }
 int eng_comm_set_debug(int on) { g_debug = on ? 1 : 0; return 0; }
 int eng_comm_get_debug(void) { return debug_on(); }
+int eng_comm_set_straggler(double seconds) {
+  if (!(seconds >= 0)) return eng_err("comm: the straggler report's delay must be >= 0 seconds (0: off), got %g", seconds);
+  g_straggler = seconds;
+  return 0;
+}
+double eng_comm_get_straggler(void) { return straggler_s(); }
+
 int eng_comm_set_timeout(double seconds) {
   if (!(seconds > 0)) return eng_err("comm: timeout must be a positive number of seconds, got %g", seconds);
   g_timeout = seconds;
@@ -170,8 +187,20 @@ static int check_wait(eng_pg* pg, MPI_Request* r, const char* name, const fprint
   return rc;
 }
 
+/* The straggler report (once per wait): members that wait in no collective after straggler_s() seconds. */
+static void straggler_report(eng_pg* pg, const char* name, const fprint* f, double waited) {
+  char d[200], who[1024];
+  if (!comm_wd_straggler_text(pg, who, sizeof who)) return;
+  fp_desc(d, sizeof d, f);
+  fprintf(stderr,
+          "[rank %d] %s: waited %.0f s in %s on group %s for members that are in no collective (ENGINE_COMM_STRAGGLER; "
+          "dist.set_comm_straggler); still waiting: the job ends at ENGINE_COMM_TIMEOUT (%.0f s) unless they come.\n%s",
+          comm_world_rank(), name, waited, d, pg->name, timeout_s(), who);
+  fflush(stderr);
+}
+
 static int check_wait_loop(eng_pg* pg, MPI_Request* r, const char* name, const fprint* f, int* watched) {
-  int flag = 0;
+  int flag = 0, reported = 0;
   double t0 = 0;
   for (long spin = 0;; spin++) {
     if (MPI_Test(r, &flag, MPI_STATUS_IGNORE) != MPI_SUCCESS) return eng_err("%s: signature check failed on group %s", name, pg->name);
@@ -211,6 +240,10 @@ static int check_wait_loop(eng_pg* pg, MPI_Request* r, const char* name, const f
       if (comm_wd_poll(pg, now - t0)) return -1; /* *r stays pending: the group is unusable */
       struct timespec ts = {0, 200000};
       nanosleep(&ts, NULL);
+    }
+    if (!reported && straggler_s() > 0 && now - t0 > straggler_s() && *watched) {
+      reported = 1;
+      straggler_report(pg, name, f, now - t0);
     }
     if (now - t0 > timeout_s()) timeout_abort(pg, name, f, now - t0);
   }

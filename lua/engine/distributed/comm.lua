@@ -648,6 +648,15 @@ function M.set_comm_watchdog(seconds)
   if C.eng_comm_set_watchdog(seconds) ~= 0 then cerr(2) end
 end
 function M.get_comm_watchdog() return tonumber(C.eng_comm_get_watchdog()) end
+-- set_comm_straggler(s): a rank that has waited s seconds in a collective for members that are in no collective
+-- (computing, or stuck outside the comm layer) prints once what each member does, and goes on waiting (the job ends
+-- at the comm timeout unless they come); the lowest waiting rank of the group prints it (ENGINE_COMM_STRAGGLER,
+-- default 30; 0 turns it off).
+function M.set_comm_straggler(seconds)
+  if type(seconds) ~= "number" then error("set_comm_straggler: seconds must be a number", 2) end
+  if C.eng_comm_set_straggler(seconds) ~= 0 then cerr(2) end
+end
+function M.get_comm_straggler() return tonumber(C.eng_comm_get_straggler()) end
 
 local state_names = { [0] = "issued", "completed", "failed" }
 
