@@ -260,13 +260,24 @@ function M.start(name, o, given)
     M.usage_error(name, "--resume=latest continues the run of --out (or the checkpoints of --ckpt_dir): give one")
   end
   M.resolve_vocab(name, o)   -- (after the resumed run's options: its data and tokenizer)
+  -- the saved paths are absolute: a resumed run or recipes/generate.lua started from another directory finds them
+  local cwd = os.getenv("PWD")
+  if cwd and cwd:sub(1, 1) == "/" then
+    for _, k in ipairs({ "train", "val", "tokenizer", "out", "ckpt_dir" }) do
+      local v = o[k]
+      if type(v) == "string" and v ~= "" and v:sub(1, 1) ~= "/" and not (k == "tokenizer" and v == "byte") then
+        o[k] = cwd .. "/" .. v:gsub("^%./", "")
+      end
+    end
+  end
   local r = run.start{ name = name, out = o.out, resume = resuming_folder or o.resume == "latest",
     tensorboard = o.tensorboard == 1 }
   o.out = r.dir
-  if o.ckpt_dir == "" then o.ckpt_dir = r.dir .. "/checkpoints" end
+  if cwd and cwd:sub(1, 1) == "/" and o.out:sub(1, 1) ~= "/" then o.out = cwd .. "/" .. o.out end
+  if o.ckpt_dir == "" then o.ckpt_dir = o.out .. "/checkpoints" end
   r:save_config(o)
   r:log("%s: run folder %s (config.json, log.txt, metrics.jsonl%s)", name, r.dir,
-    o.ckpt_dir == r.dir .. "/checkpoints" and ", checkpoints/" or ("; checkpoints in " .. o.ckpt_dir))
+    o.ckpt_dir == o.out .. "/checkpoints" and ", checkpoints/" or ("; checkpoints in " .. o.ckpt_dir))
   return r
 end
 

@@ -226,6 +226,18 @@ describe("recipes: command line, run folders, metrics", function()
     for _, r in ipairs(rows) do if r.loss then last = r.step end end
     assert.are.equal(5, last)
     assert.are.equal(5, json.read_file(dir .. "/config.json").steps)
+    -- the saved paths are absolute: continuing from another working directory finds the data
+    local cfg = json.read_file(dir .. "/config.json")
+    assert.are.equal(train_bin, cfg.train)
+    local home = rawget(_G, "ENGINE_HOME") or os.getenv("ENGINE_HOME") or "."
+    if home:sub(1, 1) ~= "/" then home = os.getenv("PWD") .. "/" .. home end
+    local p = io.popen(string.format("cd / && env $(env | grep -o '^\\(OMPI\\|PMIX\\|OPAL\\|ORTE\\)[A-Za-z0-9_]*' | "
+      .. "sed 's/^/-u /') ENGINE_RUNS_DIR='%s/runs' '%s' '%s/recipes/gpt.lua' --resume='%s' --steps=6 2>&1; echo __rc=$?",
+      TMP, proc.self_exe(), home, dir))
+    out = p:read("*a")
+    p:close()
+    assert.is_truthy(out:find("__rc=0", 1, true), out)
+    assert.is_truthy(out:find("at step 5", 1, true), out)
     -- the checkpoint holds the config too: resuming from it elsewhere keeps the shape
     out, rc = job(0, "recipes/gpt.lua", { "--resume=" .. dir .. "/checkpoints/step_00000005", "--steps=6", "--dim=32",
       "--out=" .. TMP .. "/run_c", "--train=" .. train_bin, "--val=" .. val_bin })
@@ -272,8 +284,14 @@ describe("recipes: command line, run folders, metrics", function()
       for _, v in ipairs(extra) do a[#a + 1] = v end
       return a
     end
-    local out, rc = job(0, "recipes/gpt.lua", args({ "--tokenizer=" .. tj, "--out=" .. TMP .. "/bpe_a" }))
+    -- (the tokenizer's path relative to the working directory: saved absolute in config.json)
+    local out, rc = job(0, "recipes/gpt.lua", args({ "--tokenizer=data/tokenizers/kjv-bpe-4k/tokenizer.json",
+      "--out=" .. TMP .. "/bpe_a" }))
     assert.are.equal(0, rc, out)
+    local saved_tok = json.read_file(TMP .. "/bpe_a/config.json").tokenizer
+    assert.are.equal("/", saved_tok:sub(1, 1))
+    assert.is_truthy(saved_tok:find("/data/tokenizers/kjv%-bpe%-4k/tokenizer%.json$"), saved_tok)
+    assert.is_not_nil(io.open(saved_tok, "rb"), saved_tok)
     assert.is_truthy(out:find("vocab " .. tok.vocab_size .. ")", 1, true), out)
     assert.is_truthy(out:find("train " .. TMP .. "/bpe_train_*.bin (" .. (#tr - 16) .. " tokens)", 1, true), out)
     local sample = out:match("sample %(temperature [^)]*%):\n(God[^\n]*)")
