@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs the benchmarks (recipes/bench/*.lua) and prints their figures with the machine and BLAS setup:
 # dispatch.lua and step.lua (the GPT, then --model=llama) in one process, comm.lua and redistribute.lua
-# under mpirun with 4 ranks (BENCH_NP), tp_step.lua (tensor parallelism against one process and PyTorch) on 2 ranks, and
+# under mpirun with 4 ranks (BENCH_NP), tokenize.lua and generate.lua (issue 29: BPE encoding of the KJV, generation
+# with the KV cache), tp_step.lua (tensor parallelism against one process and PyTorch) on 2 ranks, and
 # gpu_step.lua when a CUDA device is usable.  `make bench` runs it.
 #   tools/bench.sh [BUILD_DIR] [-- extra args for recipes/bench/step.lua]
 # Example: tools/bench.sh build -- --steps=30 --threads=2
@@ -30,6 +31,10 @@ for b in comm redistribute; do
   echo "== recipes/bench/$b.lua ($NP ranks)"
   $MPIRUN -np "$NP" "$ENGINE" "recipes/bench/$b.lua" || rc=1
 done
+echo "== recipes/bench/tokenize.lua (the KJV through the committed BPE tokenizer; Python tokenizers when in tools/.venv)"
+"$ENGINE" recipes/bench/tokenize.lua || rc=1
+echo "== recipes/bench/generate.lua (per-token time with the KV cache at context 64 and 1024, and without it)"
+"$ENGINE" recipes/bench/generate.lua || rc=1
 echo "== recipes/bench/tp_step.lua (2 ranks; PyTorch from tools/.venv when tools/install-torch.sh put it there)"
 $MPIRUN -np 2 "$ENGINE" recipes/bench/tp_step.lua || rc=1
 ngpu=$("$ENGINE" -e 'io.write(tonumber(require("engine").C.eng_comm_cuda_device_count()))' 2>/dev/null)
