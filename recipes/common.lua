@@ -129,15 +129,10 @@ function M.read_shards(name, path, what)
 end
 
 -- default_data(tokenizer, "train" | "val") -> the KJV shards tools/prepare_data.lua writes for the tokenizer:
--- data/kjv_train.bin (byte), data/kjv_<name>_train.bin (<name>: the folder of a tokenizer.json or vocab.json, else
--- the file's name without .json)
+-- data/kjv_train.bin (byte), data/kjv_<name>_train.bin (<name>: data.tokenizer_name)
 function M.default_data(tokenizer, split)
   if tokenizer == "byte" then return HOME .. "/data/kjv_" .. split .. ".bin" end
-  local p = tokenizer:gsub("/+$", "")
-  local base = p:match("([^/]+)$") or p
-  if base == "tokenizer.json" or base == "vocab.json" then p = p:match("^(.*)/[^/]*$") or "." end
-  base = (p:match("([^/]+)$") or p):gsub("%.json$", "")
-  return HOME .. "/data/kjv_" .. base .. "_" .. split .. ".bin"
+  return HOME .. "/data/kjv_" .. data.tokenizer_name(tokenizer) .. "_" .. split .. ".bin"
 end
 
 -- resolve_vocab(name, o): o.tok (the tokenizer of --tokenizer) and o.vocab_size when 0: the tokenizer's, or with the
@@ -200,11 +195,15 @@ M.SHAPE_OPTIONS = { "n_layers", "dim", "n_heads", "seq", "vocab_size", "n_kv_hea
   "ffn_dim_multiplier", "tokenizer" }
 local PER_RUN = { out = true, resume = true, config = true, threads = true }
 
+local function is_dcp_dir(path)
+  local f = io.open(path .. "/.metadata", "rb")
+  if f then f:close() end
+  return f ~= nil
+end
+
 -- the config saved in a checkpoint (a JSON string), or nil
 local function checkpoint_config(path)
-  local f = io.open(path .. "/.metadata", "rb")
-  if f then
-    f:close()
+  if is_dcp_dir(path) then
     local st = { config = "" }
     local ok = pcall(dist.checkpoint.load, st, path, { strict = false })
     return ok and st.config ~= "" and st.config or nil
@@ -419,12 +418,6 @@ function Ck:load(path)
   return st.step
 end
 
-local function is_dcp_dir(path)
-  local f = io.open(path .. "/.metadata", "rb")
-  if f then f:close() end
-  return f ~= nil
-end
-
 -- resume(path, latest, load_other) -> the step: path, or for "latest" latest(dir) (default the newest
 -- distributed checkpoint in dir); load_other(path) -> step loads a path that is not a distributed checkpoint
 function Ck:resume(path, latest, load_other)
@@ -506,7 +499,7 @@ function M.train(t)
       local dt = (engine.time() - t_log) / n_log
       local gn, tps, mem = gnorm:item(), t.tokens / dt, peak_bytes(o) / 2 ^ 20
       local mfu = peak_flops and t.flops_per_token * tps / peak_flops or nil
-      local eta = M.median(times) * (o.steps - step)
+      local eta = dt * (o.steps - step)
       log("step %5d | loss " .. (o.log_exact == 1 and "%.17g" or "%.6f") .. " | lr %.3e | grad norm %.4f | %.1f ms/step "
         .. "| %.0f tok/s | MFU %s | peak %.1f MiB | ETA %s", step, l, lr, gn, dt * 1e3, tps,
         mfu and string.format("%.1f%%", 100 * mfu) or "n/a", mem, run.eta(eta))

@@ -73,13 +73,6 @@ local function base_name(path)
   return b
 end
 
--- the tokenizer's name in the default output prefix: its folder's name for .../<name>/tokenizer.json (as for the
--- folder itself), else the file's name without .json (recipes/common.lua's default --train/--val agree)
-local function tokenizer_name(spec)
-  local p = spec:gsub("/+$", "")
-  if base_name(p) == "tokenizer.json" or base_name(p) == "vocab.json" then p = p:match("^(.*)/[^/]*$") or "." end
-  return (base_name(p):gsub("%.json$", ""))
-end
 
 -- Number of tokens in a valid shard (engine.data.shard_info checks magic, version and size) and its
 -- header's vocab size, or nil.
@@ -193,7 +186,7 @@ local function main()
     cli.usage_error(NAME, "--shard_tokens needs a BPE --tokenizer (the byte-level shards are one file each)")
   end
   local stem = o.input ~= "" and base_name(o.input):gsub("%.[^.]*$", "") or "kjv"
-  local prefix = o.out ~= "" and o.out or (o.out_dir .. "/" .. stem .. (bpe and "_" .. tokenizer_name(o.tokenizer)
+  local prefix = o.out ~= "" and o.out or (o.out_dir .. "/" .. stem .. (bpe and "_" .. data.tokenizer_name(o.tokenizer)
     or ""))
   local val = prefix .. "_val.bin"
   local trains = { prefix .. "_train.bin" }

@@ -43,12 +43,8 @@ local function now()
   return tonumber(ts.tv_sec) + tonumber(ts.tv_nsec) * 1e-9
 end
 
-local function median(t)
-  local s = { unpack(t) }
-  table.sort(s)
-  local n = #s
-  return n % 2 == 1 and s[(n + 1) / 2] or 0.5 * (s[n / 2] + s[n / 2 + 1])
-end
+-- the median of the benches (recipes/bench/util.lua)
+local median = dofile((debug.getinfo(1, "S").source:match("^@(.*)/[^/]*$") or ".") .. "/util.lua").median
 
 engine.set_num_threads(o.threads)
 local max_seq_len = math.max(o.long, o.short) + math.max(64, o.tokens + 1, o.old_tokens + 1)

@@ -35,6 +35,16 @@ function data.load_tokenizer(spec, merges_path)
   return t
 end
 
+-- tokenizer_name(spec) -> the name of a tokenizer spec in data file names: the folder's name for .../<name>/
+-- tokenizer.json or .../<name>/vocab.json (and for the folder itself), else the file's name without .json
+-- (tools/prepare_data.lua names its BPE shards <stem>_<name>_{train,val}.bin; the recipes' default data agrees)
+function data.tokenizer_name(spec)
+  local p = spec:gsub("/+$", "")
+  local function base(x) return x:match("([^/]+)$") or x end
+  if base(p) == "tokenizer.json" or base(p) == "vocab.json" then p = p:match("^(.*)/[^/]*$") or "." end
+  return (base(p):gsub("%.json$", ""))
+end
+
 data.Shard = shards.Shard
 data.write_shard = shards.write_shard
 data.read_shard = shards.read_shard
