@@ -121,6 +121,31 @@ static void choose_blas_core(char** argv) {
   eng_blas_core_exec_failed(errno); /* go on with the kernels already loaded */
 }
 
+/* The OpenMPI and PMIx variables a process that is no MPI job's rank (an MPI singleton) was started with are the
+ * machine's or the user's settings (an install prefix, an MCA choice such as plm_rsh_agent), unlike those that
+ * MPI_Init and mpirun add.  Their names go to ENGINE_PRE_MPI_ENV (separated by spaces), so that a child process a
+ * spec starts (spec/helpers/proc.lua) keeps them while it drops the job's. */
+extern char** environ;
+static void note_pre_mpi_env(void) {
+  if (getenv("OMPI_COMM_WORLD_SIZE") || getenv("PMIX_RANK") || getenv("PMI_RANK")) return;
+  char buf[4096];
+  size_t n = 0;
+  buf[0] = 0;
+  for (char** e = environ; e && *e; e++) {
+    if (strncmp(*e, "OMPI_", 5) && strncmp(*e, "PMIX_", 5) && strncmp(*e, "OPAL_", 5) && strncmp(*e, "ORTE_", 5))
+      continue;
+    const char* eq = strchr(*e, '=');
+    if (!eq) continue;
+    size_t len = (size_t)(eq - *e);
+    if (n + len + 2 > sizeof buf) break;
+    if (n) buf[n++] = ' ';
+    memcpy(buf + n, *e, len);
+    n += len;
+    buf[n] = 0;
+  }
+  setenv("ENGINE_PRE_MPI_ENV", buf, 1);
+}
+
 int main(int argc, char** argv) {
   choose_blas_core(argv);
   if (argc >= 2 && (!strcmp(argv[1], "--version") || !strcmp(argv[1], "-v"))) {
@@ -131,6 +156,7 @@ int main(int argc, char** argv) {
   if (argc < 2) { usage(); return 2; }
 
   eng_runtime_init();
+  note_pre_mpi_env();
   if (eng_dist_init() != 0) {
     fprintf(stderr, "engine: distributed init failed: %s\n", eng_last_error());
     return 1;

@@ -96,7 +96,7 @@ ENGINE=$BUILD/engine
   for v in PATH LD_LIBRARY_PATH LUA_PATH LUA_CPATH OPAL_PREFIX PMIX_PREFIX PMIX_MCA_pcompress_base_silence_warning; do
     [ -n "${!v:-}" ] && printf 'export %s=%q\n' "$v" "${!v}"
   done
-  printf 'ENGINE=%q\n' "$ROOT/$ENGINE"
+  case "$ENGINE" in /*) printf 'ENGINE=%q\n' "$ENGINE" ;; *) printf 'ENGINE=%q\n' "$ROOT/$ENGINE" ;; esac
 } > "$OUT/env.sh"
 
 # ------------------------------------------------------------------ header
@@ -136,7 +136,7 @@ for t in "$BUILD"/ctests/*; do
 done
 
 # ------------------------------------------------------------------ 3b. single-process #gpu specs
-SINGLE=$(grep -l '#gpu' spec/*_spec.lua 2>/dev/null | grep -E "${ONLY:-.}")
+SINGLE=$(grep -lE '(describe|it)\(".*#gpu|\.\. "[^"]*#gpu' spec/*_spec.lua 2>/dev/null | grep -E "${ONLY:-.}")
 for s in $SINGLE; do
   [ "$(left)" -gt 30 ] || { log "budget spent: $s skipped"; echo "$s np=1 device=cuda: not run (time budget)" >> "$LINES"; status=1; continue; }
   n=$(basename "$s" .lua)
@@ -149,7 +149,7 @@ for s in $SINGLE; do
 done
 
 # ------------------------------------------------------------------ 3c. multi-rank CUDA specs
-DIST=$(grep -l '#gpu' spec/dist/*_spec.lua 2>/dev/null | grep -E "${ONLY:-.}")
+DIST=$(grep -lE '(describe|it)\(".*#gpu|\.\. "[^"]*#gpu' spec/dist/*_spec.lua 2>/dev/null | grep -E "${ONLY:-.}")
 for np in 1 2 4; do
   for s in $DIST; do
     [ "$(left)" -gt 30 ] || { log "budget spent: $s np=$np skipped"; echo "$s np=$np device=cuda: not run (time budget)" >> "$LINES"; status=1; continue; }

@@ -2,7 +2,7 @@
 # tools/offline-bundle.sh DIR [--build BUILD] [--no-build]
 #
 # Packs what a GPU node without internet needs to run the engine's specs and benchmarks:
-#   DIR/debs/*.deb   the runtime Debian packages: LuaJIT, busted and its Lua modules, OpenMPI (mpirun, the
+#   DIR/debs/*.deb   the runtime Debian packages: LuaJIT, busted and its Lua modules, lua-argparse (engine.cli), OpenMPI (mpirun, the
 #                    MCA components, PMIx and the transports it links), OpenBLAS (pthread) and gfortran's
 #                    runtime; base libraries every distribution has (libc, libstdc++, zlib, ...) are left out
 #   DIR/build/       a prebuilt tree: engine, libengine.so, the C tests (--build BUILD, default build-gpu,
@@ -32,7 +32,7 @@ DIR=$(cd "$DIR" && pwd)
 # MCA component on Debian 12 (dpkg -S of every library they load, minus the base system).
 PKGS=(luajit libluajit-5.1-2 libluajit-5.1-common
       lua-busted lua-cliargs lua-dkjson lua-filesystem lua-luassert lua-mediator lua-penlight lua-say
-      lua-system lua-term
+      lua-system lua-term lua-argparse
       openmpi-bin openmpi-common libopenmpi3 libpmix2 libevent-core-2.1-7 libevent-pthreads-2.1-7
       libhwloc15 libfabric1 libucx0 libibverbs1 librdmacm1 libnl-3-200 libnl-route-3-200 libpsm2-2
       libpsm-infinipath1 libnuma1 libmunge2 libyaml-0-2 libatomic1

@@ -55,12 +55,12 @@ __global__ void __launch_bounds__(kThreads) emb_bwd(int64_t n_idx, const void* i
     unsigned ballot = __ballot_sync(0xffffffffu, match);
     if (lane == 0) wcount[wid] = __popc(ballot);
     __syncthreads();
-    int off = 0, total = 0;
+    int before = 0, total = 0; /* not `off`: that is the shard's first row */
     for (int w = 0; w < kThreads / 32; w++) {
-      if (w < wid) off += wcount[w];
+      if (w < wid) before += wcount[w];
       total += wcount[w];
     }
-    if (match) pos[off + __popc(ballot & ((1u << lane) - 1u))] = i;
+    if (match) pos[before + __popc(ballot & ((1u << lane) - 1u))] = i;
     __syncthreads();
     for (int q = 0; q < total; q++) {
       int64_t p = pos[q];

@@ -26,7 +26,9 @@ end
 -- job(np, script, args, {env = {NAME = value}, timeout = 120}) -> output (stdout and stderr), exit status.
 -- Runs `engine script args...` in ENGINE_HOME as a child job: under `mpirun -np np` (np >= 1) or alone (np = 0),
 -- killed after timeout seconds (status 124, or 137 when it had to be killed).  The MPI variables of this process
--- are dropped (a child mpirun inside an MPI singleton or job fails otherwise); env is set for every rank.
+-- are dropped (a child mpirun inside an MPI singleton or job fails otherwise), except those a singleton was started
+-- with and where OpenMPI and PMIx are installed (OPAL_PREFIX, PMIX_PREFIX: an unpacked offline bundle); env is set
+-- for every rank.
 function M.job(np, script, args, opts)
   opts = opts or {}
   local home = rawget(_G, "ENGINE_HOME") or os.getenv("ENGINE_HOME") or "."
@@ -47,8 +49,13 @@ function M.job(np, script, args, opts)
     unset = "-u LD_PRELOAD "
     xs[#xs + 1] = string.format("-x LD_PRELOAD='%s'", preload)
   end
-  local launcher = string.format("env %s$(env | grep -o '^\\(OMPI\\|PMIX\\|OPAL\\|ORTE\\)[A-Za-z0-9_]*' | sed 's/^/-u /') %s "
-    .. "timeout -k 5 %d ", unset, table.concat(envs, " "), opts.timeout or 120)
+  -- kept: the variables this process had before MPI_Init when it is a singleton (ENGINE_PRE_MPI_ENV, bindings/host.c),
+  -- and where OpenMPI and PMIx are installed
+  local keep = { "-e OPAL_PREFIX", "-e PMIX_PREFIX" }
+  for name in (os.getenv("ENGINE_PRE_MPI_ENV") or ""):gmatch("[%w_]+") do keep[#keep + 1] = "-e " .. name end
+  local launcher = string.format("env %s$(env | grep -o '^\\(OMPI\\|PMIX\\|OPAL\\|ORTE\\)[A-Za-z0-9_]*' | %ssed 's/^/-u /') %s "
+    .. "timeout -k 5 %d ", unset, "grep -v -x -F " .. table.concat(keep, " ") .. " | ", table.concat(envs, " "),
+    opts.timeout or 120)
   if np > 0 then
     launcher = launcher .. "mpirun --allow-run-as-root --oversubscribe --bind-to none --mca btl self,vader --mca pml ob1 "
       .. table.concat(xs, " ") .. " -np " .. np .. " "
