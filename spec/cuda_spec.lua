@@ -953,12 +953,13 @@ describe("CUDA random, optimizer and GEMM kernels #gpu", function()
     end
   end)
 
-  it("multi-tensor AdamW matches the CPU kernel (f32, bf16 params with f32 master copy, f64)", function()
+  it("multi-tensor AdamW matches the CPU kernel (f32, bf16 params with f32 master copy, all bf16, f64)", function()
     need_gpu()
     local sizes = { 5, 0, 65536, 65537, 1, 300000 }
     for i = 1, 24 do sizes[#sizes + 1] = 100 + i * 37 end
     sizes[#sizes + 1] = 21000000 -- more chunks than one launch holds
-    for _, cfg in ipairs({ { "f32", "f32", "f32" }, { "bf16", "bf16", "f32" }, { "f64", "f64", "f64" } }) do
+    for _, cfg in ipairs({ { "f32", "f32", "f32" }, { "bf16", "bf16", "f32" }, { "bf16", "bf16", "bf16" },
+                           { "f64", "f64", "f64" } }) do
       local pd, gd, sd = cfg[1], cfg[2], cfg[3]
       local list = pd == "f64" and { 5, 0, 65537, 1, 3000 } or sizes
       local n = #list
@@ -984,7 +985,9 @@ describe("CUDA random, optimizer and GEMM kernels #gpu", function()
       ok(C.eng_cuda_memcpy_h2d(scale, ffi.new("float[1]", 0.5), 4))
       for step = 1, 3 do
         hp.step = step
-        kok(C.kcu_adamw(n, P, G, M, Vv, numel, DT[pd], DT[gd], DT[sd], Cp, DT.bf16, hp, scale, stream()), "adamw")
+        -- all-bf16 training has no copy (the vectorised half kernel); the others write one
+        kok(C.kcu_adamw(n, P, G, M, Vv, numel, DT[pd], DT[gd], DT[sd], sd == "bf16" and nil or Cp, DT.bf16, hp, scale,
+          stream()), "adamw")
         local bc1, bc2 = 1 - 0.9 ^ step, 1 - 0.95 ^ step
         local args = ffi.new("kc_adamw_args", { 3e-3, 0.9, 0.95, 1e-8, 0.1, 3e-3 / bc1, math.sqrt(bc2), DT[pd], DT[gd],
           DT[sd] })
@@ -1007,10 +1010,13 @@ describe("CUDA random, optimizer and GEMM kernels #gpu", function()
           close(down(P[t - 1], k, pd), c.p:tolist_flat(), tol, 1e-7, "adamw param " .. pd .. " size " .. k)
           -- exp_avg = b1*m + (1-b1)*g cancels: the GPU's fused multiply-add and the CPU's separate rounding differ
           -- by an ulp of the operands (|m| ~ 1e-2: ~1e-9), not of the result (seen: 1.7e-9 at a value of 4.6e-5)
-          close(down(M[t - 1], k, sd), c.m:tolist_flat(), pd == "f64" and 1e-13 or 1e-5, pd == "f64" and 1e-15 or 1e-8,
-            "adamw exp_avg " .. k)
-          close(down(Vv[t - 1], k, sd), c.v:tolist_flat(), pd == "f64" and 1e-13 or 1e-5, 1e-12, "adamw exp_avg_sq " .. k)
-          close(down(Cp[t - 1], k, "bf16"), rounded(down(P[t - 1], k, pd), "bf16"), 0, 0, "adamw bf16 copy " .. k)
+          -- bf16 states round every step: a tie may go the other way (2 bf16 ulps, as for the params)
+          local stol = pd == "f64" and 1e-13 or (sd == "bf16" and 1.6e-2 or 1e-5)
+          close(down(M[t - 1], k, sd), c.m:tolist_flat(), stol, pd == "f64" and 1e-15 or 1e-8, "adamw exp_avg " .. k)
+          close(down(Vv[t - 1], k, sd), c.v:tolist_flat(), stol, 1e-12, "adamw exp_avg_sq " .. k)
+          if sd ~= "bf16" then
+            close(down(Cp[t - 1], k, "bf16"), rounded(down(P[t - 1], k, pd), "bf16"), 0, 0, "adamw bf16 copy " .. k)
+          end
         elseif k >= 400000 then
           -- the big tensor: spot checks around the launch boundary and at the ends
           local gt = engine.empty({ k }, { dtype = pd })

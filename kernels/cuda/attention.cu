@@ -31,14 +31,17 @@
  *   C 16x8:  c0 c1 (row g, cols 2t, 2t+1), c2 c3 (row g+8, same cols)
  * so the C fragments of two adjacent 8-column blocks of S are, once packed
  * to 16 bits, exactly the A fragment of that 16-wide slice: P and dS go from
- * one product into the next without leaving registers.  Operands whose
- * reduction index runs along a shared-memory row are loaded as 32-bit
- * words; the transposed ones (V and dO, Q and K as B operands along the row
- * index) are packed from two 16-bit loads.  Row statistics (max, sum) are
- * combined over the 4 threads of a group with two shuffles. */
+ * one product into the next without leaving registers.  B operands come
+ * from shared memory through ldmatrix (.x4: two mma operands per
+ * instruction; .trans for V and dO, Q and K along the row index), the A
+ * operands (Q, dO, K, V rows a warp owns) from global memory once.  Row
+ * statistics (max, sum) are combined over the 4 threads of a group with two
+ * shuffles; the causal / length mask is applied only in the tiles that need
+ * it. */
 #include "common.cuh"
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <stdlib.h>
 
 namespace {
 
@@ -308,8 +311,6 @@ const int TC_ROWS = 64;   /* rows per block: 4 warps x 16 */
 const int TC_KT = 64;     /* key rows per shared tile (forward, dq) */
 const int TC_QT = 32;     /* query rows per shared tile (dkv) */
 
-__device__ __forceinline__ uint32_t pack16(uint16_t lo, uint16_t hi) { return (uint32_t)lo | ((uint32_t)hi << 16); }
-
 /* 32-bit word (2 elements) at (row, col) of a [rows, *] slice; 0 past the end. */
 __device__ __forceinline__ uint32_t ld32(const uint16_t* base, int64_t sl, int row, int rows, int col) {
   return row < rows ? *reinterpret_cast<const uint32_t*>(base + (int64_t)row * sl + col) : 0u;
@@ -342,21 +343,87 @@ __device__ __forceinline__ void stage_tc(uint16_t* sh, const uint16_t* base, int
   }
 }
 
-/* B operand with k along the row index of sh: rows k0 + 2t, +1 (b0) and
- * k0 + 2t + 8, +9 (b1), column n. */
-template <int D>
-__device__ __forceinline__ void bfrag_rows(const uint16_t* sh, int k0, int n, int t, uint32_t& b0, uint32_t& b1) {
-  const int L = D + 8;
-  b0 = pack16(sh[(k0 + 2 * t) * L + n], sh[(k0 + 2 * t + 1) * L + n]);
-  b1 = pack16(sh[(k0 + 2 * t + 8) * L + n], sh[(k0 + 2 * t + 9) * L + n]);
+/* The same with cp.async (sm_80+): the copies run while the block computes on the other buffer; zeros past the
+ * end are stored directly.  cp_commit closes a group of copies, cp_wait<N> waits until at most N groups are in
+ * flight (then a __syncthreads makes every thread's copies visible). */
+__device__ __forceinline__ void cp_async16(uint16_t* dst, const uint16_t* src) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  uint32_t d = (uint32_t)__cvta_generic_to_shared(dst);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src));
+#else
+  *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+#endif
 }
-/* B operand with k along the columns of sh: row n, columns k0 + 2t (b0) and
- * k0 + 2t + 8 (b1). */
+__device__ __forceinline__ void cp_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+template <int N> __device__ __forceinline__ void cp_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+#endif
+}
+template <int D, int NR>
+__device__ __forceinline__ void stage_async(uint16_t* sh, const uint16_t* base, int64_t sl, int r0, int rows) {
+  constexpr int CH = D / 8;
+  for (int e = threadIdx.x; e < NR * CH; e += blockDim.x) {
+    int r = e / CH, c = e - r * CH;
+    uint16_t* dst = sh + r * (D + 8) + c * 8;
+    if (r0 + r < rows) cp_async16(dst, base + (int64_t)(r0 + r) * sl + c * 8);
+    else *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
+  }
+}
+
+/* Tiles staged in shared memory: PIPE (head dims up to 64, where two buffers of each operand fit the 48 KiB of
+ * static shared memory) double-buffers them with cp.async, so the next tile's copies overlap this tile's
+ * products; otherwise one buffer, filled between two barriers.  Each kernel's loop:
+ *   tiles.begin(first)                       (PIPE: the first tile's copies)
+ *   for each tile: tiles.ready(this, next)   (the tile in shared memory; PIPE: the next one's copies issued)
+ *                  ...products on tiles.cur...
+ *                  tiles.done()              (PIPE: every warp is past this buffer before it is refilled) */
+
+/* B operands from a shared tile sh (row stride D + 8):
+ *   bfrag_cols: k along the columns of sh: row n, columns k0 + 2t, +1 (b0) and k0 + 2t + 8, +9 (b1);
+ *   bfrag_rows: k along the row index of sh: rows k0 + 2t, +1 (b0) and k0 + 2t + 8, +9 (b1), column n.
+ * Both come two mma operands at a time from ldmatrix (bfrag_rows through its transposing form). */
+/* ldmatrix: four 8x8 16-bit matrices from shared memory in one instruction; lane l gives the address of row
+ * l % 8 of matrix l / 8 and receives, of each matrix, row l / 4, columns 2 (l % 4) and + 1 (.trans: that row and
+ * column swapped), which is an mma B fragment half.  Rows are 16-byte aligned (row stride (D + 8) * 2 bytes, a
+ * multiple of 16, and 8 rows at that stride fall in distinct bank groups: no conflicts). */
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const uint16_t* p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 750
+  uint32_t a = (uint32_t)__cvta_generic_to_shared(p);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+#else
+  (void)p; r[0] = r[1] = r[2] = r[3] = 0u;
+  __trap();
+#endif
+}
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const uint16_t* p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 750
+  uint32_t a = (uint32_t)__cvta_generic_to_shared(p);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+#else
+  (void)p; r[0] = r[1] = r[2] = r[3] = 0u;
+  __trap();
+#endif
+}
+/* bfrag_cols for two k-chunks at once: r[0], r[1] = (b0, b1) of row n0 + g, columns k0..k0+15; r[2], r[3] the
+ * same for columns k0+16..k0+31. */
 template <int D>
-__device__ __forceinline__ void bfrag_cols(const uint16_t* sh, int n, int k0, int t, uint32_t& b0, uint32_t& b1) {
-  const int L = D + 8;
-  b0 = *reinterpret_cast<const uint32_t*>(sh + n * L + k0 + 2 * t);
-  b1 = *reinterpret_cast<const uint32_t*>(sh + n * L + k0 + 2 * t + 8);
+__device__ __forceinline__ void bfrag_cols_x4(const uint16_t* sh, int n0, int k0, int lane, uint32_t (&r)[4]) {
+  ldsm_x4(r, sh + (n0 + (lane & 7)) * (D + 8) + k0 + (lane >> 3) * 8);
+}
+/* bfrag_rows for two 8-column blocks at once: r[0], r[1] = (b0, b1) of rows k0..k0+15, column n0 + g; r[2], r[3]
+ * the same for column n0 + 8 + g. */
+template <int D>
+__device__ __forceinline__ void bfrag_rows_x4(const uint16_t* sh, int k0, int n0, int lane, uint32_t (&r)[4]) {
+  ldsm_x4_trans(r, sh + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * (D + 8) + n0 + (lane >> 4) * 8);
 }
 
 /* C fragments (rows r0 + g, r0 + g + 8) times mul0 / mul1 into a [rows, D] slice. */
@@ -374,11 +441,11 @@ __device__ __forceinline__ void store_cfrag(const float (&acc)[D / 8][4], uint16
   }
 }
 
-template <typename T, int D>
+template <typename T, int D, bool PIPE>
 __global__ void __launch_bounds__(128) attn_fwd_tc(kcu_attn_args a) {
-  constexpr int L = D + 8;
-  __shared__ __align__(16) uint16_t Ks[TC_KT * L];
-  __shared__ __align__(16) uint16_t Vs[TC_KT * L];
+  constexpr int L = D + 8, NBUF = PIPE ? 2 : 1;
+  __shared__ __align__(16) uint16_t Kb[NBUF][TC_KT * L];
+  __shared__ __align__(16) uint16_t Vb[NBUF][TC_KT * L];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int b = blockIdx.x / a.H, h = blockIdx.x % a.H;
   const int q0 = tile_index(a.causal) * TC_ROWS, qw = q0 + warp * 16;
@@ -393,30 +460,55 @@ __global__ void __launch_bounds__(128) attn_fwd_tc(kcu_attn_args a) {
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
   const float sl2 = a.scale * kLog2e;
   const int kend = a.causal ? min(a.Lk, q0 + TC_ROWS) : a.Lk;
-  for (int k0 = 0; k0 < kend; k0 += TC_KT) {
-    __syncthreads();
-    stage_tc<D, TC_KT>(Ks, kb, a.sk[2], k0, a.Lk);
-    stage_tc<D, TC_KT>(Vs, vb, a.sv[2], k0, a.Lk);
-    __syncthreads();
+  if (PIPE && kend > 0) {
+    stage_async<D, TC_KT>(Kb[0], kb, a.sk[2], 0, a.Lk);
+    stage_async<D, TC_KT>(Vb[0], vb, a.sv[2], 0, a.Lk);
+    cp_commit();
+  }
+  for (int k0 = 0, it = 0; k0 < kend; k0 += TC_KT, it++) {
+    const int cur = PIPE ? (it & 1) : 0;
+    if (PIPE) {
+      if (k0 + TC_KT < kend) {
+        stage_async<D, TC_KT>(Kb[cur ^ 1], kb, a.sk[2], k0 + TC_KT, a.Lk);
+        stage_async<D, TC_KT>(Vb[cur ^ 1], vb, a.sv[2], k0 + TC_KT, a.Lk);
+        cp_commit();
+        cp_wait<1>();
+      } else {
+        cp_wait<0>();
+      }
+      __syncthreads();
+    } else {
+      __syncthreads();
+      stage_tc<D, TC_KT>(Kb[0], kb, a.sk[2], k0, a.Lk);
+      stage_tc<D, TC_KT>(Vb[0], vb, a.sv[2], k0, a.Lk);
+      __syncthreads();
+    }
+    const uint16_t* Ks = Kb[cur];
+    const uint16_t* Vs = Vb[cur];
     float s[TC_KT / 8][4];
 #pragma unroll
     for (int nb = 0; nb < TC_KT / 8; nb++) {
       s[nb][0] = s[nb][1] = s[nb][2] = s[nb][3] = 0.0f;
 #pragma unroll
-      for (int kc = 0; kc < D / 16; kc++) {
-        uint32_t b0, b1;
-        bfrag_cols<D>(Ks, nb * 8 + g, kc * 16, t, b0, b1);
-        mma_t<T>::mma(s[nb], qf[kc], b0, b1);
+      for (int kc = 0; kc < D / 16; kc += 2) {
+        uint32_t b[4];
+        bfrag_cols_x4<D>(Ks, nb * 8, kc * 16, lane, b);
+        mma_t<T>::mma(s[nb], qf[kc], b[0], b[1]);
+        mma_t<T>::mma(s[nb], qf[kc + 1], b[2], b[3]);
       }
     }
+    /* only the tiles at the end of the keys or on the causal diagonal need the mask (warp-uniform) */
+    const bool need_mask = k0 + TC_KT > a.Lk || (a.causal && k0 + TC_KT - 1 > qw);
     float mt[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int nb = 0; nb < TC_KT / 8; nb++)
 #pragma unroll
       for (int i = 0; i < 4; i++) {
-        int key = k0 + nb * 8 + 2 * t + (i & 1), row = qw + g + (i >> 1) * 8;
         float v = s[nb][i] * sl2;
-        if (key >= a.Lk || (a.causal && key > row)) v = -INFINITY;
+        if (need_mask) {
+          int key = k0 + nb * 8 + 2 * t + (i & 1), row = qw + g + (i >> 1) * 8;
+          if (key >= a.Lk || (a.causal && key > row)) v = -INFINITY;
+        }
         s[nb][i] = v;
         mt[i >> 1] = fmaxf(mt[i >> 1], v);
       }
@@ -450,12 +542,14 @@ __global__ void __launch_bounds__(128) attn_fwd_tc(kcu_attn_args a) {
                         mma_t<T>::pack(s[2 * kc + 1][0], s[2 * kc + 1][1]),
                         mma_t<T>::pack(s[2 * kc + 1][2], s[2 * kc + 1][3])};
 #pragma unroll
-      for (int nd = 0; nd < D / 8; nd++) {
-        uint32_t b0, b1;
-        bfrag_rows<D>(Vs, kc * 16, nd * 8 + g, t, b0, b1);
-        mma_t<T>::mma(o[nd], pa, b0, b1);
+      for (int nd = 0; nd < D / 8; nd += 2) {
+        uint32_t b[4];
+        bfrag_rows_x4<D>(Vs, kc * 16, nd * 8, lane, b);
+        mma_t<T>::mma(o[nd], pa, b[0], b[1]);
+        mma_t<T>::mma(o[nd + 1], pa, b[2], b[3]);
       }
     }
+    if (PIPE) __syncthreads();
   }
   float lt[2];
 #pragma unroll
@@ -477,13 +571,13 @@ __global__ void __launch_bounds__(128) attn_fwd_tc(kcu_attn_args a) {
 }
 
 /* dK, dV for 64 keys per block (16 per warp), query tiles of TC_QT rows. */
-template <typename T, int D>
+template <typename T, int D, bool PIPE>
 __global__ void __launch_bounds__(128) attn_dkv_tc(kcu_attn_args a) {
-  constexpr int L = D + 8;
+  constexpr int L = D + 8, NBUF = PIPE ? 2 : 1;
   constexpr int NQ = TC_QT / 8;  /* 8-query blocks per tile */
-  __shared__ __align__(16) uint16_t Qs[TC_QT * L];
-  __shared__ __align__(16) uint16_t Gs[TC_QT * L];
-  __shared__ float Ls[TC_QT], Ds[TC_QT];
+  __shared__ __align__(16) uint16_t Qb[NBUF][TC_QT * L];
+  __shared__ __align__(16) uint16_t Gb[NBUF][TC_QT * L];
+  __shared__ float Lb[NBUF][TC_QT], Db[NBUF][TC_QT];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int b = blockIdx.x / a.H, h = blockIdx.x % a.H;
   const int k0 = blockIdx.y * TC_ROWS, kw = k0 + warp * 16;
@@ -500,16 +594,43 @@ __global__ void __launch_bounds__(128) attn_dkv_tc(kcu_attn_args a) {
     for (int i = 0; i < 4; i++) { dk[nd][i] = 0.0f; dv[nd][i] = 0.0f; }
   const float sl2 = a.scale * kLog2e;
   const int qstart = a.causal ? (k0 / TC_QT) * TC_QT : 0;
-  for (int q0 = qstart; q0 < a.Lq; q0 += TC_QT) {
-    __syncthreads();
-    stage_tc<D, TC_QT>(Qs, qb, a.sq[2], q0, a.Lq);
-    stage_tc<D, TC_QT>(Gs, gb, a.sdo[2], q0, a.Lq);
+  auto stats = [&](int buf, int q0) {
     if (threadIdx.x < TC_QT) {
       int qi = q0 + threadIdx.x;
-      Ls[threadIdx.x] = qi < a.Lq ? a.lse[bh * a.Lq + qi] * kLog2e : -INFINITY;
-      Ds[threadIdx.x] = qi < a.Lq ? a.delta[bh * a.Lq + qi] : 0.0f;
+      Lb[buf][threadIdx.x] = qi < a.Lq ? a.lse[bh * a.Lq + qi] * kLog2e : -INFINITY;
+      Db[buf][threadIdx.x] = qi < a.Lq ? a.delta[bh * a.Lq + qi] : 0.0f;
     }
-    __syncthreads();
+  };
+  if (PIPE && qstart < a.Lq) {
+    stage_async<D, TC_QT>(Qb[0], qb, a.sq[2], qstart, a.Lq);
+    stage_async<D, TC_QT>(Gb[0], gb, a.sdo[2], qstart, a.Lq);
+    cp_commit();
+    stats(0, qstart);
+  }
+  for (int q0 = qstart, it = 0; q0 < a.Lq; q0 += TC_QT, it++) {
+    const int cur = PIPE ? (it & 1) : 0;
+    if (PIPE) {
+      if (q0 + TC_QT < a.Lq) {
+        stage_async<D, TC_QT>(Qb[cur ^ 1], qb, a.sq[2], q0 + TC_QT, a.Lq);
+        stage_async<D, TC_QT>(Gb[cur ^ 1], gb, a.sdo[2], q0 + TC_QT, a.Lq);
+        cp_commit();
+        stats(cur ^ 1, q0 + TC_QT);
+        cp_wait<1>();
+      } else {
+        cp_wait<0>();
+      }
+      __syncthreads();
+    } else {
+      __syncthreads();
+      stage_tc<D, TC_QT>(Qb[0], qb, a.sq[2], q0, a.Lq);
+      stage_tc<D, TC_QT>(Gb[0], gb, a.sdo[2], q0, a.Lq);
+      stats(0, q0);
+      __syncthreads();
+    }
+    const uint16_t* Qs = Qb[cur];
+    const uint16_t* Gs = Gb[cur];
+    const float* Ls = Lb[cur];
+    const float* Ds = Db[cur];
     /* S^T = K Q^T and dP^T = V dO^T: 16 keys x TC_QT queries */
     float st[NQ][4], dpt[NQ][4];
 #pragma unroll
@@ -517,22 +638,26 @@ __global__ void __launch_bounds__(128) attn_dkv_tc(kcu_attn_args a) {
 #pragma unroll
       for (int i = 0; i < 4; i++) { st[nb][i] = 0.0f; dpt[nb][i] = 0.0f; }
 #pragma unroll
-      for (int kc = 0; kc < D / 16; kc++) {
-        uint32_t b0, b1;
-        bfrag_cols<D>(Qs, nb * 8 + g, kc * 16, t, b0, b1);
-        mma_t<T>::mma(st[nb], kf[kc], b0, b1);
-        bfrag_cols<D>(Gs, nb * 8 + g, kc * 16, t, b0, b1);
-        mma_t<T>::mma(dpt[nb], vf[kc], b0, b1);
+      for (int kc = 0; kc < D / 16; kc += 2) {
+        uint32_t b[4];
+        bfrag_cols_x4<D>(Qs, nb * 8, kc * 16, lane, b);
+        mma_t<T>::mma(st[nb], kf[kc], b[0], b[1]);
+        mma_t<T>::mma(st[nb], kf[kc + 1], b[2], b[3]);
+        bfrag_cols_x4<D>(Gs, nb * 8, kc * 16, lane, b);
+        mma_t<T>::mma(dpt[nb], vf[kc], b[0], b[1]);
+        mma_t<T>::mma(dpt[nb], vf[kc + 1], b[2], b[3]);
       }
     }
-    /* P^T and dS^T = P^T (dP^T - delta) */
+    /* P^T and dS^T = P^T (dP^T - delta); the mask only where the tile reaches past the queries or keys or
+     * crosses the causal diagonal (warp-uniform; elsewhere every lse is finite) */
+    const bool need_mask = q0 + TC_QT > a.Lq || kw + 16 > a.Lk || (a.causal && kw + 15 > q0);
 #pragma unroll
     for (int nb = 0; nb < NQ; nb++)
 #pragma unroll
       for (int i = 0; i < 4; i++) {
         int qc = nb * 8 + 2 * t + (i & 1), qi = q0 + qc, key = kw + g + (i >> 1) * 8;
         float l2 = Ls[qc];
-        bool masked = qi >= a.Lq || key >= a.Lk || (a.causal && key > qi) || l2 == -INFINITY;
+        bool masked = need_mask && (qi >= a.Lq || key >= a.Lk || (a.causal && key > qi) || l2 == -INFINITY);
         float p = masked ? 0.0f : exp2f(st[nb][i] * sl2 - l2);
         st[nb][i] = p;
         dpt[nb][i] = p * (dpt[nb][i] - Ds[qc]);
@@ -547,25 +672,28 @@ __global__ void __launch_bounds__(128) attn_dkv_tc(kcu_attn_args a) {
                         mma_t<T>::pack(dpt[2 * kc + 1][0], dpt[2 * kc + 1][1]),
                         mma_t<T>::pack(dpt[2 * kc + 1][2], dpt[2 * kc + 1][3])};
 #pragma unroll
-      for (int nd = 0; nd < D / 8; nd++) {
-        uint32_t b0, b1;
-        bfrag_rows<D>(Gs, kc * 16, nd * 8 + g, t, b0, b1);
-        mma_t<T>::mma(dv[nd], pa, b0, b1);
-        bfrag_rows<D>(Qs, kc * 16, nd * 8 + g, t, b0, b1);
-        mma_t<T>::mma(dk[nd], sa, b0, b1);
+      for (int nd = 0; nd < D / 8; nd += 2) {
+        uint32_t b[4];
+        bfrag_rows_x4<D>(Gs, kc * 16, nd * 8, lane, b);
+        mma_t<T>::mma(dv[nd], pa, b[0], b[1]);
+        mma_t<T>::mma(dv[nd + 1], pa, b[2], b[3]);
+        bfrag_rows_x4<D>(Qs, kc * 16, nd * 8, lane, b);
+        mma_t<T>::mma(dk[nd], sa, b[0], b[1]);
+        mma_t<T>::mma(dk[nd + 1], sa, b[2], b[3]);
       }
     }
+    if (PIPE) __syncthreads();
   }
   store_cfrag<T, D>(dk, (uint16_t*)a.dk + b * a.sdk[0] + h * a.sdk[1], a.sdk[2], kw, a.Lk, a.scale, a.scale, g, t);
   store_cfrag<T, D>(dv, (uint16_t*)a.dv + b * a.sdv[0] + h * a.sdv[1], a.sdv[2], kw, a.Lk, 1.0f, 1.0f, g, t);
 }
 
 /* dQ for 64 queries per block (16 per warp), key tiles of TC_KT rows. */
-template <typename T, int D>
+template <typename T, int D, bool PIPE>
 __global__ void __launch_bounds__(128) attn_dq_tc(kcu_attn_args a) {
-  constexpr int L = D + 8;
-  __shared__ __align__(16) uint16_t Ks[TC_KT * L];
-  __shared__ __align__(16) uint16_t Vs[TC_KT * L];
+  constexpr int L = D + 8, NBUF = PIPE ? 2 : 1;
+  __shared__ __align__(16) uint16_t Kb[NBUF][TC_KT * L];
+  __shared__ __align__(16) uint16_t Vb[NBUF][TC_KT * L];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int b = blockIdx.x / a.H, h = blockIdx.x % a.H;
   const int q0 = tile_index(a.causal) * TC_ROWS, qw = q0 + warp * 16;
@@ -587,31 +715,54 @@ __global__ void __launch_bounds__(128) attn_dq_tc(kcu_attn_args a) {
   for (int nd = 0; nd < D / 8; nd++) dq[nd][0] = dq[nd][1] = dq[nd][2] = dq[nd][3] = 0.0f;
   const float sl2 = a.scale * kLog2e;
   const int kend = a.causal ? min(a.Lk, q0 + TC_ROWS) : a.Lk;
-  for (int k0 = 0; k0 < kend; k0 += TC_KT) {
-    __syncthreads();
-    stage_tc<D, TC_KT>(Ks, kb, a.sk[2], k0, a.Lk);
-    stage_tc<D, TC_KT>(Vs, vb, a.sv[2], k0, a.Lk);
-    __syncthreads();
+  if (PIPE && kend > 0) {
+    stage_async<D, TC_KT>(Kb[0], kb, a.sk[2], 0, a.Lk);
+    stage_async<D, TC_KT>(Vb[0], vb, a.sv[2], 0, a.Lk);
+    cp_commit();
+  }
+  for (int k0 = 0, it = 0; k0 < kend; k0 += TC_KT, it++) {
+    const int cur = PIPE ? (it & 1) : 0;
+    if (PIPE) {
+      if (k0 + TC_KT < kend) {
+        stage_async<D, TC_KT>(Kb[cur ^ 1], kb, a.sk[2], k0 + TC_KT, a.Lk);
+        stage_async<D, TC_KT>(Vb[cur ^ 1], vb, a.sv[2], k0 + TC_KT, a.Lk);
+        cp_commit();
+        cp_wait<1>();
+      } else {
+        cp_wait<0>();
+      }
+      __syncthreads();
+    } else {
+      __syncthreads();
+      stage_tc<D, TC_KT>(Kb[0], kb, a.sk[2], k0, a.Lk);
+      stage_tc<D, TC_KT>(Vb[0], vb, a.sv[2], k0, a.Lk);
+      __syncthreads();
+    }
+    const uint16_t* Ks = Kb[cur];
+    const uint16_t* Vs = Vb[cur];
     float s[TC_KT / 8][4], dp[TC_KT / 8][4];
 #pragma unroll
     for (int nb = 0; nb < TC_KT / 8; nb++) {
 #pragma unroll
       for (int i = 0; i < 4; i++) { s[nb][i] = 0.0f; dp[nb][i] = 0.0f; }
 #pragma unroll
-      for (int kc = 0; kc < D / 16; kc++) {
-        uint32_t b0, b1;
-        bfrag_cols<D>(Ks, nb * 8 + g, kc * 16, t, b0, b1);
-        mma_t<T>::mma(s[nb], qf[kc], b0, b1);
-        bfrag_cols<D>(Vs, nb * 8 + g, kc * 16, t, b0, b1);
-        mma_t<T>::mma(dp[nb], gf[kc], b0, b1);
+      for (int kc = 0; kc < D / 16; kc += 2) {
+        uint32_t b[4];
+        bfrag_cols_x4<D>(Ks, nb * 8, kc * 16, lane, b);
+        mma_t<T>::mma(s[nb], qf[kc], b[0], b[1]);
+        mma_t<T>::mma(s[nb], qf[kc + 1], b[2], b[3]);
+        bfrag_cols_x4<D>(Vs, nb * 8, kc * 16, lane, b);
+        mma_t<T>::mma(dp[nb], gf[kc], b[0], b[1]);
+        mma_t<T>::mma(dp[nb], gf[kc + 1], b[2], b[3]);
       }
     }
+    const bool need_mask = qw + 16 > a.Lq || k0 + TC_KT > a.Lk || (a.causal && k0 + TC_KT - 1 > qw);
 #pragma unroll
     for (int nb = 0; nb < TC_KT / 8; nb++)
 #pragma unroll
       for (int i = 0; i < 4; i++) {
         int r = i >> 1, key = k0 + nb * 8 + 2 * t + (i & 1), row = qw + g + 8 * r;
-        bool masked = row >= a.Lq || key >= a.Lk || (a.causal && key > row) || l2[r] == -INFINITY;
+        bool masked = need_mask && (row >= a.Lq || key >= a.Lk || (a.causal && key > row) || l2[r] == -INFINITY);
         float p = masked ? 0.0f : exp2f(s[nb][i] * sl2 - l2[r]);
         s[nb][i] = p * (dp[nb][i] - dl[r]);  /* dS */
       }
@@ -621,12 +772,14 @@ __global__ void __launch_bounds__(128) attn_dq_tc(kcu_attn_args a) {
                         mma_t<T>::pack(s[2 * kc + 1][0], s[2 * kc + 1][1]),
                         mma_t<T>::pack(s[2 * kc + 1][2], s[2 * kc + 1][3])};
 #pragma unroll
-      for (int nd = 0; nd < D / 8; nd++) {
-        uint32_t b0, b1;
-        bfrag_rows<D>(Ks, kc * 16, nd * 8 + g, t, b0, b1);
-        mma_t<T>::mma(dq[nd], sa, b0, b1);
+      for (int nd = 0; nd < D / 8; nd += 2) {
+        uint32_t b[4];
+        bfrag_rows_x4<D>(Ks, kc * 16, nd * 8, lane, b);
+        mma_t<T>::mma(dq[nd], sa, b[0], b[1]);
+        mma_t<T>::mma(dq[nd + 1], sa, b[2], b[3]);
       }
     }
+    if (PIPE) __syncthreads();
   }
   store_cfrag<T, D>(dq, (uint16_t*)a.dq + b * a.sdq[0] + h * a.sdq[1], a.sdq[2], qw, a.Lq, a.scale, a.scale, g, t);
 }
@@ -640,7 +793,7 @@ template <typename T, int D> int tc_binary_ok() {
   static int v = -1;
   if (v < 0) {
     cudaFuncAttributes at;
-    v = cudaFuncGetAttributes(&at, attn_fwd_tc<T, D>) == cudaSuccess && at.binaryVersion >= 80;
+    v = cudaFuncGetAttributes(&at, attn_fwd_tc<T, D, false>) == cudaSuccess && at.binaryVersion >= 80;
     cudaGetLastError();
   }
   return v;
@@ -657,24 +810,42 @@ int tc_layout_ok(const kcu_attn_args* a, int bwd) {
   return 1;
 }
 
-template <typename T, int D> int tc_fwd_run(const kcu_attn_args* a, cudaStream_t s) {
+/* The double-buffered kernels: head dims up to 64 (two buffers of each operand fit static shared memory), unless
+ * ENGINE_ATTN_PIPELINE=0 asks for the single-buffer ones (a comparison, read once). */
+int pipelined(int D) {
+  static int on = -1;
+  if (on < 0) {
+    const char* e = getenv("ENGINE_ATTN_PIPELINE");
+    on = !(e && e[0] == '0');
+  }
+  return on && D <= 64;
+}
+
+template <typename T, int D, bool PIPE> int tc_fwd_launch(const kcu_attn_args* a, cudaStream_t s) {
   dim3 grid((unsigned)(a->B * a->H), (unsigned)kcu_cdiv(a->Lq, TC_ROWS));
-  attn_fwd_tc<T, D><<<grid, 128, 0, s>>>(*a);
+  attn_fwd_tc<T, D, PIPE><<<grid, 128, 0, s>>>(*a);
   return kcu_launch_status();
 }
 
-template <typename T, int D> int tc_bwd_run(const kcu_attn_args* a, cudaStream_t s) {
+template <typename T, int D, bool PIPE> int tc_bwd_launch(const kcu_attn_args* a, cudaStream_t s) {
   int64_t rows = (int64_t)a->B * a->H * a->Lq;
   if (rows > 0) attn_delta<T><<<kcu_grid(rows, 8, 1 << 16), 256, 0, s>>>(*a);
   if (a->Lk > 0) {
     dim3 gk((unsigned)(a->B * a->H), (unsigned)kcu_cdiv(a->Lk, TC_ROWS));
-    attn_dkv_tc<T, D><<<gk, 128, 0, s>>>(*a);
+    attn_dkv_tc<T, D, PIPE><<<gk, 128, 0, s>>>(*a);
   }
   if (a->Lq > 0) {
     dim3 gq((unsigned)(a->B * a->H), (unsigned)kcu_cdiv(a->Lq, TC_ROWS));
-    attn_dq_tc<T, D><<<gq, 128, 0, s>>>(*a);
+    attn_dq_tc<T, D, PIPE><<<gq, 128, 0, s>>>(*a);
   }
   return kcu_launch_status();
+}
+
+template <typename T, int D> int tc_fwd_run(const kcu_attn_args* a, cudaStream_t s) {
+  return pipelined(D) ? tc_fwd_launch<T, D, D <= 64>(a, s) : tc_fwd_launch<T, D, false>(a, s);
+}
+template <typename T, int D> int tc_bwd_run(const kcu_attn_args* a, cudaStream_t s) {
+  return pipelined(D) ? tc_bwd_launch<T, D, D <= 64>(a, s) : tc_bwd_launch<T, D, false>(a, s);
 }
 
 /* Runs the tensor-core path when it applies; 1 when it does not. */

@@ -135,44 +135,49 @@ __device__ __forceinline__ float vload(float x) { return x; }
 __device__ __forceinline__ float vload(kbf16 x) { return kload(x); }
 __device__ __forceinline__ float vload(kf16 x) { return kload(x); }
 
-template <typename GT, typename CT, bool COPY>
+/* PT, ST: the weights' and states' types (f32, or bf16/f16 for all-half training, whose element math is the same
+ * f32 update between a load and a rounding store, as in adamw_kernel). */
+template <typename PT, typename ST, typename GT, typename CT, bool COPY>
 __global__ void __launch_bounds__(kMtThreads) adamw_vec_kernel(MtTable tab, kcm_adamw_f32c c, const float* gscale) {
   const int t = tab.bt[blockIdx.x];
   const int64_t n = tab.n[t], start = (int64_t)tab.bc[blockIdx.x] * kChunk;
   const int64_t end = start + kChunk < n ? start + kChunk : n;
   const int64_t vend = start + ((end - start) & ~(int64_t)3);
-  float* P = (float*)tab.p[t];
-  float* M = (float*)tab.m[t];
-  float* V = (float*)tab.v[t];
+  PT* P = (PT*)tab.p[t];
+  ST* M = (ST*)tab.m[t];
+  ST* V = (ST*)tab.v[t];
   const GT* G = (const GT*)tab.g[t];
   CT* Cp = (CT*)tab.c[t];
   const float gs = gscale ? *gscale : 1.0f;
   for (int64_t i = start + 4 * (int64_t)threadIdx.x; i < vend; i += 4 * (int64_t)blockDim.x) {
-    vec4<float> p = *reinterpret_cast<const vec4<float>*>(P + i);
-    vec4<float> m = *reinterpret_cast<const vec4<float>*>(M + i);
-    vec4<float> v = *reinterpret_cast<const vec4<float>*>(V + i);
+    vec4<PT> pv = *reinterpret_cast<const vec4<PT>*>(P + i);
+    vec4<ST> mv = *reinterpret_cast<const vec4<ST>*>(M + i);
+    vec4<ST> vv = *reinterpret_cast<const vec4<ST>*>(V + i);
     vec4<GT> g = *reinterpret_cast<const vec4<GT>*>(G + i);
+    float p[4], m[4], v[4];
 #pragma unroll
     for (int k = 0; k < 4; k++) {
       float gk = vload(g.v[k]);
       if (gscale) gk *= gs;
-      kcm_adamw_f32(&c, &p.v[k], gk, &m.v[k], &v.v[k]);
+      p[k] = vload(pv.v[k]); m[k] = vload(mv.v[k]); v[k] = vload(vv.v[k]);
+      kcm_adamw_f32(&c, &p[k], gk, &m[k], &v[k]);
+      pv.v[k] = kstore<PT>(p[k]); mv.v[k] = kstore<ST>(m[k]); vv.v[k] = kstore<ST>(v[k]);
     }
-    *reinterpret_cast<vec4<float>*>(P + i) = p;
-    *reinterpret_cast<vec4<float>*>(M + i) = m;
-    *reinterpret_cast<vec4<float>*>(V + i) = v;
+    *reinterpret_cast<vec4<PT>*>(P + i) = pv;
+    *reinterpret_cast<vec4<ST>*>(M + i) = mv;
+    *reinterpret_cast<vec4<ST>*>(V + i) = vv;
     if (COPY) {
       vec4<CT> o;
 #pragma unroll
-      for (int k = 0; k < 4; k++) o.v[k] = kstore<CT>(p.v[k]);
+      for (int k = 0; k < 4; k++) o.v[k] = kstore<CT>(p[k]);
       *reinterpret_cast<vec4<CT>*>(Cp + i) = o;
     }
   }
   for (int64_t i = vend + threadIdx.x; i < end; i += blockDim.x) {
-    float p = P[i], m = M[i], v = V[i], g = vload(G[i]);
+    float p = vload(P[i]), m = vload(M[i]), v = vload(V[i]), g = vload(G[i]);
     if (gscale) g *= gs;
     kcm_adamw_f32(&c, &p, g, &m, &v);
-    P[i] = p; M[i] = m; V[i] = v;
+    P[i] = kstore<PT>(p); M[i] = kstore<ST>(m); V[i] = kstore<ST>(v);
     if (COPY) Cp[i] = kstore<CT>(p);
   }
 }
@@ -181,7 +186,7 @@ template <typename GT, typename CT, bool COPY, typename K>
 int adamw_vec_launch(int n, void* const* p, const void* const* g, void* const* m, void* const* v, void* const* pc,
                      const int64_t* numel, const kcm_adamw_f32c& c, const float* gscale, K keep, cudaStream_t s) {
   return mt_foreach_if(n, numel, p, g, m, v, pc, keep, [&](const MtTable& tab, int nb, int64_t) {
-    adamw_vec_kernel<GT, CT, COPY><<<nb, kMtThreads, 0, s>>>(tab, c, gscale);
+    adamw_vec_kernel<float, float, GT, CT, COPY><<<nb, kMtThreads, 0, s>>>(tab, c, gscale);
     return kcu_launch_status();
   });
 }
@@ -193,6 +198,16 @@ int adamw_vec_copy(int cdt, int n, void* const* p, const void* const* g, void* c
   if (!pc) return adamw_vec_launch<GT, float, false>(n, p, g, m, v, NULL, numel, c, gscale, keep, s);
   if (cdt == KCU_BF16) return adamw_vec_launch<GT, kbf16, true>(n, p, g, m, v, pc, numel, c, gscale, keep, s);
   return adamw_vec_launch<GT, kf16, true>(n, p, g, m, v, pc, numel, c, gscale, keep, s);
+}
+
+/* All-half training (bf16 or f16 weights, gradients and states, no copy): the vectorised kernel in that type. */
+template <typename T, typename K>
+int adamw_half_launch(int n, void* const* p, const void* const* g, void* const* m, void* const* v,
+                      const int64_t* numel, const kcm_adamw_f32c& c, const float* gscale, K keep, cudaStream_t s) {
+  return mt_foreach_if(n, numel, p, g, m, v, NULL, keep, [&](const MtTable& tab, int nb, int64_t) {
+    adamw_vec_kernel<T, T, T, T, false><<<nb, kMtThreads, 0, s>>>(tab, c, gscale);
+    return kcu_launch_status();
+  });
 }
 
 /* 1 when kcu_adamw's arguments take the vectorised kernel: f32 weights and
@@ -293,6 +308,20 @@ extern "C" int kcu_adamw(int n, void* const* p, const void* const* g, void* cons
     if (numel[i] > 0 && (!p[i] || !g[i] || !m[i] || !v[i] || (pcopy && !pcopy[i]))) return KCU_EARG;
   kcm_adamw_f32c c32 = kcm_adamw_consts_f32(hp->lr, hp->beta1, hp->beta2, hp->eps, hp->weight_decay, hp->step);
   kcm_adamw_f64c c64 = kcm_adamw_consts_f64(hp->lr, hp->beta1, hp->beta2, hp->eps, hp->weight_decay, hp->step);
+  if ((pdt == KCU_BF16 || pdt == KCU_F16) && gdt == pdt && sdt == pdt && !pcopy) {
+    auto aligned = [&](int i) {
+      return ((uintptr_t)p[i] % 8) == 0 && ((uintptr_t)g[i] % 8) == 0 && ((uintptr_t)m[i] % 8) == 0 &&
+             ((uintptr_t)v[i] % 8) == 0;
+    };
+    auto unaligned = [&](int i) { return !aligned(i); };
+    int e = pdt == KCU_BF16 ? adamw_half_launch<kbf16>(n, p, g, m, v, numel, c32, grad_scale, aligned, s)
+                            : adamw_half_launch<kf16>(n, p, g, m, v, numel, c32, grad_scale, aligned, s);
+    if (e) return e;
+    return mt_foreach_if(n, numel, p, g, m, v, pcopy, unaligned, [&](const MtTable& tab, int nb, int64_t) {
+      adamw_kernel<<<nb, kMtThreads, 0, s>>>(tab, pdt, gdt, sdt, cdt, c32, c64, grad_scale);
+      return kcu_launch_status();
+    });
+  }
   if (adamw_vec_types(pdt, gdt, sdt, pcopy != NULL, cdt)) {
     /* aligned tensors through the vectorised kernel, the others (views at odd offsets) through the generic one */
     const int gsz = gdt == KCU_F32 ? 4 : 2;

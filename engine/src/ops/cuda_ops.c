@@ -225,6 +225,40 @@ static eng_tensor* lastdim_unit(eng_tensor* t) {
   return eng_as_contig(t, t->dtype);
 }
 
+/* A new dense tensor of the given shape whose dims lie in memory in the order of like's strides (largest first;
+ * PyTorch's empty_like with preserve_format): attention's output and gradients take the layout of the
+ * projections they come from ([B, L, H, D] under a [B, H, L, D] view), so the transposes and views around
+ * attention need no copies. */
+static eng_tensor* new_ordered_like(const eng_tensor* like, int ndim, const int64_t* shape, int dtype) {
+  int perm[ENG_MAX_DIMS];
+  for (int d = 0; d < ndim; d++) perm[d] = d;
+  for (int i = 1; i < ndim; i++) /* stable: equal strides keep their order */
+    for (int j = i; j > 0 && like->stride[perm[j]] > like->stride[perm[j - 1]]; j--) {
+      int x = perm[j]; perm[j] = perm[j - 1]; perm[j - 1] = x;
+    }
+  int64_t st[ENG_MAX_DIMS], n = 1;
+  for (int i = ndim - 1; i >= 0; i--) { st[perm[i]] = n; n *= shape[perm[i]]; }
+  eng_tensor* buf = eng_new(1, &n, dtype, like->device);
+  if (!buf) return NULL;
+  eng_tensor* t = eng_view_of(buf, ndim, shape, st, 0);
+  eng_tensor_release(buf);
+  return t;
+}
+
+/* q, k, v as the models' fused QKV projection makes them: [B, H, L, D] views of one [B, L, 3 H D] tensor (its
+ * three last-dim thirds).  Their gradients then go to the same places of one new [B, L, 3 H D] tensor, which the
+ * split's backward takes whole (adjacent pieces: no cat). */
+static int fused_qkv(const eng_tensor* q, const eng_tensor* k, const eng_tensor* v) {
+  if (q->storage != k->storage || q->storage != v->storage || q->dtype != k->dtype || q->dtype != v->dtype) return 0;
+  for (int d = 0; d < 4; d++)
+    if (k->shape[d] != q->shape[d] || v->shape[d] != q->shape[d] || k->stride[d] != q->stride[d] ||
+        v->stride[d] != q->stride[d])
+      return 0;
+  int64_t H = q->shape[1], L = q->shape[2], D = q->shape[3];
+  return q->stride[3] == 1 && q->stride[1] == D && q->stride[2] == 3 * H * D && q->stride[0] == L * 3 * H * D &&
+         k->offset == q->offset + H * D && v->offset == q->offset + 2 * H * D;
+}
+
 static int attn_check(eng_tensor* q, eng_tensor* k, eng_tensor* v, const char* op) {
   if (q->ndim != 4 || k->ndim != 4 || v->ndim != 4)
     return eng_err("%s: cuda tensors need 4-D q, k, v [B, H, L, D]; got q %s, k %s, v %s "
@@ -262,7 +296,7 @@ eng_tensor* eng_cu_sdpa_fwd(eng_tensor* q, eng_tensor* k, eng_tensor* v, int cau
   if (!Q || !K || !V) goto fail;
   int64_t osh[4] = {q->shape[0], q->shape[1], q->shape[2], v->shape[3]};
   int64_t lsh[3] = {q->shape[0], q->shape[1], q->shape[2]};
-  if (!(O = eng_new(4, osh, q->dtype, q->device)) || !(L = eng_new(3, lsh, ENG_F32, q->device))) goto fail;
+  if (!(O = new_ordered_like(q, 4, osh, q->dtype)) || !(L = eng_new(3, lsh, ENG_F32, q->device))) goto fail;
   if (O->numel > 0) {
     kcu_attn_args a;
     attn_fill(&a, q, k, causal, scale);
@@ -289,10 +323,22 @@ int eng_cu_sdpa_bwd(eng_tensor* q, eng_tensor* k, eng_tensor* v, eng_tensor* o, 
   eng_tensor *gq = NULL, *gk = NULL, *gv = NULL, *delta = NULL;
   if (!Q || !K || !V) goto done;
   if (!(G = dout->dtype == q->dtype ? lastdim_unit(dout) : eng_as_contig(dout, q->dtype))) goto done;
-  /* the kernel writes all three; unneeded ones go to scratch tensors */
-  if (!(gq = eng_new(4, q->shape, q->dtype, q->device)) || !(gk = eng_new(4, k->shape, q->dtype, q->device)) ||
-      !(gv = eng_new(4, v->shape, q->dtype, q->device)) || !(delta = eng_new(3, lse->shape, ENG_F32, q->device)))
+  /* the kernel writes all three (unneeded ones go to scratch tensors), in the layouts of q, k and v */
+  if (fused_qkv(q, k, v)) {
+    int64_t n = q->shape[0] * q->shape[2] * 3 * q->shape[1] * q->shape[3];
+    eng_tensor* buf = eng_new(1, &n, q->dtype, q->device);
+    if (!buf) goto done;
+    int64_t hd = q->shape[1] * q->shape[3];
+    gq = eng_view_of(buf, 4, q->shape, q->stride, 0);
+    gk = eng_view_of(buf, 4, k->shape, k->stride, hd);
+    gv = eng_view_of(buf, 4, v->shape, v->stride, 2 * hd);
+    eng_tensor_release(buf);
+    if (!gq || !gk || !gv) goto done;
+  } else if (!(gq = new_ordered_like(q, 4, q->shape, q->dtype)) || !(gk = new_ordered_like(k, 4, k->shape, q->dtype)) ||
+             !(gv = new_ordered_like(v, 4, v->shape, q->dtype))) {
     goto done;
+  }
+  if (!(delta = eng_new(3, lse->shape, ENG_F32, q->device))) goto done;
   if (o->numel > 0 && k->shape[2] > 0) {
     kcu_attn_args a;
     attn_fill(&a, q, k, causal, scale);

@@ -208,8 +208,9 @@ static int split_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
   int all = n->n_outputs > 0 && n->n_outputs <= 16;
   for (int k = 0; k < n->n_outputs && all; k++)
     all = go[k] && go[k]->dtype == eng_node_in_dtype(n, 0) && go[k]->ndim == eng_node_in_ndim(n, 0);
-  if (all) { /* every piece has a gradient: one cat (no zero fill; the QKV split of the models) */
-    gi[0] = eng_cat(n->n_outputs, go, dim);
+  if (all) { /* every piece has a gradient: one cat (no zero fill; the QKV split of the models), or none when the
+               * pieces already lie side by side (attention's gradients of a fused QKV projection on CUDA) */
+    gi[0] = eng_cat_adjacent(n->n_outputs, go, dim);
     return gi[0] ? 0 : -1;
   }
   int dev = ENG_CPU;
