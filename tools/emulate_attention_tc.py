@@ -3,9 +3,10 @@
 attn_dkv_tc, attn_dq_tc) without a GPU: the kernels' code is mirrored here lane by lane, each mma.sync
 m16n8k16 is emulated from the fragment layouts documented in the PTX ISA, everything in float64, and the
 results are compared with a direct softmax-attention reference (forward output and logsumexp, dq, dk, dv).
-Keep it in step with the kernels when they change.  Needs numpy (/usr/bin/python3 has it).
+ldmatrix loads are emulated from their PTX definition too.  Keep it in step with the kernels when they change.
+Needs numpy (tools/.venv has it).
 
-    /usr/bin/python3 tools/emulate_attention_tc.py      # prints the max abs errors (~1e-15) and "ok"
+    tools/.venv/bin/python tools/emulate_attention_tc.py   # prints the max abs errors (~1e-15) and "ok"
 """
 import numpy as np
 rng = np.random.default_rng(0)
@@ -41,8 +42,36 @@ def stage(X, r0, NR, D):
     S[:n] = X[r0:r0+n]
     return S
 
-def bfrag_rows(S, k0, n, t): return [np.array([S[k0+2*t, n], S[k0+2*t+1, n]]), np.array([S[k0+2*t+8, n], S[k0+2*t+9, n]])]
-def bfrag_cols(S, n, k0, t): return [S[n, k0+2*t:k0+2*t+2].copy(), S[n, k0+2*t+8:k0+2*t+10].copy()]
+def ldsm_x4(S, addr, trans):
+    """ldmatrix.sync.aligned.m8n8.x4(.trans).shared.b16: lane l gives addr(l) = (row, col) of the 8 halves of row
+    l % 8 of matrix l // 8; lane l receives, of each matrix i, row l // 4 and columns 2 (l % 4), + 1 (trans: column
+    l // 4 of rows 2 (l % 4), + 1).  Returns per lane the 4 registers, each as its 2 halves (lo, hi)."""
+    rows = [addr(l) for l in range(32)]
+    out = []
+    for l in range(32):
+        r = []
+        for i in range(4):
+            if not trans:
+                row, col = rows[8*i + (l >> 2)]
+                r.append(np.array([S[row, col + 2*(l & 3)], S[row, col + 2*(l & 3) + 1]]))
+            else:
+                (r0, c0), (r1, c1) = rows[8*i + 2*(l & 3)], rows[8*i + 2*(l & 3) + 1]
+                r.append(np.array([S[r0, c0 + (l >> 2)], S[r1, c1 + (l >> 2)]]))
+        out.append(r)
+    return out
+
+# bfrag_cols_x4 / bfrag_rows_x4 of the kernels: one ldmatrix serves two k-chunks (cols) or two 8-column blocks
+# (rows); these return the per-lane (b0, b1) of the chunk or block asked for, from the x4 load that holds it.
+def bcols(S, n0, k0):
+    base = k0 - k0 % 32
+    x = ldsm_x4(S, lambda l: (n0 + (l & 7), base + (l >> 3) * 8), False)
+    h = 0 if k0 % 32 == 0 else 2
+    return [x[l][h:h+2] for l in range(32)]
+def brows(S, k0, n0):
+    base = n0 - n0 % 16
+    x = ldsm_x4(S, lambda l: (k0 + (l & 7) + ((l >> 3) & 1) * 8, base + (l >> 4) * 8), True)
+    h = 0 if n0 % 16 == 0 else 2
+    return [x[l][h:h+2] for l in range(32)]
 def pack_a(s, kc, lane): return [s[2*kc][lane][0:2], s[2*kc][lane][2:4], s[2*kc+1][lane][0:2], s[2*kc+1][lane][2:4]]
 
 def fwd(q, k, v, causal, scale, D, q0tile):
@@ -62,7 +91,8 @@ def fwd(q, k, v, causal, scale, D, q0tile):
             for nb in range(8):
                 for kc in range(D // 16):
                     mma(s[nb], [qf[lane][kc] for lane in range(32)],
-                        [bfrag_cols(Ks, nb*8 + (lane >> 2), kc*16, lane & 3) for lane in range(32)])
+                        bcols(Ks, nb*8, kc*16))
+            need_mask = k0 + 64 > Lk or (causal and k0 + 63 > qw)
             mt = [[-np.inf, -np.inf] for _ in range(32)]
             for lane in range(32):
                 g, t = lane >> 2, lane & 3
@@ -70,7 +100,7 @@ def fwd(q, k, v, causal, scale, D, q0tile):
                     for i in range(4):
                         key = k0 + nb*8 + 2*t + (i & 1); row = qw + g + (i >> 1)*8
                         val = s[nb][lane][i] * sl2
-                        if key >= Lk or (causal and key > row): val = -np.inf
+                        if need_mask and (key >= Lk or (causal and key > row)): val = -np.inf
                         s[nb][lane][i] = val
                         mt[lane][i >> 1] = max(mt[lane][i >> 1], val)
             mt2 = [[max(mt[ln ^ x][r] for x in range(4)) for r in range(2)] for ln in range(32)]  # xor 1, 2
@@ -91,7 +121,7 @@ def fwd(q, k, v, causal, scale, D, q0tile):
                 pa = [pack_a(s, kc, lane) for lane in range(32)]
                 for nd in range(D // 8):
                     d = [o[lane][nd] for lane in range(32)]
-                    mma(d, pa, [bfrag_rows(Vs, kc*16, nd*8 + (lane >> 2), lane & 3) for lane in range(32)])
+                    mma(d, pa, brows(Vs, kc*16, nd*8))
         lt = [[sum(l[lane ^ x][r] for x in range(4)) for r in range(2)] for lane in range(32)]
         for lane in range(32):
             g, t = lane >> 2, lane & 3
@@ -123,15 +153,16 @@ def dkv(q, k, v, dout, lse, delta, causal, scale, D, ktile):
             dpt = [[np.zeros(4) for _ in range(32)] for _ in range(4)]
             for nb in range(4):
                 for kc in range(D // 16):
-                    mma(st[nb], [kf[lane][kc] for lane in range(32)], [bfrag_cols(Qs, nb*8+(lane >> 2), kc*16, lane & 3) for lane in range(32)])
-                    mma(dpt[nb], [vf[lane][kc] for lane in range(32)], [bfrag_cols(Gs, nb*8+(lane >> 2), kc*16, lane & 3) for lane in range(32)])
+                    mma(st[nb], [kf[lane][kc] for lane in range(32)], bcols(Qs, nb*8, kc*16))
+                    mma(dpt[nb], [vf[lane][kc] for lane in range(32)], bcols(Gs, nb*8, kc*16))
+            need_mask = q0 + 32 > Lq or kw + 16 > Lk or (causal and kw + 15 > q0)
             for lane in range(32):
                 g, t = lane >> 2, lane & 3
                 for nb in range(4):
                     for i in range(4):
                         qc = nb*8 + 2*t + (i & 1); qi = q0 + qc; key = kw + g + (i >> 1)*8
                         l2 = Ls[qc]
-                        masked = qi >= Lq or key >= Lk or (causal and key > qi) or l2 == -np.inf
+                        masked = need_mask and (qi >= Lq or key >= Lk or (causal and key > qi) or l2 == -np.inf)
                         p = 0.0 if masked else 2.0 ** (st[nb][lane][i]*sl2 - l2)
                         st[nb][lane][i] = p
                         dpt[nb][lane][i] = p * (dpt[nb][lane][i] - Ds[qc])
@@ -139,8 +170,8 @@ def dkv(q, k, v, dout, lse, delta, causal, scale, D, ktile):
                 pa = [pack_a(st, kc, lane) for lane in range(32)]
                 sa = [pack_a(dpt, kc, lane) for lane in range(32)]
                 for nd in range(D // 8):
-                    mma([dv[lane][nd] for lane in range(32)], pa, [bfrag_rows(Gs, kc*16, nd*8+(lane >> 2), lane & 3) for lane in range(32)])
-                    mma([dk[lane][nd] for lane in range(32)], sa, [bfrag_rows(Qs, kc*16, nd*8+(lane >> 2), lane & 3) for lane in range(32)])
+                    mma([dv[lane][nd] for lane in range(32)], pa, brows(Gs, kc*16, nd*8))
+                    mma([dk[lane][nd] for lane in range(32)], sa, brows(Qs, kc*16, nd*8))
         for lane in range(32):
             g, t = lane >> 2, lane & 3
             for r in range(2):
@@ -167,8 +198,9 @@ def dq(q, k, v, dout, lse, delta, causal, scale, D, qtile):
             dp = [[np.zeros(4) for _ in range(32)] for _ in range(8)]
             for nb in range(8):
                 for kc in range(D // 16):
-                    mma(s[nb], [qf[lane][kc] for lane in range(32)], [bfrag_cols(Ks, nb*8+(lane >> 2), kc*16, lane & 3) for lane in range(32)])
-                    mma(dp[nb], [gf[lane][kc] for lane in range(32)], [bfrag_cols(Vs, nb*8+(lane >> 2), kc*16, lane & 3) for lane in range(32)])
+                    mma(s[nb], [qf[lane][kc] for lane in range(32)], bcols(Ks, nb*8, kc*16))
+                    mma(dp[nb], [gf[lane][kc] for lane in range(32)], bcols(Vs, nb*8, kc*16))
+            need_mask = qw + 16 > Lq or k0 + 64 > Lk or (causal and k0 + 63 > qw)
             for lane in range(32):
                 g, t = lane >> 2, lane & 3
                 for nb in range(8):
@@ -176,13 +208,13 @@ def dq(q, k, v, dout, lse, delta, causal, scale, D, qtile):
                         r = i >> 1; key = k0 + nb*8 + 2*t + (i & 1); row = qw + g + 8*r
                         l2 = lse[row]*LOG2E if row < Lq else -np.inf
                         dl = delta[row] if row < Lq else 0
-                        masked = row >= Lq or key >= Lk or (causal and key > row) or l2 == -np.inf
+                        masked = need_mask and (row >= Lq or key >= Lk or (causal and key > row) or l2 == -np.inf)
                         p = 0.0 if masked else 2.0 ** (s[nb][lane][i]*sl2 - l2)
                         s[nb][lane][i] = p*(dp[nb][lane][i] - dl)
             for kc in range(4):
                 sa = [pack_a(s, kc, lane) for lane in range(32)]
                 for nd in range(D // 8):
-                    mma([dqa[lane][nd] for lane in range(32)], sa, [bfrag_rows(Ks, kc*16, nd*8+(lane >> 2), lane & 3) for lane in range(32)])
+                    mma([dqa[lane][nd] for lane in range(32)], sa, brows(Ks, kc*16, nd*8))
         for lane in range(32):
             g, t = lane >> 2, lane & 3
             for r in range(2):
