@@ -185,7 +185,14 @@ if [ "$BENCH" != none ]; then
   if [ "$(left)" -gt 60 ]; then
     args=""; [ "$BENCH" = engine ] && args="--torch=0"
     timeout $(( $(left) > 300 ? 300 : $(left) )) "$ENGINE" recipes/bench/gpu_step.lua $args > "$OUT/gpu_step.log" 2>&1
-    BENCHLINES="$(grep -E '^gpu_step|tok/s|MFU' "$OUT/gpu_step.log" | tail -4)"
+    BENCHLINES="$(grep -E '^gpu_step|tok/s|MFU|tp=1' "$OUT/gpu_step.log" | tail -6)"
+    # the Llama of comparable size, engine against PyTorch (issue 28)
+    if [ "$(left)" -gt 90 ]; then
+      timeout $(( $(left) > 240 ? 240 : $(left) )) "$ENGINE" recipes/bench/gpu_step.lua --model=llama --tp1=0 $args \
+        > "$OUT/gpu_step_llama.log" 2>&1
+      BENCHLINES="$BENCHLINES
+$(grep -E 'tok/s|MFU' "$OUT/gpu_step_llama.log" | tail -4 | sed 's/^/llama: /')"
+    fi
     # DTensor host overhead per op on a CUDA mesh (target: <= 1 us)
     timeout 60 "$ENGINE" recipes/bench/dtensor_dispatch.lua --device=cuda --n=5000 --runs=3 > "$OUT/dtensor_dispatch.log" 2>&1
     BENCHLINES="$BENCHLINES

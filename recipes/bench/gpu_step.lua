@@ -1,7 +1,15 @@
 -- recipes/bench/gpu_step.lua: GPU training-step throughput of a GPT-2-small-shaped model against PyTorch.
 --
---   build/engine recipes/bench/gpu_step.lua [--steps=20] [--warmup=5] [--batch=8] [--seq=1024]
---       [--n_layers=12] [--dim=768] [--n_heads=12] [--vocab=50304] [--torch=1] [--compile=1] [--peak_n=8192]
+--   build/engine recipes/bench/gpu_step.lua [--model=gpt|llama] [--steps=20] [--warmup=5] [--batch=8] [--seq=1024]
+--       [--n_layers=12] [--dim=768] [--n_heads=12] [--n_kv_heads=4] [--vocab=50304] [--torch=1] [--compile=1]
+--       [--peak_n=8192] [--tp1=1]
+--
+-- --model=llama: engine.nn.Llama at a comparable size (12 layers, dim 768, 12 query heads over 4 k/v heads, SwiGLU
+-- hidden 2048, RMSNorm, rotary positions, untied output; about 153M parameters), loss F.fused_classifier on its
+-- bf16 logits; PyTorch runs the same Llama (tools/bench_gpu_torch.py --model=llama).
+-- --tp1=1 also times the model under its DTensor tensor-parallel plan on a CUDA mesh of one rank
+-- (Transformer.parallelize / Llama.parallelize): the host cost of DTensor dispatch on a GPU step (target <= 1.03x
+-- the plain step, issue 27).
 --
 -- Model: engine.nn.Transformer (common_dtensor.py's architecture: learned position embeddings, pre-LayerNorm blocks,
 -- bias-free attention projections (one fused QKV GEMM), 4x GELU MLP (tanh, as GPT-2), tied output weights) with 12 layers, dim 768, 12 heads,
@@ -25,10 +33,15 @@ local nn, optim = engine.nn, engine.optim
 local F = nn.functional
 local C = engine.C
 
-local o = { steps = 20, warmup = 5, batch = 8, seq = 1024, n_layers = 12, dim = 768, n_heads = 12, vocab = 50304,
-  torch = 1, compile = 1, peak_n = 8192, gelu = "tanh" }   -- GPT-2's GELU (PyTorch's approximate="tanh")
+local o = { model = "gpt", steps = 20, warmup = 5, batch = 8, seq = 1024, n_layers = 12, dim = 768, n_heads = 12,
+  n_kv_heads = 4, vocab = 50304, torch = 1, compile = 1, peak_n = 8192, tp1 = 1,
+  gelu = "tanh" }   -- GPT-2's GELU (PyTorch's approximate="tanh")
 local U = dofile((debug.getinfo(1, "S").source:match("^@(.*)/[^/]*$") or ".") .. "/util.lua")
 U.parse_args("bench/gpu_step", o, arg)
+if o.model ~= "gpt" and o.model ~= "llama" then
+  require("engine.cli").usage_error("bench/gpu_step", "--model must be gpt or llama, got '%s'", tostring(o.model))
+end
+local models = require("engine.models")
 
 if C.eng_cuda_is_available() ~= 1 then
   print("bench/gpu_step: no GPU, nothing to measure: " .. ffi.string(C.eng_cuda_unavailable_reason()))
@@ -107,6 +120,47 @@ local tokens = o.batch * o.seq
 local function flops_per_token(nparams) return 6 * nparams + 12 * o.n_layers * o.dim * o.seq end
 
 -- ---------------------------------------------------------------- 2. engine
+-- the model in bf16 on the GPU, and its step: forward, fused classifier on the bf16 logits, backward
+local function build()
+  local model
+  if o.model == "gpt" then
+    model = U.build_model(o)   -- seed 0, N(0, 0.02) embeddings, train mode
+  else
+    engine.manual_seed(0)
+    model = models.Llama{ dim = o.dim, n_layers = o.n_layers, n_heads = o.n_heads, n_kv_heads = o.n_kv_heads,
+      vocab_size = o.vocab, max_seq_len = o.seq }
+    model:train()
+  end
+  model:to("bf16")
+  model:to("cuda")
+  return model
+end
+local function loss_of(model, x, y)
+  if o.model == "gpt" then
+    local _, loss = model(x, y)   -- bf16 logits into the fused classifier: no f32 copy of the logits
+    return loss
+  end
+  return F.fused_classifier(model(x, { float = false }), y)
+end
+local function run_steps(model, x, y)
+  local opt = optim.AdamW(model:parameters(), { lr = 3e-4, betas = { 0.9, 0.999 }, eps = 1e-8, weight_decay = 0.1 })
+  local times, loss0, lossn = {}, nil, nil
+  for i = 1, o.warmup + o.steps do
+    check(C.eng_cuda_synchronize())
+    local t0 = engine.time()
+    local loss = loss_of(model, x, y)
+    loss:backward()
+    opt:step()
+    opt:zero_grad()
+    check(C.eng_cuda_synchronize())
+    local dt = engine.time() - t0
+    if i == 1 then loss0 = loss:item() end
+    if i == o.warmup + o.steps then lossn = loss:item() end
+    if i > o.warmup then times[#times + 1] = dt end
+  end
+  return median(times), loss0, lossn
+end
+
 local eng_tps, eng_mfu, eng_err
 do
   local probe_ok, probe_err = pcall(function() return engine.zeros(2):to("cuda") end)
@@ -114,36 +168,33 @@ do
     eng_err = "engine tensors cannot be moved to the GPU in this build yet (" .. tostring(probe_err) .. ")"
   else
     local ok, err = pcall(function()
-      local model = U.build_model(o)   -- seed 0, N(0, 0.02) embeddings, train mode
-      model:to("bf16")
-      model:to("cuda")
+      local model = build()
       local nparams = model:num_parameters()
-      local opt = optim.AdamW(model:parameters(), { lr = 3e-4, betas = { 0.9, 0.999 }, eps = 1e-8, weight_decay = 0.1 })
       local seq = (engine.rand(o.batch, o.seq + 1) * o.vocab):long():clamp(0, o.vocab - 1)
       local x = seq:narrow(2, 1, o.seq):contiguous():to("cuda")
       local y = seq:narrow(2, 2, o.seq):contiguous():to("cuda")
-      local times, loss0, lossn = {}, nil, nil
-      for i = 1, o.warmup + o.steps do
-        check(C.eng_cuda_synchronize())
-        local t0 = engine.time()
-        local _, loss = model(x, y)   -- bf16 logits into the fused classifier: no f32 copy of the logits
-        loss:backward()
-        opt:step()
-        opt:zero_grad()
-        check(C.eng_cuda_synchronize())
-        local dt = engine.time() - t0
-        if i == 1 then loss0 = loss:item() end
-        if i == o.warmup + o.steps then lossn = loss:item() end
-        if i > o.warmup then times[#times + 1] = dt end
-      end
-      local med = median(times)
+      local med, loss0, lossn = run_steps(model, x, y)
       eng_tps = tokens / med
       eng_mfu = flops_per_token(nparams) * eng_tps / peak
       local st = ffi.new("eng_cuda_memory_stats")
       check(C.eng_cuda_get_memory_stats(st))
-      print(string.format("engine: median %.1f ms/step over %d steps after %d warm-up, %d params, %d tokens/step, "
-        .. "%.0f tokens/s, MFU %.1f%%, loss %.4f -> %.4f, peak device memory %.2f GiB", med * 1e3, o.steps, o.warmup,
-        nparams, tokens, eng_tps, 100 * eng_mfu, loss0, lossn, tonumber(st.peak_allocated) / 2 ^ 30))
+      local sheet, sheet_how = require("engine.run").peak_flops("cuda")
+      print(string.format("engine (%s): median %.1f ms/step over %d steps after %d warm-up, %d params, %d tokens/step, "
+        .. "%.0f tokens/s, MFU %.1f%%, loss %.4f -> %.4f, peak device memory %.2f GiB", o.model, med * 1e3, o.steps,
+        o.warmup, nparams, tokens, eng_tps, 100 * eng_mfu, loss0, lossn, tonumber(st.peak_allocated) / 2 ^ 30))
+      print(sheet and string.format("engine: MFU %.1f%% of the datasheet's %s", 100 * flops_per_token(nparams) * eng_tps
+        / sheet, sheet_how) or ("engine: no datasheet peak: " .. tostring(sheet_how)))
+      if o.tp1 ~= 0 then
+        -- the same model under its tensor-parallel plan on a one-rank CUDA mesh, same batch
+        model, st = nil, nil
+        collectgarbage()
+        local m1 = build()
+        local mesh = engine.distributed.init_device_mesh("cuda", { 1 }, { "tp" })
+        if o.model == "gpt" then models.Transformer.parallelize(m1, mesh) else models.Llama.parallelize(m1, mesh) end
+        local med1 = run_steps(m1, x, y)
+        print(string.format("engine tp=1: median %.1f ms/step (DTensor TP plan on a 1-rank CUDA mesh), %.3fx the plain "
+          .. "step (target <= 1.03)", med1 * 1e3, med1 / med))
+      end
     end)
     if not ok then eng_err = "engine training step failed: " .. tostring(err) end
   end
@@ -155,9 +206,9 @@ local torch_res = {}
 if o.torch ~= 0 then
   local python = os.getenv("PYTHON") or "python3"
   local home = (ENGINE_HOME and ENGINE_HOME ~= "") and ENGINE_HOME or "."
-  local cmd = string.format("%s '%s/tools/bench_gpu_torch.py' --steps=%d --warmup=%d --batch=%d --seq=%d "
-    .. "--n_layers=%d --dim=%d --n_heads=%d --vocab=%d --modes=%s --peak_tflops=%.3f --gelu=%s 2>&1", python, home,
-    o.steps, o.warmup, o.batch, o.seq, o.n_layers, o.dim, o.n_heads, o.vocab,
+  local cmd = string.format("%s '%s/tools/bench_gpu_torch.py' --model=%s --steps=%d --warmup=%d --batch=%d --seq=%d "
+    .. "--n_layers=%d --dim=%d --n_heads=%d --n_kv_heads=%d --vocab=%d --modes=%s --peak_tflops=%.3f --gelu=%s 2>&1",
+    python, home, o.model, o.steps, o.warmup, o.batch, o.seq, o.n_layers, o.dim, o.n_heads, o.n_kv_heads, o.vocab,
     o.compile ~= 0 and "eager,compile" or "eager", peak / 1e12, o.gelu)
   print("pytorch: " .. cmd)
   local p = io.popen(cmd)

@@ -1,7 +1,9 @@
 -- DTensor and everything above it on a CUDA mesh: the same operations on a CPU mesh
 -- and on a CUDA mesh of the same ranks give the same local shards, full tensors, gradients and collective counts;
--- tensor parallelism (with and without sequence parallelism, loss_parallel), DTensor data parallelism, FSDP and
--- FSDP over TP on a CUDA mesh train like one process on the GPU (5 AdamW steps, f32, losses and gradients to 1e-5).
+-- tensor parallelism (with and without sequence parallelism, loss_parallel), DTensor data parallelism, FSDP (also
+-- without resharding after forward), HSDP and FSDP over TP on a CUDA mesh train like one process on the GPU (5 AdamW
+-- steps, f32, losses and gradients to 1e-5); FSDP mixed precision trains as on a CPU mesh; checkpoints of CUDA state
+-- load into other layouts and devices, also when saved asynchronously.
 -- Tagged "#gpu": pending without a GPU, or with fewer GPUs than ranks unless each rank has its own NCCL_HOSTID
 -- (several ranks on one GPU: tools/gpu-check.sh).
 --   mpirun -np 2 ... build/engine /usr/bin/busted --ignore-lua -o tools/passfail_dist.lua --tags=gpu spec/dist/cuda_dtensor_spec.lua
@@ -344,5 +346,93 @@ describe("parallelism on a CUDA mesh trains like one process on the GPU #gpu", f
     for _, b in ipairs(m.layers:children()) do dist.fully_shard(b, { mesh = m2.dp }) end
     dist.fully_shard(m, { mesh = m2.dp })
     train_equal("fsdp x tp", m, ref, ce)
+  end)
+
+  it("HSDP on a (replicate, shard) CUDA mesh", function()
+    util.need_cuda_ranks(pending)
+    if W ~= 4 then pending("needs 4 ranks for a 2 x 2 mesh") end
+    local m2 = mesh("cuda", { 2, 2 }, { "replicate", "shard" })
+    local ref = build():to("cuda")
+    local m = build():to("cuda")
+    for _, b in ipairs(m.layers:children()) do dist.fully_shard(b, { mesh = m2 }) end
+    dist.fully_shard(m, { mesh = m2 })
+    local w = m.layers:children()[1].attention.wo.weight
+    assert.are.equal("Replicate()", tostring(w.placements[1]))
+    assert.are.equal("Shard(1)", tostring(w.placements[2]))
+    train_equal("hsdp", m, ref, ce)
+  end)
+
+  it("FSDP with reshard_after_forward = false (parameters stay unsharded until the backward)", function()
+    util.need_cuda_ranks(pending)
+    local gm = mesh("cuda", { W }, { "dp" })
+    local ref = build():to("cuda")
+    local m = build():to("cuda")
+    for _, b in ipairs(m.layers:children()) do dist.fully_shard(b, { mesh = gm, reshard_after_forward = false }) end
+    dist.fully_shard(m, { mesh = gm, reshard_after_forward = false })
+    train_equal("fsdp raf=false", m, ref, ce)
+  end)
+
+  it("FSDP mixed precision (bf16 compute, f32 reduce) on a CUDA mesh trains as on a CPU mesh", function()
+    util.need_cuda_ranks(pending)
+    local mp = dist.MixedPrecisionPolicy({ param_dtype = "bf16", reduce_dtype = "f32" })
+    local function run(dev)
+      local m = build()
+      if dev == "cuda" then m:to("cuda") end
+      local gm = mesh(dev, { W }, { "dp" })
+      for _, b in ipairs(m.layers:children()) do dist.fully_shard(b, { mesh = gm, mp_policy = mp }) end
+      dist.fully_shard(m, { mesh = gm, mp_policy = mp })
+      local opt = engine.optim.AdamW(m:parameters(), { lr = 1e-2, weight_decay = 0.1 })
+      local losses, counts = {}, {}
+      for step = 1, 3 do
+        local x, y = tokens(4, T, 100 + step), tokens(4, T, 200 + step)
+        if dev == "cpu" then x, y = x:cpu(), y:cpu() end
+        local l = F.cross_entropy(m(x):reshape(-1, V):to("f32"), y:reshape(-1))
+        counts[step] = util.counted(function() l:backward() end)
+        losses[step] = host(l):item()
+        for name, p in m:named_parameters() do
+          assert.are.equal("f32", p.dtype, name); assert.are.equal("f32", p.grad.dtype, name)
+          assert.are.equal(dev, p:to_local().device, name)
+        end
+        opt:step(); opt:zero_grad()
+      end
+      return losses, counts, m
+    end
+    local lc, cc, mc = run("cpu")
+    local lg, cg, mg = run("cuda")
+    for step = 1, 3 do
+      -- bf16 products round differently on the two devices (accumulation order): a bf16-sized tolerance
+      assert(rel(lg[step], lc[step]) <= 2e-2, string.format("mp step %d: loss cuda %.6g cpu %.6g", step, lg[step], lc[step]))
+      assert.are.equal(cc[step], cg[step])
+    end
+    for name, p in mg:named_parameters() do
+      local q = mc:get_parameter(name)
+      local d = diff(p, q) / math.max(1e-3, host(q):abs():max():item())
+      assert(d <= 5e-2, string.format("mp: parameter %s differs by %g (relative)", name, d))
+    end
+  end)
+
+  it("dist.checkpoint.save with async = true stages CUDA state and writes it while training goes on", function()
+    util.need_cuda_ranks(pending)
+    local gm = mesh("cuda", { W }, { "tp" })
+    local m = build():to("cuda")
+    models.Transformer.parallelize(m, gm, { use_seq_parallel = true })
+    local dir = util.dirs("cuda_ckpt_async")
+    local want = {}
+    for name, p in m:named_parameters() do want[name] = host(p):clone() end
+    local h = dist.checkpoint.save(m:state_dict(), dir, { async = true })
+    -- the saved values are the ones at save time: change the parameters before waiting
+    engine.no_grad(function()
+      for _, p in ipairs(m:parameters()) do (dist.is_dtensor(p) and p:to_local() or p):fill_(-1) end
+    end)
+    h:wait()
+    assert.is_true(h:is_completed())
+    local plain = models.Transformer(args)
+    local sd = plain:state_dict()
+    dist.checkpoint.load(sd, dir)
+    plain:load_state_dict(sd)
+    for name, w in pairs(want) do
+      assert.are.equal(0, diff(plain:get_parameter(name), w), name)
+    end
+    if R == 0 then os.execute("rm -rf '" .. dir .. "'") end
   end)
 end)

@@ -23,7 +23,9 @@ function M.have_mpirun()
   return s ~= ""
 end
 
--- job(np, script, args, {env = {NAME = value}, timeout = 120}) -> output (stdout and stderr), exit status.
+-- job(np, script, args, {env = {NAME = value}, timeout = 120, own_nccl_host = false}) -> output (stdout and stderr),
+-- exit status.  own_nccl_host: each rank its own NCCL_HOSTID, NCCL over sockets on the loopback (several ranks on
+-- one GPU, docs/cuda.md).
 -- Runs `engine script args...` in ENGINE_HOME as a child job: under `mpirun -np np` (np >= 1) or alone (np = 0),
 -- killed after timeout seconds (status 124, or 137 when it had to be killed).  The MPI variables of this process
 -- are dropped (a child mpirun inside an MPI singleton or job fails otherwise), except those a singleton was started
@@ -56,9 +58,14 @@ function M.job(np, script, args, opts)
   local launcher = string.format("env %s$(env | grep -o '^\\(OMPI\\|PMIX\\|OPAL\\|ORTE\\)[A-Za-z0-9_]*' | %ssed 's/^/-u /') %s "
     .. "timeout -k 5 %d ", unset, "grep -v -x -F " .. table.concat(keep, " ") .. " | ", table.concat(envs, " "),
     opts.timeout or 120)
+  local wrap = ""
   if np > 0 then
+    if opts.own_nccl_host then
+      xs[#xs + 1] = "-x NCCL_P2P_DISABLE=1 -x NCCL_SHM_DISABLE=1 -x NCCL_SOCKET_IFNAME=lo"
+      wrap = "sh -c 'NCCL_HOSTID=spec$OMPI_COMM_WORLD_RANK; export NCCL_HOSTID; exec \"$@\"' sh "
+    end
     launcher = launcher .. "mpirun --allow-run-as-root --oversubscribe --bind-to none --mca btl self,vader --mca pml ob1 "
-      .. table.concat(xs, " ") .. " -np " .. np .. " "
+      .. table.concat(xs, " ") .. " -np " .. np .. " " .. wrap
   end
   local cmd = string.format("cd '%s' && %s'%s' %s %s 2>&1; echo \"__rc=$?\"", home, launcher, M.self_exe(), script,
     table.concat(args or {}, " "))
