@@ -74,25 +74,30 @@ def brows(S, k0, n0):
     return [x[l][h:h+2] for l in range(32)]
 def pack_a(s, kc, lane): return [s[2*kc][lane][0:2], s[2*kc][lane][2:4], s[2*kc+1][lane][0:2], s[2*kc+1][lane][2:4]]
 
-def fwd(q, k, v, causal, scale, D, q0tile):
+def fwd(q, k, v, causal, scale, D, q0tile, MT=1):
+    # MT = 1: attn_fwd_tc; MT = 2: attn_fwd_tc_mt<.., 2> (a warp owns two 16-row M-tiles, blocks of 128 rows,
+    # the mask decided from the warp's first row, causal tiles past all of a warp's rows skipped)
     Lq, Lk = q.shape[0], k.shape[0]
     O = np.full((Lq, D), np.nan); LSE = np.full(Lq, np.nan)
-    q0 = q0tile * 64
-    for warp in range(4):
-        qw = q0 + warp * 16
+    q0 = q0tile * 64 * MT
+    for warp, mtile in [(w, mt) for w in range(4) for mt in range(MT)]:
+        qw0 = q0 + warp * 16 * MT
+        qw = qw0 + 16 * mtile
         qf = load_afrag(q, qw, D)
         o = [[np.zeros(4) for _ in range(D // 8)] for _ in range(32)]
         m = [[-np.inf, -np.inf] for _ in range(32)]; l = [[0.0, 0.0] for _ in range(32)]
         sl2 = scale * LOG2E
-        kend = min(Lk, q0 + 64) if causal else Lk
+        kend = min(Lk, q0 + 64 * MT) if causal else Lk
         for k0 in range(0, kend, 64):
+            if causal and k0 > qw0 + 16 * MT - 1:
+                continue
             Ks, Vs = stage(k, k0, 64, D), stage(v, k0, 64, D)
             s = [[np.zeros(4) for _ in range(32)] for _ in range(8)]
             for nb in range(8):
                 for kc in range(D // 16):
                     mma(s[nb], [qf[lane][kc] for lane in range(32)],
                         bcols(Ks, nb*8, kc*16))
-            need_mask = k0 + 64 > Lk or (causal and k0 + 63 > qw)
+            need_mask = k0 + 64 > Lk or (causal and k0 + 63 > qw0)
             mt = [[-np.inf, -np.inf] for _ in range(32)]
             for lane in range(32):
                 g, t = lane >> 2, lane & 3
@@ -240,13 +245,17 @@ for (Lq, Lk, D, causal) in [(70, 70, 32, True), (100, 45, 64, False), (64, 130, 
     for qt in range((Lq + 63) // 64):
         o_, l_ = fwd(q, k, v, causal, scale, D, qt)
         sel = ~np.isnan(o_[:, 0]); Oe[sel] = o_[sel]; Le[sel] = l_[sel]
+    O2 = np.full_like(O, np.nan); L2 = np.full_like(lse, np.nan)
+    for qt in range((Lq + 127) // 128):
+        o_, l_ = fwd(q, k, v, causal, scale, D, qt, MT=2)
+        sel = ~np.isnan(o_[:, 0]); O2[sel] = o_[sel]; L2[sel] = l_[sel]
     DQe = np.full_like(DQ, np.nan)
     for qt in range((Lq + 63) // 64):
         d_ = dq(q, k, v, g, lse, delta, causal, scale, D, qt); sel = ~np.isnan(d_[:, 0]); DQe[sel] = d_[sel]
     DKe = np.full_like(DK, np.nan); DVe = np.full_like(DV, np.nan)
     for kt in range((Lk + 63) // 64):
         a_, b_ = dkv(q, k, v, g, lse, delta, causal, scale, D, kt); sel = ~np.isnan(a_[:, 0]); DKe[sel] = a_[sel]; DVe[sel] = b_[sel]
-    errs = [np.nanmax(np.abs(x - y)) if not np.isnan(x).any() else float('nan') for x, y in ((Oe, O), (Le, lse), (DQe, DQ), (DKe, DK), (DVe, DV))]
+    errs = [np.nanmax(np.abs(x - y)) if not np.isnan(x).any() else float('nan') for x, y in ((Oe, O), (Le, lse), (DQe, DQ), (DKe, DK), (DVe, DV), (O2, O), (L2, lse))]
     print(Lq, Lk, D, causal, ["%.2e" % e for e in errs])
     assert all(e < 1e-12 for e in errs), "the emulated kernels disagree with the reference"
 print("ok")

@@ -570,6 +570,167 @@ __global__ void __launch_bounds__(128) attn_fwd_tc(kcu_attn_args a) {
   }
 }
 
+/* attn_fwd_tc with MT 16-row M-tiles per warp (block rows 64 MT), chosen by ENGINE_ATTN_FWD_ROWS=128 (MT = 2) until
+ * a GPU run has measured it against attn_fwd_tc (docs/gpu-runs/PENDING.md); MT = 1 is attn_fwd_tc's algorithm.
+ * MT = 2 shares every K and V fragment a warp loads from shared
+ * memory between two M-tiles, halving the shared-memory reads per product (head dims up to 64, where the doubled
+ * accumulators fit the registers); a warp whose rows all precede a causal tile's keys skips that tile. */
+template <typename T, int D, bool PIPE, int MT>
+__global__ void __launch_bounds__(128) attn_fwd_tc_mt(kcu_attn_args a) {
+  constexpr int L = D + 8, NBUF = PIPE ? 2 : 1, ROWS = 64 * MT;
+  __shared__ __align__(16) uint16_t Kb[NBUF][TC_KT * L];
+  __shared__ __align__(16) uint16_t Vb[NBUF][TC_KT * L];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int b = blockIdx.x / a.H, h = blockIdx.x % a.H;
+  const int q0 = tile_index(a.causal) * ROWS, qw0 = q0 + warp * 16 * MT;
+  const uint16_t* qb = (const uint16_t*)a.q + b * a.sq[0] + h * a.sq[1];
+  const uint16_t* kb = (const uint16_t*)a.k + b * a.sk[0] + h * a.sk[1];
+  const uint16_t* vb = (const uint16_t*)a.v + b * a.sv[0] + h * a.sv[1];
+  uint32_t qf[MT][D / 16][4];
+  float o[MT][D / 8][4];
+  float m[MT][2], l[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; mt++) {
+    load_afrag<D>(qf[mt], qb, a.sq[2], qw0 + 16 * mt, a.Lq, g, t);
+#pragma unroll
+    for (int nd = 0; nd < D / 8; nd++) o[mt][nd][0] = o[mt][nd][1] = o[mt][nd][2] = o[mt][nd][3] = 0.0f;
+    m[mt][0] = m[mt][1] = -INFINITY;
+    l[mt][0] = l[mt][1] = 0.0f;
+  }
+  const float sl2 = a.scale * kLog2e;
+  const int kend = a.causal ? min(a.Lk, q0 + ROWS) : a.Lk;
+  if (PIPE && kend > 0) {
+    stage_async<D, TC_KT>(Kb[0], kb, a.sk[2], 0, a.Lk);
+    stage_async<D, TC_KT>(Vb[0], vb, a.sv[2], 0, a.Lk);
+    cp_commit();
+  }
+  for (int k0 = 0, it = 0; k0 < kend; k0 += TC_KT, it++) {
+    const int cur = PIPE ? (it & 1) : 0;
+    if (PIPE) {
+      if (k0 + TC_KT < kend) {
+        stage_async<D, TC_KT>(Kb[cur ^ 1], kb, a.sk[2], k0 + TC_KT, a.Lk);
+        stage_async<D, TC_KT>(Vb[cur ^ 1], vb, a.sv[2], k0 + TC_KT, a.Lk);
+        cp_commit();
+        cp_wait<1>();
+      } else {
+        cp_wait<0>();
+      }
+      __syncthreads();
+    } else {
+      __syncthreads();
+      stage_tc<D, TC_KT>(Kb[0], kb, a.sk[2], k0, a.Lk);
+      stage_tc<D, TC_KT>(Vb[0], vb, a.sv[2], k0, a.Lk);
+      __syncthreads();
+    }
+    const uint16_t* Ks = Kb[cur];
+    const uint16_t* Vs = Vb[cur];
+    /* causal: every key of this tile follows every row of this warp (warp-uniform; never with MT = 1) */
+    if (!(a.causal && k0 > qw0 + 16 * MT - 1)) {
+      float s[MT][TC_KT / 8][4];
+#pragma unroll
+      for (int nb = 0; nb < TC_KT / 8; nb++) {
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++) s[mt][nb][0] = s[mt][nb][1] = s[mt][nb][2] = s[mt][nb][3] = 0.0f;
+#pragma unroll
+        for (int kc = 0; kc < D / 16; kc += 2) {
+          uint32_t bb[4];
+          bfrag_cols_x4<D>(Ks, nb * 8, kc * 16, lane, bb);
+#pragma unroll
+          for (int mt = 0; mt < MT; mt++) {
+            mma_t<T>::mma(s[mt][nb], qf[mt][kc], bb[0], bb[1]);
+            mma_t<T>::mma(s[mt][nb], qf[mt][kc + 1], bb[2], bb[3]);
+          }
+        }
+      }
+      /* only the tiles at the end of the keys or on the causal diagonal need the mask (warp-uniform) */
+      const bool need_mask = k0 + TC_KT > a.Lk || (a.causal && k0 + TC_KT - 1 > qw0);
+#pragma unroll
+      for (int mt = 0; mt < MT; mt++) {
+        float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+        for (int nb = 0; nb < TC_KT / 8; nb++)
+#pragma unroll
+          for (int i = 0; i < 4; i++) {
+            float v = s[mt][nb][i] * sl2;
+            if (need_mask) {
+              int key = k0 + nb * 8 + 2 * t + (i & 1), row = qw0 + 16 * mt + g + (i >> 1) * 8;
+              if (key >= a.Lk || (a.causal && key > row)) v = -INFINITY;
+            }
+            s[mt][nb][i] = v;
+            mx[i >> 1] = fmaxf(mx[i >> 1], v);
+          }
+        float corr[2], mn[2];
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+          mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+          mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+          mn[r] = fmaxf(m[mt][r], mx[r]);
+          corr[r] = mn[r] == -INFINITY ? 1.0f : exp2f(m[mt][r] - mn[r]);
+          m[mt][r] = mn[r];
+          l[mt][r] *= corr[r];
+        }
+#pragma unroll
+        for (int nb = 0; nb < TC_KT / 8; nb++)
+#pragma unroll
+          for (int i = 0; i < 4; i++) {
+            int r = i >> 1;
+            float p = mn[r] == -INFINITY ? 0.0f : exp2f(s[mt][nb][i] - mn[r]);
+            s[mt][nb][i] = p;
+            l[mt][r] += p;
+          }
+#pragma unroll
+        for (int nd = 0; nd < D / 8; nd++) {
+          o[mt][nd][0] *= corr[0]; o[mt][nd][1] *= corr[0];
+          o[mt][nd][2] *= corr[1]; o[mt][nd][3] *= corr[1];
+        }
+      }
+#pragma unroll
+      for (int kc = 0; kc < TC_KT / 16; kc++) {
+        uint32_t pa[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++) {
+          pa[mt][0] = mma_t<T>::pack(s[mt][2 * kc][0], s[mt][2 * kc][1]);
+          pa[mt][1] = mma_t<T>::pack(s[mt][2 * kc][2], s[mt][2 * kc][3]);
+          pa[mt][2] = mma_t<T>::pack(s[mt][2 * kc + 1][0], s[mt][2 * kc + 1][1]);
+          pa[mt][3] = mma_t<T>::pack(s[mt][2 * kc + 1][2], s[mt][2 * kc + 1][3]);
+        }
+#pragma unroll
+        for (int nd = 0; nd < D / 8; nd += 2) {
+          uint32_t bb[4];
+          bfrag_rows_x4<D>(Vs, kc * 16, nd * 8, lane, bb);
+#pragma unroll
+          for (int mt = 0; mt < MT; mt++) {
+            mma_t<T>::mma(o[mt][nd], pa[mt], bb[0], bb[1]);
+            mma_t<T>::mma(o[mt][nd + 1], pa[mt], bb[2], bb[3]);
+          }
+        }
+      }
+    }
+    if (PIPE) __syncthreads();
+  }
+  uint16_t* ob = (uint16_t*)a.o + b * a.so[0] + h * a.so[1];
+  float* lse = a.lse + ((int64_t)b * a.H + h) * a.Lq;
+#pragma unroll
+  for (int mt = 0; mt < MT; mt++) {
+    float lt[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+      lt[r] = l[mt][r] + __shfl_xor_sync(0xffffffffu, l[mt][r], 1);
+      lt[r] += __shfl_xor_sync(0xffffffffu, lt[r], 2);
+    }
+    const int qw = qw0 + 16 * mt;
+    store_cfrag<T, D>(o[mt], ob, a.so[2], qw, a.Lq, lt[0] > 0.0f ? 1.0f / lt[0] : 0.0f,
+                      lt[1] > 0.0f ? 1.0f / lt[1] : 0.0f, g, t);
+    if (t == 0) {
+#pragma unroll
+      for (int r = 0; r < 2; r++) {
+        int row = qw + g + 8 * r;
+        if (row < a.Lq) lse[row] = lt[r] > 0.0f ? m[mt][r] * kLn2 + logf(lt[r]) : -INFINITY;
+      }
+    }
+  }
+}
+
 /* dK, dV for 64 keys per block (16 per warp), query tiles of TC_QT rows. */
 template <typename T, int D, bool PIPE>
 __global__ void __launch_bounds__(128) attn_dkv_tc(kcu_attn_args a) {
@@ -827,6 +988,28 @@ template <typename T, int D, bool PIPE> int tc_fwd_launch(const kcu_attn_args* a
   return kcu_launch_status();
 }
 
+/* ENGINE_ATTN_FWD_ROWS=128: the forward with two M-tiles per warp (head dims up to 64; read once). */
+int fwd_two_mtiles(int D) {
+  static int on = -1;
+  if (on < 0) {
+    const char* e = getenv("ENGINE_ATTN_FWD_ROWS");
+    on = e && atoi(e) == 128;
+  }
+  return on && D <= 64;
+}
+
+template <typename T, int D, bool PIPE> struct fwd_mt2 {
+  static int launch(const kcu_attn_args* a, cudaStream_t s) {
+    dim3 grid((unsigned)(a->B * a->H), (unsigned)kcu_cdiv(a->Lq, 128));
+    attn_fwd_tc_mt<T, D, PIPE, 2><<<grid, 128, 0, s>>>(*a);
+    return kcu_launch_status();
+  }
+};
+/* head dim 128: the accumulators of two M-tiles do not fit the registers (never instantiated) */
+template <typename T, bool PIPE> struct fwd_mt2<T, 128, PIPE> {
+  static int launch(const kcu_attn_args* a, cudaStream_t s) { return tc_fwd_launch<T, 128, PIPE>(a, s); }
+};
+
 template <typename T, int D, bool PIPE> int tc_bwd_launch(const kcu_attn_args* a, cudaStream_t s) {
   int64_t rows = (int64_t)a->B * a->H * a->Lq;
   if (rows > 0) attn_delta<T><<<kcu_grid(rows, 8, 1 << 16), 256, 0, s>>>(*a);
@@ -842,6 +1025,8 @@ template <typename T, int D, bool PIPE> int tc_bwd_launch(const kcu_attn_args* a
 }
 
 template <typename T, int D> int tc_fwd_run(const kcu_attn_args* a, cudaStream_t s) {
+  if (fwd_two_mtiles(D))
+    return pipelined(D) ? fwd_mt2<T, D, D <= 64>::launch(a, s) : fwd_mt2<T, D, false>::launch(a, s);
   return pipelined(D) ? tc_fwd_launch<T, D, D <= 64>(a, s) : tc_fwd_launch<T, D, false>(a, s);
 }
 template <typename T, int D> int tc_bwd_run(const kcu_attn_args* a, cudaStream_t s) {
