@@ -15,6 +15,8 @@
 #   4. writes the logs and OUTDIR/summary.md: GPU, driver, commit, then one line per suite
 #      "<spec file> np=<N> device=cuda: <P> passed, <F> failed, <S> skipped", then the benchmarks' last lines.
 # Each stage has a time limit; stages are skipped, and say so, once --budget (default 450 s) is spent.
+# With the benchmarks it also tries the opt-in kernels listed in GPU_CHECK_OPT_IN (default ENGINE_ATTN_FWD_ROWS=128;
+# empty: none): the attention spec and the engine's step with each variable, beside the default step.
 # --only REGEX runs only the spec files whose path matches (grep -E), and no C tests (for quick reruns).
 # Exit status 0 when every suite ran and nothing failed.
 set -u
@@ -26,6 +28,8 @@ BUILD=build
 BENCH=engine
 BUDGET=450
 ONLY=""
+# opt-in kernels to measure against the default (each: spec line, default step, step with the variable)
+OPT_IN=${GPU_CHECK_OPT_IN-ENGINE_ATTN_FWD_ROWS=128}
 while [ $# -gt 0 ]; do
   case "$1" in
     --bundle) BUNDLE=${2:?}; shift 2 ;;
@@ -197,6 +201,19 @@ $(grep -E 'tok/s|MFU' "$OUT/gpu_step_llama.log" | tail -4 | sed 's/^/llama: /')"
     timeout 60 "$ENGINE" recipes/bench/dtensor_dispatch.lua --device=cuda --n=5000 --runs=3 > "$OUT/dtensor_dispatch.log" 2>&1
     BENCHLINES="$BENCHLINES
 dtensor_dispatch (cuda): $(grep -m1 'overhead' "$OUT/dtensor_dispatch.log" | sed 's/^ *//')"
+    # opt-in kernels not yet measured (docs/gpu-runs/PENDING.md): the attention spec and the engine's step with each
+    # variable set, beside the default step measured again in the same loop
+    for var in $OPT_IN; do
+      [ "$(left)" -gt 60 ] || break
+      f=$OUT/optin_$(echo "$var" | tr -c 'A-Za-z0-9_\n' '_').log
+      { env "$var" timeout 60 "$ENGINE" "$BUSTED" --ignore-lua -o tools/passfail.lua --tags=gpu --filter='flash attention' \
+          spec/cuda_spec.lua 2>&1 | tail -1
+        timeout 90 "$ENGINE" recipes/bench/gpu_step.lua --torch=0 --tp1=0 2>&1 | grep -E '^engine \('
+        env "$var" timeout 90 "$ENGINE" recipes/bench/gpu_step.lua --torch=0 --tp1=0 2>&1 | grep -E '^engine \('
+      } > "$f" 2>&1
+      BENCHLINES="$BENCHLINES
+$(sed "s|^|opt-in $var: |" "$f")"
+    done
     # the profiler's table of the engine's step (commit it with the run summary)
     if [ "$(left)" -gt 40 ]; then
       ENGINE_PROFILE=1 timeout 120 "$ENGINE" recipes/bench/gpu_step.lua --torch=0 --steps=5 --warmup=2 \
