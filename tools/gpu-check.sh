@@ -197,6 +197,12 @@ if [ "$BENCH" != none ]; then
       BENCHLINES="$BENCHLINES
 $(grep -E 'tok/s|MFU' "$OUT/gpu_step_llama.log" | tail -4 | sed 's/^/llama: /')"
     fi
+    # 300 steps of GPT-2 124M in bf16 with f32 master weights against fp32 on the KJV shards (final loss within 1%)
+    if [ -f data/kjv_train.bin ] && [ "$(left)" -gt 120 ]; then
+      timeout 150 "$ENGINE" tools/bf16_vs_f32.lua > "$OUT/bf16_vs_f32.log" 2>&1
+      BENCHLINES="$BENCHLINES
+$(grep -E '^bf16_vs_f32' "$OUT/bf16_vs_f32.log" | tail -1)"
+    fi
     # DTensor host overhead per op on a CUDA mesh (target: <= 1 us)
     timeout 60 "$ENGINE" recipes/bench/dtensor_dispatch.lua --device=cuda --n=5000 --runs=3 > "$OUT/dtensor_dispatch.log" 2>&1
     BENCHLINES="$BENCHLINES
