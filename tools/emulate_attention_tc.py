@@ -187,28 +187,32 @@ def dkv(q, k, v, dout, lse, delta, causal, scale, D, ktile):
                     DV[row, nd*8+2*t:nd*8+2*t+2] = dv[lane][nd][2*r:2*r+2]
     return DK, DV
 
-def dq(q, k, v, dout, lse, delta, causal, scale, D, qtile):
+def dq(q, k, v, dout, lse, delta, causal, scale, D, qtile, MT=1, KT=64):
+    # MT = 1, KT = 64: attn_dq_tc; MT = 2, KT = 32: attn_dq_tc_mt<.., 2, 32> (two M-tiles per warp, 32-key tiles)
     Lq, Lk = q.shape[0], k.shape[0]
     DQ = np.full((Lq, D), np.nan)
-    q0 = qtile*64
-    for warp in range(4):
-        qw = q0 + warp*16
+    q0 = qtile*64*MT
+    for warp, mtile in [(w, m) for w in range(4) for m in range(MT)]:
+        qw0 = q0 + warp*16*MT
+        qw = qw0 + 16*mtile
         qf, gf = load_afrag(q, qw, D), load_afrag(dout, qw, D)
         dqa = [[np.zeros(4) for _ in range(D // 8)] for _ in range(32)]
         sl2 = scale*LOG2E
-        kend = min(Lk, q0+64) if causal else Lk
-        for k0 in range(0, kend, 64):
-            Ks, Vs = stage(k, k0, 64, D), stage(v, k0, 64, D)
-            s = [[np.zeros(4) for _ in range(32)] for _ in range(8)]
-            dp = [[np.zeros(4) for _ in range(32)] for _ in range(8)]
-            for nb in range(8):
+        kend = min(Lk, q0+64*MT) if causal else Lk
+        for k0 in range(0, kend, KT):
+            if causal and k0 > qw0 + 16*MT - 1:
+                continue
+            Ks, Vs = stage(k, k0, KT, D), stage(v, k0, KT, D)
+            s = [[np.zeros(4) for _ in range(32)] for _ in range(KT // 8)]
+            dp = [[np.zeros(4) for _ in range(32)] for _ in range(KT // 8)]
+            for nb in range(KT // 8):
                 for kc in range(D // 16):
                     mma(s[nb], [qf[lane][kc] for lane in range(32)], bcols(Ks, nb*8, kc*16))
                     mma(dp[nb], [gf[lane][kc] for lane in range(32)], bcols(Vs, nb*8, kc*16))
-            need_mask = qw + 16 > Lq or k0 + 64 > Lk or (causal and k0 + 63 > qw)
+            need_mask = qw0 + 16*MT > Lq or k0 + KT > Lk or (causal and k0 + KT - 1 > qw0)
             for lane in range(32):
                 g, t = lane >> 2, lane & 3
-                for nb in range(8):
+                for nb in range(KT // 8):
                     for i in range(4):
                         r = i >> 1; key = k0 + nb*8 + 2*t + (i & 1); row = qw + g + 8*r
                         l2 = lse[row]*LOG2E if row < Lq else -np.inf
@@ -216,7 +220,7 @@ def dq(q, k, v, dout, lse, delta, causal, scale, D, qtile):
                         masked = need_mask and (row >= Lq or key >= Lk or (causal and key > row) or l2 == -np.inf)
                         p = 0.0 if masked else 2.0 ** (s[nb][lane][i]*sl2 - l2)
                         s[nb][lane][i] = p*(dp[nb][lane][i] - dl)
-            for kc in range(4):
+            for kc in range(KT // 16):
                 sa = [pack_a(s, kc, lane) for lane in range(32)]
                 for nd in range(D // 8):
                     mma([dqa[lane][nd] for lane in range(32)], sa, brows(Ks, kc*16, nd*8))
@@ -245,6 +249,9 @@ for (Lq, Lk, D, causal) in [(70, 70, 32, True), (100, 45, 64, False), (64, 130, 
     for qt in range((Lq + 63) // 64):
         o_, l_ = fwd(q, k, v, causal, scale, D, qt)
         sel = ~np.isnan(o_[:, 0]); Oe[sel] = o_[sel]; Le[sel] = l_[sel]
+    DQ2 = np.full_like(DQ, np.nan)
+    for qt in range((Lq + 127) // 128):
+        d_ = dq(q, k, v, g, lse, delta, causal, scale, D, qt, MT=2, KT=32); sel = ~np.isnan(d_[:, 0]); DQ2[sel] = d_[sel]
     O2 = np.full_like(O, np.nan); L2 = np.full_like(lse, np.nan)
     for qt in range((Lq + 127) // 128):
         o_, l_ = fwd(q, k, v, causal, scale, D, qt, MT=2)
@@ -255,7 +262,7 @@ for (Lq, Lk, D, causal) in [(70, 70, 32, True), (100, 45, 64, False), (64, 130, 
     DKe = np.full_like(DK, np.nan); DVe = np.full_like(DV, np.nan)
     for kt in range((Lk + 63) // 64):
         a_, b_ = dkv(q, k, v, g, lse, delta, causal, scale, D, kt); sel = ~np.isnan(a_[:, 0]); DKe[sel] = a_[sel]; DVe[sel] = b_[sel]
-    errs = [np.nanmax(np.abs(x - y)) if not np.isnan(x).any() else float('nan') for x, y in ((Oe, O), (Le, lse), (DQe, DQ), (DKe, DK), (DVe, DV), (O2, O), (L2, lse))]
+    errs = [np.nanmax(np.abs(x - y)) if not np.isnan(x).any() else float('nan') for x, y in ((Oe, O), (Le, lse), (DQe, DQ), (DKe, DK), (DVe, DV), (O2, O), (L2, lse), (DQ2, DQ))]
     print(Lq, Lk, D, causal, ["%.2e" % e for e in errs])
     assert all(e < 1e-12 for e in errs), "the emulated kernels disagree with the reference"
 print("ok")

@@ -945,6 +945,131 @@ __global__ void __launch_bounds__(128) attn_dq_tc(kcu_attn_args a) {
   store_cfrag<T, D>(dq, (uint16_t*)a.dq + b * a.sdq[0] + h * a.sdq[1], a.sdq[2], qw, a.Lq, a.scale, a.scale, g, t);
 }
 
+/* attn_dq_tc with MT 16-row M-tiles per warp and key tiles of KT rows: ENGINE_ATTN_DQ_ROWS=128 runs MT = 2 with
+ * KT = 32 (the accumulators of two M-tiles fit the registers with half-size key tiles; every K and V fragment a warp
+ * loads serves both M-tiles) until a GPU run has measured it against attn_dq_tc (docs/gpu-runs/PENDING.md).  Causal
+ * tiles past all of a warp's rows are skipped. */
+template <typename T, int D, bool PIPE, int MT, int KT>
+__global__ void __launch_bounds__(128) attn_dq_tc_mt(kcu_attn_args a) {
+  constexpr int L = D + 8, NBUF = PIPE ? 2 : 1, ROWS = 64 * MT;
+  __shared__ __align__(16) uint16_t Kb[NBUF][KT * L];
+  __shared__ __align__(16) uint16_t Vb[NBUF][KT * L];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int b = blockIdx.x / a.H, h = blockIdx.x % a.H;
+  const int q0 = tile_index(a.causal) * ROWS, qw0 = q0 + warp * 16 * MT;
+  const int64_t bh = (int64_t)b * a.H + h;
+  const uint16_t* kb = (const uint16_t*)a.k + b * a.sk[0] + h * a.sk[1];
+  const uint16_t* vb = (const uint16_t*)a.v + b * a.sv[0] + h * a.sv[1];
+  uint32_t qf[MT][D / 16][4], gf[MT][D / 16][4];
+  float l2[MT][2], dl[MT][2], dq[MT][D / 8][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; mt++) {
+    load_afrag<D>(qf[mt], (const uint16_t*)a.q + b * a.sq[0] + h * a.sq[1], a.sq[2], qw0 + 16 * mt, a.Lq, g, t);
+    load_afrag<D>(gf[mt], (const uint16_t*)a.dout + b * a.sdo[0] + h * a.sdo[1], a.sdo[2], qw0 + 16 * mt, a.Lq, g, t);
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+      int row = qw0 + 16 * mt + g + 8 * r;
+      l2[mt][r] = row < a.Lq ? a.lse[bh * a.Lq + row] * kLog2e : -INFINITY;
+      dl[mt][r] = row < a.Lq ? a.delta[bh * a.Lq + row] : 0.0f;
+    }
+#pragma unroll
+    for (int nd = 0; nd < D / 8; nd++) dq[mt][nd][0] = dq[mt][nd][1] = dq[mt][nd][2] = dq[mt][nd][3] = 0.0f;
+  }
+  const float sl2 = a.scale * kLog2e;
+  const int kend = a.causal ? min(a.Lk, q0 + ROWS) : a.Lk;
+  if (PIPE && kend > 0) {
+    stage_async<D, KT>(Kb[0], kb, a.sk[2], 0, a.Lk);
+    stage_async<D, KT>(Vb[0], vb, a.sv[2], 0, a.Lk);
+    cp_commit();
+  }
+  for (int k0 = 0, it = 0; k0 < kend; k0 += KT, it++) {
+    const int cur = PIPE ? (it & 1) : 0;
+    if (PIPE) {
+      if (k0 + KT < kend) {
+        stage_async<D, KT>(Kb[cur ^ 1], kb, a.sk[2], k0 + KT, a.Lk);
+        stage_async<D, KT>(Vb[cur ^ 1], vb, a.sv[2], k0 + KT, a.Lk);
+        cp_commit();
+        cp_wait<1>();
+      } else {
+        cp_wait<0>();
+      }
+      __syncthreads();
+    } else {
+      __syncthreads();
+      stage_tc<D, KT>(Kb[0], kb, a.sk[2], k0, a.Lk);
+      stage_tc<D, KT>(Vb[0], vb, a.sv[2], k0, a.Lk);
+      __syncthreads();
+    }
+    const uint16_t* Ks = Kb[cur];
+    const uint16_t* Vs = Vb[cur];
+    if (!(a.causal && k0 > qw0 + 16 * MT - 1)) {
+      float s[MT][KT / 8][4], dp[MT][KT / 8][4];
+#pragma unroll
+      for (int nb = 0; nb < KT / 8; nb++) {
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+          for (int i = 0; i < 4; i++) { s[mt][nb][i] = 0.0f; dp[mt][nb][i] = 0.0f; }
+#pragma unroll
+        for (int kc = 0; kc < D / 16; kc += 2) {
+          uint32_t bb[4];
+          bfrag_cols_x4<D>(Ks, nb * 8, kc * 16, lane, bb);
+#pragma unroll
+          for (int mt = 0; mt < MT; mt++) {
+            mma_t<T>::mma(s[mt][nb], qf[mt][kc], bb[0], bb[1]);
+            mma_t<T>::mma(s[mt][nb], qf[mt][kc + 1], bb[2], bb[3]);
+          }
+          bfrag_cols_x4<D>(Vs, nb * 8, kc * 16, lane, bb);
+#pragma unroll
+          for (int mt = 0; mt < MT; mt++) {
+            mma_t<T>::mma(dp[mt][nb], gf[mt][kc], bb[0], bb[1]);
+            mma_t<T>::mma(dp[mt][nb], gf[mt][kc + 1], bb[2], bb[3]);
+          }
+        }
+      }
+      const bool need_mask = qw0 + 16 * MT > a.Lq || k0 + KT > a.Lk || (a.causal && k0 + KT - 1 > qw0);
+#pragma unroll
+      for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int nb = 0; nb < KT / 8; nb++)
+#pragma unroll
+          for (int i = 0; i < 4; i++) {
+            int r = i >> 1, key = k0 + nb * 8 + 2 * t + (i & 1), row = qw0 + 16 * mt + g + 8 * r;
+            bool masked = need_mask && (row >= a.Lq || key >= a.Lk || (a.causal && key > row) ||
+                                        l2[mt][r] == -INFINITY);
+            float p = masked ? 0.0f : exp2f(s[mt][nb][i] * sl2 - l2[mt][r]);
+            s[mt][nb][i] = p * (dp[mt][nb][i] - dl[mt][r]);  /* dS */
+          }
+#pragma unroll
+      for (int kc = 0; kc < KT / 16; kc++) {
+        uint32_t sa[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++) {
+          sa[mt][0] = mma_t<T>::pack(s[mt][2 * kc][0], s[mt][2 * kc][1]);
+          sa[mt][1] = mma_t<T>::pack(s[mt][2 * kc][2], s[mt][2 * kc][3]);
+          sa[mt][2] = mma_t<T>::pack(s[mt][2 * kc + 1][0], s[mt][2 * kc + 1][1]);
+          sa[mt][3] = mma_t<T>::pack(s[mt][2 * kc + 1][2], s[mt][2 * kc + 1][3]);
+        }
+#pragma unroll
+        for (int nd = 0; nd < D / 8; nd += 2) {
+          uint32_t bb[4];
+          bfrag_rows_x4<D>(Ks, kc * 16, nd * 8, lane, bb);
+#pragma unroll
+          for (int mt = 0; mt < MT; mt++) {
+            mma_t<T>::mma(dq[mt][nd], sa[mt], bb[0], bb[1]);
+            mma_t<T>::mma(dq[mt][nd + 1], sa[mt], bb[2], bb[3]);
+          }
+        }
+      }
+    }
+    if (PIPE) __syncthreads();
+  }
+#pragma unroll
+  for (int mt = 0; mt < MT; mt++)
+    store_cfrag<T, D>(dq[mt], (uint16_t*)a.dq + b * a.sdq[0] + h * a.sdq[1], a.sdq[2], qw0 + 16 * mt, a.Lq, a.scale,
+                      a.scale, g, t);
+}
+
 int strides8(const int64_t* s) { return s[0] % 8 == 0 && s[1] % 8 == 0 && s[2] % 8 == 0; }
 int al16(const void* p) { return ((uintptr_t)p & 15) == 0; }
 
@@ -1010,6 +1135,27 @@ template <typename T, bool PIPE> struct fwd_mt2<T, 128, PIPE> {
   static int launch(const kcu_attn_args* a, cudaStream_t s) { return tc_fwd_launch<T, 128, PIPE>(a, s); }
 };
 
+/* ENGINE_ATTN_DQ_ROWS=128: dQ with two M-tiles per warp and 32-key tiles (head dims up to 64; read once). */
+int dq_two_mtiles(int D) {
+  static int on = -1;
+  if (on < 0) {
+    const char* e = getenv("ENGINE_ATTN_DQ_ROWS");
+    on = e && atoi(e) == 128;
+  }
+  return on && D <= 64;
+}
+template <typename T, int D, bool PIPE> struct dq_mt2 {
+  static int launch(const kcu_attn_args* a, cudaStream_t s) {
+    dim3 gq((unsigned)(a->B * a->H), (unsigned)kcu_cdiv(a->Lq, 128));
+    attn_dq_tc_mt<T, D, PIPE, 2, 32><<<gq, 128, 0, s>>>(*a);
+    return kcu_launch_status();
+  }
+};
+/* head dim 128: never instantiated (dq_two_mtiles is false there) */
+template <typename T, bool PIPE> struct dq_mt2<T, 128, PIPE> {
+  static int launch(const kcu_attn_args*, cudaStream_t) { return KCU_EARG; }
+};
+
 template <typename T, int D, bool PIPE> int tc_bwd_launch(const kcu_attn_args* a, cudaStream_t s) {
   int64_t rows = (int64_t)a->B * a->H * a->Lq;
   if (rows > 0) attn_delta<T><<<kcu_grid(rows, 8, 1 << 16), 256, 0, s>>>(*a);
@@ -1018,6 +1164,7 @@ template <typename T, int D, bool PIPE> int tc_bwd_launch(const kcu_attn_args* a
     attn_dkv_tc<T, D, PIPE><<<gk, 128, 0, s>>>(*a);
   }
   if (a->Lq > 0) {
+    if (dq_two_mtiles(D)) return dq_mt2<T, D, PIPE>::launch(a, s);
     dim3 gq((unsigned)(a->B * a->H), (unsigned)kcu_cdiv(a->Lq, TC_ROWS));
     attn_dq_tc<T, D, PIPE><<<gq, 128, 0, s>>>(*a);
   }
