@@ -637,9 +637,13 @@ local function pair_swap_index(D, device)
 end
 
 -- x [B, T, H, D] with pairs (x[2i], x[2i+1]) rotated by the angle of (t, i):
--- (x0 cos - x1 sin, x0 sin + x1 cos), computed as x * c2 + swap_pairs(x) * s2.  cos / sin are the
--- [T, D/2] tables, or their interleaved [T, 1, D] form (rope_interleave); H may be the local heads of a rank.
+-- (x0 cos - x1 sin, x0 sin + x1 cos).  cos / sin are the [T, D/2] tables, or their interleaved [T, 1, D] form
+-- (rope_interleave); H may be the local heads of a rank.  With the [T, D/2] tables and a plain 4-D x it is one
+-- fused pass (engine.rotary_emb); otherwise (a DTensor, the interleaved tables) x * c2 + swap_pairs(x) * s2.
 function M.apply_rotary_emb(x, cos, sin)
+  if cos:dim() == 2 and x:dim() == 4 and x._c.dist == nil and cos._c.dist == nil and x.device ~= "meta" then
+    return engine.rotary_emb(x, cos, sin)
+  end
   local c2, s2 = cos, sin
   if cos:dim() == 2 then c2, s2 = M.rope_interleave(cos, sin) end
   return x * c2 + x:index_select(4, pair_swap_index(x:size(4), x.device)) * s2
@@ -795,7 +799,7 @@ function Llama:forward(tokens, opts)
     error(string.format("Llama: sequence length %d exceeds max_seq_len %d", T, self.max_seq_len), 2)
   end
   local cos, sin = self:_rope()
-  cos, sin = M.rope_interleave(cos:narrow(1, 1, T), sin:narrow(1, 1, T))   -- [T, 1, head_dim], once per forward
+  cos, sin = cos:narrow(1, 1, T), sin:narrow(1, 1, T)   -- [T, head_dim / 2]: apply_rotary_emb's fused form
   local h = self.tok_embeddings(tokens)
   for _, layer in ipairs(self.layers) do h = layer(h, cos, sin) end
   local out = self.output(self.norm(h))
@@ -811,7 +815,7 @@ function Llama:forward_cached(tokens, cache, last_only)
     error(string.format("Llama: positions %d..%d exceed max_seq_len %d", pos, pos + t - 1, self.max_seq_len), 2)
   end
   local cos, sin = self:_rope()
-  cos, sin = M.rope_interleave(cos:narrow(1, pos + 1, t), sin:narrow(1, pos + 1, t))
+  cos, sin = cos:narrow(1, pos + 1, t), sin:narrow(1, pos + 1, t)
   local h = self.tok_embeddings(tokens)
   for i, layer in ipairs(self.layers) do
     local kv = cache.layers[i]

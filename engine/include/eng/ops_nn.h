@@ -91,5 +91,10 @@ eng_tensor* eng_dropout(eng_tensor* x, double p, int training);
 eng_tensor* eng_scaled_dot_product_attention(eng_tensor* q, eng_tensor* k, eng_tensor* v,
                                              eng_tensor* mask, double dropout_p,
                                              int is_causal, double scale);
+/* Rotary position embedding on interleaved pairs (torchtitan's apply_rotary_emb, fused): x [B, T, H, D] (D even),
+ * cos and sin [T, D / 2] (any float dtype, x's device):
+ *   out[.., 2i] = x[2i] cos[t, i] - x[2i + 1] sin[t, i],  out[.., 2i + 1] = x[2i] sin[t, i] + x[2i + 1] cos[t, i]
+ * in one pass (f32 math for half data), differentiable in x (the tables are constants).  Plain tensors only. */
+eng_tensor* eng_rotary_emb(eng_tensor* x, eng_tensor* cos, eng_tensor* sin);
 
 #endif

@@ -193,6 +193,13 @@ function M.dropout(x, p, training)
   return wrap(C.eng_dropout(cx, p, training and 1 or 0))
 end
 
+-- engine.rotary_emb(x, cos, sin): rotary position embedding on interleaved pairs in one pass (torchtitan's
+-- apply_rotary_emb fused): x [B, T, H, D], cos / sin [T, D / 2]; out[.., 2i] = x[2i] cos - x[2i+1] sin,
+-- out[.., 2i+1] = x[2i] sin + x[2i+1] cos.  Differentiable in x.  Plain tensors (a DTensor: an error).
+function M.rotary_emb(x, cos, sin)
+  return wrap(C.eng_rotary_emb(ct(x, "rotary_emb", 1), ct(cos, "rotary_emb", 2), ct(sin, "rotary_emb", 3)))
+end
+
 -- Number of normalized dims, checked against x's trailing dims.
 local function c2_norm_dims(op, cx, shape)
   local list = type(shape) == "number" and { shape } or shape

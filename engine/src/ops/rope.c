@@ -1,0 +1,71 @@
+/* rope.c: the fused rotary position embedding (eng_rotary_emb, ops_nn.h): one pass over x instead of the
+ * composite x * cos + swap(x) * sin (an index_select, two products and a sum, each a pass over x, and the
+ * index_select's scatter in backward).  Backward is the same rotation by -angle of the incoming gradient. */
+#include "core/internal.h"
+#include "kernels/cpu/kcpu.h"
+#include "ops/cuda_ops.h"
+#include "ops/ops.h"
+#include "autograd/autograd.h"
+
+/* out = rotation of X (contiguous [B, T, H, D]) by the tables (contiguous [T, D / 2]); inverse: by -angle. */
+static eng_tensor* rotate(eng_tensor* X, eng_tensor* C, eng_tensor* S, int inverse, const char* op) {
+  eng_tensor* out = eng_new(X->ndim, X->shape, X->dtype, X->device);
+  if (!out || out->numel == 0) return out;
+  int64_t B = X->shape[0], T = X->shape[1], H = X->shape[2], D = X->shape[3];
+  int rc;
+  if (X->device == ENG_CUDA)
+    rc = eng_cu_rope(X->dtype, C->dtype, B, T, H, D, eng_ptr(X), eng_ptr(C), eng_ptr(S), inverse, eng_ptr(out), op);
+  else
+    rc = kc_rope(X->dtype, C->dtype, B, T, H, D, eng_ptr(X), eng_ptr(C), eng_ptr(S), inverse, eng_ptr(out)) ?
+      eng_err("%s: the kernel refused its arguments (%s)", op, eng_desc(X)) : 0;
+  if (rc) { eng_tensor_release(out); return NULL; }
+  return out;
+}
+
+/* saved: the tables (contiguous) */
+static int rope_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
+  eng_tensor *C = eng_node_saved(n, 0), *S = eng_node_saved(n, 1);
+  if (!C || !S) return -1;
+  eng_tensor* G = eng_as_contig(go[0], eng_node_in_dtype(n, 0));
+  if (!G) return -1;
+  eng_tensor* r = rotate(G, C, S, 1, n->name);
+  eng_tensor_release(G);
+  if (!r) return -1;
+  gi[0] = eng_grad_to_input(n, 0, r);
+  eng_tensor_release(r);
+  return gi[0] ? 0 : -1;
+}
+
+eng_tensor* eng_rotary_emb(eng_tensor* x, eng_tensor* cos, eng_tensor* sin) {
+  const char* op = "rotary_emb";
+  ENG_CHECK(x, op);
+  ENG_CHECK(cos, op);
+  ENG_CHECK(sin, op);
+  if (x->dist || cos->dist || sin->dist)
+    return eng_errp("%s: not implemented for DTensors (x %s): rotate the local tensors, or use the composite "
+                    "x * cos + swap(x) * sin", op, eng_desc(x));
+  if (eng_meta_check_local(x, op)) return NULL;
+  if (x->ndim != 4 || x->shape[3] % 2 != 0)
+    return eng_errp("%s: expected x of shape [B, T, H, D] with an even D, got %s", op, eng_desc(x));
+  if (!eng_dtype_is_floating(x->dtype) || !eng_dtype_is_floating(cos->dtype) || !eng_dtype_is_floating(sin->dtype))
+    return eng_errp("%s: expected floating point tensors, got x %s, cos %s, sin %s", op, eng_desc(x), eng_desc(cos),
+                    eng_desc(sin));
+  int64_t T = x->shape[1], half = x->shape[3] / 2;
+  if (cos->ndim != 2 || sin->ndim != 2 || cos->shape[0] != T || cos->shape[1] != half || sin->shape[0] != T ||
+      sin->shape[1] != half || cos->dtype != sin->dtype)
+    return eng_errp("%s: expected cos and sin of shape [T, D / 2] = [%lld, %lld] and one dtype for x %s, got cos %s, "
+                    "sin %s", op, (long long)T, (long long)half, eng_desc(x), eng_desc(cos), eng_desc(sin));
+  if (cos->device != x->device || sin->device != x->device)
+    return eng_errp("%s: expected every tensor on one device, got x %s, cos %s, sin %s", op, eng_desc(x),
+                    eng_desc(cos), eng_desc(sin));
+  eng_tensor *X = eng_as_contig(x, x->dtype), *C = eng_as_contig(cos, cos->dtype), *S = eng_as_contig(sin, sin->dtype);
+  eng_tensor* out = X && C && S ? rotate(X, C, S, 0, op) : NULL;
+  eng_tensor_release(X);
+  if (out && eng_any_requires_grad(1, &x)) {
+    eng_node* nd = eng_record("RotaryEmbBackward", rope_bw, 1, &x, out);
+    if (!nd || eng_node_save(nd, C) || eng_node_save(nd, S)) { eng_tensor_release(out); out = NULL; }
+  }
+  eng_tensor_release(C);
+  eng_tensor_release(S);
+  return out;
+}
