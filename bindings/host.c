@@ -234,6 +234,8 @@ int main(int argc, char** argv) {
   if (status != 0 && eng_dist_world_size() > 1) {
     fflush(stdout);
     fflush(stderr);
+    double grace = eng_dist_abort_grace(); /* a watchdog verdict: let the ranks it names print it too */
+    if (grace > 0) usleep((useconds_t)(grace * 1e6));
     eng_dist_abort(1);
   }
   /* os.exit inside the script never gets here; the Lua library's exit path

@@ -19,6 +19,9 @@ int eng_dist_barrier(void);
 /* Aborts every rank with the given exit code (after an unrecoverable error
  * on one rank, so the others do not hang in a collective). */
 void eng_dist_abort(int code);
+/* Seconds a failing rank should wait before eng_dist_abort so that the other ranks print their own error: 1 after a
+ * comm-watchdog verdict (every rank it names raises the same error), else 0. */
+double eng_dist_abort_grace(void);
 /* Sums n counters element-wise over all world ranks, in place (for merging
  * test results; collective over the world, not counted as a collective). */
 int eng_dist_allreduce_counts(int64_t* counts, int n);

@@ -136,7 +136,15 @@ static void wd_send_all(const void* msg, int n) {
   /* else: every slot still sending (peers not progressing): the buffers stay with MPI */
 }
 
+/* 1 once this rank made or received a watchdog verdict (eng_dist_abort_grace) */
+static int g_had_verdict;
+
+/* Seconds a failing rank waits before it ends the job (bindings/host.c): a verdict goes to every rank it names, and
+ * each raises it within a poll or two (50 ms each); ending the job at once would kill them before they print it. */
+double eng_dist_abort_grace(void) { return __atomic_load_n(&g_had_verdict, __ATOMIC_RELAXED) ? 1.0 : 0.0; }
+
 static void mark_dead(eng_pg* pg, const char* text) {
+  __atomic_store_n(&g_had_verdict, 1, __ATOMIC_RELAXED);
   if (!pg || pg->broken) return;
   pg->broken = 2;
   free(pg->broken_msg);
