@@ -203,6 +203,12 @@ $(grep -E 'tok/s|MFU' "$OUT/gpu_step_llama.log" | tail -4 | sed 's/^/llama: /')"
       BENCHLINES="$BENCHLINES
 $(grep -E '^bf16_vs_f32' "$OUT/bf16_vs_f32.log" | tail -1)"
     fi
+    # each op of the step alone: time per call and the bandwidth / FLOP rate it reaches
+    if [ "$(left)" -gt 60 ]; then
+      timeout 120 "$ENGINE" recipes/bench/gpu_kernels.lua > "$OUT/gpu_kernels.log" 2>&1
+      BENCHLINES="$BENCHLINES
+$(grep -E ' us ' "$OUT/gpu_kernels.log")"
+    fi
     # DTensor host overhead per op on a CUDA mesh (target: <= 1 us)
     timeout 60 "$ENGINE" recipes/bench/dtensor_dispatch.lua --device=cuda --n=5000 --runs=3 > "$OUT/dtensor_dispatch.log" 2>&1
     BENCHLINES="$BENCHLINES
