@@ -188,11 +188,11 @@ void kc_scale_row(int dt, int64_t n, char* x, int64_t sx, double s);
 typedef void (*kc_range_fn)(void* ctx, int64_t lo, int64_t hi);
 void kc_parallel_for(int64_t n, int64_t grain, kc_range_fn fn, void* ctx);
 
-/* rope.c: rotary embedding on interleaved pairs of x contiguous [B, T, H, D] with tables cos, sin contiguous
- * [T, D / 2] (dtype cdt); inverse = 1 rotates by -angle.  out contiguous [B, T, H, D] in x's dtype.  0, or -1 on
- * bad arguments. */
-int kc_rope(int dt, int cdt, int64_t B, int64_t T, int64_t H, int64_t D, const void* x, const void* cos,
-            const void* sin, int inverse, void* out);
+/* rope.c: rotary embedding on interleaved pairs of x [B, T, H, D] (xs: the element strides of b, t, h; the last
+ * dim contiguous) with tables cos, sin contiguous [T, D / 2] (dtype cdt); inverse = 1 rotates by -angle.  out
+ * contiguous [B, T, H, D] in x's dtype.  0, or -1 on bad arguments. */
+int kc_rope(int dt, int cdt, int64_t B, int64_t T, int64_t H, int64_t D, const void* x, const int64_t* xs,
+            const void* cos, const void* sin, int inverse, void* out);
 void kc_set_threads(int n);
 int kc_get_threads(void);
 /* 1 while running a chunk on any thread (nested work then runs serially). */

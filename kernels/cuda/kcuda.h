@@ -232,10 +232,11 @@ int kcu_dropout(int dt, int64_t n, uint64_t seed, uint64_t offset, double keep, 
                 void* y, cudaStream_t stream);
 
 /* ================================================================ rope.cu
- * Rotary embedding on interleaved pairs of x contiguous [B, T, H, D] (dt f32 f64 bf16 f16) with tables cos, sin
- * contiguous [T, D / 2] (cdt, any float dtype); inverse = 1 rotates by -angle.  out contiguous, x's dtype. */
-int kcu_rope(int dt, int cdt, int64_t B, int64_t T, int64_t H, int64_t D, const void* x, const void* cos,
-             const void* sin, int inverse, void* out, cudaStream_t stream);
+ * Rotary embedding on interleaved pairs of x [B, T, H, D] (dt f32 f64 bf16 f16; xs: element strides of b, t, h,
+ * the last dim contiguous) with tables cos, sin contiguous [T, D / 2] (cdt, any float dtype); inverse = 1 rotates by
+ * -angle.  out contiguous, x's dtype. */
+int kcu_rope(int dt, int cdt, int64_t B, int64_t T, int64_t H, int64_t D, const void* x, const int64_t* xs,
+             const void* cos, const void* sin, int inverse, void* out, cudaStream_t stream);
 
 /* ================================================================ optim.cu
  * Multi-tensor kernels: one launch covers many tensors (chunked, the tensor

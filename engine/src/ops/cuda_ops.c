@@ -216,11 +216,11 @@ int eng_cu_dropout(int dt, int64_t n, uint64_t seed, uint64_t offset, double kee
   return ck(kcu_dropout(dt, n, seed, offset, keep, scale, x, y, s), op);
 }
 
-int eng_cu_rope(int dt, int cdt, int64_t B, int64_t T, int64_t H, int64_t D, const void* x, const void* cos,
-                const void* sin, int inverse, void* out, const char* op) {
+int eng_cu_rope(int dt, int cdt, int64_t B, int64_t T, int64_t H, int64_t D, const void* x, const int64_t* xs,
+                const void* cos, const void* sin, int inverse, void* out, const char* op) {
   if (B * T * H * D == 0) return 0;
   STREAM_OR_FAIL(op);
-  return ck(kcu_rope(dt, cdt, B, T, H, D, x, cos, sin, inverse, out, s), op);
+  return ck(kcu_rope(dt, cdt, B, T, H, D, x, xs, cos, sin, inverse, out, s), op);
 }
 
 /* ------------------------------------------------------------------ attention */
@@ -683,8 +683,8 @@ int eng_cu_sdpa_bwd(eng_tensor* q, eng_tensor* k, eng_tensor* v, eng_tensor* o, 
 }
 int eng_cu_dropout(int dt, int64_t n, uint64_t seed, uint64_t offset, double keep, double scale, const void* x,
                    void* y, const char* op) { return NOCU(op); }
-int eng_cu_rope(int dt, int cdt, int64_t B, int64_t T, int64_t H, int64_t D, const void* x, const void* cos,
-                const void* sin, int inverse, void* out, const char* op) {
+int eng_cu_rope(int dt, int cdt, int64_t B, int64_t T, int64_t H, int64_t D, const void* x, const int64_t* xs,
+                const void* cos, const void* sin, int inverse, void* out, const char* op) {
   return NOCU(op);
 }
 int eng_cu_adamw(int n, eng_tensor** p, eng_tensor** g, eng_tensor** m, eng_tensor** v, eng_tensor** w, double lr,

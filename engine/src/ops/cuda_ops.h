@@ -93,8 +93,8 @@ int eng_cu_sdpa_bwd(eng_tensor* q, eng_tensor* k, eng_tensor* v, eng_tensor* o, 
 int eng_cu_dropout(int dt, int64_t n, uint64_t seed, uint64_t offset, double keep, double scale, const void* x,
                    void* y, const char* op);
 /* Rotary embedding (kcu_rope): x, cos, sin contiguous device buffers; out [B, T, H, D] in dt. */
-int eng_cu_rope(int dt, int cdt, int64_t B, int64_t T, int64_t H, int64_t D, const void* x, const void* cos,
-                const void* sin, int inverse, void* out, const char* op);
+int eng_cu_rope(int dt, int cdt, int64_t B, int64_t T, int64_t H, int64_t D, const void* x, const int64_t* xs,
+                const void* cos, const void* sin, int inverse, void* out, const char* op);
 
 /* Optimizers over lists of contiguous CUDA tensors (validated by the caller;
  * NULL grads skipped): one multi-tensor launch per dtype combination. */

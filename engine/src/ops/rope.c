@@ -7,19 +7,27 @@
 #include "ops/ops.h"
 #include "autograd/autograd.h"
 
-/* out = rotation of X (contiguous [B, T, H, D]) by the tables (contiguous [T, D / 2]); inverse: by -angle. */
+/* out (contiguous) = rotation of X ([B, T, H, D], its last dim contiguous) by the tables (contiguous [T, D / 2]);
+ * inverse: by -angle. */
 static eng_tensor* rotate(eng_tensor* X, eng_tensor* C, eng_tensor* S, int inverse, const char* op) {
   eng_tensor* out = eng_new(X->ndim, X->shape, X->dtype, X->device);
   if (!out || out->numel == 0) return out;
   int64_t B = X->shape[0], T = X->shape[1], H = X->shape[2], D = X->shape[3];
+  const int64_t xs[3] = {X->stride[0], X->stride[1], X->stride[2]};
   int rc;
   if (X->device == ENG_CUDA)
-    rc = eng_cu_rope(X->dtype, C->dtype, B, T, H, D, eng_ptr(X), eng_ptr(C), eng_ptr(S), inverse, eng_ptr(out), op);
+    rc = eng_cu_rope(X->dtype, C->dtype, B, T, H, D, eng_ptr(X), xs, eng_ptr(C), eng_ptr(S), inverse, eng_ptr(out), op);
   else
-    rc = kc_rope(X->dtype, C->dtype, B, T, H, D, eng_ptr(X), eng_ptr(C), eng_ptr(S), inverse, eng_ptr(out)) ?
+    rc = kc_rope(X->dtype, C->dtype, B, T, H, D, eng_ptr(X), xs, eng_ptr(C), eng_ptr(S), inverse, eng_ptr(out)) ?
       eng_err("%s: the kernel refused its arguments (%s)", op, eng_desc(X)) : 0;
   if (rc) { eng_tensor_release(out); return NULL; }
   return out;
+}
+
+/* x itself when its last dim is contiguous (the q / k views of a fused QKV projection), else a contiguous copy */
+static eng_tensor* lastdim_unit(eng_tensor* x) {
+  if (x->shape[3] <= 1 || x->stride[3] == 1) return eng_tensor_retain(x);
+  return eng_as_contig(x, x->dtype);
 }
 
 /* saved: the tables (contiguous) */
@@ -58,7 +66,7 @@ eng_tensor* eng_rotary_emb(eng_tensor* x, eng_tensor* cos, eng_tensor* sin) {
   if (cos->device != x->device || sin->device != x->device)
     return eng_errp("%s: expected every tensor on one device, got x %s, cos %s, sin %s", op, eng_desc(x),
                     eng_desc(cos), eng_desc(sin));
-  eng_tensor *X = eng_as_contig(x, x->dtype), *C = eng_as_contig(cos, cos->dtype), *S = eng_as_contig(sin, sin->dtype);
+  eng_tensor *X = lastdim_unit(x), *C = eng_as_contig(cos, cos->dtype), *S = eng_as_contig(sin, sin->dtype);
   eng_tensor* out = X && C && S ? rotate(X, C, S, 0, op) : NULL;
   eng_tensor_release(X);
   if (out && eng_any_requires_grad(1, &x)) {
