@@ -204,6 +204,11 @@ local function train_equal(label, m, ref, loss_fn, batch)
 end
 
 local function ce(m, x, y) return F.cross_entropy(m(x):reshape(-1, V), y:reshape(-1)) end
+-- fully_shard on every block, then on the root, with the same options (FSDP2's usual wrapping)
+local function shard_blocks(m, opts)
+  for _, b in ipairs(m.layers:children()) do dist.fully_shard(b, opts) end
+  dist.fully_shard(m, opts)
+end
 
 describe("parallelism on a CUDA mesh trains like one process on the GPU #gpu", function()
   local args = { n_layers = 2, vocab_size = V, max_seq_len = T, dim = 16, n_heads = 4, dropout_p = 0 }
@@ -277,8 +282,7 @@ describe("parallelism on a CUDA mesh trains like one process on the GPU #gpu", f
     local gm = mesh("cuda", { W }, { "dp" })
     local ref = build():to("cuda")
     local m = build():to("cuda")
-    for _, b in ipairs(m.layers:children()) do dist.fully_shard(b, { mesh = gm }) end
-    dist.fully_shard(m, { mesh = gm })
+    shard_blocks(m, { mesh = gm })
     -- every rank sees the whole batch: FSDP averages equal gradients, so one process on the batch is the reference
     train_equal("fsdp", m, ref, ce)
   end)
@@ -343,8 +347,7 @@ describe("parallelism on a CUDA mesh trains like one process on the GPU #gpu", f
     local ref = build():to("cuda")
     local m = build():to("cuda")
     models.Transformer.parallelize(m, m2.tp, { use_seq_parallel = true })
-    for _, b in ipairs(m.layers:children()) do dist.fully_shard(b, { mesh = m2.dp }) end
-    dist.fully_shard(m, { mesh = m2.dp })
+    shard_blocks(m, { mesh = m2.dp })
     train_equal("fsdp x tp", m, ref, ce)
   end)
 
@@ -354,8 +357,7 @@ describe("parallelism on a CUDA mesh trains like one process on the GPU #gpu", f
     local m2 = mesh("cuda", { 2, 2 }, { "replicate", "shard" })
     local ref = build():to("cuda")
     local m = build():to("cuda")
-    for _, b in ipairs(m.layers:children()) do dist.fully_shard(b, { mesh = m2 }) end
-    dist.fully_shard(m, { mesh = m2 })
+    shard_blocks(m, { mesh = m2 })
     local w = m.layers:children()[1].attention.wo.weight
     assert.are.equal("Replicate()", tostring(w.placements[1]))
     assert.are.equal("Shard(1)", tostring(w.placements[2]))
@@ -367,8 +369,7 @@ describe("parallelism on a CUDA mesh trains like one process on the GPU #gpu", f
     local gm = mesh("cuda", { W }, { "dp" })
     local ref = build():to("cuda")
     local m = build():to("cuda")
-    for _, b in ipairs(m.layers:children()) do dist.fully_shard(b, { mesh = gm, reshard_after_forward = false }) end
-    dist.fully_shard(m, { mesh = gm, reshard_after_forward = false })
+    shard_blocks(m, { mesh = gm, reshard_after_forward = false })
     train_equal("fsdp raf=false", m, ref, ce)
   end)
 
@@ -379,8 +380,7 @@ describe("parallelism on a CUDA mesh trains like one process on the GPU #gpu", f
       local m = build()
       if dev == "cuda" then m:to("cuda") end
       local gm = mesh(dev, { W }, { "dp" })
-      for _, b in ipairs(m.layers:children()) do dist.fully_shard(b, { mesh = gm, mp_policy = mp }) end
-      dist.fully_shard(m, { mesh = gm, mp_policy = mp })
+      shard_blocks(m, { mesh = gm, mp_policy = mp })
       local opt = engine.optim.AdamW(m:parameters(), { lr = 1e-2, weight_decay = 0.1 })
       local losses, counts = {}, {}
       for step = 1, 3 do
