@@ -121,6 +121,9 @@ int eng_process_rank(void);
 /* A contiguous tensor of the given dtype with t's values (t itself retained
  * when already so).  No autograd. */
 eng_tensor* eng_as_contig(eng_tensor* t, int dtype);
+/* t itself (retained) when its last dim has stride 1 (or size <= 1), else a contiguous copy: for kernels that take
+ * the outer strides (attention, the rotary embedding).  No autograd. */
+eng_tensor* eng_unit_last_stride(eng_tensor* t);
 /* Bump the version counter of t's storage (in-place writes). */
 static inline void eng_bump_version(eng_tensor* t) { t->storage->version++; }
 /* -1 with "<op>: <t> is a meta tensor (...)" when t is on the meta device. */

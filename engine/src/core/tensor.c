@@ -458,6 +458,11 @@ eng_tensor* eng_as_contig(eng_tensor* t, int dtype) {
   return r;
 }
 
+eng_tensor* eng_unit_last_stride(eng_tensor* t) {
+  if (t->ndim == 0 || t->shape[t->ndim - 1] <= 1 || t->stride[t->ndim - 1] == 1) return eng_tensor_retain(t);
+  return eng_as_contig(t, t->dtype);
+}
+
 int eng_check_inplace(eng_tensor* t, const char* op) {
   if (eng_grad_enabled() && t->requires_grad) {
     if (!t->grad_fn)

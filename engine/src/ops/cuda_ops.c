@@ -226,12 +226,6 @@ int eng_cu_rope(int dt, int cdt, int64_t B, int64_t T, int64_t H, int64_t D, con
 /* ------------------------------------------------------------------ attention */
 static void strides3(const eng_tensor* t, int64_t* s) { s[0] = t->stride[0]; s[1] = t->stride[1]; s[2] = t->stride[2]; }
 
-/* t with a unit last-dim stride (a new reference). */
-static eng_tensor* lastdim_unit(eng_tensor* t) {
-  if (t->shape[3] <= 1 || t->stride[3] == 1) return eng_tensor_retain(t);
-  return eng_as_contig(t, t->dtype);
-}
-
 /* A new dense tensor of the given shape whose dims lie in memory in the order of like's strides (largest first;
  * PyTorch's empty_like with preserve_format): attention's output and gradients take the layout of the
  * projections they come from ([B, L, H, D] under a [B, H, L, D] view), so the transposes and views around
@@ -299,7 +293,8 @@ eng_tensor* eng_cu_sdpa_fwd(eng_tensor* q, eng_tensor* k, eng_tensor* v, int cau
   if (attn_check(q, k, v, op)) return NULL;
   cudaStream_t s = S();
   if (!s) { eng_err_prefix("%s", op); return NULL; }
-  eng_tensor *Q = lastdim_unit(q), *K = lastdim_unit(k), *V = lastdim_unit(v), *O = NULL, *L = NULL;
+  eng_tensor *Q = eng_unit_last_stride(q), *K = eng_unit_last_stride(k), *V = eng_unit_last_stride(v);
+  eng_tensor *O = NULL, *L = NULL;
   if (!Q || !K || !V) goto fail;
   int64_t osh[4] = {q->shape[0], q->shape[1], q->shape[2], v->shape[3]};
   int64_t lsh[3] = {q->shape[0], q->shape[1], q->shape[2]};
@@ -326,10 +321,10 @@ int eng_cu_sdpa_bwd(eng_tensor* q, eng_tensor* k, eng_tensor* v, eng_tensor* o, 
   cudaStream_t s = S();
   if (!s) { eng_err_prefix("%s", op); return -1; }
   int rc = -1;
-  eng_tensor *Q = lastdim_unit(q), *K = lastdim_unit(k), *V = lastdim_unit(v), *G = NULL;
+  eng_tensor *Q = eng_unit_last_stride(q), *K = eng_unit_last_stride(k), *V = eng_unit_last_stride(v), *G = NULL;
   eng_tensor *gq = NULL, *gk = NULL, *gv = NULL, *delta = NULL;
   if (!Q || !K || !V) goto done;
-  if (!(G = dout->dtype == q->dtype ? lastdim_unit(dout) : eng_as_contig(dout, q->dtype))) goto done;
+  if (!(G = dout->dtype == q->dtype ? eng_unit_last_stride(dout) : eng_as_contig(dout, q->dtype))) goto done;
   /* the kernel writes all three (unneeded ones go to scratch tensors), in the layouts of q, k and v */
   if (fused_qkv(q, k, v)) {
     int64_t n = q->shape[0] * q->shape[2] * 3 * q->shape[1] * q->shape[3];

@@ -24,11 +24,6 @@ static eng_tensor* rotate(eng_tensor* X, eng_tensor* C, eng_tensor* S, int inver
   return out;
 }
 
-/* x itself when its last dim is contiguous (the q / k views of a fused QKV projection), else a contiguous copy */
-static eng_tensor* lastdim_unit(eng_tensor* x) {
-  if (x->shape[3] <= 1 || x->stride[3] == 1) return eng_tensor_retain(x);
-  return eng_as_contig(x, x->dtype);
-}
 
 /* saved: the tables (contiguous) */
 static int rope_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
@@ -66,7 +61,8 @@ eng_tensor* eng_rotary_emb(eng_tensor* x, eng_tensor* cos, eng_tensor* sin) {
   if (cos->device != x->device || sin->device != x->device)
     return eng_errp("%s: expected every tensor on one device, got x %s, cos %s, sin %s", op, eng_desc(x),
                     eng_desc(cos), eng_desc(sin));
-  eng_tensor *X = lastdim_unit(x), *C = eng_as_contig(cos, cos->dtype), *S = eng_as_contig(sin, sin->dtype);
+  /* the q / k views of a fused QKV projection have a unit last stride: no copy */
+  eng_tensor *X = eng_unit_last_stride(x), *C = eng_as_contig(cos, cos->dtype), *S = eng_as_contig(sin, sin->dtype);
   eng_tensor* out = X && C && S ? rotate(X, C, S, 0, op) : NULL;
   eng_tensor_release(X);
   if (out && eng_any_requires_grad(1, &x)) {
