@@ -27,14 +27,7 @@ print(string.format("rank %d done: %g", dist.rank(), t:sum():item()))
   f:close()
 end
 
-local function count(s, sub)
-  local n, i = 0, 1
-  while true do
-    local a, b = s:find(sub, i, true)
-    if not a then return n end
-    n, i = n + 1, b + 1
-  end
-end
+local count = require("spec.helpers.files").count
 
 describe("the comm straggler report", function()
   teardown(function() os.execute("rm -rf '" .. TMP .. "'") end)

@@ -32,12 +32,7 @@ local function run(script, args)
   return (out:gsub("__rc=%d+%s*$", "")), e, rc
 end
 
-local function read(path)
-  local f = assert(io.open(path, "rb"))
-  local s = f:read("*a")
-  f:close()
-  return s
-end
+local read = require("spec.helpers.files").must_read
 
 -- the text of a recipe's samples.txt entry ("step N, temperature T, prompt "...":\n<text>\n\n")
 local function sample_of(run_dir)

@@ -32,19 +32,8 @@ local TIMEOUT = tonumber(os.getenv("README_SPEC_TIMEOUT") or "") or 240
 
 local function sh_quote(s) return "'" .. tostring(s):gsub("'", "'\\''") .. "'" end
 
-local function read(path)
-  local f = io.open(path, "rb")
-  if not f then return nil end
-  local s = f:read("*a")
-  f:close()
-  return s
-end
-
-local function write(path, s)
-  local f = assert(io.open(path, "wb"))
-  f:write(s)
-  f:close()
-end
+local files = require("spec.helpers.files")
+local read, write = files.read, files.write
 
 -- blocks(text) -> list of {line (of the opening fence), lang, attrs = {no_test = reason, np = N}, body, info}
 local function blocks(text)

@@ -11,21 +11,8 @@ os.remove(TMP)
 os.execute("mkdir -p " .. TMP)
 
 local function job(np, script, args) return proc.job(np, script, args, { env = { ENGINE_RUNS_DIR = TMP .. "/runs" } }) end
-local function count(s, sub)
-  local n, i = 0, 1
-  while true do
-    local a, b = s:find(sub, i, true)
-    if not a then return n end
-    n, i = n + 1, b + 1
-  end
-end
-local function read(path)
-  local f = io.open(path, "rb")
-  if not f then return nil end
-  local s = f:read("*a")
-  f:close()
-  return s
-end
+local files = require("spec.helpers.files")
+local count, read = files.count, files.read
 
 describe("engine.cli", function()
   local spec = { name = "t", config = true, options = {
