@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # tools/gpu-check.sh OUTDIR [--bundle DIR] [--build BUILD] [--bench all|engine|none] [--budget SECONDS] [--only REGEX]
+#                    [--nps "1 2 4"] [--single 0|1]
 #
 # The prepared GPU check: on a machine with an NVIDIA GPU, in one go,
 #   1. makes the runtime available: when luajit, busted or mpirun are missing it unpacks the offline bundle's
@@ -18,6 +19,7 @@
 # With the benchmarks it also tries the opt-in kernels listed in GPU_CHECK_OPT_IN (default ENGINE_ATTN_FWD_ROWS=128
 # ENGINE_ATTN_DQ_ROWS=128; empty: none): the attention spec and the engine's step with each variable, beside the default step.
 # --only REGEX runs only the spec files whose path matches (grep -E), and no C tests (for quick reruns).
+# --nps LIST: the rank counts of the multi-rank specs (default "1 2 4"); --single 0 skips the single-process specs.
 # Exit status 0 when every suite ran and nothing failed.
 set -u
 OUT=${1:?usage: tools/gpu-check.sh OUTDIR [--bundle DIR] [--build BUILD] [--bench all|engine|none] [--budget S]}
@@ -28,6 +30,8 @@ BUILD=build
 BENCH=engine
 BUDGET=450
 ONLY=""
+NPS="1 2 4"
+SINGLE_SPECS=1
 # opt-in kernels to measure against the default (each: spec line, default step, step with the variable)
 OPT_IN=${GPU_CHECK_OPT_IN-ENGINE_ATTN_FWD_ROWS=128 ENGINE_ATTN_DQ_ROWS=128}
 while [ $# -gt 0 ]; do
@@ -37,6 +41,8 @@ while [ $# -gt 0 ]; do
     --bench) BENCH=${2:?}; shift 2 ;;
     --budget) BUDGET=${2:?}; shift 2 ;;
     --only) ONLY=${2:?}; shift 2 ;;
+    --nps) NPS=${2:?}; shift 2 ;;
+    --single) SINGLE_SPECS=${2:?}; shift 2 ;;
     *) echo "gpu-check.sh: unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -141,6 +147,7 @@ done
 
 # ------------------------------------------------------------------ 3b. single-process #gpu specs
 SINGLE=$(grep -lE '(describe|it)\(".*#gpu|\.\. "[^"]*#gpu' spec/*_spec.lua 2>/dev/null | grep -E "${ONLY:-.}")
+[ "$SINGLE_SPECS" = 1 ] || SINGLE=""
 for s in $SINGLE; do
   [ "$(left)" -gt 30 ] || { log "budget spent: $s skipped"; echo "$s np=1 device=cuda: not run (time budget)" >> "$LINES"; status=1; continue; }
   n=$(basename "$s" .lua)
@@ -154,7 +161,7 @@ done
 
 # ------------------------------------------------------------------ 3c. multi-rank CUDA specs
 DIST=$(grep -lE '(describe|it)\(".*#gpu|\.\. "[^"]*#gpu' spec/dist/*_spec.lua 2>/dev/null | grep -E "${ONLY:-.}")
-for np in 1 2 4; do
+for np in $NPS; do
   for s in $DIST; do
     [ "$(left)" -gt 30 ] || { log "budget spent: $s np=$np skipped"; echo "$s np=$np device=cuda: not run (time budget)" >> "$LINES"; status=1; continue; }
     n=$(basename "$s" .lua)
