@@ -382,7 +382,7 @@ describe("parallelism on a CUDA mesh trains like one process on the GPU #gpu", f
       local gm = mesh(dev, { W }, { "dp" })
       shard_blocks(m, { mesh = gm, mp_policy = mp })
       local opt = engine.optim.AdamW(m:parameters(), { lr = 1e-2, weight_decay = 0.1 })
-      local losses, counts = {}, {}
+      local losses, counts, grads = {}, {}, {}
       for step = 1, 3 do
         local x, y = tokens(4, T, 100 + step), tokens(4, T, 200 + step)
         if dev == "cpu" then x, y = x:cpu(), y:cpu() end
@@ -392,22 +392,26 @@ describe("parallelism on a CUDA mesh trains like one process on the GPU #gpu", f
         for name, p in m:named_parameters() do
           assert.are.equal("f32", p.dtype, name); assert.are.equal("f32", p.grad.dtype, name)
           assert.are.equal(dev, p:to_local().device, name)
+          if step == 1 then grads[name] = host(p.grad):double() end
         end
         opt:step(); opt:zero_grad()
       end
-      return losses, counts, m
+      return losses, counts, grads
     end
-    local lc, cc, mc = run("cpu")
-    local lg, cg, mg = run("cuda")
+    local lc, cc, gc = run("cpu")
+    local lg, cg, gg = run("cuda")
     for step = 1, 3 do
       -- bf16 products round differently on the two devices (accumulation order): a bf16-sized tolerance
       assert(rel(lg[step], lc[step]) <= 2e-2, string.format("mp step %d: loss cuda %.6g cpu %.6g", step, lg[step], lc[step]))
       assert.are.equal(cc[step], cg[step])
     end
-    for name, p in mg:named_parameters() do
-      local q = mc:get_parameter(name)
-      local d = diff(p, q) / math.max(1e-3, host(q):abs():max():item())
-      assert(d <= 5e-2, string.format("mp: parameter %s differs by %g (relative)", name, d))
+    -- the first step's gradients (bf16 compute, reduced in f32) by relative norm: after AdamW the parameters are no
+    -- measure (its first updates are lr * sign(g), so an element whose bf16 gradient is near zero moves by up to
+    -- 2 lr on one device and not the other: a 7% max difference on the GPU with losses equal to 2e-2)
+    for name, a in pairs(gg) do
+      local b = gc[name]
+      local d = (a - b):norm():item() / math.max(1e-6, b:norm():item())
+      assert(d <= 5e-2, string.format("mp: gradient of %s differs by %g (relative norm)", name, d))
     end
   end)
 
