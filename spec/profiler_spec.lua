@@ -83,4 +83,56 @@ end
     assert.are.equal("4", gcalls, out)
     assert.is_true(tonumber(gms) > 0, out)
   end)
+
+  it("without a GPU the kernel trace says why, and ENGINE_PROFILE_KERNELS=1 does not stop a CPU run", function()
+    if engine.cuda.is_available() then pending("a GPU is here: the #gpu case covers the trace") end
+    local ok, err = pcall(engine.profiler.kernel_trace)
+    assert.is_false(ok)
+    assert.matches("kernel trace: .*CUDA", tostring(err))
+    assert.is_false(engine.profiler.kernel_trace_active())
+    assert.matches("kernel trace: not started", engine.profiler.kernel_report())
+    local out, rc = run("ENGINE_PROFILE_KERNELS=1", BODY .. [[print("done")]])
+    assert.are.equal(0, rc, out)
+    assert.matches("done", out)
+    assert.is_nil(out:match("kernels %(rank"), out)
+  end)
+
+  it("ENGINE_PROFILE_KERNELS=1 prints each kernel's own GPU time at exit (CUPTI) #gpu", function()
+    if not engine.cuda.is_available() then pending("no GPU: " .. engine.cuda.unavailable_reason()) end
+    local code = [[
+local e = require("engine")
+local a = e.randn(512, 512):cuda()
+for _ = 1, 4 do a = a:matmul(a) / 512 end
+local h = a:cpu()
+print("active " .. tostring(e.profiler.kernel_trace_active()))
+]]
+    local out, rc = run("ENGINE_PROFILE_KERNELS=1", code)
+    assert.are.equal(0, rc, out)
+    if out:match("kernel trace did not start: kernel trace: libcupti could not be loaded") then
+      pending("no libcupti on this machine: " .. out)
+    end
+    assert.matches("active true", out)
+    assert.matches("kernels %(rank 0%): %d+ names", out)
+    assert.matches("kernel%s+calls%s+GPU ms%s+avg us%s+min us%s+max us%s+share", out)
+    -- the 4 scalings by 1/512 are one elementwise kernel each; the copy back is one DtoH memcpy at least
+    local copies = tonumber(out:match("%[memcpy DtoH%]%s+(%d+)%s"))
+    assert.is_true(copies ~= nil and copies >= 1, out)
+    local launches = tonumber(out:match("names, (%d+) launches"))
+    assert.is_true(launches >= 9, out) -- 4 GEMMs, 4 divisions, the copies and the random fill
+    -- in the script: reset, more work, the report counts only that
+    local out2, rc2 = run("", [[
+local e = require("engine")
+e.profiler.kernel_trace()
+local a = e.randn(256, 256):cuda()
+e.profiler.kernel_reset()
+for _ = 1, 3 do a = a:matmul(a) / 256 end
+local r = e.profiler.kernel_report()
+print(r)
+local n = tonumber(r:match("names, (%d+) launches"))
+print("n " .. n)
+]])
+    assert.are.equal(0, rc2, out2)
+    local n = tonumber(out2:match("\nn (%d+)"))
+    assert.is_true(n ~= nil and n >= 6, out2)
+  end)
 end)

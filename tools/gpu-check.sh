@@ -233,12 +233,19 @@ dtensor_dispatch (cuda): $(grep -m1 'overhead' "$OUT/dtensor_dispatch.log" | sed
       BENCHLINES="$BENCHLINES
 $(sed "s|^|opt-in $var: |" "$f")"
     done
-    # the profiler's table of the engine's step (commit it with the run summary)
+    # the profiler's table of the engine's step (commit it with the run summary), then each kernel's own GPU time
+    # (CUPTI) over the same kind of run without the op profiler's events
     if [ "$(left)" -gt 40 ]; then
-      ENGINE_PROFILE=1 timeout 120 "$ENGINE" recipes/bench/gpu_step.lua --torch=0 --steps=5 --warmup=2 \
+      ENGINE_PROFILE=1 timeout 120 "$ENGINE" recipes/bench/gpu_step.lua --torch=0 --tp1=0 --steps=5 --warmup=2 \
         > "$OUT/gpu_step_profile.log" 2>&1
       BENCHLINES="$BENCHLINES
 $(grep -A 25 '^profile (rank 0)' "$OUT/gpu_step_profile.log")"
+    fi
+    if [ "$(left)" -gt 30 ]; then
+      ENGINE_PROFILE_KERNELS=1 timeout 120 "$ENGINE" recipes/bench/gpu_step.lua --torch=0 --tp1=0 --steps=10 --warmup=2 \
+        > "$OUT/gpu_step_kernels.log" 2>&1
+      BENCHLINES="$BENCHLINES
+$(grep -E -A 40 '^kernels \(rank 0\)|kernel trace' "$OUT/gpu_step_kernels.log" | cut -c1-130)"
     fi
   else
     BENCHLINES="gpu_step: not run (time budget)"

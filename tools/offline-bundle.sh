@@ -7,7 +7,8 @@
 #                    runtime; base libraries every distribution has (libc, libstdc++, zlib, ...) are left out
 #   DIR/build/       a prebuilt tree: engine, libengine.so, the C tests (--build BUILD, default build-gpu,
 #                    configured with -DENGINE_NATIVE=OFF so it runs on any x86-64 CPU; built first when missing
-#                    and nvcc is here; --no-build skips the tree)
+#                    and nvcc is here; --no-build skips the tree), with the toolkit's libcupti.so.<major> (the kernel
+#                    trace, ENGINE_PROFILE_KERNELS)
 #   DIR/MANIFEST     the packages with their versions, the tree's commit and the sizes
 # tools/gpu-check.sh installs the packages into a prefix with `dpkg -x` when the machine lacks them (no root
 # package database is touched) and uses DIR/build when the checkout has no build of its own.
@@ -65,6 +66,12 @@ if [ "$WITH_BUILD" = 1 ]; then
   cp "$BUILD/engine" "$BUILD/libengine.so" "$DIR/build/"
   cp "$BUILD"/ctests/* "$DIR/build/ctests/" 2>/dev/null || true
   strip --strip-unneeded "$DIR/build/libengine.so" "$DIR/build/engine" 2>/dev/null || true
+  # the kernel trace (ENGINE_PROFILE_KERNELS) loads libcupti at run time: the toolkit's, of the CUDA the tree was built
+  # with (the records' layout), next to libengine.so (gpu-check.sh puts the tree on LD_LIBRARY_PATH)
+  cupti=$(ls "$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")"/lib*/libcupti.so.[0-9]* \
+            "$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")"/extras/CUPTI/lib64/libcupti.so.[0-9]* 2>/dev/null |
+          grep -E 'libcupti\.so\.[0-9]+$' | head -1 || true)
+  [ -n "$cupti" ] && cp -L "$cupti" "$DIR/build/" && echo "offline-bundle.sh: $(basename "$cupti") from $(dirname "$cupti")"
 fi
 
 cd "$DIR"

@@ -2,6 +2,7 @@
 --
 --   ENGINE_PROFILE=1 build/engine recipes/bench/gpu_step.lua    -- the table is printed (stderr, rank 0) at exit
 --   ENGINE_PROFILE=all mpirun -np 2 ...                          -- every rank prints its own
+--   ENGINE_PROFILE_KERNELS=1 build/engine ...                  -- each GPU kernel's own time (CUPTI), table at exit
 --   ENGINE_PROFILE=0 build/engine script.lua                     -- installed, not recording: in the script,
 --     engine.profiler.enable(); ...; engine.profiler.disable(); print(engine.profiler.report())
 --
@@ -97,6 +98,24 @@ function M.report()
   local n = tonumber(c.eng_profiler_report(nil, 0))
   local buf = ffi.new("char[?]", n + 1)
   c.eng_profiler_report(buf, n + 1)
+  return ffi.string(buf)
+end
+
+-- The kernel trace (eng/cuda.h): every kernel, memcpy and memset the GPU ran, with its own GPU time from CUPTI,
+-- summed by name (what nsys's cuda_gpu_kern_sum shows).  ENGINE_PROFILE_KERNELS=1 at launch starts it with the device
+-- and prints the table at exit; in a script: engine.profiler.kernel_trace() (raises the reason when there is no GPU
+-- or no libcupti), then kernel_report() -> the table as text, kernel_reset() to start counting again.
+function M.kernel_trace()
+  local c = C()
+  if c.eng_cuda_kernel_trace_start() ~= 0 then error(ffi.string(c.eng_last_error()), 2) end
+end
+function M.kernel_trace_active() return C().eng_cuda_kernel_trace_active() ~= 0 end
+function M.kernel_reset() C().eng_cuda_kernel_trace_reset() end
+function M.kernel_report()
+  local c = C()
+  local n = tonumber(c.eng_cuda_kernel_trace_report(nil, 0))
+  local buf = ffi.new("char[?]", n + 1)
+  c.eng_cuda_kernel_trace_report(buf, n + 1)
   return ffi.string(buf)
 end
 

@@ -90,6 +90,15 @@ int eng_cuda_event_record(void* ev);
 int eng_cuda_event_query(void* ev);
 double eng_cuda_event_elapsed_ms(void* start, void* end);
 void eng_cuda_event_destroy(void* ev);
+/* The kernel trace (cuda/kernel_trace.c): every kernel, memcpy and memset the GPU runs, timed by CUPTI (libcupti
+ * loaded at run time), summed by name.  start: 0, or -1 with the reason (no GPU, no libcupti); ENGINE_PROFILE_KERNELS=1
+ * at launch starts it with the device and prints the report on stderr at exit (rank 0; =all: every rank).  report:
+ * the table (kernel, calls, GPU ms, avg/min/max us, share) into buf (cap bytes with the NUL; NULL: only the length),
+ * the length it needs; reset empties it. */
+int eng_cuda_kernel_trace_start(void);
+int eng_cuda_kernel_trace_active(void);
+void eng_cuda_kernel_trace_reset(void);
+int64_t eng_cuda_kernel_trace_report(char* buf, int64_t cap);
 /* Later work on `waiter` runs after everything queued so far on
  * `signaller` (an event between the streams; no host sync). */
 int eng_cuda_stream_wait(int waiter, int signaller);

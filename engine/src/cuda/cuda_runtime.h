@@ -12,6 +12,8 @@
 typedef void (*eng_deferred_fmt)(char* buf, size_t n, const char* op, int64_t a, int64_t b);
 int* eng_cuda_deferred_flag(const char* op, eng_deferred_fmt fmt, int64_t a, int64_t b);
 int eng_cuda_deferred_commit(int* flag);
+/* ENGINE_PROFILE_KERNELS set: starts the kernel trace (cuda/kernel_trace.c); called once the device is initialised. */
+void eng_cuda_kernel_trace_autostart(void);
 /* The runtime counts its host synchronisations (eng_cuda_sync_count) and looks at the pending checks after each. */
 void eng_cuda_count_sync(void);
 int eng_cuda_after_sync(void);

@@ -127,8 +127,11 @@ static int ensure(const char* op) {
       return cuerr(e, op, "initializing the CUDA device");
     }
     g_ready = 1;
+    pthread_mutex_unlock(&g_init_mu);
+    eng_cuda_kernel_trace_autostart(); /* ENGINE_PROFILE_KERNELS */
+  } else {
+    pthread_mutex_unlock(&g_init_mu);
   }
-  pthread_mutex_unlock(&g_init_mu);
   cudaError_t e = cudaSetDevice(g_dev);
   if (e != cudaSuccess) return cuerr(e, op, "cudaSetDevice");
   return 0;
