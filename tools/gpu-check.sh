@@ -242,10 +242,10 @@ $(sed "s|^|opt-in $var: |" "$f")"
 $(grep -A 25 '^profile (rank 0)' "$OUT/gpu_step_profile.log")"
     fi
     if [ "$(left)" -gt 30 ]; then
-      ENGINE_PROFILE_KERNELS=1 timeout 120 "$ENGINE" recipes/bench/gpu_step.lua --torch=0 --tp1=0 --steps=10 --warmup=2 \
+      ENGINE_PROFILE_KERNELS=1 timeout 120 "$ENGINE" recipes/bench/gpu_step.lua --torch=0 --tp1=1 --steps=10 --warmup=2 \
         > "$OUT/gpu_step_kernels.log" 2>&1
       BENCHLINES="$BENCHLINES
-$(grep -E -A 40 '^kernels \(rank 0\)|kernel trace' "$OUT/gpu_step_kernels.log" | cut -c1-130)"
+$(grep -E -A 32 '^kernel trace' "$OUT/gpu_step_kernels.log" | cut -c1-130)"
     fi
   else
     BENCHLINES="gpu_step: not run (time budget)"

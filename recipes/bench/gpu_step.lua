@@ -145,10 +145,14 @@ local function loss_of(model, x, y)
   end
   return F.fused_classifier(model(x, { float = false }), y)
 end
-local function run_steps(model, x, y)
+-- with the kernel trace on (ENGINE_PROFILE_KERNELS=1), each run's timed steps get their own kernel table
+local prof = engine.profiler
+local function run_steps(model, x, y, label)
   local opt = optim.AdamW(model:parameters(), { lr = 3e-4, betas = { 0.9, 0.999 }, eps = 1e-8, weight_decay = 0.1 })
   local times, loss0, lossn = {}, nil, nil
+  local traced = prof.kernel_trace_active()
   for i = 1, o.warmup + o.steps do
+    if traced and i == o.warmup + 1 then prof.kernel_reset() end
     check(C.eng_cuda_synchronize())
     local t0 = engine.time()
     local loss = loss_of(model, x, y)
@@ -160,6 +164,11 @@ local function run_steps(model, x, y)
     if i == 1 then loss0 = loss:item() end
     if i == o.warmup + o.steps then lossn = loss:item() end
     if i > o.warmup then times[#times + 1] = dt end
+  end
+  if traced then
+    print(string.format("kernel trace of the %d timed steps of %s (per step: divide by %d)", o.steps, label, o.steps))
+    io.write(prof.kernel_report())
+    prof.kernel_reset()
   end
   return median(times), loss0, lossn
 end
@@ -176,7 +185,7 @@ do
       local seq = (engine.rand(o.batch, o.seq + 1) * o.vocab):long():clamp(0, o.vocab - 1)
       local x = seq:narrow(2, 1, o.seq):contiguous():to("cuda")
       local y = seq:narrow(2, 2, o.seq):contiguous():to("cuda")
-      local med, loss0, lossn = run_steps(model, x, y)
+      local med, loss0, lossn = run_steps(model, x, y, "the engine's " .. o.model)
       eng_tps = tokens / med
       eng_mfu = flops_per_token(nparams) * eng_tps / peak
       local st = ffi.new("eng_cuda_memory_stats")
@@ -196,7 +205,7 @@ do
         local m1 = build()
         local mesh = engine.distributed.init_device_mesh("cuda", { 1 }, { "tp" })
         if o.model == "gpt" then models.Transformer.parallelize(m1, mesh) else models.Llama.parallelize(m1, mesh) end
-        local med1 = run_steps(m1, x, y)
+        local med1 = run_steps(m1, x, y, "the tp=1 plan")
         print(string.format("engine tp=1: median %.1f ms/step (DTensor TP plan on a 1-rank CUDA mesh), %.3fx the plain "
           .. "step (target <= 1.03)", med1 * 1e3, med1 / med))
       end
