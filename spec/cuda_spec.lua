@@ -867,12 +867,14 @@ describe("CUDA embedding, cross-entropy and attention kernels #gpu", function()
 
   it("flash attention forward and backward (SIMT and tensor-core kernels, causal or not, several head dims)", function()
     need_gpu()
+    local fused_bwd = os.getenv("ENGINE_ATTN_BWD") == "fused"
     local cfgs = {}
     for _, cfg in ipairs({ { 2, 3, 77, 77, 64, true, "f32" }, { 1, 2, 70, 45, 16, false, "f32" },
                            { 2, 2, 130, 130, 128, true, "bf16" }, { 1, 1, 33, 33, 100, true, "f32" },
                            { 1, 3, 64, 64, 32, false, "bf16" }, { 2, 4, 200, 200, 64, true, "bf16" },
                            { 1, 2, 96, 96, 64, true, "f16" }, { 1, 2, 70, 130, 64, false, "bf16" },
-                           { 1, 1, 100, 100, 48, true, "bf16" } }) do
+                           { 1, 1, 100, 100, 48, true, "bf16" }, { 1, 2, 100, 70, 32, true, "bf16" },
+                           { 2, 1, 45, 100, 64, true, "f16" } }) do
       -- half data runs both implementations (the tensor cores when the head dim allows)
       cfgs[#cfgs + 1] = { cfg, 0 }
       if cfg[7] ~= "f32" then cfgs[#cfgs + 1] = { cfg, 1 } end
@@ -903,6 +905,15 @@ describe("CUDA embedding, cross-entropy and attention kernels #gpu", function()
       local rt = dname == "bf16" and 2e-2 or (dname == "f16" and 5e-3 or 2e-5)
       close(down(a.o, B * H * Lq * D, dname), o, rt, rt, what .. " o")
       close(down(a.lse, B * H * Lq, "f32"), lse, 1e-5, 1e-5, what .. " lse")
+      -- ENGINE_ATTN_BWD=fused: the one-pass backward runs wherever the tensor cores do, with its dq workspace
+      local wsb = tonumber(C.kcu_attention_bwd_workspace(a))
+      if fused_bwd and dname ~= "f32" and force_simt == 0 and (D == 32 or D == 64 or D == 128) then
+        assert.are.equal(B * H * Lq * D * 4, wsb, what .. ": the fused backward's workspace")
+        what = what .. " bwd=fused"
+      else
+        assert.are.equal(0, wsb, what .. ": no workspace outside the fused backward")
+      end
+      if wsb > 0 then a.ws = dalloc(wsb) end
       kok(C.kcu_attention_bwd(a, stream()), "attention backward")
       local bt = dname == "bf16" and 5e-2 or (dname == "f16" and 1e-2 or 1e-4)
       close(down(a.dq, B * H * Lq * D, dname), dq, bt, bt, what .. " dq")

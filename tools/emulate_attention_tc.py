@@ -1,6 +1,7 @@
 #!/usr/bin/python3
 """Checks the index algebra of the tensor-core attention kernels (kernels/cuda/attention.cu: attn_fwd_tc,
-attn_dkv_tc, attn_dq_tc) without a GPU: the kernels' code is mirrored here lane by lane, each mma.sync
+attn_dkv_tc, attn_dq_tc, their two-M-tile variants, and the fused backward attn_bwd_fused_tc with its atomic dQ
+workspace and attn_dq_convert) without a GPU: the kernels' code is mirrored here lane by lane, each mma.sync
 m16n8k16 is emulated from the fragment layouts documented in the PTX ISA, everything in float64, and the
 results are compared with a direct softmax-attention reference (forward output and logsumexp, dq, dk, dv).
 ldmatrix loads are emulated from their PTX definition too.  Keep it in step with the kernels when they change.
@@ -233,6 +234,114 @@ def dq(q, k, v, dout, lse, delta, causal, scale, D, qtile, MT=1, KT=64):
                     DQ[row, nd*8+2*t:nd*8+2*t+2] = dqa[lane][nd][2*r:2*r+2]*scale
     return DQ
 
+def afrag_sh(S, r0, k0):
+    # afrag_x4: A fragment (rows r0..r0+15, k k0..k0+15) of a shared tile through ldmatrix (no .trans)
+    x = ldsm_x4(S, lambda l: (r0 + (l & 7) + ((l >> 3) & 1) * 8, k0 + (l >> 4) * 8), False)
+    return [x[l] for l in range(32)]
+
+def fused(q, k, v, dout, lse, delta, causal, scale, D, ktile, ws, KREG=None):
+    # attn_bwd_fused_tc (ENGINE_ATTN_BWD=fused): one 64-key block.  dK, dV as attn_dkv_tc; the tile's dS^T goes to
+    # the shared array Sb [64 keys][32 + 8], then (after the barrier) warp w adds dS K for queries 16 (w & 1)..+15
+    # and head dims (w >> 1) D/2..+D/2-1 into ws with atomics (applied here in a random order).  KREG: K's A
+    # fragments in registers (D <= 64), else from the shared K tile (afrag_x4).
+    if KREG is None: KREG = D <= 64
+    Lq, Lk = q.shape[0], k.shape[0]
+    DK = np.full((Lk, D), np.nan); DV = np.full((Lk, D), np.nan)
+    k0 = ktile * 64; SL = 40; DH = D // 2
+    sl2 = scale * LOG2E
+    Ks = stage(k, k0, 64, D)
+    kf = [load_afrag(k, k0 + w*16, D) for w in range(4)]
+    vf = [load_afrag(v, k0 + w*16, D) for w in range(4)]
+    dk = [[[np.zeros(4) for _ in range(D // 8)] for _ in range(32)] for _ in range(4)]
+    dv = [[[np.zeros(4) for _ in range(D // 8)] for _ in range(32)] for _ in range(4)]
+    qstart = (k0 // 32) * 32 if causal else 0
+    for q0 in range(qstart, Lq, 32):
+        Qs, Gs = stage(q, q0, 32, D), stage(dout, q0, 32, D)
+        Ls = [lse[q0+i]*LOG2E if q0+i < Lq else -np.inf for i in range(32)]
+        Ds = [delta[q0+i] if q0+i < Lq else 0 for i in range(32)]
+        Sb = np.full((64, SL), np.nan)  # what the last tile left there must never be read
+        for warp in range(4):
+            kw = k0 + warp*16
+            st = [[np.zeros(4) for _ in range(32)] for _ in range(4)]
+            dpt = [[np.zeros(4) for _ in range(32)] for _ in range(4)]
+            for kc in range(0, D // 16, 2):
+                if KREG:
+                    klo = [kf[warp][lane][kc] for lane in range(32)]; khi = [kf[warp][lane][kc+1] for lane in range(32)]
+                else:
+                    klo, khi = afrag_sh(Ks, warp*16, kc*16), afrag_sh(Ks, warp*16, kc*16 + 16)
+                for nb in range(4):
+                    mma(st[nb], klo, bcols(Qs, nb*8, kc*16)); mma(st[nb], khi, bcols(Qs, nb*8, kc*16 + 16))
+                    mma(dpt[nb], [vf[warp][lane][kc] for lane in range(32)], bcols(Gs, nb*8, kc*16))
+                    mma(dpt[nb], [vf[warp][lane][kc+1] for lane in range(32)], bcols(Gs, nb*8, kc*16 + 16))
+            need_mask = q0 + 32 > Lq or kw + 16 > Lk or (causal and kw + 15 > q0)
+            for lane in range(32):
+                g, t = lane >> 2, lane & 3
+                for nb in range(4):
+                    for i in range(4):
+                        qc = nb*8 + 2*t + (i & 1); qi = q0 + qc; key = kw + g + (i >> 1)*8
+                        l2 = Ls[qc]
+                        masked = need_mask and (qi >= Lq or key >= Lk or (causal and key > qi) or l2 == -np.inf)
+                        p = 0.0 if masked else 2.0 ** (st[nb][lane][i]*sl2 - l2)
+                        st[nb][lane][i] = p
+                        dpt[nb][lane][i] = p * (dpt[nb][lane][i] - Ds[qc])
+            for kc in range(2):
+                pa = [pack_a(st, kc, lane) for lane in range(32)]
+                sa = [pack_a(dpt, kc, lane) for lane in range(32)]
+                for lane in range(32):
+                    g, t = lane >> 2, lane & 3
+                    r, c = warp*16 + g, kc*16 + 2*t
+                    Sb[r, c:c+2] = sa[lane][0]; Sb[r+8, c:c+2] = sa[lane][1]
+                    Sb[r, c+8:c+10] = sa[lane][2]; Sb[r+8, c+8:c+10] = sa[lane][3]
+                for nd in range(D // 8):
+                    mma([dv[warp][lane][nd] for lane in range(32)], pa, brows(Gs, kc*16, nd*8))
+                    mma([dk[warp][lane][nd] for lane in range(32)], sa, brows(Qs, kc*16, nd*8))
+        # __syncthreads(): every warp's dS^T is in Sb
+        adds = []
+        for warp in range(4):
+            mq, d0 = (warp & 1) * 16, (warp >> 1) * DH
+            dqa = [[np.zeros(4) for _ in range(DH // 8)] for _ in range(32)]
+            for kc in range(4):
+                x = ldsm_x4(Sb, lambda l: (kc*16 + (l & 7) + ((l >> 4) & 1) * 8, mq + ((l >> 3) & 1) * 8), True)
+                da = [x[l] for l in range(32)]
+                for nd in range(DH // 8):
+                    mma([dqa[lane][nd] for lane in range(32)], da, brows(Ks, kc*16, d0 + nd*8))
+            for lane in range(32):
+                g, t = lane >> 2, lane & 3
+                for r in range(2):
+                    row = q0 + mq + g + 8*r
+                    if row >= Lq: continue
+                    for nd in range(DH // 8):
+                        adds.append((row, d0 + nd*8 + 2*t, dqa[lane][nd][2*r:2*r+2].copy()))
+        for j in rng.permutation(len(adds)):
+            row, col, val = adds[j]
+            assert not np.isnan(val).any(), "dQ read an unwritten part of Sb"
+            ws[row, col:col+2] += val
+    for warp in range(4):
+        kw = k0 + warp*16
+        for lane in range(32):
+            g, t = lane >> 2, lane & 3
+            for r in range(2):
+                row = kw + g + 8*r
+                if row >= Lk: continue
+                for nd in range(D // 8):
+                    DK[row, nd*8+2*t:nd*8+2*t+2] = dk[warp][lane][nd][2*r:2*r+2]*scale
+                    DV[row, nd*8+2*t:nd*8+2*t+2] = dv[warp][lane][nd][2*r:2*r+2]
+    return DK, DV
+
+def fused_bwd(q, k, v, dout, lse, delta, causal, scale, D, KREG=None):
+    # tc_bwd_fused_launch: ws zeroed (cudaMemsetAsync), the fused kernel over all key blocks, attn_dq_convert
+    Lq, Lk = q.shape[0], k.shape[0]
+    ws = np.zeros((Lq, D))
+    DK = np.full((Lk, D), np.nan); DV = np.full((Lk, D), np.nan)
+    for kt in range((Lk + 63) // 64):
+        a_, b_ = fused(q, k, v, dout, lse, delta, causal, scale, D, kt, ws, KREG)
+        sel = ~np.isnan(a_[:, 0]); DK[sel] = a_[sel]; DV[sel] = b_[sel]
+    DQ = np.zeros((Lq, D))
+    for e in range(Lq * (D // 8)):  # attn_dq_convert: 8 elements per thread
+        row, c = e // (D // 8), (e % (D // 8)) * 8
+        DQ[row, c:c+8] = ws[row, c:c+8] * scale
+    return DQ, DK, DV
+
 def ref(q, k, v, dout, causal, scale):
     S = q @ k.T * scale
     if causal: S = np.where(np.arange(k.shape[0])[None, :] > np.arange(q.shape[0])[:, None], -np.inf, S)
@@ -241,7 +350,8 @@ def ref(q, k, v, dout, causal, scale):
     dP = dout @ v.T; delta = (dout * O).sum(1); dS = P * (dP - delta[:, None])
     return O, lse, dS @ k * scale, dS.T @ q * scale, P.T @ dout, delta
 
-for (Lq, Lk, D, causal) in [(70, 70, 32, True), (100, 45, 64, False), (64, 130, 32, False), (130, 130, 32, True)]:
+for (Lq, Lk, D, causal) in [(70, 70, 32, True), (100, 45, 64, False), (64, 130, 32, False), (130, 130, 32, True),
+                            (45, 100, 64, True), (100, 70, 32, True)]:
     q, k, v, g = (rng.standard_normal((n, D)) for n in (Lq, Lk, Lk, Lq))
     scale = 1 / np.sqrt(D)
     O, lse, DQ, DK, DV, delta = ref(q, k, v, g, causal, scale)
@@ -262,7 +372,9 @@ for (Lq, Lk, D, causal) in [(70, 70, 32, True), (100, 45, 64, False), (64, 130, 
     DKe = np.full_like(DK, np.nan); DVe = np.full_like(DV, np.nan)
     for kt in range((Lk + 63) // 64):
         a_, b_ = dkv(q, k, v, g, lse, delta, causal, scale, D, kt); sel = ~np.isnan(a_[:, 0]); DKe[sel] = a_[sel]; DVe[sel] = b_[sel]
-    errs = [np.nanmax(np.abs(x - y)) if not np.isnan(x).any() else float('nan') for x, y in ((Oe, O), (Le, lse), (DQe, DQ), (DKe, DK), (DVe, DV), (O2, O), (L2, lse), (DQ2, DQ))]
+    FQ, FK, FV = fused_bwd(q, k, v, g, lse, delta, causal, scale, D)
+    GQ, GK, GV = fused_bwd(q, k, v, g, lse, delta, causal, scale, D, KREG=not D <= 64)  # the other K source
+    errs = [np.nanmax(np.abs(x - y)) if not np.isnan(x).any() else float('nan') for x, y in ((Oe, O), (Le, lse), (DQe, DQ), (DKe, DK), (DVe, DV), (O2, O), (L2, lse), (DQ2, DQ), (FQ, DQ), (FK, DK), (FV, DV), (GQ, DQ), (GK, DK), (GV, DV))]
     print(Lq, Lk, D, causal, ["%.2e" % e for e in errs])
     assert all(e < 1e-12 for e in errs), "the emulated kernels disagree with the reference"
 print("ok")

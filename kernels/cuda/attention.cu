@@ -20,7 +20,10 @@
  *                                                            query tiles in shared memory)
  *   dq_i = scale sum_j ds_ij k_j                           (attn_dq: the mirror image)
  * Each output element is accumulated by one thread in a fixed order:
- * deterministic.
+ * deterministic.  ENGINE_ATTN_BWD=fused (opt-in, tensor cores only) runs
+ * FlashAttention-2's one-pass form instead: attn_bwd_fused_tc per key block
+ * adds its dq share into an f32 workspace with atomics, attn_dq_convert
+ * rounds it into dq (see the kernel).
  *
  * Tensor-core path (bf16/f16, D in {32, 64, 128}, sm_80+): the same three
  * kernels written with mma.sync.m16n8k16 (f32 accumulators).  A warp owns
@@ -42,6 +45,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <stdlib.h>
+#include <string.h>
 
 namespace {
 
@@ -1070,6 +1074,228 @@ __global__ void __launch_bounds__(128) attn_dq_tc_mt(kcu_attn_args a) {
                       a.scale, g, t);
 }
 
+/* A fragments of rows r0..r0+15, columns k0..k0+15 of a shared tile sh (row stride D + 8), for the kernels that
+ * keep the operand in shared memory rather than in registers: ldmatrix (no .trans) with matrix i at rows
+ * r0 + 8 (i & 1), columns k0 + 8 (i >> 1), which gives a0..a7 in the order of the A layout above. */
+template <int D>
+__device__ __forceinline__ void afrag_x4(const uint16_t* sh, int r0, int k0, int lane, uint32_t (&r)[4]) {
+  ldsm_x4(r, sh + (r0 + (lane & 7) + ((lane >> 3) & 1) * 8) * (D + 8) + k0 + (lane >> 4) * 8);
+}
+
+/* p[0] += x, p[1] += y in global memory with reductions (no value returned): one red.global.add.v2.f32 on sm_90+
+ * (p 8-byte aligned), two scalar ones before. */
+__device__ __forceinline__ void red_add2(float* p, float x, float y) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(x), "f"(y) : "memory");
+#else
+  atomicAdd(p, x);
+  atomicAdd(p + 1, y);
+#endif
+}
+
+/* ENGINE_ATTN_BWD=fused: FlashAttention-2's backward in one kernel per 64 keys (16 per warp), query tiles of
+ * TC_QT rows.  As attn_dkv_tc it forms S^T, dP^T, P^T and dS^T of the tile and accumulates dV and dK in
+ * registers; then the tile's dS^T (rounded to T, as for dK) goes to shared memory as a [64 keys][TC_QT queries]
+ * array, and after a barrier each warp computes one quarter of the tile's dQ contribution, dS (16 queries x
+ * 64 keys, A operand through ldmatrix.trans of that array) times K (64 keys x D/2 head dims, the block's keys
+ * staged in shared memory once), and adds it to the f32 workspace a.ws [B, H, Lq, D] with red.global.add;
+ * attn_dq_convert then writes dq = scale * ws.  S and dP are computed once (5 GEMM-equivalents instead of the
+ * two-kernel path's 7); dQ's sums then depend on the order of the atomics (not deterministic to the last bit).
+ * KREG: K's A fragments stay in registers (D <= 64); at D = 128 they are read from the shared K tile for each
+ * query tile, which keeps the accumulators (dK, dV, dQ) in registers.  One barrier per tile besides the
+ * staging: the one before the dQ products also tells every warp that the tile's Q, dO and statistics buffers are
+ * no longer read, and the next tile's dS^T is stored only after the next staging barrier. */
+template <typename T, int D, bool PIPE>
+__global__ void __launch_bounds__(128) attn_bwd_fused_tc(kcu_attn_args a) {
+  constexpr int L = D + 8, NBUF = PIPE ? 2 : 1;
+  constexpr int NQ = TC_QT / 8;    /* 8-query blocks per tile */
+  constexpr int SL = TC_QT + 8;    /* row stride of the dS^T array (80 bytes: ldmatrix rows in distinct banks) */
+  constexpr int DH = D / 2;        /* head dims of the dQ contribution per warp */
+  constexpr bool KREG = D <= 64;
+  __shared__ __align__(16) uint16_t Qb[NBUF][TC_QT * L];
+  __shared__ __align__(16) uint16_t Gb[NBUF][TC_QT * L];
+  __shared__ __align__(16) uint16_t Ks[TC_ROWS * L];
+  __shared__ __align__(16) uint16_t Sb[TC_ROWS * SL];
+  __shared__ float Lb[NBUF][TC_QT], Db[NBUF][TC_QT];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int b = blockIdx.x / a.H, h = blockIdx.x % a.H;
+  const int k0 = blockIdx.y * TC_ROWS, kw = k0 + warp * 16;
+  const int64_t bh = (int64_t)b * a.H + h;
+  const uint16_t* qb = (const uint16_t*)a.q + b * a.sq[0] + h * a.sq[1];
+  const uint16_t* gb = (const uint16_t*)a.dout + b * a.sdo[0] + h * a.sdo[1];
+  const uint16_t* kb = (const uint16_t*)a.k + b * a.sk[0] + h * a.sk[1];
+  uint32_t kf[KREG ? D / 16 : 1][4], vf[D / 16][4];
+  if constexpr (KREG) load_afrag<D>(kf, kb, a.sk[2], kw, a.Lk, g, t);
+  load_afrag<D>(vf, (const uint16_t*)a.v + b * a.sv[0] + h * a.sv[1], a.sv[2], kw, a.Lk, g, t);
+  float dk[D / 8][4], dv[D / 8][4];
+#pragma unroll
+  for (int nd = 0; nd < D / 8; nd++)
+#pragma unroll
+    for (int i = 0; i < 4; i++) { dk[nd][i] = 0.0f; dv[nd][i] = 0.0f; }
+  const float sl2 = a.scale * kLog2e;
+  const int qstart = a.causal ? (k0 / TC_QT) * TC_QT : 0;
+  /* this warp's quarter of a tile's dQ: queries mq..mq+15 of the tile, head dims d0..d0+DH-1 */
+  const int mq = (warp & 1) * 16, d0 = (warp >> 1) * DH;
+  float* wsb = (float*)a.ws + bh * a.Lq * D;
+  auto stats = [&](int buf, int q0) {
+    if (threadIdx.x < TC_QT) {
+      int qi = q0 + threadIdx.x;
+      Lb[buf][threadIdx.x] = qi < a.Lq ? a.lse[bh * a.Lq + qi] * kLog2e : -INFINITY;
+      Db[buf][threadIdx.x] = qi < a.Lq ? a.delta[bh * a.Lq + qi] : 0.0f;
+    }
+  };
+  if (qstart < a.Lq) {
+    if (PIPE) {
+      stage_async<D, TC_ROWS>(Ks, kb, a.sk[2], k0, a.Lk);
+      stage_async<D, TC_QT>(Qb[0], qb, a.sq[2], qstart, a.Lq);
+      stage_async<D, TC_QT>(Gb[0], gb, a.sdo[2], qstart, a.Lq);
+      cp_commit();
+      stats(0, qstart);
+    } else {
+      stage_tc<D, TC_ROWS>(Ks, kb, a.sk[2], k0, a.Lk);  /* visible after the first tile's barriers */
+    }
+  }
+  for (int q0 = qstart, it = 0; q0 < a.Lq; q0 += TC_QT, it++) {
+    const int cur = PIPE ? (it & 1) : 0;
+    if (PIPE) {
+      if (q0 + TC_QT < a.Lq) {
+        stage_async<D, TC_QT>(Qb[cur ^ 1], qb, a.sq[2], q0 + TC_QT, a.Lq);
+        stage_async<D, TC_QT>(Gb[cur ^ 1], gb, a.sdo[2], q0 + TC_QT, a.Lq);
+        cp_commit();
+        stats(cur ^ 1, q0 + TC_QT);
+        cp_wait<1>();
+      } else {
+        cp_wait<0>();
+      }
+      __syncthreads();
+    } else {
+      __syncthreads();
+      stage_tc<D, TC_QT>(Qb[0], qb, a.sq[2], q0, a.Lq);
+      stage_tc<D, TC_QT>(Gb[0], gb, a.sdo[2], q0, a.Lq);
+      stats(0, q0);
+      __syncthreads();
+    }
+    const uint16_t* Qs = Qb[cur];
+    const uint16_t* Gs = Gb[cur];
+    const float* Ls = Lb[cur];
+    const float* Ds = Db[cur];
+    /* S^T = K Q^T and dP^T = V dO^T: 16 keys x TC_QT queries */
+    float st[NQ][4], dpt[NQ][4];
+#pragma unroll
+    for (int nb = 0; nb < NQ; nb++)
+#pragma unroll
+      for (int i = 0; i < 4; i++) { st[nb][i] = 0.0f; dpt[nb][i] = 0.0f; }
+#pragma unroll
+    for (int kc = 0; kc < D / 16; kc += 2) {
+      uint32_t k_lo[4], k_hi[4];
+      if constexpr (KREG) {
+#pragma unroll
+        for (int i = 0; i < 4; i++) { k_lo[i] = kf[kc][i]; k_hi[i] = kf[kc + 1][i]; }
+      } else {
+        afrag_x4<D>(Ks, warp * 16, kc * 16, lane, k_lo);
+        afrag_x4<D>(Ks, warp * 16, kc * 16 + 16, lane, k_hi);
+      }
+#pragma unroll
+      for (int nb = 0; nb < NQ; nb++) {
+        uint32_t bq[4];
+        bfrag_cols_x4<D>(Qs, nb * 8, kc * 16, lane, bq);
+        mma_t<T>::mma(st[nb], k_lo, bq[0], bq[1]);
+        mma_t<T>::mma(st[nb], k_hi, bq[2], bq[3]);
+        bfrag_cols_x4<D>(Gs, nb * 8, kc * 16, lane, bq);
+        mma_t<T>::mma(dpt[nb], vf[kc], bq[0], bq[1]);
+        mma_t<T>::mma(dpt[nb], vf[kc + 1], bq[2], bq[3]);
+      }
+    }
+    /* P^T and dS^T = P^T (dP^T - delta), masked as in attn_dkv_tc */
+    const bool need_mask = q0 + TC_QT > a.Lq || kw + 16 > a.Lk || (a.causal && kw + 15 > q0);
+#pragma unroll
+    for (int nb = 0; nb < NQ; nb++)
+#pragma unroll
+      for (int i = 0; i < 4; i++) {
+        int qc = nb * 8 + 2 * t + (i & 1), qi = q0 + qc, key = kw + g + (i >> 1) * 8;
+        float l2 = Ls[qc];
+        bool masked = need_mask && (qi >= a.Lq || key >= a.Lk || (a.causal && key > qi) || l2 == -INFINITY);
+        float p = masked ? 0.0f : exp2f(st[nb][i] * sl2 - l2);
+        st[nb][i] = p;
+        dpt[nb][i] = p * (dpt[nb][i] - Ds[qc]);
+      }
+    /* dS^T to shared memory (rows: the warp's keys; the packed words are the A fragments of dK's product),
+     * dV += P^T dO, dK += dS^T Q */
+#pragma unroll
+    for (int kc = 0; kc < TC_QT / 16; kc++) {
+      uint32_t pa[4] = {mma_t<T>::pack(st[2 * kc][0], st[2 * kc][1]), mma_t<T>::pack(st[2 * kc][2], st[2 * kc][3]),
+                        mma_t<T>::pack(st[2 * kc + 1][0], st[2 * kc + 1][1]),
+                        mma_t<T>::pack(st[2 * kc + 1][2], st[2 * kc + 1][3])};
+      uint32_t sa[4] = {mma_t<T>::pack(dpt[2 * kc][0], dpt[2 * kc][1]), mma_t<T>::pack(dpt[2 * kc][2], dpt[2 * kc][3]),
+                        mma_t<T>::pack(dpt[2 * kc + 1][0], dpt[2 * kc + 1][1]),
+                        mma_t<T>::pack(dpt[2 * kc + 1][2], dpt[2 * kc + 1][3])};
+      uint16_t* srow = Sb + (warp * 16 + g) * SL + kc * 16 + 2 * t;
+      *reinterpret_cast<uint32_t*>(srow) = sa[0];
+      *reinterpret_cast<uint32_t*>(srow + 8 * SL) = sa[1];
+      *reinterpret_cast<uint32_t*>(srow + 8) = sa[2];
+      *reinterpret_cast<uint32_t*>(srow + 8 * SL + 8) = sa[3];
+#pragma unroll
+      for (int nd = 0; nd < D / 8; nd += 2) {
+        uint32_t bq[4];
+        bfrag_rows_x4<D>(Gs, kc * 16, nd * 8, lane, bq);
+        mma_t<T>::mma(dv[nd], pa, bq[0], bq[1]);
+        mma_t<T>::mma(dv[nd + 1], pa, bq[2], bq[3]);
+        bfrag_rows_x4<D>(Qs, kc * 16, nd * 8, lane, bq);
+        mma_t<T>::mma(dk[nd], sa, bq[0], bq[1]);
+        mma_t<T>::mma(dk[nd + 1], sa, bq[2], bq[3]);
+      }
+    }
+    __syncthreads();
+    /* dQ[mq.., d0..] += dS K over the block's 64 keys: A = dS (queries x keys) from the dS^T array through
+     * ldmatrix.trans (matrix i: keys + 8 (i >> 1), queries + 8 (i & 1)), B = K rows (k along the keys) */
+    float dqa[DH / 8][4];
+#pragma unroll
+    for (int nd = 0; nd < DH / 8; nd++) dqa[nd][0] = dqa[nd][1] = dqa[nd][2] = dqa[nd][3] = 0.0f;
+#pragma unroll
+    for (int kc = 0; kc < TC_ROWS / 16; kc++) {
+      uint32_t da[4];
+      ldsm_x4_trans(da, Sb + (kc * 16 + (lane & 7) + ((lane >> 4) & 1) * 8) * SL + mq + ((lane >> 3) & 1) * 8);
+#pragma unroll
+      for (int nd = 0; nd < DH / 8; nd += 2) {
+        uint32_t bk[4];
+        bfrag_rows_x4<D>(Ks, kc * 16, d0 + nd * 8, lane, bk);
+        mma_t<T>::mma(dqa[nd], da, bk[0], bk[1]);
+        mma_t<T>::mma(dqa[nd + 1], da, bk[2], bk[3]);
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+      const int row = q0 + mq + g + 8 * r;
+      if (row < a.Lq) {
+        float* wr = wsb + (int64_t)row * D + d0 + 2 * t;
+#pragma unroll
+        for (int nd = 0; nd < DH / 8; nd++) red_add2(wr + nd * 8, dqa[nd][2 * r], dqa[nd][2 * r + 1]);
+      }
+    }
+  }
+  store_cfrag<T, D>(dk, (uint16_t*)a.dk + b * a.sdk[0] + h * a.sdk[1], a.sdk[2], kw, a.Lk, a.scale, a.scale, g, t);
+  store_cfrag<T, D>(dv, (uint16_t*)a.dv + b * a.sdv[0] + h * a.sdv[1], a.sdv[2], kw, a.Lk, 1.0f, 1.0f, g, t);
+}
+
+/* dq = scale * ws (the fused backward's f32 dQ accumulator [B, H, Lq, D], D a multiple of 8), 8 elements per
+ * thread, in dq's strides and data type. */
+template <typename T>
+__global__ void attn_dq_convert(kcu_attn_args a) {
+  const int c8 = a.D / 8;
+  const int64_t n = (int64_t)a.B * a.H * a.Lq * c8;
+  for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += (int64_t)gridDim.x * blockDim.x) {
+    int64_t row = e / c8;
+    int c = (int)(e - row * c8) * 8;
+    int64_t i = row % a.Lq, bh = row / a.Lq, b = bh / a.H, h = bh % a.H;
+    const float4* src = reinterpret_cast<const float4*>((const float*)a.ws + row * a.D + c);
+    float4 x = src[0], y = src[1];
+    const float s = a.scale;
+    uint4 o = make_uint4(mma_t<T>::pack(x.x * s, x.y * s), mma_t<T>::pack(x.z * s, x.w * s),
+                         mma_t<T>::pack(y.x * s, y.y * s), mma_t<T>::pack(y.z * s, y.w * s));
+    *reinterpret_cast<uint4*>((uint16_t*)a.dq + b * a.sdq[0] + h * a.sdq[1] + i * a.sdq[2] + c) = o;
+  }
+}
+
 int strides8(const int64_t* s) { return s[0] % 8 == 0 && s[1] % 8 == 0 && s[2] % 8 == 0; }
 int al16(const void* p) { return ((uintptr_t)p & 15) == 0; }
 
@@ -1171,12 +1397,38 @@ template <typename T, int D, bool PIPE> int tc_bwd_launch(const kcu_attn_args* a
   return kcu_launch_status();
 }
 
+/* ENGINE_ATTN_BWD=fused: the one-pass backward (attn_bwd_fused_tc, dQ through the caller's f32 workspace a->ws)
+ * instead of attn_dkv_tc + attn_dq_tc, until a GPU run has measured it (read once). */
+int bwd_fused_on() {
+  static int on = -1;
+  if (on < 0) {
+    const char* e = getenv("ENGINE_ATTN_BWD");
+    on = e && strcmp(e, "fused") == 0;
+  }
+  return on;
+}
+
+template <typename T, int D, bool PIPE> int tc_bwd_fused_launch(const kcu_attn_args* a, cudaStream_t s) {
+  int64_t rows = (int64_t)a->B * a->H * a->Lq;
+  attn_delta<T><<<kcu_grid(rows, 8, 1 << 16), 256, 0, s>>>(*a);
+  cudaError_t e = cudaMemsetAsync(a->ws, 0, (size_t)rows * D * sizeof(float), s);
+  if (e != cudaSuccess) { cudaGetLastError(); return (int)e; }
+  if (a->Lk > 0) {
+    dim3 gk((unsigned)(a->B * a->H), (unsigned)kcu_cdiv(a->Lk, TC_ROWS));
+    attn_bwd_fused_tc<T, D, PIPE><<<gk, 128, 0, s>>>(*a);
+  }
+  attn_dq_convert<T><<<kcu_grid(rows * (D / 8), 256, 1 << 16), 256, 0, s>>>(*a);
+  return kcu_launch_status();
+}
+
 template <typename T, int D> int tc_fwd_run(const kcu_attn_args* a, cudaStream_t s) {
   if (fwd_two_mtiles(D))
     return pipelined(D) ? fwd_mt2<T, D, D <= 64>::launch(a, s) : fwd_mt2<T, D, false>::launch(a, s);
   return pipelined(D) ? tc_fwd_launch<T, D, D <= 64>(a, s) : tc_fwd_launch<T, D, false>(a, s);
 }
 template <typename T, int D> int tc_bwd_run(const kcu_attn_args* a, cudaStream_t s) {
+  if (a->ws && al16(a->ws) && a->Lq > 0 && bwd_fused_on())
+    return pipelined(D) ? tc_bwd_fused_launch<T, D, D <= 64>(a, s) : tc_bwd_fused_launch<T, D, false>(a, s);
   return pipelined(D) ? tc_bwd_launch<T, D, D <= 64>(a, s) : tc_bwd_launch<T, D, false>(a, s);
 }
 
@@ -1248,6 +1500,17 @@ extern "C" int kcu_attention_fwd(const kcu_attn_args* a, cudaStream_t s) {
     case KCU_BF16: return fwd_dm<kbf16>(a, s);
     default: return fwd_dm<kf16>(a, s);
   }
+}
+
+extern "C" size_t kcu_attention_bwd_workspace(const kcu_attn_args* a) {
+  if (check_args(a, 1) != KCU_OK || a->Lq == 0 || !bwd_fused_on() || !tc_layout_ok(a, 1)) return 0;
+  int ok;
+  switch (a->D) {
+    case 32: ok = a->dt == KCU_BF16 ? tc_binary_ok<kbf16, 32>() : tc_binary_ok<kf16, 32>(); break;
+    case 64: ok = a->dt == KCU_BF16 ? tc_binary_ok<kbf16, 64>() : tc_binary_ok<kf16, 64>(); break;
+    default: ok = a->dt == KCU_BF16 ? tc_binary_ok<kbf16, 128>() : tc_binary_ok<kf16, 128>(); break;
+  }
+  return ok ? (size_t)a->B * a->H * a->Lq * a->D * sizeof(float) : 0;
 }
 
 extern "C" int kcu_attention_bwd(const kcu_attn_args* a, cudaStream_t s) {

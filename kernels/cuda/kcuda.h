@@ -210,13 +210,22 @@ typedef struct kcu_attn_args {
   const void* dout;       /* like o */
   void *dq, *dk, *dv;     /* like q, k, v */
   float* delta;           /* workspace [B, H, Lq]: rowsum(dout * o) */
+  void* ws;               /* workspace of kcu_attention_bwd_workspace bytes (NULL when that is 0) */
   /* strides (elements) of the batch, head and row dims */
   int64_t sq[3], sk[3], sv[3], so[3], sdo[3], sdq[3], sdk[3], sdv[3];
 } kcu_attn_args;
 int kcu_attention_fwd(const kcu_attn_args* a, cudaStream_t stream);
 /* dq, dk, dv (overwritten) from q, k, v, o, lse, dout; atomic-free (one
- * kernel for dk/dv by key tiles, one for dq by query tiles). */
+ * kernel for dk/dv by key tiles, one for dq by query tiles), unless
+ * ENGINE_ATTN_BWD=fused (read once) picks the one-pass tensor-core backward:
+ * one kernel per 64 keys computes S and dP once, accumulates dk/dv and adds
+ * its keys' share of dq into ws (f32 [B, H, Lq, D], atomics: dq's rounding
+ * then depends on their order), and a small kernel converts ws into dq. */
 int kcu_attention_bwd(const kcu_attn_args* a, cudaStream_t stream);
+/* Bytes of a->ws that kcu_attention_bwd needs for these args (pointers and
+ * strides filled in): 0 unless the fused path will run (then B*H*Lq*D
+ * floats; with a->ws NULL the two-kernel path runs instead). */
+size_t kcu_attention_bwd_workspace(const kcu_attn_args* a);
 
 /* ================================================================ random.cu
  * The engine's counter-based RNG (kernels/cpu/philox.h): element i of the

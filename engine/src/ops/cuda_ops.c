@@ -349,7 +349,12 @@ int eng_cu_sdpa_bwd(eng_tensor* q, eng_tensor* k, eng_tensor* v, eng_tensor* o, 
     a.delta = (float*)eng_ptr(delta);
     strides3(Q, a.sq); strides3(K, a.sk); strides3(V, a.sv); strides3(o, a.so); strides3(G, a.sdo);
     strides3(gq, a.sdq); strides3(gk, a.sdk); strides3(gv, a.sdv);
-    if (ck(kcu_attention_bwd(&a, s), op)) goto done;
+    /* the f32 dq accumulator of the fused backward (ENGINE_ATTN_BWD=fused), else none */
+    size_t wsb = kcu_attention_bwd_workspace(&a);
+    if (wsb && !(a.ws = eng_cuda_malloc((int64_t)wsb))) { eng_err_prefix("%s", op); goto done; }
+    int krc = ck(kcu_attention_bwd(&a, s), op);
+    eng_cuda_free(a.ws); /* stream-ordered */
+    if (krc) goto done;
   } else {
     /* nothing to attend: all gradients are zero */
     if (eng_cu_fill(eng_ptr(gq), q->dtype, gq->numel, 0.0, op) || eng_cu_fill(eng_ptr(gk), q->dtype, gk->numel, 0.0, op) ||
