@@ -17,7 +17,7 @@
 #      "<spec file> np=<N> device=cuda: <P> passed, <F> failed, <S> skipped", then the benchmarks' last lines.
 # Each stage has a time limit; stages are skipped, and say so, once --budget (default 450 s) is spent.
 # With the benchmarks it also tries the opt-in kernels listed in GPU_CHECK_OPT_IN (default ENGINE_ATTN_FWD_ROWS=128
-# ENGINE_ATTN_DQ_ROWS=128 ENGINE_ATTN_BWD=fused; empty: none): the attention spec and the engine's step with each
+# ENGINE_ATTN_DQ_ROWS=128 ENGINE_ATTN_BWD=split; empty: none): the attention spec and the engine's step with each
 # variable, beside the default step.
 # --only REGEX runs only the spec files whose path matches (grep -E), and no C tests (for quick reruns).
 # --nps LIST: the rank counts of the multi-rank specs (default "1 2 4"); --single 0 skips the single-process specs.
@@ -34,7 +34,7 @@ ONLY=""
 NPS="1 2 4"
 SINGLE_SPECS=1
 # opt-in kernels to measure against the default (each: spec line, default step, step with the variable)
-OPT_IN=${GPU_CHECK_OPT_IN-ENGINE_ATTN_FWD_ROWS=128 ENGINE_ATTN_DQ_ROWS=128 ENGINE_ATTN_BWD=fused}
+OPT_IN=${GPU_CHECK_OPT_IN-ENGINE_ATTN_FWD_ROWS=128 ENGINE_ATTN_DQ_ROWS=128 ENGINE_ATTN_BWD=split}
 while [ $# -gt 0 ]; do
   case "$1" in
     --bundle) BUNDLE=${2:?}; shift 2 ;;

@@ -20,10 +20,11 @@
  *                                                            query tiles in shared memory)
  *   dq_i = scale sum_j ds_ij k_j                           (attn_dq: the mirror image)
  * Each output element is accumulated by one thread in a fixed order:
- * deterministic.  ENGINE_ATTN_BWD=fused (opt-in, tensor cores only) runs
- * FlashAttention-2's one-pass form instead: attn_bwd_fused_tc per key block
- * adds its dq share into an f32 workspace with atomics, attn_dq_convert
- * rounds it into dq (see the kernel).
+ * deterministic.  On the tensor cores with head dims up to 64 the default is
+ * FlashAttention-2's one-pass form instead (ENGINE_ATTN_BWD=split: the two
+ * kernels; =fused: the one-pass form at D = 128 too): attn_bwd_fused_tc per
+ * key block adds its dq share into an f32 workspace with atomics,
+ * attn_dq_convert rounds it into dq (see the kernel).
  *
  * Tensor-core path (bf16/f16, D in {32, 64, 128}, sm_80+): the same three
  * kernels written with mma.sync.m16n8k16 (f32 accumulators).  A warp owns
@@ -1397,15 +1398,18 @@ template <typename T, int D, bool PIPE> int tc_bwd_launch(const kcu_attn_args* a
   return kcu_launch_status();
 }
 
-/* ENGINE_ATTN_BWD=fused: the one-pass backward (attn_bwd_fused_tc, dQ through the caller's f32 workspace a->ws)
- * instead of attn_dkv_tc + attn_dq_tc, until a GPU run has measured it (read once). */
-int bwd_fused_on() {
-  static int on = -1;
-  if (on < 0) {
+/* The one-pass backward (attn_bwd_fused_tc, dQ through the caller's f32 workspace a->ws) or the two-kernel one
+ * (attn_dkv_tc + attn_dq_tc, deterministic).  Default: the one-pass form for head dims up to 64, measured faster on
+ * an H200 (GPT-2 124M bf16 B=8 T=1024: the backward 682 -> 603 us, the step 23.1 -> 22.2 ms; docs/gpu-runs/
+ * 2026-11-28-b.md); ENGINE_ATTN_BWD=split keeps the deterministic kernels everywhere, ENGINE_ATTN_BWD=fused asks
+ * for the one-pass form at D = 128 too (not yet timed there).  Read once. */
+int bwd_fused_on(int D) {
+  static int mode = -1; /* 0 default, 1 fused, 2 split */
+  if (mode < 0) {
     const char* e = getenv("ENGINE_ATTN_BWD");
-    on = e && strcmp(e, "fused") == 0;
+    mode = e && strcmp(e, "fused") == 0 ? 1 : (e && strcmp(e, "split") == 0 ? 2 : 0);
   }
-  return on;
+  return mode == 1 || (mode == 0 && D <= 64);
 }
 
 template <typename T, int D, bool PIPE> int tc_bwd_fused_launch(const kcu_attn_args* a, cudaStream_t s) {
@@ -1427,7 +1431,7 @@ template <typename T, int D> int tc_fwd_run(const kcu_attn_args* a, cudaStream_t
   return pipelined(D) ? tc_fwd_launch<T, D, D <= 64>(a, s) : tc_fwd_launch<T, D, false>(a, s);
 }
 template <typename T, int D> int tc_bwd_run(const kcu_attn_args* a, cudaStream_t s) {
-  if (a->ws && al16(a->ws) && a->Lq > 0 && bwd_fused_on())
+  if (a->ws && al16(a->ws) && a->Lq > 0 && bwd_fused_on(D))
     return pipelined(D) ? tc_bwd_fused_launch<T, D, D <= 64>(a, s) : tc_bwd_fused_launch<T, D, false>(a, s);
   return pipelined(D) ? tc_bwd_launch<T, D, D <= 64>(a, s) : tc_bwd_launch<T, D, false>(a, s);
 }
@@ -1503,7 +1507,7 @@ extern "C" int kcu_attention_fwd(const kcu_attn_args* a, cudaStream_t s) {
 }
 
 extern "C" size_t kcu_attention_bwd_workspace(const kcu_attn_args* a) {
-  if (check_args(a, 1) != KCU_OK || a->Lq == 0 || !bwd_fused_on() || !tc_layout_ok(a, 1)) return 0;
+  if (check_args(a, 1) != KCU_OK || a->Lq == 0 || !bwd_fused_on(a->D) || !tc_layout_ok(a, 1)) return 0;
   int ok;
   switch (a->D) {
     case 32: ok = a->dt == KCU_BF16 ? tc_binary_ok<kbf16, 32>() : tc_binary_ok<kf16, 32>(); break;

@@ -230,26 +230,34 @@ static void put(char* buf, int64_t cap, int64_t* len, const char* fmt, ...) {
   *len += k;
 }
 
-/* the kernel's name for the table: demangled, the parameter list dropped, at most w characters */
+/* the kernel's name for the table: demangled, without its return type, its parameter list and "(anonymous
+ * namespace)::", at most w - 1 characters (cut with "...") */
 static void short_name(const char* raw, char* out, size_t w) {
   char* dem = NULL;
   int st = -1;
   if (__cxa_demangle && raw[0] == '_' && raw[1] == 'Z') dem = __cxa_demangle(raw, NULL, NULL, &st);
   const char* s = dem && st == 0 ? dem : raw;
-  /* drop "(args)" at the end: the last '(' at template depth 0 */
-  size_t n = strlen(s), cut = n;
-  int depth = 0;
-  for (size_t i = 0; i < n; i++) {
-    if (s[i] == '<') depth++;
-    else if (s[i] == '>') depth--;
-    else if (s[i] == '(' && depth == 0 && i > 0) { cut = i; break; }
+  char tmp[1024];
+  size_t n = 0;
+  static const char anon[] = "(anonymous namespace)::";
+  for (const char* p = s; *p && n + 1 < sizeof tmp;) { /* drop every "(anonymous namespace)::" */
+    if (!strncmp(p, anon, sizeof anon - 1)) { p += sizeof anon - 1; continue; }
+    tmp[n++] = *p++;
   }
-  if (!strncmp(s, "void ", 5) && cut > 5) { s += 5; cut -= 5; }
-  if (cut >= w) {
-    snprintf(out, w, "%.*s...", (int)(w - 4), s);
-  } else {
-    snprintf(out, w, "%.*s", (int)cut, s);
+  tmp[n] = 0;
+  /* the parameter list: the '(' that matches a final ')' (kernels return void: no trailing qualifiers) */
+  if (n > 0 && tmp[n - 1] == ')') {
+    int depth = 0;
+    for (size_t i = n; i-- > 0;) {
+      if (tmp[i] == ')') depth++;
+      else if (tmp[i] == '(' && --depth == 0) { if (i > 0) tmp[i] = 0; break; }
+    }
   }
+  const char* b = tmp;
+  if (!strncmp(b, "void ", 5) && b[5]) b += 5;
+  size_t len = strlen(b);
+  if (len >= w) snprintf(out, w, "%.*s...", (int)(w - 4), b);
+  else snprintf(out, w, "%s", b);
   free(dem);
 }
 
