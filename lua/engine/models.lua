@@ -136,9 +136,11 @@ end
 -- of that tensor (no copy), its gradient is cat's (each weight gets its rows of the fused gradient), and the
 -- output is split into q, k, v (views; split's backward is one cat).  Loading a state dict copies into the views
 -- (the fusion stays); module:to(...) converts each parameter and then calls _refuse, which makes them views of
--- one tensor again.  DTensor weights (tensor parallelism, FSDP's sharded parameters) and projections with hooks
--- run the three GEMMs as before (a cat of three Shard(0) DTensors is not the head layout of each rank); plain
--- weights that are not adjacent (e.g. FSDP's unsharded parameters) are concatenated (a copy) for the one GEMM.
+-- one tensor again.  Under tensor parallelism (each of wq, wk, wv under a ColwiseParallel, and no other hook) each
+-- rank runs one GEMM on its shards (project_qkv_tp below; a cat of three Shard(0) DTensors is not the head layout
+-- of each rank, so it is done on the local shards).  Other DTensor weights (FSDP's sharded parameters) and
+-- projections with other hooks run the three GEMMs as before; plain weights that are not adjacent (e.g. FSDP's
+-- unsharded parameters) are concatenated (a copy) for the one GEMM.
 -- Biases (attn_bias) are fused the same way and the one GEMM adds them.  module.fuse_qkv = false runs the
 -- three GEMMs.
 
@@ -147,13 +149,15 @@ end
 -- Returns true when the weights are (now) adjacent; false (nothing changed) for DTensors, meta tensors,
 -- differing dtypes/devices/column counts or non-leaf weights.  When every module has a bias (attn_bias), the
 -- biases are made views of one tensor too (the same conditions), so the fused GEMM adds one fused bias.
-local function fuse_rows(ts)
-  if engine.tensors_adjacent(ts, 1) then return true end
-  for _, t in ipairs(ts) do if not t:is_contiguous() then return false end end
-  local fused = engine.no_grad(function() return engine.cat(ts, 1) end)
+-- fuse_rows(ts [, locals]): locals[i] is the data of ts[i] (a DTensor's local shard; default ts itself)
+local function fuse_rows(ts, locals)
+  locals = locals or ts
+  if engine.tensors_adjacent(locals, 1) then return true end
+  for _, t in ipairs(locals) do if not t:is_contiguous() then return false end end
+  local fused = engine.no_grad(function() return engine.cat(locals, 1) end)
   local off = 1
-  for _, t in ipairs(ts) do
-    local rows = t:size(1)
+  for i, t in ipairs(ts) do
+    local rows = locals[i]:size(1)
     local v = fused:narrow(1, off, rows)
     if engine.C.eng_tensor_set_data(t._c, v._c) ~= 0 then error("fuse_linear_weights: " .. require("engine.core").last_error(), 3) end
     off = off + rows
@@ -185,6 +189,43 @@ function M.fuse_linear_weights(mods)
   return true
 end
 
+-- fuse_linear_shards(linears): fuse_linear_weights for DTensor weights (tensor parallelism: Transformer.parallelize
+-- calls it on wq, wk, wv): each rank's local shards of the weights (and of the biases, when every module has one)
+-- are made views of one local tensor, rows in order; the DTensors, their layouts and values are unchanged.  The
+-- weights must share one mesh and one layout; returns whether they are (now) adjacent.
+local function shard_locals(ts, dim)
+  local locals = {}
+  for i, t in ipairs(ts) do
+    if t._c.dist == nil or t._c.grad_fn ~= nil or t.is_meta then return nil end
+    local l = engine.no_grad(function() return t:to_local() end)
+    if l:dim() ~= dim then return nil end
+    if i > 1 then
+      local a, b = t.placements, ts[1].placements
+      if t.device_mesh ~= ts[1].device_mesh or #a ~= #b or l.dtype ~= locals[1].dtype or l.device ~= locals[1].device
+        or (dim == 2 and l:size(2) ~= locals[1]:size(2)) then return nil end
+      for j = 1, #a do if a[j] ~= b[j] then return nil end end
+    end
+    locals[i] = l
+  end
+  return #ts >= 2 and locals or nil
+end
+
+function M.fuse_linear_shards(mods)
+  local ws, bs = {}, {}
+  for i, m in ipairs(mods) do
+    local p = rawget(m, "_parameters")
+    local w = p and p.weight
+    if w == nil then return false end
+    ws[i] = w
+    if bs and p.bias ~= nil then bs[i] = p.bias else bs = nil end
+  end
+  local wl = shard_locals(ws, 2)
+  if not wl or not fuse_rows(ws, wl) then return false end
+  local bl = bs and shard_locals(bs, 1)
+  if bl then fuse_rows(bs, bl) end
+  return true
+end
+
 -- A module called as a plain function: no forward hooks (tensor parallelism, FSDP and user hooks
 -- install them) and its class's own forward.
 local hook_count = engine.C.eng_module_hook_count
@@ -193,10 +234,85 @@ local function plain(m, class)
   return m.forward == class.forward and (cm == nil or (hook_count(cm, 0) == 0 and hook_count(cm, 1) == 0))
 end
 
+-- The ColwiseParallel record of an nn.Linear whose only hooks are that style's (parallel_style.linear_style_of:
+-- {style, mesh, input = the pre-hook's step, output = the forward hook's step}), else nil.
+local parallel_style
+local function colwise_of(m)
+  if rawget(m, "_tp_linear") == nil or m.forward ~= nn.Linear.forward then return nil end
+  parallel_style = parallel_style or require("engine.distributed.parallel_style")
+  local r = parallel_style.linear_style_of(m)
+  if r == nil or r.style.__name ~= "ColwiseParallel" then return nil end
+  return r
+end
+
+-- Tensor parallelism: wq, wk, wv each under a ColwiseParallel of the same layouts (Transformer.parallelize) run
+-- one GEMM too.  Each rank's shards of the three weights are [its q rows; its k rows; its v rows] (views of
+-- one tensor: fuse_linear_shards), so its GEMM on the replicated input gives its q, k, v heads side by side, as
+-- the three column-parallel GEMMs would: the input laid out once by the style's input step (Replicate; its local
+-- gradient is a partial sum, to_local's grad_placements Partial, reduced by the input step's backward as each
+-- module's would), the weights' local shards concatenated (a view), one local linear, split, and each piece
+-- taken back as its module's Shard(-1) output (from_local) and passed through its style's output step.  The
+-- values and gradients are those of the three modules.  Returns nil when the layouts do not allow it (the caller
+-- runs the three modules).
+local function project_qkv_tp(self, x, wq, wk, wv)
+  local rq, rk, rv = colwise_of(wq), colwise_of(wk), colwise_of(wv)
+  if not (rq and rk and rv) then return nil end
+  local sq, sk, sv = rq.style, rk.style, rv.style
+  local mesh = rq.mesh
+  if mesh:ndim() ~= 1 or rk.mesh ~= mesh or rv.mesh ~= mesh then return nil end
+  for _, st in ipairs({ sk, sv }) do
+    if st.input_layouts ~= sq.input_layouts or st.output_layouts ~= sq.output_layouts
+      or st.use_local_output ~= sq.use_local_output then return nil end
+  end
+  local dist = require("engine.distributed")
+  local S, R = dist.Shard, dist.Replicate
+  local ws, bs = { wq.weight, wk.weight, wv.weight }, { wq.bias, wk.bias, wv.bias }
+  local W = mesh:size()
+  for i = 1, 3 do
+    local w = ws[i]
+    if not dist.is_dtensor(w) or #w.placements ~= 1 or w.placements[1] ~= S(1) or w.device_mesh ~= mesh
+      or w:size(1) % W ~= 0 then return nil end
+    local b = bs[i]
+    if b ~= nil and (not dist.is_dtensor(b) or #b.placements ~= 1 or b.placements[1] ~= S(1)) then return nil end
+  end
+  if (bs[1] == nil) ~= (bs[2] == nil) or (bs[1] == nil) ~= (bs[3] == nil) then return nil end
+  local xl, nd
+  if W == 1 and not dist.is_dtensor(x) and sq.input_layouts == R() then
+    -- one rank: from_local(x, Replicate) then to_local with a Partial gradient is x itself (the Partial -> Replicate
+    -- of its backward reduces over one rank)
+    xl, nd = x, x:dim()
+  else
+    local xd = rq.input(x)
+    if not dist.is_dtensor(xd) or #xd.placements ~= 1 or xd.placements[1] ~= R() then return nil end
+    xl, nd = xd:to_local{ grad_placements = { dist.Partial() } }, xd:dim()
+  end
+  local wl = { ws[1]:to_local(), ws[2]:to_local(), ws[3]:to_local() }
+  local bias = nil
+  if bs[1] ~= nil then bias = engine.cat_adjacent({ bs[1]:to_local(), bs[2]:to_local(), bs[3]:to_local() }, 1) end
+  local parts = F.linear(xl, engine.cat_adjacent(wl, 1), bias):split({ wl[1]:size(1), wl[2]:size(1), wl[3]:size(1) }, -1)
+  local shard = S(nd)
+  local out = {}
+  for i, r in ipairs({ rq, rk, rv }) do
+    local st = r.style
+    local layout = st.output_layouts
+    if layout.kind == "shard" and layout.dim < 0 then layout = S(nd + 1 + layout.dim) end
+    if st.use_local_output and layout == shard then
+      out[i] = parts[i]   -- from_local then to_local of the same layout: the piece itself
+    else
+      out[i] = r.output(dist.DTensor.from_local(parts[i], mesh, { shard }))
+    end
+  end
+  return out[1], out[2], out[3]
+end
+
 -- q, k, v = project_qkv(attn, x): one GEMM when the three projections allow it (see above), else three.
 -- With biases on all three (attn_bias) the GEMM adds their concatenation (a view when fused, as the weights).
 local function project_qkv(self, x)
   local wq, wk, wv = self.wq, self.wk, self.wv
+  if self.fuse_qkv ~= false and rawget(wq, "_tp_linear") ~= nil then
+    local q, k, v = project_qkv_tp(self, x, wq, wk, wv)
+    if q ~= nil then return q, k, v end
+  end
   if self.fuse_qkv ~= false and x._c.dist == nil and plain(wq, nn.Linear) and plain(wk, nn.Linear)
     and plain(wv, nn.Linear) then
     local a, b, c = wq.weight, wk.weight, wv.weight
@@ -214,7 +330,10 @@ local function project_qkv(self, x)
 end
 M._project_qkv = project_qkv
 
-local function refuse_qkv(self) M.fuse_linear_weights({ self.wq, self.wk, self.wv }) end
+local function refuse_qkv(self)
+  local mods = { self.wq, self.wk, self.wv }
+  if not M.fuse_linear_weights(mods) and rawget(self, "_fuse_shards") then M.fuse_linear_shards(mods) end
+end
 
 -- ---------------------------------------------------------------- Attention
 local Attention = nn.Module:extend("Attention")
@@ -329,9 +448,18 @@ end
 
 function FeedForward:forward(x)
   local w1, gelu = self.w1, self.gelu
-  if plain(w1, nn.Linear) and plain(gelu, nn.GELU) then
-    -- w1 and its gelu as one op (F.linear_gelu: the same values and gradients; DTensors run the two ops)
-    return self.resid_dropout(self.w2(F.linear_gelu(x, w1.weight, w1.bias, gelu.approximate)))
+  if plain(gelu, nn.GELU) then
+    if plain(w1, nn.Linear) then
+      -- w1 and its gelu as one op (F.linear_gelu: the same values and gradients)
+      return self.resid_dropout(self.w2(F.linear_gelu(x, w1.weight, w1.bias, gelu.approximate)))
+    end
+    local r = colwise_of(w1)
+    if r then
+      -- w1 under ColwiseParallel (and no other hook): the same op between the style's input and output steps
+      -- (linear_gelu's DTensor rule never gives a Partial output, and the output step only redistributes a
+      -- Shard or Replicate and takes the local shard, which commute with the elementwise gelu)
+      return self.resid_dropout(self.w2(r.output(F.linear_gelu(r.input(x), w1.weight, w1.bias, gelu.approximate))))
+    end
   end
   return self.resid_dropout(self.w2(self.gelu(self.w1(x))))
 end
@@ -439,6 +567,16 @@ function Transformer:forward_cached(tokens, cache, last_only)
 end
 
 -- ---------------------------------------------------------------- tensor-parallel plans
+-- After a plan: each rank's shards of every block's wq, wk, wv side by side (fuse_linear_shards; again after
+-- module:to), so the one GEMM of project_qkv_tp reads them without a copy.
+local function fuse_qkv_shards(model)
+  for _, layer in ipairs(model.layers) do
+    local attn = layer.attention
+    rawset(attn, "_fuse_shards", true)
+    M.fuse_linear_shards({ attn.wq, attn.wk, attn.wv })
+  end
+end
+
 -- Transformer.parallelize(model, tp_mesh, {use_seq_parallel = false, local_output_for_attn = false})
 -- (or Transformer.parallelize(model, tp_mesh, use_seq_parallel)): the plan of common_dtensor.py's test model.
 -- Embeddings RowwiseParallel (input Replicate; output Replicate, or Shard(seq) with sequence
@@ -504,6 +642,7 @@ function Transformer.parallelize(model, mesh, opts)
     root.output = dist.ColwiseParallel{ output_layouts = R() }
   end
   dist.parallelize_module(model, mesh, root)
+  fuse_qkv_shards(model)
   if local_attn then
     for _, layer in ipairs(model.layers) do layer.attention.n_heads = math.floor(args.n_heads / tp) end
   end
@@ -886,6 +1025,7 @@ function Llama.parallelize(model, mesh, opts)
     plan["layers.*.feed_forward"] = dist.PrepareModuleInput{ input_layouts = { S(2) }, desired_input_layouts = { R() } }
   end
   dist.parallelize_module(model, mesh, plan)
+  fuse_qkv_shards(model)
   if a.weight_tying then model.output.weight = model.tok_embeddings.weight end
   return model
 end

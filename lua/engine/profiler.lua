@@ -7,7 +7,7 @@
 --     engine.profiler.enable(); ...; engine.profiler.disable(); print(engine.profiler.report())
 --
 -- What is timed: every call the Lua API makes to a function declared in the op headers (ops_*.h, optim.h, rng.h),
--- the collectives, redistribute and the device copies (named without their eng_ prefix, e.g. "matmul",
+-- the collectives, redistribute, from_local / to_local and the device copies (named without their eng_ prefix, e.g. "matmul",
 -- "pg_all_reduce"), and every autograd node's backward by its name ("MmBackward"); host time from call to return and,
 -- on a GPU, the time between events recorded on the compute stream around the call.  The calls are intercepted at
 -- the FFI when the library loads, so ENGINE_PROFILE must be set at launch; enable() / disable() then start and stop
@@ -21,6 +21,7 @@ local HEADERS = { "ops_pointwise.h", "ops_reduce.h", "ops_shape.h", "ops_nn.h", 
   "rng.h" }
 local EXTRA_PATTERNS = { "^eng_pg_all_", "^eng_pg_reduce_scatter", "^eng_pg_broadcast$", "^eng_pg_gather",
   "^eng_pg_scatter", "^eng_dtensor_redistribute", "^eng_dtensor_full_tensor$", "^eng_dtensor_distribute_tensor$",
+  "^eng_dtensor_from_local$", "^eng_dtensor_to_local$",
   "^eng_tensor_to_device$", "^eng_tensor_to_dtype$", "^eng_tensor_contiguous$", "^eng_tensor_clone$",
   "^eng_tensor_copy_$", "^eng_tensor_fill_$", "^eng_tensor_zero_$", "^eng_backward$", "^eng_work_wait$" }
 

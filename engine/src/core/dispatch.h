@@ -67,6 +67,7 @@ typedef enum eng_op_id {
   ENG_OP_ARGMAX_ALL,
   ENG_OP_MATMUL,
   ENG_OP_LINEAR,
+  ENG_OP_LINEAR_GELU,     /* ints[0] = approximate (0 erf, 1 tanh) */
   ENG_OP_EMBEDDING,      /* ints[0] = padding_idx (-1 none) */
   ENG_OP_CROSS_ENTROPY,  /* ints[0] = ignore_index, ints[1] = reduction, scalars[0] = label_smoothing */
   ENG_OP_NLL_LOSS,       /* (logp, target, weight) as cross_entropy; ints[2] = 1: cross_entropy with weights */

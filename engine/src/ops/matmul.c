@@ -526,8 +526,9 @@ fail:
  * GEMM's epilogue on each block of rows the thread just computed, and its
  * backward computes gelu's gradient and the bias gradient in one pass before
  * linear's two products.  Saved: x, w, the pre-activation h.  Values and
- * gradients equal eng_gelu(eng_linear(x, w, bias)) bit for bit; every other
- * case (DTensors, meta, CUDA, other dtypes) runs that composition. */
+ * gradients equal eng_gelu(eng_linear(x, w, bias)) bit for bit; DTensors
+ * dispatch (sharding/matmul.c: the op on the local shards); every other case
+ * (meta, CUDA, other dtypes) runs that composition. */
 typedef struct { int dt, op; int64_t n; char *h, *y; } lg_epi;
 
 static void lg_epi_rows(void* vc, int64_t r0, int64_t r1) {
@@ -563,8 +564,15 @@ eng_tensor* eng_linear_gelu(eng_tensor* x, eng_tensor* w, eng_tensor* bias, int 
   ENG_CHECK(x, "linear_gelu"); ENG_CHECK(w, "linear_gelu");
   if (approximate != 0 && approximate != 1)
     return eng_errp("linear_gelu: approximate must be 0 (exact, erf) or 1 (tanh), got %d", approximate);
+  if (ENG_DT_ACTIVE(x->dist || w->dist || (bias && bias->dist))) { /* DTensors: the fused op on the shards */
+    if (w->ndim != 2)
+      return eng_errp("linear_gelu: weight %s must be 2-D [out_features, in_features]", eng_desc(w));
+    if (check_pair("linear_gelu", x, w)) return NULL;
+    return eng_op_dispatch(ENG_OP_LINEAR_GELU, &(eng_op_call){.n_in = 3, .in = {x, w, bias}, .ints = {approximate}});
+  }
+  /* (DTensors reach here only in local mode, on their local shards) */
   int fused = x->device == ENG_CPU && w->device == ENG_CPU && (!bias || bias->device == ENG_CPU) &&
-              !x->dist && !w->dist && !(bias && bias->dist) && (x->dtype == ENG_F32 || x->dtype == ENG_F64) &&
+              (x->dtype == ENG_F32 || x->dtype == ENG_F64) &&
               w->dtype == x->dtype && (!bias || bias->dtype == x->dtype) && x->ndim >= 2 && w->ndim == 2 &&
               w->shape[1] == x->shape[x->ndim - 1] && (!bias || (bias->ndim == 1 && bias->shape[0] == w->shape[0]));
   if (!fused) { /* the composition: its ops check, dispatch DTensors and run other devices */

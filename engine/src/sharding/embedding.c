@@ -3,7 +3,8 @@
  *   weight S(1), idx R    -> out S(last)   (each rank looks up its columns)
  *   weight S(0), idx R    -> out Partial(sum) via eng_embedding_masked (rows
  *     outside the shard give zeros; backward adds only into owned rows; not
- *     offered with a padding_idx, whose rows must get no gradient)
+ *     offered with a padding_idx, whose rows must get no gradient; on a mesh
+ *     dim of one rank the shard is the whole table: the plain lookup)
  *   weight R, idx S(d)    -> out S(d)
  *   weight P(sum/avg), idx R -> out P (the lookup is linear in the weight)
  *   all R                 -> R
@@ -49,8 +50,8 @@ static int emb_local(const eng_op_call* c, const eng_dist_spec* const* is, const
   (void)os;
   const eng_dist_spec* w = is[0];
   int rows_sharded = 0;
-  for (int m = 0; m < w->mesh_ndim; m++)
-    if (sh_is_S(&w->placements[m]) && w->placements[m].dim == 0) rows_sharded = 1;
+  for (int m = 0; m < w->mesh_ndim; m++) /* a mesh dim of one rank holds every row: the plain lookup */
+    if (sh_is_S(&w->placements[m]) && w->placements[m].dim == 0 && w->mesh_shape[m] > 1) rows_sharded = 1;
   if (!rows_sharded) { outs[0] = eng_embedding(c->in[0], c->in[1], c->ints[0]); return outs[0] ? 0 : -1; }
   /* Row-sharded weight: the masked op does not know the table size; check
    * the indices against the GLOBAL row count here (the same on the ranks

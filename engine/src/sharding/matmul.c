@@ -129,3 +129,19 @@ static int linear_rule(const eng_op_call* c, const eng_dist_spec* const* s, int 
 
 static eng_tensor* linear_fn(const eng_op_call* c) { return eng_linear(c->in[0], c->in[1], c->in[2]); }
 const eng_op_def eng_opdef_linear = {"linear", 1, linear_rule, linear_shape, linear_fn, NULL, 0};
+
+/* ------------------------------------------------------------------ linear + gelu */
+static int linear_gelu_rule(const eng_op_call* c, const eng_dist_spec* const* s, int m, eng_strategy* out, int cap) {
+  (void)c; (void)m;
+  const eng_dist_spec* x = s[0];
+  int last = x->ndim - 1, n = 0;
+  for (int d = 0; d < last && n >= 0; d++) n = push3(out, cap, n, sh_S(d), sh_R(), sh_R(), sh_S(d));
+  if (n >= 0) n = push3(out, cap, n, sh_R(), sh_S(0), sh_S(0), sh_S(last));
+  if (n < 0) return n;
+  return sh_all_replicate(out, cap, n, 3, 1);
+}
+
+static eng_tensor* linear_gelu_fn(const eng_op_call* c) {
+  return eng_linear_gelu(c->in[0], c->in[1], c->in[2], (int)c->ints[0]);
+}
+const eng_op_def eng_opdef_linear_gelu = {"linear_gelu", 1, linear_gelu_rule, linear_shape, linear_gelu_fn, NULL, 0};

@@ -66,6 +66,7 @@ __attribute__((constructor)) static void register_sharding(void) {
       {ENG_OP_ARGMAX_ALL, &eng_opdef_argmax_all},
       {ENG_OP_MATMUL, &eng_opdef_matmul},
       {ENG_OP_LINEAR, &eng_opdef_linear},
+      {ENG_OP_LINEAR_GELU, &eng_opdef_linear_gelu},
       {ENG_OP_EMBEDDING, &eng_opdef_embedding},
       {ENG_OP_CROSS_ENTROPY, &eng_opdef_cross_entropy},
       {ENG_OP_NLL_LOSS, &eng_opdef_nll_loss},

@@ -107,7 +107,8 @@ extern const eng_op_def eng_opdef_max_dim, eng_opdef_max_dim_values;
 extern const eng_op_def eng_opdef_extreme_all;    /* ints[0] = 1 max / 0 min */
 extern const eng_op_def eng_opdef_argext;         /* ints[0] = dim, ints[1] = keepdim, ints[2] = 1 argmax / 0 argmin */
 extern const eng_op_def eng_opdef_argmax_all;
-extern const eng_op_def eng_opdef_matmul, eng_opdef_linear;
+/* linear_gelu: ints[0] = approximate (0 erf, 1 tanh) */
+extern const eng_op_def eng_opdef_matmul, eng_opdef_linear, eng_opdef_linear_gelu;
 /* sharding/embedding.c: ints[0] = padding_idx (-1 none); sharding/loss.c: cross_entropy ints[0] = ignore_index,
  * ints[1] = reduction (0 none, 1 mean, 2 sum), scalars[0] = label_smoothing (R3) */
 extern const eng_op_def eng_opdef_embedding, eng_opdef_cross_entropy;

@@ -224,19 +224,36 @@ local function linear_repr(s)
 end
 Colwise._repr, Rowwise._repr = linear_repr, linear_repr
 
--- Registers the input pre-hook and output hook shared by the linear styles.
+-- Registers the input pre-hook and output hook shared by the linear styles, and records them on the module
+-- (module._tp_linear, see linear_style_of).
 local function linear_hooks(style, module, mesh, ctx, desired_in)
   local name = where(style, ctx)
+  local function input(x) return prepare(x, mesh, style.input_layouts, desired_in, name) end
+  local function output(y) return finish_output(y, mesh, style.output_layouts, style.use_local_output, name) end
   module:register_forward_pre_hook(function(_, inputs)
     if #inputs == 0 then return nil end
-    local x = prepare(inputs[1], mesh, style.input_layouts, desired_in, name)
-    local out = { x }
+    local out = { input(inputs[1]) }
     for i = 2, #inputs do out[i] = inputs[i] end
     return out
   end)
-  module:register_forward_hook(function(_, _, out)
-    return finish_output(out, mesh, style.output_layouts, style.use_local_output, name)
-  end)
+  module:register_forward_hook(function(_, _, out) return output(out) end)
+  rawset(module, "_tp_linear", { style = style, mesh = mesh, input = input, output = output,
+    cmod = rawget(module, "_cmod") })
+end
+
+-- linear_style_of(module) -> the record of the linear style (ColwiseParallel / RowwiseParallel) whose two hooks
+-- are the only hooks on module, else nil: {style =, mesh =, input = fn(x) -> x laid out as the module's forward
+-- gets it (the pre-hook's step), output = fn(y) -> y as the module returns it (the forward hook's step)}.
+-- Fused callers (engine.models: one GEMM for q, k and v, linear + gelu as one op) run these two steps around
+-- their own op instead of the module's forward; any other hook on the module (a user's, FSDP's, a second style)
+-- and they call the module.
+local hook_count = core.C.eng_module_hook_count
+function M.linear_style_of(module)
+  local r = rawget(module, "_tp_linear")
+  if r == nil then return nil end
+  local cm = rawget(module, "_cmod")
+  if cm ~= r.cmod or hook_count(cm, 0) ~= 1 or hook_count(cm, 1) ~= 1 then return nil end
+  return r
 end
 
 -- _check(module, ctx): the module fits the style (called for every planned module before any
