@@ -4,10 +4,13 @@
 -- parallel, local_output_for_attn, attention biases) gives the single-process losses, gradients and parameters
 -- over AdamW steps, at 1, 2 and 4 ranks, with the plain model's count of linear / linear_gelu calls.
 local engine = require("engine")
-local nn = engine.nn
-local F = nn.functional
 local dist = engine.distributed
 local models = require("engine.models")
+-- the functional table engine.models calls (count_calls replaces its functions): busted loads each spec file with
+-- a fresh package.loaded, so after another file engine.nn (a field the host's engine table keeps) can be an older
+-- copy of the module than the one require gives engine.models
+local nn = require("engine.nn")
+local F = nn.functional
 local util = require("spec.dist.helpers.util")
 
 local W = dist.world_size()

@@ -314,7 +314,7 @@ int eng_cuda_kernel_trace_start(void) { return eng_err("%s", KT_NONE); }
 int eng_cuda_kernel_trace_active(void) { return 0; }
 void eng_cuda_kernel_trace_reset(void) {}
 int64_t eng_cuda_kernel_trace_report(char* buf, int64_t cap) {
-  int k = snprintf(buf, buf ? (size_t)cap : 0, "%s\n", KT_NONE);
+  int k = snprintf(buf, buf ? (size_t)cap : 0, "kernel trace: not started (%s)\n", KT_NONE + 14);
   return k < 0 ? 0 : k;
 }
 void eng_cuda_kernel_trace_autostart(void) {
