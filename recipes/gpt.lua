@@ -115,7 +115,8 @@ local function main(argv)
   -- forward; `model` stays the network for checkpoints, evaluation and sampling)
   local ddp_net = nil
   if tp == 1 and not ddp and world > 1 then
-    ddp_net = dist.DistributedDataParallel(model, { bucket_cap_mb = o.bucket_cap_mb })
+    -- the gradients are the buckets' slices: the all_reduce averages them in place (no copy out of the buckets)
+    ddp_net = dist.DistributedDataParallel(model, { bucket_cap_mb = o.bucket_cap_mb, gradient_as_bucket_view = true })
     local s = ddp_net:comm_stats()
     local total = 0
     for _, b in ipairs(s.bucket_bytes) do total = total + b end

@@ -5,13 +5,14 @@
 --   mpirun --allow-run-as-root --oversubscribe --bind-to none --mca btl self,vader --mca pml ob1 \
 --     -x MALLOC_MMAP_MAX_=0 -x MALLOC_TRIM_THRESHOLD_=1073741824 -np 2 build/engine recipes/bench/ddp_step.lua \
 --     [--steps=20] [--warmup=3] [--rounds=3] [--bucket_cap_mb=25] [--n_layers=4] [--dim=256] [--n_heads=4] [--seq=128]
---     [--batch=4] [--vocab=256] [--device=cpu|cuda]
+--     [--batch=4] [--vocab=256] [--device=cpu|cuda] [--grad_view=1]
 --
 -- Model: common_dtensor.py's Transformer (4 layers, dim 256, 4 heads, seq 128, vocab 256, fp32, dropout 0, tied output),
 -- AdamW; --batch rows per rank.  A step is forward + cross entropy + backward + AdamW step + zero_grad, 1 thread
 -- per rank.  In one run, --rounds times alternating (medians of each round's median, ms/step, rank 0's clock):
 --   (a) local: one process (rank 0) on its --batch rows while the other ranks sleep in an asynchronous barrier;
---   (b) ddp: every rank on its --batch rows, dist.DistributedDataParallel with --bucket_cap_mb;
+--   (b) ddp: every rank on its --batch rows, dist.DistributedDataParallel with --bucket_cap_mb (and, with
+--       --grad_view=1, gradient_as_bucket_view: the gradients are the buckets' slices, no copy out of them);
 --   (c) per_param: every rank on its rows, one blocking all_reduce (avg) per parameter after backward;
 --   (d) both_local: every rank on its rows at the same time, no communication at all (each rank's own model): the
 --       compute of a DDP rank under the same load as (b), so ddp/both_local is what communication adds.
@@ -25,7 +26,7 @@ local dist = engine.distributed
 local U = dofile((debug.getinfo(1, "S").source:match("^@(.*)/[^/]*$") or ".") .. "/util.lua")
 
 local o = { steps = 20, warmup = 3, rounds = 3, bucket_cap_mb = 25, n_layers = 4, dim = 256, n_heads = 4, seq = 128,
-  batch = 4, vocab = 256, device = "cpu" }
+  batch = 4, vocab = 256, device = "cpu", grad_view = 1 }
 U.parse_args("bench/ddp_step", o, arg)
 if o.device ~= "cpu" and o.device ~= "cuda" then error("bench/ddp_step: --device must be cpu or cuda", 0) end
 
@@ -70,8 +71,9 @@ local function build()
 end
 
 say("bench/ddp_step: engine %s, BLAS core %s, %d ranks, device %s, %d steps after %d warm-up x %d rounds, %d layers, "
-  .. "dim %d, %d heads, seq %d, batch %d per rank, vocab %d, bucket %g MiB", engine.version, engine.blas_corename(), W,
-  o.device, o.steps, o.warmup, o.rounds, o.n_layers, o.dim, o.n_heads, o.seq, o.batch, o.vocab, o.bucket_cap_mb)
+  .. "dim %d, %d heads, seq %d, batch %d per rank, vocab %d, bucket %g MiB, gradient_as_bucket_view %s", engine.version,
+  engine.blas_corename(), W, o.device, o.steps, o.warmup, o.rounds, o.n_layers, o.dim, o.n_heads, o.seq, o.batch, o.vocab,
+  o.bucket_cap_mb, tostring(o.grad_view == 1))
 say("load average at start: %s", U.loadavg())
 
 local res = { ["local"] = {}, ddp = {}, per_param = {}, both_local = {} }
@@ -87,7 +89,8 @@ for round = 1, o.rounds do
   -- (b) DistributedDataParallel
   do
     local net = build()
-    local ddp = dist.DistributedDataParallel(net, { bucket_cap_mb = o.bucket_cap_mb })
+    local ddp = dist.DistributedDataParallel(net, { bucket_cap_mb = o.bucket_cap_mb,
+      gradient_as_bucket_view = o.grad_view == 1 })
     res.ddp[round], counts.ddp = run(ddp, function(t) return ddp(t) end, nil, o.steps)
     stats = ddp:comm_stats()
   end

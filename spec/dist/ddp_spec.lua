@@ -142,6 +142,50 @@ describe("DistributedDataParallel", function()
     assert(util.diff(g, mine) <= 1e-6)
   end)
 
+  it("gradient_as_bucket_view: gradients are the buckets' slices and train as the copying reducer does", function()
+    local ffi = require("ffi")
+    local function addr(t) return tonumber(ffi.cast("uintptr_t", t:data_ptr())) end
+    for _, set_to_none in ipairs({ false, true }) do
+      local a, b = build(), build()
+      local ma = dist.DistributedDataParallel(a, { bucket_cap_mb = 25 })
+      local mb = dist.DistributedDataParallel(b, { bucket_cap_mb = 25, gradient_as_bucket_view = true })
+      local oa = engine.optim.AdamW(ma:parameters(), { lr = 1e-2, weight_decay = 0.1 })
+      local ob = engine.optim.AdamW(mb:parameters(), { lr = 1e-2, weight_decay = 0.1 })
+      for step = 1, 4 do
+        local x, y = tokens(2 * W, 50 + step), tokens(2 * W, 60 + step)
+        ce(ma, rows(x), rows(y)):backward()
+        ce(mb, rows(x), rows(y)):backward()
+        local pb = b:parameters()
+        for i, p in ipairs(a:parameters()) do
+          assert.are.equal(0, util.diff(p.grad, pb[i].grad), "step " .. step .. " parameter " .. i)
+        end
+        -- one bucket, parameters in reverse registration order: each gradient sits right after the next one's
+        for i = 1, #pb - 1 do
+          assert.are.equal(addr(pb[i + 1].grad) + pb[i + 1]:numel() * pb[i + 1]:element_size(), addr(pb[i].grad),
+            "step " .. step .. ": gradient " .. i .. " is not its bucket slice")
+        end
+        oa:step(); oa:zero_grad(set_to_none); ob:step(); ob:zero_grad(set_to_none)
+      end
+      for name, p in a:named_parameters() do assert.are.equal(0, util.diff(p, b:get_parameter(name)), name) end
+    end
+    -- accumulation under no_sync, and a parameter no rank uses keeps no gradient
+    local ref, net = build(), build()
+    net.spare = nn.Linear(3, 3)
+    local m = dist.DistributedDataParallel(net, { bucket_cap_mb = 0.01, gradient_as_bucket_view = true })
+    for i = 1, 3 do
+      local x, y = tokens(2 * W, 70 + i), tokens(2 * W, 80 + i)
+      if i < 3 then m:no_sync(function() ce(m, rows(x), rows(y)):backward() end)
+      else ce(m, rows(x), rows(y)):backward() end
+      ce(ref, x, y):backward()
+    end
+    for name, p in ref:named_parameters() do
+      assert(util.diff(net:get_parameter(name).grad, p.grad) <= 1e-5, name)
+    end
+    assert.is_nil(net.spare.weight.grad)
+    assert.matches("gradient_as_bucket_view must be a boolean",
+      util.errmsg(dist.DistributedDataParallel, build(), { gradient_as_bucket_view = 1 }))
+  end)
+
   it("rejects bad input with the same error on every rank", function()
     assert.matches("unknown option 'bucket_size'", util.errmsg(dist.DistributedDataParallel, build(), { bucket_size = 1 }))
     assert.matches("bucket_cap_mb must be a positive number",

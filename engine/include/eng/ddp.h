@@ -33,6 +33,12 @@ eng_ddp* eng_ddp_retain(eng_ddp* d);
 void eng_ddp_release(eng_ddp* d);
 /* no_sync: 0 keeps gradients local (accumulating), 1 (the default) reduces in the next backward. */
 int eng_ddp_set_require_sync(eng_ddp* d, int on);
+/* gradient_as_bucket_view (PyTorch's option of the same name): 1 makes each parameter's .grad a view of its slice
+ * of the bucket (an existing .grad is copied in now; one produced later, after zero_grad set it to none, is copied in
+ * once and replaced by the view), so backward accumulates into the buckets and the all_reduce averages the
+ * gradients in place: no copy back after it, and none into the bucket while .grad is kept (zero_grad with
+ * set_to_none = false).  Not while a backward runs; not for the DTensor reducer. */
+int eng_ddp_set_gradient_as_bucket_view(eng_ddp* d, int on);
 int eng_ddp_num_buckets(const eng_ddp* d);
 /* Parameters of bucket b (0-based, in launch order) and its size in bytes; -1 when b is out of range. */
 int eng_ddp_bucket_info(const eng_ddp* d, int b, int* n_params, int64_t* bytes);

@@ -37,6 +37,7 @@ struct eng_ddp {
   int require_sync;
   int queued;        /* the end-of-backward callback is queued */
   int partial;       /* DTensor data parallelism: gradients are partial sums, each bucket all_reduce(sum) */
+  int as_view;       /* gradient_as_bucket_view: each .grad is its slice of the bucket (no copies in or out) */
   int64_t stat_coll, stat_bytes, run_coll, run_bytes;
 };
 
@@ -46,6 +47,24 @@ static eng_tensor* slice_of(const eng_ddp* d, int i) {
   int64_t st[ENG_MAX_DIMS];
   eng_contiguous_strides(p->ndim, p->shape, st);
   return eng_view_of(b->buf, p->ndim, p->shape, st, b->buf->offset + d->offset_of[i]);
+}
+
+/* 1 when g is parameter i's slice of its bucket (gradient_as_bucket_view: the gradient lives in the bucket) */
+static int is_slice(const eng_ddp* d, int i, const eng_tensor* g) {
+  const bucket* b = &d->b[d->bucket_of[i]];
+  return g && g->storage == b->buf->storage && g->offset == b->buf->offset + d->offset_of[i] &&
+         eng_tensor_is_contiguous(g) && g->numel == d->p[i]->numel;
+}
+
+/* gradient_as_bucket_view: parameter i's gradient becomes its slice (its current values copied in first) */
+static int adopt(eng_ddp* d, int i) {
+  eng_tensor* p = d->p[i];
+  if (!p->grad || is_slice(d, i, p->grad)) return 0;
+  eng_tensor* v = slice_of(d, i);
+  int rc = v ? eng_copy_raw(v, p->grad, p->grad->stride) : -1;
+  if (!rc) rc = eng_tensor_set_grad(p, v);
+  eng_tensor_release(v);
+  return rc;
 }
 
 /* Start bucket k's all_reduce (avg). */
@@ -88,7 +107,9 @@ static int finish(void* ud) {
     for (int j = 0; j < b->n && !rc; j++) {
       int i = b->idx[j];
       if (d->got[i]) continue;
-      rc = eng_zero_elems(b->buf, b->off[j], d->p[i]->numel);
+      /* a gradient that is its slice (gradient_as_bucket_view) holds what this rank accumulated: it is reduced
+       * as it is; otherwise the slice is zero */
+      if (!(d->as_view && is_slice(d, i, d->p[i]->grad))) rc = eng_zero_elems(b->buf, b->off[j], d->p[i]->numel);
       b->ready++;
     }
   }
@@ -103,7 +124,9 @@ static int finish(void* ud) {
   }
   for (int i = 0; i < d->np && !rc; i++) {
     eng_tensor* p = d->p[i];
-    if (!d->got[i] || !p->grad) continue;
+    if (!p->grad) continue;
+    if (is_slice(d, i, p->grad)) { eng_bump_version(p->grad); continue; } /* reduced in place */
+    if (!d->got[i]) continue;
     eng_tensor* v = slice_of(d, i);
     rc = v ? eng_copy_raw(p->grad, v, v->stride) : -1;
     if (!rc) eng_bump_version(p->grad);
@@ -125,15 +148,19 @@ static int post_acc(eng_tensor* t, eng_tensor* grad, eng_tensor** out, void* ud)
     d->queued = 1;
   }
   int i = c->i;
-  eng_tensor* v = slice_of(d, i);
   const eng_tensor* g = t->grad;
-  int rc = v ? 0 : -1;
-  if (!rc && (g->device != v->device || g->ndim != v->ndim))
-    rc = eng_err("DistributedDataParallel: the gradient %s of parameter %d does not match the parameter %s", eng_desc(g),
-                 i, eng_desc(t));
-  if (!rc) rc = eng_copy_raw(v, g, g->stride);
-  eng_tensor_release(v);
-  if (rc) return -1;
+  if (!(d->as_view && is_slice(d, i, g))) { /* else accumulated in its slice already */
+    eng_tensor* v = slice_of(d, i);
+    int rc = v ? 0 : -1;
+    if (!rc && (g->device != v->device || g->ndim != v->ndim))
+      rc = eng_err("DistributedDataParallel: the gradient %s of parameter %d does not match the parameter %s",
+                   eng_desc(g), i, eng_desc(t));
+    if (!rc) rc = eng_copy_raw(v, g, g->stride);
+    /* gradient_as_bucket_view: from now on the gradient is the slice (the next backward accumulates into it) */
+    if (!rc && d->as_view) rc = eng_tensor_set_grad(t, v);
+    eng_tensor_release(v);
+    if (rc) return -1;
+  }
   if (!d->got[i]) { /* a gradient accumulated twice in one backward is copied again, counted once */
     d->got[i] = 1;
     d->b[d->bucket_of[i]].ready++;
@@ -254,6 +281,18 @@ int eng_ddp_set_require_sync(eng_ddp* d, int on) {
   if (!d) return eng_err("DistributedDataParallel: reducer is NULL");
   if (d->queued) return eng_err("DistributedDataParallel: no_sync cannot change while a backward is running");
   d->require_sync = on ? 1 : 0;
+  return 0;
+}
+
+int eng_ddp_set_gradient_as_bucket_view(eng_ddp* d, int on) {
+  if (!d) return eng_err("DistributedDataParallel: reducer is NULL");
+  if (d->queued) return eng_err("DistributedDataParallel: gradient_as_bucket_view cannot change while a backward is running");
+  if (on && d->partial)
+    return eng_err("replicate_parameters (bucketed): gradient_as_bucket_view is for DistributedDataParallel's plain "
+                   "tensors (DTensor gradients keep their own storage)");
+  d->as_view = on ? 1 : 0;
+  for (int i = 0; i < d->np && on; i++)
+    if (adopt(d, i)) { eng_err_prefix("DistributedDataParallel: gradient_as_bucket_view"); return -1; }
   return 0;
 }
 

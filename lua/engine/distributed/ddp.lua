@@ -1,6 +1,7 @@
 -- engine.distributed.ddp: DistributedDataParallel (PyTorch's torch.nn.parallel.DistributedDataParallel).
 --
 --   local model = dist.DistributedDataParallel(net, {bucket_cap_mb = 25})   -- or {process_group = pg}, {device_mesh = m}
+--                                                                           -- {gradient_as_bucket_view = true}
 --   local loss = F.cross_entropy(model(x), y)   -- each rank its own rows of the global batch
 --   loss:backward()                             -- gradients averaged over the ranks, in buckets, during backward
 --   model:no_sync(function() ... end)           -- gradient accumulation: no communication inside
@@ -12,8 +13,11 @@
 -- requires grad into buckets of about bucket_cap_mb MiB in reverse registration order; each bucket is ONE
 -- asynchronous all_reduce (avg) started as soon as backward has produced all of its gradients (in bucket order, the
 -- same on every rank), and the end of backward waits for them and writes the averages into .grad.  Parameters
--- must be plain tensors on the group's device (DTensors: replicate_parameters or fully_shard).  Options are checked:
--- an unknown key is an error.
+-- must be plain tensors on the group's device (DTensors: replicate_parameters or fully_shard).
+-- gradient_as_bucket_view = true (PyTorch's option): each .grad is a view of its slice of a bucket, so backward
+-- accumulates into the buckets and the all_reduce averages in place: no copy out of the buckets, and none into them
+-- while the gradients are kept (optimizer:zero_grad(false); with zero_grad() setting them to none, each new gradient
+-- is copied in once and replaced by its view).  Options are checked: an unknown key is an error.
 local core = require("engine.core")
 local engine = require("engine")
 local ffi, C = core.ffi, core.C
@@ -36,7 +40,7 @@ function M._reducer_stats(r)
   return s
 end
 local OPTS = { process_group = true, device_mesh = true, bucket_cap_mb = true, init_sync = true,
-  broadcast_buffers = true }
+  broadcast_buffers = true, gradient_as_bucket_view = true }
 
 local DDP
 
@@ -69,6 +73,10 @@ local function new_class()
     end
     group = group or comm.world_group()
     if not comm.is_group(group) then core.fail(op .. ": process_group must be a ProcessGroup, got " .. type(group)) end
+    local as_view = opts.gradient_as_bucket_view
+    if as_view ~= nil and type(as_view) ~= "boolean" then
+      core.fail(op .. ": gradient_as_bucket_view must be a boolean, got " .. tostring(as_view))
+    end
     local cap = opts.bucket_cap_mb == nil and 25 or opts.bucket_cap_mb
     if type(cap) ~= "number" or cap <= 0 then core.fail(op .. ": bucket_cap_mb must be a positive number, got " .. tostring(cap)) end
     self.module = module
@@ -89,6 +97,7 @@ local function new_class()
     local r = C.eng_ddp_new(group._c, #list, arr, math.floor(cap * 1048576))
     if r == nil then core.raise() end
     rawset(self, "_reducer", ffi.gc(r, C.eng_ddp_release))
+    if as_view then core.check(C.eng_ddp_set_gradient_as_bucket_view(r, 1)) end
     rawset(self, "_params", list) -- keeps the parameter objects the reducer hooks alive with the wrapper
   end
 
