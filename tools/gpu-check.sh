@@ -16,8 +16,9 @@
 #   4. writes the logs and OUTDIR/summary.md: GPU, driver, commit, then one line per suite
 #      "<spec file> np=<N> device=cuda: <P> passed, <F> failed, <S> skipped", then the benchmarks' last lines.
 # Each stage has a time limit; stages are skipped, and say so, once --budget (default 450 s) is spent.
-# With the benchmarks it also tries the opt-in kernels listed in GPU_CHECK_OPT_IN (default ENGINE_ATTN_FWD_ROWS=128
-# ENGINE_ATTN_DQ_ROWS=128 ENGINE_ATTN_BWD=split; empty: none): the attention spec and the engine's step with each
+# With the benchmarks it also tries the opt-in kernels listed in GPU_CHECK_OPT_IN (default ENGINE_NORM_BWD=lean
+# ENGINE_ATTN_BWD=split ENGINE_ATTN_FWD_ROWS=128 ENGINE_ATTN_DQ_ROWS=128; empty: none): the kernel's checks (the
+# attention spec; for ENGINE_NORM_*, ctests/test_cuda_norm and the norm specs) and the engine's step with each
 # variable, beside the default step.
 # --only REGEX runs only the spec files whose path matches (grep -E), and no C tests (for quick reruns).
 # --nps LIST: the rank counts of the multi-rank specs (default "1 2 4"); --single 0 skips the single-process specs.
@@ -34,7 +35,7 @@ ONLY=""
 NPS="1 2 4"
 SINGLE_SPECS=1
 # opt-in kernels to measure against the default (each: spec line, default step, step with the variable)
-OPT_IN=${GPU_CHECK_OPT_IN-ENGINE_ATTN_FWD_ROWS=128 ENGINE_ATTN_DQ_ROWS=128 ENGINE_ATTN_BWD=split}
+OPT_IN=${GPU_CHECK_OPT_IN-ENGINE_NORM_BWD=lean ENGINE_ATTN_BWD=split ENGINE_ATTN_FWD_ROWS=128 ENGINE_ATTN_DQ_ROWS=128}
 while [ $# -gt 0 ]; do
   case "$1" in
     --bundle) BUNDLE=${2:?}; shift 2 ;;
@@ -226,8 +227,14 @@ dtensor_dispatch (cuda): $(grep -m1 'overhead' "$OUT/dtensor_dispatch.log" | sed
     for var in $OPT_IN; do
       [ "$(left)" -gt 60 ] || break
       f=$OUT/optin_$(echo "$var" | tr -c 'A-Za-z0-9_\n' '_').log
-      { env "$var" timeout 60 "$ENGINE" "$BUSTED" --ignore-lua -o tools/passfail.lua --tags=gpu --filter='flash attention' \
-          spec/cuda_spec.lua 2>&1 | tail -1
+      { case "$var" in
+          ENGINE_NORM_*) # the norm kernels: their bit-exact C test and the norm specs
+            env "$var" timeout 60 "$BUILD/ctests/test_cuda_norm" 2>&1 | tail -1
+            env "$var" timeout 60 "$ENGINE" "$BUSTED" --ignore-lua -o tools/passfail.lua --tags=gpu --filter='layer_norm and rms_norm' \
+              spec/cuda_spec.lua 2>&1 | tail -1 ;;
+          *) env "$var" timeout 60 "$ENGINE" "$BUSTED" --ignore-lua -o tools/passfail.lua --tags=gpu \
+              --filter='flash attention' spec/cuda_spec.lua 2>&1 | tail -1 ;;
+        esac
         timeout 90 "$ENGINE" recipes/bench/gpu_step.lua --torch=0 --tp1=0 2>&1 | grep -E '^engine \('
         env "$var" timeout 90 "$ENGINE" recipes/bench/gpu_step.lua --torch=0 --tp1=0 2>&1 | grep -E '^engine \('
       } > "$f" 2>&1

@@ -315,6 +315,122 @@ __global__ void __launch_bounds__(kVecThreads) norm_bwd_vec(int rms, int64_t m, 
   }
 }
 
+/* norm_bwd_vec with fewer registers (ENGINE_NORM_BWD=lean, opt-in until a GPU run has timed it): the same
+ * partition, the same operations in the same order, so the same bits (spec/c/test_cuda_norm.c compares both with its
+ * emulation), but the row's gradient, input and the weight stay packed in their 16-byte vectors (T values) and each
+ * xhat is recomputed from them where it is used, instead of NV x V floats each held across the row: 162 registers
+ * (one 256-thread block per SM) become about half, so two or more blocks share an SM and hide the loads' latency.
+ * On the H200 the backward ran at about 460 GB/s (82 us for a 8192 x 768 bf16 layer norm, docs/gpu-runs/2026-11-28-b.md). */
+template <typename T, int NV>
+__global__ void __launch_bounds__(kVecThreads, NV <= 3 ? 2 : 1) norm_bwd_vec_lean(int rms, int64_t m, int64_t n, int64_t R,
+                                                                    const T* go, const T* x, const T* w,
+                                                                    const float* mean, const float* rstd,
+                                                                    const T* gres, T* dx, float* ws, int need_dw,
+                                                                    int need_db) {
+  extern __shared__ float shp[];
+  constexpr int V = 16 / sizeof(T);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t r0 = (int64_t)blockIdx.x * R;
+  const int64_t r1 = r0 + R < m ? r0 + R : m;
+  kvec<T, V> wp[NV];
+  float adw[NV][V], adb[NV][V];
+#pragma unroll
+  for (int i = 0; i < NV; i++) {
+    const int64_t c = ((int64_t)i * 32 + lane) * V;
+    wp[i].u = make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+    for (int k = 0; k < V; k++) { adw[i][k] = 0.0f; adb[i][k] = 0.0f; }
+    if (w && c < n) wp[i].u = *(const uint4*)(w + c);
+  }
+  for (int64_t row = r0 + warp; row < r1; row += KCM_NORM_WARPS) {
+    const int64_t off = row * n;
+    const float mu = (rms || !mean) ? 0.0f : mean[row], rs = rstd[row];
+    kvec<T, V> gp[NV], xp[NV];
+#pragma unroll
+    for (int i = 0; i < NV; i++) {
+      const int64_t c = ((int64_t)i * 32 + lane) * V;
+      if (c < n) {
+        gp[i].u = *(const uint4*)(go + off + c);
+        xp[i].u = *(const uint4*)(x + off + c);
+      }
+    }
+    if (dx) {
+      float sa = 0.0f, sb = 0.0f;
+#pragma unroll
+      for (int i = 0; i < NV; i++)
+        if (((int64_t)i * 32 + lane) * V < n)
+#pragma unroll
+          for (int k = 0; k < V; k++) {
+            const float g = kload(gp[i].e[k]), xh = kcm_norm_xhat(kload(xp[i].e[k]), mu, rs);
+            const float wdy = w ? KCM_MUL(g, kload(wp[i].e[k])) : g;
+            if (!rms) sa = KCM_ADD(sa, wdy);
+            sb = KCM_FMA(wdy, xh, sb);
+          }
+      const float a = rms ? 0.0f : KCM_DIV(warp_sum_rn(sa), (float)n);
+      const float cc = KCM_DIV(warp_sum_rn(sb), (float)n);
+#pragma unroll
+      for (int i = 0; i < NV; i++) {
+        const int64_t c = ((int64_t)i * 32 + lane) * V;
+        if (c < n) {
+          kvec<T, V> gr, o;
+          if (gres) gr.u = *(const uint4*)(gres + off + c);
+#pragma unroll
+          for (int k = 0; k < V; k++) {
+            const float g = kload(gp[i].e[k]), xh = kcm_norm_xhat(kload(xp[i].e[k]), mu, rs);
+            const float wdy = w ? KCM_MUL(g, kload(wp[i].e[k])) : g;
+            float d = kcm_norm_dx_rn(rms, wdy, xh, rs, a, cc);
+            if (gres) d = KCM_ADD(kload(kstore<T>(d)), kload(gr.e[k]));
+            o.e[k] = kstore<T>(d);
+          }
+          *(uint4*)(dx + off + c) = o.u;
+        }
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < NV; i++)
+      if (((int64_t)i * 32 + lane) * V < n)
+#pragma unroll
+        for (int k = 0; k < V; k++) {
+          const float g = kload(gp[i].e[k]);
+          if (need_dw) adw[i][k] = KCM_FMA(g, kcm_norm_xhat(kload(xp[i].e[k]), mu, rs), adw[i][k]);
+          if (need_db) adb[i][k] = KCM_ADD(adb[i][k], g);
+        }
+  }
+  if (!need_dw && !need_db) return; /* uniform over the block */
+  float* sdw = shp;
+  float* sdb = shp + n;
+  for (int q = 0; q < KCM_NORM_WARPS; q++) { /* warps in order 0..W-1 */
+    if (warp == q) {
+#pragma unroll
+      for (int i = 0; i < NV; i++) {
+        const int64_t c = ((int64_t)i * 32 + lane) * V;
+        if (c < n)
+#pragma unroll
+          for (int k = 0; k < V; k++) {
+            if (need_dw) sdw[c + k] = q == 0 ? adw[i][k] : KCM_ADD(sdw[c + k], adw[i][k]);
+            if (need_db) sdb[c + k] = q == 0 ? adb[i][k] : KCM_ADD(sdb[c + k], adb[i][k]);
+          }
+      }
+    }
+    __syncthreads();
+  }
+  const int64_t P = gridDim.x;
+  for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
+    if (need_dw) ws[(int64_t)blockIdx.x * n + j] = sdw[j];
+    if (need_db) ws[(P + blockIdx.x) * n + j] = sdb[j];
+  }
+}
+
+/* ENGINE_NORM_BWD=lean: norm_bwd_vec_lean instead of norm_bwd_vec (read once). */
+int norm_bwd_lean() {
+  static int on = -1;
+  if (on < 0) {
+    const char* e = getenv("ENGINE_NORM_BWD");
+    on = e && strcmp(e, "lean") == 0;
+  }
+  return on;
+}
+
 /* ---------------------------------------------------------------- launchers */
 int aligned16(const void* p) { return ((uintptr_t)p & 15) == 0; }
 
@@ -341,6 +457,15 @@ void bwd_vec_launch(int rms, int64_t m, int64_t n, const void* go, const void* x
                     const void* rstd, const void* gres, void* dx, void* ws, int need_dw, int need_db, cudaStream_t s) {
   int64_t R = kcm_norm_bwd_rows(m), P = kcm_norm_bwd_blocks(m);
   size_t shm = need_dw || need_db ? (size_t)(2 * n) * sizeof(float) : 0;
+  if constexpr (sizeof(T) == 2) {
+    if (norm_bwd_lean()) {
+      norm_bwd_vec_lean<T, NV><<<(unsigned)P, kVecThreads, shm, s>>>(rms, m, n, R, (const T*)go, (const T*)x,
+                                                                    (const T*)w, (const float*)mean,
+                                                                    (const float*)rstd, (const T*)gres, (T*)dx,
+                                                                    (float*)ws, need_dw, need_db);
+      return;
+    }
+  }
   norm_bwd_vec<T, NV><<<(unsigned)P, kVecThreads, shm, s>>>(rms, m, n, R, (const T*)go, (const T*)x, (const T*)w,
                                                            (const float*)mean, (const float*)rstd, (const T*)gres,
                                                            (T*)dx, (float*)ws, need_dw, need_db);
