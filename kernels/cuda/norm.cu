@@ -217,6 +217,35 @@ __global__ void __launch_bounds__(kVecThreads) norm_fwd_vec(int rms, int64_t m, 
   }
 }
 
+/* The end of the vectorised backward: the block adds its warps' weight / bias gradient sums in order 0..W-1 in
+ * shared memory (2 n floats) and writes them as its partial rows of ws (dw: row blockIdx.x, db: row P + blockIdx.x). */
+template <int NV, int V>
+__device__ __forceinline__ void block_partials(const float (&adw)[NV][V], const float (&adb)[NV][V], int64_t n, int lane,
+                                               int warp, float* shp, float* ws, int need_dw, int need_db) {
+  float* sdw = shp;
+  float* sdb = shp + n;
+  for (int q = 0; q < KCM_NORM_WARPS; q++) { /* warps in order 0..W-1 */
+    if (warp == q) {
+#pragma unroll
+      for (int i = 0; i < NV; i++) {
+        const int64_t c = ((int64_t)i * 32 + lane) * V;
+        if (c < n)
+#pragma unroll
+          for (int k = 0; k < V; k++) {
+            if (need_dw) sdw[c + k] = q == 0 ? adw[i][k] : KCM_ADD(sdw[c + k], adw[i][k]);
+            if (need_db) sdb[c + k] = q == 0 ? adb[i][k] : KCM_ADD(sdb[c + k], adb[i][k]);
+          }
+      }
+    }
+    __syncthreads();
+  }
+  const int64_t P = gridDim.x;
+  for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
+    if (need_dw) ws[(int64_t)blockIdx.x * n + j] = sdw[j];
+    if (need_db) ws[(P + blockIdx.x) * n + j] = sdb[j];
+  }
+}
+
 /* Block p: rows [p R, min(m, (p + 1) R)), warp w the rows p R + w + k W.
  * ws: rows p (dw partials) and P + p (db partials), f32.  Shared memory:
  * 2 n floats. */
@@ -291,28 +320,7 @@ __global__ void __launch_bounds__(kVecThreads) norm_bwd_vec(int rms, int64_t m, 
         }
   }
   if (!need_dw && !need_db) return; /* uniform over the block */
-  float* sdw = shp;
-  float* sdb = shp + n;
-  for (int q = 0; q < KCM_NORM_WARPS; q++) { /* warps in order 0..W-1 */
-    if (warp == q) {
-#pragma unroll
-      for (int i = 0; i < NV; i++) {
-        const int64_t c = ((int64_t)i * 32 + lane) * V;
-        if (c < n)
-#pragma unroll
-          for (int k = 0; k < V; k++) {
-            if (need_dw) sdw[c + k] = q == 0 ? adw[i][k] : KCM_ADD(sdw[c + k], adw[i][k]);
-            if (need_db) sdb[c + k] = q == 0 ? adb[i][k] : KCM_ADD(sdb[c + k], adb[i][k]);
-          }
-      }
-    }
-    __syncthreads();
-  }
-  const int64_t P = gridDim.x;
-  for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
-    if (need_dw) ws[(int64_t)blockIdx.x * n + j] = sdw[j];
-    if (need_db) ws[(P + blockIdx.x) * n + j] = sdb[j];
-  }
+  block_partials<NV, V>(adw, adb, n, lane, warp, shp, ws, need_dw, need_db);
 }
 
 /* norm_bwd_vec with fewer registers (ENGINE_NORM_BWD=lean, opt-in until a GPU run has timed it): the same
@@ -397,28 +405,7 @@ __global__ void __launch_bounds__(kVecThreads, NV <= 3 ? 2 : 1) norm_bwd_vec_lea
         }
   }
   if (!need_dw && !need_db) return; /* uniform over the block */
-  float* sdw = shp;
-  float* sdb = shp + n;
-  for (int q = 0; q < KCM_NORM_WARPS; q++) { /* warps in order 0..W-1 */
-    if (warp == q) {
-#pragma unroll
-      for (int i = 0; i < NV; i++) {
-        const int64_t c = ((int64_t)i * 32 + lane) * V;
-        if (c < n)
-#pragma unroll
-          for (int k = 0; k < V; k++) {
-            if (need_dw) sdw[c + k] = q == 0 ? adw[i][k] : KCM_ADD(sdw[c + k], adw[i][k]);
-            if (need_db) sdb[c + k] = q == 0 ? adb[i][k] : KCM_ADD(sdb[c + k], adb[i][k]);
-          }
-      }
-    }
-    __syncthreads();
-  }
-  const int64_t P = gridDim.x;
-  for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
-    if (need_dw) ws[(int64_t)blockIdx.x * n + j] = sdw[j];
-    if (need_db) ws[(P + blockIdx.x) * n + j] = sdb[j];
-  }
+  block_partials<NV, V>(adw, adb, n, lane, warp, shp, ws, need_dw, need_db);
 }
 
 /* ENGINE_NORM_BWD=lean: norm_bwd_vec_lean instead of norm_bwd_vec (read once). */

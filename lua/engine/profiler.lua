@@ -93,14 +93,16 @@ function M.entries()
   return r
 end
 
--- report() -> the table as text
-function M.report()
-  local c = C()
-  local n = tonumber(c.eng_profiler_report(nil, 0))
+-- the text a C report function (buf, cap) -> length writes
+local function text_of(fn)
+  local n = tonumber(fn(nil, 0))
   local buf = ffi.new("char[?]", n + 1)
-  c.eng_profiler_report(buf, n + 1)
+  fn(buf, n + 1)
   return ffi.string(buf)
 end
+
+-- report() -> the table as text
+function M.report() return text_of(C().eng_profiler_report) end
 
 -- The kernel trace (eng/cuda.h): every kernel, memcpy and memset the GPU ran, with its own GPU time from CUPTI,
 -- summed by name (what nsys's cuda_gpu_kern_sum shows).  ENGINE_PROFILE_KERNELS=1 at launch starts it with the device
@@ -112,12 +114,6 @@ function M.kernel_trace()
 end
 function M.kernel_trace_active() return C().eng_cuda_kernel_trace_active() ~= 0 end
 function M.kernel_reset() C().eng_cuda_kernel_trace_reset() end
-function M.kernel_report()
-  local c = C()
-  local n = tonumber(c.eng_cuda_kernel_trace_report(nil, 0))
-  local buf = ffi.new("char[?]", n + 1)
-  c.eng_cuda_kernel_trace_report(buf, n + 1)
-  return ffi.string(buf)
-end
+function M.kernel_report() return text_of(C().eng_cuda_kernel_trace_report) end
 
 return M

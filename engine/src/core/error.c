@@ -77,3 +77,15 @@ int eng_norm_dim(int dim, int ndim, const char* op) {
                    op, ENG_U(dim), ndim, n, -n);
   return dim < 0 ? dim + n : dim;
 }
+
+void eng_text_append(char* buf, int64_t cap, int64_t* len, const char* fmt, ...) {
+  char line[512];
+  va_list ap;
+  va_start(ap, fmt);
+  int k = vsnprintf(line, sizeof line, fmt, ap);
+  va_end(ap);
+  if (k < 0) return;
+  if (k >= (int)sizeof line) k = (int)sizeof line - 1;
+  if (buf && *len < cap) snprintf(buf + *len, (size_t)(cap - *len), "%s", line);
+  *len += k;
+}

@@ -118,6 +118,9 @@ int eng_node_local_size(void);
  * of core/ (core does not call comm/). */
 void eng_set_process_rank(int rank);
 int eng_process_rank(void);
+/* Appends printf(fmt, ...) (one line, at most 511 characters) to a report being built in buf[0, cap) at *len;
+ * *len grows by the full length even past cap (buf NULL: only the length), as the report functions return it. */
+void eng_text_append(char* buf, int64_t cap, int64_t* len, const char* fmt, ...) __attribute__((format(printf, 4, 5)));
 /* A contiguous tensor of the given dtype with t's values (t itself retained
  * when already so).  No autograd. */
 eng_tensor* eng_as_contig(eng_tensor* t, int dtype);

@@ -177,18 +177,6 @@ int eng_profiler_entries(eng_profile_entry* out, int cap) {
   return n;
 }
 
-static void out(char* buf, int64_t cap, int64_t* len, const char* fmt, ...) {
-  char line[256];
-  va_list ap;
-  va_start(ap, fmt);
-  int k = vsnprintf(line, sizeof line, fmt, ap);
-  va_end(ap);
-  if (k < 0) return;
-  if (k >= (int)sizeof line) k = (int)sizeof line - 1;
-  if (buf && *len < cap) snprintf(buf + *len, (size_t)(cap - *len), "%s", line);
-  *len += k;
-}
-
 int64_t eng_profiler_report(char* buf, int64_t cap) {
   int n = eng_profiler_entries(NULL, 0);
   if (n < 0) return -1;
@@ -198,11 +186,13 @@ int64_t eng_profiler_report(char* buf, int64_t cap) {
   int64_t host = 0, gpu = 0, calls = 0;
   for (int i = 0; i < n; i++) { host += e[i].host_ns; gpu += e[i].gpu_ns; calls += e[i].calls; }
   int64_t len = 0;
-  out(buf, cap, &len, "profile (rank %d): %d ops, %lld calls, host %.3f ms, GPU %.3f ms (nested ops count in their "
+  eng_text_append(buf, cap, &len,
+                  "profile (rank %d): %d ops, %lld calls, host %.3f ms, GPU %.3f ms (nested ops count in their "
       "callers too)\n", eng_process_rank(), n, (long long)calls, host / 1e6, gpu / 1e6);
-  out(buf, cap, &len, "%-36s %10s %12s %12s %10s %12s\n", "op", "calls", "GPU ms", "host ms", "host us", "MiB out");
+  eng_text_append(buf, cap, &len, "%-36s %10s %12s %12s %10s %12s\n", "op", "calls", "GPU ms", "host ms", "host us",
+                  "MiB out");
   for (int i = 0; i < n; i++)
-    out(buf, cap, &len, "%-36s %10lld %12.3f %12.3f %10.2f %12.2f\n", e[i].name, (long long)e[i].calls,
+    eng_text_append(buf, cap, &len, "%-36s %10lld %12.3f %12.3f %10.2f %12.2f\n", e[i].name, (long long)e[i].calls,
         e[i].gpu_ns / 1e6, e[i].host_ns / 1e6, e[i].calls ? e[i].host_ns / 1e3 / (double)e[i].calls : 0.0,
         e[i].bytes / 1048576.0);
   free(e);

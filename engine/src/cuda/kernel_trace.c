@@ -14,7 +14,6 @@
 #include "core/internal.h"
 #include "eng/cuda.h"
 #include "cuda/cuda_runtime.h"
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -168,9 +167,9 @@ int eng_cuda_kernel_trace_start(void) {
   if (!eng_cuda_is_available()) return eng_err("kernel trace: %s", eng_cuda_unavailable_reason());
   void* h = kt_open();
   if (!h)
-    return eng_err("kernel trace: libcupti could not be loaded (%s); put the CUDA toolkit's or PyTorch's libcupti.so.%d "
-                   "on LD_LIBRARY_PATH or name it in ENGINE_CUPTI_LIB",
-                   dlerror(), CUDART_VERSION / 1000);
+    return eng_err("kernel trace: libcupti could not be loaded (%s); put the CUDA toolkit's or PyTorch's "
+                   "libcupti.so.%d on LD_LIBRARY_PATH or name it in ENGINE_CUPTI_LIB", dlerror(),
+                   CUDART_VERSION / 1000);
   *(void**)&p_enable = dlsym(h, "cuptiActivityEnable");
   *(void**)&p_disable = dlsym(h, "cuptiActivityDisable");
   *(void**)&p_register = dlsym(h, "cuptiActivityRegisterCallbacks");
@@ -217,19 +216,6 @@ static int by_total(const void* a, const void* b) {
   return x->ns < y->ns ? 1 : x->ns > y->ns ? -1 : strcmp(x->name, y->name);
 }
 
-static void put(char* buf, int64_t cap, int64_t* len, const char* fmt, ...) __attribute__((format(printf, 4, 5)));
-static void put(char* buf, int64_t cap, int64_t* len, const char* fmt, ...) {
-  char line[512];
-  va_list ap;
-  va_start(ap, fmt);
-  int k = vsnprintf(line, sizeof line, fmt, ap);
-  va_end(ap);
-  if (k < 0) return;
-  if (k >= (int)sizeof line) k = (int)sizeof line - 1;
-  if (buf && *len < cap) snprintf(buf + *len, (size_t)(cap - *len), "%s", line);
-  *len += k;
-}
-
 /* the kernel's name for the table: demangled, without its return type, its parameter list and "(anonymous
  * namespace)::", at most w - 1 characters (cut with "...") */
 static void short_name(const char* raw, char* out, size_t w) {
@@ -264,7 +250,8 @@ static void short_name(const char* raw, char* out, size_t w) {
 int64_t eng_cuda_kernel_trace_report(char* buf, int64_t cap) {
   if (!g_tab) {
     int64_t len = 0;
-    put(buf, cap, &len, "kernel trace: not started (ENGINE_PROFILE_KERNELS=1 at launch, or engine.profiler.kernel_trace())\n");
+    eng_text_append(buf, cap, &len, "kernel trace: not started (ENGINE_PROFILE_KERNELS=1 at launch, or "
+                    "engine.profiler.kernel_trace())\n");
     return len;
   }
   kt_flush();
@@ -279,17 +266,18 @@ int64_t eng_cuda_kernel_trace_report(char* buf, int64_t cap) {
   if (!e) return eng_err("kernel trace: out of memory");
   qsort(e, (size_t)n, sizeof *e, by_total);
   int64_t len = 0;
-  put(buf, cap, &len, "kernels (rank %d): %d names, %lld launches and copies, GPU %.3f ms in all (CUPTI activity "
-      "records; each kernel's own time)%s\n", eng_process_rank(), n, (long long)launches, total / 1e6,
-      dropped ? " [table full: some records dropped]" : "");
-  put(buf, cap, &len, "%-72s %8s %11s %9s %9s %9s %6s\n", "kernel", "calls", "GPU ms", "avg us", "min us", "max us",
-      "share");
+  eng_text_append(buf, cap, &len,
+                  "kernels (rank %d): %d names, %lld launches and copies, GPU %.3f ms in all (CUPTI activity "
+                  "records; each kernel's own time)%s\n", eng_process_rank(), n, (long long)launches, total / 1e6,
+                  dropped ? " [table full: some records dropped]" : "");
+  eng_text_append(buf, cap, &len, "%-72s %8s %11s %9s %9s %9s %6s\n", "kernel", "calls", "GPU ms", "avg us", "min us",
+                  "max us", "share");
   for (int i = 0; i < n; i++) {
     char nm[73];
     short_name(e[i].name, nm, sizeof nm);
-    put(buf, cap, &len, "%-72s %8lld %11.3f %9.2f %9.2f %9.2f %5.1f%%\n", nm, (long long)e[i].calls, e[i].ns / 1e6,
-        e[i].ns / 1e3 / (double)e[i].calls, e[i].min_ns / 1e3, e[i].max_ns / 1e3,
-        total ? 100.0 * (double)e[i].ns / (double)total : 0.0);
+    eng_text_append(buf, cap, &len, "%-72s %8lld %11.3f %9.2f %9.2f %9.2f %5.1f%%\n", nm, (long long)e[i].calls,
+                    e[i].ns / 1e6, e[i].ns / 1e3 / (double)e[i].calls, e[i].min_ns / 1e3, e[i].max_ns / 1e3,
+                    total ? 100.0 * (double)e[i].ns / (double)total : 0.0);
   }
   free(e);
   return len;
