@@ -175,16 +175,22 @@ local function fusable(ts, dim)
   return #ts >= 2
 end
 
-function M.fuse_linear_weights(mods)
+-- the modules' weights, and their biases when every module has one (else nil); nil when one has no weight
+local function weights_and_biases(mods)
   local ws, bs = {}, {}
   for i, m in ipairs(mods) do
     local p = rawget(m, "_parameters")
     local w = p and p.weight
-    if w == nil then return false end
+    if w == nil then return nil end
     ws[i] = w
     if bs and p.bias ~= nil then bs[i] = p.bias else bs = nil end
   end
-  if not fusable(ws, 2) or not fuse_rows(ws) then return false end
+  return ws, bs
+end
+
+function M.fuse_linear_weights(mods)
+  local ws, bs = weights_and_biases(mods)
+  if not ws or not fusable(ws, 2) or not fuse_rows(ws) then return false end
   if bs and fusable(bs, 1) then fuse_rows(bs) end
   return true
 end
@@ -211,14 +217,8 @@ local function shard_locals(ts, dim)
 end
 
 function M.fuse_linear_shards(mods)
-  local ws, bs = {}, {}
-  for i, m in ipairs(mods) do
-    local p = rawget(m, "_parameters")
-    local w = p and p.weight
-    if w == nil then return false end
-    ws[i] = w
-    if bs and p.bias ~= nil then bs[i] = p.bias else bs = nil end
-  end
+  local ws, bs = weights_and_biases(mods)
+  if not ws then return false end
   local wl = shard_locals(ws, 2)
   if not wl or not fuse_rows(ws, wl) then return false end
   local bl = bs and shard_locals(bs, 1)
