@@ -222,8 +222,8 @@ $(grep -E ' us ' "$OUT/gpu_kernels.log")"
     timeout 60 "$ENGINE" recipes/bench/dtensor_dispatch.lua --device=cuda --n=5000 --runs=3 > "$OUT/dtensor_dispatch.log" 2>&1
     BENCHLINES="$BENCHLINES
 dtensor_dispatch (cuda): $(grep -m1 'overhead' "$OUT/dtensor_dispatch.log" | sed 's/^ *//')"
-    # opt-in kernels not yet measured (docs/gpu-runs/PENDING.md): the attention spec and the engine's step with each
-    # variable set, beside the default step measured again in the same loop
+    # opt-in kernels not yet measured (docs/gpu-runs/PENDING.md): the kernel's checks, the engine's step and the op
+    # alone with each variable set, beside the default measured again in the same loop
     for var in $OPT_IN; do
       [ "$(left)" -gt 60 ] || break
       f=$OUT/optin_$(echo "$var" | tr -c 'A-Za-z0-9_\n' '_').log
@@ -237,6 +237,10 @@ dtensor_dispatch (cuda): $(grep -m1 'overhead' "$OUT/dtensor_dispatch.log" | sed
         esac
         timeout 90 "$ENGINE" recipes/bench/gpu_step.lua --torch=0 --tp1=0 2>&1 | grep -E '^engine \('
         env "$var" timeout 90 "$ENGINE" recipes/bench/gpu_step.lua --torch=0 --tp1=0 2>&1 | grep -E '^engine \('
+        # the kernel's op alone, without and with the variable (recipes/bench/gpu_kernels.lua)
+        case "$var" in ENGINE_NORM_*) k='layer_norm' ;; *) k='sdpa' ;; esac
+        timeout 60 "$ENGINE" recipes/bench/gpu_kernels.lua --only="$k" 2>&1 | grep -E ' us ' | sed 's/^/default: /'
+        env "$var" timeout 60 "$ENGINE" recipes/bench/gpu_kernels.lua --only="$k" 2>&1 | grep -E ' us ' | sed 's/^/with it: /'
       } > "$f" 2>&1
       BENCHLINES="$BENCHLINES
 $(sed "s|^|opt-in $var: |" "$f")"
