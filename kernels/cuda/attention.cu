@@ -1094,8 +1094,8 @@ __device__ __forceinline__ void red_add2(float* p, float x, float y) {
 #endif
 }
 
-/* ENGINE_ATTN_BWD=fused: FlashAttention-2's backward in one kernel per 64 keys (16 per warp), query tiles of
- * TC_QT rows.  As attn_dkv_tc it forms S^T, dP^T, P^T and dS^T of the tile and accumulates dV and dK in
+/* The one-pass backward (the default up to head dim 64, see bwd_fused_on): FlashAttention-2's backward in one
+ * kernel per 64 keys (16 per warp), query tiles of TC_QT rows.  As attn_dkv_tc it forms S^T, dP^T, P^T and dS^T of the tile and accumulates dV and dK in
  * registers; then the tile's dS^T (rounded to T, as for dK) goes to shared memory as a [64 keys][TC_QT queries]
  * array, and after a barrier each warp computes one quarter of the tile's dQ contribution, dS (16 queries x
  * 64 keys, A operand through ldmatrix.trans of that array) times K (64 keys x D/2 head dims, the block's keys

@@ -215,12 +215,14 @@ typedef struct kcu_attn_args {
   int64_t sq[3], sk[3], sv[3], so[3], sdo[3], sdq[3], sdk[3], sdv[3];
 } kcu_attn_args;
 int kcu_attention_fwd(const kcu_attn_args* a, cudaStream_t stream);
-/* dq, dk, dv (overwritten) from q, k, v, o, lse, dout; atomic-free (one
- * kernel for dk/dv by key tiles, one for dq by query tiles), unless
- * ENGINE_ATTN_BWD=fused (read once) picks the one-pass tensor-core backward:
- * one kernel per 64 keys computes S and dP once, accumulates dk/dv and adds
- * its keys' share of dq into ws (f32 [B, H, Lq, D], atomics: dq's rounding
- * then depends on their order), and a small kernel converts ws into dq. */
+/* dq, dk, dv (overwritten) from q, k, v, o, lse, dout.  On the tensor cores
+ * with head dims up to 64 (and a->ws given) the one-pass backward runs: one
+ * kernel per 64 keys computes S and dP once, accumulates dk/dv and adds its
+ * keys' share of dq into ws (f32 [B, H, Lq, D], atomics: dq's rounding then
+ * depends on their order), and a small kernel converts ws into dq.  Else,
+ * and everywhere with ENGINE_ATTN_BWD=split (read once), atomic-free: one
+ * kernel for dk/dv by key tiles, one for dq by query tiles.
+ * ENGINE_ATTN_BWD=fused takes the one-pass form at head dim 128 too. */
 int kcu_attention_bwd(const kcu_attn_args* a, cudaStream_t stream);
 /* Bytes of a->ws that kcu_attention_bwd needs for these args (pointers and
  * strides filled in): 0 unless the fused path will run (then B*H*Lq*D

@@ -349,7 +349,7 @@ int eng_cu_sdpa_bwd(eng_tensor* q, eng_tensor* k, eng_tensor* v, eng_tensor* o, 
     a.delta = (float*)eng_ptr(delta);
     strides3(Q, a.sq); strides3(K, a.sk); strides3(V, a.sv); strides3(o, a.so); strides3(G, a.sdo);
     strides3(gq, a.sdq); strides3(gk, a.sdk); strides3(gv, a.sdv);
-    /* the f32 dq accumulator of the fused backward (ENGINE_ATTN_BWD=fused), else none */
+    /* the f32 dq accumulator of the one-pass backward (the default up to head dim 64), else none */
     size_t wsb = kcu_attention_bwd_workspace(&a);
     if (wsb && !(a.ws = eng_cuda_malloc((int64_t)wsb))) { eng_err_prefix("%s", op); goto done; }
     int krc = ck(kcu_attention_bwd(&a, s), op);
