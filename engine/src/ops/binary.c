@@ -366,6 +366,14 @@ static void ip_row_generic(int64_t n, char** p, const int64_t* s, void* vc) {
 /* a op= alpha * B on the device (B does not overlap a; broadcast to a).
  * Half-precision targets compute in f32 and are written back once. */
 static int inplace_cuda(int op, eng_tensor* a, eng_tensor* B, double alpha, const char* name) {
+  /* half operands of one dtype with alpha 1 (autograd's gradient sums): one kernel in place, f32 math and one
+   * rounding, the same bits as the f32 round trip below (two conversions in, the op, one out: four kernels) */
+  if ((a->dtype == ENG_BF16 || a->dtype == ENG_F16) && B->dtype == a->dtype && alpha == 1.0) {
+    int64_t sb[ENG_MAX_DIMS];
+    eng_broadcast_strides(B, a->ndim, a->shape, sb);
+    return eng_cu_binary(op, a->dtype, a->ndim, a->shape, eng_ptr(a), a->stride, eng_ptr(a), a->stride, eng_ptr(B), sb,
+                         name);
+  }
   int cdt = (a->dtype == ENG_BF16 || a->dtype == ENG_F16) ? ENG_F32 : a->dtype;
   eng_tensor* A = a->dtype == cdt ? eng_tensor_retain(a) : eng_as_contig(a, cdt);
   eng_tensor* Bc = A ? (B->dtype == cdt ? eng_tensor_retain(B) : eng_as_contig(B, cdt)) : NULL;
