@@ -452,6 +452,42 @@ describe("CUDA op conformance #gpu", function()
     end
   end)
 
+  -- tanh GELU rides in cuBLASLt's epilogue (BIAS_GELU_AUX; out_features a multiple of 8): against the CPU's
+  -- fused op and against the GPU's own composition; exact GELU, other widths and ENGINE_GELU_EPILOGUE=0 run the
+  -- composition
+  it("linear_gelu: tanh GELU in cuBLASLt's epilogue, values and gradients; the composition elsewhere", function()
+    need_gpu()
+    for _, dt in ipairs({ "f32", "bf16", "f16" }) do
+      for _, xs in ipairs({ { 6, 16 }, { 2, 9, 16 }, { 4, 33, 16 } }) do
+        for _, of in ipairs({ 24, 40, 20 }) do
+          for _, approx in ipairs({ "tanh", "none" }) do
+            for _, with_bias in ipairs({ true, false }) do
+              local what = string.format("linear_gelu %s -> %d %s bias=%s", table.concat(xs, "x"), of, approx,
+                tostring(with_bias))
+              local ins = { rnd(xs, dt), rnd({ of, 16 }, dt) * 0.25 }
+              if with_bias then ins[3] = rnd({ of }, dt) end
+              conform(what, dt, ins, function(x, w, b) return F.linear_gelu(x, w, b, approx) end, true)
+              local x, w = ins[1]:cuda():requires_grad_(true), ins[2]:cuda():requires_grad_(true)
+              local b = with_bias and ins[3]:cuda():requires_grad_(true) or nil
+              local y = F.linear_gelu(x, w, b, approx)
+              local fused = approx == "tanh" and of % 8 == 0 and os.getenv("ENGINE_GELU_EPILOGUE") ~= "0"
+              assert.are.equal(fused and "LinearGeluBackward" or "GeluBackward", y.grad_fn, what)
+              local y2 = F.gelu(F.linear(x:detach(), w:detach(), b and b:detach() or nil), approx)
+              compare(y, y2:cpu(), TOL[dt], what .. " against the GPU composition")
+            end
+          end
+        end
+      end
+    end
+    -- no rows: an empty result, gradients of zeros
+    local x = engine.randn(0, 16):cuda():requires_grad_(true)
+    local w = engine.randn(24, 16):cuda():requires_grad_(true)
+    local y = F.linear_gelu(x, w, nil, "tanh")
+    assert.are.same({ 0, 24 }, y:shape())
+    y:sum():backward()
+    assert.are.equal(0, w.grad:abs():sum():item())
+  end)
+
   it("cat, stack, index_select", function()
     need_gpu()
     for _, dt in ipairs({ "f32", "bf16" }) do

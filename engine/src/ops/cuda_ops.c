@@ -563,6 +563,27 @@ static int prefill(int cdt, int nb, const int64_t* bshape, const eng_mview* C, c
   return 0;
 }
 
+int eng_cu_linear_gelu(int dt, int64_t rows, int64_t N, int64_t K, const void* X, const void* W, const void* bias,
+                       void* y, void* h, const char* op) {
+  if (rows == 0 || N == 0) return 0;
+  kcu_gemm_ctx* ctx = eng_cuda_gemm_context();
+  if (!ctx) { eng_err_prefix("%s", op); return -1; }
+  STREAM_OR_FAIL(op);
+  kcu_gemm_args a;
+  memset(&a, 0, sizeof a);
+  a.ta = 0; a.tb = 1; a.M = rows; a.N = N; a.K = K;
+  a.abdt = dt; a.cdt = dt; a.tf32 = 0;
+  a.alpha = 1.0; a.beta = 0.0;
+  a.A = X; a.lda = K; a.B = W; a.ldb = K; a.C = y; a.ldc = N;
+  a.batch = 1;
+  a.epilogue = bias ? KCU_EPI_BIAS_GELU_AUX : KCU_EPI_GELU_AUX;
+  a.bias = bias; a.bias_dt = dt;
+  a.aux = h; a.ldaux = N;
+  int st = kcu_gemm(ctx, &a, s);
+  if (st == KCU_ENOALGO) return 1;
+  return ck(st, op);
+}
+
 int eng_cu_bmm_run(int abdt, int cdt, int nb, const int64_t* bshape, const eng_mview* A, const eng_mview* B,
                    const eng_mview* C, double alpha, double beta, const void* bias, const char* op) {
   int64_t M = A->rows, K = A->cols, N = B->cols;
@@ -697,6 +718,10 @@ int eng_cu_global_norm(int n, eng_tensor** ts, int from_grads, double p, double*
 int eng_cu_scale(int n, eng_tensor** ts, int from_grads, double s, const char* op) { return NOCU(op); }
 int eng_cu_bmm_run(int abdt, int cdt, int nb, const int64_t* bshape, const eng_mview* A, const eng_mview* B,
                    const eng_mview* C, double alpha, double beta, const void* bias, const char* op) {
+  return NOCU(op);
+}
+int eng_cu_linear_gelu(int dt, int64_t rows, int64_t N, int64_t K, const void* X, const void* W, const void* bias,
+                       void* y, void* h, const char* op) {
   return NOCU(op);
 }
 #endif

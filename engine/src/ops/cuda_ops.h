@@ -111,5 +111,12 @@ int eng_cu_scale(int n, eng_tensor** ts, int from_grads, double s, const char* o
  * not NULL) through cuBLASLt, as eng_bmm_run; A, B of dtype abdt, C of cdt. */
 int eng_cu_bmm_run(int abdt, int cdt, int nb, const int64_t* bshape, const eng_mview* A, const eng_mview* B,
                    const eng_mview* C, double alpha, double beta, const void* bias, const char* op);
+/* linear + tanh GELU in one cuBLASLt product (the BIAS_GELU_AUX epilogue):
+ * y [rows, N] = gelu_tanh(X [rows, K] @ W^T + bias) with W [N, K], all
+ * contiguous, dtype dt (f32, bf16, f16; bias NULL or [N]), and the pre-GELU
+ * values in h [rows, N] for backward.  1 when cuBLASLt has no algorithm for
+ * it (nothing written: the caller runs linear then gelu), -1 on error. */
+int eng_cu_linear_gelu(int dt, int64_t rows, int64_t N, int64_t K, const void* X, const void* W, const void* bias,
+                       void* y, void* h, const char* op);
 
 #endif

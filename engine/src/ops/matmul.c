@@ -15,6 +15,8 @@
 #include <limits.h>
 #include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 
 void eng_mview_of(const eng_tensor* t, int vec, int nb, const int64_t* bshape, eng_mview* m) {
   int tb;
@@ -527,8 +529,9 @@ fail:
  * backward computes gelu's gradient and the bias gradient in one pass before
  * linear's two products.  Saved: x, w, the pre-activation h.  Values and
  * gradients equal eng_gelu(eng_linear(x, w, bias)) bit for bit; DTensors
- * dispatch (sharding/matmul.c: the op on the local shards); every other case
- * (meta, CUDA, other dtypes) runs that composition. */
+ * dispatch (sharding/matmul.c: the op on the local shards); tanh GELU on CUDA
+ * runs in cuBLASLt's epilogue (linear_gelu_cuda); every other case (meta,
+ * exact GELU on CUDA, other dtypes) runs that composition. */
 typedef struct { int dt, op; int64_t n; char *h, *y; } lg_epi;
 
 static void lg_epi_rows(void* vc, int64_t r0, int64_t r1) {
@@ -549,15 +552,73 @@ static int linear_gelu_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
   int need_b = n->n_inputs > 2 && eng_node_needs_grad(n, 2);
   eng_tensor* G = eng_as_contig(go[0], dt);
   eng_tensor* gh = G ? eng_new(h->ndim, h->shape, dt, h->device) : NULL;
-  eng_tensor* gb = need_b ? eng_new(1, &of, dt, h->device) : NULL;
+  eng_tensor* gb = need_b && h->device != ENG_CUDA ? eng_new(1, &of, dt, h->device) : NULL;
   int rc = -1;
-  if (G && gh && (!need_b || gb)) {
+  if (G && gh && h->device == ENG_CUDA) { /* gelu's gradient on the device; linear's backward sums the bias's */
+    if (!eng_cu_unary_grad((int)n->ints[0], dt, h->ndim, h->shape, eng_ptr(gh), gh->stride, eng_ptr(G), G->stride,
+                           eng_ptr(h), h->stride, eng_ptr(G), G->stride, NAN, NAN, n->name))
+      rc = linear_bw_g(n, gh, NULL, gi);
+  } else if (G && gh && (!need_b || gb)) {
     kc_gelu_bias_grad(dt, (int)n->ints[0], rows, of, eng_ptr(G), eng_ptr(h), (void*)eng_ptr(gh),
                       gb ? (void*)eng_ptr(gb) : NULL);
     rc = linear_bw_g(n, gh, gb, gi);
   }
   eng_tensor_release(G); eng_tensor_release(gh); eng_tensor_release(gb);
   return rc;
+}
+
+/* On CUDA, tanh GELU (GPT-2's) rides in cuBLASLt's epilogue: one product writes y and the pre-activation h
+ * (BIAS_GELU_AUX), instead of linear's product then a GELU kernel reading h back; backward is GELU's gradient
+ * kernel then linear's.  Values differ from the composition by rounding only (the GELU sees the f32 accumulator,
+ * not h rounded to the dtype).  ENGINE_GELU_EPILOGUE=0 runs the composition instead. */
+static int cuda_gelu_epilogue(const eng_tensor* x, const eng_tensor* w, const eng_tensor* bias, int approximate) {
+  static int on = -1;
+  if (on < 0) {
+    const char* e = getenv("ENGINE_GELU_EPILOGUE");
+    on = !(e && !strcmp(e, "0"));
+  }
+  int dt = x->dtype;
+  return on && approximate == 1 && x->device == ENG_CUDA && w->device == ENG_CUDA &&
+         (!bias || bias->device == ENG_CUDA) && (dt == ENG_BF16 || dt == ENG_F16 || dt == ENG_F32) &&
+         w->dtype == dt && (!bias || bias->dtype == dt) && x->ndim >= 2 && w->ndim == 2 &&
+         w->shape[1] == x->shape[x->ndim - 1] && w->shape[1] > 0 && w->shape[0] % 8 == 0 &&
+         (!bias || (bias->ndim == 1 && bias->shape[0] == w->shape[0]));
+}
+
+#define LG_NOT_FUSED ((eng_tensor*)1)
+
+static eng_tensor* linear_gelu_cuda(eng_tensor* x, eng_tensor* w, eng_tensor* bias) {
+  int dt = x->dtype;
+  int64_t in_f = w->shape[1], out_f = w->shape[0], rows = x->numel / in_f;
+  int64_t oshape[ENG_MAX_DIMS];
+  for (int d = 0; d < x->ndim - 1; d++) oshape[d] = x->shape[d];
+  oshape[x->ndim - 1] = out_f;
+  eng_tensor *X = eng_as_contig(x, dt), *W = X ? eng_as_contig(w, dt) : NULL, *Bi = NULL;
+  eng_tensor *h = NULL, *y = NULL;
+  if (!X || !W || (bias && !(Bi = eng_as_contig(bias, dt)))) goto fail;
+  if (!(h = eng_new(x->ndim, oshape, dt, x->device)) || !(y = eng_new(x->ndim, oshape, dt, x->device))) goto fail;
+  int st = eng_cu_linear_gelu(dt, rows, out_f, in_f, eng_ptr(X), eng_ptr(W), Bi ? eng_ptr(Bi) : NULL,
+                              (void*)eng_ptr(y), (void*)eng_ptr(h), "linear_gelu");
+  eng_tensor_release(X); eng_tensor_release(W); eng_tensor_release(Bi);
+  X = W = Bi = NULL;
+  if (st > 0) { /* no cuBLASLt algorithm with this epilogue: the composition */
+    eng_tensor_release(h); eng_tensor_release(y);
+    return LG_NOT_FUSED;
+  }
+  if (st < 0) goto fail;
+  eng_tensor* in[3] = {x, w, bias};
+  int nin = bias ? 3 : 2;
+  if (eng_any_requires_grad(nin, in)) {
+    eng_node* nd = eng_record("LinearGeluBackward", linear_gelu_bw, nin, in, y);
+    if (!nd || eng_node_save(nd, x) || eng_node_save(nd, w) || eng_node_save(nd, h)) goto fail;
+    nd->ints[0] = KU_GELU_TANH;
+  }
+  eng_tensor_release(h);
+  return y;
+fail:
+  eng_tensor_release(X); eng_tensor_release(W); eng_tensor_release(Bi);
+  eng_tensor_release(h); eng_tensor_release(y);
+  return NULL;
 }
 
 eng_tensor* eng_linear_gelu(eng_tensor* x, eng_tensor* w, eng_tensor* bias, int approximate) {
@@ -575,6 +636,10 @@ eng_tensor* eng_linear_gelu(eng_tensor* x, eng_tensor* w, eng_tensor* bias, int 
               (x->dtype == ENG_F32 || x->dtype == ENG_F64) &&
               w->dtype == x->dtype && (!bias || bias->dtype == x->dtype) && x->ndim >= 2 && w->ndim == 2 &&
               w->shape[1] == x->shape[x->ndim - 1] && (!bias || (bias->ndim == 1 && bias->shape[0] == w->shape[0]));
+  if (!fused && cuda_gelu_epilogue(x, w, bias, approximate)) {
+    eng_tensor* y = linear_gelu_cuda(x, w, bias);
+    if (y != LG_NOT_FUSED) return y;
+  }
   if (!fused) { /* the composition: its ops check, dispatch DTensors and run other devices */
     eng_tensor* h = eng_linear(x, w, bias);
     if (!h) return NULL;
