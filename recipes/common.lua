@@ -19,6 +19,25 @@ local HOME = (ENGINE_HOME and ENGINE_HOME ~= "") and ENGINE_HOME or "."
 local GROUPS = { "model", "training", "data", "parallel", "run", "logging", "checkpoint", "sampling" }
 M.GROUPS = GROUPS
 
+-- --act_ckpt: "none", "full" or an integer N >= 1 (torchtitan's --activation_checkpoint.mode none | full |
+-- selective with every Nth layer).  act_ckpt_mode(v) -> "none" | "full" | N, or nil for a bad value.
+function M.act_ckpt_mode(v)
+  if v == "none" or v == "full" then return v end
+  local n = type(v) == "string" and v:match("^%d+$") and tonumber(v) or nil
+  if n and n >= 1 then return n end
+  return nil
+end
+function M.check_act_ckpt(v)
+  if M.act_ckpt_mode(v) == nil then return "must be none, full or an integer N >= 1 (every Nth block)" end
+end
+
+-- apply_act_ckpt(model, o) -> the number of blocks marked: --act_ckpt on the model's blocks (models.apply_ac:
+-- marks in place, so checkpoints and parameter names are the same with any --act_ckpt); before parallelize and
+-- fully_shard, as torchtitan applies AC before FSDP.
+function M.apply_act_ckpt(model, o)
+  return require("engine.models").apply_ac(model, M.act_ckpt_mode(o.act_ckpt))
+end
+
 function M.options(extra)
   local I = true
   local list = {
@@ -40,6 +59,8 @@ function M.options(extra)
     { "beta2", 0.95, "AdamW beta2", group = "training", min = 0, max = 1 },
     { "grad_clip", 1.0, "clip the global gradient norm to this; 0: no clipping", group = "training", min = 0 },
     { "seed", 1337, "seed of the model init, data order, dropout and sample", group = "training", int = I },
+    { "act_ckpt", "none", "activation checkpointing of the transformer blocks (recomputed in backward instead of "
+      .. "kept): none, full (every block), or N (every Nth block)", group = "training", check = M.check_act_ckpt },
     { "threads", 0, "BLAS/kernel threads per rank; 0: the BLAS default with one rank, cores / ranks with several",
       group = "training", int = I, min = 0 },
     { "device", "cpu", "cpu, or cuda: the model, batches and meshes on each rank's GPU, NCCL between ranks",

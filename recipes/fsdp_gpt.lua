@@ -150,6 +150,8 @@ local function main(argv)
     C.init_weights(model, o.n_layers)
   end
   local n_params = model:num_parameters()
+  -- --act_ckpt: the blocks marked for activation checkpointing (in place), before TP and FSDP (as torchtitan)
+  local n_ac = C.apply_act_ckpt(model, o)
   if o.device ~= "cpu" then model:to(o.device) end -- every parameter and buffer on the GPU before sharding
   -- 2-D: tensor parallelism first (each rank keeps its tp shard), then FSDP shards those over the dp dims
   if two_d then
@@ -187,6 +189,10 @@ local function main(argv)
   if two_d then
     log(NAME .. ": mesh %s: tensor parallel over %d rank(s)%s on mesh[\"tp\"] %s, data parallel over %d",
       tostring(root_mesh), tp, o.sp == 1 and " with sequence parallelism" or "", tostring(tp_mesh), dpw)
+  end
+  if n_ac > 0 then
+    log(NAME .. ": activation checkpointing (--act_ckpt=%s) of %d of %d blocks (the recompute all-gathers them "
+      .. "again)", o.act_ckpt, n_ac, #model.layers:children())
   end
   log(NAME .. ": fully_shard of %d blocks + the root on mesh %s (%s), reshard_after_forward=%s, mixed precision %s",
     #model.layers:children(), tostring(mesh), o.hsdp > 1 and "HSDP: replicate x shard" or "FSDP",

@@ -105,6 +105,8 @@ local function main(argv)
   end
   engine.manual_seed(o.seed)
   local model = build()
+  -- --act_ckpt: the blocks marked for activation checkpointing (in place), before parallelizing (as torchtitan)
+  local n_ac = C.apply_act_ckpt(model, o)
   if o.device ~= "cpu" then model:to(o.device) end -- before parallelizing: every parameter and buffer there
   if tp > 1 then
     if MODEL then MODEL.parallelize(model, mesh["tp"], o)
@@ -144,6 +146,10 @@ local function main(argv)
     o.n_layers, o.dim, o.n_heads, o.seq, o.vocab_size), dp, o.batch, dp * o.batch * o.seq,
     o.steps, o.lr, o.warmup, o.min_lr_ratio * o.lr, o.weight_decay, o.grad_clip, o.seed,
     engine.get_num_threads(), engine.blas_core())
+  if n_ac > 0 then
+    log(NAME .. ": activation checkpointing (--act_ckpt=%s) of %d of %d blocks", o.act_ckpt, n_ac,
+      #model.layers:children())
+  end
   if tp > 1 then
     log(NAME .. ": tensor parallel over %d ranks%s, data parallel over %d (mesh %s)", tp,
       o.sp == 1 and " with sequence parallelism" or "", dp, tostring(mesh))

@@ -139,6 +139,60 @@ describe("recipes/gpt.lua", function()
     assert.are.equal(s1, out2:match("sample %(temperature [^)]*%):\n(God[^\n]*)"))
   end)
 
+  it("--act_ckpt=full and =2 print the losses and parameter digest of a run without (dropout on); resume with "
+    .. "another --act_ckpt", function()
+    local function exact(out)
+      local r = {}
+      for line in out:gmatch("[^\n]+") do
+        local s, l = line:match("^step%s+(%d+) | loss (%S+)")
+        if s then r[tonumber(s)] = l end
+      end
+      return r, out:match("parameter digest (%x+)")
+    end
+    local base = { "--n_layers=2", "--steps=3", "--ckpt_every=-1", "--log_exact=1" }
+    local runs = {}
+    for _, mode in ipairs({ "none", "full", "2" }) do
+      local a = tiny(base)
+      a[#a + 1] = "--act_ckpt=" .. mode
+      a[#a + 1] = "--out=" .. TMP .. "/ac_" .. mode
+      local out, rc = run_recipe(a)
+      assert.are.equal(0, rc, out)
+      local losses, digest = exact(out)
+      runs[mode] = { losses = losses, digest = digest }
+      assert.is_not_nil(digest, out)
+      for s = 1, 3 do assert.is_not_nil(losses[s], "no loss for step " .. s .. ":\n" .. out) end
+      if mode ~= "none" then
+        assert.is_truthy(out:find("activation checkpointing (--act_ckpt=" .. mode .. ") of " .. (mode == "full" and 2 or 1)
+          .. " of 2 blocks", 1, true), out)
+      end
+      -- the resolved config records it
+      assert.are.equal(mode, require("engine.json").read_file(TMP .. "/ac_" .. mode .. "/config.json").act_ckpt)
+    end
+    for _, mode in ipairs({ "full", "2" }) do
+      assert.are.same(runs.none.losses, runs[mode].losses, "--act_ckpt=" .. mode)
+      assert.are.equal(runs.none.digest, runs[mode].digest, "--act_ckpt=" .. mode)
+    end
+    -- not a model-shape option: a run saved with --act_ckpt=full resumes with --act_ckpt=none (and the same losses)
+    local dir = TMP .. "/ac_ck"
+    local a = tiny({ "--n_layers=2", "--steps=2", "--ckpt_every=2", "--log_exact=1", "--act_ckpt=full",
+      "--ckpt_dir=" .. dir })
+    local out, rc = run_recipe(a)
+    assert.are.equal(0, rc, out)
+    a = tiny({ "--n_layers=2", "--steps=3", "--ckpt_every=-1", "--log_exact=1", "--act_ckpt=none", "--ckpt_dir=" .. dir,
+      "--resume=latest" })
+    out, rc = run_recipe(a)
+    assert.are.equal(0, rc, out)
+    local losses, digest = exact(out)
+    assert.are.equal(runs.none.losses[3], losses[3], out)
+    assert.are.equal(runs.none.digest, digest)
+    -- a bad value is a usage error
+    for _, bad in ipairs({ "selective", "0", "1.5" }) do
+      out, rc = run_recipe({ "--act_ckpt=" .. bad })
+      assert.are.equal(2, rc, out)
+      assert.is_truthy(out:find("gpt: --act_ckpt=" .. bad .. ": must be none, full or an integer N >= 1", 1, true), out)
+    end
+  end)
+
   it("rejects unknown or malformed options with a clear message", function()
     local out, rc = run_recipe({ "--no_such_option=1" })
     assert.are_not.equal(0, rc)

@@ -1030,6 +1030,33 @@ function Llama.parallelize(model, mesh, opts)
   return model
 end
 
+-- models.apply_ac(model, mode) -> the number of blocks marked: activation checkpointing of a Transformer's or
+-- a Llama's blocks (model.layers), torchtitan's --activation_checkpoint.mode: "none" (removes the blocks' marks),
+-- "full" (every block), or an integer N >= 1 (every Nth block: layers N-1, 2N-1, ... (0-based names), torchtitan's
+-- per-layer selective AC).  Through nn.apply_activation_checkpointing: the blocks are marked in place (names,
+-- state dicts and checkpoints unchanged); call it before or after parallelize / fully_shard.  Also
+-- Transformer.apply_ac and Llama.apply_ac.
+function M.apply_ac(model, mode)
+  if type(model) ~= "table" or not nn.is_module(model) or not nn.is_module(model.layers) then
+    error("apply_ac: expected a model with its blocks in model.layers (Transformer, Llama), got "
+      .. tostring(type(model) == "table" and model.__name or type(model)), 2)
+  end
+  local every
+  if mode == "full" then every = 1
+  elseif type(mode) == "number" and mode % 1 == 0 and mode >= 1 then every = mode
+  elseif mode ~= "none" then
+    error("apply_ac: mode must be \"none\", \"full\" or an integer N >= 1 (every Nth block), got " .. tostring(mode), 2)
+  end
+  local blocks = {}
+  for _, b in ipairs(model.layers:children()) do blocks[b] = true end
+  local function is_block(m) return blocks[m] == true end
+  nn.apply_activation_checkpointing(model, { check_fn = is_block, enabled = false })
+  if not every then return 0 end
+  return nn.apply_activation_checkpointing(model, { check_fn = is_block, every = every })
+end
+Transformer.apply_ac = M.apply_ac
+Llama.apply_ac = M.apply_ac
+
 -- model:generate(ids, opts): sampling with a KV cache (engine.generation)
 local generation = require("engine.generation")
 Transformer.generate = generation.generate

@@ -2,12 +2,17 @@
 --
 --   h = nn.checkpoint(layer, h)            -- a module (its hooks run too)
 --   y = nn.checkpoint(function(a, b) ... end, a, b)
+--   nn.apply_activation_checkpointing(model, {check_fn = function(m) return m:is_a(Block) end})
+--                                          -- marks modules in place: each call of one is nn.checkpoint(m, ...)
 --
 -- The forward runs without recording a graph, so none of its activations are
 -- kept; only the inputs and the random-number state are saved.  In backward
 -- the RNG state is restored (so dropout draws the same masks), the forward is
 -- recomputed with gradients on, and the gradients of the inputs and of the
--- parameters the region uses are computed from the recomputed graph.
+-- parameters the region uses are computed from the recomputed graph.  The
+-- recompute also runs under the forward's DTensor implicit replication
+-- (dist.implicit_replication: a forward run inside it, with plain tensors among
+-- DTensors, is recomputed by a backward that runs outside it).
 --
 -- The parameters the region uses are inputs of the checkpoint's autograd node
 -- even when no argument requires grad (PyTorch's non-reentrant checkpoint
@@ -68,11 +73,24 @@ local function region_params(module, reads)
   return list
 end
 
+-- Modules whose checkpointed call is running now (module -> depth): the region calls the module again (in the
+-- forward and in the recompute), and that call must run the module itself, not checkpoint it once more.
+local running = setmetatable({}, { __mode = "k" })
+
+local function pack(...) return { n = select("#", ...), ... } end
+
 local function checkpoint(fn, ...)
   local callable, module
   if mod.is_module(fn) then
     module = fn
-    callable = function(...) return module(...) end
+    callable = function(...)
+      running[module] = (running[module] or 0) + 1
+      local r = pack(pcall(module, ...))
+      local depth = running[module] - 1
+      running[module] = depth > 0 and depth or nil
+      if not r[1] then error(r[2], 0) end
+      return unpack(r, 2, r.n)
+    end
   elseif type(fn) == "function" then
     callable = fn
   else
@@ -89,6 +107,7 @@ local function checkpoint(fn, ...)
   -- the forward, without a graph, noting the parameters it looks up
   local st = {}
   st.seed, st.offset = get_rng()
+  st.implicit = C.eng_dtensor_implicit_replication()   -- the recompute runs under the forward's setting
   local saved = {}      -- detached aliases of the tensor arguments (the originals' graphs are not needed)
   for i = 1, nargs do saved[i] = args[i] end
   for _, i in ipairs(arg_pos) do
@@ -119,7 +138,9 @@ local function checkpoint(fn, ...)
         if st[i] and d:is_floating_point() then d:requires_grad_(true); want[#want + 1] = d end
         inputs[i] = d
       end
+      local prev_implicit = C.eng_dtensor_set_implicit_replication(st.implicit)
       local rok, rres = pcall(function() return { autograd.enable_grad(callable, unpack(inputs, 1, nargs)) } end)
+      C.eng_dtensor_set_implicit_replication(prev_implicit)
       set_rng(cur_seed, cur_off)
       if not rok then error(rres, 0) end
       local outs, gouts = {}, {}
@@ -164,4 +185,87 @@ local function checkpoint(fn, ...)
   return unpack(out, 1, n_out)
 end
 
-return { checkpoint = checkpoint }
+-- The call of a module marked by apply_activation_checkpointing (nn.Module's __call comes here when the module's
+-- _checkpoint field is set): under no_grad, or inside the module's own checkpointed call (nn.checkpoint calls the
+-- module again in its forward and recompute), the module runs plainly (hooks and forward); else as
+-- nn.checkpoint(module, ...).
+local call_unmarked = mod._call_unmarked
+local function marked_call(module, ...)
+  if running[module] or not autograd.is_grad_enabled() then return call_unmarked(module, ...) end
+  return checkpoint(module, ...)
+end
+mod._register_checkpoint_call(marked_call)
+
+-- nn.apply_activation_checkpointing(model, opts) -> count: marks submodules of model (in place: no wrapper, the
+-- names of parameters and state dicts unchanged) so that each call of a marked module runs as
+-- nn.checkpoint(module, ...): its activations are recomputed in backward instead of kept.  PyTorch's
+-- apply_activation_checkpointing(model, check_fn=...) with the composable checkpoint(module); torchtitan's
+-- per-layer selective AC with `every`.  opts:
+--   check_fn  function(module, name) -> true for the modules to mark (name: as model:named_modules() gives it,
+--             "" for model itself); or
+--   modules   a list of submodules of model to mark
+--   every     N >= 1 (default 1): only every Nth module selected, in model:named_modules() order (the Nth, 2Nth, ...;
+--             torchtitan's selective_ac_option = N)
+--   enabled   false: remove the marks instead (of the modules selected; of every module when neither check_fn nor
+--             modules is given)
+-- Returns the number of modules marked (with enabled = false: the number of marks removed).  Order with
+-- dist.fully_shard and parallelize_module does not matter (FSDP's hooks run inside the checkpointed region: the
+-- recompute all-gathers again).  A marked module inside another marked module is checkpointed again during the
+-- outer one's recompute (nested checkpoints: correct, but the inner forward then runs three times).
+local function apply_activation_checkpointing(model, opts)
+  local op = "apply_activation_checkpointing"
+  if not mod.is_module(model) then
+    core.fail(op .. ": expected a Module as the first argument, got " .. type(model))
+  end
+  if opts == nil then
+    core.fail(op .. ": expected options {check_fn = function(module, name) -> bool} or {modules = {...}}")
+  end
+  opts = core.check_opts(opts, { "check_fn", "modules", "every", "enabled" }, op)
+  local check_fn, modules, every, enabled = opts.check_fn, opts.modules, opts.every, opts.enabled
+  if enabled == nil then enabled = true end
+  if type(enabled) ~= "boolean" then core.fail(op .. ": enabled must be a boolean, got " .. tostring(enabled)) end
+  if every == nil then every = 1 end
+  if type(every) ~= "number" or every % 1 ~= 0 or every < 1 then
+    core.fail(op .. ": every must be an integer >= 1, got " .. tostring(every))
+  end
+  if check_fn ~= nil and type(check_fn) ~= "function" then
+    core.fail(op .. ": check_fn must be a function(module, name) -> boolean, got " .. type(check_fn))
+  end
+  if check_fn ~= nil and modules ~= nil then core.fail(op .. ": give check_fn or modules, not both") end
+  local listed
+  if modules ~= nil then
+    if type(modules) ~= "table" or getmetatable(modules) ~= nil then
+      core.fail(op .. ": modules must be a list of modules, got " .. (mod.is_module(modules) and "a Module (wrap it "
+        .. "in a list)" or type(modules)))
+    end
+    local inside = {}
+    for _, m in ipairs(model:modules()) do inside[m] = true end
+    listed = {}
+    for i, m in ipairs(modules) do
+      if not mod.is_module(m) then core.fail(string.format("%s: modules[%d] is a %s, not a Module", op, i, type(m))) end
+      if not inside[m] then
+        core.fail(string.format("%s: modules[%d] (%s) is not a submodule of the model", op, i, m.__name))
+      end
+      listed[m] = true
+    end
+  end
+  if check_fn == nil and listed == nil and enabled then
+    core.fail(op .. ": give check_fn = function(module, name) -> bool or modules = {...}: which modules to checkpoint")
+  end
+  local selected = {}
+  for name, m in model:named_modules() do
+    local hit
+    if check_fn then hit = check_fn(m, name) elseif listed then hit = listed[m] else hit = true end
+    if hit then selected[#selected + 1] = m end
+  end
+  local count = 0
+  for k, m in ipairs(selected) do
+    if k % every == 0 then
+      if enabled then rawset(m, "_checkpoint", true); count = count + 1
+      elseif rawget(m, "_checkpoint") then rawset(m, "_checkpoint", nil); count = count + 1 end
+    end
+  end
+  return count
+end
+
+return { checkpoint = checkpoint, apply_activation_checkpointing = apply_activation_checkpointing }

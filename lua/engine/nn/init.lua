@@ -20,6 +20,7 @@ for _, name in ipairs({ "linear", "embedding", "norm", "dropout", "activation", 
 end
 
 nn.checkpoint = require("engine.nn.checkpoint").checkpoint
+nn.apply_activation_checkpointing = require("engine.nn.checkpoint").apply_activation_checkpointing
 
 nn.utils = {
   clip_grad_norm_ = function(...) return require("engine.optim.clip").clip_grad_norm_(...) end,

@@ -264,7 +264,27 @@ jit.off(call_with_hooks)
 jit.off(run_hooks)
 jit.off(run_object_hooks)
 
+-- Activation checkpointing marks (a registration point).  nn.apply_activation_checkpointing marks a module in
+-- place (its _checkpoint field, set with rawset; PyTorch's composable checkpoint(module)): no wrapper module, so
+-- parameter and state-dict names, hooks and FSDP's class swap stay as they are.  A marked module's call goes
+-- to the function engine.nn.checkpoint registers here (it runs the call as nn.checkpoint(module, ...), which
+-- calls the module again inside the region: that inner call runs unmarked, M._call_unmarked).  module.lua
+-- names no checkpointing code (engine.nn.checkpoint requires this file, not the other way round).
+local checkpoint_call = nil
+function M._register_checkpoint_call(fn) checkpoint_call = fn end
+
+-- The call without the mark: forward-pre hooks, forward, forward hooks.
+local function call_unmarked(self, ...)
+  local cm = rawget(self, "_cmod")
+  if hook_count(cm, PRE) == 0 and hook_count(cm, POST) == 0 then
+    return self:forward(...)
+  end
+  return call_with_hooks(self, ...)
+end
+M._call_unmarked = call_unmarked
+
 local function module_call(self, ...)
+  if rawget(self, "_checkpoint") then return checkpoint_call(self, ...) end  -- (one lookup when nothing is marked)
   local cm = rawget(self, "_cmod")
   if hook_count(cm, PRE) == 0 and hook_count(cm, POST) == 0 then
     return self:forward(...)
@@ -952,11 +972,13 @@ end
 -- ---------------------------------------------------------------- printing
 function Module:extra_repr() return "" end
 
+-- (a module marked for activation checkpointing shows " [checkpointed]" after its opening line)
 function Module:_repr(indent)
   local names, mods = self:_children_list()
   local extra = self:extra_repr() or ""
-  if #names == 0 then return self.__name .. "(" .. extra .. ")" end
-  local lines = { self.__name .. "(" }
+  local mark = rawget(self, "_checkpoint") and " [checkpointed]" or ""
+  if #names == 0 then return self.__name .. "(" .. extra .. ")" .. mark end
+  local lines = { self.__name .. "(" .. mark }
   local inner = indent .. "  "
   if extra ~= "" then lines[#lines + 1] = inner .. extra end
   for i = 1, #names do
