@@ -3,7 +3,8 @@
  *
  * Forward: one block per row, one read of the row: each thread keeps an
  * online (max, sum of exp) pair and the plain sum (for smoothing) over
- * 16-byte vector loads, then the block merges them; loss and logsumexp are
+ * 16-byte vector loads (the pair updated once per vector: kcm_lse_add_n),
+ * then the block merges them; loss and logsumexp are
  * saved per row.  Backward: one block per row writes
  * s (softmax - (1 - eps) onehot - eps/C) from the saved logsumexp.
  * kcu_masked_mean turns per-row losses into the 'mean' reduction (one
@@ -21,6 +22,14 @@ __device__ __forceinline__ void lse_add(double* m, double* s, double x) { kcm_ls
 __device__ __forceinline__ void lse_merge(float* m, float* s, float m2, float s2) { kcm_lse_merge(m, s, m2, s2); }
 __device__ __forceinline__ void lse_merge(double* m, double* s, double m2, double s2) {
   kcm_lse_merge_f64(m, s, m2, s2);
+}
+/* A vector load's V values at once (f32 accumulation: kcm_lse_add_n); f64 element by element. */
+template <int V> __device__ __forceinline__ void lse_add_vec(float* m, float* s, const float (&v)[V]) {
+  kcm_lse_add_n(m, s, v, V);
+}
+template <int V> __device__ __forceinline__ void lse_add_vec(double* m, double* s, const double (&v)[V]) {
+#pragma unroll
+  for (int k = 0; k < V; k++) kcm_lse_add_f64(m, s, v[k]);
 }
 __device__ __forceinline__ float klog(float x) { return logf(x); }
 __device__ __forceinline__ double klog(double x) { return log(x); }
@@ -48,8 +57,10 @@ __global__ void __launch_bounds__(kThreads) ce_fwd(int64_t N, int64_t C, const T
     for (int64_t j = (int64_t)threadIdx.x * V; j < C; j += (int64_t)blockDim.x * V) {
       if (V > 1 && j + V <= C) {
         cvec<T, V> a = *reinterpret_cast<const cvec<T, V>*>(xr + j);
+        A v[V];
 #pragma unroll
-        for (int k = 0; k < V; k++) { A v = kload(a.v[k]); lse_add(&m, &s, v); sx += v; }
+        for (int k = 0; k < V; k++) { v[k] = kload(a.v[k]); sx += v[k]; }
+        lse_add_vec<V>(&m, &s, v);
       } else {
         for (int k = 0; k < V && j + k < C; k++) { A v = kload(xr[j + k]); lse_add(&m, &s, v); sx += v; }
       }
