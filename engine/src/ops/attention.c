@@ -118,6 +118,32 @@ static eng_tensor* grad_buffer(const eng_tensor* like, int cdt, int zero) {
   return new_like_layout(like, like->shape, cdt, zero);
 }
 
+int eng_sdpa_fused_qkv(const eng_tensor* q, const eng_tensor* k, const eng_tensor* v) {
+  if (q->ndim != 4 || k->ndim != 4 || v->ndim != 4 || !q->storage || q->storage != k->storage ||
+      q->storage != v->storage || q->dtype != k->dtype || q->dtype != v->dtype)
+    return 0;
+  for (int d = 0; d < 4; d++)
+    if (k->shape[d] != q->shape[d] || v->shape[d] != q->shape[d] || k->stride[d] != q->stride[d] ||
+        v->stride[d] != q->stride[d])
+      return 0;
+  int64_t H = q->shape[1], L = q->shape[2], D = q->shape[3];
+  return q->stride[3] == 1 && q->stride[1] == D && q->stride[2] == 3 * H * D && q->stride[0] == L * 3 * H * D &&
+         k->offset == q->offset + H * D && v->offset == q->offset + 2 * H * D;
+}
+
+/* The gradients of a fused QKV projection's q, k, v (eng_sdpa_fused_qkv): views of one new [B, L, 3 H D] tensor at
+ * q, k and v's places, so the split's backward takes it whole instead of a cat of three buffers. */
+static int fused_grad_buffers(const eng_tensor* q, int cdt, eng_tensor** gq, eng_tensor** gk, eng_tensor** gv) {
+  int64_t n = q->shape[0] * q->shape[2] * 3 * q->shape[1] * q->shape[3], hd = q->shape[1] * q->shape[3];
+  eng_tensor* buf = eng_new(1, &n, cdt, q->device);
+  if (!buf) return -1;
+  *gq = eng_view_of(buf, 4, q->shape, q->stride, 0);
+  *gk = eng_view_of(buf, 4, q->shape, q->stride, hd);
+  *gv = eng_view_of(buf, 4, q->shape, q->stride, 2 * hd);
+  eng_tensor_release(buf);
+  return *gq && *gk && *gv ? 0 : -1;
+}
+
 /* One operand of the per-batch products: base pointer, BLAS layout and the
  * byte offset of every batch (row-major over the batch shape). */
 typedef struct { char* p; int t; int64_t ld; int64_t* off; } opnd;
@@ -340,6 +366,9 @@ static int sdpa_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
   if (!(G = in_dtype(go[0], cdt)) || eng_mview_prep(G, 0, 0, nb, bs, &vg, &hg) || opnd_make(&vg, nb, bs, es, 0, &c.g))
     goto done;
   c.P = eng_ptr(P);
+  if (c.need_q && c.need_k && c.need_v && !zero && q->dtype == cdt && eng_sdpa_fused_qkv(q, k, v) &&
+      fused_grad_buffers(q, cdt, &gq, &gk, &gv))
+    goto done;
   if (dp > 0.0) {
     if (!(U = dropout_keep_box(&p, n->ctx, dp, (uint64_t)n->ints[0], (uint64_t)n->ints[1]))) goto done;
     if (!(Pd = eng_new(P->ndim, P->shape, cdt, P->device))) goto done;
@@ -347,7 +376,7 @@ static int sdpa_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
     c.Pd = eng_ptr(Pd);
   }
   if (c.need_v) {
-    if (!(gv = grad_buffer(v, cdt, zero))) goto done;
+    if (!gv && !(gv = grad_buffer(v, cdt, zero))) goto done;
     eng_mview_of(gv, 0, nb, bs, &vc);
     if (opnd_make(&vc, nb, bs, es, 1, &c.gv)) goto done;
   }
@@ -360,14 +389,14 @@ static int sdpa_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
   if (c.need_q) {
     if (!(K = in_dtype(k, cdt)) || eng_mview_prep(K, 0, 0, nb, bs, &vk, &hk) || opnd_make(&vk, nb, bs, es, 0, &c.k))
       goto done;
-    if (!(gq = grad_buffer(q, cdt, zero))) goto done;
+    if (!gq && !(gq = grad_buffer(q, cdt, zero))) goto done;
     eng_mview_of(gq, 0, nb, bs, &vc);
     if (opnd_make(&vc, nb, bs, es, 1, &c.gq)) goto done;
   }
   if (c.need_k) {
     if (!(Q = in_dtype(q, cdt)) || eng_mview_prep(Q, 0, 0, nb, bs, &vq, &hq) || opnd_make(&vq, nb, bs, es, 0, &c.q))
       goto done;
-    if (!(gk = grad_buffer(k, cdt, zero))) goto done;
+    if (!gk && !(gk = grad_buffer(k, cdt, zero))) goto done;
     eng_mview_of(gk, 0, nb, bs, &vc);
     if (opnd_make(&vc, nb, bs, es, 1, &c.gk)) goto done;
   }

@@ -5,6 +5,7 @@
  * GEMM planning over cuBLASLt, flash attention, multi-tensor optimizer
  * launches grouped by dtype. */
 #include "ops/cuda_ops.h"
+#include "ops/ops.h"
 #include <math.h>
 #include <stdio.h>
 
@@ -246,20 +247,6 @@ static eng_tensor* new_ordered_like(const eng_tensor* like, int ndim, const int6
   return t;
 }
 
-/* q, k, v as the models' fused QKV projection makes them: [B, H, L, D] views of one [B, L, 3 H D] tensor (its
- * three last-dim thirds).  Their gradients then go to the same places of one new [B, L, 3 H D] tensor, which the
- * split's backward takes whole (adjacent pieces: no cat). */
-static int fused_qkv(const eng_tensor* q, const eng_tensor* k, const eng_tensor* v) {
-  if (q->storage != k->storage || q->storage != v->storage || q->dtype != k->dtype || q->dtype != v->dtype) return 0;
-  for (int d = 0; d < 4; d++)
-    if (k->shape[d] != q->shape[d] || v->shape[d] != q->shape[d] || k->stride[d] != q->stride[d] ||
-        v->stride[d] != q->stride[d])
-      return 0;
-  int64_t H = q->shape[1], L = q->shape[2], D = q->shape[3];
-  return q->stride[3] == 1 && q->stride[1] == D && q->stride[2] == 3 * H * D && q->stride[0] == L * 3 * H * D &&
-         k->offset == q->offset + H * D && v->offset == q->offset + 2 * H * D;
-}
-
 static int attn_check(eng_tensor* q, eng_tensor* k, eng_tensor* v, const char* op) {
   if (q->ndim != 4 || k->ndim != 4 || v->ndim != 4)
     return eng_err("%s: cuda tensors need 4-D q, k, v [B, H, L, D]; got q %s, k %s, v %s "
@@ -326,7 +313,7 @@ int eng_cu_sdpa_bwd(eng_tensor* q, eng_tensor* k, eng_tensor* v, eng_tensor* o, 
   if (!Q || !K || !V) goto done;
   if (!(G = dout->dtype == q->dtype ? eng_unit_last_stride(dout) : eng_as_contig(dout, q->dtype))) goto done;
   /* the kernel writes all three (unneeded ones go to scratch tensors), in the layouts of q, k and v */
-  if (fused_qkv(q, k, v)) {
+  if (eng_sdpa_fused_qkv(q, k, v)) {
     int64_t n = q->shape[0] * q->shape[2] * 3 * q->shape[1] * q->shape[3];
     eng_tensor* buf = eng_new(1, &n, q->dtype, q->device);
     if (!buf) goto done;

@@ -22,6 +22,11 @@ eng_tensor* eng_dropout_shard(eng_tensor* x, double p, const eng_dist_spec* spec
 eng_tensor* eng_sdpa_shard(eng_tensor* q, eng_tensor* k, eng_tensor* v, eng_tensor* mask, double dropout_p,
                            int is_causal, double scale, const int64_t* pshape, const int64_t* pstart);
 
+/* attention.c: 1 when q, k, v are [B, H, L, D] views of one [B, L, 3 H D] tensor, its three last-dim thirds (the
+ * models' fused QKV projection): their gradients then go to the same places of one new tensor, which the split's
+ * backward takes whole (adjacent pieces: no cat).  Used by the CPU and CUDA backwards. */
+int eng_sdpa_fused_qkv(const eng_tensor* q, const eng_tensor* k, const eng_tensor* v);
+
 /* The CUDA host fallback of ops without device kernels (index.c; used by loss_ext.c): a contiguous host copy
  * of t in dtype (new reference), and a host result moved to device (consumes r); neither records autograd. */
 eng_tensor* eng_op_host(eng_tensor* t, int dtype);
