@@ -16,10 +16,12 @@
 #   4. writes the logs and OUTDIR/summary.md: GPU, driver, commit, then one line per suite
 #      "<spec file> np=<N> device=cuda: <P> passed, <F> failed, <S> skipped", then the benchmarks' last lines.
 # Each stage has a time limit; stages are skipped, and say so, once --budget (default 450 s) is spent.
-# With the benchmarks it also tries the opt-in kernels listed in GPU_CHECK_OPT_IN (default ENGINE_GELU_EPILOGUE=0
-# ENGINE_NORM_BWD=lean ENGINE_ATTN_BWD=split ENGINE_ATTN_FWD_ROWS=128 ENGINE_ATTN_DQ_ROWS=128; empty: none): the
-# kernel's checks (the attention spec; for ENGINE_NORM_*, ctests/test_cuda_norm and the norm specs; for
-# ENGINE_GELU_*, the linear_gelu spec) and the engine's step with each variable, beside the default step.
+# With the benchmarks it also tries the opt-in kernels listed in GPU_CHECK_OPT_IN (default ENGINE_GEMM_AUTOTUNE=1
+# ENGINE_GELU_EPILOGUE=0 ENGINE_NORM_BWD=lean; the attention ones measured on 2026-11-28, ENGINE_ATTN_BWD=split
+# ENGINE_ATTN_FWD_ROWS=128 ENGINE_ATTN_DQ_ROWS=128, are still understood; empty: none): the kernel's checks (the
+# attention spec; for ENGINE_NORM_*, ctests/test_cuda_norm and the norm specs; for ENGINE_GELU_*, the linear_gelu
+# spec; for ENGINE_GEMM_*, the cuBLASLt spec and the linear specs) and the engine's step with each variable, beside
+# the default step, and the op alone.
 # --only REGEX runs only the spec files whose path matches (grep -E), and no C tests (for quick reruns).
 # --nps LIST: the rank counts of the multi-rank specs (default "1 2 4"); --single 0 skips the single-process specs.
 # Exit status 0 when every suite ran and nothing failed.
@@ -35,7 +37,7 @@ ONLY=""
 NPS="1 2 4"
 SINGLE_SPECS=1
 # opt-in kernels to measure against the default (each: spec line, default step, step with the variable)
-OPT_IN=${GPU_CHECK_OPT_IN-ENGINE_GELU_EPILOGUE=0 ENGINE_NORM_BWD=lean ENGINE_ATTN_BWD=split ENGINE_ATTN_FWD_ROWS=128 ENGINE_ATTN_DQ_ROWS=128}
+OPT_IN=${GPU_CHECK_OPT_IN-ENGINE_GEMM_AUTOTUNE=1 ENGINE_GELU_EPILOGUE=0 ENGINE_NORM_BWD=lean}
 while [ $# -gt 0 ]; do
   case "$1" in
     --bundle) BUNDLE=${2:?}; shift 2 ;;
@@ -232,6 +234,11 @@ dtensor_dispatch (cuda): $(grep -m1 'overhead' "$OUT/dtensor_dispatch.log" | sed
             env "$var" timeout 60 "$BUILD/ctests/test_cuda_norm" 2>&1 | tail -1
             env "$var" timeout 60 "$ENGINE" "$BUSTED" --ignore-lua -o tools/passfail.lua --tags=gpu --filter='layer_norm and rms_norm' \
               spec/cuda_spec.lua 2>&1 | tail -1 ;;
+          ENGINE_GEMM_*) # cuBLASLt's algorithm choice: the GEMM kernel spec and the linear/matmul conformance
+            env "$var" timeout 60 "$ENGINE" "$BUSTED" --ignore-lua -o tools/passfail.lua --tags=gpu \
+              --filter='cuBLASLt GEMM' spec/cuda_spec.lua 2>&1 | tail -1
+            env "$var" timeout 60 "$ENGINE" "$BUSTED" --ignore-lua -o tools/passfail.lua --tags=gpu \
+              --filter='matmul' --filter='linear_gelu' spec/cuda_ops_spec.lua 2>&1 | tail -1 ;;
           ENGINE_GELU_*) # linear + GELU: the composition instead of cuBLASLt's epilogue
             env "$var" timeout 60 "$ENGINE" "$BUSTED" --ignore-lua -o tools/passfail.lua --tags=gpu \
               --filter='linear_gelu' spec/cuda_ops_spec.lua 2>&1 | tail -1 ;;
@@ -241,7 +248,8 @@ dtensor_dispatch (cuda): $(grep -m1 'overhead' "$OUT/dtensor_dispatch.log" | sed
         timeout 90 "$ENGINE" recipes/bench/gpu_step.lua --torch=0 --tp1=0 2>&1 | grep -E '^engine \('
         env "$var" timeout 90 "$ENGINE" recipes/bench/gpu_step.lua --torch=0 --tp1=0 2>&1 | grep -E '^engine \('
         # the kernel's op alone, without and with the variable (recipes/bench/gpu_kernels.lua)
-        case "$var" in ENGINE_NORM_*) k='layer_norm' ;; ENGINE_GELU_*) k='linear_gelu' ;; *) k='sdpa' ;; esac
+        case "$var" in ENGINE_NORM_*) k='layer_norm' ;; ENGINE_GELU_*) k='linear_gelu' ;; ENGINE_GEMM_*) k='linear' ;;
+          *) k='sdpa' ;; esac
         timeout 60 "$ENGINE" recipes/bench/gpu_kernels.lua --only="$k" 2>&1 | grep -E ' us ' | sed 's/^/default: /'
         env "$var" timeout 60 "$ENGINE" recipes/bench/gpu_kernels.lua --only="$k" 2>&1 | grep -E ' us ' | sed 's/^/with it: /'
       } > "$f" 2>&1

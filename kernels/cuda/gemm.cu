@@ -10,7 +10,19 @@
  * Descriptors, layouts and the heuristic's algorithm are cached per
  * configuration (shape, dtypes, transposes, leading dims, batch, epilogue
  * and pointer alignment): a training step asks for the same few GEMMs every
- * iteration, and the heuristic costs tens of microseconds. */
+ * iteration, and the heuristic costs tens of microseconds.
+ *
+ * ENGINE_GEMM_AUTOTUNE=1 (opt-in until a GPU run has timed it): a new plan
+ * takes the fastest of the heuristic's first kTuneAlgos algorithms instead
+ * of its first, each timed on the plan's own shape (one warm-up, then
+ * kTuneReps runs between CUDA events on the caller's stream) with the output
+ * (and a GELU epilogue's aux output) in scratch memory, so the caller's C is
+ * untouched (with beta != 0 the scratch's contents are read, which does not
+ * change the timing).  Once per distinct GEMM; a failure to get scratch
+ * memory or events keeps the heuristic's first.  On the H200 the backward
+ * GEMMs of GPT-2 ran at about 80% of the forward's rate (the kernel trace of
+ * docs/gpu-runs/2026-11-28-b.md); this asks whether another algorithm closes
+ * it. */
 #include "common.cuh"
 #include <cublasLt.h>
 #include <stdlib.h>
@@ -19,6 +31,8 @@
 namespace {
 
 const int kCacheSize = 128;
+const int kTuneAlgos = 8;
+const int kTuneReps = 3;
 
 struct GemmKey {
   int ta, tb, abdt, cdt, tf32, epi, bias_dt, align;
@@ -110,7 +124,69 @@ int set_pointers(cublasLtMatmulDesc_t d, const kcu_gemm_args* a) {
   return lt_err(s);
 }
 
-int build_plan(kcu_gemm_ctx* c, GemmPlan* p, const GemmKey& k, const kcu_gemm_args* a) {
+int gemm_autotune() {
+  static int on = -1;
+  if (on < 0) {
+    const char* e = getenv("ENGINE_GEMM_AUTOTUNE");
+    on = e && strcmp(e, "1") == 0;
+  }
+  return on;
+}
+
+/* Elements a matrix of rows x cols with leading dim ld spans, batch matrices stride apart (row-major). */
+size_t span(int64_t rows, int64_t cols, int64_t ld, int64_t batch, int64_t stride) {
+  if (rows <= 0 || cols <= 0) return 0;
+  int64_t last = (rows - 1) * ld + cols;
+  if (batch > 1) last += (batch - 1) * stride;
+  return (size_t)last;
+}
+
+size_t dt_size(int dt) { return dt == KCU_F64 ? 8 : (dt == KCU_F32 ? 4 : 2); }
+
+/* The fastest of res[0..n) on p's shape (see the top of the file); p->algo is res[0]'s on entry. */
+void autotune(kcu_gemm_ctx* c, GemmPlan* p, const GemmKey& k, const kcu_gemm_args* a,
+              const cublasLtMatmulHeuristicResult_t* res, int n, cudaStream_t stream) {
+  const int aux_out = k.epi == KCU_EPI_GELU_AUX || k.epi == KCU_EPI_BIAS_GELU_AUX;
+  void *cs = NULL, *xs = NULL;
+  cudaEvent_t e0 = NULL, e1 = NULL;
+  size_t cb = span(k.M, k.N, k.ldc, k.batch, k.sc) * dt_size(k.cdt);
+  size_t xb = aux_out ? span(k.M, k.N, k.ldaux, k.batch, k.sc) * dt_size(k.cdt) : 0;
+  int ok = cudaMalloc(&cs, cb) == cudaSuccess && (!aux_out || cudaMalloc(&xs, xb) == cudaSuccess) &&
+           cudaEventCreate(&e0) == cudaSuccess && cudaEventCreate(&e1) == cudaSuccess;
+  if (ok && aux_out)
+    ok = cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &xs, sizeof xs) ==
+         CUBLAS_STATUS_SUCCESS;
+  float best = 0.0f;
+  int bi = -1;
+  double ald = a->alpha, bed = a->beta;
+  float alf = (float)a->alpha, bef = (float)a->beta;
+  const void* al = k.abdt == KCU_F64 ? (const void*)&ald : (const void*)&alf;
+  const void* be = k.abdt == KCU_F64 ? (const void*)&bed : (const void*)&bef;
+  for (int i = 0; ok && i < n; i++) {
+    if (res[i].state != CUBLAS_STATUS_SUCCESS || res[i].workspaceSize > c->ws_bytes) continue;
+    if (cublasLtMatmul(c->lt, p->desc, al, a->B, p->la, a->A, p->lb, be, cs, p->lc, cs, p->lc, &res[i].algo, c->ws,
+                       c->ws_bytes, stream) != CUBLAS_STATUS_SUCCESS)
+      continue;
+    cudaEventRecord(e0, stream);
+    int bad = 0;
+    for (int r = 0; r < kTuneReps && !bad; r++)
+      bad = cublasLtMatmul(c->lt, p->desc, al, a->B, p->la, a->A, p->lb, be, cs, p->lc, cs, p->lc, &res[i].algo,
+                           c->ws, c->ws_bytes, stream) != CUBLAS_STATUS_SUCCESS;
+    cudaEventRecord(e1, stream);
+    float ms = 0.0f;
+    if (bad || cudaEventSynchronize(e1) != cudaSuccess || cudaEventElapsedTime(&ms, e0, e1) != cudaSuccess) continue;
+    if (bi < 0 || ms < best) { best = ms; bi = i; }
+  }
+  if (bi >= 0) p->algo = res[bi].algo;
+  if (aux_out) set_pointers(p->desc, a); /* the caller's aux again */
+  if (e0) cudaEventDestroy(e0);
+  if (e1) cudaEventDestroy(e1);
+  if (cs) cudaFree(cs);
+  if (xs) cudaFree(xs);
+  cudaGetLastError(); /* a failed allocation above is not the caller's error */
+}
+
+int build_plan(kcu_gemm_ctx* c, GemmPlan* p, const GemmKey& k, const kcu_gemm_args* a, cudaStream_t stream) {
   memset(p, 0, sizeof *p);
   p->key = k;
   cublasComputeType_t ct = k.abdt == KCU_F64 ? CUBLAS_COMPUTE_64F
@@ -151,14 +227,16 @@ int build_plan(kcu_gemm_ctx* c, GemmPlan* p, const GemmKey& k, const kcu_gemm_ar
   if (s != CUBLAS_STATUS_SUCCESS) { plan_free(p); return lt_err(s); }
   uint64_t wsb = c->ws ? (uint64_t)c->ws_bytes : 0;
   s = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &wsb, sizeof wsb);
-  cublasLtMatmulHeuristicResult_t res;
+  cublasLtMatmulHeuristicResult_t res[kTuneAlgos];
   int nres = 0;
   if (s == CUBLAS_STATUS_SUCCESS)
-    s = cublasLtMatmulAlgoGetHeuristic(c->lt, p->desc, p->la, p->lb, p->lc, p->lc, pref, 1, &res, &nres);
+    s = cublasLtMatmulAlgoGetHeuristic(c->lt, p->desc, p->la, p->lb, p->lc, p->lc, pref,
+                                       gemm_autotune() ? kTuneAlgos : 1, res, &nres);
   cublasLtMatmulPreferenceDestroy(pref);
   if (s != CUBLAS_STATUS_SUCCESS) { plan_free(p); return lt_err(s); }
   if (nres < 1) { plan_free(p); return KCU_ENOALGO; }
-  p->algo = res.algo;
+  p->algo = res[0].algo;
+  if (nres > 1) autotune(c, p, k, a, res, nres, stream);
   return KCU_OK;
 }
 
@@ -221,7 +299,7 @@ extern "C" int kcu_gemm(kcu_gemm_ctx* c, const kcu_gemm_args* a, cudaStream_t st
     p = &c->plans[c->next];
     c->next = (c->next + 1) % kCacheSize;
     plan_free(p);
-    int e = build_plan(c, p, k, a);
+    int e = build_plan(c, p, k, a, stream);
     if (e) return e;
   } else {
     int e = set_pointers(p->desc, a);
