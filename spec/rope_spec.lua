@@ -1,7 +1,7 @@
 -- engine.rotary_emb (engine/src/ops/rope.c, kernels/cpu/rope.c, kernels/cuda/rope.cu): the fused rotary embedding
 -- equals the composite x * c2 + swap_pairs(x) * s2 (models.apply_rotary_emb's other path) forward and backward in
--- f64 / f32 / bf16, gives f64 finite-difference gradients, refuses bad shapes and DTensors with the op's name, and
--- on a GPU ("#gpu") equals the CPU.
+-- f64 / f32 / bf16, gives f64 finite-difference gradients, refuses bad shapes with the op's name, takes DTensors
+-- (sharding/rope.c) and meta tensors, and on a GPU ("#gpu") equals the CPU.
 local engine = require("engine")
 local models = require("engine.models")
 
@@ -60,7 +60,7 @@ describe("engine.rotary_emb", function()
     end
   end)
 
-  it("refuses bad shapes, dtypes and DTensors, naming the op and the layouts", function()
+  it("refuses bad shapes and dtypes, naming the op and the layouts", function()
     local cos, sin = tables(3, 2, "f32")
     local cases = {
       { engine.randn(3, 2, 4), "rotary_emb: expected x of shape [B, T, H, D] with an even D, got f32[3,2,4]" },
@@ -76,13 +76,28 @@ describe("engine.rotary_emb", function()
     local ok, e = pcall(engine.rotary_emb, engine.randn(1, 3, 2, 4), cos, sin:double())
     assert.is_false(ok)
     assert.is_truthy(tostring(e):find("one dtype", 1, true), tostring(e))
-    -- a DTensor (a one-rank mesh): the error says to rotate the local tensors
+    -- meta tensors: the same checks
+    local meta = { device = "meta" }
+    ok, e = pcall(engine.rotary_emb, engine.empty({ 1, 3, 2, 5 }, meta), engine.empty({ 3, 2 }, meta),
+      engine.empty({ 3, 2 }, meta))
+    assert.is_false(ok)
+    assert.is_truthy(tostring(e):find("with an even D, got f32[1,3,2,5]@meta", 1, true), tostring(e))
+  end)
+
+  it("DTensors (a one-rank mesh; spec/dist/rotary_emb_spec.lua for the layouts) and meta tensors", function()
+    engine.manual_seed(9)
     local dist = engine.distributed
     local mesh = dist.init_device_mesh("cpu", { 1 })
-    local d = dist.distribute_tensor(engine.randn(1, 3, 2, 4), mesh, { dist.Replicate() })
-    ok, e = pcall(engine.rotary_emb, d, cos, sin)
-    assert.is_false(ok)
-    assert.is_truthy(tostring(e):find("rotary_emb: not implemented for DTensors", 1, true), tostring(e))
+    local x, cos, sin = engine.randn(2, 3, 2, 4), tables(3, 2, "f32")
+    local d = dist.distribute_tensor(x, mesh, { dist.Shard(2) })
+    local y = dist.implicit_replication(function() return engine.rotary_emb(d, cos, sin) end)
+    assert.are.equal("Shard(2)", tostring(y.placements[1]))
+    assert.are.equal(0, maxdiff(y:full_tensor(), engine.rotary_emb(x, cos, sin)))
+    local m = engine.rotary_emb(engine.empty({ 2, 3, 2, 4 }, { device = "meta", dtype = "bf16" }),
+      engine.empty({ 3, 2 }, { device = "meta" }), engine.empty({ 3, 2 }, { device = "meta" }))
+    assert.is_true(m.is_meta)
+    assert.are.equal("bf16", m.dtype)
+    assert.are.same({ 2, 3, 2, 4 }, m:shape())
   end)
 
   it("Llama's apply_rotary_emb takes the fused path with [T, D/2] tables and equals the interleaved form", function()

@@ -777,12 +777,12 @@ end
 
 -- x [B, T, H, D] with pairs (x[2i], x[2i+1]) rotated by the angle of (t, i):
 -- (x0 cos - x1 sin, x0 sin + x1 cos).  cos / sin are the [T, D/2] tables, or their interleaved [T, 1, D] form
--- (rope_interleave); H may be the local heads of a rank.  With the [T, D/2] tables and a plain 4-D x it is one
--- fused pass (engine.rotary_emb); otherwise (a DTensor, the interleaved tables) x * c2 + swap_pairs(x) * s2.
+-- (rope_interleave); H may be the local heads of a rank.  With the [T, D/2] tables and a 4-D x it is one fused
+-- pass (engine.rotary_emb), a DTensor x included (batch, sequence or head sharded x rotates its shards; plain
+-- tables count as replicated under dist.implicit_replication, as DTensor data parallelism and FSDP run the model)
+-- and meta x; with the interleaved tables x * c2 + swap_pairs(x) * s2.
 function M.apply_rotary_emb(x, cos, sin)
-  if cos:dim() == 2 and x:dim() == 4 and x._c.dist == nil and cos._c.dist == nil and x.device ~= "meta" then
-    return engine.rotary_emb(x, cos, sin)
-  end
+  if cos:dim() == 2 and x:dim() == 4 then return engine.rotary_emb(x, cos, sin) end
   local c2, s2 = cos, sin
   if cos:dim() == 2 then c2, s2 = M.rope_interleave(cos, sin) end
   return x * c2 + x:index_select(4, pair_swap_index(x:size(4), x.device)) * s2

@@ -3,7 +3,8 @@
 -- use_seq_parallel SequenceParallel norms and sequence-sharded activations between the blocks) and
 -- DTensor data parallelism (Replicate parameters, batch-sharded tokens) give the single-process losses,
 -- gradients and parameters over AdamW steps, at 1, 2 and 4 ranks; grouped-query attention and rotary
--- embeddings run on each rank's local q and k/v heads.
+-- embeddings run on each rank's local q and k/v heads (and, under data parallelism, as the fused op on the
+-- batch-sharded DTensors).
 local engine = require("engine")
 local nn = engine.nn
 local F = nn.functional
@@ -186,7 +187,17 @@ describe("Llama DTensor data parallelism", function()
       local x, y = tokens(2 * W, T, 400 + step), tokens(2 * W, T, 500 + step)
       local dx = dist.from_local(x:narrow(1, 1 + 2 * r, 2):contiguous(), dmesh, { S(1) })
       local dy = dist.from_local(y:narrow(1, 1 + 2 * r, 2):contiguous(), dmesh, { S(1) })
-      local logits = dist.implicit_replication(function() return m(dx) end)
+      -- the rotary embedding is the fused op on the batch-sharded q and k (sharding/rope.c), the plain tables
+      -- replicated implicitly: 2 calls per block, each on a Shard(1) DTensor
+      local fused, orig = {}, engine.rotary_emb
+      engine.rotary_emb = function(q, c, s)
+        fused[#fused + 1] = dist.is_dtensor(q) and tostring(q.placements[1]) or "plain"
+        return orig(q, c, s)
+      end
+      local ok, logits = pcall(dist.implicit_replication, function() return m(dx) end)
+      engine.rotary_emb = orig
+      assert(ok, logits)
+      assert.are.same({ "Shard(1)", "Shard(1)", "Shard(1)", "Shard(1)" }, fused)
       local lm = F.cross_entropy(logits, dy); lm:backward()
       local lr = F.cross_entropy(ref(x):reshape(-1, V), y:reshape(-1)); lr:backward()
       compare("DP", m, ref, step, lm:full_tensor():item(), lr:item())

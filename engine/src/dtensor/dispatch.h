@@ -30,7 +30,7 @@ typedef struct eng_op_def {
   eng_op_fn fn;          /* default local function (one output) */
   eng_local_fn local;    /* rule-specific local function, or NULL */
   int scalars_in_key;
-  int keeps_dtype;       /* the output has in[0]'s dtype (shape ops; dtensor/meta.c uses it) */
+  int keeps_dtype;       /* the output has in[0]'s dtype (shape ops, rotary_emb; dtensor/meta.c uses it) */
   int agree_local;       /* the local function checks data that may differ between ranks (indices,
                           * targets): the dispatcher agrees on its success over every mesh dim where
                           * an input is not Replicate, so a failure on one rank fails every rank

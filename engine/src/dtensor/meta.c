@@ -10,7 +10,8 @@
  *     operands' dtypes with every dim clamped to at most 1, under no_grad and
  *     with the generator state restored (a meta dropout draws nothing); shape
  *     ops (def->keeps_dtype: view/reshape, permute, expand, narrow, select,
- *     whose ints name sizes the stand-ins lack) keep their input's dtype.
+ *     whose ints name sizes the stand-ins lack; rotary_emb, whose even last dim the stand-ins lack: its shape
+ *     function checks the dtypes) keep their input's dtype.
  * Meta results record no autograd history. */
 #include "dtensor/dispatch.h"
 #include "eng/ops_nn.h"

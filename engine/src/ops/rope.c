@@ -1,7 +1,9 @@
 /* rope.c: the fused rotary position embedding (eng_rotary_emb, ops_nn.h): one pass over x instead of the
  * composite x * cos + swap(x) * sin (an index_select, two products and a sum, each a pass over x, and the
- * index_select's scatter in backward).  Backward is the same rotation by -angle of the incoming gradient. */
+ * index_select's scatter in backward).  Backward is the same rotation by -angle of the incoming gradient.
+ * DTensors and meta tensors dispatch (sharding/rope.c: batch, sequence or head sharded x runs on its shards). */
 #include "core/internal.h"
+#include "core/dispatch.h"
 #include "kernels/cpu/kcpu.h"
 #include "ops/cuda_ops.h"
 #include "ops/ops.h"
@@ -44,10 +46,20 @@ eng_tensor* eng_rotary_emb(eng_tensor* x, eng_tensor* cos, eng_tensor* sin) {
   ENG_CHECK(x, op);
   ENG_CHECK(cos, op);
   ENG_CHECK(sin, op);
-  if (x->dist || cos->dist || sin->dist)
-    return eng_errp("%s: not implemented for DTensors (x %s): rotate the local tensors, or use the composite "
-                    "x * cos + swap(x) * sin", op, eng_desc(x));
-  if (eng_meta_check_local(x, op)) return NULL;
+  /* DTensors and meta tensors: the dispatcher (sharding/rope.c: the op on the local shards, or meta shapes) */
+  if (ENG_DT_ACTIVE(x->dist || ENG_META_T(x) || cos->dist || ENG_META_T(cos) || sin->dist || ENG_META_T(sin))) {
+    char bx[1024], bc[1024], bs[1024]; /* the dtypes here, the global shapes in the op def's shape function */
+    if (!eng_dtype_is_floating(x->dtype) || !eng_dtype_is_floating(cos->dtype) || !eng_dtype_is_floating(sin->dtype))
+      return eng_errp("%s: expected floating point tensors, got x %s, cos %s, sin %s", op,
+                      eng_dist_desc(x, bx, sizeof bx), eng_dist_desc(cos, bc, sizeof bc),
+                      eng_dist_desc(sin, bs, sizeof bs));
+    if (cos->dtype != sin->dtype)
+      return eng_errp("%s: expected cos and sin of one dtype, got cos %s, sin %s", op,
+                      eng_dist_desc(cos, bc, sizeof bc), eng_dist_desc(sin, bs, sizeof bs));
+    return eng_op_dispatch(ENG_OP_ROTARY_EMB, &(eng_op_call){.name = op, .n_in = 3, .in = {x, cos, sin}});
+  }
+  /* (DTensors reach here only in local mode, on their local shards) */
+  if (eng_meta_check_local(x, op) || eng_meta_check_local(cos, op) || eng_meta_check_local(sin, op)) return NULL;
   if (x->ndim != 4 || x->shape[3] % 2 != 0)
     return eng_errp("%s: expected x of shape [B, T, H, D] with an even D, got %s", op, eng_desc(x));
   if (!eng_dtype_is_floating(x->dtype) || !eng_dtype_is_floating(cos->dtype) || !eng_dtype_is_floating(sin->dtype))

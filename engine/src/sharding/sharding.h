@@ -127,6 +127,8 @@ eng_tensor* sh_cross_entropy_vocab_parallel_w(eng_tensor* logits, eng_tensor* ta
  * ints[1] = rms, scalars[0] = eps; dropout scalars[0] = p; sdpa (q, k, v, mask) ints[0] = is_causal,
  * scalars[0] = dropout_p, scalars[1] = scale */
 extern const eng_op_def eng_opdef_softmax, eng_opdef_norm, eng_opdef_dropout, eng_opdef_sdpa;
+/* sharding/rope.c: rotary_emb (x [B, T, H, D], cos, sin [T, D / 2]) */
+extern const eng_op_def eng_opdef_rotary_emb;
 
 
 /* ---- autograd glue: dtensor/dispatch.c installs its node marking and

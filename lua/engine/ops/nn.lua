@@ -195,7 +195,8 @@ end
 
 -- engine.rotary_emb(x, cos, sin): rotary position embedding on interleaved pairs in one pass (torchtitan's
 -- apply_rotary_emb fused): x [B, T, H, D], cos / sin [T, D / 2]; out[.., 2i] = x[2i] cos - x[2i+1] sin,
--- out[.., 2i+1] = x[2i] sin + x[2i+1] cos.  Differentiable in x.  Plain tensors (a DTensor: an error).
+-- out[.., 2i+1] = x[2i] sin + x[2i+1] cos.  Differentiable in x.  DTensors: x sharded on B, T (the tables then
+-- row-sharded alike) or H runs on its shards; meta tensors give meta results.
 function M.rotary_emb(x, cos, sin)
   return wrap(C.eng_rotary_emb(ct(x, "rotary_emb", 1), ct(cos, "rotary_emb", 2), ct(sin, "rotary_emb", 3)))
 end
