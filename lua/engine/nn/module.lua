@@ -285,11 +285,7 @@ M._call_unmarked = call_unmarked
 
 local function module_call(self, ...)
   if rawget(self, "_checkpoint") then return checkpoint_call(self, ...) end  -- (one lookup when nothing is marked)
-  local cm = rawget(self, "_cmod")
-  if hook_count(cm, PRE) == 0 and hook_count(cm, POST) == 0 then
-    return self:forward(...)
-  end
-  return call_with_hooks(self, ...)
+  return call_unmarked(self, ...)
 end
 
 local function module_tostring(self) return self:_repr("") end
