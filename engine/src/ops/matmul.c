@@ -587,9 +587,12 @@ static int cuda_gelu_epilogue(const eng_tensor* x, const eng_tensor* w, const en
 
 #define LG_NOT_FUSED ((eng_tensor*)1)
 
-static eng_tensor* linear_gelu_cuda(eng_tensor* x, eng_tensor* w, eng_tensor* bias) {
-  int dt = x->dtype;
-  int64_t in_f = w->shape[1], out_f = w->shape[0], rows = x->numel / in_f;
+/* The fused op on x's device: the CPU GEMM's epilogue (f32, f64) or cuBLASLt's (linear_gelu_cuda's conditions);
+ * LG_NOT_FUSED when cuBLASLt has no algorithm for it (nothing recorded: the caller runs the composition). */
+static eng_tensor* linear_gelu_fused(eng_tensor* x, eng_tensor* w, eng_tensor* bias, int approximate) {
+  int dt = x->dtype, op = approximate ? KU_GELU_TANH : KU_GELU;
+  int64_t in_f = w->shape[1], out_f = w->shape[0], rows = in_f ? x->numel / in_f : 0;
+  if (!in_f) rows = eng_shape_numel(x->ndim - 1, x->shape);
   int64_t oshape[ENG_MAX_DIMS];
   for (int d = 0; d < x->ndim - 1; d++) oshape[d] = x->shape[d];
   oshape[x->ndim - 1] = out_f;
@@ -597,21 +600,28 @@ static eng_tensor* linear_gelu_cuda(eng_tensor* x, eng_tensor* w, eng_tensor* bi
   eng_tensor *h = NULL, *y = NULL;
   if (!X || !W || (bias && !(Bi = eng_as_contig(bias, dt)))) goto fail;
   if (!(h = eng_new(x->ndim, oshape, dt, x->device)) || !(y = eng_new(x->ndim, oshape, dt, x->device))) goto fail;
-  int st = eng_cu_linear_gelu(dt, rows, out_f, in_f, eng_ptr(X), eng_ptr(W), Bi ? eng_ptr(Bi) : NULL,
-                              (void*)eng_ptr(y), (void*)eng_ptr(h), "linear_gelu");
+  if (x->device == ENG_CUDA) {
+    int st = eng_cu_linear_gelu(dt, rows, out_f, in_f, eng_ptr(X), eng_ptr(W), Bi ? eng_ptr(Bi) : NULL,
+                                (void*)eng_ptr(y), (void*)eng_ptr(h), "linear_gelu");
+    if (st > 0) { /* no cuBLASLt algorithm with this epilogue */
+      eng_tensor_release(X); eng_tensor_release(W); eng_tensor_release(Bi);
+      eng_tensor_release(h); eng_tensor_release(y);
+      return LG_NOT_FUSED;
+    }
+    if (st < 0) goto fail;
+  } else {
+    lg_epi e = {dt, op, out_f, (char*)eng_ptr(h), (char*)eng_ptr(y)};
+    kc_gemm_epi(dt, 0, 1, rows, out_f, in_f, eng_ptr(X), in_f, eng_ptr(W), in_f, Bi ? eng_ptr(Bi) : NULL,
+                (void*)eng_ptr(h), lg_epi_rows, &e);
+  }
   eng_tensor_release(X); eng_tensor_release(W); eng_tensor_release(Bi);
   X = W = Bi = NULL;
-  if (st > 0) { /* no cuBLASLt algorithm with this epilogue: the composition */
-    eng_tensor_release(h); eng_tensor_release(y);
-    return LG_NOT_FUSED;
-  }
-  if (st < 0) goto fail;
   eng_tensor* in[3] = {x, w, bias};
   int nin = bias ? 3 : 2;
   if (eng_any_requires_grad(nin, in)) {
     eng_node* nd = eng_record("LinearGeluBackward", linear_gelu_bw, nin, in, y);
     if (!nd || eng_node_save(nd, x) || eng_node_save(nd, w) || eng_node_save(nd, h)) goto fail;
-    nd->ints[0] = KU_GELU_TANH;
+    nd->ints[0] = op;
   }
   eng_tensor_release(h);
   return y;
@@ -636,43 +646,14 @@ eng_tensor* eng_linear_gelu(eng_tensor* x, eng_tensor* w, eng_tensor* bias, int 
               (x->dtype == ENG_F32 || x->dtype == ENG_F64) &&
               w->dtype == x->dtype && (!bias || bias->dtype == x->dtype) && x->ndim >= 2 && w->ndim == 2 &&
               w->shape[1] == x->shape[x->ndim - 1] && (!bias || (bias->ndim == 1 && bias->shape[0] == w->shape[0]));
-  if (!fused && cuda_gelu_epilogue(x, w, bias, approximate)) {
-    eng_tensor* y = linear_gelu_cuda(x, w, bias);
+  if (fused || cuda_gelu_epilogue(x, w, bias, approximate)) {
+    eng_tensor* y = linear_gelu_fused(x, w, bias, approximate);
     if (y != LG_NOT_FUSED) return y;
   }
-  if (!fused) { /* the composition: its ops check, dispatch DTensors and run other devices */
-    eng_tensor* h = eng_linear(x, w, bias);
-    if (!h) return NULL;
-    eng_tensor* y = eng_gelu(h, approximate);
-    eng_tensor_release(h);
-    return y;
-  }
-  int dt = x->dtype;
-  int64_t in_f = w->shape[1], out_f = w->shape[0], rows = in_f ? x->numel / in_f : 0;
-  if (!in_f) rows = eng_shape_numel(x->ndim - 1, x->shape);
-  int64_t oshape[ENG_MAX_DIMS];
-  for (int d = 0; d < x->ndim - 1; d++) oshape[d] = x->shape[d];
-  oshape[x->ndim - 1] = out_f;
-  eng_tensor *X = eng_as_contig(x, dt), *W = X ? eng_as_contig(w, dt) : NULL, *Bi = NULL;
-  eng_tensor *h = NULL, *y = NULL;
-  if (!X || !W || (bias && !(Bi = eng_as_contig(bias, dt)))) goto fail;
-  if (!(h = eng_new(x->ndim, oshape, dt, x->device)) || !(y = eng_new(x->ndim, oshape, dt, x->device))) goto fail;
-  lg_epi e = {dt, approximate ? KU_GELU_TANH : KU_GELU, out_f, (char*)eng_ptr(h), (char*)eng_ptr(y)};
-  kc_gemm_epi(dt, 0, 1, rows, out_f, in_f, eng_ptr(X), in_f, eng_ptr(W), in_f, Bi ? eng_ptr(Bi) : NULL,
-              (void*)eng_ptr(h), lg_epi_rows, &e);
-  eng_tensor_release(X); eng_tensor_release(W); eng_tensor_release(Bi);
-  X = W = Bi = NULL;
-  eng_tensor* in[3] = {x, w, bias};
-  int nin = bias ? 3 : 2;
-  if (eng_any_requires_grad(nin, in)) {
-    eng_node* nd = eng_record("LinearGeluBackward", linear_gelu_bw, nin, in, y);
-    if (!nd || eng_node_save(nd, x) || eng_node_save(nd, w) || eng_node_save(nd, h)) goto fail;
-    nd->ints[0] = e.op;
-  }
+  /* the composition: its ops check, dispatch DTensors and run other devices */
+  eng_tensor* h = eng_linear(x, w, bias);
+  if (!h) return NULL;
+  eng_tensor* y = eng_gelu(h, approximate);
   eng_tensor_release(h);
   return y;
-fail:
-  eng_tensor_release(X); eng_tensor_release(W); eng_tensor_release(Bi);
-  eng_tensor_release(h); eng_tensor_release(y);
-  return NULL;
 }

@@ -107,23 +107,15 @@ static int linear_shape(const eng_op_call* c, const eng_dist_spec* const* s, int
   return 0;
 }
 
-static int push3(eng_strategy* out, int cap, int n, eng_placement x, eng_placement w, eng_placement b,
-                 eng_placement o) {
-  eng_strategy st;
-  memset(&st, 0, sizeof st);
-  st.in[0] = x; st.in[1] = w; st.in[2] = b; st.out[0] = o;
-  return sh_push(out, cap, n, &st);
-}
-
 static int linear_rule(const eng_op_call* c, const eng_dist_spec* const* s, int m, eng_strategy* out, int cap) {
   (void)c;
   const eng_dist_spec* x = s[0];
   int last = x->ndim - 1, n = 0;
-  for (int d = 0; d < last; d++) n = push3(out, cap, n, sh_S(d), sh_R(), sh_R(), sh_S(d));
-  n = push3(out, cap, n, sh_S(last), sh_S(1), sh_P(ENG_REDUCE_SUM), sh_P(ENG_REDUCE_SUM));
-  n = push3(out, cap, n, sh_R(), sh_S(0), sh_S(0), sh_S(last));
+  for (int d = 0; d < last; d++) n = sh_push3(out, cap, n, sh_S(d), sh_R(), sh_R(), sh_S(d));
+  n = sh_push3(out, cap, n, sh_S(last), sh_S(1), sh_P(ENG_REDUCE_SUM), sh_P(ENG_REDUCE_SUM));
+  n = sh_push3(out, cap, n, sh_R(), sh_S(0), sh_S(0), sh_S(last));
   const eng_placement* px = &x->placements[m];
-  if (sh_is_linear_P(px)) n = push3(out, cap, n, *px, sh_R(), *px, *px);
+  if (sh_is_linear_P(px)) n = sh_push3(out, cap, n, *px, sh_R(), *px, *px);
   return sh_all_replicate(out, cap, n, 3, 1);
 }
 
@@ -135,8 +127,8 @@ static int linear_gelu_rule(const eng_op_call* c, const eng_dist_spec* const* s,
   (void)c; (void)m;
   const eng_dist_spec* x = s[0];
   int last = x->ndim - 1, n = 0;
-  for (int d = 0; d < last && n >= 0; d++) n = push3(out, cap, n, sh_S(d), sh_R(), sh_R(), sh_S(d));
-  if (n >= 0) n = push3(out, cap, n, sh_R(), sh_S(0), sh_S(0), sh_S(last));
+  for (int d = 0; d < last && n >= 0; d++) n = sh_push3(out, cap, n, sh_S(d), sh_R(), sh_R(), sh_S(d));
+  if (n >= 0) n = sh_push3(out, cap, n, sh_R(), sh_S(0), sh_S(0), sh_S(last));
   if (n < 0) return n;
   return sh_all_replicate(out, cap, n, 3, 1);
 }

@@ -10,14 +10,6 @@
 #include "sharding/sharding.h"
 #include "eng/ops_nn.h"
 
-static int push3(eng_strategy* out, int cap, int n, eng_placement x, eng_placement c, eng_placement s,
-                 eng_placement o) {
-  eng_strategy st;
-  memset(&st, 0, sizeof st);
-  st.in[0] = x; st.in[1] = c; st.in[2] = s; st.out[0] = o;
-  return sh_push(out, cap, n, &st);
-}
-
 /* The tables' placement for x S(1): S(0); on a one-rank mesh dim a Replicate table is already that chunk (the whole
  * table) and stays, so x keeps Shard(1) there instead of the dispatcher preferring x S(0) (one change, not two). */
 static eng_placement table_rows(const eng_dist_spec* t, int m) {
@@ -29,11 +21,11 @@ static int rope_rule(const eng_op_call* c, const eng_dist_spec* const* s, int m,
   (void)c;
   int n = 0;
   if (s[0]->ndim == 4 && s[1]->ndim == 2 && s[2]->ndim == 2) { /* else the shape function reports it */
-    n = push3(out, cap, n, sh_S(0), sh_R(), sh_R(), sh_S(0));
-    n = push3(out, cap, n, sh_S(1), table_rows(s[1], m), table_rows(s[2], m), sh_S(1));
-    n = push3(out, cap, n, sh_S(2), sh_R(), sh_R(), sh_S(2));
+    n = sh_push3(out, cap, n, sh_S(0), sh_R(), sh_R(), sh_S(0));
+    n = sh_push3(out, cap, n, sh_S(1), table_rows(s[1], m), table_rows(s[2], m), sh_S(1));
+    n = sh_push3(out, cap, n, sh_S(2), sh_R(), sh_R(), sh_S(2));
     const eng_placement* px = &s[0]->placements[m];
-    if (sh_is_linear_P(px)) n = push3(out, cap, n, *px, sh_R(), sh_R(), *px);
+    if (sh_is_linear_P(px)) n = sh_push3(out, cap, n, *px, sh_R(), sh_R(), *px);
     if (n < 0) return n;
   }
   return sh_all_replicate(out, cap, n, 3, 1);

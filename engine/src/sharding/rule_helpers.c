@@ -2,6 +2,7 @@
  * (sharding/sharding.h: placements, the strategy list, the common shape
  * functions). */
 #include "sharding/sharding.h"
+#include <string.h>
 
 int sh_is_linear_P(const eng_placement* p) {
   return p->kind == ENG_PLACEMENT_PARTIAL && (p->op == ENG_REDUCE_SUM || p->op == ENG_REDUCE_AVG);
@@ -12,6 +13,13 @@ int sh_push(eng_strategy* out, int cap, int n, const eng_strategy* s) {
   if (n >= cap) return n; /* silently drop: the dispatcher's buffer is large enough for every rule here */
   out[n] = *s;
   return n + 1;
+}
+
+int sh_push3(eng_strategy* out, int cap, int n, eng_placement a, eng_placement b, eng_placement c, eng_placement o) {
+  eng_strategy st;
+  memset(&st, 0, sizeof st);
+  st.in[0] = a; st.in[1] = b; st.in[2] = c; st.out[0] = o;
+  return sh_push(out, cap, n, &st);
 }
 
 int sh_all_replicate(eng_strategy* out, int cap, int n, int n_in, int n_out) {

@@ -80,6 +80,8 @@ static inline int sh_is_P(const eng_placement* p) { return p->kind == ENG_PLACEM
 int sh_is_linear_P(const eng_placement* p);
 /* Appends s to out (n = current count); returns the new count or -1 if full. */
 int sh_push(eng_strategy* out, int cap, int n, const eng_strategy* s);
+/* Appends the strategy (inputs a, b, c; one output o): three-input ops (linear, linear_gelu, rotary_emb). */
+int sh_push3(eng_strategy* out, int cap, int n, eng_placement a, eng_placement b, eng_placement c, eng_placement o);
 /* Appends the all-Replicate strategy for n_in inputs and n_out outputs. */
 int sh_all_replicate(eng_strategy* out, int cap, int n, int n_in, int n_out);
 
