@@ -17,7 +17,7 @@
 #      "<spec file> np=<N> device=cuda: <P> passed, <F> failed, <S> skipped", then the benchmarks' last lines.
 # Each stage has a time limit; stages are skipped, and say so, once --budget (default 450 s) is spent.
 # With the benchmarks it also tries the opt-in kernels listed in GPU_CHECK_OPT_IN (default ENGINE_GEMM_AUTOTUNE=1
-# ENGINE_GELU_EPILOGUE=0 ENGINE_NORM_BWD=lean; the attention ones measured on 2026-11-28, ENGINE_ATTN_BWD=split
+# ENGINE_GELU_EPILOGUE=0 ENGINE_NORM_BWD=wide (the defaults' alternatives to time); the attention ones measured on 2026-11-28, ENGINE_ATTN_BWD=split
 # ENGINE_ATTN_FWD_ROWS=128 ENGINE_ATTN_DQ_ROWS=128, are still understood; empty: none): the kernel's checks (the
 # attention spec; for ENGINE_NORM_*, ctests/test_cuda_norm and the norm specs; for ENGINE_GELU_*, the linear_gelu
 # spec; for ENGINE_GEMM_*, the cuBLASLt spec and the linear specs) and the engine's step with each variable, beside
@@ -37,7 +37,7 @@ ONLY=""
 NPS="1 2 4"
 SINGLE_SPECS=1
 # opt-in kernels to measure against the default (each: spec line, default step, step with the variable)
-OPT_IN=${GPU_CHECK_OPT_IN-ENGINE_GEMM_AUTOTUNE=1 ENGINE_GELU_EPILOGUE=0 ENGINE_NORM_BWD=lean}
+OPT_IN=${GPU_CHECK_OPT_IN-ENGINE_GEMM_AUTOTUNE=1 ENGINE_GELU_EPILOGUE=0 ENGINE_NORM_BWD=wide}
 while [ $# -gt 0 ]; do
   case "$1" in
     --bundle) BUNDLE=${2:?}; shift 2 ;;

@@ -323,7 +323,7 @@ __global__ void __launch_bounds__(kVecThreads) norm_bwd_vec(int rms, int64_t m, 
   block_partials<NV, V>(adw, adb, n, lane, warp, shp, ws, need_dw, need_db);
 }
 
-/* norm_bwd_vec with fewer registers (ENGINE_NORM_BWD=lean, opt-in until a GPU run has timed it): the same
+/* norm_bwd_vec with fewer registers (the default for half rows; ENGINE_NORM_BWD=wide runs norm_bwd_vec): the same
  * partition, the same operations in the same order, so the same bits (spec/c/test_cuda_norm.c compares both with its
  * emulation), but the row's gradient, input and the weight stay packed in their 16-byte vectors (T values) and each
  * xhat is recomputed from them where it is used, instead of NV x V floats each held across the row: 162 registers
@@ -408,12 +408,15 @@ __global__ void __launch_bounds__(kVecThreads, NV <= 3 ? 2 : 1) norm_bwd_vec_lea
   block_partials<NV, V>(adw, adb, n, lane, warp, shp, ws, need_dw, need_db);
 }
 
-/* ENGINE_NORM_BWD=lean: norm_bwd_vec_lean instead of norm_bwd_vec (read once). */
+/* Half-precision rows take norm_bwd_vec_lean unless ENGINE_NORM_BWD=wide (norm_bwd_vec; read once).  The lean
+ * kernel became the default after two H200 measurements in run 3 of 2026-11-28-b: the GPT-2 step 22.1 -> 21.0 ms
+ * in one pair, and the op alone (recipes/bench/gpu_kernels.lua) layer_norm backward 181 -> 145 us, add_layer_norm
+ * 392 -> 347 us; test_cuda_norm passed it bit for bit against the emulation there. */
 int norm_bwd_lean() {
   static int on = -1;
   if (on < 0) {
     const char* e = getenv("ENGINE_NORM_BWD");
-    on = e && strcmp(e, "lean") == 0;
+    on = !(e && strcmp(e, "wide") == 0);
   }
   return on;
 }
