@@ -91,6 +91,13 @@ eng_tensor* eng_dropout(eng_tensor* x, double p, int training);
 eng_tensor* eng_scaled_dot_product_attention(eng_tensor* q, eng_tensor* k, eng_tensor* v,
                                              eng_tensor* mask, double dropout_p,
                                              int is_causal, double scale);
+/* Which implementation scaled_dot_product_attention runs (PyTorch's torch.nn.attention.sdpa_kernel): ENG_SDPA_AUTO
+ * the fused kernels where they apply (the math path on CUDA for an attn_mask, dropout, f64 or shapes the kernels
+ * do not take), ENG_SDPA_MATH the math path (the engine's matmul, softmax, dropout ops) everywhere.  Process-wide;
+ * engine.nn.attention.sdpa_kernel sets and restores it.  -1 on an unknown value. */
+enum { ENG_SDPA_AUTO = 0, ENG_SDPA_MATH = 1 };
+int eng_sdpa_set_backend(int backend);
+int eng_sdpa_get_backend(void);
 /* Rotary position embedding on interleaved pairs (torchtitan's apply_rotary_emb, fused): x [B, T, H, D] (D even),
  * cos and sin [T, D / 2] (any float dtype, x's device):
  *   out[.., 2i] = x[2i] cos[t, i] - x[2i + 1] sin[t, i],  out[.., 2i + 1] = x[2i] sin[t, i] + x[2i + 1] cos[t, i]

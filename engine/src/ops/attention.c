@@ -16,6 +16,11 @@
 #include "ops/ops.h"
 #include "autograd/autograd.h"
 #include "eng/rng.h"
+#include "eng/ops_math.h"
+#include "eng/ops_nn.h"
+#include "eng/ops_pointwise.h"
+#include "eng/ops_reduce.h"
+#include "eng/ops_shape.h"
 #include <math.h>
 
 static int compute_dtype(int dt) { return dt == ENG_F64 ? ENG_F64 : ENG_F32; }
@@ -453,6 +458,90 @@ static eng_tensor* sdpa_cuda(eng_tensor* q, eng_tensor* k, eng_tensor* v, int ca
   return out;
 }
 
+/* The backend engine.nn.attention.sdpa_kernel chose (eng_sdpa_set_backend): 0 the fused kernels where they apply,
+ * 1 the math path everywhere. */
+static int g_sdpa_backend;
+
+int eng_sdpa_set_backend(int backend) {
+  if (backend != ENG_SDPA_AUTO && backend != ENG_SDPA_MATH)
+    return eng_err("sdpa_kernel: unknown backend %d (0 auto, 1 math)", backend);
+  g_sdpa_backend = backend;
+  return 0;
+}
+
+int eng_sdpa_get_backend(void) { return g_sdpa_backend; }
+
+/* The math path, PyTorch's _scaled_dot_product_attention_math, composed of the engine's ops (autograd through
+ * them): scores = q k^T * scale, the mask (bool: -inf where false; float: added; is_causal: keys j <= i), a row with
+ * nothing to attend to gives zeros (as the kernels: its scores are set to 0 before the softmax and its
+ * probabilities to 0 after, so no NaN reaches the gradients), inverted dropout with the kernels' keep mask for the
+ * same generator state (dropout_keep_box: the same draws, a shard's slice of them), then @ v.  What the CUDA
+ * kernels do not take (an attn_mask, dropout, f64, other ranks or head dims) runs here on the device; on the CPU
+ * under sdpa_kernel("math").  Probabilities round to the input dtype (bf16 stays bf16), as PyTorch's math path. */
+static eng_tensor* sdpa_math(eng_tensor* q, eng_tensor* k, eng_tensor* v, eng_tensor* mask, double dp, int causal,
+                             double scale, const at_plan* p, const at_box* box) {
+  const char* op = "scaled_dot_product_attention";
+  int nd = p->nb + 2, last = nd - 1;
+  eng_tensor *kt = NULL, *s0 = NULL, *sc = NULL, *cm = NULL, *nm = NULL, *sm = NULL, *mx = NULL, *dead = NULL;
+  eng_tensor *s2 = NULL, *pr = NULL, *pz = NULL, *keep = NULL, *kd = NULL, *pd = NULL, *out = NULL;
+  eng_tensor *ri = NULL, *ci = NULL, *rv = NULL, *cv = NULL;
+  if (!(kt = eng_transpose(k, k->ndim - 2, k->ndim - 1)) || !(s0 = eng_matmul(q, kt)) ||
+      !(sc = eng_mul_scalar(s0, scale)))
+    goto done;
+  eng_tensor* bmask = mask && mask->dtype == ENG_BOOL ? mask : NULL;
+  if (causal) { /* keys j <= i, top-left aligned as the kernels */
+    int64_t rs[2] = {p->L, 1}, cs[2] = {1, p->S};
+    if (!(ri = eng_tensor_arange(0, (double)p->L, 1, ENG_I64, q->device)) ||
+        !(ci = eng_tensor_arange(0, (double)p->S, 1, ENG_I64, q->device)) || !(rv = eng_reshape(ri, 2, rs)) ||
+        !(cv = eng_reshape(ci, 2, cs)) || !(cm = eng_compare(cv, rv, ENG_LE)))
+      goto done;
+    bmask = cm;
+  }
+  if (bmask) {
+    if (!(nm = eng_logical_not(bmask)) || !(sm = eng_masked_fill(sc, nm, -INFINITY))) goto done;
+  } else if (mask) {
+    eng_tensor* mf = mask->dtype == sc->dtype ? eng_tensor_retain(mask) : eng_as_contig(mask, sc->dtype);
+    if (!mf) goto done;
+    sm = eng_add(sc, mf);
+    eng_tensor_release(mf);
+    if (!sm) goto done;
+  } else {
+    sm = eng_tensor_retain(sc);
+  }
+  { /* rows with nothing to attend to: every score -inf */
+    eng_tensor* ix = NULL;
+    mx = eng_max_dim(sm, last, 1, &ix);
+    eng_tensor_release(ix);
+    if (!mx || !(dead = eng_compare_scalar(mx, -INFINITY, ENG_EQ))) goto done;
+  }
+  if (!(s2 = eng_masked_fill(sm, dead, 0.0)) || !(pr = eng_softmax(s2, last)) || !(pz = eng_masked_fill(pr, dead, 0.0)))
+    goto done;
+  if (dp > 0.0) {
+    uint64_t seed, cur;
+    eng_rng_get_state(&seed, &cur);
+    uint64_t offset = eng_rng_reserve((uint64_t)(box ? eng_shape_numel(box->nd, box->gshape) : pz->numel));
+    eng_tensor* u = dropout_keep_box(p, box, dp, seed, offset);
+    if (!u) goto done;
+    eng_tensor* ud = u->device == pz->device ? eng_tensor_retain(u) : eng_tensor_to_device(u, pz->device);
+    eng_tensor_release(u);
+    if (!ud) goto done;
+    keep = eng_as_contig(ud, pz->dtype);
+    eng_tensor_release(ud);
+    if (!keep || !(kd = eng_mul(pz, keep)) || !(pd = eng_mul_scalar(kd, dp < 1.0 ? 1.0 / (1.0 - dp) : 0.0))) goto done;
+  } else {
+    pd = eng_tensor_retain(pz);
+  }
+  out = eng_matmul(pd, v);
+done:
+  eng_tensor_release(kt); eng_tensor_release(s0); eng_tensor_release(sc); eng_tensor_release(cm);
+  eng_tensor_release(nm); eng_tensor_release(sm); eng_tensor_release(mx); eng_tensor_release(dead);
+  eng_tensor_release(s2); eng_tensor_release(pr); eng_tensor_release(pz); eng_tensor_release(keep);
+  eng_tensor_release(kd); eng_tensor_release(pd);
+  eng_tensor_release(ri); eng_tensor_release(ci); eng_tensor_release(rv); eng_tensor_release(cv);
+  if (!out) eng_err_prefix("%s (math path)", op);
+  return out;
+}
+
 static eng_tensor* sdpa_op(eng_tensor* q, eng_tensor* k, eng_tensor* v, eng_tensor* mask, double dropout_p,
                            int is_causal, double scale, const at_box* box) {
   const char* op = "scaled_dot_product_attention";
@@ -488,11 +577,10 @@ static eng_tensor* sdpa_op(eng_tensor* q, eng_tensor* k, eng_tensor* v, eng_tens
     }
   }
   if (!(scale > 0.0)) scale = p.E > 0 ? 1.0 / sqrt((double)p.E) : 1.0;
-  if (q->device == ENG_CUDA) {
-    if (mask) return eng_cu_unsupportedp("scaled_dot_product_attention with an attn_mask", mask);
-    if (dropout_p > 0.0) return eng_cu_unsupportedp("scaled_dot_product_attention with dropout_p > 0", q);
-    return sdpa_cuda(q, k, v, is_causal ? 1 : 0, scale);
-  }
+  if (g_sdpa_backend == ENG_SDPA_MATH ||
+      (q->device == ENG_CUDA && (mask || dropout_p > 0.0 || !eng_cu_sdpa_supported(q, k, v))))
+    return sdpa_math(q, k, v, mask, dropout_p, is_causal, scale, &p, box);
+  if (q->device == ENG_CUDA) return sdpa_cuda(q, k, v, is_causal ? 1 : 0, scale);
   int rdt = q->dtype, cdt = compute_dtype(rdt);
   int64_t oshape[ENG_MAX_DIMS];
   for (int d = 0; d < nb; d++) oshape[d] = bs[d];

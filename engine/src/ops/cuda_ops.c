@@ -247,6 +247,15 @@ static eng_tensor* new_ordered_like(const eng_tensor* like, int ndim, const int6
   return t;
 }
 
+int eng_cu_sdpa_supported(const eng_tensor* q, const eng_tensor* k, const eng_tensor* v) {
+  if (q->ndim != 4 || k->ndim != 4 || v->ndim != 4) return 0;
+  if (q->dtype != ENG_F32 && q->dtype != ENG_BF16 && q->dtype != ENG_F16) return 0;
+  for (int d = 0; d < 2; d++)
+    if (k->shape[d] != q->shape[d] || v->shape[d] != q->shape[d]) return 0;
+  if (q->shape[3] > 128 || v->shape[3] != q->shape[3]) return 0;
+  return q->shape[0] <= INT32_MAX && q->shape[1] <= INT32_MAX && q->shape[2] <= INT32_MAX && k->shape[2] <= INT32_MAX;
+}
+
 static int attn_check(eng_tensor* q, eng_tensor* k, eng_tensor* v, const char* op) {
   if (q->ndim != 4 || k->ndim != 4 || v->ndim != 4)
     return eng_err("%s: cuda tensors need 4-D q, k, v [B, H, L, D]; got q %s, k %s, v %s "
@@ -711,4 +720,5 @@ int eng_cu_linear_gelu(int dt, int64_t rows, int64_t N, int64_t K, const void* X
                        void* y, void* h, const char* op) {
   return NOCU(op);
 }
+int eng_cu_sdpa_supported(const eng_tensor* q, const eng_tensor* k, const eng_tensor* v) { return 0; }
 #endif

@@ -111,6 +111,9 @@ int eng_cu_scale(int n, eng_tensor** ts, int from_grads, double s, const char* o
  * not NULL) through cuBLASLt, as eng_bmm_run; A, B of dtype abdt, C of cdt. */
 int eng_cu_bmm_run(int abdt, int cdt, int nb, const int64_t* bshape, const eng_mview* A, const eng_mview* B,
                    const eng_mview* C, double alpha, double beta, const void* bias, const char* op);
+/* 1 when the flash kernels take q, k, v (4-D [B, H, L, D] with the same B and H, f32/bf16/f16, head dim <= 128
+ * shared by q and v, dims within int32): else scaled_dot_product_attention runs its math path.  No error set. */
+int eng_cu_sdpa_supported(const eng_tensor* q, const eng_tensor* k, const eng_tensor* v);
 /* linear + tanh GELU in one cuBLASLt product (the BIAS_GELU_AUX epilogue):
  * y [rows, N] = gelu_tanh(X [rows, K] @ W^T + bias) with W [N, K], all
  * contiguous, dtype dt (f32, bf16, f16; bias NULL or [N]), and the pre-GELU

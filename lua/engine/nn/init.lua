@@ -13,6 +13,7 @@ nn.is_parameter = module.is_parameter
 nn.is_module = module.is_module
 
 nn.functional = require("engine.nn.functional")
+nn.attention = require("engine.nn.attention")
 nn.init = require("engine.nn.initializers")
 
 for _, name in ipairs({ "linear", "embedding", "norm", "dropout", "activation", "container", "loss" }) do
