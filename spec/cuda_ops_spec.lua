@@ -529,6 +529,45 @@ describe("CUDA op conformance #gpu", function()
     end
   end)
 
+  it("SGD (momentum, dampening, Nesterov, weight decay) matches the CPU over several steps", function()
+    need_gpu()
+    for _, o in ipairs({ { lr = 0.1 }, { lr = 0.05, momentum = 0.9, dampening = 0.3, weight_decay = 0.1 },
+                         { lr = 0.05, momentum = 0.8, nesterov = true, weight_decay = 0.02 } }) do
+      for _, dt in ipairs({ "f32", "bf16" }) do
+        engine.manual_seed(10)
+        local mc = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+        mc:to(dt)
+        engine.manual_seed(10)
+        local mg = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+        mg:to(dt)
+        mg:to("cuda")
+        local oc, og = optim.SGD(mc:parameters(), o), optim.SGD(mg:parameters(), o)
+        local x = engine.randn(5, 8):to(dt)
+        for _ = 1, 3 do
+          oc:zero_grad(); og:zero_grad()
+          mc(x):pow(2):mean():backward()
+          mg(x:cuda()):pow(2):mean():backward()
+          oc:step(); og:step()
+        end
+        local pc, pg = mc:parameters(), mg:parameters()
+        for i = 1, #pc do compare(pg[i], pc[i], GTOL[dt], "SGD param " .. i .. " " .. dt) end
+      end
+    end
+  end)
+
+  it("cross_entropy over [N, C, d1, ...] logits (every reduction, ignore_index)", function()
+    need_gpu()
+    for _, dt in ipairs({ "f32", "bf16" }) do
+      local x = rnd({ 2, 5, 3, 4 }, dt)
+      local t = rnd({ 2, 3, 4 }, "f64", 0, 4.99):to("i64")
+      t:view(-1):set(-100, 7)
+      for _, red in ipairs({ "mean", "sum", "none" }) do
+        conform("cross_entropy [N, C, d1, d2] " .. red, dt, { x, t },
+          function(X, T) return F.cross_entropy(X, T, { reduction = red }) end, true)
+      end
+    end
+  end)
+
   it("the parity fixture's Transformer on the GPU in f32 (logits, loss, gradients, AdamW losses)", function()
     need_gpu()
     local t, meta = engine.load("spec/fixtures/transformer_f32.safetensors")

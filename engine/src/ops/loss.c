@@ -8,6 +8,8 @@
 #include "ops/cuda_ops.h"
 #include "autograd/autograd.h"
 #include "eng/ops_pointwise.h"
+#include "eng/ops_nn.h"
+#include "eng/ops_shape.h"
 #include <math.h>
 
 enum { RED_NONE = 0, RED_MEAN = 1, RED_SUM = 2 };
@@ -175,6 +177,29 @@ fail:
   return NULL;
 }
 
+/* Logits [N, C, d1, ...] on CUDA: the class dim moved last and the positions flattened, [N d1 ..., C] rows for the
+ * row kernels (autograd through the permute and reshapes); 'none' gives the losses back in the target's shape,
+ * 'mean' averages over every position not ignored, as PyTorch. */
+static eng_tensor* ce_cuda_spatial(eng_tensor* x, eng_tensor* target, int64_t N, int64_t C, int64_t inner,
+                                   int64_t ignore_index, int reduction, double label_smoothing, int tnd,
+                                   const int64_t* tshape) {
+  int perm[ENG_MAX_DIMS], nd = x->ndim;
+  perm[0] = 0;
+  for (int d = 2; d < nd; d++) perm[d - 1] = d;
+  perm[nd - 1] = 1;
+  int64_t rows[2] = {N * inner, C}, flat[1] = {N * inner};
+  eng_tensor *xp = eng_permute(x, nd, perm), *xr = xp ? eng_reshape(xp, 2, rows) : NULL;
+  eng_tensor *tr = xr ? eng_reshape(target, 1, flat) : NULL;
+  eng_tensor* r = tr ? eng_cross_entropy(xr, tr, ignore_index, reduction, label_smoothing) : NULL;
+  eng_tensor_release(xp); eng_tensor_release(xr); eng_tensor_release(tr);
+  if (r && reduction == RED_NONE) {
+    eng_tensor* s = eng_reshape(r, tnd, tshape);
+    eng_tensor_release(r);
+    r = s;
+  }
+  return r;
+}
+
 eng_tensor* eng_cross_entropy(eng_tensor* logits, eng_tensor* target, int64_t ignore_index,
                               int reduction, double label_smoothing) {
   ENG_CHECK(logits, "cross_entropy"); ENG_CHECK(target, "cross_entropy");
@@ -212,7 +237,8 @@ eng_tensor* eng_cross_entropy(eng_tensor* logits, eng_tensor* target, int64_t ig
   int64_t C = x->shape[cdim], N = x->ndim == 1 ? 1 : x->shape[0], inner = 1;
   for (int d = 2; d < x->ndim; d++) inner *= x->shape[d];
   if (x->device == ENG_CUDA) {
-    if (inner != 1) return eng_cu_unsupportedp("cross_entropy with logits [N, C, d1, ...]", x);
+    if (inner != 1) return ce_cuda_spatial(x, target, N, C, inner, ignore_index, reduction, label_smoothing, tnd,
+                                           tshape);
     return ce_cuda(x, target, N, C, ignore_index, reduction, label_smoothing, tnd, tshape, 0);
   }
   int rdt = x->dtype, cdt = compute_dtype(rdt);

@@ -6,6 +6,7 @@
 #include "ops/cuda_ops.h"
 #include "eng/dtensor.h"
 #include "eng/mesh.h"
+#include "eng/ops_pointwise.h"
 #include <math.h>
 
 static int is_half(int dt) { return dt == ENG_BF16 || dt == ENG_F16; }
@@ -189,6 +190,34 @@ static void sgd_rows(int64_t n, char** p, const int64_t* s, void* vc) {
   kc_sgd_row(c->a, n, p[0], s[0], p[1], s[1], c->has_buf ? p[2] : NULL, c->has_buf ? s[2] : 0);
 }
 
+/* SGD on a device tensor, torch.optim.SGD's foreach form from the in-place ops (each rounds to the tensor's dtype,
+ * as PyTorch's CUDA path): d = g + wd p; buf = g on the first step, else buf = momentum buf + (1 - dampening) d;
+ * d = nesterov ? d + momentum buf : buf; p -= lr d.  The caller runs it with gradients off. */
+/* dst += alpha src, src first converted to dst's dtype (an f32 gradient or buffer of a bf16 parameter). */
+static int add_as(eng_tensor* dst, eng_tensor* src, double alpha) {
+  if (src->dtype == dst->dtype) return eng_add_(dst, src, alpha);
+  eng_tensor* t = eng_as_contig(src, dst->dtype);
+  int rc = t ? eng_add_(dst, t, alpha) : -1;
+  eng_tensor_release(t);
+  return rc;
+}
+
+static int sgd_device(eng_tensor* p, eng_tensor* g, eng_tensor* b, double lr, double momentum, double dampening,
+                      double weight_decay, int nesterov, int first_step) {
+  eng_tensor* d = (weight_decay != 0 || nesterov) ? eng_tensor_clone(g) : eng_tensor_retain(g);
+  int rc = d ? 0 : -1;
+  if (!rc && weight_decay != 0) rc = add_as(d, p, weight_decay);
+  if (!rc && b) {
+    if (first_step) rc = eng_tensor_copy_(b, d);
+    else rc = eng_mul_scalar_(b, momentum) || add_as(b, d, 1.0 - dampening);
+    if (!rc && nesterov) rc = add_as(d, b, momentum);
+    else if (!rc) { eng_tensor_release(d); d = eng_tensor_retain(b); }
+  }
+  if (!rc) rc = add_as(p, d, -lr);
+  eng_tensor_release(d);
+  return rc ? -1 : 0;
+}
+
 int eng_sgd_step(int n, eng_tensor** params, eng_tensor** grads, eng_tensor** momentum_buf,
                  double lr, double momentum, double dampening, double weight_decay,
                  int nesterov, int first_step) {
@@ -206,12 +235,18 @@ int eng_sgd_step(int n, eng_tensor** params, eng_tensor** grads, eng_tensor** mo
   for (int i = 0; i < n; i++) {
     if (!grads[i]) continue;
     if (check_param(op, i, params[i]) || check_like(op, "grad", i, params[i], grads[i])) return -1;
-    if (params[i]->device == ENG_CUDA) return eng_cu_unsupported(op, params[i]);
     if (momentum != 0 && check_like(op, "momentum buffer", i, params[i], momentum_buf[i])) return -1;
   }
   for (int i = 0; i < n; i++) {
     if (!grads[i]) continue;
     eng_tensor *p = params[i], *g = grads[i], *b = momentum != 0 ? momentum_buf[i] : NULL;
+    if (p->device == ENG_CUDA) {
+      if (sgd_device(p, g, b, lr, momentum, dampening, weight_decay, nesterov, first_step)) {
+        eng_err_prefix("%s (parameter %d)", op, i + 1);
+        return -1;
+      }
+      continue;
+    }
     kc_sgd_args a = {lr, momentum, dampening, weight_decay, nesterov != 0, first_step != 0, p->dtype, g->dtype,
                      b ? b->dtype : p->dtype};
     sgd_ctx c = {&a, b != NULL};
