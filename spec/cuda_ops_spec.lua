@@ -555,6 +555,17 @@ describe("CUDA op conformance #gpu", function()
     end
   end)
 
+  it("engine.save writes device tensors from a host copy; load gives them back", function()
+    need_gpu()
+    local a, b = engine.randn(3, 4):cuda(), engine.randn(5):to("bf16"):cuda()
+    local path = os.tmpname()
+    engine.save(path, { a = a, b = b })
+    local r = engine.load(path)
+    os.remove(path)
+    assert.are.equal(0, (r.a - a:cpu()):abs():max():item())
+    assert.are.equal(0, (r.b:float() - b:cpu():float()):abs():max():item())
+  end)
+
   it("cross_entropy over [N, C, d1, ...] logits (every reduction, ignore_index)", function()
     need_gpu()
     for _, dt in ipairs({ "f32", "bf16" }) do

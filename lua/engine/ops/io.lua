@@ -43,9 +43,12 @@ function M.save(path, tensors, metadata)
   local cts = ffi.new("eng_tensor*[?]", n > 0 and n or 1)
   local keep = {}
   for i, k in ipairs(names) do
+    local t = tensors[k]
+    if t.device == "cuda" then t = t:cpu() end -- a device tensor is written from a host copy (as safetensors.torch)
     keep[#keep + 1] = k
+    keep[#keep + 1] = t
     cnames[i - 1] = k
-    cts[i - 1] = tensors[k]._c
+    cts[i - 1] = t._c
   end
   local keys = {}
   if metadata ~= nil then
