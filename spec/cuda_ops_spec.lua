@@ -555,6 +555,27 @@ describe("CUDA op conformance #gpu", function()
     end
   end)
 
+  it("clip_grad_norm_ and global norms of other orders (1, 0, 3, -inf) on device gradients match the CPU", function()
+    need_gpu()
+    for _, dt in ipairs({ "f32", "bf16" }) do
+      for _, p in ipairs({ 1, 0, 3, -math.huge }) do
+        engine.manual_seed(12)
+        local a, b = engine.randn(7, 5):to(dt), engine.randn(11):to(dt)
+        local pc = { a:clone():requires_grad_(true), b:clone():requires_grad_(true) }
+        local pg = { a:cuda():requires_grad_(true), b:cuda():requires_grad_(true) }
+        local ga, gb = engine.randn(7, 5):to(dt), engine.randn(11):to(dt)
+        pc[1].grad, pc[2].grad = ga:clone(), gb:clone()
+        pg[1].grad, pg[2].grad = ga:cuda(), gb:cuda()
+        local nc = optim.clip_grad_norm_(pc, 0.5, p)
+        local ng = optim.clip_grad_norm_(pg, 0.5, p)
+        assert.are.equal("cuda", ng.device)
+        nc, ng = nc:item(), ng:item()
+        assert.is_true(math.abs(nc - ng) <= 1e-5 * math.abs(nc) + 1e-6, string.format("p=%g %s: %g vs %g", p, dt, nc, ng))
+        for i = 1, 2 do compare(pg[i].grad, pc[i].grad, GTOL[dt], string.format("clipped grad %d p=%g %s", i, p, dt)) end
+      end
+    end
+  end)
+
   it("engine.save writes device tensors from a host copy; load gives them back", function()
     need_gpu()
     local a, b = engine.randn(3, 4):cuda(), engine.randn(5):to("bf16"):cuda()

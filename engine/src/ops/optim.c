@@ -4,6 +4,7 @@
 #include "core/dispatch.h"
 #include "kernels/cpu/kcpu.h"
 #include "ops/cuda_ops.h"
+#include "ops/ops.h"
 #include "eng/dtensor.h"
 #include "eng/mesh.h"
 #include "eng/ops_pointwise.h"
@@ -333,10 +334,11 @@ static int total_norm(const char* op, int n, eng_tensor** ts, double p, double* 
   err = err ? 1 : 0;
   int any_dist = 0;
   for (int i = 0; i < n && !any_dist; i++) { eng_tensor* L = layout_of(ts[i], from_grads); any_dist = L && L->dist; }
-  if (first_dev == ENG_CUDA && !err && !any_dist) return eng_cu_global_norm(n, ts, from_grads, p, out, op);
+  /* the CUDA kernels do p = 2 and inf; other orders read a host copy of each device tensor (the CPU's kernels) */
+  int cuda = first_dev == ENG_CUDA && (kind == KN_L2 || kind == KN_MAX);
+  if (cuda && !err && !any_dist) return eng_cu_global_norm(n, ts, from_grads, p, out, op);
   /* CUDA DTensors: each layout group's local part is normed on the device (eng_cu_global_norm of its tensors),
    * then the groups' accumulators are reduced over their meshes below, as on the CPU */
-  int cuda = first_dev == ENG_CUDA;
   eng_tensor** cu_t = cuda ? calloc((size_t)n + 1, sizeof *cu_t) : NULL;
   int* cu_g = cuda ? calloc((size_t)n + 1, sizeof *cu_g) : NULL;
   int n_cu = 0;
@@ -373,12 +375,15 @@ static int total_norm(const char* op, int n, eng_tensor** ts, double p, double* 
     if (g == 0) count += t->dist ? t->dist->numel : t->numel;
     if (t->numel == 0) continue;
     if (cuda) { cu_t[n_cu] = t; cu_g[n_cu++] = g; continue; }
+    eng_tensor* h = t->device == ENG_CUDA ? eng_op_host(t, t->dtype) : eng_tensor_retain(t);
+    if (!h) { err = 1; continue; }
     norm_ctx* c = &groups[g].c;
-    c->dt = t->dtype;
-    char* base[1] = {eng_ptr(t)};
-    const int64_t* st[1] = {t->stride};
-    int esz[1] = {eng_dtype_size(t->dtype)};
-    kc_foreach(t->ndim, t->shape, 1, base, st, esz, norm_rows, c);
+    c->dt = h->dtype;
+    char* base[1] = {eng_ptr(h)};
+    const int64_t* st[1] = {h->stride};
+    int esz[1] = {eng_dtype_size(h->dtype)};
+    kc_foreach(h->ndim, h->shape, 1, base, st, esz, norm_rows, c);
+    eng_tensor_release(h);
   }
   for (int g = 0; g < ng && cuda && !err; g++) {
     int k = 0;
