@@ -185,7 +185,7 @@ local function main(argv)
     .. "batch %d = %d tokens/step, %d steps, lr %g (warmup %d, cosine to %g), wd %g, clip %g, seed %d, threads %d, "
     .. "BLAS %s", n_params, o.n_layers, o.dim, o.n_heads, o.seq, o.vocab_size, dpw, o.grad_accum, o.batch, tokens_per_step,
     o.steps, o.lr, o.warmup, o.min_lr_ratio * o.lr, o.weight_decay, o.grad_clip, o.seed, engine.get_num_threads(),
-    engine.blas_core())
+    engine.blas_core() .. ", GEMM " .. engine.gemm_library())
   if two_d then
     log(NAME .. ": mesh %s: tensor parallel over %d rank(s)%s on mesh[\"tp\"] %s, data parallel over %d",
       tostring(root_mesh), tp, o.sp == 1 and " with sequence parallelism" or "", tostring(tp_mesh), dpw)

@@ -145,7 +145,7 @@ local function main(argv)
     model:num_parameters(), MODEL and MODEL.describe(o) or string.format("%d layers, dim %d, %d heads, seq %d, vocab %d",
     o.n_layers, o.dim, o.n_heads, o.seq, o.vocab_size), dp, o.batch, dp * o.batch * o.seq,
     o.steps, o.lr, o.warmup, o.min_lr_ratio * o.lr, o.weight_decay, o.grad_clip, o.seed,
-    engine.get_num_threads(), engine.blas_core())
+    engine.get_num_threads(), engine.blas_core() .. ", GEMM " .. engine.gemm_library())
   if n_ac > 0 then
     log(NAME .. ": activation checkpointing (--act_ckpt=%s) of %d of %d blocks", o.act_ckpt, n_ac,
       #model.layers:children())

@@ -5,6 +5,7 @@
 set -euo pipefail
 pkgs=(build-essential cmake pkg-config luajit libluajit-5.1-dev lua-busted openmpi-bin libopenmpi-dev
       libopenblas-dev bible-kjv bible-kjv-text
+      libdnnl2       # oneDNN's sgemm for f32 GEMMs, loaded at run time when present (kernels/cpu/gemm.c)
       lua-argparse   # engine.cli: the command line of every recipe and tool
       gnuplot-nox    # tools/plot.lua: loss and throughput curves of runs (make plot)
       clang libclang-rt-dev)  # clang + libFuzzer: the fuzz targets of spec/fuzz (make fuzz-build)

@@ -5,15 +5,77 @@
  * single-threaded inside each part. */
 #include "kcpu.h"
 #include <cblas.h>
+#include <dlfcn.h>
 #include <math.h>
+#include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+/* f32 products through oneDNN's sgemm when its library is present (Debian's libdnnl2, loaded at run time: no build
+ * dependency).  On the reference step's 25 GEMM shapes, at one library thread per part of a split product (the
+ * engine's path), oneDNN ran 1.10-1.13x OpenBLAS's AVX-512 kernels, and the step 0.94x (docs/benchmarks.md, "GEMM
+ * library").  ENGINE_GEMM=openblas keeps OpenBLAS; unset, auto or onednn: oneDNN when it loads, else OpenBLAS (the
+ * library in use and why: kc_gemm_library()).  Each thread that calls it keeps oneDNN's OpenMP team at one thread
+ * (the engine splits big products over its own pool, as with OpenBLAS).  f64 stays with OpenBLAS. */
+typedef int (*dnnl_sgemm_fn)(char, char, int64_t, int64_t, int64_t, float, const float*, int64_t, const float*,
+                             int64_t, float, float*, int64_t);
+typedef struct { int major, minor, patch; const char* hash; unsigned cpu_runtime, gpu_runtime; } dnnl_version_rec;
+static dnnl_sgemm_fn g_dnnl_sgemm;
+static void (*g_omp_set_num_threads)(int);
+static pthread_once_t g_gemm_once = PTHREAD_ONCE_INIT;
+static char g_gemm_desc[256] = "OpenBLAS";
+static __thread int t_omp_one;
+
+static void gemm_lib_load(void) {
+  const char* want = getenv("ENGINE_GEMM");
+  if (want && *want && strcmp(want, "auto") && strcmp(want, "onednn") && strcmp(want, "openblas")) {
+    snprintf(g_gemm_desc, sizeof g_gemm_desc, "OpenBLAS (ENGINE_GEMM=%.64s is not openblas, onednn or auto)", want);
+    return;
+  }
+  if (want && !strcmp(want, "openblas")) {
+    snprintf(g_gemm_desc, sizeof g_gemm_desc, "OpenBLAS (ENGINE_GEMM=openblas)");
+    return;
+  }
+  void* h = dlopen("libdnnl.so.2", RTLD_NOW | RTLD_LOCAL);
+  void* g = h ? dlopen("libgomp.so.1", RTLD_NOW | RTLD_LOCAL) : NULL; /* the OpenMP runtime libdnnl loaded */
+  dnnl_sgemm_fn f = h ? (dnnl_sgemm_fn)dlsym(h, "dnnl_sgemm") : NULL;
+  void (*set)(int) = g ? (void (*)(int))dlsym(g, "omp_set_num_threads") : NULL;
+  if (!f || !set) {
+    snprintf(g_gemm_desc, sizeof g_gemm_desc, "OpenBLAS (oneDNN's libdnnl.so.2 %s: apt-get install libdnnl2)",
+             h ? "has no dnnl_sgemm or OpenMP" : "not found");
+    return;
+  }
+  const dnnl_version_rec* (*ver)(void) = (const dnnl_version_rec* (*)(void))dlsym(h, "dnnl_version");
+  const dnnl_version_rec* v = ver ? ver() : NULL;
+  g_omp_set_num_threads = set;
+  g_dnnl_sgemm = f;
+  if (v) snprintf(g_gemm_desc, sizeof g_gemm_desc, "oneDNN %d.%d.%d for f32, OpenBLAS for f64", v->major, v->minor,
+                  v->patch);
+  else snprintf(g_gemm_desc, sizeof g_gemm_desc, "oneDNN for f32, OpenBLAS for f64");
+}
+
+const char* kc_gemm_library(void) {
+  pthread_once(&g_gemm_once, gemm_lib_load);
+  return g_gemm_desc;
+}
+
+/* C = alpha op(A) op(B) + beta C through oneDNN (beta 0: C is not read); 0 when done, -1 to use OpenBLAS. */
+static int gemm_dnnl(int ta, int tb, int64_t M, int64_t N, int64_t K, double alpha, const float* A, int64_t lda,
+                     const float* B, int64_t ldb, double beta, float* C, int64_t ldc) {
+  pthread_once(&g_gemm_once, gemm_lib_load);
+  if (!g_dnnl_sgemm) return -1;
+  if (!t_omp_one) { g_omp_set_num_threads(1); t_omp_one = 1; }
+  return g_dnnl_sgemm(ta ? 'T' : 'N', tb ? 'T' : 'N', M, N, K, (float)alpha, A, lda, B, ldb, (float)beta, C, ldc)
+             ? -1 : 0;
+}
 
 /* One BLAS call; OpenBLAS itself always runs single-threaded (engine/src/core/runtime.c):
  * the engine splits big products over its own pool instead (kc_gemm), so
  * BLAS threads never spin against the engine's threads. */
 static void gemm_blas(int dt, int ta, int tb, int64_t M, int64_t N, int64_t K, double alpha, const void* A,
                       int64_t lda, const void* B, int64_t ldb, double beta, void* C, int64_t ldc) {
+  if (dt == KC_F32 && !gemm_dnnl(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc)) return;
   enum CBLAS_TRANSPOSE TA = ta ? CblasTrans : CblasNoTrans, TB = tb ? CblasTrans : CblasNoTrans;
   if (beta == 0.0) {
     /* OpenBLAS clears C with a slow pass of its own for beta = 0: clearing

@@ -204,6 +204,8 @@ int kc_in_parallel(void);
 void kc_gemm(int dt, int ta, int tb, int64_t M, int64_t N, int64_t K, double alpha,
              const void* A, int64_t lda, const void* B, int64_t ldb, double beta, void* C,
              int64_t ldc);
+/* The library f32 products run on, and why (oneDNN when libdnnl.so.2 loads, unless ENGINE_GEMM=openblas). */
+const char* kc_gemm_library(void);
 /* out[i, :] = bias (rows of n elements, row stride ld). */
 void kc_fill_rows(int dt, int64_t rows, int64_t n, const void* bias, void* out, int64_t ld);
 /* out[j] = sum_i g[i, j] (row stride ld). */

@@ -41,6 +41,9 @@ function engine.blas_corename() return core.ffi.string(C.eng_blas_corename()) en
 -- Why that core runs ("CPU has AVX-512; OpenBLAS picked Prescott"); engine.blas_core() gives both, for log lines.
 function engine.blas_core_reason() return core.ffi.string(C.eng_blas_core_reason()) end
 function engine.blas_core() return engine.blas_corename() .. " (" .. engine.blas_core_reason() .. ")" end
+-- The library f32 GEMMs run on and why: "oneDNN 2.6.3 for f32, OpenBLAS for f64" when libdnnl2 is present, else
+-- "OpenBLAS (...)"; ENGINE_GEMM=openblas keeps OpenBLAS (kernels/cpu/gemm.c).
+function engine.gemm_library() return core.ffi.string(core.C.eng_gemm_library()) end
 function engine.time() return C.eng_time() end
 -- A safetensors file of full tensors into tensors of any layout (dist.checkpoint.load_safetensors).
 function engine.load_safetensors(...) return require("engine.distributed").checkpoint.load_safetensors(...) end

@@ -60,8 +60,8 @@ local function median(t)
 end
 
 engine.set_num_threads(o.threads)
-print(string.format("bench/step: engine %s, BLAS core %s, %d threads, OPENBLAS_CORETYPE=%s", engine.version,
-  engine.blas_core(), engine.get_num_threads(), os.getenv("OPENBLAS_CORETYPE") or "(unset)"))
+print(string.format("bench/step: engine %s, BLAS core %s, GEMM %s, %d threads, OPENBLAS_CORETYPE=%s", engine.version,
+  engine.blas_core(), engine.gemm_library(), engine.get_num_threads(), os.getenv("OPENBLAS_CORETYPE") or "(unset)"))
 
 -- ---------------------------------------------------------------- 1. training step
 engine.manual_seed(0)
@@ -218,6 +218,7 @@ elseif o.torch ~= 0 then
 end
 
 print(string.format("summary: engine%s %.1f ms/step | GEMM floor %.1f ms (%.1f GFLOP/s) | PyTorch %s | "
-  .. "engine/PyTorch %s | BLAS %s, %d threads", o.fused == 0 and " (unfused)" or "", eng_ms, floor_ms, rate / 1e9,
-  torch_ms and string.format("%.1f ms/step", torch_ms) or "n/a",
-  torch_ms and string.format("%.2f", eng_ms / torch_ms) or "n/a", engine.blas_corename(), o.threads))
+  .. "engine/PyTorch %s | BLAS %s, GEMM %s, %d threads", o.fused == 0 and " (unfused)" or "", eng_ms, floor_ms,
+  rate / 1e9, torch_ms and string.format("%.1f ms/step", torch_ms) or "n/a",
+  torch_ms and string.format("%.2f", eng_ms / torch_ms) or "n/a", engine.blas_corename(),
+  engine.gemm_library():match("^(%S+)"), o.threads))

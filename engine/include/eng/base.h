@@ -70,6 +70,9 @@ int eng_get_num_threads(void);
 const char* eng_blas_corename(void);
 /* Why that core runs, e.g. "CPU has AVX-512; OpenBLAS picked Prescott" (engine/src/core/blas_core.c); borrowed. */
 const char* eng_blas_core_reason(void);
+/* The GEMM library of f32 products and why, e.g. "oneDNN 2.6.3 for f32, OpenBLAS for f64" or "OpenBLAS
+ * (ENGINE_GEMM=openblas)" (kernels/cpu/gemm.c); borrowed. */
+const char* eng_gemm_library(void);
 /* The engine host's start-up choice of OpenBLAS kernels from the CPU's features and ENGINE_BLAS_CORETYPE: returns
  * the OPENBLAS_CORETYPE to re-execute the process with (the environment already set for it), or NULL to go on.
  * eng_blas_core_exec_failed(errno) restores the environment when that exec fails. */

@@ -72,6 +72,8 @@ int eng_get_num_threads(void) { return g_threads; }
 int eng_threads(void) { return g_threads; }
 const char* eng_blas_corename(void) { const char* s = openblas_get_corename(); return s ? s : "?"; }
 
+const char* eng_gemm_library(void) { return kc_gemm_library(); }
+
 double eng_time(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
