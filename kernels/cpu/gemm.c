@@ -15,7 +15,8 @@
 /* f32 products through oneDNN's sgemm when its library is present (Debian's libdnnl2, loaded at run time: no build
  * dependency).  On the reference step's 25 GEMM shapes, at one library thread per part of a split product (the
  * engine's path), oneDNN ran 1.10-1.13x OpenBLAS's AVX-512 kernels, and the step 0.94x (docs/benchmarks.md, "GEMM
- * library").  ENGINE_GEMM=openblas keeps OpenBLAS; unset, auto or onednn: oneDNN when it loads, else OpenBLAS (the
+ * library"); small products stay with OpenBLAS (DNNL_MIN_MACS).  ENGINE_GEMM=openblas keeps OpenBLAS; unset, auto or
+ * onednn: oneDNN when it loads, else OpenBLAS (the
  * library in use and why: kc_gemm_library()).  Each thread that calls it keeps oneDNN's OpenMP team at one thread
  * (the engine splits big products over its own pool, as with OpenBLAS).  f64 stays with OpenBLAS. */
 typedef int (*dnnl_sgemm_fn)(char, char, int64_t, int64_t, int64_t, float, const float*, int64_t, const float*,
@@ -60,9 +61,16 @@ const char* kc_gemm_library(void) {
   return g_gemm_desc;
 }
 
+/* Products smaller than this (or with fewer than DNNL_MIN_DIM rows or columns) stay with OpenBLAS: oneDNN's sgemm
+ * costs more per call, so a decoding step's one-row products ran 2.3x slower through it (recipes/bench/generate.lua:
+ * 0.86 -> 1.97 ms a token), while the step's products of 2^21 multiply-adds and more gain. */
+#define DNNL_MIN_MACS ((int64_t)1 << 21)
+#define DNNL_MIN_DIM 16
+
 /* C = alpha op(A) op(B) + beta C through oneDNN (beta 0: C is not read); 0 when done, -1 to use OpenBLAS. */
 static int gemm_dnnl(int ta, int tb, int64_t M, int64_t N, int64_t K, double alpha, const float* A, int64_t lda,
                      const float* B, int64_t ldb, double beta, float* C, int64_t ldc) {
+  if (M < DNNL_MIN_DIM || N < DNNL_MIN_DIM || M * N * K < DNNL_MIN_MACS) return -1;
   pthread_once(&g_gemm_once, gemm_lib_load);
   if (!g_dnnl_sgemm) return -1;
   if (!t_omp_one) { g_omp_set_num_threads(1); t_omp_one = 1; }
