@@ -41,28 +41,13 @@ if arg[1] == "bench" then
 end
 ]]
 
-local script
 local function child(env, bench)
-  if not script then
-    script = os.tmpname()
-    local f = assert(io.open(script, "w"))
-    f:write(CHILD)
-    f:close()
-  end
   local sets = {}
   for k, v in pairs(env) do sets[#sets + 1] = string.format("%s='%s'", k, v) end
   table.sort(sets)
-  -- The variables that choose the core are unset unless env sets them, and so are this process's MPI ones (an
-  -- MPI singleton's variables confuse a child's own MPI start-up).
-  local cmd = string.format("env -u OPENBLAS_CORETYPE -u ENGINE_BLAS_CORETYPE -u ENGINE_BLAS_REEXEC "
-    .. "-u ENGINE_BLAS_NOBETTER $(env | grep -o '^\\(OMPI\\|PMIX\\|OPAL\\|ORTE\\)[A-Za-z0-9_]*' | sed 's/^/-u /') "
-    .. "%s timeout -k 5 120 '%s' '%s' %s 2>&1; echo \"__rc=$?\"", table.concat(sets, " "), proc.self_exe(), script,
-    bench and "bench" or "")
-  local p = assert(io.popen(cmd))
-  local out = p:read("*a")
-  p:close()
-  local rc = tonumber(out:match("__rc=(%d+)%s*$"))
-  assert(rc == 0, "child failed (" .. tostring(rc) .. "): " .. cmd .. "\n" .. out)
+  -- The variables that choose the core are unset unless env sets them.
+  local out = proc.snippet(CHILD, { "OPENBLAS_CORETYPE", "ENGINE_BLAS_CORETYPE", "ENGINE_BLAS_REEXEC",
+    "ENGINE_BLAS_NOBETTER" }, table.concat(sets, " "), bench and "bench" or "")
   local r = { core = out:match("core=([^\n]*)"), why = out:match("why=([^\n]*)"),
     gflops = tonumber(out:match("gflops=([%d%.]+)")) }
   assert(r.core and r.why, "no core reported: " .. out)
@@ -119,7 +104,7 @@ end
 describe("BLAS core selection", function()
   local is_host = proc.self_exe():match("engine$") ~= nil
 
-  teardown(function() if script then os.remove(script) end end)
+  teardown(function() proc.remove_snippets() end)
 
   it("names the core in use and why", function()
     local engine = require("engine")

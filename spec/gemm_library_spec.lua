@@ -24,20 +24,8 @@ if f then f:close() end
 io.write("threads=", threads, " engine_threads=", e.get_num_threads(), "\n")
 ]]
 
-local script
 local function child(env)
-  if not script then
-    script = os.tmpname()
-    local f = assert(io.open(script, "w"))
-    f:write(CHILD)
-    f:close()
-  end
-  local cmd = string.format("env -u ENGINE_GEMM $(env | grep -o '^\\(OMPI\\|PMIX\\|OPAL\\|ORTE\\)[A-Za-z0-9_]*' | "
-    .. "sed 's/^/-u /') %s timeout -k 5 120 '%s' '%s' 2>&1; echo \"__rc=$?\"", env or "", proc.self_exe(), script)
-  local p = assert(io.popen(cmd))
-  local out = p:read("*a")
-  p:close()
-  assert(tonumber(out:match("__rc=(%d+)%s*$")) == 0, "child failed: " .. cmd .. "\n" .. out)
+  local out = proc.snippet(CHILD, { "ENGINE_GEMM" }, env)
   return { lib = out:match("lib=([^\n]*)"), err = tonumber(out:match("err=(%S+)")),
     err_t = tonumber(out:match("err_t=(%S+)")), nan = tonumber(out:match("nan=(%d+)")),
     threads = tonumber(out:match("threads=(%d+)")), engine_threads = tonumber(out:match("engine_threads=(%d+)")) }
@@ -52,7 +40,7 @@ end
 
 describe("GEMM library of f32 products", function()
   local is_host = proc.self_exe():match("engine$") ~= nil
-  teardown(function() if script then os.remove(script) end end)
+  teardown(function() proc.remove_snippets() end)
 
   it("oneDNN when libdnnl2 is installed, OpenBLAS otherwise; products agree with float64", function()
     if not is_host then return pending("not running under the engine host") end

@@ -15,6 +15,37 @@ function M.self_exe()
   return exe
 end
 
+-- snippet(code, unset, env, args) -> the output of `engine <code as a file> args` run as a child (stdout and stderr),
+-- after asserting that it exited 0.  unset: names of variables to drop; env: "NAME='value' ..." to set; this
+-- process's MPI variables are dropped too (an MPI singleton's variables confuse a child's own MPI start-up).
+local snippets = {}
+function M.snippet(code, unset, env, args)
+  local path = snippets[code]
+  if not path then
+    path = os.tmpname()
+    local f = assert(io.open(path, "w"))
+    f:write(code)
+    f:close()
+    snippets[code] = path
+  end
+  local drop = {}
+  for _, name in ipairs(unset or {}) do drop[#drop + 1] = "-u " .. name end
+  local cmd = string.format("env %s $(env | grep -o '^\\(OMPI\\|PMIX\\|OPAL\\|ORTE\\)[A-Za-z0-9_]*' | "
+    .. "sed 's/^/-u /') %s timeout -k 5 120 '%s' '%s' %s 2>&1; echo \"__rc=$?\"", table.concat(drop, " "), env or "",
+    M.self_exe(), path, args or "")
+  local p = assert(io.popen(cmd))
+  local out = p:read("*a")
+  p:close()
+  local rc = tonumber(out:match("__rc=(%d+)%s*$"))
+  assert(rc == 0, "child failed (" .. tostring(rc) .. "): " .. cmd .. "\n" .. out)
+  return out
+end
+
+-- remove_snippets() removes the files snippet wrote.
+function M.remove_snippets()
+  for code, path in pairs(snippets) do os.remove(path); snippets[code] = nil end
+end
+
 -- have_mpirun() -> whether mpirun is on the PATH
 function M.have_mpirun()
   local p = io.popen("command -v mpirun")
