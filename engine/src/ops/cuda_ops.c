@@ -256,22 +256,12 @@ int eng_cu_sdpa_supported(const eng_tensor* q, const eng_tensor* k, const eng_te
   return q->shape[0] <= INT32_MAX && q->shape[1] <= INT32_MAX && q->shape[2] <= INT32_MAX && k->shape[2] <= INT32_MAX;
 }
 
+/* The op sends every other layout to its math path (ops/attention.c), so a refusal here is a caller's error. */
 static int attn_check(eng_tensor* q, eng_tensor* k, eng_tensor* v, const char* op) {
-  if (q->ndim != 4 || k->ndim != 4 || v->ndim != 4)
-    return eng_err("%s: cuda tensors need 4-D q, k, v [B, H, L, D]; got q %s, k %s, v %s "
-                   "(not implemented for cuda tensors)", op, eng_desc(q), eng_desc(k), eng_desc(v));
-  if (q->dtype != ENG_F32 && q->dtype != ENG_BF16 && q->dtype != ENG_F16)
-    return eng_err("%s: not implemented for cuda tensors of dtype %s (f32, bf16, f16)", op, eng_dtype_name(q->dtype));
-  for (int d = 0; d < 2; d++)
-    if (k->shape[d] != q->shape[d] || v->shape[d] != q->shape[d])
-      return eng_err("%s: cuda tensors need the same batch and head dims in q %s, k %s and v %s (no broadcasting; "
-                     "not implemented for cuda tensors)", op, eng_desc(q), eng_desc(k), eng_desc(v));
-  if (q->shape[3] > 128 || v->shape[3] != q->shape[3])
-    return eng_err("%s: cuda tensors need a head dim <= 128 shared by q and v; got q %s, v %s "
-                   "(not implemented for cuda tensors)", op, eng_desc(q), eng_desc(v));
-  if (q->shape[0] > INT32_MAX || q->shape[1] > INT32_MAX || q->shape[2] > INT32_MAX || k->shape[2] > INT32_MAX)
-    return eng_err("%s: dims too large for the CUDA attention kernels (%s)", op, eng_desc(q));
-  return 0;
+  if (eng_cu_sdpa_supported(q, k, v)) return 0;
+  return eng_err("%s: internal error: q %s, k %s, v %s are not a layout the flash kernels take (4-D [B, H, L, D], "
+                 "the same B and H, f32/bf16/f16, head dim <= 128 shared by q and v)", op, eng_desc(q), eng_desc(k),
+                 eng_desc(v));
 }
 
 static void attn_fill(kcu_attn_args* a, eng_tensor* q, eng_tensor* k, int causal, double scale) {
