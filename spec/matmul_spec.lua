@@ -164,6 +164,43 @@ describe("matmul", function()
     assert.are.same({ { 3, 10 }, { 5, 20 } }, c:totable())
   end)
 
+  it("one-row and one-column products in every layout, split over threads (few-row path)", function()
+    local nt = engine.get_num_threads()
+    engine.set_num_threads(2)
+    local ok, err = pcall(function()
+      for _, dt in ipairs({ "f32", "f64" }) do
+        local tol = dt == "f32" and 1e-5 or 1e-12
+        -- sizes below and above the few-row split (n * k >= 2^16); k = 300 is not a multiple of the vector width
+        for _, nk in ipairs({ { 20, 30 }, { 400, 300 } }) do
+          local n, k = nk[1], nk[2]
+          local x = mk({ 1, k }, dt, 1)
+          local w = mk({ n, k }, dt, 2)                     -- x @ w^T (linear's layout)
+          local wt = mk({ k, n }, dt, 3)                    -- x @ wt
+          local xs = mk({ 3, k }, dt, 4):narrow(1, 2, 1)     -- a row of a bigger matrix
+          local xc = mk({ k, 2 }, dt, 5):narrow(2, 2, 1):t() -- a column read as a row (stride 2)
+          local wide = mk({ n, k + 7 }, dt, 6):narrow(2, 4, k) -- row stride k + 7
+          for _, a in ipairs({ x, xs, xc }) do
+            local af = a:contiguous():tolist_flat()
+            close(a:matmul(w:t()), (ref_matmul(af, { 1, k }, w:t():contiguous():tolist_flat(), { k, n })), tol)
+            close(a:matmul(wt), (ref_matmul(af, { 1, k }, wt:tolist_flat(), { k, n })), tol)
+            close(a:matmul(wide:t()), (ref_matmul(af, { 1, k }, wide:t():contiguous():tolist_flat(), { k, n })), tol)
+            -- one column: matrix @ vector, the matrix stored either way, the vector strided
+            close(w:matmul(a:t()), (ref_matmul(w:tolist_flat(), { n, k }, af, { k, 1 })), tol)
+            close(wt:t():matmul(a:t()), (ref_matmul(wt:t():contiguous():tolist_flat(), { n, k }, af, { k, 1 })), tol)
+            close(wide:matmul(a:t()), (ref_matmul(wide:contiguous():tolist_flat(), { n, k }, af, { k, 1 })), tol)
+          end
+          -- linear adds its bias to the one row (accumulating product)
+          local b = mk({ n }, dt, 9)
+          local exp = ref_matmul(x:tolist_flat(), { 1, k }, w:t():contiguous():tolist_flat(), { k, n })
+          for j = 1, n do exp[j] = exp[j] + b:tolist_flat()[j] end
+          close(engine.nn.functional.linear(x, w, b), exp, tol)
+        end
+      end
+    end)
+    engine.set_num_threads(nt)
+    assert(ok, err)
+  end)
+
   it("agrees with a large f32 product (BLAS path, folded batch)", function()
     local a = engine.randn(4, 32, 48)
     local b = engine.randn(48, 40)

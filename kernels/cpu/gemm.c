@@ -108,6 +108,12 @@ static void gemm_blas(int dt, int ta, int tb, int64_t M, int64_t N, int64_t K, d
  * thread, a small price next to the product. */
 #define GEMM_SPLIT_MIN ((int64_t)1 << 21)
 #define GEMM_UNIT 16
+/* A product with few rows (M < 2 GEMM_UNIT: decoding's x @ W^T, one row per sequence) reads all of op(B) for
+ * little arithmetic, so it is bound by reading B and is split by columns from a much smaller size: op(B) of 2^16
+ * elements.  On decoding's 12 products of the reference GPT (4 layers, dim 256; 12.6 MiB of weights a token),
+ * three alternating pairs ran at 182-252 us split against 297-387 us on one thread; OpenBLAS's sgemv instead of
+ * sgemm was slower on one thread (288-376 against 449-528 us) and no faster split. */
+#define GEMM_FEW_ROWS_SPLIT_MIN ((int64_t)1 << 16)
 
 typedef struct {
   int dt, ta, tb, by_rows;
@@ -157,8 +163,9 @@ void kc_gemm(int dt, int ta, int tb, int64_t M, int64_t N, int64_t K, double alp
     }
     return;
   }
-  if (M * N * K >= GEMM_SPLIT_MIN && (M >= 2 * GEMM_UNIT || N >= 2 * GEMM_UNIT) && !kc_in_parallel() &&
-      kc_get_threads() > 1) {
+  int few_rows = M < 2 * GEMM_UNIT && N >= 2 * GEMM_UNIT && N * K >= GEMM_FEW_ROWS_SPLIT_MIN;
+  if ((few_rows || (M * N * K >= GEMM_SPLIT_MIN && (M >= 2 * GEMM_UNIT || N >= 2 * GEMM_UNIT))) &&
+      !kc_in_parallel() && kc_get_threads() > 1) {
     gemm_job j = {dt, ta, tb, M >= N, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc};
     int64_t units = ((j.by_rows ? M : N) + GEMM_UNIT - 1) / GEMM_UNIT;
     int64_t t = kc_get_threads();
