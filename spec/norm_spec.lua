@@ -93,6 +93,33 @@ describe("layer_norm", function()
     close(y64:tolist_flat(), y32, 1e-5, "f32 vs f64")
   end)
 
+  it("computes f32 forward and backward like f64 (row tails, several blocks of rows, wide rows)", function()
+    engine.manual_seed(11)
+    -- widths: a multiple of 16, a tail, one over the kernel's stack limit (4096); 70 rows: blocks of 32 and a part
+    for _, n in ipairs({ 256, 300, 4100 }) do
+      local rows = n > 1000 and 5 or 70
+      for _, rms in ipairs({ false, true }) do
+        local x = engine.randn(rows, n) * 3 + 5      -- a mean away from 0
+        local w, b = engine.randn(n), engine.randn(n)
+        local g = engine.randn(rows, n)
+        local function run(dt)
+          local xx, ww, bb = x:to(dt):clone(), w:to(dt):clone(), b:to(dt):clone()
+          xx.requires_grad, ww.requires_grad, bb.requires_grad = true, true, true
+          local y = rms and engine.rms_norm(xx, n, ww, 1e-5) or engine.layer_norm(xx, n, ww, bb, 1e-5)
+          y:backward(g:to(dt))
+          return y, xx.grad, ww.grad, (not rms) and bb.grad or nil
+        end
+        local y32, gx32, gw32, gb32 = run("f32")
+        local y64, gx64, gw64, gb64 = run("f64")
+        local what = string.format("%s n=%d", rms and "rms_norm" or "layer_norm", n)
+        close(y64:tolist_flat(), y32, 1e-6, what .. " y")
+        close(gx64:tolist_flat(), gx32, 1e-6, what .. " dx")
+        close(gw64:tolist_flat(), gw32, 1e-5, what .. " dw")
+        if gb32 then close(gb64:tolist_flat(), gb32, 1e-5, what .. " db") end
+      end
+    end
+  end)
+
   it("keeps bf16/f16 inputs in their dtype and accepts mixed parameter dtypes", function()
     engine.manual_seed(4)
     local x = engine.randn(4, 8)

@@ -1,12 +1,15 @@
 /* norm.c: fused layer_norm / rms_norm forward and backward over rows of n
  * contiguous elements (f32 and f64).
  *
- * Row statistics accumulate in double over 8 independent lanes (a fixed
- * order, so results are deterministic, and the compiler can vectorize it)
- * and are kept in double.  The elementwise math runs in the data type; the
- * mean is applied as a hi + lo pair (x - hi is exact near the mean), so rows
- * with a large mean and a small spread keep their precision in f32.  The
- * weight/bias gradients are column sums accumulated in double. */
+ * Row statistics of f64 rows accumulate in double over 8 independent lanes;
+ * those of f32 rows in f32 vector lanes combined in double (a fixed order either
+ * way, so results are deterministic, and the compiler vectorizes it at full
+ * width), the variance by the corrected two-pass algorithm around the f32
+ * mean; mean and rstd are kept in double.  The elementwise math runs in the
+ * data type; the mean is applied as a hi + lo pair (x - hi is exact near the
+ * mean), so rows with a large mean and a small spread keep their precision in
+ * f32.  The weight/bias gradients are column sums per block of BLK rows (f32
+ * within a block of f32 rows), added block by block in double. */
 #include "kcpu.h"
 #include <math.h>
 #include <stdlib.h>
@@ -47,7 +50,100 @@
     }                                                                                             \
   }
 
-NORM_FWD(float, fwd_f32)
+/* f32 rows: the same formulas with the sums over a row in KVL f32 lanes (the target's vector width: 16 with
+ * AVX-512, 8 with AVX, else 4) combined in double, so they vectorize at full width: the mean (pass 1), then the
+ * centered sums around its f32 rounding mf (pass 2: x - mf is exact for x near the mean), corrected as the
+ * two-pass algorithm does: mean = mf + S1 / n, var = (S2 - S1^2 / n) / n.  (Vectors move by pointer or macro
+ * only: passed by value they would change the ABI between targets.) */
+#if defined(__AVX512F__)
+#define KVL 16
+#elif defined(__AVX__)
+#define KVL 8
+#else
+#define KVL 4
+#endif
+typedef float kvf __attribute__((vector_size(KVL * 4)));
+#define ldv(p) ({ kvf v_; memcpy(&v_, (p), sizeof v_); v_; })
+/* the lanes' sum in double, in a fixed tree (lane l + lane l + KVL / 2, then halves) */
+static inline double sumv(const kvf* vp) {
+#if KVL == 16
+  typedef float kv8 __attribute__((vector_size(32)));
+  typedef double kd8 __attribute__((vector_size(64)));
+  typedef double kd4 __attribute__((vector_size(32)));
+  typedef double kd2 __attribute__((vector_size(16)));
+  const kvf v = *vp;
+  kv8 lo = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+  kv8 hi = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  kd8 d = __builtin_convertvector(lo, kd8) + __builtin_convertvector(hi, kd8);
+  kd4 e = __builtin_shufflevector(d, d, 0, 1, 2, 3) + __builtin_shufflevector(d, d, 4, 5, 6, 7);
+  kd2 f = __builtin_shufflevector(e, e, 0, 1) + __builtin_shufflevector(e, e, 2, 3);
+  return f[0] + f[1];
+#else
+  float a[KVL];
+  double h[KVL / 2];
+  memcpy(a, vp, sizeof a);
+  for (int l = 0; l < KVL / 2; l++) h[l] = (double)a[l] + (double)a[l + KVL / 2];
+#if KVL == 8
+  return (h[0] + h[2]) + (h[1] + h[3]);
+#else
+  return h[0] + h[1];
+#endif
+#endif
+}
+
+/* Rows are taken FWD_ROWS at a time through the two statistics passes, so the short per-row dependency chains
+ * (sums, reductions, division, square root) of neighbouring rows overlap. */
+#define FWD_ROWS 4
+static void fwd_f32(int rms, int64_t m, int64_t n, const float* x, const float* w, const float* b, double eps,
+                    float* y, double* mean, double* rstd) {
+  const int64_t nv = n & ~(int64_t)(KVL - 1);
+  for (int64_t r0 = 0; r0 < m; r0 += FWD_ROWS) {
+    const int nr = m - r0 < FWD_ROWS ? (int)(m - r0) : FWD_ROWS;
+    float mf[FWD_ROWS] = {0};
+    if (!rms && n > 0) {
+      kvf a[FWD_ROWS] = {{0}};
+      for (int64_t k = 0; k < nv; k += KVL)
+        for (int i = 0; i < nr; i++) a[i] += ldv(x + (r0 + i) * n + k);
+      for (int i = 0; i < nr; i++) {
+        const float* xr = x + (r0 + i) * n;
+        double s = sumv(&a[i]);
+        for (int64_t k = nv; k < n; k++) s += (double)xr[k];
+        mf[i] = (float)(s / (double)n);
+      }
+    }
+    kvf c1[FWD_ROWS] = {{0}}, c2[FWD_ROWS] = {{0}};
+    for (int64_t k = 0; k < nv; k += KVL)
+      for (int i = 0; i < nr; i++) {
+        kvf d = ldv(x + (r0 + i) * n + k) - mf[i];
+        c1[i] += d; c2[i] += d * d;
+      }
+    for (int i = 0; i < nr; i++) {
+      const int64_t r = r0 + i;
+      const float* restrict xr = x + r * n;
+      float* restrict yr = y + r * n;
+      double mu = 0.0, var = 0.0;
+      if (n > 0) {
+        double s1 = sumv(&c1[i]), s2 = sumv(&c2[i]);
+        for (int64_t k = nv; k < n; k++) { double d = (double)(xr[k] - mf[i]); s1 += d; s2 += d * d; }
+        if (rms) var = s2 / (double)n;
+        else {
+          mu = (double)mf[i] + s1 / (double)n;
+          var = (s2 - s1 * s1 / (double)n) / (double)n;
+          if (var < 0.0) var = 0.0;
+        }
+      }
+      double rs = 1.0 / sqrt(var + eps);
+      if (mean) mean[r] = mu;
+      rstd[r] = rs;
+      const float mh = (float)mu, ml = (float)(mu - (double)mh), fr = (float)rs;
+      if (w && b) for (int64_t j = 0; j < n; j++) yr[j] = ((xr[j] - mh) - ml) * fr * w[j] + b[j];
+      else if (w) for (int64_t j = 0; j < n; j++) yr[j] = ((xr[j] - mh) - ml) * fr * w[j];
+      else if (b) for (int64_t j = 0; j < n; j++) yr[j] = ((xr[j] - mh) - ml) * fr + b[j];
+      else for (int64_t j = 0; j < n; j++) yr[j] = ((xr[j] - mh) - ml) * fr;
+    }
+  }
+}
+
 NORM_FWD(double, fwd_f64)
 
 /* g_j = go_j * w_j, xhat_j = (x_j - mean) * rstd
@@ -80,8 +176,46 @@ NORM_FWD(double, fwd_f64)
     }                                                                                              \
   }
 
-NORM_BWD(float, bwd_f32)
 NORM_BWD(double, bwd_f64)
+NORM_BWD(float, bwd_f32_wide)
+
+/* f32 rows: the same formulas, the row sums in KVL f32 lanes combined in double (as the forward), and the weight/bias
+ * gradients of the block's rows (at most BLK) summed per column in f32, then added to the double sums once. */
+#define BWD_F32_MAX_N 4096
+static void bwd_f32(int rms, int64_t m, int64_t n, const float* go, const float* x, const float* w,
+                    const double* mean, const double* rstd, float* dx, double* dw, double* db) {
+  if (n > BWD_F32_MAX_N) { bwd_f32_wide(rms, m, n, go, x, w, mean, rstd, dx, dw, db); return; }
+  float fw[BWD_F32_MAX_N], fb[BWD_F32_MAX_N];
+  if (dw) memset(fw, 0, (size_t)n * sizeof *fw);
+  if (db) memset(fb, 0, (size_t)n * sizeof *fb);
+  const int64_t nv = n & ~(int64_t)(KVL - 1);
+  for (int64_t r = 0; r < m; r++) {
+    const float* restrict xr = x + r * n;
+    const float* restrict gr = go + r * n;
+    const double mu = rms ? 0.0 : mean[r];
+    const float mh = (float)mu, ml = (float)(mu - (double)mh), rs = (float)rstd[r];
+    if (dw) for (int64_t j = 0; j < n; j++) fw[j] += gr[j] * (((xr[j] - mh) - ml) * rs);
+    if (db) for (int64_t j = 0; j < n; j++) fb[j] += gr[j];
+    if (!dx || n == 0) continue;
+    kvf a = {0}, c = {0};
+    for (int64_t k = 0; k < nv; k += KVL) {
+      kvf gw = w ? ldv(gr + k) * ldv(w + k) : ldv(gr + k);
+      a += gw; c += gw * (((ldv(xr + k) - mh) - ml) * rs);
+    }
+    double sg = sumv(&a), sgx = sumv(&c);
+    for (int64_t k = nv; k < n; k++) {
+      float gw = w ? gr[k] * w[k] : gr[k];
+      sg += (double)gw; sgx += (double)(gw * (((xr[k] - mh) - ml) * rs));
+    }
+    if (rms) sg = 0.0;
+    const float av = (float)(sg / (double)n), cv = (float)(sgx / (double)n);
+    float* restrict dr = dx + r * n;
+    if (w) for (int64_t j = 0; j < n; j++) dr[j] = rs * (gr[j] * w[j] - av - ((xr[j] - mh) - ml) * rs * cv);
+    else for (int64_t j = 0; j < n; j++) dr[j] = rs * (gr[j] - av - ((xr[j] - mh) - ml) * rs * cv);
+  }
+  if (dw) for (int64_t j = 0; j < n; j++) dw[j] += (double)fw[j];
+  if (db) for (int64_t j = 0; j < n; j++) db[j] += (double)fb[j];
+}
 
 /* ---------------------------------------------------------------- parallel drivers
  * Rows are independent in the forward pass and for dx; the weight/bias
