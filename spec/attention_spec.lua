@@ -253,20 +253,25 @@ end)
 describe("scaled_dot_product_attention: one f32 query row (decoding)", function()
   it("over a cache view equals the f64 computation, values and gradients", function()
     engine.manual_seed(7)
-    for _, S in ipairs({ 1, 5, 17, 300 }) do
-      local q = engine.randn(2, 3, 1, 20)
-      local kbuf, vbuf = engine.randn(2, 3, 320, 20), engine.randn(2, 3, 320, 24)
-      local k, v = kbuf:narrow(3, 1, S), vbuf:narrow(3, 1, S)   -- strided views, as a KV cache's
-      local q32 = q:clone(); q32.requires_grad = true
-      local o = sdpa(q32, k, v, nil, 0, false)
-      local q64 = q:double(); q64.requires_grad = true
-      local o64 = sdpa(q64, k:double(), v:double(), nil, 0, false)
-      close(o, o64:tolist_flat(), 1e-5)
-      local w = engine.randn(2, 3, 1, 24)
-      local l32, l64 = (o * w):sum(), (o64 * w:double()):sum()
-      l32:backward()
-      l64:backward()
-      close(q32.grad, q64.grad:tolist_flat(), 1e-4)
+    -- head dims: any (20, 24), and multiples of 16 up to 256 (the vector kernel: keys 8 at a time, values 64
+    -- lanes at a time), one over 256 (back to the any-size path); key counts below, at and past multiples of 8
+    for _, d in ipairs({ { 20, 24 }, { 64, 64 }, { 32, 96 }, { 256, 16 }, { 16, 256 }, { 272, 80 } }) do
+      local E, Ev = d[1], d[2]
+      for _, S in ipairs({ 1, 5, 8, 17, 300 }) do
+        local q = engine.randn(2, 3, 1, E)
+        local kbuf, vbuf = engine.randn(2, 3, 320, E), engine.randn(2, 3, 320, Ev)
+        local k, v = kbuf:narrow(3, 1, S), vbuf:narrow(3, 1, S)   -- strided views, as a KV cache's
+        local q32 = q:clone(); q32.requires_grad = true
+        local o = sdpa(q32, k, v, nil, 0, false)
+        local q64 = q:double(); q64.requires_grad = true
+        local o64 = sdpa(q64, k:double(), v:double(), nil, 0, false)
+        close(o, o64:tolist_flat(), 1e-5)
+        local w = engine.randn(2, 3, 1, Ev)
+        local l32, l64 = (o * w):sum(), (o64 * w:double()):sum()
+        l32:backward()
+        l64:backward()
+        close(q32.grad, q64.grad:tolist_flat(), 1e-4)
+      end
     end
   end)
 end)
