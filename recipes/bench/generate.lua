@@ -12,7 +12,11 @@
 --   1. cached per-token time at context --short (the baseline) and at --long, and their ratio (target <= 1.5x:
 --      the per-token cost is flat in the context), with the bytes a decode step reads (all the weights, and the
 --      f32 keys and values of the context: their ratio is what a step bound by memory bandwidth would show);
---   2. per-token time recomputing the context at --long (kv_cache = false: the baseline) and the cache's
+--   2. the bound of this machine: the time to only read what a decode step reads (every layer's parameters, then
+--      that layer's cached keys and values as [batch, heads, context, head_dim] f32 tensors, then the final norm and
+--      the output weights: one sum each, no other arithmetic), at --short and --long, its ratio (what a step that
+--      only waited for memory would show on this machine), and the cached step's time beyond that read;
+--   3. per-token time recomputing the context at --long (kv_cache = false: the baseline) and the cache's
 --      speedup over it (target >= 10x).
 local engine = require("engine")
 local nn = engine.nn
@@ -80,16 +84,50 @@ local function per_token(ctx, n, cache)
   return (stamps[#stamps] - stamps[1]) / (#stamps - 1)
 end
 
+-- what a decode step reads at context ctx, in its order: per layer the parameters, then the keys and values
+local layer_params = {}
+for i, layer in ipairs(model.layers) do layer_params[i] = layer:parameters() end
+local tail_params = model.norm:parameters()
+tail_params[#tail_params + 1] = model.output.weight
+local hd = o.dim / o.n_heads
+local function read_set(ctx)
+  local kv = {}
+  for i = 1, o.n_layers do
+    kv[i] = { engine.randn(o.batch, o.n_heads, ctx, hd), engine.randn(o.batch, o.n_heads, ctx, hd) }
+  end
+  return kv
+end
+local read_kv = { short = read_set(o.short), long = read_set(o.long) }
+-- seconds of one pass reading a step's bytes (the median of 9 passes after 3)
+local function read_pass(kv)
+  local t = {}
+  engine.no_grad(function()
+    for r = 1, 12 do
+      local t0 = now()
+      for i = 1, o.n_layers do
+        for _, p in ipairs(layer_params[i]) do p:sum() end
+        kv[i][1]:sum(); kv[i][2]:sum()
+      end
+      for _, p in ipairs(tail_params) do p:sum() end
+      if r > 3 then t[#t + 1] = now() - t0 end
+    end
+  end)
+  return median(t)
+end
+
 -- the three figures, interleaved run by run (a slow phase of the machine touches each alike), after one warm-up
 -- run of each (buffers, page faults); the medians over --reps
 per_token(o.short, 4, true); per_token(o.long, 4, true); per_token(o.long, 2, false)
-local runs = { short = {}, long = {}, old = {} }
+local runs = { short = {}, long = {}, old = {}, read_short = {}, read_long = {} }
 for _ = 1, o.reps do
   runs.short[#runs.short + 1] = per_token(o.short, o.tokens, true)
+  runs.read_short[#runs.read_short + 1] = read_pass(read_kv.short)
   runs.long[#runs.long + 1] = per_token(o.long, o.tokens, true)
+  runs.read_long[#runs.read_long + 1] = read_pass(read_kv.long)
   runs.old[#runs.old + 1] = per_token(o.long, o.old_tokens, false)
 end
 local short, long, old = median(runs.short), median(runs.long), median(runs.old)
+local read_short, read_long = median(runs.read_short), median(runs.read_long)
 local ratio, speedup = long / short, old / long
 print(string.format("bench/generate: KV cache, context %4d: %8.3f ms/token  (baseline)", o.short, short * 1e3))
 print(string.format("bench/generate: KV cache, context %4d: %8.3f ms/token  = %.2fx the context-%d time (target <= 1.5x): %s",
@@ -101,6 +139,10 @@ print(string.format("bench/generate: bytes read per token: weights %.1f MiB + ke
   .. "%.1f MiB (context %d): a step bound by memory bandwidth would take %.2fx as long at %d", wbytes / 2 ^ 20,
   kvbytes(o.short) / 2 ^ 20, o.short, kvbytes(o.long) / 2 ^ 20, o.long,
   (wbytes + kvbytes(o.long)) / (wbytes + kvbytes(o.short)), o.long))
+print(string.format("bench/generate: reading those bytes alone (one sum per tensor, in a step's order): %.3f ms at "
+  .. "context %d, %.3f ms at %d = %.2fx (what a step that only waited for memory would show); the step beyond "
+  .. "that read: %.3f ms at %d, %.3f ms at %d", read_short * 1e3, o.short, read_long * 1e3, o.long,
+  read_long / read_short, (short - read_short) * 1e3, o.short, (long - read_long) * 1e3, o.long))
 print(string.format("bench/generate: recompute, context %4d: %8.3f ms/token  (baseline: the old sampler's way)",
   o.long, old * 1e3))
 print(string.format("bench/generate: KV cache speedup at context %d: %.1fx (target >= 10x): %s", o.long, speedup,
