@@ -67,6 +67,31 @@ describe("softmax", function()
     assert.is_true(nan[1] ~= nan[1] and nan[2] ~= nan[2])
   end)
 
+  it("finds each row's max wherever it is (vector blocks, their remainder, the tail) and skips NaN", function()
+    -- a value of 200 at one place and small values elsewhere: exp(200) overflows f32 (the exp saturates), so a row
+    -- max that missed it would make log_softmax far from 0 there
+    for _, n in ipairs({ 1, 7, 8, 15, 16, 17, 31, 32, 33, 47, 48, 63, 64, 70 }) do
+      for pos = 1, n do
+        local v = {}
+        for i = 1, n do v[i] = math.sin(i) end
+        v[pos] = 200
+        local y = engine.log_softmax(engine.tensor(v, "f32"), 1):tolist_flat()
+        for i = 1, n do
+          local want = v[i] - 200
+          assert(math.abs(y[i] - want) <= 1e-5 * math.max(1, math.abs(want)), string.format(
+            "n=%d max at %d: element %d is %.8g, want %.8g", n, pos, i, y[i], want))
+        end
+      end
+    end
+    -- -inf everywhere but one place; a NaN makes its row NaN (the max skips it, exp(NaN) does not)
+    local r = {}
+    for i = 1, 40 do r[i] = -math.huge end
+    r[37] = -5
+    assert.are.same(1, engine.softmax(engine.tensor(r, "f32"), 1):tolist_flat()[37])
+    r[3] = 0 / 0
+    for _, x in ipairs(engine.softmax(engine.tensor(r, "f32"), 1):tolist_flat()) do assert.is_true(x ~= x) end
+  end)
+
   it("works over every dim (last-dim fast path and strided dims)", function()
     local t = mk({ 2, 3, 4 }, "f32", 1)
     for d = 1, 3 do

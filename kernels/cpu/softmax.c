@@ -11,6 +11,9 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
 
 #define LANES 16
 
@@ -65,7 +68,42 @@
   }
 
 static inline double kc_exp_d(double x) { return exp(x); }
+/* the f32 row max with explicit vectors: GCC leaves the select loop above scalar (16 maxss per 16 values).
+ * max(v, acc) keeps acc when v is NaN, as the select does, and max is exact, so the value is the same. */
+#define kc_row_max_f32 kc_row_max_f32_generic
 DEF_ROW_PRIMS(float, f32, kc_expf)
+#undef kc_row_max_f32
+float kc_row_max_f32(int64_t n, const float* x) {
+  int64_t i = 0;
+  float m = -INFINITY;
+#if defined(__AVX512F__)
+  if (n >= 16) {
+    __m512 a0 = _mm512_set1_ps(-INFINITY), a1 = a0;
+    for (; i + 32 <= n; i += 32) {
+      a0 = _mm512_max_ps(_mm512_loadu_ps(x + i), a0);
+      a1 = _mm512_max_ps(_mm512_loadu_ps(x + i + 16), a1);
+    }
+    if (i + 16 <= n) { a0 = _mm512_max_ps(_mm512_loadu_ps(x + i), a0); i += 16; }
+    m = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
+  }
+#elif defined(__AVX__)
+  if (n >= 8) {
+    __m256 a0 = _mm256_set1_ps(-INFINITY), a1 = a0;
+    for (; i + 16 <= n; i += 16) {
+      a0 = _mm256_max_ps(_mm256_loadu_ps(x + i), a0);
+      a1 = _mm256_max_ps(_mm256_loadu_ps(x + i + 8), a1);
+    }
+    if (i + 8 <= n) { a0 = _mm256_max_ps(_mm256_loadu_ps(x + i), a0); i += 8; }
+    a0 = _mm256_max_ps(a0, a1);
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(a0), _mm256_extractf128_ps(a0, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+    m = _mm_cvtss_f32(h);
+  }
+#endif
+  for (; i < n; i++) m = x[i] > m ? x[i] : m;
+  return m;
+}
 DEF_ROW_PRIMS(double, f64, kc_exp_d)
 
 /* ---------------------------------------------------------------- forward */
