@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # tools/gpu-check.sh OUTDIR [--bundle DIR] [--build BUILD] [--bench all|engine|none] [--budget SECONDS] [--only REGEX]
-#                    [--nps "1 2 4"] [--single 0|1]
+#                    [--nps "1 2 4"] [--single 0|1] [--jobs N]
 #
 # The prepared GPU check: on a machine with an NVIDIA GPU, in one go,
 #   1. makes the runtime available: when luajit, busted or mpirun are missing it unpacks the offline bundle's
@@ -24,6 +24,9 @@
 # the default step, and the op alone.
 # --only REGEX runs only the spec files whose path matches (grep -E), and no C tests (for quick reruns).
 # --nps LIST: the rank counts of the multi-rank specs (default "1 2 4"); --single 0 skips the single-process specs.
+# --jobs N (or GPU_CHECK_JOBS): how many suites run at once on the machine (default 4: the C tests, the single-process
+# specs and the multi-rank suites share the GPU and the cores; one at a time, every suite in a row, did not fit the
+# 450 s budget); --jobs 1 runs them one after another.
 # Exit status 0 when every suite ran and nothing failed.
 set -u
 OUT=${1:?usage: tools/gpu-check.sh OUTDIR [--bundle DIR] [--build BUILD] [--bench all|engine|none] [--budget S]}
@@ -36,6 +39,7 @@ BUDGET=450
 ONLY=""
 NPS="1 2 4"
 SINGLE_SPECS=1
+JOBS=${GPU_CHECK_JOBS:-4}
 # opt-in kernels to measure against the default (each: spec line, default step, step with the variable)
 OPT_IN=${GPU_CHECK_OPT_IN-ENGINE_GEMM_AUTOTUNE=1 ENGINE_GELU_EPILOGUE=0 ENGINE_NORM_BWD=wide}
 while [ $# -gt 0 ]; do
@@ -47,6 +51,7 @@ while [ $# -gt 0 ]; do
     --only) ONLY=${2:?}; shift 2 ;;
     --nps) NPS=${2:?}; shift 2 ;;
     --single) SINGLE_SPECS=${2:?}; shift 2 ;;
+    --jobs) JOBS=${2:?}; shift 2 ;;
     *) echo "gpu-check.sh: unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -128,58 +133,89 @@ for v in LD_LIBRARY_PATH PATH LUA_PATH LUA_CPATH OPAL_PREFIX PMIX_PREFIX PMIX_MC
   [ -n "${!v:-}" ] && PASS="$PASS -x $v"
 done
 SHARE="-x NCCL_P2P_DISABLE=1 -x NCCL_SHM_DISABLE=1 -x NCCL_SOCKET_IFNAME=lo$PASS"
-HOSTID='NCCL_HOSTID=gpucheck$OMPI_COMM_WORLD_RANK; export NCCL_HOSTID; exec "$@"'
 
-record() { # name np p f s
-  echo "$1 np=$2 device=cuda: $3 passed, $4 failed, $5 skipped" >> "$LINES"
-  [ "$4" != 0 ] && status=1
-  log "$1 np=$2: $3 passed, $4 failed, $5 skipped"
+# ------------------------------------------------------------------ 3a-3c. the suites, JOBS at a time
+# Each suite is a job writing its summary line to OUT/.line_<key> (and its wall time to OUT/timings.txt); the lines
+# are gathered in the fixed order below once every job has ended.  Concurrent multi-rank jobs give their ranks
+# distinct NCCL host ids (gpucheck<job>r<rank>).
+KEYS=()
+line_of() { # key name np p f s
+  echo "$2 np=$3 device=cuda: $4 passed, $5 failed, $6 skipped" > "$OUT/.line_$1"
+  log "$2 np=$3: $4 passed, $5 failed, $6 skipped"
 }
-
-# ------------------------------------------------------------------ 3a. C tests
-for t in "$BUILD"/ctests/*; do
-  [ -x "$t" ] && [ -z "$ONLY" ] || continue
-  n=$(basename "$t")
-  out=$(timeout 120 "$t" 2>&1); rc=$?
+timed() { # key cmd...: runs cmd, appends "key seconds" to timings.txt
+  local k=$1 t=$(date +%s); shift
+  "$@"
+  echo "$k $(( $(date +%s) - t )) s" >> "$OUT/timings.txt"
+}
+ctest_job() { # key binary
+  local n out rc line p f
+  n=$(basename "$2")
+  out=$(timeout 120 "$2" 2>&1); rc=$?
   echo "$out" > "$OUT/ctest_$n.log"
   line=$(echo "$out" | grep -E '^[0-9]+ passed, [0-9]+ failed' | tail -1)
   if [ -n "$line" ]; then
     read -r p _ f _ <<< "$line"; [ $rc -ne 0 ] && [ "$f" = 0 ] && f=1
-    record "ctests/$n" 1 "$p" "${f%,}" 0
-  else record "ctests/$n" 1 0 1 0; fi
-done
-
-# ------------------------------------------------------------------ 3b. single-process #gpu specs
-SINGLE=$(grep -lE '(describe|it)\(".*#gpu|\.\. "[^"]*#gpu' spec/*_spec.lua 2>/dev/null | grep -E "${ONLY:-.}")
-[ "$SINGLE_SPECS" = 1 ] || SINGLE=""
-for s in $SINGLE; do
-  [ "$(left)" -gt 30 ] || { log "budget spent: $s skipped"; echo "$s np=1 device=cuda: not run (time budget)" >> "$LINES"; status=1; continue; }
-  n=$(basename "$s" .lua)
+    line_of "$1" "ctests/$n" 1 "$p" "${f%,}" 0
+  else line_of "$1" "ctests/$n" 1 0 1 0; fi
+}
+single_job() { # key spec
+  local n sum p f sk
+  n=$(basename "$2" .lua)
   sum=$OUT/.sum_$n
   rm -f "$sum"
-  ENGINE_SUMMARY_FILE=$sum timeout 300 "$ENGINE" "$BUSTED" --ignore-lua -o tools/passfail.lua --tags=gpu "$s" \
+  ENGINE_SUMMARY_FILE=$sum timeout 300 "$ENGINE" "$BUSTED" --ignore-lua -o tools/passfail.lua --tags=gpu "$2" \
     > "$OUT/$n.np1.log" 2>&1
-  if [ -f "$sum" ]; then read -r p f sk < "$sum"; record "$s" 1 "$p" "$f" "$sk"
-  else record "$s" 1 0 1 0; tail -5 "$OUT/$n.np1.log"; fi
-done
-
-# ------------------------------------------------------------------ 3c. multi-rank CUDA specs
+  if [ -f "$sum" ]; then read -r p f sk < "$sum"; line_of "$1" "$2" 1 "$p" "$f" "$sk"
+  else line_of "$1" "$2" 1 0 1 0; tail -5 "$OUT/$n.np1.log"; fi
+}
+dist_job() { # key spec np job-id
+  local n dir p f sk SH HW
+  n=$(basename "$2" .lua)
+  dir=$OUT/.sum_${n}_$3
+  rm -rf "$dir"; mkdir -p "$dir"
+  SH=$SHARE; HW=(sh -c "NCCL_HOSTID=gpucheck${4}r\$OMPI_COMM_WORLD_RANK; export NCCL_HOSTID; exec \"\$@\"" sh)
+  if [ "$NGPU" -ge "$3" ]; then SH=$PASS; HW=(); fi
+  ENGINE_SUMMARY_DIR=$dir timeout 120 $MPIRUN $SH -x ENGINE_SUMMARY_DIR -np "$3" "${HW[@]}" "$ENGINE" "$BUSTED" \
+    --ignore-lua -o tools/passfail_dist.lua --tags=gpu "$2" > "$OUT/$n.np$3.log" 2>&1
+  if [ -f "$dir/merged" ]; then read -r p f sk < "$dir/merged"; line_of "$1" "$2" "$3" "$p" "$f" "$sk"
+  else line_of "$1" "$2" "$3" 0 1 0; tail -5 "$OUT/$n.np$3.log"; fi
+}
+# launch KEY NAME NP CMD...: a job once fewer than JOBS run (the suite is marked not run once the budget is spent)
+launch() {
+  local k=$1 name=$2 np=$3; shift 3
+  KEYS+=("$k")
+  while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do wait -n; done
+  if [ "$(left)" -le 30 ]; then
+    log "budget spent: $name np=$np skipped"
+    echo "$name np=$np device=cuda: not run (time budget)" > "$OUT/.line_$k"
+    return
+  fi
+  timed "$k" "$@" &
+}
+rm -f "$OUT"/.line_* "$OUT/timings.txt"
+if [ -z "$ONLY" ]; then
+  for t in "$BUILD"/ctests/*; do
+    [ -x "$t" ] && launch "c_$(basename "$t")" "ctests/$(basename "$t")" 1 ctest_job "c_$(basename "$t")" "$t"
+  done
+fi
+SINGLE=$(grep -lE '(describe|it)\(".*#gpu|\.\. "[^"]*#gpu' spec/*_spec.lua 2>/dev/null | grep -E "${ONLY:-.}")
+[ "$SINGLE_SPECS" = 1 ] || SINGLE=""
+for s in $SINGLE; do launch "s_$(basename "$s" .lua)" "$s" 1 single_job "s_$(basename "$s" .lua)" "$s"; done
 DIST=$(grep -lE '(describe|it)\(".*#gpu|\.\. "[^"]*#gpu' spec/dist/*_spec.lua 2>/dev/null | grep -E "${ONLY:-.}")
+jid=0
 for np in $NPS; do
   for s in $DIST; do
-    [ "$(left)" -gt 30 ] || { log "budget spent: $s np=$np skipped"; echo "$s np=$np device=cuda: not run (time budget)" >> "$LINES"; status=1; continue; }
-    n=$(basename "$s" .lua)
-    export ENGINE_SUMMARY_DIR=$OUT/.sum_${n}_$np
-    rm -rf "$ENGINE_SUMMARY_DIR"; mkdir -p "$ENGINE_SUMMARY_DIR"
-    SH=$SHARE; HW=(sh -c "$HOSTID" sh)
-    if [ "$NGPU" -ge "$np" ]; then SH=$PASS; HW=(); fi
-    timeout 120 $MPIRUN $SH -x ENGINE_SUMMARY_DIR -np "$np" "${HW[@]}" "$ENGINE" "$BUSTED" --ignore-lua \
-      -o tools/passfail_dist.lua --tags=gpu "$s" > "$OUT/$n.np$np.log" 2>&1
-    if [ -f "$ENGINE_SUMMARY_DIR/merged" ]; then read -r p f sk < "$ENGINE_SUMMARY_DIR/merged"; record "$s" "$np" "$p" "$f" "$sk"
-    else record "$s" "$np" 0 1 0; tail -5 "$OUT/$n.np$np.log"; fi
+    jid=$((jid + 1))
+    launch "d_$(basename "$s" .lua)_$np" "$s" "$np" dist_job "d_$(basename "$s" .lua)_$np" "$s" "$np" "$jid"
   done
 done
-unset ENGINE_SUMMARY_DIR
+wait
+for k in "${KEYS[@]}"; do
+  if [ -f "$OUT/.line_$k" ]; then cat "$OUT/.line_$k" >> "$LINES"; else echo "$k: no result (the job ended without a line)" >> "$LINES"; fi
+done
+rm -f "$OUT"/.line_*
+grep -qE ', [1-9][0-9]* failed|not run|no result' "$LINES" && status=1
 
 # ------------------------------------------------------------------ 3d. what NCCL says to two ranks on one GPU
 if [ "$NGPU" -lt 2 ] && [ "$(left)" -gt 40 ] && [ -z "$ONLY" ]; then
@@ -281,8 +317,8 @@ fi
   echo
   echo "- GPU: ${GPU:-none} (x$NGPU); CUDA runtime: $NCCLV"
   echo "- commit: $COMMIT$DIRTY; build: $BUILD; runtime packages: ${PFX:-installed on the machine}"
-  echo "- several ranks on one GPU: each rank NCCL_HOSTID=gpucheck<rank>, NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_SOCKET_IFNAME=lo"
-  echo "- wall time: $(( $(date +%s) - T0 )) s"
+  echo "- several ranks on one GPU: each rank NCCL_HOSTID=gpucheck<job>r<rank>, NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_SOCKET_IFNAME=lo"
+  echo "- wall time: $(( $(date +%s) - T0 )) s; suites $JOBS at a time; the slowest: $(sort -k2 -n -r "$OUT/timings.txt" 2>/dev/null | head -3 | tr '\n' ';' | sed 's/;$//')"
   echo
   echo '```'
   cat "$LINES"
