@@ -330,7 +330,7 @@ if rank == 0 then
   local function fmt(v, f2) return v and string.format(f2 or "%.1f", v) or "n/a" end
   local function ratio(a, b) return (a and b) and string.format("%.2f", a / b) or "n/a" end
   if th.fsdp then
-    say("PyTorch: FSDP2/single %s, DDP/single %s; engine/PyTorch: single %s, FSDP %s (target <= 0.6)",
+    say("PyTorch: FSDP2/single %s, DDP/single %s; engine/PyTorch: single %s, FSDP %s (target <= 0.5, issue 24)",
       ratio(th.fsdp, th.single), ratio(th.ddp, th.single), ratio(single.ms, th.single), ratio(fsdp.ms, th.fsdp))
   end
   say("load average at end: %s", U.loadavg())
