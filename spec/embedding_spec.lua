@@ -58,6 +58,50 @@ describe("embedding", function()
     end
   end)
 
+  it("big gathers and scatter-adds split over threads give the serial values, bit for bit", function()
+    -- 2700 ids (many repeated) into a [50, 200] table: 2.1 MiB of f32 rows (the kernels split from 2 MiB), columns
+    -- split in two ranges; padding_idx 7
+    local N = 2700
+    local ids = {}
+    for i = 1, N do ids[i] = (i * 7 + (i % 13) * 3) % 50 end
+    local idx = engine.tensor(ids, "i64")
+    local prev = engine.get_num_threads()
+    for _, dt in ipairs({ "f32", "f64" }) do
+      engine.manual_seed(3)
+      local w0 = engine.randn(50, 200):to(dt)
+      local go = engine.randn(N, 200):to(dt)
+      local runs = {}
+      for _, nt in ipairs({ 1, 2 }) do
+        engine.set_num_threads(nt)
+        local w = w0:clone()
+        w.requires_grad = true
+        local y = engine.embedding(w, idx, 7)
+        y:backward(go)
+        runs[nt] = { y = y:tolist_flat(), g = w.grad:tolist_flat() }
+      end
+      engine.set_num_threads(prev)
+      assert.are.same(runs[1].y, runs[2].y)
+      assert.are.same(runs[1].g, runs[2].g)
+      -- against sums written out in Lua (row k: the go rows of its ids, in order), to the dtype's rounding
+      local W, G = w0:tolist_flat(), go:tolist_flat()
+      for i = 1, N, 37 do
+        for c = 1, 200, 13 do assert.are.equal(W[ids[i] * 200 + c], runs[2].y[(i - 1) * 200 + c]) end
+      end
+      local want = {}
+      for k = 0, 49 do for c = 1, 200 do want[k * 200 + c] = 0 end end
+      for i = 1, N do
+        if ids[i] ~= 7 then
+          for c = 1, 200 do want[ids[i] * 200 + c] = want[ids[i] * 200 + c] + G[(i - 1) * 200 + c] end
+        end
+      end
+      local tol = dt == "f32" and 1e-4 or 1e-12
+      for e = 1, #want do
+        assert(math.abs(want[e] - runs[2].g[e]) <= tol * math.max(1, math.abs(want[e])),
+          string.format("%s gradient element %d: want %.10g, got %.10g", dt, e, want[e], runs[2].g[e]))
+      end
+    end
+  end)
+
   it("passes a float64 gradient check", function()
     engine.manual_seed(21)
     local w = engine.randn(6, 4, { dtype = "f64", requires_grad = true })
