@@ -18,7 +18,7 @@
 #define LANES 16
 
 /* ---------------------------------------------------------------- row primitives */
-#define DEF_ROW_PRIMS(T, SUF, EXPF)                                                     \
+#define DEF_ROW_MAX(T, SUF)                                                             \
   T kc_row_max_##SUF(int64_t n, const T* x) {                                           \
     T acc[LANES];                                                                       \
     for (int j = 0; j < LANES; j++) acc[j] = -INFINITY;                                 \
@@ -29,7 +29,8 @@
     for (int j = 0; j < LANES; j++) m = acc[j] > m ? acc[j] : m;                        \
     for (; i < n; i++) m = x[i] > m ? x[i] : m;                                         \
     return m;                                                                           \
-  }                                                                                     \
+  }
+#define DEF_ROW_PRIMS(T, SUF, EXPF)                                                     \
   /* sum_i exp(x[i] - m); also stores the exps into y when y != NULL. */                \
   T kc_row_expsum_##SUF(int64_t n, const T* x, T m, T* y) {                             \
     T acc[LANES] = {0};                                                                 \
@@ -68,11 +69,14 @@
   }
 
 static inline double kc_exp_d(double x) { return exp(x); }
-/* the f32 row max with explicit vectors: GCC leaves the select loop above scalar (16 maxss per 16 values).
- * max(v, acc) keeps acc when v is NaN, as the select does, and max is exact, so the value is the same. */
-#define kc_row_max_f32 kc_row_max_f32_generic
 DEF_ROW_PRIMS(float, f32, kc_expf)
-#undef kc_row_max_f32
+DEF_ROW_PRIMS(double, f64, kc_exp_d)
+DEF_ROW_MAX(double, f64)
+#if !defined(__AVX__)
+DEF_ROW_MAX(float, f32)
+#else
+/* the f32 row max with explicit vectors: GCC leaves DEF_ROW_MAX's select loop scalar (16 maxss per 16 values).
+ * max(v, acc) keeps acc when v is NaN, as the select does, and max is exact, so the value is the same. */
 float kc_row_max_f32(int64_t n, const float* x) {
   int64_t i = 0;
   float m = -INFINITY;
@@ -104,7 +108,7 @@ float kc_row_max_f32(int64_t n, const float* x) {
   for (; i < n; i++) m = x[i] > m ? x[i] : m;
   return m;
 }
-DEF_ROW_PRIMS(double, f64, kc_exp_d)
+#endif
 
 /* ---------------------------------------------------------------- forward */
 #define DEF_SOFTMAX(T, SUF, EXPF, LOGF)                                                 \
