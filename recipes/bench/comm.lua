@@ -59,6 +59,9 @@ end
 row("all_reduce", function() raw(0, nil, big:data_ptr(), n) end, function() dist.all_reduce(big, "sum") end)
 row("all_reduce avg", function() raw(0, nil, big:data_ptr(), n) end,
   function() dist.all_reduce(big, "avg") end)
+-- nonblocking: the call DistributedDataParallel's buckets make (Open MPI's coll/libnbc, in place), then its wait
+row("all_reduce async", function() raw(0, nil, big:data_ptr(), n) end,
+  function() dist.all_reduce(big, "sum", { async = true }):wait() end)
 row("all_gather", function() raw(1, chunk:data_ptr(), out_big:data_ptr(), n / W) end,
   function() dist.all_gather_into(out_big, chunk) end)
 row("reduce_scatter", function() raw(2, big:data_ptr(), chunk:data_ptr(), n / W) end,
@@ -74,6 +77,7 @@ row("all_reduce bf16", function() raw(0, nil, big:data_ptr(), n) end,
 if R == 0 then
   print(string.format("collectives, %d ranks, %g MiB f32 (%d elements), median of %d runs", W, mib, n, reps))
   for _, l in ipairs(results) do print(l) end
+  print("(all_reduce async: the engine's nonblocking all_reduce and its wait; bare is the blocking call)")
   print("(all_reduce bf16: a bf16 tensor of the same element count, summed with the 2-byte custom MPI op on 2 " ..
     "ranks and widened to f32 on more; bare is the f32 call)")
 end

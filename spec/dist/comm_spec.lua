@@ -221,6 +221,47 @@ describe("all_reduce", function()
     assert.same({ fact }, flat(c))
   end)
 
+  -- avg multiplies by the reciprocal of a power-of-two group size (exact) and divides otherwise; large buffers take
+  -- other MPI algorithms than small ones (Open MPI's nonblocking all_reduce is set to reduce-scatter + all-gather)
+  it("avg is the sum divided by the group size, bit for bit, blocking and async, f32 and f64, large buffers", function()
+    local groups = { dist.world_group() }
+    if W >= 4 then groups[2] = dist.new_group({ 0, 1, 2 }) end -- 3 ranks: a divisor that is no power of two
+    for gi, g in ipairs(groups) do
+      local gw = gi == 1 and W or 3
+      local member = gi == 1 or R <= 2
+      for _, dt in ipairs({ "f32", "f64" }) do
+        for _, n in ipairs({ 5, 100003 }) do
+          engine.manual_seed(1000 + R)
+          local x = engine.randn(n, { dtype = dt })
+          local s, a, b = x:clone(), x:clone(), x:clone()
+          if member then
+            dist.all_reduce(s, "sum", { group = g })
+            dist.all_reduce(a, "avg", { group = g })
+            dist.all_reduce(b, "avg", { group = g, async = true }):wait()
+          end
+          if member then
+            -- the quotient of each f32/f64 sum, rounded once to the dtype (a double quotient rounded to f32 is the
+            -- correctly rounded f32 quotient: 53 >= 2 * 24 + 2 bits)
+            local sl = flat(s)
+            for i = 1, #sl do sl[i] = sl[i] / gw end
+            local want = flat(mk(sl, dt))
+            local al, bl = flat(a), flat(b)
+            local bad, worst = 0, 0
+            for i = 1, #want do
+              if al[i] ~= want[i] then bad = bad + 1 end
+              worst = math.max(worst, math.abs(bl[i] - want[i])) -- inputs are N(0, 1): an absolute bound
+            end
+            assert.equal(0, bad, string.format("%s n=%d group of %d: blocking avg differs in %d elements", dt, n, gw,
+              bad))
+            -- the nonblocking algorithm may add in another order on more than 2 ranks: equal within rounding there
+            if gw <= 2 then assert.same(want, bl) end
+            assert.is_true(worst < 1e-5, string.format("%s n=%d group of %d: async avg off by %g", dt, n, gw, worst))
+          end
+        end
+      end
+    end
+  end)
+
   it("async on a non-contiguous bf16 tensor finishes the copy-back on wait", function()
     local base = mk({ 1, 2, 3, 4 }, "bf16", { 2, 2 })
     local w = dist.all_reduce(base:t(), "sum", { async = true })

@@ -9,6 +9,17 @@
 
 static int g_owned; /* we called MPI_Init */
 
+/* Open MPI's nonblocking all_reduce (coll/libnbc) takes a binomial tree (a reduce to one rank, then a broadcast)
+ * whenever the group has fewer than 4 ranks or the buffer is reduced in place, whatever its size; the engine's
+ * asynchronous all_reduce is in place (DistributedDataParallel's buckets, every async_op all_reduce).  12.4 MiB at
+ * 2 ranks (recipes/bench/comm.lua ... --async): 4.8 ms where the blocking MPI_Allreduce takes 1.4; reduce-scatter +
+ * all-gather (Rabenseifner's algorithm, libnbc's choice 3) takes 1.35 ms and as long as the binomial tree from 4
+ * KiB up (docs/benchmarks.md, "Nonblocking all_reduce").  Set before MPI_Init unless the user chose (mpirun --mca
+ * coll_libnbc_iallreduce_algorithm N puts the same variable in the environment); other MPIs ignore it. */
+static void tune_open_mpi(void) {
+  setenv("OMPI_MCA_coll_libnbc_iallreduce_algorithm", "3", 0);
+}
+
 int eng_dist_init(void) {
   int inited = 0, fin = 0;
   MPI_Initialized(&inited);
@@ -17,6 +28,7 @@ int eng_dist_init(void) {
   /* the world group is created here, at the same point on every rank */
   if (inited) return comm_ensure_init("dist.init");
   eng_runtime_init(); /* malloc settings must precede MPI's own allocations */
+  tune_open_mpi();
   int provided = 0;
   if (MPI_Init_thread(NULL, NULL, MPI_THREAD_FUNNELED, &provided) != MPI_SUCCESS)
     return eng_err("dist.init: MPI_Init_thread failed");

@@ -376,9 +376,15 @@ static void copy_from_buf(eng_tensor* t, const void* buf, int dt) {
 }
 
 /* avg: divide the sum by the group size (as a single process's mean does). */
+/* avg: the sum divided by the group size.  A power-of-two size multiplies by its reciprocal instead, which is exact
+ * (x / 2^k and x * 2^-k are both the correctly rounded x * 2^-k) and leaves the pass bound by memory alone (a
+ * vector division takes 5 or more cycles per vector). */
 static void divide_buf(void* p, int64_t n, int dt, double d) {
   float f = (float)d;
-  if (dt == ENG_F32) { float* x = p; for (int64_t i = 0; i < n; i++) x[i] /= f; }
+  int pow2 = d >= 1 && d <= 1048576 && ((int64_t)d & ((int64_t)d - 1)) == 0 && (double)(int64_t)d == d;
+  if (dt == ENG_F32 && pow2) { float* x = p; float r = 1.0f / f; for (int64_t i = 0; i < n; i++) x[i] *= r; }
+  else if (dt == ENG_F64 && pow2) { double* x = p; double r = 1.0 / d; for (int64_t i = 0; i < n; i++) x[i] *= r; }
+  else if (dt == ENG_F32) { float* x = p; for (int64_t i = 0; i < n; i++) x[i] /= f; }
   else if (dt == ENG_F64) { double* x = p; for (int64_t i = 0; i < n; i++) x[i] /= d; }
   else if (dt == ENG_BF16) { uint16_t* x = p; for (int64_t i = 0; i < n; i++) x[i] = kc_f32_to_bf16(kc_bf16_to_f32(x[i]) / f); }
   else if (dt == ENG_F16) { uint16_t* x = p; for (int64_t i = 0; i < n; i++) x[i] = kc_f32_to_f16(kc_f16_to_f32(x[i]) / f); }
