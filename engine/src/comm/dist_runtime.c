@@ -12,10 +12,11 @@ static int g_owned; /* we called MPI_Init */
 /* Open MPI's nonblocking all_reduce (coll/libnbc) takes a binomial tree (a reduce to one rank, then a broadcast)
  * whenever the group has fewer than 4 ranks or the buffer is reduced in place, whatever its size; the engine's
  * asynchronous all_reduce is in place (DistributedDataParallel's buckets, every async_op all_reduce).  12.4 MiB at
- * 2 ranks (recipes/bench/comm.lua ... --async): 4.8 ms where the blocking MPI_Allreduce takes 1.4; reduce-scatter +
- * all-gather (Rabenseifner's algorithm, libnbc's choice 3) takes 1.35 ms and as long as the binomial tree from 4
- * KiB up (docs/benchmarks.md, "Nonblocking all_reduce").  Set before MPI_Init unless the user chose (mpirun --mca
- * coll_libnbc_iallreduce_algorithm N puts the same variable in the environment); other MPIs ignore it. */
+ * 2 ranks (recipes/bench/comm.lua 12.4, row "all_reduce async"): 4.8-5.6 ms where the blocking MPI_Allreduce takes
+ * 1.4-1.7; reduce-scatter + all-gather (Rabenseifner's algorithm, libnbc's choice 3) takes 1.35-1.4 ms, and from 4
+ * KiB up no longer than the binomial tree (docs/benchmarks.md, "Nonblocking all_reduce").  Set before MPI_Init
+ * unless the user chose (mpirun --mca coll_libnbc_iallreduce_algorithm N puts the same variable in the
+ * environment); other MPIs ignore it. */
 static void tune_open_mpi(void) {
   setenv("OMPI_MCA_coll_libnbc_iallreduce_algorithm", "3", 0);
 }
