@@ -154,6 +154,33 @@ describe("unary ops", function()
     assert.are.same({ { -1, -4 }, { -2, -5 }, { -3, -6 } }, y:totable())
   end)
 
+  -- contiguous f32 rows take the vector GELU (8 or 16 lanes), strided ones the scalar formula: the same bits
+  it("f32 GELU and its gradient: a strided tensor's bits equal a contiguous one's", function()
+    engine.manual_seed(3)
+    local x = engine.randn(333, 257) * 4 -- 257: every row ends in a vector tail
+    x:view(-1):narrow(1, 1, 6):copy_(engine.tensor({ 0 / 0, 1 / 0, -1 / 0, -13.5, 13.5, -0.0 }))
+    local g = engine.randn(333, 257)
+    local xa, xb = x:clone(), x:t():clone():t() -- the same values, column-major
+    assert.is_false(xb:is_contiguous())
+    xa.requires_grad = true; xb.requires_grad = true
+    local ya, yb = xa:gelu(), xb:gelu()
+    ya:backward(g); yb:backward(g)
+    local function bits(t) -- element-wise bit patterns in row-major order
+      local c = t:contiguous()
+      local p = engine.ffi.cast("uint32_t*", c:data_ptr())
+      local out = {}
+      for i = 0, c:numel() - 1 do out[i + 1] = p[i] end
+      return out
+    end
+    for what, pair in pairs({ value = { ya, yb }, gradient = { xa.grad, xb.grad } }) do
+      local a, b = bits(pair[1]), bits(pair[2])
+      local bad, first = 0, nil
+      for i = 1, #a do if a[i] ~= b[i] then bad = bad + 1; first = first or i end end
+      assert.are.equal(0, bad, string.format("gelu %s: %d of %d elements differ (first at %s)", what, bad, #a,
+        tostring(first)))
+    end
+  end)
+
   it("handle empty and 0-d tensors", function()
     assert.are.same({ 0 }, engine.zeros(0):exp():shape())
     local s = engine.tensor(2.0, "f64"):exp()

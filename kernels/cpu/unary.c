@@ -176,8 +176,11 @@ static inline float k_phif_e(float x, float e) {
   q = __builtin_fmaf(q, t, GQ6); q = __builtin_fmaf(q, t, GQ5); q = __builtin_fmaf(q, t, GQ4);
   q = __builtin_fmaf(q, t, GQ3); q = __builtin_fmaf(q, t, GQ2); q = __builtin_fmaf(q, t, GQ1);
   q = __builtin_fmaf(q, t, GQ0);
-  float h = 0.5f * t * q * e;
-  return x < 0 ? h : 1.0f - h;
+  /* 1 - h as one fused operation, written out: GCC's default contraction fused it here while the vector code
+   * rounded h first (1-2 ulp apart on 2.4% of positive inputs, so a strided tensor's GELU differed from a
+   * contiguous one's), and clang would not fuse it at all */
+  float a = 0.5f * t * q;
+  return x < 0 ? a * e : __builtin_fmaf(-a, e, 1.0f);
 }
 static inline float k_phif(float x) { return k_phif_e(x, k_gauss(x)); }
 
@@ -245,9 +248,9 @@ static inline __m256 v_phif_e(__m256 x, __m256 e) {
   q = _mm256_fmadd_ps(q, t, _mm256_set1_ps(GQ2));
   q = _mm256_fmadd_ps(q, t, _mm256_set1_ps(GQ1));
   q = _mm256_fmadd_ps(q, t, _mm256_set1_ps(GQ0));
-  __m256 h = _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), t), q), e);
+  __m256 a = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), t), q);
   __m256 neg = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ);
-  return _mm256_blendv_ps(_mm256_sub_ps(_mm256_set1_ps(1.0f), h), h, neg);
+  return _mm256_blendv_ps(_mm256_fnmadd_ps(a, e, _mm256_set1_ps(1.0f)), _mm256_mul_ps(a, e), neg);
 }
 
 static inline __m256 v_gelu(__m256 x) { return _mm256_mul_ps(x, v_phif_e(x, v_gauss(x))); }
@@ -259,8 +262,70 @@ static inline __m256 v_gelu_grad(__m256 g, __m256 x) {
   return _mm256_mul_ps(g, _mm256_fmadd_ps(x, pdf, v_phif_e(x, e)));
 }
 
+#ifdef __AVX512F__
+/* The same operations on 16 lanes (the results are those of the 8-lane code, element by element): half the
+ * instructions per element, which is what bounds this latency-bound math on cores that split 512-bit operations
+ * (docs/benchmarks.md, "GELU"). */
+static inline __m512 w_gauss(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(K_EXP_LO);
+  __m512 hi2 = _mm512_mul_ps(x, x);
+  __m512 lo2 = _mm512_fmsub_ps(x, x, hi2);
+  __m512 a = _mm512_mul_ps(_mm512_set1_ps(-0.5f), hi2), b = _mm512_mul_ps(_mm512_set1_ps(-0.5f), lo2);
+  __m512 ac = _mm512_max_ps(a, lo);
+  __m512 kf = _mm512_roundscale_ps(_mm512_mul_ps(ac, _mm512_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(kf, _mm512_set1_ps(0.693145751953125f), ac);
+  r = _mm512_add_ps(_mm512_fnmadd_ps(kf, _mm512_set1_ps(1.428606765330187045e-06f), r), b);
+  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  __m512i k = _mm512_cvtps_epi32(kf);
+  __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(k, _mm512_set1_epi32(127)), 23));
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(a, lo, _CMP_GE_OQ), _mm512_mul_ps(p, sc));
+}
+
+static inline __m512 w_phif_e(__m512 x, __m512 e) {
+  __m512 z = _mm512_mul_ps(_mm512_abs_ps(x), _mm512_set1_ps((float)K_SQRT1_2));
+  __m512 t = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_fmadd_ps(_mm512_set1_ps(0.5f), z, _mm512_set1_ps(1.0f)));
+  __m512 q = _mm512_set1_ps(GQ10);
+  q = _mm512_fmadd_ps(q, t, _mm512_set1_ps(GQ9));
+  q = _mm512_fmadd_ps(q, t, _mm512_set1_ps(GQ8));
+  q = _mm512_fmadd_ps(q, t, _mm512_set1_ps(GQ7));
+  q = _mm512_fmadd_ps(q, t, _mm512_set1_ps(GQ6));
+  q = _mm512_fmadd_ps(q, t, _mm512_set1_ps(GQ5));
+  q = _mm512_fmadd_ps(q, t, _mm512_set1_ps(GQ4));
+  q = _mm512_fmadd_ps(q, t, _mm512_set1_ps(GQ3));
+  q = _mm512_fmadd_ps(q, t, _mm512_set1_ps(GQ2));
+  q = _mm512_fmadd_ps(q, t, _mm512_set1_ps(GQ1));
+  q = _mm512_fmadd_ps(q, t, _mm512_set1_ps(GQ0));
+  __m512 a = _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), t), q);
+  __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
+  return _mm512_mask_blend_ps(neg, _mm512_fnmadd_ps(a, e, _mm512_set1_ps(1.0f)), _mm512_mul_ps(a, e));
+}
+
+static inline __m512 w_gelu(__m512 x) { return _mm512_mul_ps(x, w_phif_e(x, w_gauss(x))); }
+
+static inline __m512 w_gelu_grad(__m512 g, __m512 x) {
+  __m512 e = w_gauss(x);
+  __m512 pdf = _mm512_mul_ps(_mm512_set1_ps((float)K_INV_SQRT_2PI), e);
+  return _mm512_mul_ps(g, _mm512_fmadd_ps(x, pdf, w_phif_e(x, e)));
+}
+#endif
+
 static void gelu_f32_vec(int64_t n, float* o, const float* a) {
   int64_t i = 0;
+#ifdef __AVX512F__
+  for (; i + 64 <= n; i += 64) {
+    __m512 y0 = w_gelu(_mm512_loadu_ps(a + i)), y1 = w_gelu(_mm512_loadu_ps(a + i + 16));
+    __m512 y2 = w_gelu(_mm512_loadu_ps(a + i + 32)), y3 = w_gelu(_mm512_loadu_ps(a + i + 48));
+    _mm512_storeu_ps(o + i, y0); _mm512_storeu_ps(o + i + 16, y1);
+    _mm512_storeu_ps(o + i + 32, y2); _mm512_storeu_ps(o + i + 48, y3);
+  }
+#endif
   for (; i + 32 <= n; i += 32) { /* four independent chains: the math is latency bound */
     __m256 y0 = v_gelu(_mm256_loadu_ps(a + i)), y1 = v_gelu(_mm256_loadu_ps(a + i + 8));
     __m256 y2 = v_gelu(_mm256_loadu_ps(a + i + 16)), y3 = v_gelu(_mm256_loadu_ps(a + i + 24));
@@ -278,6 +343,16 @@ static void gelu_f32_vec(int64_t n, float* o, const float* a) {
 
 static void gelu_grad_f32_vec(int64_t n, float* gi, const float* g, const float* x) {
   int64_t i = 0;
+#ifdef __AVX512F__
+  for (; i + 64 <= n; i += 64) {
+    __m512 y0 = w_gelu_grad(_mm512_loadu_ps(g + i), _mm512_loadu_ps(x + i));
+    __m512 y1 = w_gelu_grad(_mm512_loadu_ps(g + i + 16), _mm512_loadu_ps(x + i + 16));
+    __m512 y2 = w_gelu_grad(_mm512_loadu_ps(g + i + 32), _mm512_loadu_ps(x + i + 32));
+    __m512 y3 = w_gelu_grad(_mm512_loadu_ps(g + i + 48), _mm512_loadu_ps(x + i + 48));
+    _mm512_storeu_ps(gi + i, y0); _mm512_storeu_ps(gi + i + 16, y1);
+    _mm512_storeu_ps(gi + i + 32, y2); _mm512_storeu_ps(gi + i + 48, y3);
+  }
+#endif
   for (; i + 32 <= n; i += 32) {
     __m256 y0 = v_gelu_grad(_mm256_loadu_ps(g + i), _mm256_loadu_ps(x + i));
     __m256 y1 = v_gelu_grad(_mm256_loadu_ps(g + i + 8), _mm256_loadu_ps(x + i + 8));
