@@ -169,7 +169,12 @@ describe("unary ops", function()
       local c = t:contiguous()
       local p = engine.ffi.cast("uint32_t*", c:data_ptr())
       local out = {}
-      for i = 0, c:numel() - 1 do out[i + 1] = p[i] end
+      for i = 0, c:numel() - 1 do
+        local b = p[i]
+        -- every NaN counts as one value: its sign and payload depend on the instructions that made it
+        if b % 2 ^ 31 > 0x7f800000 then b = -1 end
+        out[i + 1] = b
+      end
       return out
     end
     for what, pair in pairs({ value = { ya, yb }, gradient = { xa.grad, xb.grad } }) do
