@@ -157,6 +157,79 @@ describe("add_layer_norm", function()
   end)
 end)
 
+describe("silu_mul", function()
+  local threads0
+  before_each(function() threads0 = engine.get_num_threads() end)
+  after_each(function() engine.set_num_threads(threads0) end)
+
+  it("equals silu(a) * b bit for bit, values and gradients, contiguous or not, one or both needing grad", function()
+    for _, th in ipairs({ 1, 2 }) do
+      engine.set_num_threads(th)
+      for _, dt in ipairs({ "f32", "f64" }) do
+        -- [8, 128, 768]: the Llama step's w1 / w3 outputs (split over the threads); the others run on one
+        for _, s in ipairs({ { 8, 128, 768 }, { 3, 33, 257 }, { 1, 1, 5 }, { 0, 4, 3 } }) do
+          for _, mode in ipairs({ "both", "a", "b", "strided" }) do
+            engine.manual_seed(13)
+            local a = (engine.randn(s[1], s[2], s[3]) * 4):to(dt)
+            local b = engine.randn(s[1], s[2], s[3]):to(dt)
+            if mode == "strided" then a = a:transpose(1, 3):contiguous():transpose(1, 3) end
+            a:requires_grad_(mode ~= "b")
+            b:requires_grad_(mode ~= "a")
+            local g = engine.randn(s[1], s[2], s[3]):to(dt)
+            local y1 = F.silu(a) * b
+            y1:backward(g)
+            local g1 = grads({ a, b })
+            local y2 = F.silu_mul(a, b)
+            assert.are.equal("SiluMulBackward", y2.grad_fn)
+            y2:backward(g)
+            local g2 = grads({ a, b })
+            local what = string.format("%s %s %s threads=%d", dt, table.concat(s, "x"), mode, th)
+            if y1:numel() > 0 then assert.are.equal(0, maxdiff(y1, y2), what .. " values") end
+            assert.are.same({ s[1], s[2], s[3] }, y2:shape())
+            for i = 1, 2 do assert.are.equal(not g1[i], not g2[i], what .. " which inputs got gradients") end
+            if y1:numel() > 0 then same_list(g1, g2, what .. " grads") end
+          end
+        end
+      end
+    end
+  end)
+
+  it("has float64 gradients that match finite differences", function()
+    engine.manual_seed(4)
+    local a = (engine.randn(3, 7, { dtype = "f64" }) * 3):requires_grad_(true)
+    local b = engine.randn(3, 7, { dtype = "f64" }):requires_grad_(true)
+    assert.is_true(gc.check(function(a_, b_) return F.silu_mul(a_, b_) end, { a, b }))
+  end)
+
+  it("runs the composition for half dtypes and without grad; bad arguments are errors naming both", function()
+    engine.manual_seed(5)
+    local a, b = engine.randn(4, 6):to("bf16"), engine.randn(4, 6):to("bf16")
+    local y = F.silu_mul(a, b)
+    assert.are.equal("bf16", y.dtype)
+    assert.are.equal(0, maxdiff(y, F.silu(a) * b))
+    local a32, b32 = engine.randn(4, 6), engine.randn(4, 6)
+    assert.is_nil(F.silu_mul(a32, b32).grad_fn)
+    local ok, err = pcall(F.silu_mul, a32, engine.randn(4, 5))
+    assert.is_false(ok)
+    assert.truthy(tostring(err):find("silu_mul: expected a and b of one shape, got a f32[4,6], b f32[4,5]", 1, true),
+      tostring(err))
+    ok, err = pcall(F.silu_mul, a32, b32:double())
+    assert.is_false(ok)
+    assert.truthy(tostring(err):find("silu_mul: expected two floating point tensors of one dtype", 1, true),
+      tostring(err))
+    ok, err = pcall(F.silu_mul, engine.ones(2, { dtype = "i32" }), engine.ones(2, { dtype = "i32" }))
+    assert.is_false(ok)
+    assert.truthy(tostring(err):find("floating point", 1, true), tostring(err))
+    ok, err = pcall(F.silu_mul, a32, "x")
+    assert.is_false(ok)
+    assert.truthy(tostring(err):find("silu_mul", 1, true), tostring(err))
+    -- meta tensors: a meta result of the shape
+    local m = F.silu_mul(engine.empty(2, 3, { device = "meta" }), engine.empty(2, 3, { device = "meta" }))
+    assert.are.equal("meta", m.device)
+    assert.are.same({ 2, 3 }, m:shape())
+  end)
+end)
+
 describe("the Transformer on the fused ops", function()
   it("gives the loss and gradients of the same model run through the unfused ops", function()
     local function run(unfused)

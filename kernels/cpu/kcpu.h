@@ -178,6 +178,12 @@ void kc_pnorm_row(int kind, double p, int dt, int64_t n, const char* x, int64_t 
 /* x *= s in x's dtype (f32 math for f32/bf16/f16). */
 void kc_scale_row(int dt, int64_t n, char* x, int64_t sx, double s);
 
+/* unary.c: silu(a) * b over n contiguous elements of f32 or f64 (SwiGLU's product; split over the pool), and its
+ * gradients ga = g * b * silu'(a), gb = g * silu(a) (either may be NULL), the composition's values bit for bit.
+ * 0, or -1 for another dtype. */
+int kc_silu_mul(int dt, int64_t n, const void* a, const void* b, void* out);
+int kc_silu_mul_grad(int dt, int64_t n, const void* g, const void* a, const void* b, void* ga, void* gb);
+
 /* parallel.c: the worker pool behind the kernels' parallel loops.
  * kc_parallel_for runs fn(ctx, lo, hi) over [0, n) in contiguous chunks of
  * at least `grain` items (boundaries fixed by n, grain and the thread count)

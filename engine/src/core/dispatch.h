@@ -78,6 +78,7 @@ typedef enum eng_op_id {
   ENG_OP_DROPOUT,        /* scalars[0] = p */
   ENG_OP_SDPA,           /* (q, k, v, mask) ints[0] = is_causal, scalars[0] = dropout_p, scalars[1] = scale */
   ENG_OP_ROTARY_EMB,     /* (x [B, T, H, D], cos, sin [T, D / 2]) */
+  ENG_OP_SILU_MUL,       /* (a, b) of one shape: silu(a) * b */
   ENG_OP_MATH_UNARY,     /* ints[0] = op (ops/ops.h), scalars = params */
   ENG_OP_MATH_BINARY,    /* ints[0] = op */
   ENG_OP_MATH_BINARY_INT,

@@ -13,6 +13,7 @@
 #include "dtensor/dtensor_impl.h"
 #include "sharding/sharding.h"
 #include "eng/ops_pointwise.h"
+#include "eng/ops_nn.h"
 
 /* ------------------------------------------------------------------ unary */
 static int unary_like(const eng_dist_spec* s, int m, int keep_linear_partial, int keep_any_partial,
@@ -221,3 +222,45 @@ const eng_op_def eng_opdef_where = {"where", 1, nopartial_rule, sh_shape_broadca
 
 static eng_tensor* masked_fill_fn(const eng_op_call* c) { return eng_masked_fill(c->in[0], c->in[1], c->scalars[0]); }
 const eng_op_def eng_opdef_masked_fill = {"masked_fill", 1, nopartial_rule, sh_shape_same0, masked_fill_fn, NULL, 0};
+
+/* ------------------------------------------------------------------ silu_mul (a, b of one shape)
+ * Elementwise: a and b sharded on the same dim give that shard of the output (the other operand, Replicate, is
+ * sliced locally by the redistribution); silu is not linear, so a Partial a is reduced first, while a Partial(sum/
+ * avg) b with a Replicate a stays Partial (the product is linear in b). */
+static int silu_mul_rule(const eng_op_call* c, const eng_dist_spec* const* s, int m, eng_strategy* out, int cap) {
+  (void)c;
+  int n = 0;
+  eng_strategy st;
+  for (int k = 0; k < 2 && n >= 0; k++) {
+    const eng_placement* p = &s[k]->placements[m];
+    if (!sh_is_S(p) || (k == 1 && sh_is_S(&s[0]->placements[m]) && s[0]->placements[m].dim == p->dim)) continue;
+    memset(&st, 0, sizeof st);
+    st.in[0] = st.in[1] = st.out[0] = sh_S(p->dim);
+    n = sh_push(out, cap, n, &st);
+  }
+  const eng_placement* pb = &s[1]->placements[m];
+  if (n >= 0 && sh_is_linear_P(pb)) {
+    memset(&st, 0, sizeof st);
+    st.in[0] = sh_R(); st.in[1] = *pb; st.out[0] = *pb;
+    n = sh_push(out, cap, n, &st);
+  }
+  if (n < 0) return n;
+  return sh_all_replicate(out, cap, n, 2, 1);
+}
+
+static int silu_mul_shape(const eng_op_call* c, const eng_dist_spec* const* s, int* nd, int64_t (*shapes)[8]) {
+  const eng_dist_spec *a = s[0], *b = s[1];
+  int same = a->ndim == b->ndim;
+  for (int d = 0; same && d < a->ndim; d++) same = a->shape[d] == b->shape[d];
+  if (!same) {
+    char ba[1024], bb[1024];
+    return eng_err("silu_mul: expected a and b of one shape, got a %s, b %s", eng_dist_desc(c->in[0], ba, sizeof ba),
+                   eng_dist_desc(c->in[1], bb, sizeof bb));
+  }
+  nd[0] = a->ndim;
+  for (int d = 0; d < a->ndim; d++) shapes[0][d] = a->shape[d];
+  return 0;
+}
+
+static eng_tensor* silu_mul_fn(const eng_op_call* c) { return eng_silu_mul(c->in[0], c->in[1]); }
+const eng_op_def eng_opdef_silu_mul = {"silu_mul", 1, silu_mul_rule, silu_mul_shape, silu_mul_fn, NULL, 0, 1, 0, 0};

@@ -77,6 +77,7 @@ __attribute__((constructor)) static void register_sharding(void) {
       {ENG_OP_DROPOUT, &eng_opdef_dropout},
       {ENG_OP_SDPA, &eng_opdef_sdpa},
       {ENG_OP_ROTARY_EMB, &eng_opdef_rotary_emb},
+      {ENG_OP_SILU_MUL, &eng_opdef_silu_mul},
       {ENG_OP_MATH_UNARY, &eng_opdef_math_unary},
       {ENG_OP_MATH_BINARY, &eng_opdef_math_binary},
       {ENG_OP_MATH_BINARY_INT, &eng_opdef_math_binary_int},

@@ -131,6 +131,8 @@ eng_tensor* sh_cross_entropy_vocab_parallel_w(eng_tensor* logits, eng_tensor* ta
 extern const eng_op_def eng_opdef_softmax, eng_opdef_norm, eng_opdef_dropout, eng_opdef_sdpa;
 /* sharding/rope.c: rotary_emb (x [B, T, H, D], cos, sin [T, D / 2]) */
 extern const eng_op_def eng_opdef_rotary_emb;
+/* sharding/pointwise.c: silu_mul (a, b) of one shape */
+extern const eng_op_def eng_opdef_silu_mul;
 
 
 /* ---- autograd glue: dtensor/dispatch.c installs its node marking and

@@ -25,6 +25,9 @@ function F.linear_gelu(x, weight, bias, approximate)
   return engine.linear_gelu(x, weight, bias, approximate)
 end
 
+-- silu_mul(a, b): silu(a) * b as one op (SwiGLU's product; the same values and gradients as the two ops)
+function F.silu_mul(a, b) return engine.silu_mul(a, b) end
+
 function F.relu(x) need_tensor(x, "relu", 1); return x:relu() end
 function F.silu(x) need_tensor(x, "silu", 1); return x:silu() end
 function F.tanh(x) need_tensor(x, "tanh", 1); return x:tanh() end

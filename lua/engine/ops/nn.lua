@@ -201,6 +201,13 @@ function M.rotary_emb(x, cos, sin)
   return wrap(C.eng_rotary_emb(ct(x, "rotary_emb", 1), ct(cos, "rotary_emb", 2), ct(sin, "rotary_emb", 3)))
 end
 
+-- engine.silu_mul(a, b) = silu(a) * b, a SwiGLU feed-forward's product (a = w1(x), b = w3(x)), as one op: a and b
+-- of one shape and dtype.  The same values and gradients as the two ops, one pass each way on the CPU (f32, f64).
+-- DTensors: a and b sharded alike run on their shards.
+function M.silu_mul(a, b)
+  return wrap(C.eng_silu_mul(ct(a, "silu_mul", 1), ct(b, "silu_mul", 2)))
+end
+
 -- Number of normalized dims, checked against x's trailing dims.
 local function c2_norm_dims(op, cx, shape)
   local list = type(shape) == "number" and { shape } or shape
