@@ -230,6 +230,32 @@ describe("silu_mul", function()
   end)
 end)
 
+describe("silu_mul on the GPU #gpu", function()
+  it("equals the silu and mul kernels bit for bit on the device, and the CPU within rounding (f32, bf16, f16)", function()
+    if not engine.cuda.is_available() then pending("no GPU: " .. engine.cuda.unavailable_reason()) end
+    for _, dt in ipairs({ "f32", "bf16", "f16", "f64" }) do
+      engine.manual_seed(14)
+      local a0 = (engine.randn(3, 70, 257) * 3):to(dt)
+      local b0 = engine.randn(3, 70, 257):to(dt)
+      local g = engine.randn(3, 70, 257):to(dt):cuda()
+      local a1, b1 = a0:cuda():requires_grad_(), b0:cuda():requires_grad_()
+      local a2, b2 = a0:cuda():requires_grad_(), b0:cuda():requires_grad_()
+      local y1 = F.silu_mul(a1, b1)
+      assert.are.equal("cuda", y1.device)
+      assert.are.equal("SiluMulBackward", y1.grad_fn)
+      y1:backward(g)
+      local y2 = F.silu(a2) * b2
+      y2:backward(g)
+      assert.are.equal(0, maxdiff(y1:cpu(), y2:cpu()), dt .. " values against the two kernels")
+      assert.are.equal(0, maxdiff(a1.grad:cpu(), a2.grad:cpu()), dt .. " a's gradient against the two kernels")
+      assert.are.equal(0, maxdiff(b1.grad:cpu(), b2.grad:cpu()), dt .. " b's gradient against the two kernels")
+      local tol = (dt == "f32" or dt == "f64") and 1e-5 or 0.1
+      local yc = F.silu_mul(a0:float(), b0:float())
+      assert.is_true(maxdiff(y1:cpu():float(), yc) <= tol, dt .. " against the CPU " .. maxdiff(y1:cpu():float(), yc))
+    end
+  end)
+end)
+
 describe("the Transformer on the fused ops", function()
   it("gives the loss and gradients of the same model run through the unfused ops", function()
     local function run(unfused)

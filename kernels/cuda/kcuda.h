@@ -249,6 +249,13 @@ int kcu_dropout(int dt, int64_t n, uint64_t seed, uint64_t offset, double keep, 
 int kcu_rope(int dt, int cdt, int64_t B, int64_t T, int64_t H, int64_t D, const void* x, const int64_t* xs,
              const void* cos, const void* sin, int inverse, void* out, cudaStream_t stream);
 
+/* ================================================================ silu_mul.cu
+ * silu(a) * b over n contiguous elements (dt f32 f64 bf16 f16), and its gradients ga = silu'(a) (g b), gb = g silu(a)
+ * (either may be NULL): the silu and mul kernels' values, roundings included, in one pass each. */
+int kcu_silu_mul(int dt, int64_t n, const void* a, const void* b, void* out, cudaStream_t stream);
+int kcu_silu_mul_grad(int dt, int64_t n, const void* g, const void* a, const void* b, void* ga, void* gb,
+                      cudaStream_t stream);
+
 /* ================================================================ optim.cu
  * Multi-tensor kernels: one launch covers many tensors (chunked, the tensor
  * table travels in the kernel parameters).  Tensors are contiguous. */

@@ -105,7 +105,7 @@ int eng_sdpa_get_backend(void);
 eng_tensor* eng_rotary_emb(eng_tensor* x, eng_tensor* cos, eng_tensor* sin);
 /* silu(a) * b, a SwiGLU feed-forward's product (a = w1 x, b = w3 x), as one op: a and b of one shape, dtype and
  * device.  The same values and gradients as eng_mul(eng_silu(a), b), bit for bit; fused on the CPU in f32 and f64
- * (one pass each way), the composition elsewhere.  DTensors: a and b sharded alike (or replicated) run on their
+ * and on CUDA in every float dtype (one pass each way), the composition for CPU bf16 / f16.  DTensors: a and b sharded alike (or replicated) run on their
  * shards; a Partial operand is reduced first. */
 eng_tensor* eng_silu_mul(eng_tensor* a, eng_tensor* b);
 

@@ -224,6 +224,19 @@ int eng_cu_rope(int dt, int cdt, int64_t B, int64_t T, int64_t H, int64_t D, con
   return ck(kcu_rope(dt, cdt, B, T, H, D, x, xs, cos, sin, inverse, out, s), op);
 }
 
+int eng_cu_silu_mul(int dt, int64_t n, const void* a, const void* b, void* out, const char* op) {
+  if (n == 0) return 0;
+  STREAM_OR_FAIL(op);
+  return ck(kcu_silu_mul(dt, n, a, b, out, s), op);
+}
+
+int eng_cu_silu_mul_grad(int dt, int64_t n, const void* g, const void* a, const void* b, void* ga, void* gb,
+                         const char* op) {
+  if (n == 0) return 0;
+  STREAM_OR_FAIL(op);
+  return ck(kcu_silu_mul_grad(dt, n, g, a, b, ga, gb, s), op);
+}
+
 /* ------------------------------------------------------------------ attention */
 static void strides3(const eng_tensor* t, int64_t* s) { s[0] = t->stride[0]; s[1] = t->stride[1]; s[2] = t->stride[2]; }
 
@@ -696,6 +709,11 @@ int eng_cu_rope(int dt, int cdt, int64_t B, int64_t T, int64_t H, int64_t D, con
 }
 int eng_cu_adamw(int n, eng_tensor** p, eng_tensor** g, eng_tensor** m, eng_tensor** v, eng_tensor** w, double lr,
                  double beta1, double beta2, double eps, double wd, int64_t step, const char* op) {
+  return NOCU(op);
+}
+int eng_cu_silu_mul(int dt, int64_t n, const void* a, const void* b, void* out, const char* op) { return NOCU(op); }
+int eng_cu_silu_mul_grad(int dt, int64_t n, const void* g, const void* a, const void* b, void* ga, void* gb,
+                         const char* op) {
   return NOCU(op);
 }
 int eng_cu_global_norm(int n, eng_tensor** ts, int from_grads, double p, double* out, const char* op) {

@@ -92,6 +92,11 @@ int eng_cu_sdpa_bwd(eng_tensor* q, eng_tensor* k, eng_tensor* v, eng_tensor* o, 
 /* Counter-based RNG on contiguous data (same numbers as the CPU). */
 int eng_cu_dropout(int dt, int64_t n, uint64_t seed, uint64_t offset, double keep, double scale, const void* x,
                    void* y, const char* op);
+/* silu(a) * b and its gradients (kcu_silu_mul): contiguous device buffers of n elements of dt; ga or gb may be
+ * NULL. */
+int eng_cu_silu_mul(int dt, int64_t n, const void* a, const void* b, void* out, const char* op);
+int eng_cu_silu_mul_grad(int dt, int64_t n, const void* g, const void* a, const void* b, void* ga, void* gb,
+                         const char* op);
 /* Rotary embedding (kcu_rope): x, cos, sin contiguous device buffers; out [B, T, H, D] in dt. */
 int eng_cu_rope(int dt, int cdt, int64_t B, int64_t T, int64_t H, int64_t D, const void* x, const int64_t* xs,
                 const void* cos, const void* sin, int inverse, void* out, const char* op);
