@@ -7,6 +7,19 @@ local nn = engine.nn
 local F = nn.functional
 local gc = require("spec.helpers.gradcheck")
 
+-- body(th) at 1 and then 2 threads; the thread count is restored afterwards, also when body fails
+local function at_thread_counts(body)
+  local prev = engine.get_num_threads()
+  local ok, err = pcall(function()
+    for _, th in ipairs({ 1, 2 }) do
+      engine.set_num_threads(th)
+      body(th)
+    end
+  end)
+  engine.set_num_threads(prev)
+  if not ok then error(err, 0) end
+end
+
 local function maxdiff(a, b) return (a - b):abs():max():item() end
 
 local function grads(ts)
@@ -23,13 +36,8 @@ local function same_list(a, b, what)
 end
 
 describe("linear_gelu", function()
-  local threads0
-  before_each(function() threads0 = engine.get_num_threads() end)
-  after_each(function() engine.set_num_threads(threads0) end)
-
   it("equals gelu(linear(x, w, b)) bit for bit, values and gradients", function()
-    for _, th in ipairs({ 1, 2 }) do
-      engine.set_num_threads(th)
+    at_thread_counts(function(th)
       for _, dt in ipairs({ "f32", "f64" }) do
         for _, approx in ipairs({ "none", "tanh" }) do
           -- [8, 128, 256] -> 1024 is the reference GPT's w1 (split over the threads by rows); 300 > 4 * 33 rows
@@ -57,7 +65,7 @@ describe("linear_gelu", function()
           end
         end
       end
-    end
+    end)
   end)
 
   it("has float64 gradients that match finite differences", function()
@@ -87,13 +95,8 @@ describe("linear_gelu", function()
 end)
 
 describe("add_layer_norm", function()
-  local threads0
-  before_each(function() threads0 = engine.get_num_threads() end)
-  after_each(function() engine.set_num_threads(threads0) end)
-
   it("equals h = x + r; y = layer_norm(h) bit for bit, with h used elsewhere or not", function()
-    for _, th in ipairs({ 1, 2 }) do
-      engine.set_num_threads(th)
+    at_thread_counts(function(th)
       for _, dt in ipairs({ "f32", "f64" }) do
         for _, s in ipairs({ { 8, 128, 256 }, { 2, 70, 33 }, { 3, 5, 7 }, { 1, 1, 4 } }) do
           for _, affine in ipairs({ true, false }) do
@@ -128,7 +131,7 @@ describe("add_layer_norm", function()
           end
         end
       end
-    end
+    end)
   end)
 
   it("has float64 gradients that match finite differences (both outputs)", function()
@@ -158,13 +161,8 @@ describe("add_layer_norm", function()
 end)
 
 describe("silu_mul", function()
-  local threads0
-  before_each(function() threads0 = engine.get_num_threads() end)
-  after_each(function() engine.set_num_threads(threads0) end)
-
   it("equals silu(a) * b bit for bit, values and gradients, contiguous or not, one or both needing grad", function()
-    for _, th in ipairs({ 1, 2 }) do
-      engine.set_num_threads(th)
+    at_thread_counts(function(th)
       for _, dt in ipairs({ "f32", "f64" }) do
         -- [8, 128, 768]: the Llama step's w1 / w3 outputs (split over the threads); the others run on one
         for _, s in ipairs({ { 8, 128, 768 }, { 3, 33, 257 }, { 1, 1, 5 }, { 0, 4, 3 } }) do
@@ -191,7 +189,7 @@ describe("silu_mul", function()
           end
         end
       end
-    end
+    end)
   end)
 
   it("has float64 gradients that match finite differences", function()

@@ -202,136 +202,106 @@ static inline double k_gelu_tanh(double x) {
 static inline float k_geluf(float x) { return x * k_phif(x); }
 static inline double k_gelu(double x) { return 0.5 * x * erfc(-x * K_SQRT1_2); }
 
-/* ---------------------------------------------------------------- AVX2 exact gelu
- * The same formulas and operation order as k_geluf / d_geluf, eight lanes at
- * a time.  A row's tail runs
- * through the same vector code on a padded copy, so an element's value does
- * not depend on where a row (or a thread's chunk of it) starts. */
+/* ---------------------------------------------------------------- vector exact gelu
+ * The same formulas and operation order as k_geluf / d_geluf, 8 lanes (AVX2) and, on AVX-512 builds, 16 lanes at a
+ * time: one definition (DEF_GELU_VEC) over each width's intrinsics prefix and a few adapters (rounding, the
+ * compare-and-select forms), so an element's value is the same at either width and in the scalar code.  16 lanes
+ * halve the instructions per element, which is what bounds this latency-bound math on cores that split 512-bit
+ * operations (docs/benchmarks.md, "GELU").  A row's tail runs through the 8-lane code on a padded copy, so an
+ * element's value does not depend on where a row (or a thread's chunk of it) starts. */
 #if defined(__AVX2__) && defined(__FMA__)
 #define K_HAVE_GELU_VEC 1
-/* k_gauss: exp(-x^2 / 2) of the exact square, 0 below the normal range and
- * for NaN (NaN still propagates through t and x). */
-static inline __m256 v_gauss(__m256 x) {
-  const __m256 lo = _mm256_set1_ps(K_EXP_LO);
-  __m256 hi2 = _mm256_mul_ps(x, x);
-  __m256 lo2 = _mm256_fmsub_ps(x, x, hi2);
-  __m256 a = _mm256_mul_ps(_mm256_set1_ps(-0.5f), hi2), b = _mm256_mul_ps(_mm256_set1_ps(-0.5f), lo2);
-  __m256 ac = _mm256_max_ps(a, lo);
-  __m256 kf = _mm256_round_ps(_mm256_mul_ps(ac, _mm256_set1_ps(1.44269504088896341f)),
-                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(kf, _mm256_set1_ps(0.693145751953125f), ac);
-  r = _mm256_add_ps(_mm256_fnmadd_ps(kf, _mm256_set1_ps(1.428606765330187045e-06f), r), b);
-  __m256 p = _mm256_set1_ps(1.0f / 720.0f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  __m256i k = _mm256_cvtps_epi32(kf);
-  __m256 sc = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(k, _mm256_set1_epi32(127)), 23));
-  return _mm256_and_ps(_mm256_mul_ps(p, sc), _mm256_cmp_ps(a, lo, _CMP_GE_OQ));
+static inline __m256 v_round(__m256 x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline __m256 v_bits(__m256i k) { return _mm256_castsi256_ps(k); }
+static inline __m256 v_abs(__m256 x) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x); }
+static inline __m256 v_if_ge(__m256 a, __m256 b, __m256 v) { return _mm256_and_ps(v, _mm256_cmp_ps(a, b, _CMP_GE_OQ)); }
+static inline __m256 v_if_neg(__m256 x, __m256 yes, __m256 no) {
+  return _mm256_blendv_ps(no, yes, _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ));
 }
-
-static inline __m256 v_phif_e(__m256 x, __m256 e) {
-  const __m256 sign = _mm256_set1_ps(-0.0f);
-  __m256 z = _mm256_mul_ps(_mm256_andnot_ps(sign, x), _mm256_set1_ps((float)K_SQRT1_2));
-  __m256 t = _mm256_div_ps(_mm256_set1_ps(1.0f), _mm256_fmadd_ps(_mm256_set1_ps(0.5f), z, _mm256_set1_ps(1.0f)));
-  __m256 q = _mm256_set1_ps(GQ10);
-  q = _mm256_fmadd_ps(q, t, _mm256_set1_ps(GQ9));
-  q = _mm256_fmadd_ps(q, t, _mm256_set1_ps(GQ8));
-  q = _mm256_fmadd_ps(q, t, _mm256_set1_ps(GQ7));
-  q = _mm256_fmadd_ps(q, t, _mm256_set1_ps(GQ6));
-  q = _mm256_fmadd_ps(q, t, _mm256_set1_ps(GQ5));
-  q = _mm256_fmadd_ps(q, t, _mm256_set1_ps(GQ4));
-  q = _mm256_fmadd_ps(q, t, _mm256_set1_ps(GQ3));
-  q = _mm256_fmadd_ps(q, t, _mm256_set1_ps(GQ2));
-  q = _mm256_fmadd_ps(q, t, _mm256_set1_ps(GQ1));
-  q = _mm256_fmadd_ps(q, t, _mm256_set1_ps(GQ0));
-  __m256 a = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), t), q);
-  __m256 neg = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ);
-  return _mm256_blendv_ps(_mm256_fnmadd_ps(a, e, _mm256_set1_ps(1.0f)), _mm256_mul_ps(a, e), neg);
-}
-
-static inline __m256 v_gelu(__m256 x) { return _mm256_mul_ps(x, v_phif_e(x, v_gauss(x))); }
-
-/* g * (Phi(x) + x * pdf(x)) */
-static inline __m256 v_gelu_grad(__m256 g, __m256 x) {
-  __m256 e = v_gauss(x);
-  __m256 pdf = _mm256_mul_ps(_mm256_set1_ps((float)K_INV_SQRT_2PI), e);
-  return _mm256_mul_ps(g, _mm256_fmadd_ps(x, pdf, v_phif_e(x, e)));
-}
-
 #ifdef __AVX512F__
-/* The same operations on 16 lanes (the results are those of the 8-lane code, element by element): half the
- * instructions per element, which is what bounds this latency-bound math on cores that split 512-bit operations
- * (docs/benchmarks.md, "GELU"). */
-static inline __m512 w_gauss(__m512 x) {
-  const __m512 lo = _mm512_set1_ps(K_EXP_LO);
-  __m512 hi2 = _mm512_mul_ps(x, x);
-  __m512 lo2 = _mm512_fmsub_ps(x, x, hi2);
-  __m512 a = _mm512_mul_ps(_mm512_set1_ps(-0.5f), hi2), b = _mm512_mul_ps(_mm512_set1_ps(-0.5f), lo2);
-  __m512 ac = _mm512_max_ps(a, lo);
-  __m512 kf = _mm512_roundscale_ps(_mm512_mul_ps(ac, _mm512_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(kf, _mm512_set1_ps(0.693145751953125f), ac);
-  r = _mm512_add_ps(_mm512_fnmadd_ps(kf, _mm512_set1_ps(1.428606765330187045e-06f), r), b);
-  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  __m512i k = _mm512_cvtps_epi32(kf);
-  __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(k, _mm512_set1_epi32(127)), 23));
-  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(a, lo, _CMP_GE_OQ), _mm512_mul_ps(p, sc));
+static inline __m512 w_round(__m512 x) {
+  return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
-
-static inline __m512 w_phif_e(__m512 x, __m512 e) {
-  __m512 z = _mm512_mul_ps(_mm512_abs_ps(x), _mm512_set1_ps((float)K_SQRT1_2));
-  __m512 t = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_fmadd_ps(_mm512_set1_ps(0.5f), z, _mm512_set1_ps(1.0f)));
-  __m512 q = _mm512_set1_ps(GQ10);
-  q = _mm512_fmadd_ps(q, t, _mm512_set1_ps(GQ9));
-  q = _mm512_fmadd_ps(q, t, _mm512_set1_ps(GQ8));
-  q = _mm512_fmadd_ps(q, t, _mm512_set1_ps(GQ7));
-  q = _mm512_fmadd_ps(q, t, _mm512_set1_ps(GQ6));
-  q = _mm512_fmadd_ps(q, t, _mm512_set1_ps(GQ5));
-  q = _mm512_fmadd_ps(q, t, _mm512_set1_ps(GQ4));
-  q = _mm512_fmadd_ps(q, t, _mm512_set1_ps(GQ3));
-  q = _mm512_fmadd_ps(q, t, _mm512_set1_ps(GQ2));
-  q = _mm512_fmadd_ps(q, t, _mm512_set1_ps(GQ1));
-  q = _mm512_fmadd_ps(q, t, _mm512_set1_ps(GQ0));
-  __m512 a = _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), t), q);
-  __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
-  return _mm512_mask_blend_ps(neg, _mm512_fnmadd_ps(a, e, _mm512_set1_ps(1.0f)), _mm512_mul_ps(a, e));
+static inline __m512 w_bits(__m512i k) { return _mm512_castsi512_ps(k); }
+static inline __m512 w_abs(__m512 x) { return _mm512_abs_ps(x); }
+static inline __m512 w_if_ge(__m512 a, __m512 b, __m512 v) {
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(a, b, _CMP_GE_OQ), v);
 }
-
-static inline __m512 w_gelu(__m512 x) { return _mm512_mul_ps(x, w_phif_e(x, w_gauss(x))); }
-
-static inline __m512 w_gelu_grad(__m512 g, __m512 x) {
-  __m512 e = w_gauss(x);
-  __m512 pdf = _mm512_mul_ps(_mm512_set1_ps((float)K_INV_SQRT_2PI), e);
-  return _mm512_mul_ps(g, _mm512_fmadd_ps(x, pdf, w_phif_e(x, e)));
+static inline __m512 w_if_neg(__m512 x, __m512 yes, __m512 no) {
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ), no, yes);
 }
+#endif
+
+/* N: the adapters' prefix (v, w); V / VI: the float / int vector types; P: the intrinsics' prefix.
+ * N##_gauss: k_gauss, exp(-x^2 / 2) of the exact square, 0 below the normal range and for NaN (NaN still propagates
+ * through t and x); N##_phif_e: k_phif_e; N##_gelu; N##_gelu_grad: g * (Phi(x) + x * pdf(x)). */
+#define DEF_GELU_VEC(N, V, VI, P)                                                                            \
+  static inline V N##_gauss(V x) {                                                                           \
+    const V lo = P##_set1_ps(K_EXP_LO);                                                                      \
+    V hi2 = P##_mul_ps(x, x);                                                                                \
+    V lo2 = P##_fmsub_ps(x, x, hi2);                                                                         \
+    V a = P##_mul_ps(P##_set1_ps(-0.5f), hi2), b = P##_mul_ps(P##_set1_ps(-0.5f), lo2);                      \
+    V ac = P##_max_ps(a, lo);                                                                                \
+    V kf = N##_round(P##_mul_ps(ac, P##_set1_ps(1.44269504088896341f)));                                     \
+    V r = P##_fnmadd_ps(kf, P##_set1_ps(0.693145751953125f), ac);                                            \
+    r = P##_add_ps(P##_fnmadd_ps(kf, P##_set1_ps(1.428606765330187045e-06f), r), b);                         \
+    V p = P##_set1_ps(1.0f / 720.0f);                                                                        \
+    p = P##_fmadd_ps(p, r, P##_set1_ps(1.0f / 120.0f));                                                      \
+    p = P##_fmadd_ps(p, r, P##_set1_ps(1.0f / 24.0f));                                                       \
+    p = P##_fmadd_ps(p, r, P##_set1_ps(1.0f / 6.0f));                                                        \
+    p = P##_fmadd_ps(p, r, P##_set1_ps(0.5f));                                                               \
+    p = P##_fmadd_ps(p, r, P##_set1_ps(1.0f));                                                               \
+    p = P##_fmadd_ps(p, r, P##_set1_ps(1.0f));                                                               \
+    VI k = P##_cvtps_epi32(kf);                                                                              \
+    V sc = N##_bits(P##_slli_epi32(P##_add_epi32(k, P##_set1_epi32(127)), 23));                              \
+    return N##_if_ge(a, lo, P##_mul_ps(p, sc));                                                              \
+  }                                                                                                          \
+  static inline V N##_phif_e(V x, V e) {                                                                     \
+    V z = P##_mul_ps(N##_abs(x), P##_set1_ps((float)K_SQRT1_2));                                             \
+    V t = P##_div_ps(P##_set1_ps(1.0f), P##_fmadd_ps(P##_set1_ps(0.5f), z, P##_set1_ps(1.0f)));              \
+    V q = P##_set1_ps(GQ10);                                                                                 \
+    q = P##_fmadd_ps(q, t, P##_set1_ps(GQ9));                                                                \
+    q = P##_fmadd_ps(q, t, P##_set1_ps(GQ8));                                                                \
+    q = P##_fmadd_ps(q, t, P##_set1_ps(GQ7));                                                                \
+    q = P##_fmadd_ps(q, t, P##_set1_ps(GQ6));                                                                \
+    q = P##_fmadd_ps(q, t, P##_set1_ps(GQ5));                                                                \
+    q = P##_fmadd_ps(q, t, P##_set1_ps(GQ4));                                                                \
+    q = P##_fmadd_ps(q, t, P##_set1_ps(GQ3));                                                                \
+    q = P##_fmadd_ps(q, t, P##_set1_ps(GQ2));                                                                \
+    q = P##_fmadd_ps(q, t, P##_set1_ps(GQ1));                                                                \
+    q = P##_fmadd_ps(q, t, P##_set1_ps(GQ0));                                                                \
+    V a = P##_mul_ps(P##_mul_ps(P##_set1_ps(0.5f), t), q);                                                   \
+    return N##_if_neg(x, P##_mul_ps(a, e), P##_fnmadd_ps(a, e, P##_set1_ps(1.0f)));                          \
+  }                                                                                                          \
+  static inline V N##_gelu(V x) { return P##_mul_ps(x, N##_phif_e(x, N##_gauss(x))); }                       \
+  static inline V N##_gelu_grad(V g, V x) {                                                                  \
+    V e = N##_gauss(x);                                                                                      \
+    V pdf = P##_mul_ps(P##_set1_ps((float)K_INV_SQRT_2PI), e);                                               \
+    return P##_mul_ps(g, P##_fmadd_ps(x, pdf, N##_phif_e(x, e)));                                            \
+  }
+
+/* Four independent chains of L lanes a step (the math is latency bound): out[i] = EXPR over N##_ functions, with
+ * LD(ptr) loading L lanes. */
+#define GELU_VEC_LOOP(N, V, P, L, OUT, EXPR)                                                                 \
+  for (; i + 4 * (L) <= n; i += 4 * (L)) {                                                                   \
+    V y0, y1, y2, y3;                                                                                        \
+    { int64_t k = i; y0 = EXPR; } { int64_t k = i + (L); y1 = EXPR; }                                        \
+    { int64_t k = i + 2 * (L); y2 = EXPR; } { int64_t k = i + 3 * (L); y3 = EXPR; }                          \
+    P##_storeu_ps(OUT + i, y0); P##_storeu_ps(OUT + i + (L), y1);                                            \
+    P##_storeu_ps(OUT + i + 2 * (L), y2); P##_storeu_ps(OUT + i + 3 * (L), y3);                              \
+  }
+
+DEF_GELU_VEC(v, __m256, __m256i, _mm256)
+#ifdef __AVX512F__
+DEF_GELU_VEC(w, __m512, __m512i, _mm512)
 #endif
 
 static void gelu_f32_vec(int64_t n, float* o, const float* a) {
   int64_t i = 0;
 #ifdef __AVX512F__
-  for (; i + 64 <= n; i += 64) {
-    __m512 y0 = w_gelu(_mm512_loadu_ps(a + i)), y1 = w_gelu(_mm512_loadu_ps(a + i + 16));
-    __m512 y2 = w_gelu(_mm512_loadu_ps(a + i + 32)), y3 = w_gelu(_mm512_loadu_ps(a + i + 48));
-    _mm512_storeu_ps(o + i, y0); _mm512_storeu_ps(o + i + 16, y1);
-    _mm512_storeu_ps(o + i + 32, y2); _mm512_storeu_ps(o + i + 48, y3);
-  }
+  GELU_VEC_LOOP(w, __m512, _mm512, 16, o, w_gelu(_mm512_loadu_ps(a + k)))
 #endif
-  for (; i + 32 <= n; i += 32) { /* four independent chains: the math is latency bound */
-    __m256 y0 = v_gelu(_mm256_loadu_ps(a + i)), y1 = v_gelu(_mm256_loadu_ps(a + i + 8));
-    __m256 y2 = v_gelu(_mm256_loadu_ps(a + i + 16)), y3 = v_gelu(_mm256_loadu_ps(a + i + 24));
-    _mm256_storeu_ps(o + i, y0); _mm256_storeu_ps(o + i + 8, y1);
-    _mm256_storeu_ps(o + i + 16, y2); _mm256_storeu_ps(o + i + 24, y3);
-  }
+  GELU_VEC_LOOP(v, __m256, _mm256, 8, o, v_gelu(_mm256_loadu_ps(a + k)))
   for (; i + 8 <= n; i += 8) _mm256_storeu_ps(o + i, v_gelu(_mm256_loadu_ps(a + i)));
   if (i < n) {
     float xb[8] = {0}, yb[8];
@@ -344,23 +314,9 @@ static void gelu_f32_vec(int64_t n, float* o, const float* a) {
 static void gelu_grad_f32_vec(int64_t n, float* gi, const float* g, const float* x) {
   int64_t i = 0;
 #ifdef __AVX512F__
-  for (; i + 64 <= n; i += 64) {
-    __m512 y0 = w_gelu_grad(_mm512_loadu_ps(g + i), _mm512_loadu_ps(x + i));
-    __m512 y1 = w_gelu_grad(_mm512_loadu_ps(g + i + 16), _mm512_loadu_ps(x + i + 16));
-    __m512 y2 = w_gelu_grad(_mm512_loadu_ps(g + i + 32), _mm512_loadu_ps(x + i + 32));
-    __m512 y3 = w_gelu_grad(_mm512_loadu_ps(g + i + 48), _mm512_loadu_ps(x + i + 48));
-    _mm512_storeu_ps(gi + i, y0); _mm512_storeu_ps(gi + i + 16, y1);
-    _mm512_storeu_ps(gi + i + 32, y2); _mm512_storeu_ps(gi + i + 48, y3);
-  }
+  GELU_VEC_LOOP(w, __m512, _mm512, 16, gi, w_gelu_grad(_mm512_loadu_ps(g + k), _mm512_loadu_ps(x + k)))
 #endif
-  for (; i + 32 <= n; i += 32) {
-    __m256 y0 = v_gelu_grad(_mm256_loadu_ps(g + i), _mm256_loadu_ps(x + i));
-    __m256 y1 = v_gelu_grad(_mm256_loadu_ps(g + i + 8), _mm256_loadu_ps(x + i + 8));
-    __m256 y2 = v_gelu_grad(_mm256_loadu_ps(g + i + 16), _mm256_loadu_ps(x + i + 16));
-    __m256 y3 = v_gelu_grad(_mm256_loadu_ps(g + i + 24), _mm256_loadu_ps(x + i + 24));
-    _mm256_storeu_ps(gi + i, y0); _mm256_storeu_ps(gi + i + 8, y1);
-    _mm256_storeu_ps(gi + i + 16, y2); _mm256_storeu_ps(gi + i + 24, y3);
-  }
+  GELU_VEC_LOOP(v, __m256, _mm256, 8, gi, v_gelu_grad(_mm256_loadu_ps(g + k), _mm256_loadu_ps(x + k)))
   for (; i + 8 <= n; i += 8)
     _mm256_storeu_ps(gi + i, v_gelu_grad(_mm256_loadu_ps(g + i), _mm256_loadu_ps(x + i)));
   if (i < n) {
