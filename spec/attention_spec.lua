@@ -250,6 +250,126 @@ describe("scaled_dot_product_attention", function()
   end)
 end)
 
+describe("scaled_dot_product_attention: enable_gqa (grouped-query attention)", function()
+  -- the reference: k and v repeated to q's head count (k.repeat_interleave(Hq / Hkv, -3), PyTorch's definition)
+  local function repeat_heads(t, rep)
+    local s = t:shape()
+    local n = #s
+    local e, w = {}, {}
+    for d = 1, n - 2 do e[d] = s[d] end
+    e[n - 1], e[n], e[n + 1] = rep, s[n - 1], s[n]
+    for d = 1, n do w[d] = s[d] end
+    w[n - 2] = s[n - 2] * rep
+    return t:unsqueeze(n - 1):expand(e):reshape(w)
+  end
+  local function run(dt, th, gqa, opts, B, Hq, Hk, L, S, E)
+    engine.set_num_threads(th)
+    engine.manual_seed(21)
+    -- head-split views of [B, L, H, E] projections, as the models make them
+    local q = engine.randn(B, L, Hq, E):to(dt):transpose(2, 3):requires_grad_()
+    local k = engine.randn(B, S, Hk, E):to(dt):transpose(2, 3):requires_grad_()
+    local v = engine.randn(B, S, Hk, E):to(dt):transpose(2, 3):requires_grad_()
+    local g = engine.randn(B, Hq, L, E):to(dt)
+    local o = {}
+    for key, val in pairs(opts) do o[key] = val end
+    local out
+    if gqa then
+      o.enable_gqa = true
+      out = sdpa(q, k, v, o)
+    else
+      out = sdpa(q, repeat_heads(k, Hq / Hk), repeat_heads(v, Hq / Hk), o)
+    end
+    out:backward(g)
+    return { out, q.grad, k.grad, v.grad }
+  end
+  local function maxdiff(a, b) return (a:double() - b:double()):abs():max():item() end
+
+  it("equals attention over repeated k and v: values, gradients, causal, masks, dropout, 1 and 2 threads", function()
+    local th0 = engine.get_num_threads()
+    local cases = {
+      { {}, 2, 6, 2, 33, 33, 16 },                       -- 3 query heads a kv head
+      { { is_causal = true }, 2, 8, 2, 40, 40, 8 },       -- 4, causal (the Llama step's form)
+      { { is_causal = true }, 1, 4, 1, 9, 9, 4 },         -- multi-query attention
+      { { is_causal = true }, 3, 4, 4, 7, 7, 4 },         -- equal head counts: plain attention
+      { { attn_mask = "heads" }, 2, 6, 3, 5, 7, 4 },     -- a mask per query head
+      { { attn_mask = "shared" }, 2, 6, 3, 5, 7, 4 },    -- one mask broadcast over the heads
+      { { dropout_p = 0.3 }, 2, 6, 2, 6, 6, 4 },          -- the same dropout masks as the repeated form
+    }
+    for _, c in ipairs(cases) do
+      for _, dt in ipairs({ "f64", "f32" }) do
+        local results = {}
+        for _, th in ipairs({ 1, 2 }) do
+          local B, Hq, Hk, L, S, E = c[2], c[3], c[4], c[5], c[6], c[7]
+          local opts = {}
+          for key, val in pairs(c[1]) do opts[key] = val end
+          engine.manual_seed(22) -- the same mask at both thread counts
+          if opts.attn_mask == "heads" then opts.attn_mask = engine.rand(B, Hq, L, S):gt(0.3)
+          elseif opts.attn_mask == "shared" then opts.attn_mask = engine.randn(1, 1, L, S) end
+          local want = run(dt, th, false, opts, B, Hq, Hk, L, S, E)
+          local got = run(dt, th, true, opts, B, Hq, Hk, L, S, E)
+          local what = string.format("%s Hq=%d Hkv=%d %s threads=%d", dt, Hq, Hk, next(c[1]) or "plain", th)
+          assert.are.same(want[1]:shape(), got[1]:shape(), what)
+          local tol = dt == "f64" and 1e-12 or 2e-6
+          for i = 1, 4 do
+            -- values and q's gradient: the same products; k's and v's gradients: the same terms summed over the
+            -- query heads of a group in another order
+            assert.is_true(maxdiff(want[i], got[i]) <= (i <= 2 and 0 or tol),
+              string.format("%s: result %d off by %g", what, i, maxdiff(want[i], got[i])))
+          end
+          results[th] = got
+        end
+        for i = 1, 4 do -- runs of query heads in parallel: the same bits as in order on one thread
+          assert.are.equal(0, maxdiff(results[1][i], results[2][i]), string.format("%s Hq=%d Hkv=%d %s, result %d: 1 "
+            .. "and 2 threads", dt, c[3], c[4], next(c[1]) or "plain", i))
+        end
+      end
+    end
+    engine.set_num_threads(th0)
+  end)
+
+  it("refuses head counts that do not divide and options that are not booleans", function()
+    local q, k, v = engine.randn(1, 6, 3, 4), engine.randn(1, 4, 3, 4), engine.randn(1, 4, 3, 4)
+    assert.has_error(function() sdpa(q, k, v, { enable_gqa = true }) end,
+      "scaled_dot_product_attention: enable_gqa: k and v need the same number of heads, dividing q's; got 6 q "
+      .. "heads, 4 k heads, 4 v heads")
+    assert.has_error(function() sdpa(q, engine.randn(1, 2, 3, 4), engine.randn(1, 3, 3, 4), { enable_gqa = true }) end,
+      "scaled_dot_product_attention: enable_gqa: k and v need the same number of heads, dividing q's; got 6 q "
+      .. "heads, 2 k heads, 3 v heads")
+    assert.has_error(function() sdpa(q, k, v, { enable_gqa = 1 }) end,
+      "scaled_dot_product_attention: enable_gqa must be a boolean, got number")
+    local ok, err = pcall(sdpa, engine.randn(3, 4), engine.randn(3, 4), engine.randn(3, 4), { enable_gqa = true })
+    assert.is_false(ok)
+    assert.matches("enable_gqa needs q, k and v with a head dim", err)
+    -- without enable_gqa the head counts must broadcast, as before
+    assert.has_error(function() sdpa(q, engine.randn(1, 2, 3, 4), engine.randn(1, 2, 3, 4)) end)
+  end)
+end)
+
+describe("scaled_dot_product_attention: enable_gqa on the GPU #gpu", function()
+  it("expands k and v for the CUDA kernels: the CPU's values and gradients (f32, bf16)", function()
+    if not engine.cuda.is_available() then pending("no GPU: " .. engine.cuda.unavailable_reason()) end
+    for _, dt in ipairs({ "f32", "bf16" }) do
+      engine.manual_seed(23)
+      local q0 = engine.randn(2, 40, 8, 64):to(dt):transpose(2, 3)
+      local k0 = engine.randn(2, 40, 2, 64):to(dt):transpose(2, 3)
+      local v0 = engine.randn(2, 40, 2, 64):to(dt):transpose(2, 3)
+      local g = engine.randn(2, 8, 40, 64):to(dt)
+      local res = {}
+      for _, dev in ipairs({ "cpu", "cuda" }) do
+        local q, k, v = q0:to(dev):requires_grad_(), k0:to(dev):requires_grad_(), v0:to(dev):requires_grad_()
+        local out = sdpa(q, k, v, { is_causal = true, enable_gqa = true })
+        out:backward(g:to(dev))
+        res[dev] = { out:cpu():float(), q.grad:cpu():float(), k.grad:cpu():float(), v.grad:cpu():float() }
+      end
+      local tol = dt == "f32" and 1e-4 or 5e-2
+      for i = 1, 4 do
+        local d = (res.cpu[i] - res.cuda[i]):abs():max():item()
+        assert.is_true(d <= tol, string.format("%s result %d: %g", dt, i, d))
+      end
+    end
+  end)
+end)
+
 describe("scaled_dot_product_attention: one f32 query row (decoding)", function()
   it("over a cache view equals the f64 computation, values and gradients", function()
     engine.manual_seed(7)

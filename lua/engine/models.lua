@@ -827,9 +827,9 @@ function LlamaAttention:forward(x, cos, sin, kv)
   end
   local xq, xk, xv = q:view(B, T, -1, hd), k:view(B, T, -1, hd), v:view(B, T, -1, hd)
   xq, xk = M.apply_rotary_emb(xq, cos, sin), M.apply_rotary_emb(xk, cos, sin)
-  local keys, values = M.repeat_kv(xk, self.n_rep), M.repeat_kv(xv, self.n_rep)
-  local out = F.scaled_dot_product_attention(xq:transpose(2, 3), keys:transpose(2, 3), values:transpose(2, 3),
-    nil, 0, true)
+  -- grouped-query attention without repeating k and v in memory (enable_gqa; torchtitan's repeat_kv gives the same)
+  local out = F.scaled_dot_product_attention(xq:transpose(2, 3), xk:transpose(2, 3), xv:transpose(2, 3),
+    { is_causal = true, enable_gqa = true })
   return self.wo(out:transpose(2, 3):contiguous():view(B, T, -1))
 end
 

@@ -339,6 +339,39 @@ static int broadcast_in(const eng_mview* m, int nb, const int64_t* bs) {
   return 0;
 }
 
+/* A backward whose gradient buffers are shared by several batches (a k / v broadcast over a batch dim: grouped-
+ * query attention's kv heads) accumulates into them.  When the batches sharing a buffer slice come in runs of g
+ * consecutive batches (the shared dim is the innermost broadcast one, as q [B, Hkv, g, L, E] against k
+ * [B, Hkv, 1, S, E]), each run goes to one thread in order, runs in parallel; returns g, or 0 when the sharing
+ * is not such runs (the whole backward then runs in order on one thread). */
+static int64_t shared_runs(const opnd* const* outs, int n_outs, int64_t tot) {
+  int64_t g = 0;
+  for (int k = 0; k < n_outs; k++) { /* the run length of the first shared slice */
+    int64_t r = 1;
+    while (r < tot && outs[k]->off[r] == outs[k]->off[0]) r++;
+    if (r > 1 && (g == 0 || r == g)) g = r;
+    else if (r > 1) return 0;
+  }
+  if (g <= 1 || tot % g) return 0;
+  for (int k = 0; k < n_outs; k++) {
+    const int64_t* off = outs[k]->off;
+    int shared = off[1] == off[0];
+    for (int64_t b = 0; b < tot; b++) {
+      int64_t lead = b - b % g;
+      if (shared ? off[b] != off[lead] : (b > lead && off[b] == off[lead])) return 0;
+      /* runs own distinct slices: offsets of run leaders strictly increasing (row-major batch order) */
+      if (b == lead && b > 0 && off[b] <= off[b - g]) return 0;
+    }
+  }
+  return g;
+}
+
+typedef struct { bwd_ctx* c; int64_t g; } bwd_runs;
+static void bwd_runs_range(void* vr, int64_t lo, int64_t hi) {
+  const bwd_runs* r = vr;
+  bwd_range(r->c, lo * r->g, hi * r->g);
+}
+
 /* saved: 0 q, 1 k, 2 v, 3 P (probabilities before dropout, compute dtype).
  * scalars: 0 scale, 1 dropout_p.  ints: 0 seed, 1 offset, 2 is_causal. */
 static int sdpa_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
@@ -405,7 +438,18 @@ static int sdpa_bw(eng_node* n, eng_tensor** go, eng_tensor** gi) {
     eng_mview_of(gk, 0, nb, bs, &vc);
     if (opnd_make(&vc, nb, bs, es, 1, &c.gk)) goto done;
   }
-  kc_parallel_blas(acc ? 1 : eng_threads(), tot, bwd_range, &c);
+  int64_t g = 0;
+  if (acc) {
+    const opnd* outs[3];
+    int no = 0;
+    if (c.need_q) outs[no++] = &c.gq;
+    if (c.need_k) outs[no++] = &c.gk;
+    if (c.need_v) outs[no++] = &c.gv;
+    g = shared_runs(outs, no, tot);
+  }
+  if (!acc) kc_parallel_blas(eng_threads(), tot, bwd_range, &c);
+  else if (g) { bwd_runs r = {&c, g}; kc_parallel_blas(eng_threads(), tot / g, bwd_runs_range, &r); }
+  else kc_parallel_blas(1, tot, bwd_range, &c);
   if (c.need_q && !(gi[0] = eng_grad_to_input(n, 0, gq))) goto done;
   if (c.need_k && !(gi[1] = eng_grad_to_input(n, 1, gk))) goto done;
   if (c.need_v && !(gi[2] = eng_grad_to_input(n, 2, gv))) goto done;

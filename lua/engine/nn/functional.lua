@@ -143,14 +143,17 @@ function F.mse_loss(input, target, opts)
   error("mse_loss: reduction must be \"mean\", \"sum\" or \"none\", got " .. tostring(reduction), 2)
 end
 
--- scaled_dot_product_attention(q, k, v [, attn_mask [, dropout_p [, is_causal [, scale]]]])
--- or scaled_dot_product_attention(q, k, v, {attn_mask =, dropout_p =, is_causal =, scale =}).
-function F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale)
+-- scaled_dot_product_attention(q, k, v [, attn_mask [, dropout_p [, is_causal [, scale [, enable_gqa]]]]])
+-- or scaled_dot_product_attention(q, k, v, {attn_mask =, dropout_p =, is_causal =, scale =, enable_gqa =}).
+-- enable_gqa (PyTorch 2.5): k and v may have fewer heads than q (dividing them; query head h uses k/v head
+-- floor(h / (Hq / Hkv))), without repeating them in memory on the CPU.
+function F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
   local opts
   if type(attn_mask) == "table" and not engine.is_tensor(attn_mask) then
     opts = attn_mask
   else
-    opts = { attn_mask = attn_mask, dropout_p = dropout_p, is_causal = is_causal, scale = scale }
+    opts = { attn_mask = attn_mask, dropout_p = dropout_p, is_causal = is_causal, scale = scale,
+      enable_gqa = enable_gqa }
   end
   return engine.scaled_dot_product_attention(q, k, v, opts)
 end

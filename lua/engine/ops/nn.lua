@@ -116,11 +116,70 @@ function M.fused_classifier(logits, target, opts)
 end
 
 -- ============================================================ scaled_dot_product_attention
-local sdpa_opts = { attn_mask = true, dropout_p = true, is_causal = true, scale = true }
+local sdpa_opts = { attn_mask = true, dropout_p = true, is_causal = true, scale = true, enable_gqa = true }
+
+-- enable_gqa (PyTorch 2.5's grouped-query attention): q [..., Hq, L, E] against k, v [..., Hkv, S, E] with Hkv
+-- dividing Hq, query head h attending with k/v head floor(h / (Hq / Hkv)) (k.repeat_interleave(Hq / Hkv, -3)).  On
+-- the CPU without copies: q viewed as [..., Hkv, rep, L, E] against k, v as [..., Hkv, 1, S, E], broadcast over
+-- rep (the backward sums each kv head's gradient over its query heads in place, runs of query heads in parallel);
+-- the CUDA kernels take equal head counts, so there k and v are expanded to Hq heads first.  The mask (broadcast
+-- to [..., Hq, L, S]) follows q.  Returns q, k, v, mask for the call, and the function that gives the output
+-- its [..., Hq, L, Ev] shape; nil when the head counts are equal.
+local function gqa_operands(q, k, v, mask, op)
+  local qs, ks, vs = q:shape(), k:shape(), v:shape()
+  local nq, nk, nv = #qs, #ks, #vs
+  if nq < 3 or nk < 3 or nv < 3 then
+    error(string.format("%s: enable_gqa needs q, k and v with a head dim (the third from last), got q %s, k %s, "
+      .. "v %s", op, tostring(q), tostring(k), tostring(v)), 3)
+  end
+  local hq, hk, hv = qs[nq - 2], ks[nk - 2], vs[nv - 2]
+  if hk ~= hv or hk == 0 or hq % hk ~= 0 then
+    error(string.format("%s: enable_gqa: k and v need the same number of heads, dividing q's; got %d q heads, %d "
+      .. "k heads, %d v heads", op, hq, hk, hv), 3)
+  end
+  if hq == hk then return nil end
+  local rep = hq / hk
+  if q.device == "cuda" then
+    local function widen(t, s)
+      local e, n = {}, #s
+      for d = 1, n - 2 do e[d] = s[d] end
+      e[n - 1], e[n], e[n + 1] = rep, s[n - 1], s[n]
+      local w = {}
+      for d = 1, n do w[d] = s[d] end
+      w[n - 2] = hq
+      return t:unsqueeze(n - 1):expand(e):reshape(w)
+    end
+    return q, widen(k, ks), widen(v, vs), mask, nil
+  end
+  local function split_heads(s, n) -- [..., Hq, X, Y] -> [..., Hkv, rep, X, Y]
+    local r = {}
+    for d = 1, n - 3 do r[d] = s[d] end
+    r[n - 2], r[n - 1], r[n], r[n + 1] = hk, rep, s[n - 1], s[n]
+    return r
+  end
+  if mask ~= nil then
+    local ms = mask:shape()
+    local nm = #ms
+    if nm >= 3 and ms[nm - 2] == hq then
+      mask = mask:reshape(split_heads(ms, nm))
+    elseif nm >= 3 then
+      mask = mask:unsqueeze(nm - 1)
+    end
+  end
+  local function back(out)
+    local os = out:shape()
+    local n = #os
+    local o = {}
+    for d = 1, n - 4 do o[d] = os[d] end
+    o[n - 3], o[n - 2], o[n - 1] = hq, os[n - 1], os[n]
+    return out:reshape(o)
+  end
+  return q:reshape(split_heads(qs, nq)), k:unsqueeze(nk - 1), v:unsqueeze(nv - 1), mask, back
+end
 
 function M.scaled_dot_product_attention(q, k, v, opts)
   local op = "scaled_dot_product_attention"
-  local cq, ck, cv = ct(q, op, 1), ct(k, op, 2), ct(v, op, 3)
+  ct(q, op, 1); ct(k, op, 2); ct(v, op, 3)
   opts = opts_arg(opts, op, sdpa_opts)
   local mask = opts.attn_mask
   if mask ~= nil and not core.is_tensor(mask) then
@@ -136,8 +195,19 @@ function M.scaled_dot_product_attention(q, k, v, opts)
     scale = number_opt(scale, nil, op, "scale")
     if not (scale > 0) then error(op .. ": scale must be positive, got " .. tostring(scale), 2) end
   end
-  return wrap(C.eng_scaled_dot_product_attention(cq, ck, cv, mask and mask._c or nil, p,
+  local gqa = opts.enable_gqa
+  if gqa ~= nil and type(gqa) ~= "boolean" then
+    error(op .. ": enable_gqa must be a boolean, got " .. type(gqa), 2)
+  end
+  local back
+  if gqa then
+    local q2, k2, v2, m2, b2 = gqa_operands(q, k, v, mask, op)
+    if q2 ~= nil then q, k, v, mask, back = q2, k2, v2, m2, b2 end
+  end
+  local out = wrap(C.eng_scaled_dot_product_attention(q._c, k._c, v._c, mask and mask._c or nil, p,
     causal and 1 or 0, scale or 0))
+  if back then return back(out) end
+  return out
 end
 
 
