@@ -262,6 +262,28 @@ describe("all_reduce", function()
     end
   end)
 
+  -- the nonblocking algorithm the engine sets (reduce-scatter + all-gather) falls back to a ring for fewer elements
+  -- than ranks: every count from 1 up gives the blocking call's values
+  it("async equals blocking for 1 to 40 elements, every dtype family and op", function()
+    local bad = {}
+    for _, dt in ipairs({ "f32", "f64", "i64", "bf16" }) do
+      for n = 1, 40 do
+        for _, op in ipairs({ "sum", "max", "prod" }) do
+          local l = {}
+          for i = 1, n do l[i] = (R + 1) * ((i % 3) + 1) end
+          local a, b = mk(l, dt), mk(l, dt)
+          dist.all_reduce(a, op)
+          dist.all_reduce(b, op, { async = true }):wait()
+          local la, lb = flat(a), flat(b)
+          for i = 1, n do
+            if la[i] ~= lb[i] then bad[#bad + 1] = string.format("%s n=%d %s [%d]: %s vs %s", dt, n, op, i, la[i], lb[i]) end
+          end
+        end
+      end
+    end
+    assert.are.same({}, bad)
+  end)
+
   it("async on a non-contiguous bf16 tensor finishes the copy-back on wait", function()
     local base = mk({ 1, 2, 3, 4 }, "bf16", { 2, 2 })
     local w = dist.all_reduce(base:t(), "sum", { async = true })
