@@ -280,9 +280,9 @@ static inline __m512 w_if_neg(__m512 x, __m512 yes, __m512 no) {
     return P##_mul_ps(g, P##_fmadd_ps(x, pdf, N##_phif_e(x, e)));                                            \
   }
 
-/* Four independent chains of L lanes a step (the math is latency bound): out[i] = EXPR over N##_ functions, with
- * LD(ptr) loading L lanes. */
-#define GELU_VEC_LOOP(N, V, P, L, OUT, EXPR)                                                                 \
+/* Four independent chains of L lanes a step (the math is latency bound): OUT + k gets EXPR, an expression of the
+ * offset k. */
+#define GELU_VEC_LOOP(V, P, L, OUT, EXPR)                                                                 \
   for (; i + 4 * (L) <= n; i += 4 * (L)) {                                                                   \
     V y0, y1, y2, y3;                                                                                        \
     { int64_t k = i; y0 = EXPR; } { int64_t k = i + (L); y1 = EXPR; }                                        \
@@ -299,9 +299,9 @@ DEF_GELU_VEC(w, __m512, __m512i, _mm512)
 static void gelu_f32_vec(int64_t n, float* o, const float* a) {
   int64_t i = 0;
 #ifdef __AVX512F__
-  GELU_VEC_LOOP(w, __m512, _mm512, 16, o, w_gelu(_mm512_loadu_ps(a + k)))
+  GELU_VEC_LOOP(__m512, _mm512, 16, o, w_gelu(_mm512_loadu_ps(a + k)))
 #endif
-  GELU_VEC_LOOP(v, __m256, _mm256, 8, o, v_gelu(_mm256_loadu_ps(a + k)))
+  GELU_VEC_LOOP(__m256, _mm256, 8, o, v_gelu(_mm256_loadu_ps(a + k)))
   for (; i + 8 <= n; i += 8) _mm256_storeu_ps(o + i, v_gelu(_mm256_loadu_ps(a + i)));
   if (i < n) {
     float xb[8] = {0}, yb[8];
@@ -314,9 +314,9 @@ static void gelu_f32_vec(int64_t n, float* o, const float* a) {
 static void gelu_grad_f32_vec(int64_t n, float* gi, const float* g, const float* x) {
   int64_t i = 0;
 #ifdef __AVX512F__
-  GELU_VEC_LOOP(w, __m512, _mm512, 16, gi, w_gelu_grad(_mm512_loadu_ps(g + k), _mm512_loadu_ps(x + k)))
+  GELU_VEC_LOOP(__m512, _mm512, 16, gi, w_gelu_grad(_mm512_loadu_ps(g + k), _mm512_loadu_ps(x + k)))
 #endif
-  GELU_VEC_LOOP(v, __m256, _mm256, 8, gi, v_gelu_grad(_mm256_loadu_ps(g + k), _mm256_loadu_ps(x + k)))
+  GELU_VEC_LOOP(__m256, _mm256, 8, gi, v_gelu_grad(_mm256_loadu_ps(g + k), _mm256_loadu_ps(x + k)))
   for (; i + 8 <= n; i += 8)
     _mm256_storeu_ps(gi + i, v_gelu_grad(_mm256_loadu_ps(g + i), _mm256_loadu_ps(x + i)));
   if (i < n) {
@@ -502,8 +502,11 @@ static inline double d_gelu_tanh(double x) {
   double du = K_SQRT_2_PI * (1.0 + 3.0 * K_GELU_C * x2);
   return s + 2.0 * x * s * (1.0 - s) * du;
 }
-static inline float d_siluf(float x) { float s = k_sigmoidf(x); return s * (1.0f + x * (1.0f - s)); }
-static inline double d_silu(double x) { double s = k_sigmoid(x); return s * (1.0 + x * (1.0 - s)); }
+/* silu'(x) from s = sigmoid(x) (silu_mul's backward has s already) */
+static inline float d_siluf_s(float x, float s) { return s * (1.0f + x * (1.0f - s)); }
+static inline double d_silu_s(double x, double s) { return s * (1.0 + x * (1.0 - s)); }
+static inline float d_siluf(float x) { return d_siluf_s(x, k_sigmoidf(x)); }
+static inline double d_silu(double x) { return d_silu_s(x, k_sigmoid(x)); }
 
 void kc_unary_grad_row(int op, int dt, int64_t n, char* gi, int64_t sgi, const char* g, int64_t sg,
                        const char* x, int64_t sx, const char* y, int64_t sy, double p0, double p1) {
@@ -596,10 +599,10 @@ static void silu_mul_grad_part(void* vj, int64_t lo, int64_t hi) {
     const float* restrict B = (const float*)j->b + lo;
     float* restrict GA = j->ga ? (float*)j->ga + lo : NULL;
     float* restrict GB = j->gb ? (float*)j->gb + lo : NULL;
-    if (GA && GB) /* one sigmoid for both: d_siluf's and silu's expressions on it */
+    if (GA && GB) /* one sigmoid for both */
       for (int64_t i = 0; i < hi - lo; i++) {
         float x = A[i], sg = k_sigmoidf(x), gs = G[i] * B[i];
-        GA[i] = gs * (sg * (1.0f + x * (1.0f - sg)));
+        GA[i] = gs * d_siluf_s(x, sg);
         GB[i] = G[i] * (x * sg);
       }
     else if (GA) for (int64_t i = 0; i < hi - lo; i++) { float gs = G[i] * B[i]; GA[i] = gs * d_siluf(A[i]); }
@@ -613,7 +616,7 @@ static void silu_mul_grad_part(void* vj, int64_t lo, int64_t hi) {
     if (GA && GB)
       for (int64_t i = 0; i < hi - lo; i++) {
         double x = A[i], sg = k_sigmoid(x), gs = G[i] * B[i];
-        GA[i] = gs * (sg * (1.0 + x * (1.0 - sg)));
+        GA[i] = gs * d_silu_s(x, sg);
         GB[i] = G[i] * (x * sg);
       }
     else if (GA) for (int64_t i = 0; i < hi - lo; i++) { double gs = G[i] * B[i]; GA[i] = gs * d_silu(A[i]); }
