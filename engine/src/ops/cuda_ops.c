@@ -9,16 +9,6 @@
 #include <math.h>
 #include <stdio.h>
 
-int eng_cu_unsupported(const char* op, const eng_tensor* t) {
-  return eng_err("%s: not implemented for cuda tensors (%s); move the tensors to the CPU with :cpu() first", op,
-                 t ? eng_desc(t) : "?");
-}
-
-void* eng_cu_unsupportedp(const char* op, const eng_tensor* t) {
-  eng_cu_unsupported(op, t);
-  return NULL;
-}
-
 int eng_cu_same_device(const char* op, const eng_tensor* a, const eng_tensor* b) {
   if (!a || !b || a->device == b->device) return 0;
   return eng_err("%s: expected all tensors on the same device, got %s on %s and %s on %s", op, eng_desc(a),

@@ -18,9 +18,6 @@
 #include "cuda/cuda_runtime.h"
 #include "ops/bmm.h"
 
-/* "<op>: not implemented for cuda tensors (<t>)": -1 / NULL. */
-int eng_cu_unsupported(const char* op, const eng_tensor* t);
-void* eng_cu_unsupportedp(const char* op, const eng_tensor* t);
 /* Error when a and b are on different devices, naming both: -1, else 0. */
 int eng_cu_same_device(const char* op, const eng_tensor* a, const eng_tensor* b);
 
