@@ -27,7 +27,7 @@
 -- weights), draws its own batches (data.BatchSampler with rank/world_size) and the gradients are
 -- averaged before clipping and the optimizer step: the global batch is batch x N.  Without TP or
 -- --dtensor_dp the model is wrapped in dist.DistributedDataParallel: the gradients are averaged in buckets
--- of --bucket_cap_mb MiB (default 25), each bucket's all_reduce starting during backward as soon as its
+-- of --bucket_cap_mb MiB (default PyTorch's: 25 after a first of 1), each bucket's all_reduce starting during backward as soon as its
 -- gradients exist; the first and last log lines give the buckets, collectives and bytes per step.
 -- Rank 0 logs and evaluates with the others (the validation batches are split over ranks); every rank
 -- writes its part of a checkpoint (dist.checkpoint; replicated tensors once).  Resuming is exact:
@@ -53,8 +53,8 @@ local options = {
   { "sp", 0, "1: sequence parallelism with TP", group = "parallel", int = true, choices = { 0, 1 } },
   { "dtensor_dp", 0, "1: without TP, data parallelism through DTensors (Replicate parameters on a dp mesh, "
     .. "Shard(1) batches, gradients reduced by autograd)", group = "parallel", int = true, choices = { 0, 1 } },
-  { "bucket_cap_mb", 25, "plain data parallelism: DistributedDataParallel's gradient bucket size in MiB",
-    group = "parallel", min = 1e-9 },
+  { "bucket_cap_mb", 0, "plain data parallelism: DistributedDataParallel's gradient bucket size in MiB (0: "
+    .. "PyTorch's default, 25 MiB after a first bucket of 1 MiB)", group = "parallel", min = 0 },
   { "ckpt_format", "dcp", "dcp: distributed checkpoints (every rank its shards, step_%08d/, loadable at any "
     .. "world size or --tp); full: one safetensors file of full tensors (step_%08d.safetensors)",
     group = "checkpoint", choices = { "dcp", "full" } },
@@ -118,12 +118,14 @@ local function main(argv)
   local ddp_net = nil
   if tp == 1 and not ddp and world > 1 then
     -- the gradients are the buckets' slices: the all_reduce averages them in place (no copy out of the buckets)
-    ddp_net = dist.DistributedDataParallel(model, { bucket_cap_mb = o.bucket_cap_mb, gradient_as_bucket_view = true })
+    ddp_net = dist.DistributedDataParallel(model, { bucket_cap_mb = o.bucket_cap_mb > 0 and o.bucket_cap_mb or nil,
+      gradient_as_bucket_view = true })
     local s = ddp_net:comm_stats()
     local total = 0
     for _, b in ipairs(s.bucket_bytes) do total = total + b end
-    log(NAME .. ": DistributedDataParallel: %d gradient bucket(s) of at most %g MiB (%.2f MiB of gradients): %d "
-      .. "all_reduce(s) per step", s.buckets, o.bucket_cap_mb, total / 1048576, s.buckets)
+    log(NAME .. ": DistributedDataParallel: %.2f MiB of gradients in one bucket for the first step, then in buckets "
+      .. "of %s in the order backward produces them (PyTorch's rebuild)", total / 1048576,
+      o.bucket_cap_mb > 0 and (o.bucket_cap_mb .. " MiB") or "25 MiB after a first of 1 MiB")
   end
   model:train()
   local params = model:parameters()
@@ -287,8 +289,8 @@ local function main(argv)
 
   if ddp_net then
     local s = ddp_net:comm_stats()
-    log(NAME .. ": DistributedDataParallel: the last step all-reduced %.2f MiB of gradients in %d collective(s)",
-      s.bytes / 1048576, s.collectives)
+    log(NAME .. ": DistributedDataParallel: the last step all-reduced %.2f MiB of gradients in %d collective(s) "
+      .. "(%d bucket(s))", s.bytes / 1048576, s.collectives, s.buckets)
   end
 
   -- a sample from rank 0 (seeded: the same run prints the same text); with TP every rank runs the

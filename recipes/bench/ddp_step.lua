@@ -4,14 +4,15 @@
 --
 --   mpirun --allow-run-as-root --oversubscribe --bind-to none --mca btl self,vader --mca pml ob1 \
 --     -x MALLOC_MMAP_MAX_=0 -x MALLOC_TRIM_THRESHOLD_=1073741824 -np 2 build/engine recipes/bench/ddp_step.lua \
---     [--steps=20] [--warmup=3] [--rounds=3] [--bucket_cap_mb=25] [--n_layers=4] [--dim=256] [--n_heads=4] [--seq=128]
+--     [--steps=20] [--warmup=3] [--rounds=3] [--bucket_cap_mb=0] [--n_layers=4] [--dim=256] [--n_heads=4] [--seq=128]
 --     [--batch=4] [--vocab=256] [--device=cpu|cuda] [--grad_view=1]
 --
 -- Model: common_dtensor.py's Transformer (4 layers, dim 256, 4 heads, seq 128, vocab 256, fp32, dropout 0, tied output),
 -- AdamW; --batch rows per rank.  A step is forward + cross entropy + backward + AdamW step + zero_grad, 1 thread
 -- per rank.  In one run, --rounds times alternating (medians of each round's median, ms/step, rank 0's clock):
 --   (a) local: one process (rank 0) on its --batch rows while the other ranks sleep in an asynchronous barrier;
---   (b) ddp: every rank on its --batch rows, dist.DistributedDataParallel with --bucket_cap_mb (and, with
+--   (b) ddp: every rank on its --batch rows, dist.DistributedDataParallel with --bucket_cap_mb (0: not given, PyTorch's
+--       default: 25 MiB buckets after a first one of 1 MiB; the buckets are rebuilt after the first step) (and, with
 --       --grad_view=1, gradient_as_bucket_view: the gradients are the buckets' slices, no copy out of them);
 --   (c) per_param: every rank on its rows, one blocking all_reduce (avg) per parameter after backward;
 --   (d) both_local: every rank on its rows at the same time, no communication at all (each rank's own model): the
@@ -25,7 +26,7 @@ local F = engine.nn.functional
 local dist = engine.distributed
 local U = dofile((debug.getinfo(1, "S").source:match("^@(.*)/[^/]*$") or ".") .. "/util.lua")
 
-local o = { steps = 20, warmup = 3, rounds = 3, bucket_cap_mb = 25, n_layers = 4, dim = 256, n_heads = 4, seq = 128,
+local o = { steps = 20, warmup = 3, rounds = 3, bucket_cap_mb = 0, n_layers = 4, dim = 256, n_heads = 4, seq = 128,
   batch = 4, vocab = 256, device = "cpu", grad_view = 1 }
 U.parse_args("bench/ddp_step", o, arg)
 if o.device ~= "cpu" and o.device ~= "cuda" then error("bench/ddp_step: --device must be cpu or cuda", 0) end
@@ -71,9 +72,9 @@ local function build()
 end
 
 say("bench/ddp_step: engine %s, BLAS core %s, %d ranks, device %s, %d steps after %d warm-up x %d rounds, %d layers, "
-  .. "dim %d, %d heads, seq %d, batch %d per rank, vocab %d, bucket %g MiB, gradient_as_bucket_view %s", engine.version,
+  .. "dim %d, %d heads, seq %d, batch %d per rank, vocab %d, bucket %s, gradient_as_bucket_view %s", engine.version,
   engine.blas_corename(), W, o.device, o.steps, o.warmup, o.rounds, o.n_layers, o.dim, o.n_heads, o.seq, o.batch, o.vocab,
-  o.bucket_cap_mb, tostring(o.grad_view == 1))
+  o.bucket_cap_mb > 0 and (o.bucket_cap_mb .. " MiB") or "PyTorch's default (1 MiB first, 25 MiB)", tostring(o.grad_view == 1))
 say("load average at start: %s", U.loadavg())
 
 local res = { ["local"] = {}, ddp = {}, per_param = {}, both_local = {} }
@@ -89,7 +90,7 @@ for round = 1, o.rounds do
   -- (b) DistributedDataParallel
   do
     local net = build()
-    local ddp = dist.DistributedDataParallel(net, { bucket_cap_mb = o.bucket_cap_mb,
+    local ddp = dist.DistributedDataParallel(net, { bucket_cap_mb = o.bucket_cap_mb > 0 and o.bucket_cap_mb or nil,
       gradient_as_bucket_view = o.grad_view == 1 })
     res.ddp[round], counts.ddp = run(ddp, function(t) return ddp(t) end, nil, o.steps)
     stats = ddp:comm_stats()
@@ -115,7 +116,7 @@ if rank == 0 then
   local l, d, p, b = U.median(res["local"]), U.median(res.ddp), U.median(res.per_param), U.median(res.both_local)
   local _, dk = U.count_summary(counts.ddp, o.steps)
   local _, pk = U.count_summary(counts.per_param, o.steps)
-  local bound = math.ceil(stats.bytes / (o.bucket_cap_mb * 1048576)) + 1
+  local bound = math.ceil(stats.bytes / ((o.bucket_cap_mb > 0 and o.bucket_cap_mb or 25) * 1048576)) + 1
   say("local     median %7.1f ms/step (one process, batch %d, 1 thread)", l, o.batch)
   say("ddp       median %7.1f ms/step, collectives/step %s, %.2f MiB all-reduced/step in %d bucket(s) (bound %d)", d, dk,
     stats.bytes / 1048576, stats.buckets, bound)

@@ -37,6 +37,10 @@ typedef struct eng_node {
   eng_tensor** saved;      /* n_saved tensors (detached aliases) */
   int32_t* saved_version;  /* storage version at save time */
   int32_t released;        /* saved tensors freed after backward */
+  int32_t edges_last_first; /* the inputs' nodes become ready last input first: a fused node standing for several
+                             * PyTorch ops (linear's bias before its weight, a fused projection's parts last to
+                             * first), so gradients reach the leaves (and their hooks: DDP's buckets) in the order
+                             * PyTorch's graph of the separate ops gives */
   int32_t n_in_shapes;
   int64_t* in_shapes;      /* shape of each input: n_inputs * 9 (ndim + 8) */
   int32_t* in_dtypes;

@@ -1,7 +1,10 @@
 /* ddp.h: data parallelism with gradient buckets (PyTorch's DistributedDataParallel reducer) in C.
  *
- * The parameters that require grad are grouped, in reverse registration order (about the order backward produces
- * their gradients), into buckets of at most bucket_bytes (one dtype and device per bucket).  A post-accumulate
+ * The parameters that require grad are grouped into buckets as PyTorch's reducer groups them: until the first
+ * synced backward has run, one bucket per dtype and device holds them all (reduced when that backward ends); after
+ * it, the buckets are rebuilt in the order that backward produced the gradients, one dtype and device per bucket,
+ * each closed once it holds at least its limit (first_bucket_bytes for the first, bucket_bytes after it: the last
+ * parameter may take a bucket over it), so the first all_reduce starts early in backward.  A post-accumulate
  * hook on each parameter copies its .grad into its bucket's flat buffer; when every parameter of the next bucket in
  * order has its gradient, that bucket's ONE all_reduce (avg) starts asynchronously (NCCL: on the communication
  * stream; MPI: a nonblocking collective), so communication overlaps the rest of backward.  Buckets start strictly
@@ -10,8 +13,8 @@
  * for every bucket in order and copies the averaged values back into each .grad that this backward produced
  * (parameters without a gradient keep none, as in one process).  With require_sync off (no_sync), nothing is
  * reduced and gradients accumulate locally; the next synced backward reduces the accumulated .grad.
- * Collectives per synced backward: the number of buckets, ceil(gradient bytes / bucket_bytes) or a few more when
- * dtypes or devices differ. */
+ * Collectives per synced backward: the number of buckets, at most floor(gradient bytes / bucket_bytes) + 2 for one
+ * dtype (1 in the first). */
 #ifndef ENG_DDP_H
 #define ENG_DDP_H
 #include <stdint.h>
@@ -23,12 +26,14 @@ typedef struct eng_ddp eng_ddp;
 
 /* A reducer over pg for the n tensors params (leaves; those not requiring grad are left out).  Every member of pg
  * must pass the same shapes and dtypes in the same order (checked: one agreement over pg, the same error on every
- * member).  bucket_bytes <= 0: 25 MiB.  NULL and an error on failure. */
-eng_ddp* eng_ddp_new(eng_pg* pg, int n, eng_tensor** params, int64_t bucket_bytes);
+ * member).  bucket_bytes <= 0: 25 MiB; first_bucket_bytes <= 0: bucket_bytes (PyTorch's DDP passes 1 MiB when
+ * bucket_cap_mb is not given).  NULL and an error on failure. */
+eng_ddp* eng_ddp_new(eng_pg* pg, int n, eng_tensor** params, int64_t bucket_bytes, int64_t first_bucket_bytes);
 /* The same reducer for DTensor data parallelism: params are DTensors (Replicate over pg's ranks) whose gradients
  * arrive as this rank's partial sums (leaves marked with eng_dtensor_set_grad_deferred); each bucket is ONE
  * all_reduce (sum), so .grad ends with the reduced value, as the per-parameter Partial -> Replicate would give. */
-eng_ddp* eng_ddp_new_partial(eng_pg* pg, int n, eng_tensor** params, int64_t bucket_bytes);
+eng_ddp* eng_ddp_new_partial(eng_pg* pg, int n, eng_tensor** params, int64_t bucket_bytes,
+                             int64_t first_bucket_bytes);
 eng_ddp* eng_ddp_retain(eng_ddp* d);
 void eng_ddp_release(eng_ddp* d);
 /* no_sync: 0 keeps gradients local (accumulating), 1 (the default) reduces in the next backward. */
@@ -40,8 +45,12 @@ int eng_ddp_set_require_sync(eng_ddp* d, int on);
  * set_to_none = false).  Not while a backward runs; not for the DTensor reducer. */
 int eng_ddp_set_gradient_as_bucket_view(eng_ddp* d, int on);
 int eng_ddp_num_buckets(const eng_ddp* d);
-/* Parameters of bucket b (0-based, in launch order) and its size in bytes; -1 when b is out of range. */
+/* Parameters of bucket b (0-based, in launch order) and its size in bytes; -1 when b is out of range.  The buckets
+ * are those the next synced backward launches (rebuilt after the first). */
 int eng_ddp_bucket_info(const eng_ddp* d, int b, int* n_params, int64_t* bytes);
+/* The parameters of bucket b in their order in its buffer, as 0-based positions in the list given to eng_ddp_new,
+ * into out (room for cap); returns their number, -1 when b is out of range or cap too small. */
+int eng_ddp_bucket_params(const eng_ddp* d, int b, int* out, int cap);
 /* What the last synced backward did: collectives issued and bytes all-reduced. */
 int eng_ddp_last_stats(const eng_ddp* d, int64_t* collectives, int64_t* bytes);
 

@@ -359,12 +359,14 @@ typedef struct {
   int queued;
   eng_tensor** buf;       /* n_outputs gradient buffers */
   int capture;            /* inputs mode: index into inputs + 1 */
+  int64_t pushed;         /* when it became ready: breaks ties of seq (AccumulateGrad's) first come, first run */
 } nstate;
 
 typedef struct {
   nstate* st; int n, cap;
   int* table; int tcap;   /* open addressing: node -> index+1 */
   int* heap; int hn;
+  int64_t pushes;
 } graph;
 
 static unsigned ptr_hash(const void* p, int cap) {
@@ -413,9 +415,15 @@ static int g_add(graph* g, eng_node* n) {
   return g->n++;
 }
 
-static int heap_less(graph* g, int a, int b) { return g->st[a].node->seq < g->st[b].node->seq; }
+/* Ready nodes run latest-created first (seq, as PyTorch's ready queue); the AccumulateGrad nodes, which all share
+ * the highest seq, in the order they became ready. */
+static int heap_less(graph* g, int a, int b) {
+  const nstate *x = &g->st[a], *y = &g->st[b];
+  return x->node->seq < y->node->seq || (x->node->seq == y->node->seq && x->pushed > y->pushed);
+}
 
 static void heap_push(graph* g, int k) {
+  g->st[k].pushed = g->pushes++;
   int i = g->hn++;
   g->heap[i] = k;
   while (i > 0) {
@@ -742,7 +750,11 @@ static int backward_graph(int n, eng_tensor** tensors, eng_tensor** grads, int r
         }
         eng_tensor_release(ge);
       }
-      if (--cs->deps == 0 && !cs->queued) { cs->queued = 1; heap_push(&g, ck); }
+      if (--cs->deps == 0 && !cs->queued && !nd->edges_last_first) { cs->queued = 1; heap_push(&g, ck); }
+    }
+    for (int e = nd->n_inputs - 1; e >= 0 && nd->edges_last_first; e--) { /* see eng_node.edges_last_first */
+      int ck = nd->next[e].node ? g_find(&g, nd->next[e].node) : -1;
+      if (ck >= 0 && g.st[ck].deps == 0 && !g.st[ck].queued) { g.st[ck].queued = 1; heap_push(&g, ck); }
     }
     free(gi);
     if (!retain_graph && !nd->leaf) { release_saved(nd); nd->released = 1; }

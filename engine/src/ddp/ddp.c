@@ -9,6 +9,7 @@
 #include <stdio.h>
 
 #define DEFAULT_BUCKET_BYTES ((int64_t)25 << 20)
+#define NO_LIMIT INT64_MAX
 
 typedef struct bucket {
   int n;             /* parameters */
@@ -38,6 +39,11 @@ struct eng_ddp {
   int queued;        /* the end-of-backward callback is queued */
   int partial;       /* DTensor data parallelism: gradients are partial sums, each bucket all_reduce(sum) */
   int as_view;       /* gradient_as_bucket_view: each .grad is its slice of the bucket (no copies in or out) */
+  int64_t cap, first_cap; /* bucket size limits after the rebuild: the first bucket's, then every other's */
+  int rebuilt;       /* the buckets follow the order of the first synced backward */
+  int* order;        /* that backward's gradients, in the order they arrived (n_order of them) */
+  int* src;          /* parameter i's position in the list given to eng_ddp_new */
+  int n_order;
   int64_t stat_coll, stat_bytes, run_coll, run_bytes;
 };
 
@@ -93,9 +99,12 @@ static void reset(eng_ddp* d) {
     d->b[k].ready = 0;
   }
   memset(d->got, 0, (size_t)d->np);
+  d->n_order = 0;
   d->next = 0;
   d->queued = 0;
 }
+
+static int rebuild(eng_ddp* d);
 
 /* End of backward: start what is left (zero slices for gradients this rank did not produce), wait in order, copy
  * the averages back into the gradients this backward produced. */
@@ -134,6 +143,7 @@ static int finish(void* ud) {
   }
   if (!rc) { d->stat_coll = d->run_coll; d->stat_bytes = d->run_bytes; }
   d->run_coll = d->run_bytes = 0;
+  if (!rc && !d->rebuilt) rc = rebuild(d);
   reset(d);
   eng_ddp_release(d); /* the reference the queued callback held */
   return rc;
@@ -163,6 +173,7 @@ static int post_acc(eng_tensor* t, eng_tensor* grad, eng_tensor** out, void* ud)
   }
   if (!d->got[i]) { /* a gradient accumulated twice in one backward is copied again, counted once */
     d->got[i] = 1;
+    if (!d->rebuilt) d->order[d->n_order++] = i;
     d->b[d->bucket_of[i]].ready++;
   }
   return start_ready(d);
@@ -170,11 +181,113 @@ static int post_acc(eng_tensor* t, eng_tensor* grad, eng_tensor** out, void* ud)
 
 static uint64_t mix(uint64_t h, uint64_t v) { h ^= v + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2); return h; }
 
-static eng_ddp* make(eng_pg* pg, int n, eng_tensor** params, int64_t bucket_bytes, int partial) {
+static void free_buckets(bucket* b, int nb) {
+  for (int k = 0; k < nb; k++) {
+    if (b[k].work) { eng_work_wait(b[k].work); eng_work_release(b[k].work); }
+    eng_tensor_release(b[k].buf);
+    free(b[k].idx);
+    free(b[k].off);
+  }
+  free(b);
+}
+
+/* Buckets for the parameters taken in `order` (PyTorch's compute_bucket_assignment_by_size): one open bucket per
+ * dtype and device; a parameter joins the open bucket of its kind, which closes (the next bucket to launch) once it
+ * holds at least its limit, first_limit for the first bucket of each kind and limit after it; the buckets still open
+ * come last, in the order their kinds first appeared (reversed: last first).  Within a bucket the parameters keep
+ * their order.  Sets d->b, d->nb, bucket_of and offset_of (d->b is replaced only on success); new zero buffers. */
+static int assign(eng_ddp* d, const int* order, int64_t first_limit, int64_t limit, int reversed) {
+  int np = d->np, nb = 0, na = 0, nprov = 0, rc = -1;
+  size_t cap = (size_t)(np ? np : 1);
+  /* a provisional bucket per opening; rank[]: its launch position */
+  int *prov = malloc(cap * sizeof *prov), *rank = malloc(cap * sizeof *rank);
+  int *cur = malloc(cap * sizeof *cur), *kdt = malloc(cap * sizeof *kdt), *kdev = malloc(cap * sizeof *kdev);
+  int64_t *bytes = malloc(cap * sizeof *bytes), *lim = malloc(cap * sizeof *lim);
+  bucket* b = calloc(cap, sizeof *b);
+  if (!prov || !rank || !cur || !kdt || !kdev || !bytes || !lim || !b) {
+    eng_err("DistributedDataParallel: out of memory");
+    goto out;
+  }
+  for (int j = 0; j < np; j++) {
+    const eng_tensor* p = d->p[order[j]];
+    int k = 0;
+    while (k < na && (kdt[k] != (int)p->dtype || kdev[k] != (int)p->device)) k++;
+    if (k == na) { kdt[na] = (int)p->dtype; kdev[na] = (int)p->device; cur[na] = -1; lim[na] = first_limit; na++; }
+    if (cur[k] < 0) { cur[k] = nprov; rank[nprov] = -1; nprov++; bytes[k] = 0; }
+    prov[j] = cur[k];
+    bytes[k] += p->numel * eng_dtype_size(p->dtype);
+    if (bytes[k] >= lim[k]) { rank[cur[k]] = nb++; cur[k] = -1; lim[k] = limit; }
+  }
+  int first_open = nb;
+  for (int k = 0; k < na; k++) if (cur[k] >= 0) rank[cur[k]] = nb++;
+  if (reversed)
+    for (int q = 0; q < nprov; q++) if (rank[q] >= first_open) rank[q] = first_open + (nb - 1 - rank[q]);
+  for (int j = 0; j < np; j++) b[rank[prov[j]]].n++;
+  for (int k = 0; k < nb; k++) {
+    b[k].idx = malloc((size_t)b[k].n * sizeof *b[k].idx);
+    b[k].off = malloc((size_t)b[k].n * sizeof *b[k].off);
+    if (!b[k].idx || !b[k].off) { eng_err("DistributedDataParallel: out of memory"); goto out; }
+    b[k].n = 0;
+  }
+  for (int j = 0; j < np; j++) {
+    bucket* bk = &b[rank[prov[j]]];
+    bk->off[bk->n] = bk->n ? bk->off[bk->n - 1] + d->p[bk->idx[bk->n - 1]]->numel : 0;
+    bk->idx[bk->n++] = order[j];
+  }
+  for (int k = 0; k < nb; k++) {
+    const eng_tensor* last = d->p[b[k].idx[b[k].n - 1]];
+    int64_t numel = b[k].off[b[k].n - 1] + last->numel;
+    if (!(b[k].buf = eng_new(1, &numel, last->dtype, last->device))) goto out;
+  }
+  for (int k = 0; k < nb; k++)
+    for (int j = 0; j < b[k].n; j++) { d->bucket_of[b[k].idx[j]] = k; d->offset_of[b[k].idx[j]] = b[k].off[j]; }
+  d->b = b; d->nb = nb; b = NULL;
+  rc = 0;
+out:
+  if (b) free_buckets(b, nb);
+  free(prov); free(rank); free(cur); free(kdt); free(kdev); free(bytes); free(lim);
+  return rc;
+}
+
+/* After the first synced backward (PyTorch's rebuild_buckets): the buckets again, from the order the gradients
+ * arrived in (those that got none last, last registered first), with the first bucket at first_cap and the others
+ * at cap, so the first all_reduce starts as soon as the last layers' gradients exist.  Every rank must build the
+ * same buckets: one agreement compares the orders, and where they differ (rank-dependent graphs; PyTorch takes rank
+ * 0's) every rank takes reverse registration order instead.  gradient_as_bucket_view moves each .grad into its new
+ * slice. */
+static int rebuild(eng_ddp* d) {
+  const char* op = d->partial ? "replicate_parameters (bucketed)" : "DistributedDataParallel";
+  int n = d->n_order;
+  for (int i = d->np - 1; i >= 0; i--) if (!d->got[i]) d->order[n++] = i;
+  if (eng_pg_size(d->pg) > 1) {
+    uint64_t h = 1469598103934665603ull;
+    for (int j = 0; j < d->np; j++) h = mix(h, (uint64_t)d->order[j]);
+    int64_t v[2] = {(int64_t)(h >> 2), -(int64_t)(h >> 2)}; /* max and -min over the ranks */
+    if (eng_pg_agree_max(d->pg, 0, 0, op, v, 2)) { eng_err_prefix("%s: rebuilding the buckets", op); return -1; }
+    if (v[0] != -v[1])
+      for (int j = 0; j < d->np; j++) d->order[j] = d->np - 1 - j;
+  }
+  bucket* old = d->b;
+  int old_nb = d->nb;
+  if (assign(d, d->order, d->first_cap, d->cap, 0)) {
+    d->b = old; d->nb = old_nb; /* unchanged: bucket_of and offset_of are set only on success */
+    eng_err_prefix("%s: rebuilding the buckets", op);
+    return -1;
+  }
+  d->rebuilt = 1;
+  int rc = 0;
+  for (int i = 0; i < d->np && d->as_view && !rc; i++) rc = adopt(d, i);
+  free_buckets(old, old_nb);
+  if (rc) eng_err_prefix("%s: gradient_as_bucket_view after rebuilding the buckets", op);
+  return rc;
+}
+
+static eng_ddp* make(eng_pg* pg, int n, eng_tensor** params, int64_t bucket_bytes, int64_t first_bytes, int partial) {
   const char* op = partial ? "replicate_parameters (bucketed)" : "DistributedDataParallel";
   if (!pg) return eng_errp("%s: process group is NULL", op);
   if (n < 0 || (n > 0 && !params)) return eng_errp("%s: %d parameters given without a list", op, n);
   if (bucket_bytes <= 0) bucket_bytes = DEFAULT_BUCKET_BYTES;
+  if (first_bytes <= 0) first_bytes = bucket_bytes;
   /* local checks, then one agreement over the group (shapes and dtypes hashed): the same error everywhere */
   int err = 0;
   uint64_t key = 1469598103934665603ull;
@@ -202,46 +315,28 @@ static eng_ddp* make(eng_pg* pg, int n, eng_tensor** params, int64_t bucket_byte
   d->refcount = 1;
   d->require_sync = 1;
   d->partial = partial;
+  d->cap = bucket_bytes;
+  d->first_cap = first_bytes;
   d->pg = eng_pg_retain(pg);
-  d->p = calloc((size_t)(n ? n : 1), sizeof *d->p);
-  d->hook = calloc((size_t)(n ? n : 1), sizeof *d->hook);
-  d->ctx = calloc((size_t)(n ? n : 1), sizeof *d->ctx);
-  d->bucket_of = calloc((size_t)(n ? n : 1), sizeof *d->bucket_of);
-  d->offset_of = calloc((size_t)(n ? n : 1), sizeof *d->offset_of);
-  d->got = calloc((size_t)(n ? n : 1), 1);
-  d->b = calloc((size_t)(n ? n : 1), sizeof *d->b);
-  if (!d->p || !d->hook || !d->ctx || !d->bucket_of || !d->offset_of || !d->got || !d->b) { eng_ddp_release(d); return eng_errp("%s: out of memory", op); }
-  for (int i = 0; i < n; i++) if (params[i]->requires_grad) d->p[d->np++] = eng_tensor_retain(params[i]);
-  /* buckets in reverse registration order, one dtype and device each, at most bucket_bytes (a larger parameter
-   * gets a bucket of its own) */
-  int cur = -1;
-  int64_t cur_bytes = 0;
-  for (int i = d->np - 1; i >= 0; i--) {
-    eng_tensor* p = d->p[i];
-    int64_t nbytes = p->numel * eng_dtype_size(p->dtype);
-    bucket* b = cur >= 0 ? &d->b[cur] : NULL;
-    const eng_tensor* first = b ? d->p[b->idx[0]] : NULL;
-    if (!b || first->dtype != p->dtype || first->device != p->device || (cur_bytes > 0 && cur_bytes + nbytes > bucket_bytes)) {
-      cur = d->nb++;
-      b = &d->b[cur];
-      cur_bytes = 0;
-      b->idx = calloc((size_t)d->np, sizeof *b->idx);
-      b->off = calloc((size_t)d->np, sizeof *b->off);
-      if (!b->idx || !b->off) { eng_ddp_release(d); return eng_errp("%s: out of memory", op); }
-    }
-    b->off[b->n] = b->n ? b->off[b->n - 1] + d->p[b->idx[b->n - 1]]->numel : 0;
-    b->idx[b->n++] = i;
-    d->bucket_of[i] = cur;
-    d->offset_of[i] = b->off[b->n - 1];
-    cur_bytes += nbytes;
+  size_t cap = (size_t)(n ? n : 1);
+  d->p = calloc(cap, sizeof *d->p);
+  d->hook = calloc(cap, sizeof *d->hook);
+  d->ctx = calloc(cap, sizeof *d->ctx);
+  d->bucket_of = calloc(cap, sizeof *d->bucket_of);
+  d->offset_of = calloc(cap, sizeof *d->offset_of);
+  d->got = calloc(cap, 1);
+  d->order = calloc(cap, sizeof *d->order);
+  d->src = calloc(cap, sizeof *d->src);
+  if (!d->p || !d->hook || !d->ctx || !d->bucket_of || !d->offset_of || !d->got || !d->order || !d->src) {
+    eng_ddp_release(d);
+    return eng_errp("%s: out of memory", op);
   }
-  for (int k = 0; k < d->nb; k++) {
-    bucket* b = &d->b[k];
-    const eng_tensor* last = d->p[b->idx[b->n - 1]];
-    int64_t numel = b->off[b->n - 1] + last->numel;
-    b->buf = eng_new(1, &numel, last->dtype, last->device);
-    if (!b->buf) { eng_ddp_release(d); return NULL; }
-  }
+  for (int i = 0; i < n; i++)
+    if (params[i]->requires_grad) { d->src[d->np] = i; d->p[d->np++] = eng_tensor_retain(params[i]); }
+  /* before the first synced backward, as PyTorch: one bucket of every parameter per dtype and device (registration
+   * order), reduced when backward ends */
+  for (int i = 0; i < d->np; i++) d->order[i] = i;
+  if (assign(d, d->order, NO_LIMIT, NO_LIMIT, 1)) { eng_ddp_release(d); return NULL; }
   for (int i = 0; i < d->np; i++) {
     d->ctx[i] = (pctx){d, i};
     d->hook[i] = eng_tensor_register_post_accumulate_hook(d->p[i], post_acc, &d->ctx[i]);
@@ -250,12 +345,12 @@ static eng_ddp* make(eng_pg* pg, int n, eng_tensor** params, int64_t bucket_byte
   return d;
 }
 
-eng_ddp* eng_ddp_new(eng_pg* pg, int n, eng_tensor** params, int64_t bucket_bytes) {
-  return make(pg, n, params, bucket_bytes, 0);
+eng_ddp* eng_ddp_new(eng_pg* pg, int n, eng_tensor** params, int64_t bucket_bytes, int64_t first_bucket_bytes) {
+  return make(pg, n, params, bucket_bytes, first_bucket_bytes, 0);
 }
 
-eng_ddp* eng_ddp_new_partial(eng_pg* pg, int n, eng_tensor** params, int64_t bucket_bytes) {
-  return make(pg, n, params, bucket_bytes, 1);
+eng_ddp* eng_ddp_new_partial(eng_pg* pg, int n, eng_tensor** params, int64_t bucket_bytes, int64_t first_bucket_bytes) {
+  return make(pg, n, params, bucket_bytes, first_bucket_bytes, 1);
 }
 
 eng_ddp* eng_ddp_retain(eng_ddp* d) { if (d) d->refcount++; return d; }
@@ -266,14 +361,9 @@ void eng_ddp_release(eng_ddp* d) {
     if (d->hook && d->hook[i] > 0) eng_tensor_remove_hook(d->p[i], d->hook[i]);
     eng_tensor_release(d->p[i]);
   }
-  for (int k = 0; k < d->nb; k++) {
-    if (d->b[k].work) { eng_work_wait(d->b[k].work); eng_work_release(d->b[k].work); }
-    eng_tensor_release(d->b[k].buf);
-    free(d->b[k].idx);
-    free(d->b[k].off);
-  }
+  if (d->b) free_buckets(d->b, d->nb);
   eng_pg_release(d->pg);
-  free(d->p); free(d->hook); free(d->ctx); free(d->bucket_of); free(d->offset_of); free(d->got); free(d->b);
+  free(d->p); free(d->hook); free(d->ctx); free(d->bucket_of); free(d->offset_of); free(d->got); free(d->order); free(d->src);
   free(d);
 }
 
@@ -303,6 +393,13 @@ int eng_ddp_bucket_info(const eng_ddp* d, int b, int* n_params, int64_t* bytes) 
   if (n_params) *n_params = d->b[b].n;
   if (bytes) *bytes = d->b[b].buf->numel * eng_dtype_size(d->b[b].buf->dtype);
   return 0;
+}
+
+int eng_ddp_bucket_params(const eng_ddp* d, int b, int* out, int cap) {
+  if (!d || b < 0 || b >= d->nb) return eng_err("DistributedDataParallel: bucket %d out of range (%d buckets)", b, d ? d->nb : 0);
+  if (cap < d->b[b].n || !out) return eng_err("DistributedDataParallel: bucket %d has %d parameters, room for %d", b, d->b[b].n, cap);
+  for (int j = 0; j < d->b[b].n; j++) out[j] = d->src[d->b[b].idx[j]];
+  return d->b[b].n;
 }
 
 int eng_ddp_last_stats(const eng_ddp* d, int64_t* collectives, int64_t* bytes) {

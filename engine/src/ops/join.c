@@ -181,8 +181,14 @@ int eng_tensors_adjacent(int n, eng_tensor** ts, int dim) {
   return adjacent(n, ts, dim < 0 ? dim + nd : dim);
 }
 
+/* The parts' gradients reach them last part first (edges_last_first): a fused projection's weights get theirs in
+ * the order the separate projections' backward gives them (PyTorch runs the latest-created one first). */
 eng_tensor* eng_cat_adjacent(int n, eng_tensor** ts, int dim) {
-  if (!eng_tensors_adjacent(n, ts, dim)) return eng_cat(n, ts, dim);
+  if (!eng_tensors_adjacent(n, ts, dim)) {
+    eng_tensor* out = eng_cat(n, ts, dim);
+    if (out && out->grad_fn) out->grad_fn->edges_last_first = 1;
+    return out;
+  }
   const eng_tensor* a = ts[0];
   int d = dim < 0 ? dim + a->ndim : dim;
   int64_t sh[ENG_MAX_DIMS];
@@ -195,6 +201,7 @@ eng_tensor* eng_cat_adjacent(int n, eng_tensor** ts, int dim) {
     eng_node* nd = eng_record("CatBackward", join_bw, n, ts, out);
     if (!nd) { eng_tensor_release(out); return NULL; }
     nd->ints[0] = d; nd->ints[1] = 0;
+    nd->edges_last_first = 1;
   }
   return out;
 }

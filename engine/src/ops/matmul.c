@@ -515,6 +515,7 @@ eng_tensor* eng_linear(eng_tensor* x, eng_tensor* w, eng_tensor* bias) {
   if (eng_any_requires_grad(nin, in)) {
     eng_node* nd = eng_record("LinearBackward", linear_bw, nin, in, out);
     if (!nd || eng_node_save(nd, x) || eng_node_save(nd, w)) { eng_tensor_release(out); return NULL; }
+    nd->edges_last_first = 1; /* the bias's gradient before the weight's, as PyTorch's addmm and t() give them */
   }
   return out;
 fail:
@@ -622,6 +623,7 @@ static eng_tensor* linear_gelu_fused(eng_tensor* x, eng_tensor* w, eng_tensor* b
     eng_node* nd = eng_record("LinearGeluBackward", linear_gelu_bw, nin, in, y);
     if (!nd || eng_node_save(nd, x) || eng_node_save(nd, w) || eng_node_save(nd, h)) goto fail;
     nd->ints[0] = op;
+    nd->edges_last_first = 1; /* as LinearBackward */
   }
   eng_tensor_release(h);
   return y;

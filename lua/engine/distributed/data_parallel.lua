@@ -26,7 +26,8 @@ local M = {}
 -- replicate_parameters(module, mesh [, {bucket_cap_mb = 25}]): with bucket_cap_mb (a 1-D mesh), the gradients are
 -- reduced in buckets as DistributedDataParallel does (the same C reducer, engine/include/eng/ddp.h): each parameter's
 -- gradient stays this rank's partial sum at AccumulateGrad (eng_dtensor_set_grad_deferred), buckets of about
--- bucket_cap_mb MiB in reverse registration order are ONE all_reduce (sum) each, started as soon as backward has
+-- bucket_cap_mb MiB (one bucket in the first backward, then in the order it produced the gradients, as
+-- DistributedDataParallel's) are ONE all_reduce (sum) each, started as soon as backward has
 -- produced all of a bucket's gradients, and the end of backward writes the sums into the Replicate .grad: the same
 -- gradients as the per-parameter Partial -> Replicate, in ceil(bytes / bucket) collectives instead of one per
 -- parameter.  dist.dp_comm_stats(module) says what the last backward issued.
@@ -38,7 +39,7 @@ local function attach_reducer(module, mesh, list, cap)
   if type(cap) ~= "number" or cap <= 0 then core.fail(op .. ": bucket_cap_mb must be a positive number, got " .. tostring(cap)) end
   local arr = ffi.new("eng_tensor*[?]", math.max(#list, 1))
   for i, d in ipairs(list) do arr[i - 1] = d._c end
-  local r = C.eng_ddp_new_partial(mesh:get_group()._c, #list, arr, math.floor(cap * 1048576))
+  local r = C.eng_ddp_new_partial(mesh:get_group()._c, #list, arr, math.floor(cap * 1048576), math.floor(cap * 1048576))
   if r == nil then core.raise() end
   for _, d in ipairs(list) do core.check(C.eng_dtensor_set_grad_deferred(d._c, 1) < 0 and -1 or 0) end
   local ptrs = {}

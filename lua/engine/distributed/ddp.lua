@@ -9,11 +9,13 @@
 --
 -- The wrapper is an nn.Module whose child `module` is the network (state_dict keys start with "module.", as in
 -- PyTorch); forward calls the network.  At construction the parameters and buffers are broadcast from rank 0 of the
--- group (init_sync = false skips it), and the C reducer (engine/include/eng/ddp.h) puts every parameter that
--- requires grad into buckets of about bucket_cap_mb MiB in reverse registration order; each bucket is ONE
--- asynchronous all_reduce (avg) started as soon as backward has produced all of its gradients (in bucket order, the
--- same on every rank), and the end of backward waits for them and writes the averages into .grad.  Parameters
--- must be plain tensors on the group's device (DTensors: replicate_parameters or fully_shard).
+-- group (init_sync = false skips it), and the C reducer (engine/include/eng/ddp.h) buckets every parameter that
+-- requires grad as PyTorch does: one bucket for the first synced backward, then buckets in the order that backward
+-- produced the gradients, each closed once it holds bucket_cap_mb MiB (the first at 1 MiB when bucket_cap_mb is not
+-- given); each bucket is ONE asynchronous all_reduce (avg) started as soon as backward has produced all of its
+-- gradients (in bucket order, the same on every rank), and the end of backward waits for them and writes the
+-- averages into .grad.  Parameters must be plain tensors on the group's device (DTensors: replicate_parameters or
+-- fully_shard).
 -- gradient_as_bucket_view = true (PyTorch's option): each .grad is a view of its slice of a bucket, so backward
 -- accumulates into the buckets and the all_reduce averages in place: no copy out of the buckets, and none into them
 -- while the gradients are kept (optimizer:zero_grad(false); with zero_grad() setting them to none, each new gradient
@@ -25,17 +27,25 @@ local meshmod = require("engine.distributed.mesh")
 
 local M = {}
 
--- The last synced backward of a reducer (eng_ddp): collectives, bytes, and per bucket its parameters and bytes
--- (also dist.dp_comm_stats of DTensor data parallelism, which runs on the same reducer).
+-- The last synced backward of a reducer (eng_ddp): collectives and bytes; and the buckets the next synced backward
+-- launches (rebuilt after the first, as PyTorch's): per bucket its number of parameters, bytes and the parameters
+-- (bucket_indices: 1-based positions in module:parameters() order, in their order in the bucket).  Also
+-- dist.dp_comm_stats of DTensor data parallelism, which runs on the same reducer.
 function M._reducer_stats(r)
   local c, b = ffi.new("int64_t[1]"), ffi.new("int64_t[1]")
   core.check(C.eng_ddp_last_stats(r, c, b))
   local s = { collectives = tonumber(c[0]), bytes = tonumber(b[0]), buckets = tonumber(C.eng_ddp_num_buckets(r)),
     bucket_bytes = {}, bucket_params = {} }
+  s.bucket_indices = {}
   local np, nb = ffi.new("int[1]"), ffi.new("int64_t[1]")
   for k = 0, s.buckets - 1 do
     core.check(C.eng_ddp_bucket_info(r, k, np, nb))
     s.bucket_params[k + 1], s.bucket_bytes[k + 1] = np[0], tonumber(nb[0])
+    local idx = ffi.new("int[?]", math.max(np[0], 1))
+    core.check(C.eng_ddp_bucket_params(r, k, idx, np[0]) < 0 and -1 or 0)
+    local l = {}
+    for j = 0, np[0] - 1 do l[j + 1] = idx[j] + 1 end
+    s.bucket_indices[k + 1] = l
   end
   return s
 end
@@ -94,7 +104,10 @@ local function new_class()
     for _, p in module:named_parameters() do list[#list + 1] = p end
     local arr = ffi.new("eng_tensor*[?]", math.max(#list, 1))
     for i, p in ipairs(list) do arr[i - 1] = p._c end
-    local r = C.eng_ddp_new(group._c, #list, arr, math.floor(cap * 1048576))
+    -- PyTorch: with the default cap the first bucket (the last layers' gradients) closes at 1 MiB
+    -- (dist._DEFAULT_FIRST_BUCKET_BYTES); a cap that is given applies to every bucket
+    local first = opts.bucket_cap_mb == nil and 1048576 or math.floor(cap * 1048576)
+    local r = C.eng_ddp_new(group._c, #list, arr, math.floor(cap * 1048576), first)
     if r == nil then core.raise() end
     rawset(self, "_reducer", ffi.gc(r, C.eng_ddp_release))
     if as_view then core.check(C.eng_ddp_set_gradient_as_bucket_view(r, 1)) end
@@ -115,7 +128,8 @@ local function new_class()
     return unpack(res, 2, table.maxn(res))
   end
 
-  -- comm_stats() -> {collectives = n, bytes = n, buckets = n, bucket_bytes = {...}, bucket_params = {...}}
+  -- comm_stats() -> {collectives = n, bytes = n, buckets = n, bucket_bytes = {...}, bucket_params = {...},
+  --                  bucket_indices = {{...}, ...}}
   function cls:comm_stats() return M._reducer_stats(rawget(self, "_reducer")) end
   return cls
 end
