@@ -6,12 +6,14 @@ spec/fixtures/ddp_buckets.lua (committed) for spec/dist/ddp_spec.lua.
 
 For the toy Transformer of tools/gen_fixtures.py (PyTorch's common_dtensor model, weight tying) in the
 configurations below, a one-rank gloo group runs DistributedDataParallel with the default options
-(find_unused_parameters = False, static_graph = False) and bucket_cap_mb as given (None: PyTorch's
-default, 25 MiB with a first bucket of dist._DEFAULT_FIRST_BUCKET_BYTES); a communication hook records,
+(find_unused_parameters = False, static_graph = False) or the case's, and bucket_cap_mb as given (None:
+PyTorch's default, 25 MiB with a first bucket of dist._DEFAULT_FIRST_BUCKET_BYTES); a communication hook records,
 for each of three forward/backward steps, every bucket in the order its all_reduce was issued: the
 1-based registration indices (model.named_parameters() order) of its parameters in their order in the
 bucket, and its size in bytes.  PyTorch starts with one bucket (every parameter) and rebuilds the
-buckets after the first backward in the order the gradients became ready; the fixture shows both.
+buckets after the first backward in the order the gradients became ready; the fixture shows both.  With
+find_unused_parameters = True it buckets by size from the start (registration order, the buckets launched
+last first) and never rebuilds.
 The values do not depend on the weights, only on the shapes and the order of backward.
 """
 import os
@@ -31,18 +33,22 @@ SMALL = dict(n_layers=2, vocab_size=32, max_seq_len=8, dim=16, n_heads=4, dropou
 # the reference GPT of recipes/bench/ddp_step.lua (4 layers, d 256, vocab 256, T 128)
 GPT = dict(n_layers=4, vocab_size=256, max_seq_len=128, dim=256, n_heads=4, dropout_p=0.0,
            use_attn_mask=True, weight_tying=True)
-CASES = [("small", SMALL, None), ("small", SMALL, 25), ("small", SMALL, 0.004), ("small", SMALL, 0.001),
-         ("gpt", GPT, None), ("gpt", GPT, 4)]
+CASES = [("small", SMALL, None, {}), ("small", SMALL, 25, {}), ("small", SMALL, 0.004, {}), ("small", SMALL, 0.001, {}),
+         ("gpt", GPT, None, {}), ("gpt", GPT, 4, {}),
+         ("small", SMALL, 0.004, {"find_unused_parameters": True}), ("gpt", GPT, None, {"find_unused_parameters": True}),
+         ("small", SMALL, 0.004, {"static_graph": True})]
 STEPS = 3
 
 
-def run(cfg, cap):
+def run(cfg, cap, extra):
     torch.manual_seed(0)
     model = Transformer(ModelArgs(**cfg))
     index = {}
     for i, (_, p) in enumerate(model.named_parameters()):
         index[id(p)] = i + 1
-    kw = {} if cap is None else {"bucket_cap_mb": cap}
+    kw = dict(extra)
+    if cap is not None:
+        kw["bucket_cap_mb"] = cap
     ddp = torch.nn.parallel.DistributedDataParallel(model, **kw)
     seen = []
 
@@ -66,10 +72,11 @@ def run(cfg, cap):
     return steps
 
 
-def lua_case(name, cfg, cap, steps):
+def lua_case(name, cfg, cap, extra, steps):
     cfg_s = ", ".join("%s = %s" % (k, str(v).lower() if isinstance(v, bool) else v) for k, v in cfg.items()
                       if k in ("n_layers", "vocab_size", "max_seq_len", "dim", "n_heads"))
-    lines = ['  {name = "%s", config = {%s}, bucket_cap_mb = %s, steps = {' % (name, cfg_s, "nil" if cap is None else repr(cap))]
+    opts = "".join(", %s = %s" % (k, str(v).lower()) for k, v in sorted(extra.items()))
+    lines = ['  {name = "%s", config = {%s}, bucket_cap_mb = %s%s, steps = {' % (name, cfg_s, "nil" if cap is None else repr(cap), opts)]
     for st in steps:
         bs = ", ".join("{params = {%s}, bytes = %d}" % (", ".join(str(i) for i in ps), nb) for ps, nb in st)
         lines.append("    {%s}," % bs)
@@ -85,8 +92,8 @@ def main():
            torch.__version__,
            "-- per step (issue order; parameters as 1-based registration indices, bytes), for spec/dist/ddp_spec.lua;",
            "-- do not edit.", "return {"]
-    for name, cfg, cap in CASES:
-        out.append(lua_case(name, cfg, cap, run(cfg, cap)))
+    for name, cfg, cap, extra in CASES:
+        out.append(lua_case(name, cfg, cap, extra, run(cfg, cap, extra)))
     out.append("}")
     dist.destroy_process_group()
     with open(OUT, "w") as f:

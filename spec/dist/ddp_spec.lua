@@ -60,7 +60,8 @@ describe("DistributedDataParallel", function()
     assert.is_truthy(m:state_dict()["module.norm.weight"])
   end)
 
-  it("buckets as PyTorch's: one bucket, then rebuilt in gradient order, the first at 1 MiB (fixture)", function()
+  it("buckets as PyTorch's: one bucket, then rebuilt in gradient order, the first at 1 MiB; find_unused_parameters, "
+    .. "static_graph (fixture)", function()
     -- spec/fixtures/ddp_buckets.lua (tools/gen_ddp_bucket_fixture.py): per step, every bucket PyTorch launched,
     -- its parameters (registration positions, in bucket order) and bytes; the engine issues the same all_reduces
     local FIX = dofile("spec/fixtures/ddp_buckets.lua")
@@ -69,8 +70,10 @@ describe("DistributedDataParallel", function()
       engine.manual_seed(3)
       local net = models.Transformer{ n_layers = c.n_layers, vocab_size = c.vocab_size, max_seq_len = c.max_seq_len,
         dim = c.dim, n_heads = c.n_heads, dropout_p = 0 }
-      local m = dist.DistributedDataParallel(net, case.bucket_cap_mb and { bucket_cap_mb = case.bucket_cap_mb } or {})
-      local what = case.name .. " bucket_cap_mb=" .. tostring(case.bucket_cap_mb)
+      local m = dist.DistributedDataParallel(net, { bucket_cap_mb = case.bucket_cap_mb,
+        find_unused_parameters = case.find_unused_parameters, static_graph = case.static_graph })
+      local what = case.name .. " bucket_cap_mb=" .. tostring(case.bucket_cap_mb) .. " find_unused_parameters="
+        .. tostring(case.find_unused_parameters) .. " static_graph=" .. tostring(case.static_graph)
       local launched = m:comm_stats() -- the buckets of the first backward
       for step, want in ipairs(case.steps) do
         assert.are.equal(#want, launched.buckets, what .. " step " .. step)
@@ -229,6 +232,10 @@ describe("DistributedDataParallel", function()
     assert.is_nil(net.spare.weight.grad)
     assert.matches("gradient_as_bucket_view must be a boolean",
       util.errmsg(dist.DistributedDataParallel, build(), { gradient_as_bucket_view = 1 }))
+    assert.matches("find_unused_parameters must be a boolean",
+      util.errmsg(dist.DistributedDataParallel, build(), { find_unused_parameters = "yes" }))
+    assert.matches("static_graph must be a boolean",
+      util.errmsg(dist.DistributedDataParallel, build(), { static_graph = 0 }))
   end)
 
   it("rejects bad input with the same error on every rank", function()

@@ -1,10 +1,12 @@
 /* ddp.h: data parallelism with gradient buckets (PyTorch's DistributedDataParallel reducer) in C.
  *
  * The parameters that require grad are grouped into buckets as PyTorch's reducer groups them: until the first
- * synced backward has run, one bucket per dtype and device holds them all (reduced when that backward ends); after
- * it, the buckets are rebuilt in the order that backward produced the gradients, one dtype and device per bucket,
- * each closed once it holds at least its limit (first_bucket_bytes for the first, bucket_bytes after it: the last
- * parameter may take a bucket over it), so the first all_reduce starts early in backward.  A post-accumulate
+ * synced backward has run (rebuild_after 1; the second: 2, PyTorch's static_graph), one bucket per dtype and device
+ * holds them all (reduced when backward ends); after it, the buckets are rebuilt in the order that backward
+ * produced the gradients, one dtype and device per bucket, each closed once it holds at least its limit
+ * (first_bucket_bytes for the first, bucket_bytes after it: the last parameter may take a bucket over it), so the
+ * first all_reduce starts early in backward.  rebuild_after 0 (PyTorch's find_unused_parameters): buckets by the
+ * same limits in registration order from the start, launched last bucket first, never rebuilt.  A post-accumulate
  * hook on each parameter copies its .grad into its bucket's flat buffer; when every parameter of the next bucket in
  * order has its gradient, that bucket's ONE all_reduce (avg) starts asynchronously (NCCL: on the communication
  * stream; MPI: a nonblocking collective), so communication overlaps the rest of backward.  Buckets start strictly
@@ -27,13 +29,14 @@ typedef struct eng_ddp eng_ddp;
 /* A reducer over pg for the n tensors params (leaves; those not requiring grad are left out).  Every member of pg
  * must pass the same shapes and dtypes in the same order (checked: one agreement over pg, the same error on every
  * member).  bucket_bytes <= 0: 25 MiB; first_bucket_bytes <= 0: bucket_bytes (PyTorch's DDP passes 1 MiB when
- * bucket_cap_mb is not given).  NULL and an error on failure. */
-eng_ddp* eng_ddp_new(eng_pg* pg, int n, eng_tensor** params, int64_t bucket_bytes, int64_t first_bucket_bytes);
+ * bucket_cap_mb is not given); rebuild_after: see above (0, 1 or 2).  NULL and an error on failure. */
+eng_ddp* eng_ddp_new(eng_pg* pg, int n, eng_tensor** params, int64_t bucket_bytes, int64_t first_bucket_bytes,
+                     int rebuild_after);
 /* The same reducer for DTensor data parallelism: params are DTensors (Replicate over pg's ranks) whose gradients
  * arrive as this rank's partial sums (leaves marked with eng_dtensor_set_grad_deferred); each bucket is ONE
  * all_reduce (sum), so .grad ends with the reduced value, as the per-parameter Partial -> Replicate would give. */
 eng_ddp* eng_ddp_new_partial(eng_pg* pg, int n, eng_tensor** params, int64_t bucket_bytes,
-                             int64_t first_bucket_bytes);
+                             int64_t first_bucket_bytes, int rebuild_after);
 eng_ddp* eng_ddp_retain(eng_ddp* d);
 void eng_ddp_release(eng_ddp* d);
 /* no_sync: 0 keeps gradients local (accumulating), 1 (the default) reduces in the next backward. */

@@ -40,7 +40,7 @@ struct eng_ddp {
   int partial;       /* DTensor data parallelism: gradients are partial sums, each bucket all_reduce(sum) */
   int as_view;       /* gradient_as_bucket_view: each .grad is its slice of the bucket (no copies in or out) */
   int64_t cap, first_cap; /* bucket size limits after the rebuild: the first bucket's, then every other's */
-  int rebuilt;       /* the buckets follow the order of the first synced backward */
+  int rebuild_left;  /* synced backwards before the buckets are rebuilt in gradient order (0: never again) */
   int* order;        /* that backward's gradients, in the order they arrived (n_order of them) */
   int* src;          /* parameter i's position in the list given to eng_ddp_new */
   int n_order;
@@ -143,7 +143,7 @@ static int finish(void* ud) {
   }
   if (!rc) { d->stat_coll = d->run_coll; d->stat_bytes = d->run_bytes; }
   d->run_coll = d->run_bytes = 0;
-  if (!rc && !d->rebuilt) rc = rebuild(d);
+  if (!rc && d->rebuild_left > 0 && --d->rebuild_left == 0) rc = rebuild(d);
   reset(d);
   eng_ddp_release(d); /* the reference the queued callback held */
   return rc;
@@ -173,7 +173,7 @@ static int post_acc(eng_tensor* t, eng_tensor* grad, eng_tensor** out, void* ud)
   }
   if (!d->got[i]) { /* a gradient accumulated twice in one backward is copied again, counted once */
     d->got[i] = 1;
-    if (!d->rebuilt) d->order[d->n_order++] = i;
+    if (d->rebuild_left == 1) d->order[d->n_order++] = i;
     d->b[d->bucket_of[i]].ready++;
   }
   return start_ready(d);
@@ -194,9 +194,11 @@ static void free_buckets(bucket* b, int nb) {
 /* Buckets for the parameters taken in `order` (PyTorch's compute_bucket_assignment_by_size): one open bucket per
  * dtype and device; a parameter joins the open bucket of its kind, which closes (the next bucket to launch) once it
  * holds at least its limit, first_limit for the first bucket of each kind and limit after it; the buckets still open
- * come last, in the order their kinds first appeared (reversed: last first).  Within a bucket the parameters keep
- * their order.  Sets d->b, d->nb, bucket_of and offset_of (d->b is replaced only on success); new zero buffers. */
-static int assign(eng_ddp* d, const int* order, int64_t first_limit, int64_t limit, int reversed) {
+ * come last, in the order their kinds first appeared.  by_index: instead, the buckets launch in descending order of
+ * their first (smallest) parameter index (PyTorch's initial buckets: sorted by it, then reversed).  Within a bucket
+ * the parameters keep their order.  Sets d->b, d->nb, bucket_of and offset_of (d->b is replaced only on success);
+ * new zero buffers. */
+static int assign(eng_ddp* d, const int* order, int64_t first_limit, int64_t limit, int by_index) {
   int np = d->np, nb = 0, na = 0, nprov = 0, rc = -1;
   size_t cap = (size_t)(np ? np : 1);
   /* a provisional bucket per opening; rank[]: its launch position */
@@ -218,10 +220,18 @@ static int assign(eng_ddp* d, const int* order, int64_t first_limit, int64_t lim
     bytes[k] += p->numel * eng_dtype_size(p->dtype);
     if (bytes[k] >= lim[k]) { rank[cur[k]] = nb++; cur[k] = -1; lim[k] = limit; }
   }
-  int first_open = nb;
   for (int k = 0; k < na; k++) if (cur[k] >= 0) rank[cur[k]] = nb++;
-  if (reversed)
-    for (int q = 0; q < nprov; q++) if (rank[q] >= first_open) rank[q] = first_open + (nb - 1 - rank[q]);
+  if (by_index) { /* a bucket's first parameter in `order` is its smallest index when order is ascending */
+    int* lead = malloc(cap * sizeof *lead);
+    if (!lead) { eng_err("DistributedDataParallel: out of memory"); goto out; }
+    for (int j = np - 1; j >= 0; j--) lead[prov[j]] = order[j]; /* ends at each bucket's first parameter */
+    for (int q = 0; q < nprov; q++) { /* rank: how many buckets lead with a larger index */
+      int r = 0;
+      for (int u = 0; u < nprov; u++) r += lead[u] > lead[q];
+      rank[q] = r;
+    }
+    free(lead);
+  }
   for (int j = 0; j < np; j++) b[rank[prov[j]]].n++;
   for (int k = 0; k < nb; k++) {
     b[k].idx = malloc((size_t)b[k].n * sizeof *b[k].idx);
@@ -249,8 +259,8 @@ out:
   return rc;
 }
 
-/* After the first synced backward (PyTorch's rebuild_buckets): the buckets again, from the order the gradients
- * arrived in (those that got none last, last registered first), with the first bucket at first_cap and the others
+/* After the first synced backward (the second with static_graph; PyTorch's rebuild_buckets): the buckets again, from
+ * the order that backward's gradients arrived in (those that got none last, last registered first), with the first bucket at first_cap and the others
  * at cap, so the first all_reduce starts as soon as the last layers' gradients exist.  Every rank must build the
  * same buckets: one agreement compares the orders, and where they differ (rank-dependent graphs; PyTorch takes rank
  * 0's) every rank takes reverse registration order instead.  gradient_as_bucket_view moves each .grad into its new
@@ -274,7 +284,6 @@ static int rebuild(eng_ddp* d) {
     eng_err_prefix("%s: rebuilding the buckets", op);
     return -1;
   }
-  d->rebuilt = 1;
   int rc = 0;
   for (int i = 0; i < d->np && d->as_view && !rc; i++) rc = adopt(d, i);
   free_buckets(old, old_nb);
@@ -282,12 +291,15 @@ static int rebuild(eng_ddp* d) {
   return rc;
 }
 
-static eng_ddp* make(eng_pg* pg, int n, eng_tensor** params, int64_t bucket_bytes, int64_t first_bytes, int partial) {
+static eng_ddp* make(eng_pg* pg, int n, eng_tensor** params, int64_t bucket_bytes, int64_t first_bytes,
+                     int rebuild_after, int partial) {
   const char* op = partial ? "replicate_parameters (bucketed)" : "DistributedDataParallel";
   if (!pg) return eng_errp("%s: process group is NULL", op);
   if (n < 0 || (n > 0 && !params)) return eng_errp("%s: %d parameters given without a list", op, n);
   if (bucket_bytes <= 0) bucket_bytes = DEFAULT_BUCKET_BYTES;
   if (first_bytes <= 0) first_bytes = bucket_bytes;
+  if (rebuild_after < 0 || rebuild_after > 2)
+    return eng_errp("%s: rebuild_after must be 0, 1 or 2, got %d", op, rebuild_after);
   /* local checks, then one agreement over the group (shapes and dtypes hashed): the same error everywhere */
   int err = 0;
   uint64_t key = 1469598103934665603ull;
@@ -317,6 +329,7 @@ static eng_ddp* make(eng_pg* pg, int n, eng_tensor** params, int64_t bucket_byte
   d->partial = partial;
   d->cap = bucket_bytes;
   d->first_cap = first_bytes;
+  d->rebuild_left = rebuild_after;
   d->pg = eng_pg_retain(pg);
   size_t cap = (size_t)(n ? n : 1);
   d->p = calloc(cap, sizeof *d->p);
@@ -333,10 +346,11 @@ static eng_ddp* make(eng_pg* pg, int n, eng_tensor** params, int64_t bucket_byte
   }
   for (int i = 0; i < n; i++)
     if (params[i]->requires_grad) { d->src[d->np] = i; d->p[d->np++] = eng_tensor_retain(params[i]); }
-  /* before the first synced backward, as PyTorch: one bucket of every parameter per dtype and device (registration
-   * order), reduced when backward ends */
+  /* until the rebuild, as PyTorch: one bucket of every parameter per dtype and device (registration order), reduced
+   * when backward ends; never rebuilt (find_unused_parameters): buckets by size in registration order */
   for (int i = 0; i < d->np; i++) d->order[i] = i;
-  if (assign(d, d->order, NO_LIMIT, NO_LIMIT, 1)) { eng_ddp_release(d); return NULL; }
+  int64_t lim0 = rebuild_after ? NO_LIMIT : first_bytes, lim = rebuild_after ? NO_LIMIT : bucket_bytes;
+  if (assign(d, d->order, lim0, lim, 1)) { eng_ddp_release(d); return NULL; }
   for (int i = 0; i < d->np; i++) {
     d->ctx[i] = (pctx){d, i};
     d->hook[i] = eng_tensor_register_post_accumulate_hook(d->p[i], post_acc, &d->ctx[i]);
@@ -345,12 +359,14 @@ static eng_ddp* make(eng_pg* pg, int n, eng_tensor** params, int64_t bucket_byte
   return d;
 }
 
-eng_ddp* eng_ddp_new(eng_pg* pg, int n, eng_tensor** params, int64_t bucket_bytes, int64_t first_bucket_bytes) {
-  return make(pg, n, params, bucket_bytes, first_bucket_bytes, 0);
+eng_ddp* eng_ddp_new(eng_pg* pg, int n, eng_tensor** params, int64_t bucket_bytes, int64_t first_bucket_bytes,
+                     int rebuild_after) {
+  return make(pg, n, params, bucket_bytes, first_bucket_bytes, rebuild_after, 0);
 }
 
-eng_ddp* eng_ddp_new_partial(eng_pg* pg, int n, eng_tensor** params, int64_t bucket_bytes, int64_t first_bucket_bytes) {
-  return make(pg, n, params, bucket_bytes, first_bucket_bytes, 1);
+eng_ddp* eng_ddp_new_partial(eng_pg* pg, int n, eng_tensor** params, int64_t bucket_bytes, int64_t first_bucket_bytes,
+                             int rebuild_after) {
+  return make(pg, n, params, bucket_bytes, first_bucket_bytes, rebuild_after, 1);
 }
 
 eng_ddp* eng_ddp_retain(eng_ddp* d) { if (d) d->refcount++; return d; }

@@ -39,7 +39,7 @@ local function attach_reducer(module, mesh, list, cap)
   if type(cap) ~= "number" or cap <= 0 then core.fail(op .. ": bucket_cap_mb must be a positive number, got " .. tostring(cap)) end
   local arr = ffi.new("eng_tensor*[?]", math.max(#list, 1))
   for i, d in ipairs(list) do arr[i - 1] = d._c end
-  local r = C.eng_ddp_new_partial(mesh:get_group()._c, #list, arr, math.floor(cap * 1048576), math.floor(cap * 1048576))
+  local r = C.eng_ddp_new_partial(mesh:get_group()._c, #list, arr, math.floor(cap * 1048576), math.floor(cap * 1048576), 1)
   if r == nil then core.raise() end
   for _, d in ipairs(list) do core.check(C.eng_dtensor_set_grad_deferred(d._c, 1) < 0 and -1 or 0) end
   local ptrs = {}

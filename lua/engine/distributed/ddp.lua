@@ -2,6 +2,8 @@
 --
 --   local model = dist.DistributedDataParallel(net, {bucket_cap_mb = 25})   -- or {process_group = pg}, {device_mesh = m}
 --                                                                           -- {gradient_as_bucket_view = true}
+--                                                                           -- {find_unused_parameters = true}
+--                                                                           -- {static_graph = true}
 --   local loss = F.cross_entropy(model(x), y)   -- each rank its own rows of the global batch
 --   loss:backward()                             -- gradients averaged over the ranks, in buckets, during backward
 --   model:no_sync(function() ... end)           -- gradient accumulation: no communication inside
@@ -19,7 +21,11 @@
 -- gradient_as_bucket_view = true (PyTorch's option): each .grad is a view of its slice of a bucket, so backward
 -- accumulates into the buckets and the all_reduce averages in place: no copy out of the buckets, and none into them
 -- while the gradients are kept (optimizer:zero_grad(false); with zero_grad() setting them to none, each new gradient
--- is copied in once and replaced by its view).  Options are checked: an unknown key is an error.
+-- is copied in once and replaced by its view).  find_unused_parameters and static_graph (PyTorch's options) change
+-- only the buckets, as in PyTorch (find_unused_parameters: by size in registration order from the start, never
+-- rebuilt; static_graph: rebuilt after the second backward): parameters that get no gradient on a rank are reduced
+-- as zeros whatever the options, and keep no .grad when no rank gave them one.  Options are checked: an unknown key
+-- is an error.
 local core = require("engine.core")
 local engine = require("engine")
 local ffi, C = core.ffi, core.C
@@ -50,7 +56,7 @@ function M._reducer_stats(r)
   return s
 end
 local OPTS = { process_group = true, device_mesh = true, bucket_cap_mb = true, init_sync = true,
-  broadcast_buffers = true, gradient_as_bucket_view = true }
+  broadcast_buffers = true, gradient_as_bucket_view = true, find_unused_parameters = true, static_graph = true }
 
 local DDP
 
@@ -83,10 +89,15 @@ local function new_class()
     end
     group = group or comm.world_group()
     if not comm.is_group(group) then core.fail(op .. ": process_group must be a ProcessGroup, got " .. type(group)) end
-    local as_view = opts.gradient_as_bucket_view
-    if as_view ~= nil and type(as_view) ~= "boolean" then
-      core.fail(op .. ": gradient_as_bucket_view must be a boolean, got " .. tostring(as_view))
+    for _, k in ipairs({ "gradient_as_bucket_view", "find_unused_parameters", "static_graph" }) do
+      if opts[k] ~= nil and type(opts[k]) ~= "boolean" then
+        core.fail(op .. ": " .. k .. " must be a boolean, got " .. tostring(opts[k]))
+      end
     end
+    local as_view = opts.gradient_as_bucket_view
+    -- when the buckets are rebuilt in gradient order (PyTorch's reducer): after the first synced backward, the
+    -- second with static_graph, never with find_unused_parameters (buckets by size in registration order)
+    local rebuild_after = opts.static_graph and 2 or (opts.find_unused_parameters and 0 or 1)
     local cap = opts.bucket_cap_mb == nil and 25 or opts.bucket_cap_mb
     if type(cap) ~= "number" or cap <= 0 then core.fail(op .. ": bucket_cap_mb must be a positive number, got " .. tostring(cap)) end
     self.module = module
@@ -107,7 +118,7 @@ local function new_class()
     -- PyTorch: with the default cap the first bucket (the last layers' gradients) closes at 1 MiB
     -- (dist._DEFAULT_FIRST_BUCKET_BYTES); a cap that is given applies to every bucket
     local first = opts.bucket_cap_mb == nil and 1048576 or math.floor(cap * 1048576)
-    local r = C.eng_ddp_new(group._c, #list, arr, math.floor(cap * 1048576), first)
+    local r = C.eng_ddp_new(group._c, #list, arr, math.floor(cap * 1048576), first, rebuild_after)
     if r == nil then core.raise() end
     rawset(self, "_reducer", ffi.gc(r, C.eng_ddp_release))
     if as_view then core.check(C.eng_ddp_set_gradient_as_bucket_view(r, 1)) end
