@@ -11,10 +11,14 @@
  * order has its gradient, that bucket's ONE all_reduce (avg) starts asynchronously (NCCL: on the communication
  * stream; MPI: a nonblocking collective), so communication overlaps the rest of backward.  Buckets start strictly
  * in index order, so every rank issues the same collectives in the same order.  The end-of-backward callback
- * starts the buckets still waiting (the slices of parameters that got no gradient on this rank are zero), waits
- * for every bucket in order and copies the averaged values back into each .grad that this backward produced
- * (parameters without a gradient keep none, as in one process).  With require_sync off (no_sync), nothing is
- * reduced and gradients accumulate locally; the next synced backward reduces the accumulated .grad.
+ * starts the buckets still waiting (a parameter this backward gave no gradient contributes the .grad it holds, or
+ * zeros), waits for every bucket in order and copies the averaged values back into the .grads.  The last bucket
+ * also carries one flag per parameter (this rank has a gradient for it), reduced with it: a parameter no rank has a
+ * gradient for keeps none, as in one process, and one only some ranks have a gradient for gets the average on every
+ * rank, so the ranks never diverge (no extra collective; PyTorch needs find_unused_parameters for that).  With
+ * require_sync off (no_sync), nothing is reduced and gradients accumulate locally; the next synced backward reduces
+ * the accumulated .grad.  The DTensor reducer (eng_ddp_new_partial) reduces what backward produced and leaves the
+ * rest as it is.
  * Collectives per synced backward: the number of buckets, at most floor(gradient bytes / bucket_bytes) + 2 for one
  * dtype (1 in the first). */
 #ifndef ENG_DDP_H

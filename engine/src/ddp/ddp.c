@@ -15,7 +15,8 @@ typedef struct bucket {
   int n;             /* parameters */
   int* idx;          /* their indices into d->p */
   int64_t* off;      /* element offset of each in buf */
-  eng_tensor* buf;   /* flat [numel], the bucket's dtype and device */
+  eng_tensor* buf;   /* flat [gnumel (+ np flags in the last bucket)], the bucket's dtype and device */
+  int64_t gnumel;    /* gradient elements */
   int ready;         /* parameters whose gradient this backward copied in */
   eng_work* work;    /* the all_reduce in flight */
 } bucket;
@@ -73,16 +74,35 @@ static int adopt(eng_ddp* d, int i) {
   return rc;
 }
 
+/* The last bucket carries, after its gradients, one flag per parameter: 1 where this rank has a gradient for it
+ * (from this backward, or accumulated before it), 0 where it has none.  Reduced with the gradients, it tells every
+ * rank which parameters some rank had a gradient for, without another collective: a rank that got none for a
+ * parameter another rank used takes the reduced value too (PyTorch needs find_unused_parameters and one more
+ * all_reduce for that; without it its ranks fail), so the ranks never diverge. */
+static int write_flags(eng_ddp* d, bucket* b) {
+  int64_t st = 1, n = d->np;
+  eng_tensor* f = eng_view_of(b->buf, 1, &n, &st, b->buf->offset + b->gnumel);
+  int rc = f ? eng_tensor_fill_(f, 1.0) : -1;
+  eng_tensor_release(f);
+  for (int i = 0; i < d->np && !rc; i++)
+    if (!d->got[i] && (!d->p[i]->grad || d->partial)) rc = eng_zero_elems(b->buf, b->gnumel + i, 1);
+  return rc;
+}
+
 /* Start bucket k's all_reduce (avg). */
 static int start(eng_ddp* d, int k) {
   bucket* b = &d->b[k];
   if (d->partial && eng_pg_size(d->pg) == 1) return 0; /* as the DTensor path: a group of one rank issues nothing */
+  if (k == d->nb - 1 && write_flags(d, b)) {
+    eng_err_prefix("DistributedDataParallel: bucket %d of %d", k, d->nb);
+    return -1;
+  }
   if (eng_pg_all_reduce(d->pg, b->buf, d->partial ? ENG_REDUCE_SUM : ENG_REDUCE_AVG, &b->work)) {
     eng_err_prefix("DistributedDataParallel: bucket %d of %d (%d parameters)", k, d->nb, b->n);
     return -1;
   }
   d->run_coll++;
-  d->run_bytes += b->buf->numel * eng_dtype_size(b->buf->dtype);
+  d->run_bytes += b->gnumel * eng_dtype_size(b->buf->dtype);
   return 0;
 }
 
@@ -106,6 +126,22 @@ static void reset(eng_ddp* d) {
 
 static int rebuild(eng_ddp* d);
 
+/* The last bucket's reduced flags as host doubles (malloc'd), or NULL and an error. */
+static double* read_flags(eng_ddp* d) {
+  const bucket* b = &d->b[d->nb - 1];
+  double* out = malloc((size_t)(d->np ? d->np : 1) * sizeof *out);
+  if (!out) return eng_errp("DistributedDataParallel: out of memory");
+  int64_t st = 1, n = d->np;
+  eng_tensor* f = eng_view_of(b->buf, 1, &n, &st, b->buf->offset + b->gnumel);
+  eng_tensor* h = f ? eng_tensor_to_device(f, ENG_CPU) : NULL;
+  eng_tensor* h64 = h ? eng_tensor_to_dtype(h, ENG_F64) : NULL;
+  eng_tensor* c = h64 ? eng_tensor_contiguous(h64) : NULL;
+  if (c) memcpy(out, eng_ptr(c), (size_t)d->np * sizeof *out);
+  eng_tensor_release(f); eng_tensor_release(h); eng_tensor_release(h64); eng_tensor_release(c);
+  if (!c) { free(out); eng_err_prefix("DistributedDataParallel: reading the gradient flags"); return NULL; }
+  return out;
+}
+
 /* End of backward: start what is left (zero slices for gradients this rank did not produce), wait in order, copy
  * the averages back into the gradients this backward produced. */
 static int finish(void* ud) {
@@ -116,9 +152,17 @@ static int finish(void* ud) {
     for (int j = 0; j < b->n && !rc; j++) {
       int i = b->idx[j];
       if (d->got[i]) continue;
-      /* a gradient that is its slice (gradient_as_bucket_view) holds what this rank accumulated: it is reduced
-       * as it is; otherwise the slice is zero */
-      if (!(d->as_view && is_slice(d, i, d->p[i]->grad))) rc = eng_zero_elems(b->buf, b->off[j], d->p[i]->numel);
+      /* a gradient this backward did not produce (accumulated under no_sync) is reduced as it is: a slice
+       * (gradient_as_bucket_view) already holds it, else it is copied in; no gradient: the slice is zero */
+      eng_tensor* g = d->p[i]->grad;
+      if (g && d->partial) g = NULL; /* a DTensor's .grad is already the sum over the ranks: not again */
+      if (g && !is_slice(d, i, g)) {
+        eng_tensor* v = slice_of(d, i);
+        rc = v ? eng_copy_raw(v, g, g->stride) : -1;
+        eng_tensor_release(v);
+      } else if (!g) {
+        rc = eng_zero_elems(b->buf, b->off[j], d->p[i]->numel);
+      }
       b->ready++;
     }
   }
@@ -131,16 +175,26 @@ static int finish(void* ud) {
     b->work = NULL;
     if (wrc && !rc) { eng_err_prefix("DistributedDataParallel: bucket %d of %d", k, d->nb); rc = -1; }
   }
+  double* used = NULL; /* the reduced flags, read only where this rank has no gradient for some parameter */
   for (int i = 0; i < d->np && !rc; i++) {
     eng_tensor* p = d->p[i];
-    if (!p->grad) continue;
+    if (!p->grad || (d->partial && !d->got[i])) {
+      if (d->partial) continue; /* DTensor data parallelism: the parameters no rank left out (as before) */
+      if (!used && !(used = read_flags(d))) { rc = -1; break; }
+      if (used[i] == 0.0) continue; /* no rank had a gradient: none here either */
+      eng_tensor* v = slice_of(d, i); /* another rank's: this rank takes the reduced value too */
+      eng_tensor* g = v && !d->as_view ? eng_tensor_clone(v) : eng_tensor_retain(v);
+      rc = g ? eng_tensor_set_grad(p, g) : -1;
+      eng_tensor_release(g); eng_tensor_release(v);
+      continue;
+    }
     if (is_slice(d, i, p->grad)) { eng_bump_version(p->grad); continue; } /* reduced in place */
-    if (!d->got[i]) continue;
     eng_tensor* v = slice_of(d, i);
     rc = v ? eng_copy_raw(p->grad, v, v->stride) : -1;
     if (!rc) eng_bump_version(p->grad);
     eng_tensor_release(v);
   }
+  free(used);
   if (!rc) { d->stat_coll = d->run_coll; d->stat_bytes = d->run_bytes; }
   d->run_coll = d->run_bytes = 0;
   if (!rc && d->rebuild_left > 0 && --d->rebuild_left == 0) rc = rebuild(d);
@@ -246,7 +300,8 @@ static int assign(eng_ddp* d, const int* order, int64_t first_limit, int64_t lim
   }
   for (int k = 0; k < nb; k++) {
     const eng_tensor* last = d->p[b[k].idx[b[k].n - 1]];
-    int64_t numel = b[k].off[b[k].n - 1] + last->numel;
+    b[k].gnumel = b[k].off[b[k].n - 1] + last->numel;
+    int64_t numel = b[k].gnumel + (k == nb - 1 ? np : 0); /* the flags (write_flags) */
     if (!(b[k].buf = eng_new(1, &numel, last->dtype, last->device))) goto out;
   }
   for (int k = 0; k < nb; k++)
@@ -407,7 +462,7 @@ int eng_ddp_num_buckets(const eng_ddp* d) { return d ? d->nb : 0; }
 int eng_ddp_bucket_info(const eng_ddp* d, int b, int* n_params, int64_t* bytes) {
   if (!d || b < 0 || b >= d->nb) return eng_err("DistributedDataParallel: bucket %d out of range (%d buckets)", b, d ? d->nb : 0);
   if (n_params) *n_params = d->b[b].n;
-  if (bytes) *bytes = d->b[b].buf->numel * eng_dtype_size(d->b[b].buf->dtype);
+  if (bytes) *bytes = d->b[b].gnumel * eng_dtype_size(d->b[b].buf->dtype);
   return 0;
 }
 
