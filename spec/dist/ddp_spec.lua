@@ -274,6 +274,48 @@ describe("DistributedDataParallel", function()
       util.errmsg(dist.DistributedDataParallel, build(), { static_graph = 0 }))
   end)
 
+  it("broadcasts parameters and buffers coalesced; rank 0's buffers before each forward (broadcast_buffers)", function()
+    local RunningMean = nn.Module:extend("RunningMean")
+    function RunningMean:__init()
+      self.lin = nn.Linear(4, 3)
+      self:register_buffer("running", engine.zeros(4))
+    end
+    function RunningMean:forward(x)
+      engine.no_grad(function() self.running:mul_(0.9):add_(x:mean(1):mul(0.1)) end)
+      return self.lin(x)
+    end
+    local function data(step, r) engine.manual_seed(100 * step + r); return engine.randn(2, 4) end
+    engine.manual_seed(11 + R) -- different weights on every rank: the construction gives everyone rank 0's
+    local net = RunningMean()
+    local counts = util.counted(function() dist.DistributedDataParallel(net, { bucket_cap_mb = 25 }) end)
+    assert.are.equal("broadcast=1", counts) -- PyTorch's _sync_module_states: one flat f32 buffer
+    engine.manual_seed(11)
+    local r0 = RunningMean()
+    for name, p in r0:named_parameters() do assert.are.equal(0, util.diff(net:get_parameter(name), p), name) end
+    local m = dist.DistributedDataParallel(net)
+    local running0 = engine.zeros(4) -- rank 0's buffer, followed on every rank
+    for step = 1, 3 do
+      local before = running0
+      counts = util.counted(function() m(data(step, R)):sum():backward() end)
+      assert.matches("broadcast=1", counts, 1, true)
+      -- this rank updated rank 0's buffer with its own batch
+      local want = before:mul(0.9):add(data(step, R):mean(1):mul(0.1))
+      assert(util.diff(net.running, want) <= 1e-6, "step " .. step)
+      running0 = before:mul(0.9):add(data(step, 0):mean(1):mul(0.1))
+    end
+    -- as PyTorch: a forward without gradients syncs once (the last training forward asked for it), then not
+    assert.are.equal("broadcast=1", util.counted(function() engine.no_grad(function() m(data(9, R)) end) end))
+    assert.are.equal("", util.counted(function() engine.no_grad(function() m(data(9, R)) end) end))
+    -- no_sync: the forward inside it syncs (the training forward before asked for it) and asks for none after it
+    m(data(10, R)):sum():backward()
+    assert.are.equal("broadcast=1", util.counted(function() m:no_sync(function() m(data(11, R)) end) end))
+    assert.are.equal("", util.counted(function() m(data(12, R)) end))
+    -- broadcast_buffers = false: never
+    local m2 = dist.DistributedDataParallel(RunningMean(), { broadcast_buffers = false })
+    local c2 = util.counted(function() m2(data(1, R)):sum():backward() end)
+    assert.are.equal("all_reduce=1", c2)
+  end)
+
   it("rejects bad input with the same error on every rank", function()
     assert.matches("unknown option 'bucket_size'", util.errmsg(dist.DistributedDataParallel, build(), { bucket_size = 1 }))
     assert.matches("bucket_cap_mb must be a positive number",

@@ -133,11 +133,10 @@ static double* read_flags(eng_ddp* d) {
   if (!out) return eng_errp("DistributedDataParallel: out of memory");
   int64_t st = 1, n = d->np;
   eng_tensor* f = eng_view_of(b->buf, 1, &n, &st, b->buf->offset + b->gnumel);
-  eng_tensor* h = f ? eng_tensor_to_device(f, ENG_CPU) : NULL;
-  eng_tensor* h64 = h ? eng_tensor_to_dtype(h, ENG_F64) : NULL;
-  eng_tensor* c = h64 ? eng_tensor_contiguous(h64) : NULL;
+  eng_tensor* h = f ? (f->device == ENG_CPU ? eng_tensor_retain(f) : eng_device_copy(f, ENG_CPU)) : NULL;
+  eng_tensor* c = h ? eng_as_contig(h, ENG_F64) : NULL;
   if (c) memcpy(out, eng_ptr(c), (size_t)d->np * sizeof *out);
-  eng_tensor_release(f); eng_tensor_release(h); eng_tensor_release(h64); eng_tensor_release(c);
+  eng_tensor_release(f); eng_tensor_release(h); eng_tensor_release(c);
   if (!c) { free(out); eng_err_prefix("DistributedDataParallel: reading the gradient flags"); return NULL; }
   return out;
 }
@@ -183,8 +182,8 @@ static int finish(void* ud) {
       if (!used && !(used = read_flags(d))) { rc = -1; break; }
       if (used[i] == 0.0) continue; /* no rank had a gradient: none here either */
       eng_tensor* v = slice_of(d, i); /* another rank's: this rank takes the reduced value too */
-      eng_tensor* g = v && !d->as_view ? eng_tensor_clone(v) : eng_tensor_retain(v);
-      rc = g ? eng_tensor_set_grad(p, g) : -1;
+      eng_tensor* g = v && !d->as_view ? eng_new(v->ndim, v->shape, v->dtype, v->device) : eng_tensor_retain(v);
+      rc = g && (d->as_view || !eng_copy_raw(g, v, v->stride)) ? eng_tensor_set_grad(p, g) : -1;
       eng_tensor_release(g); eng_tensor_release(v);
       continue;
     }

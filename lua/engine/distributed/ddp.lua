@@ -10,8 +10,10 @@
 --   print(model:comm_stats().collectives)       -- all_reduces and bytes of the last synced backward
 --
 -- The wrapper is an nn.Module whose child `module` is the network (state_dict keys start with "module.", as in
--- PyTorch); forward calls the network.  At construction the parameters and buffers are broadcast from rank 0 of the
--- group (init_sync = false skips it), and the C reducer (engine/include/eng/ddp.h) buckets every parameter that
+-- PyTorch); forward calls the network, after broadcasting rank 0's buffers as PyTorch does (broadcast_buffers =
+-- false: never).  At construction the parameters and buffers are broadcast from rank 0 of the group (coalesced by
+-- dtype into flat buffers of up to 250 MiB, as PyTorch: one broadcast for a model of one dtype; init_sync = false
+-- skips it), and the C reducer (engine/include/eng/ddp.h) buckets every parameter that
 -- requires grad as PyTorch does: one bucket for the first synced backward, then buckets in the order that backward
 -- produced the gradients, each closed once it holds bucket_cap_mb MiB (the first at 1 MiB when bucket_cap_mb is not
 -- given); each bucket is ONE asynchronous all_reduce (avg) started as soon as backward has produced all of its
@@ -55,6 +57,48 @@ function M._reducer_stats(r)
   end
   return s
 end
+-- PyTorch's _broadcast_coalesced (DDP's _sync_module_states and buffer sync): the tensors, grouped by dtype and device
+-- in order, go as flat buffers of about 250 MiB (a group is sent once it reaches that; the rest at the end, in the
+-- order their kinds first appeared), ONE broadcast from the group's rank 0 each, copied back into the tensors.
+local BROADCAST_BUCKET = 250 * 1048576
+local function pack(...) return { n = select("#", ...), ... } end
+local function broadcast_coalesced(tensors, group)
+  local comm = require("engine.distributed.comm")
+  local groups, open, kinds = {}, {}, {}
+  for _, t in ipairs(tensors) do
+    local key = t.dtype .. "@" .. t.device
+    local g = open[key]
+    if not g then
+      g = { list = {}, bytes = 0 }
+      open[key] = g
+      kinds[#kinds + 1] = key
+    end
+    g.list[#g.list + 1] = t
+    g.bytes = g.bytes + t:numel() * t:element_size()
+    if g.bytes >= BROADCAST_BUCKET then groups[#groups + 1] = g; open[key] = { list = {}, bytes = 0 } end
+  end
+  for _, key in ipairs(kinds) do if #open[key].list > 0 then groups[#groups + 1] = open[key] end end
+  engine.no_grad(function()
+    for _, g in ipairs(groups) do
+      if #g.list == 1 and g.list[1]:is_contiguous() then
+        comm.broadcast(g.list[1], { group = group, group_src = 0 })
+      else
+        local flat = {}
+        for i, t in ipairs(g.list) do flat[i] = t:reshape(-1) end
+        local buf = engine.cat(flat, 1)
+        comm.broadcast(buf, { group = group, group_src = 0 })
+        local off = 0
+        for _, t in ipairs(g.list) do
+          local n = t:numel()
+          t:copy_(buf:narrow(1, off + 1, n):view(t:shape()))
+          off = off + n
+        end
+      end
+    end
+  end)
+end
+M._broadcast_coalesced = broadcast_coalesced
+
 local OPTS = { process_group = true, device_mesh = true, bucket_cap_mb = true, init_sync = true,
   broadcast_buffers = true, gradient_as_bucket_view = true, find_unused_parameters = true, static_graph = true }
 
@@ -89,7 +133,7 @@ local function new_class()
     end
     group = group or comm.world_group()
     if not comm.is_group(group) then core.fail(op .. ": process_group must be a ProcessGroup, got " .. type(group)) end
-    for _, k in ipairs({ "gradient_as_bucket_view", "find_unused_parameters", "static_graph" }) do
+    for _, k in ipairs({ "gradient_as_bucket_view", "find_unused_parameters", "static_graph", "broadcast_buffers" }) do
       if opts[k] ~= nil and type(opts[k]) ~= "boolean" then
         core.fail(op .. ": " .. k .. " must be a boolean, got " .. tostring(opts[k]))
       end
@@ -102,14 +146,18 @@ local function new_class()
     if type(cap) ~= "number" or cap <= 0 then core.fail(op .. ": bucket_cap_mb must be a positive number, got " .. tostring(cap)) end
     self.module = module
     rawset(self, "_group", group)
-    -- PyTorch's _sync_module_states: every rank starts from rank 0's parameters and buffers
+    local buffers = {}
+    if opts.broadcast_buffers ~= false then
+      for _, b in module:named_buffers() do buffers[#buffers + 1] = b end
+    end
+    rawset(self, "_broadcast_buffers", opts.broadcast_buffers ~= false)
+    rawset(self, "_sync_buffers", opts.broadcast_buffers ~= false) -- PyTorch's require_forward_param_sync: at first on
+    -- PyTorch's _sync_module_states: every rank starts from rank 0's parameters and buffers (coalesced broadcasts)
     if opts.init_sync ~= false then
-      engine.no_grad(function()
-        for _, p in module:named_parameters() do comm.broadcast(p, { group = group, group_src = 0 }) end
-        if opts.broadcast_buffers ~= false then
-          for _, b in module:named_buffers() do comm.broadcast(b, { group = group, group_src = 0 }) end
-        end
-      end)
+      local states = {}
+      for _, p in module:named_parameters() do states[#states + 1] = p end
+      for _, b in ipairs(buffers) do states[#states + 1] = b end
+      broadcast_coalesced(states, group)
     end
     local list = {}
     for _, p in module:named_parameters() do list[#list + 1] = p end
@@ -125,7 +173,20 @@ local function new_class()
     rawset(self, "_params", list) -- keeps the parameter objects the reducer hooks alive with the wrapper
   end
 
-  function cls:forward(...) return self.module(...) end
+  -- broadcast_buffers (PyTorch's default): before a forward, rank 0's buffers go to every rank (coalesced), when
+  -- the previous forward ran with gradients on and synchronization (not under no_grad or no_sync; the first forward
+  -- always), as PyTorch's _pre_forward decides it.
+  function cls:forward(...)
+    if rawget(self, "_sync_buffers") then
+      local bufs = {} -- now: a buffer may have been reassigned (PyTorch's _assign_modules_buffers)
+      for _, b in self.module:named_buffers() do bufs[#bufs + 1] = b end
+      if #bufs > 0 then broadcast_coalesced(bufs, rawget(self, "_group")) end
+    end
+    local out = pack(self.module(...))
+    rawset(self, "_sync_buffers", rawget(self, "_broadcast_buffers") and engine.is_grad_enabled() and
+      not rawget(self, "_in_no_sync"))
+    return unpack(out, 1, out.n)
+  end
 
   -- no_sync(fn, ...): runs fn with gradient synchronization off (accumulation), then turns it back on; returns
   -- fn's results.  The next backward outside no_sync reduces the accumulated gradients.
@@ -133,7 +194,9 @@ local function new_class()
     if type(fn) ~= "function" then core.fail("no_sync: expected a function") end
     local r = rawget(self, "_reducer")
     core.check(C.eng_ddp_set_require_sync(r, 0))
+    rawset(self, "_in_no_sync", true)
     local res = { pcall(fn, ...) }
+    rawset(self, "_in_no_sync", nil)
     core.check(C.eng_ddp_set_require_sync(r, 1))
     if not res[1] then error(res[2], 0) end
     return unpack(res, 2, table.maxn(res))
