@@ -316,6 +316,21 @@ describe("parallelism on a CUDA mesh trains like one process on the GPU #gpu", f
     assert(m:comm_stats().collectives >= 2)
   end)
 
+  it("DistributedDataParallel with device_ids: CPU inputs go to the GPU; another GPU's index is refused", function()
+    util.need_cuda_ranks(pending)
+    local dev = engine.cuda.current_device()
+    local net = build():to("cuda")
+    local m = dist.DistributedDataParallel(net, { device_ids = { dev }, output_device = "cuda:" .. dev })
+    local x, y = tokens(2, T, 300):to("cpu"), tokens(2, T, 301) -- the inputs on the CPU
+    local logits = m(x)
+    assert.are.equal("cuda", logits.device)
+    F.cross_entropy(logits:reshape(-1, V), y:reshape(-1)):backward()
+    assert.are.equal(1, m:comm_stats().collectives)
+    local ok, e = pcall(dist.DistributedDataParallel, build():to("cuda"), { device_ids = { dev + 1 } })
+    assert.is_false(ok)
+    assert.truthy(tostring(e):find("is not this rank's GPU cuda:" .. dev, 1, true), tostring(e))
+  end)
+
   it("dist.checkpoint saves CUDA DTensor state and loads it into another layout and device", function()
     util.need_cuda_ranks(pending)
     local gm = mesh("cuda", { W }, { "tp" })

@@ -321,6 +321,13 @@ describe("DistributedDataParallel", function()
     assert.matches("bucket_cap_mb must be a positive number",
       util.errmsg(dist.DistributedDataParallel, build(), { bucket_cap_mb = 0 }))
     assert.matches("expected an nn.Module", util.errmsg(dist.DistributedDataParallel, 3))
+    -- PyTorch's device_ids: one element, the GPU of a module on one GPU; a CPU module takes none
+    assert.matches("device_ids and output_device only work with a module on one GPU, got device_ids 0 and module "
+      .. "parameters on cpu", util.errmsg(dist.DistributedDataParallel, build(), { device_ids = { 0 } }), 1, true)
+    assert.matches("device_ids can only be nil or contain a single element, got 2 elements",
+      util.errmsg(dist.DistributedDataParallel, build(), { device_ids = { 0, 1 } }), 1, true)
+    assert.matches("output_device must be a CUDA device index or \"cuda:N\", got gpu",
+      util.errmsg(dist.DistributedDataParallel, build(), { output_device = "gpu" }), 1, true)
     if W > 1 then
       -- rank 0's network has one more layer: the agreement fails on every rank (no rank waits in a collective)
       local net = R == 0 and nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3)) or nn.Sequential(nn.Linear(3, 3))

@@ -4,6 +4,7 @@
 --                                                                           -- {gradient_as_bucket_view = true}
 --                                                                           -- {find_unused_parameters = true}
 --                                                                           -- {static_graph = true}
+--                                                                           -- {device_ids = {engine.cuda.current_device()}}
 --   local loss = F.cross_entropy(model(x), y)   -- each rank its own rows of the global batch
 --   loss:backward()                             -- gradients averaged over the ranks, in buckets, during backward
 --   model:no_sync(function() ... end)           -- gradient accumulation: no communication inside
@@ -26,8 +27,9 @@
 -- is copied in once and replaced by its view).  find_unused_parameters and static_graph (PyTorch's options) change
 -- only the buckets, as in PyTorch (find_unused_parameters: by size in registration order from the start, never
 -- rebuilt; static_graph: rebuilt after the second backward): parameters that get no gradient on a rank are reduced
--- as zeros whatever the options, and keep no .grad when no rank gave them one.  Options are checked: an unknown key
--- is an error.
+-- as zeros whatever the options, and keep no .grad when no rank gave them one.  device_ids = {i} (or "cuda:i") and
+-- output_device: for a module on this rank's GPU i (checked: a CPU module takes neither, as PyTorch), the forward
+-- moves tensor inputs to the GPU first.  Options are checked: an unknown key is an error.
 local core = require("engine.core")
 local engine = require("engine")
 local ffi, C = core.ffi, core.C
@@ -100,7 +102,39 @@ end
 M._broadcast_coalesced = broadcast_coalesced
 
 local OPTS = { process_group = true, device_mesh = true, bucket_cap_mb = true, init_sync = true,
-  broadcast_buffers = true, gradient_as_bucket_view = true, find_unused_parameters = true, static_graph = true }
+  broadcast_buffers = true, gradient_as_bucket_view = true, find_unused_parameters = true, static_graph = true,
+  device_ids = true, output_device = true }
+
+-- PyTorch's device_ids / output_device: nil, or (one element / one device) this rank's GPU, for a module whose
+-- parameters are all on it; returns the device index or nil.
+local function device_of(v, what, module_dev, op)
+  local idx = v
+  if type(v) == "string" then idx = v == "cuda" and -1 or tonumber(v:match("^cuda:(%d+)$")) end
+  if type(idx) ~= "number" or idx ~= math.floor(idx) then
+    core.fail(string.format("%s: %s must be a CUDA device index or \"cuda:N\", got %s", op, what, tostring(v)))
+  end
+  if module_dev ~= "cuda" then
+    core.fail(string.format("%s: device_ids and output_device only work with a module on one GPU, got %s %s and "
+      .. "module parameters on %s", op, what, tostring(v), module_dev))
+  end
+  local cur = require("engine.cuda").current_device()
+  if idx ~= -1 and idx ~= cur then
+    core.fail(string.format("%s: %s %s is not this rank's GPU cuda:%d, where the module's parameters are", op, what,
+      tostring(v), cur))
+  end
+  return cur
+end
+
+-- the tensors in x (tables walked) on the GPU, as PyTorch's forward moves the inputs to device_ids[0]
+local function to_cuda(x)
+  if core.is_tensor(x) then return x.device == "cuda" and x or x:to("cuda") end
+  if type(x) == "table" and getmetatable(x) == nil then
+    local y = {}
+    for k, v in pairs(x) do y[k] = to_cuda(v) end
+    return y
+  end
+  return x
+end
 
 local DDP
 
@@ -137,6 +171,22 @@ local function new_class()
       if opts[k] ~= nil and type(opts[k]) ~= "boolean" then
         core.fail(op .. ": " .. k .. " must be a boolean, got " .. tostring(opts[k]))
       end
+    end
+    if opts.device_ids ~= nil or opts.output_device ~= nil then
+      local devs = {}
+      for _, p in module:named_parameters() do devs[p.device] = true end
+      local module_dev = next(devs) == nil and "nowhere (no parameters)" or (next(devs, next(devs)) and "several devices"
+        or next(devs))
+      if opts.device_ids ~= nil then
+        local ids = opts.device_ids
+        if type(ids) ~= "table" or #ids ~= 1 then
+          core.fail(op .. ": device_ids can only be nil or contain a single element, got " .. (type(ids) == "table"
+            and (#ids .. " elements") or tostring(ids)))
+        end
+        device_of(ids[1], "device_ids", module_dev, op)
+        rawset(self, "_inputs_to_cuda", true)
+      end
+      if opts.output_device ~= nil then device_of(opts.output_device, "output_device", module_dev, op) end
     end
     local as_view = opts.gradient_as_bucket_view
     -- when the buckets are rebuilt in gradient order (PyTorch's reducer): after the first synced backward, the
@@ -182,7 +232,14 @@ local function new_class()
       for _, b in self.module:named_buffers() do bufs[#bufs + 1] = b end
       if #bufs > 0 then broadcast_coalesced(bufs, rawget(self, "_group")) end
     end
-    local out = pack(self.module(...))
+    local out
+    if rawget(self, "_inputs_to_cuda") then
+      local args = pack(...)
+      for i = 1, args.n do args[i] = to_cuda(args[i]) end
+      out = pack(self.module(unpack(args, 1, args.n)))
+    else
+      out = pack(self.module(...))
+    end
     rawset(self, "_sync_buffers", rawget(self, "_broadcast_buffers") and engine.is_grad_enabled() and
       not rawget(self, "_in_no_sync"))
     return unpack(out, 1, out.n)
