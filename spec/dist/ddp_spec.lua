@@ -316,6 +316,47 @@ describe("DistributedDataParallel", function()
     assert.are.equal("all_reduce=1", c2)
   end)
 
+  it("register_comm_hook with the built-in hooks: fp16 / bf16 compression averages in half precision", function()
+    local hooks = dist.algorithms.ddp_comm_hooks.default_hooks
+    local function grads(hook)
+      local net = build()
+      local m = dist.DistributedDataParallel(net, { bucket_cap_mb = 0.004 })
+      if hook then m:register_comm_hook(nil, hooks[hook]) end
+      local x, y = tokens(2 * W, 7), tokens(2 * W, 8)
+      for _ = 1, 2 do -- the second backward runs on the rebuilt buckets
+        net:zero_grad()
+        ce(m, rows(x), rows(y)):backward()
+      end
+      local g = {}
+      for name, p in net:named_parameters() do g[name] = p.grad:clone() end
+      return g, m:comm_stats()
+    end
+    local g0, s0 = grads(nil)
+    local g1, s1 = grads("allreduce_hook")
+    for name, g in pairs(g0) do assert.are.equal(0, util.diff(g, g1[name]), name) end
+    assert.are.equal(s0.bytes, s1.bytes)
+    for _, case in ipairs({ { "fp16_compress_hook", "f16", 2 ^ -10 }, { "bf16_compress_hook", "bf16", 2 ^ -7 } }) do
+      local g, s = grads(case[1])
+      assert.are.equal(s0.bytes / 2, s.bytes, case[1] .. ": half the bytes")
+      assert.are.equal(s0.collectives, s.collectives)
+      local rounded = false
+      for name, ref in pairs(g0) do
+        rounded = rounded or util.diff(g[name], ref) > 0
+        -- each rank's gradient rounded to the half dtype, averaged there and rounded again: within a few of its ulps
+        local want = (W > 1) and ref or ref:to(case[2]):to("f32")
+        local tol = 3 * case[3] * ref:abs():max():item() + 1e-30
+        assert(util.diff(g[name], want) <= tol, case[1] .. " " .. name .. ": " .. util.diff(g[name], want))
+      end
+      assert(rounded, case[1] .. ": the gradients are the f32 average: no half precision on the way")
+    end
+    local m = dist.DistributedDataParallel(build())
+    m:register_comm_hook(nil, hooks.bf16_compress_hook)
+    assert.matches("can only be registered once", util.errmsg(m.register_comm_hook, m, nil, hooks.fp16_compress_hook))
+    assert.matches("a Lua function cannot run inside the C reducer",
+      util.errmsg(m.register_comm_hook, dist.DistributedDataParallel(build()), nil, function() end))
+    assert.matches("pass it to DistributedDataParallel:register_comm_hook", util.errmsg(hooks.fp16_compress_hook))
+  end)
+
   it("rejects bad input with the same error on every rank", function()
     assert.matches("unknown option 'bucket_size'", util.errmsg(dist.DistributedDataParallel, build(), { bucket_size = 1 }))
     assert.matches("bucket_cap_mb must be a positive number",

@@ -51,6 +51,12 @@ int eng_ddp_set_require_sync(eng_ddp* d, int on);
  * gradients in place: no copy back after it, and none into the bucket while .grad is kept (zero_grad with
  * set_to_none = false).  Not while a backward runs; not for the DTensor reducer. */
 int eng_ddp_set_gradient_as_bucket_view(eng_ddp* d, int on);
+/* PyTorch's register_comm_hook with a built-in hook (torch.distributed.algorithms.ddp_comm_hooks.default_hooks):
+ * 1 allreduce_hook (what the reducer does without a hook), 2 fp16_compress_hook, 3 bf16_compress_hook: each bucket
+ * is cast to f16 / bf16, averaged in it (the sum over the ranks, then divided: PyTorch divides first, the same
+ * values but where the sum would overflow) and cast back, half the bytes on the wire for f32 gradients.  Once per
+ * reducer, not while a backward runs, not for the DTensor reducer. */
+int eng_ddp_set_comm_hook(eng_ddp* d, int hook);
 int eng_ddp_num_buckets(const eng_ddp* d);
 /* Parameters of bucket b (0-based, in launch order) and its size in bytes; -1 when b is out of range.  The buckets
  * are those the next synced backward launches (rebuilt after the first). */

@@ -17,6 +17,8 @@ typedef struct bucket {
   int64_t* off;      /* element offset of each in buf */
   eng_tensor* buf;   /* flat [gnumel (+ np flags in the last bucket)], the bucket's dtype and device */
   int64_t gnumel;    /* gradient elements */
+  eng_tensor* cbuf;  /* the compress hook's copy of buf in its dtype (made at the first start) */
+  int via_c;         /* this backward's all_reduce runs on cbuf */
   int ready;         /* parameters whose gradient this backward copied in */
   eng_work* work;    /* the all_reduce in flight */
 } bucket;
@@ -42,6 +44,7 @@ struct eng_ddp {
   int as_view;       /* gradient_as_bucket_view: each .grad is its slice of the bucket (no copies in or out) */
   int64_t cap, first_cap; /* bucket size limits after the rebuild: the first bucket's, then every other's */
   int rebuild_left;  /* synced backwards before the buckets are rebuilt in gradient order (0: never again) */
+  int comm_hook;     /* the communication hook: 0 none yet, 1 allreduce_hook, 2 fp16 / 3 bf16 compress */
   int* order;        /* that backward's gradients, in the order they arrived (n_order of them) */
   int* src;          /* parameter i's position in the list given to eng_ddp_new */
   int n_order;
@@ -97,12 +100,20 @@ static int start(eng_ddp* d, int k) {
     eng_err_prefix("DistributedDataParallel: bucket %d of %d", k, d->nb);
     return -1;
   }
-  if (eng_pg_all_reduce(d->pg, b->buf, d->partial ? ENG_REDUCE_SUM : ENG_REDUCE_AVG, &b->work)) {
+  /* fp16 / bf16 compress hooks (PyTorch's default_hooks): the bucket cast to the hook's dtype, averaged in it, cast
+   * back when it is done */
+  int cdt = d->comm_hook == 2 ? ENG_F16 : d->comm_hook == 3 ? ENG_BF16 : -1;
+  b->via_c = cdt >= 0 && cdt != b->buf->dtype;
+  if (b->via_c) {
+    if (!b->cbuf && !(b->cbuf = eng_new(1, &b->buf->numel, cdt, b->buf->device))) return -1;
+    if (eng_copy_raw(b->cbuf, b->buf, b->buf->stride)) return -1;
+  }
+  if (eng_pg_all_reduce(d->pg, b->via_c ? b->cbuf : b->buf, d->partial ? ENG_REDUCE_SUM : ENG_REDUCE_AVG, &b->work)) {
     eng_err_prefix("DistributedDataParallel: bucket %d of %d (%d parameters)", k, d->nb, b->n);
     return -1;
   }
   d->run_coll++;
-  d->run_bytes += b->gnumel * eng_dtype_size(b->buf->dtype);
+  d->run_bytes += b->gnumel * eng_dtype_size(b->via_c ? b->cbuf->dtype : b->buf->dtype);
   return 0;
 }
 
@@ -172,6 +183,7 @@ static int finish(void* ud) {
     int wrc = eng_work_wait(b->work);
     eng_work_release(b->work);
     b->work = NULL;
+    if (!wrc && b->via_c) wrc = eng_copy_raw(b->buf, b->cbuf, b->cbuf->stride);
     if (wrc && !rc) { eng_err_prefix("DistributedDataParallel: bucket %d of %d", k, d->nb); rc = -1; }
   }
   double* used = NULL; /* the reduced flags, read only where this rank has no gradient for some parameter */
@@ -238,6 +250,7 @@ static void free_buckets(bucket* b, int nb) {
   for (int k = 0; k < nb; k++) {
     if (b[k].work) { eng_work_wait(b[k].work); eng_work_release(b[k].work); }
     eng_tensor_release(b[k].buf);
+    eng_tensor_release(b[k].cbuf);
     free(b[k].idx);
     free(b[k].off);
   }
@@ -453,6 +466,17 @@ int eng_ddp_set_gradient_as_bucket_view(eng_ddp* d, int on) {
   d->as_view = on ? 1 : 0;
   for (int i = 0; i < d->np && on; i++)
     if (adopt(d, i)) { eng_err_prefix("DistributedDataParallel: gradient_as_bucket_view"); return -1; }
+  return 0;
+}
+
+int eng_ddp_set_comm_hook(eng_ddp* d, int hook) {
+  if (!d) return eng_err("register_comm_hook: reducer is NULL");
+  if (hook < 1 || hook > 3) return eng_err("register_comm_hook: unknown built-in hook %d (1 allreduce, 2 fp16, 3 bf16)", hook);
+  if (d->partial) return eng_err("register_comm_hook: the DTensor reducer (replicate_parameters) takes no hook");
+  if (d->comm_hook) return eng_err("register_comm_hook: a communication hook is registered already (it can only be "
+                              "registered once, as PyTorch's)");
+  if (d->queued) return eng_err("register_comm_hook: not while a backward is running");
+  d->comm_hook = hook;
   return 0;
 }
 

@@ -9,6 +9,7 @@
 --   loss:backward()                             -- gradients averaged over the ranks, in buckets, during backward
 --   model:no_sync(function() ... end)           -- gradient accumulation: no communication inside
 --   print(model:comm_stats().collectives)       -- all_reduces and bytes of the last synced backward
+--   model:register_comm_hook(nil, dist.algorithms.ddp_comm_hooks.default_hooks.bf16_compress_hook)
 --
 -- The wrapper is an nn.Module whose child `module` is the network (state_dict keys start with "module.", as in
 -- PyTorch); forward calls the network, after broadcasting rank 0's buffers as PyTorch does (broadcast_buffers =
@@ -100,6 +101,20 @@ local function broadcast_coalesced(tensors, group)
   end)
 end
 M._broadcast_coalesced = broadcast_coalesced
+
+-- dist.algorithms.ddp_comm_hooks.default_hooks (PyTorch's): the built-in communication hooks, passed to
+-- DistributedDataParallel:register_comm_hook(state, hook).  The C reducer runs them inside backward (no Lua there),
+-- so these are the hooks there are; called directly, they say so.
+local BUILTIN = {}
+local default_hooks = {}
+for code, name in ipairs({ "allreduce_hook", "fp16_compress_hook", "bf16_compress_hook" }) do
+  local f = function()
+    core.fail(name .. ": pass it to DistributedDataParallel:register_comm_hook(state, hook); it runs in the reducer")
+  end
+  default_hooks[name] = f
+  BUILTIN[f] = code
+end
+M.algorithms = { ddp_comm_hooks = { default_hooks = default_hooks } }
 
 local OPTS = { process_group = true, device_mesh = true, bucket_cap_mb = true, init_sync = true,
   broadcast_buffers = true, gradient_as_bucket_view = true, find_unused_parameters = true, static_graph = true,
@@ -257,6 +272,24 @@ local function new_class()
     core.check(C.eng_ddp_set_require_sync(r, 1))
     if not res[1] then error(res[2], 0) end
     return unpack(res, 2, table.maxn(res))
+  end
+
+  -- register_comm_hook(state, hook): PyTorch's, with a built-in hook of dist.algorithms.ddp_comm_hooks.default_hooks
+  -- (allreduce_hook: the default; fp16_compress_hook / bf16_compress_hook: each bucket averaged in f16 / bf16, half
+  -- the bytes for f32 gradients).  state: nil or the DDP's process group.  Once, as in PyTorch.
+  function cls:register_comm_hook(state, hook)
+    local op = "register_comm_hook"
+    if state ~= nil and state ~= rawget(self, "_group") then
+      core.fail(op .. ": state must be nil or the DistributedDataParallel's process group (the built-in hooks "
+        .. "reduce over it), got " .. tostring(state))
+    end
+    local code = BUILTIN[hook]
+    if code == nil then
+      core.fail(op .. ": hook must be one of dist.algorithms.ddp_comm_hooks.default_hooks (allreduce_hook, "
+        .. "fp16_compress_hook, bf16_compress_hook): a Lua function cannot run inside the C reducer, got "
+        .. tostring(hook))
+    end
+    core.check(C.eng_ddp_set_comm_hook(rawget(self, "_reducer"), code))
   end
 
   -- comm_stats() -> {collectives = n, bytes = n, buckets = n, bucket_bytes = {...}, bucket_params = {...},
