@@ -5,7 +5,7 @@
 --   mpirun --allow-run-as-root --oversubscribe --bind-to none --mca btl self,vader --mca pml ob1 \
 --     -x MALLOC_MMAP_MAX_=0 -x MALLOC_TRIM_THRESHOLD_=1073741824 -np 2 build/engine recipes/bench/ddp_step.lua \
 --     [--steps=20] [--warmup=3] [--rounds=3] [--bucket_cap_mb=0] [--n_layers=4] [--dim=256] [--n_heads=4] [--seq=128]
---     [--batch=4] [--vocab=256] [--device=cpu|cuda] [--grad_view=1]
+--     [--batch=4] [--vocab=256] [--device=cpu|cuda] [--grad_view=1] [--comm_hook=none|fp16|bf16]
 --
 -- Model: common_dtensor.py's Transformer (4 layers, dim 256, 4 heads, seq 128, vocab 256, fp32, dropout 0, tied output),
 -- AdamW; --batch rows per rank.  A step is forward + cross entropy + backward + AdamW step + zero_grad, 1 thread
@@ -13,7 +13,8 @@
 --   (a) local: one process (rank 0) on its --batch rows while the other ranks sleep in an asynchronous barrier;
 --   (b) ddp: every rank on its --batch rows, dist.DistributedDataParallel with --bucket_cap_mb (0: not given, PyTorch's
 --       default: 25 MiB buckets after a first one of 1 MiB; the buckets are rebuilt after the first step) (and, with
---       --grad_view=1, gradient_as_bucket_view: the gradients are the buckets' slices, no copy out of them);
+--       --grad_view=1, gradient_as_bucket_view: the gradients are the buckets' slices, no copy out of them; with
+--       --comm_hook=fp16|bf16, PyTorch's compress hook: each bucket averaged in half precision);
 --   (c) per_param: every rank on its rows, one blocking all_reduce (avg) per parameter after backward;
 --   (d) both_local: every rank on its rows at the same time, no communication at all (each rank's own model): the
 --       compute of a DDP rank under the same load as (b), so ddp/both_local is what communication adds.
@@ -27,8 +28,10 @@ local dist = engine.distributed
 local U = dofile((debug.getinfo(1, "S").source:match("^@(.*)/[^/]*$") or ".") .. "/util.lua")
 
 local o = { steps = 20, warmup = 3, rounds = 3, bucket_cap_mb = 0, n_layers = 4, dim = 256, n_heads = 4, seq = 128,
-  batch = 4, vocab = 256, device = "cpu", grad_view = 1 }
+  batch = 4, vocab = 256, device = "cpu", grad_view = 1, comm_hook = "none" }
 U.parse_args("bench/ddp_step", o, arg)
+local HOOKS = { fp16 = "fp16_compress_hook", bf16 = "bf16_compress_hook" }
+if o.comm_hook ~= "none" and not HOOKS[o.comm_hook] then error("bench/ddp_step: --comm_hook must be none, fp16 or bf16", 0) end
 if o.device ~= "cpu" and o.device ~= "cuda" then error("bench/ddp_step: --device must be cpu or cuda", 0) end
 
 local rank, W = dist.rank(), dist.world_size()
@@ -72,9 +75,10 @@ local function build()
 end
 
 say("bench/ddp_step: engine %s, BLAS core %s, %d ranks, device %s, %d steps after %d warm-up x %d rounds, %d layers, "
-  .. "dim %d, %d heads, seq %d, batch %d per rank, vocab %d, bucket %s, gradient_as_bucket_view %s", engine.version,
+  .. "dim %d, %d heads, seq %d, batch %d per rank, vocab %d, bucket %s, gradient_as_bucket_view %s, comm hook %s", engine.version,
   engine.blas_corename(), W, o.device, o.steps, o.warmup, o.rounds, o.n_layers, o.dim, o.n_heads, o.seq, o.batch, o.vocab,
-  o.bucket_cap_mb > 0 and (o.bucket_cap_mb .. " MiB") or "PyTorch's default (1 MiB first, 25 MiB)", tostring(o.grad_view == 1))
+  o.bucket_cap_mb > 0 and (o.bucket_cap_mb .. " MiB") or "PyTorch's default (1 MiB first, 25 MiB)", tostring(o.grad_view == 1),
+  o.comm_hook)
 say("load average at start: %s", U.loadavg())
 
 local res = { ["local"] = {}, ddp = {}, per_param = {}, both_local = {} }
@@ -92,6 +96,7 @@ for round = 1, o.rounds do
     local net = build()
     local ddp = dist.DistributedDataParallel(net, { bucket_cap_mb = o.bucket_cap_mb > 0 and o.bucket_cap_mb or nil,
       gradient_as_bucket_view = o.grad_view == 1 })
+    if HOOKS[o.comm_hook] then ddp:register_comm_hook(nil, dist.algorithms.ddp_comm_hooks.default_hooks[HOOKS[o.comm_hook]]) end
     res.ddp[round], counts.ddp = run(ddp, function(t) return ddp(t) end, nil, o.steps)
     stats = ddp:comm_stats()
   end
