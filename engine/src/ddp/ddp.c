@@ -152,8 +152,9 @@ static double* read_flags(eng_ddp* d) {
   return out;
 }
 
-/* End of backward: start what is left (zero slices for gradients this rank did not produce), wait in order, copy
- * the averages back into the gradients this backward produced. */
+/* End of backward: start what is left (a gradient this backward did not produce goes in as this rank holds it, or
+ * zeros), wait in order, copy the averages back into the .grads, and give one to a parameter this rank has none
+ * for when another rank had one (the flags); then, once, rebuild the buckets. */
 static int finish(void* ud) {
   eng_ddp* d = ud;
   int rc = 0;
