@@ -47,6 +47,8 @@ local o = cli.parse(arg, {
       choices = { 0, 1 } },
     { "kv_cache", 1, "0: recompute the whole context for every token (the old way; for comparisons)", int = true,
       choices = { 0, 1 } },
+    { "cache_dtype", "", "the KV cache's dtype: empty, the model's; bf16 halves what each token reads of an f32 "
+      .. "model's cache", choices = { "", "bf16", "f32" } },
     { "print_ids", 0, "1: print the token ids (prompt included) instead of the text", int = true, choices = { 0, 1 } },
     { "stream", 1, "1: print each token as it comes (rank 0)", int = true, choices = { 0, 1 } },
     { "device", "cpu", "where the model runs", choices = { "cpu", "cuda" } },
@@ -221,6 +223,7 @@ for n = 1, o.num_samples do
   local out = model:generate(ids, {
     max_new_tokens = o.max_new_tokens, temperature = o.temperature, top_k = o.top_k > 0 and o.top_k or nil,
     top_p = o.top_p, seed = o.seed + n - 1, kv_cache = o.kv_cache == 1,
+    cache_dtype = o.cache_dtype ~= "" and o.cache_dtype or nil,
     eos = (o.stop_at_eot == 1 and tok.eot) or nil,
     stream = function(id)
       count = count + 1

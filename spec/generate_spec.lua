@@ -92,6 +92,35 @@ describe("generate", function()
         assert.are.equal(33, #c)
       end)
 
+      it("a bf16 cache (cache_dtype = \"bf16\"): bf16 keys and values, logits within their rounding", function()
+        local m = make()
+        m:eval()
+        engine.no_grad(function()
+          local B, T = 2, 20
+          engine.manual_seed(5)
+          local x = (engine.rand(B, T) * V):to("i64")
+          local full = m(x)
+          local layers = {}
+          for i = 1, #m.layers do layers[i] = { pos = 0, max_len = T, dtype = "bf16" } end
+          local cache = { pos = 0, max_len = T, layers = layers }
+          -- prefill of 6, a chunk of 4 after it (the masked path reads the cache widened), then one at a time
+          local got = { m:forward_cached(x:narrow(2, 1, 6), cache), m:forward_cached(x:narrow(2, 7, 4), cache) }
+          for t = 11, T do got[#got + 1] = m:forward_cached(x:narrow(2, t, 1), cache) end
+          for i = 1, #m.layers do
+            assert.are.equal("bf16", layers[i].k.dtype)
+            assert.are.equal("bf16", layers[i].v.dtype)
+          end
+          local all = engine.cat(got, 2)
+          local d, scale = maxdiff(all, full), full:abs():max():item()
+          assert.is_true(d > 0, "the same logits as f32: the bf16 cache was not read")
+          assert.is_true(d <= 0.02 * scale, "bf16-cached logits differ from the full forward by " .. d)
+        end)
+        local a = m:generate(PROMPT, { max_new_tokens = 6, temperature = 0, cache_dtype = "bf16" })
+        assert.are.equal(#PROMPT + 6, #a)
+        assert.matches('cache_dtype must be nil %(the model\'s%), "bf16"',
+          select(2, pcall(m.generate, m, PROMPT, { max_new_tokens = 2, cache_dtype = "i8" })))
+      end)
+
       it("cached logits equal the full forward's at every position (1e-5)", function()
         local m = make()
         m:eval()
@@ -324,6 +353,34 @@ describe("generate", function()
       assert.is_false(ok)
       assert.matches("option 'max_new_tokens' is generate's", tostring(e), 1, true)
     end)
+  end)
+end)
+
+describe("engine._decode_attention (decoding over a bf16 KV cache)", function()
+  it("equals f64 attention over the same bf16 keys and values; grouped rows, cache views", function()
+    local F = nn.functional
+    engine.manual_seed(21)
+    for _, c in ipairs({ { 2, 3, 2, 37, 64, 48 }, { 1, 4, 1, 1, 16, 16 }, { 1, 2, 4, 130, 32, 64 } }) do
+      local B, H, R, S, E, Ev = c[1], c[2], c[3], c[4], c[5], c[6]
+      local q = engine.randn(B, H, R, E)
+      local kc, vc = engine.randn(B, H, S + 5, E):to("bf16"), engine.randn(B, H, S + 5, Ev):to("bf16")
+      local k, v = kc:narrow(3, 1, S), vc:narrow(3, 1, S) -- the cache's first S positions (rows S + 5 apart)
+      local o = engine._decode_attention(q, k, v)
+      assert.are.same({ B, H, R, Ev }, o:shape())
+      local r = F.scaled_dot_product_attention(q:double(), k:double(), v:double(), nil, 0, false)
+      assert.is_true(maxdiff(o:double(), r) <= 1e-6, table.concat(c, "x") .. ": " .. maxdiff(o:double(), r))
+      local o2 = engine._decode_attention(q, k, v, 0.5)
+      local r2 = F.scaled_dot_product_attention(q:double(), k:double(), v:double(), nil, 0, false, 0.5)
+      assert.is_true(maxdiff(o2:double(), r2) <= 1e-6)
+    end
+    local q, k = engine.randn(1, 2, 1, 16), engine.randn(1, 2, 5, 16)
+    assert.matches("expected f32 q %[B, H, R, E%] and bf16 k",
+      select(2, pcall(engine._decode_attention, q, k, k)))
+    assert.matches("shapes do not match",
+      select(2, pcall(engine._decode_attention, q, k:to("bf16"), engine.randn(1, 3, 5, 16):to("bf16"))))
+    assert.matches("contiguous rows",
+      select(2, pcall(engine._decode_attention, q, engine.randn(1, 2, 16, 5):to("bf16"):transpose(3, 4),
+        k:to("bf16"))))
   end)
 end)
 

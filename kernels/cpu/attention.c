@@ -7,6 +7,7 @@
 #pragma GCC optimize("no-trapping-math")
 #endif
 #include "kcpu.h"
+#include "half.h"
 #include <math.h>
 #include <string.h>
 
@@ -82,5 +83,37 @@ void kc_attn_decode_f32(int64_t S, int64_t E, int64_t Ev, float scale, const flo
   for (int64_t j = 0; j < S; j++) {
     const float pj = p[j], *vj = v + j * ldv;
     for (int64_t e = 0; e < Ev; e++) out[e] += pj * vj[e];
+  }
+}
+
+/* The same over keys and values stored in bf16 (a 16-bit KV cache): each element widened to f32 as it is read (a
+ * shift), the arithmetic in f32 as above. */
+static inline float dot16_bf16(const float* a, const uint16_t* b, int64_t n) {
+  float acc[16] = {0};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int l = 0; l < 16; l++) acc[l] += a[i + l] * kc_bf16_to_f32(b[i + l]);
+  float s = 0;
+  for (int l = 0; l < 16; l++) s += acc[l];
+  for (; i < n; i++) s += a[i] * kc_bf16_to_f32(b[i]);
+  return s;
+}
+
+void kc_attn_decode_bf16kv(int64_t S, int64_t E, int64_t Ev, float scale, const float* q, const uint16_t* k,
+                           int64_t ldk, const uint16_t* v, int64_t ldv, float* p, float* out) {
+  for (int64_t j = 0; j < S; j++) p[j] = scale * dot16_bf16(q, k + j * ldk, E);
+  float m = kc_row_max_f32(S, p);
+  if (m == -INFINITY) {
+    for (int64_t j = 0; j < S; j++) p[j] = 0;
+    for (int64_t e = 0; e < Ev; e++) out[e] = 0;
+    return;
+  }
+  float inv = 1 / kc_row_expsum_f32(S, p, m, p);
+  for (int64_t j = 0; j < S; j++) p[j] *= inv;
+  for (int64_t e = 0; e < Ev; e++) out[e] = 0;
+  for (int64_t j = 0; j < S; j++) {
+    const float pj = p[j];
+    const uint16_t* vj = v + j * ldv;
+    for (int64_t e = 0; e < Ev; e++) out[e] += pj * kc_bf16_to_f32(vj[e]);
   }
 }

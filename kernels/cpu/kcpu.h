@@ -351,6 +351,9 @@ void kc_attn_softmax_f64(int64_t L, int64_t S, double* s, int64_t lds, const voi
  * at k + j*ldk (E values), value row j at v + j*ldv (Ev values). */
 void kc_attn_decode_f32(int64_t S, int64_t E, int64_t Ev, float scale, const float* q, const float* k, int64_t ldk,
                         const float* v, int64_t ldv, float* p, float* out);
+/* kc_attn_decode_f32 over bf16 keys and values (a 16-bit KV cache), widened as they are read. */
+void kc_attn_decode_bf16kv(int64_t S, int64_t E, int64_t Ev, float scale, const float* q, const uint16_t* k,
+                           int64_t ldk, const uint16_t* v, int64_t ldv, float* p, float* out);
 /* out[i] = keep[i] ? x[i] * scale : 0 (out may alias x). */
 void kc_dropout_apply_f32(int64_t n, const float* x, const uint8_t* keep, float scale, float* out);
 void kc_dropout_apply_f64(int64_t n, const double* x, const uint8_t* keep, double scale, double* out);

@@ -21,6 +21,9 @@
 --   kv_cache = true       false: every token recomputes the whole context (the old way; for comparisons).
 --                         Unset under sequence parallelism: false (see below)
 --   stream = nil          function(id, row) called for each new token as it is chosen (row: 1-based batch row)
+--   cache_dtype = nil     the KV cache's dtype: nil, the model's; "bf16" halves what each decoding step reads of
+--                         an f32 model's cache (the keys and values rounded to bf16 once, as llama.cpp's f16 cache;
+--                         the tokens can then differ from the f32 cache's); on the CPU decoding reads it as it is
 --
 -- It runs under no_grad with every module in eval mode, and restores each module's training flag after.
 --
@@ -50,7 +53,8 @@ local engine = require("engine")
 
 local M = {}
 
-local OPTS = { "max_new_tokens", "temperature", "top_k", "top_p", "seed", "generator", "eos", "kv_cache", "stream" }
+local OPTS = { "max_new_tokens", "temperature", "top_k", "top_p", "seed", "generator", "eos", "kv_cache", "stream",
+  "cache_dtype" }
 local KNOWN = {}
 for _, k in ipairs(OPTS) do KNOWN[k] = true end
 
@@ -117,6 +121,12 @@ local function check_opts(opts, lvl)
     error("generate: stream must be a function(id, row), got " .. type(opts.stream), lvl)
   end
   o.stream = opts.stream
+  local cd = opts.cache_dtype
+  if cd ~= nil and cd ~= "bf16" and cd ~= "f32" and cd ~= "f64" and cd ~= "f16" then
+    error("generate: cache_dtype must be nil (the model's), \"bf16\", \"f16\", \"f32\" or \"f64\", got "
+      .. tostring(cd), lvl)
+  end
+  o.cache_dtype = cd
   return o
 end
 
@@ -354,7 +364,7 @@ function M.sample(logits, opts)
       and "a tensor of " .. logits:dim() .. " dims" or type(logits)), 2)
   end
   if type(opts) == "table" then
-    for _, k in ipairs({ "max_new_tokens", "eos", "kv_cache", "stream" }) do
+    for _, k in ipairs({ "max_new_tokens", "eos", "kv_cache", "stream", "cache_dtype" }) do
       if opts[k] ~= nil then error("generation.sample: option '" .. k .. "' is generate's, not sample's", 2) end
     end
   end
@@ -411,7 +421,7 @@ local function run(model, rows, o, L)
   local function new_cache()
     local cap = math.min(M_ctx, T0 + o.max_new_tokens)
     local layers = {}
-    for i = 1, #model.layers do layers[i] = { pos = 0, max_len = cap } end
+    for i = 1, #model.layers do layers[i] = { pos = 0, max_len = cap, dtype = o.cache_dtype } end
     return { pos = 0, max_len = cap, layers = layers }
   end
   -- the logits [B, V] of the next token after rows, from the whole window

@@ -391,9 +391,9 @@ function M.kv_attention(q, k, v, kv, n_rep)
     error(string.format("kv_attention: positions %d..%d do not fit the cache of %d positions", pos, pos + t - 1,
       kv.max_len), 2)
   end
-  if kv.k == nil then
-    kv.k = engine.zeros(B, hkv, kv.max_len, hd, { dtype = k.dtype, device = k.device })
-    kv.v = engine.zeros(B, hkv, kv.max_len, hd, { dtype = v.dtype, device = v.device })
+  if kv.k == nil then -- kv.dtype: generation's cache_dtype (a bf16 cache halves what a decoding step reads)
+    kv.k = engine.zeros(B, hkv, kv.max_len, hd, { dtype = kv.dtype or k.dtype, device = k.device })
+    kv.v = engine.zeros(B, hkv, kv.max_len, hd, { dtype = kv.dtype or v.dtype, device = v.device })
   end
   kv.k:narrow(3, pos + 1, t):copy_(k:transpose(2, 3))
   kv.v:narrow(3, pos + 1, t):copy_(v:transpose(2, 3))
@@ -408,12 +408,19 @@ function M.kv_attention(q, k, v, kv, n_rep)
     -- n_rep query heads of a k/v head are the rows of one product with that head's cached keys (no copy of
     -- the cache: head h uses k/v head floor(h / n_rep), as repeat_kv)
     local keys, values = kv.k:narrow(3, 1, S), kv.v:narrow(3, 1, S)   -- [B, Hkv, S, hd] views
-    out = F.scaled_dot_product_attention(q:reshape(B, hkv, n_rep, hd), keys, values, nil, 0, false)
+    local qh = q:reshape(B, hkv, n_rep, hd)
+    if keys.dtype == qh.dtype then
+      out = F.scaled_dot_product_attention(qh, keys, values, nil, 0, false)
+    elseif keys.device == "cpu" and keys.dtype == "bf16" and qh.dtype == "f32" then
+      out = engine._decode_attention(qh, keys, values) -- the bf16 cache read as it is
+    else
+      out = F.scaled_dot_product_attention(qh, keys:to(qh.dtype), values:to(qh.dtype), nil, 0, false)
+    end
     return out:reshape(B, 1, hkv * n_rep * hd)
   else
     -- t new positions after pos cached ones: query i sees keys 0 .. pos + i (a bottom-right causal mask)
-    local keys = M.repeat_kv(kv.k:narrow(3, 1, S):transpose(2, 3), n_rep):transpose(2, 3)
-    local values = M.repeat_kv(kv.v:narrow(3, 1, S):transpose(2, 3), n_rep):transpose(2, 3)
+    local keys = M.repeat_kv(kv.k:narrow(3, 1, S):to(q.dtype):transpose(2, 3), n_rep):transpose(2, 3)
+    local values = M.repeat_kv(kv.v:narrow(3, 1, S):to(q.dtype):transpose(2, 3), n_rep):transpose(2, 3)
     local mask = engine.arange(0, S, { device = q.device }):view(1, S)
       :le(engine.arange(pos, S, { device = q.device }):view(t, 1))
     out = F.scaled_dot_product_attention(q:transpose(2, 3), keys, values, mask, 0, false)

@@ -17,7 +17,9 @@
 --      the output weights: one sum each, no other arithmetic), at --short and --long, its ratio (what a step that
 --      only waited for memory would show on this machine), and the cached step's time beyond that read;
 --   3. per-token time recomputing the context at --long (kv_cache = false: the baseline) and the cache's
---      speedup over it (target >= 10x).
+--      speedup over it (target >= 10x);
+--   4. the cached times with cache_dtype = "bf16" (half the keys' and values' bytes) at --short and --long, their
+--      ratio and the bytes' ratio.
 local engine = require("engine")
 local nn = engine.nn
 local ffi = require("ffi")
@@ -77,9 +79,9 @@ local function prompt(ctx)
 end
 
 -- seconds per token of one run generating n tokens after a prompt of ctx tokens
-local function per_token(ctx, n, cache)
+local function per_token(ctx, n, cache, cache_dtype)
   local stamps = {}
-  model:generate(prompt(ctx), { max_new_tokens = n + 1, temperature = 0, kv_cache = cache,
+  model:generate(prompt(ctx), { max_new_tokens = n + 1, temperature = 0, kv_cache = cache, cache_dtype = cache_dtype,
     stream = function(_, row) if row == 1 then stamps[#stamps + 1] = now() end end })
   return (stamps[#stamps] - stamps[1]) / (#stamps - 1)
 end
@@ -118,13 +120,16 @@ end
 -- the three figures, interleaved run by run (a slow phase of the machine touches each alike), after one warm-up
 -- run of each (buffers, page faults); the medians over --reps
 per_token(o.short, 4, true); per_token(o.long, 4, true); per_token(o.long, 2, false)
-local runs = { short = {}, long = {}, old = {}, read_short = {}, read_long = {} }
+per_token(o.short, 4, true, "bf16"); per_token(o.long, 4, true, "bf16")
+local runs = { short = {}, long = {}, old = {}, read_short = {}, read_long = {}, short16 = {}, long16 = {} }
 for _ = 1, o.reps do
   runs.short[#runs.short + 1] = per_token(o.short, o.tokens, true)
   runs.read_short[#runs.read_short + 1] = read_pass(read_kv.short)
   runs.long[#runs.long + 1] = per_token(o.long, o.tokens, true)
   runs.read_long[#runs.read_long + 1] = read_pass(read_kv.long)
   runs.old[#runs.old + 1] = per_token(o.long, o.old_tokens, false)
+  runs.short16[#runs.short16 + 1] = per_token(o.short, o.tokens, true, "bf16")
+  runs.long16[#runs.long16 + 1] = per_token(o.long, o.tokens, true, "bf16")
 end
 local short, long, old = median(runs.short), median(runs.long), median(runs.old)
 local read_short, read_long = median(runs.read_short), median(runs.read_long)
@@ -147,3 +152,9 @@ print(string.format("bench/generate: recompute, context %4d: %8.3f ms/token  (ba
   o.long, old * 1e3))
 print(string.format("bench/generate: KV cache speedup at context %d: %.1fx (target >= 10x): %s", o.long, speedup,
   speedup >= 10 and "met" or "MISSED"))
+-- the same with cache_dtype = "bf16": half the keys' and values' bytes
+local short16, long16 = median(runs.short16), median(runs.long16)
+print(string.format("bench/generate: bf16 KV cache (cache_dtype = \"bf16\"), context %4d: %8.3f ms/token, context %4d: "
+  .. "%8.3f ms/token = %.2fx (target <= 1.5x: %s; bytes %.2fx)", o.short, short16 * 1e3, o.long, long16 * 1e3,
+  long16 / short16, long16 / short16 <= 1.5 and "met" or "MISSED",
+  (wbytes + kvbytes(o.long) / 2) / (wbytes + kvbytes(o.short) / 2)))

@@ -97,6 +97,11 @@ eng_tensor* eng_scaled_dot_product_attention(eng_tensor* q, eng_tensor* k, eng_t
  * engine.nn.attention.sdpa_kernel sets and restores it.  -1 on an unknown value. */
 enum { ENG_SDPA_AUTO = 0, ENG_SDPA_MATH = 1 };
 int eng_sdpa_set_backend(int backend);
+/* Decoding's attention over a bf16 KV cache (generation's cache_dtype = "bf16"): f32 q [B, H, R, E] (R query rows
+ * per cached head: grouped-query attention's heads of one kv head) against bf16 k [B, H, S, E] and v [B, H, S, Ev]
+ * with contiguous rows (views of the cache), no mask; the keys and values widened to f32 as they are read, the
+ * arithmetic in f32.  scale <= 0: 1 / sqrt(E).  CPU, no autograd.  A new f32 [B, H, R, Ev]. */
+eng_tensor* eng_decode_attention(eng_tensor* q, eng_tensor* k, eng_tensor* v, double scale);
 int eng_sdpa_get_backend(void);
 /* Rotary position embedding on interleaved pairs (torchtitan's apply_rotary_emb, fused): x [B, T, H, D] (D even),
  * cos and sin [T, D / 2] (any float dtype, x's device):

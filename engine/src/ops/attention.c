@@ -731,3 +731,63 @@ eng_tensor* eng_sdpa_shard(eng_tensor* q, eng_tensor* k, eng_tensor* v, eng_tens
   for (int d = 0; d < nd; d++) { b.gshape[d] = pshape[d]; b.start[d] = pstart[d]; }
   return sdpa_op(q, k, v, mask, dropout_p, is_causal, scale, &b);
 }
+
+/* ---------------------------------------------------------------- decoding over a 16-bit KV cache */
+typedef struct {
+  int64_t R, S, E, Ev, H;
+  float scale;
+  const float* q;
+  const uint16_t *k, *v;
+  int64_t kb, kh, ks, vb, vh, vs; /* element strides of k and v: batch, head, position */
+  float* out;
+  float* p;                        /* each row's probabilities, [rows, S] */
+} dec_ctx;
+
+static void dec_range(void* vc, int64_t lo, int64_t hi) {
+  const dec_ctx* c = vc;
+  for (int64_t row = lo; row < hi; row++) {
+    int64_t bh = row / c->R, b = bh / c->H, h = bh % c->H;
+    kc_attn_decode_bf16kv(c->S, c->E, c->Ev, c->scale, c->q + row * c->E, c->k + b * c->kb + h * c->kh, c->ks,
+                          c->v + b * c->vb + h * c->vh, c->vs, c->p + row * c->S, c->out + row * c->Ev);
+  }
+}
+
+eng_tensor* eng_decode_attention(eng_tensor* q, eng_tensor* k, eng_tensor* v, double scale) {
+  const char* op = "decode_attention";
+  if (!q || !k || !v) return eng_errp("%s: NULL tensor", op);
+  if (q->dist || k->dist || v->dist) return eng_errp("%s: takes local tensors, got %s, %s, %s", op, eng_desc(q),
+                                                      eng_desc(k), eng_desc(v));
+  if (q->device != ENG_CPU || k->device != ENG_CPU || v->device != ENG_CPU)
+    return eng_errp("%s: CPU tensors only, got q %s, k %s, v %s", op, eng_desc(q), eng_desc(k), eng_desc(v));
+  if (q->ndim != 4 || k->ndim != 4 || v->ndim != 4 || q->dtype != ENG_F32 || k->dtype != ENG_BF16 ||
+      v->dtype != ENG_BF16)
+    return eng_errp("%s: expected f32 q [B, H, R, E] and bf16 k [B, H, S, E], v [B, H, S, Ev], got q %s, k %s, v %s",
+                    op, eng_desc(q), eng_desc(k), eng_desc(v));
+  int64_t B = q->shape[0], H = q->shape[1], R = q->shape[2], E = q->shape[3], S = k->shape[2], Ev = v->shape[3];
+  if (k->shape[0] != B || v->shape[0] != B || k->shape[1] != H || v->shape[1] != H || v->shape[2] != S ||
+      k->shape[3] != E)
+    return eng_errp("%s: shapes do not match: q %s, k %s, v %s (batch and heads equal, k's head dim q's, v's "
+                    "positions k's)", op, eng_desc(q), eng_desc(k), eng_desc(v));
+  if (k->stride[3] != 1 || v->stride[3] != 1)
+    return eng_errp("%s: k and v need contiguous rows (the cache's [B, H, max_len, head_dim] narrowed), got k %s, v %s",
+                    op, eng_desc(k), eng_desc(v));
+  if (eng_grad_enabled() && q->requires_grad)
+    return eng_errp("%s: has no gradient (generation runs without autograd), got q %s requiring grad", op,
+                    eng_desc(q));
+  eng_tensor* Q = eng_as_contig(q, ENG_F32);
+  if (!Q) return NULL;
+  int64_t oshape[4] = {B, H, R, Ev};
+  eng_tensor* out = eng_new(4, oshape, ENG_F32, ENG_CPU);
+  float* pb = malloc((size_t)(B * H * R * S > 0 ? B * H * R * S : 1) * sizeof *pb);
+  if (!out || !pb) {
+    free(pb); eng_tensor_release(Q); eng_tensor_release(out);
+    return out ? eng_errp("%s: out of memory", op) : NULL;
+  }
+  dec_ctx c = {R, S, E, Ev, H, (float)(scale > 0 ? scale : 1.0 / sqrt((double)E)), (const float*)eng_ptr(Q),
+               (const uint16_t*)eng_ptr(k), (const uint16_t*)eng_ptr(v), k->stride[0], k->stride[1], k->stride[2],
+               v->stride[0], v->stride[1], v->stride[2], (float*)eng_ptr(out), pb};
+  kc_parallel_for(B * H * R, 1, dec_range, &c);
+  free(pb);
+  eng_tensor_release(Q);
+  return out;
+}

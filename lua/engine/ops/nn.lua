@@ -210,6 +210,14 @@ function M.scaled_dot_product_attention(q, k, v, opts)
   return out
 end
 
+-- _decode_attention(q, k, v [, scale]): generation's attention of f32 queries q [B, H, R, E] (R rows per cached
+-- head) over a bf16 KV cache k [B, H, S, E], v [B, H, S, Ev] (views of it), without widening the cache first
+-- (eng_decode_attention); CPU, no autograd.  models.kv_attention calls it for cache_dtype = "bf16".
+function M._decode_attention(q, k, v, scale)
+  local op = "decode_attention"
+  return wrap(C.eng_decode_attention(ct(q, op, 1), ct(k, op, 2), ct(v, op, 3), scale or 0))
+end
+
 
 -- ============================================================ (helper C2) dropout, norms, embedding, optimizer kernels
 --   engine.dropout(x, p = 0.5, training = true)    inverted dropout; mask from the global counter-based
