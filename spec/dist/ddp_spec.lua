@@ -122,6 +122,27 @@ describe("DistributedDataParallel", function()
     end
   end)
 
+  it("with activation checkpointing (every block, every 2nd) trains like one process without it", function()
+    for _, mode in ipairs({ "full", 2 }) do
+      local ref, net = build(), build()
+      assert.is_true(models.apply_ac(net, mode) > 0)
+      local m = dist.DistributedDataParallel(net, { bucket_cap_mb = 0.004, static_graph = mode == "full" })
+      local om = engine.optim.AdamW(m:parameters(), { lr = 1e-2 })
+      local orf = engine.optim.AdamW(ref:parameters(), { lr = 1e-2 })
+      for step = 1, 3 do
+        local x, y = tokens(2 * W, 90 + step), tokens(2 * W, 95 + step)
+        ce(m, rows(x), rows(y)):backward()
+        ce(ref, x, y):backward()
+        for name, p in net:named_parameters() do
+          local d = util.diff(p.grad, ref:get_parameter(name).grad)
+          assert(d <= 1e-5, tostring(mode) .. " step " .. step .. ": grad of " .. name .. " differs by " .. d)
+        end
+        om:step(); om:zero_grad(); orf:step(); orf:zero_grad()
+      end
+      assert(m:comm_stats().buckets > 1, tostring(mode) .. ": rebuilt into several buckets")
+    end
+  end)
+
   it("starts buckets during backward, before the first parameter's gradient exists", function()
     local net = build()
     local first = net:parameters()[1] -- registered first: its gradient comes last, its bucket is the last one
