@@ -47,6 +47,24 @@ end
 
 local PROMPT = { 3, 14, 15, 9, 2 }
 
+-- model m (eval) on random tokens [2, 20]: the full forward's logits, and a KV cache (layers' dtype cache_dtype)
+-- with the tokens and the cached logits of a prefill of 6, a chunk of 4 after it (the masked path), then one token
+-- at a time.  Under no_grad.
+local function cached_run(m, cache_dtype)
+  local B, T = 2, 20
+  engine.manual_seed(5)
+  local x = (engine.rand(B, T) * V):to("i64")
+  local full = m(x)                                  -- [B, T, V]
+  local layers = {}
+  for i = 1, #m.layers do layers[i] = { pos = 0, max_len = T, dtype = cache_dtype } end
+  local cache = { pos = 0, max_len = T, layers = layers }
+  local got = { m:forward_cached(x:narrow(2, 1, 6), cache), m:forward_cached(x:narrow(2, 7, 4), cache) }
+  assert.are.equal(10, cache.pos)
+  for t = 11, T do got[#got + 1] = m:forward_cached(x:narrow(2, t, 1), cache) end
+  assert.are.equal(T, cache.pos)
+  return full, engine.cat(got, 2), cache, x
+end
+
 describe("generate", function()
   for _, case in ipairs({ { "GPT", gpt }, { "Llama (grouped-query)", llama } }) do
     local name, make = case[1], case[2]
@@ -96,21 +114,11 @@ describe("generate", function()
         local m = make()
         m:eval()
         engine.no_grad(function()
-          local B, T = 2, 20
-          engine.manual_seed(5)
-          local x = (engine.rand(B, T) * V):to("i64")
-          local full = m(x)
-          local layers = {}
-          for i = 1, #m.layers do layers[i] = { pos = 0, max_len = T, dtype = "bf16" } end
-          local cache = { pos = 0, max_len = T, layers = layers }
-          -- prefill of 6, a chunk of 4 after it (the masked path reads the cache widened), then one at a time
-          local got = { m:forward_cached(x:narrow(2, 1, 6), cache), m:forward_cached(x:narrow(2, 7, 4), cache) }
-          for t = 11, T do got[#got + 1] = m:forward_cached(x:narrow(2, t, 1), cache) end
+          local full, all, cache = cached_run(m, "bf16") -- the chunk's masked path reads the cache widened
           for i = 1, #m.layers do
-            assert.are.equal("bf16", layers[i].k.dtype)
-            assert.are.equal("bf16", layers[i].v.dtype)
+            assert.are.equal("bf16", cache.layers[i].k.dtype)
+            assert.are.equal("bf16", cache.layers[i].v.dtype)
           end
-          local all = engine.cat(got, 2)
           local d, scale = maxdiff(all, full), full:abs():max():item()
           assert.is_true(d > 0, "the same logits as f32: the bf16 cache was not read")
           assert.is_true(d <= 0.02 * scale, "bf16-cached logits differ from the full forward by " .. d)
@@ -125,19 +133,8 @@ describe("generate", function()
         local m = make()
         m:eval()
         engine.no_grad(function()
+          local full, all, cache, x = cached_run(m, nil)
           local B, T = 2, 20
-          engine.manual_seed(5)
-          local x = (engine.rand(B, T) * V):to("i64")
-          local full = m(x)                                  -- [B, T, V]
-          local layers = {}
-          for i = 1, #m.layers do layers[i] = { pos = 0, max_len = T } end
-          local cache = { pos = 0, max_len = T, layers = layers }
-          -- prefill of 6, a chunk of 4 after it (the masked path), then one token at a time
-          local got = { m:forward_cached(x:narrow(2, 1, 6), cache), m:forward_cached(x:narrow(2, 7, 4), cache) }
-          assert.are.equal(10, cache.pos)
-          for t = 11, T do got[#got + 1] = m:forward_cached(x:narrow(2, t, 1), cache) end
-          assert.are.equal(T, cache.pos)
-          local all = engine.cat(got, 2)
           assert.are.same({ B, T, V }, all:shape())
           local d = maxdiff(all, full)
           assert.is_true(d <= 1e-5, "cached logits differ from the full forward by " .. d)

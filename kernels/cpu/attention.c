@@ -66,20 +66,24 @@ static inline float dot16_f32(const float* a, const float* b, int64_t n) {
   return s;
 }
 
-void kc_attn_decode_f32(int64_t S, int64_t E, int64_t Ev, float scale, const float* q, const float* k, int64_t ldk,
-                        const float* v, int64_t ldv, float* p, float* out) {
-  for (int64_t j = 0; j < S; j++) {
-    p[j] = scale * dot16_f32(q, k + j * ldk, E);
-  }
+/* p <- softmax(p) over S scores and out[0, Ev) <- 0; 0 when every score is -inf (p and out left zero: nothing to
+ * attend to), else 1 (the caller then adds p @ V into out). */
+static int decode_softmax(int64_t S, int64_t Ev, float* p, float* out) {
+  for (int64_t e = 0; e < Ev; e++) out[e] = 0;
   float m = kc_row_max_f32(S, p);
   if (m == -INFINITY) {
     for (int64_t j = 0; j < S; j++) p[j] = 0;
-    for (int64_t e = 0; e < Ev; e++) out[e] = 0;
-    return;
+    return 0;
   }
   float inv = 1 / kc_row_expsum_f32(S, p, m, p);
   for (int64_t j = 0; j < S; j++) p[j] *= inv;
-  for (int64_t e = 0; e < Ev; e++) out[e] = 0;
+  return 1;
+}
+
+void kc_attn_decode_f32(int64_t S, int64_t E, int64_t Ev, float scale, const float* q, const float* k, int64_t ldk,
+                        const float* v, int64_t ldv, float* p, float* out) {
+  for (int64_t j = 0; j < S; j++) p[j] = scale * dot16_f32(q, k + j * ldk, E);
+  if (!decode_softmax(S, Ev, p, out)) return;
   for (int64_t j = 0; j < S; j++) {
     const float pj = p[j], *vj = v + j * ldv;
     for (int64_t e = 0; e < Ev; e++) out[e] += pj * vj[e];
@@ -102,15 +106,7 @@ static inline float dot16_bf16(const float* a, const uint16_t* b, int64_t n) {
 void kc_attn_decode_bf16kv(int64_t S, int64_t E, int64_t Ev, float scale, const float* q, const uint16_t* k,
                            int64_t ldk, const uint16_t* v, int64_t ldv, float* p, float* out) {
   for (int64_t j = 0; j < S; j++) p[j] = scale * dot16_bf16(q, k + j * ldk, E);
-  float m = kc_row_max_f32(S, p);
-  if (m == -INFINITY) {
-    for (int64_t j = 0; j < S; j++) p[j] = 0;
-    for (int64_t e = 0; e < Ev; e++) out[e] = 0;
-    return;
-  }
-  float inv = 1 / kc_row_expsum_f32(S, p, m, p);
-  for (int64_t j = 0; j < S; j++) p[j] *= inv;
-  for (int64_t e = 0; e < Ev; e++) out[e] = 0;
+  if (!decode_softmax(S, Ev, p, out)) return;
   for (int64_t j = 0; j < S; j++) {
     const float pj = p[j];
     const uint16_t* vj = v + j * ldv;
