@@ -354,7 +354,7 @@ describe("generate", function()
 end)
 
 describe("engine._decode_attention (decoding over a bf16 KV cache)", function()
-  it("equals f64 attention over the same bf16 keys and values; grouped rows, cache views", function()
+  it("equals f64 attention over the same bf16 keys and values (1e-5); grouped rows, cache views", function()
     local F = nn.functional
     engine.manual_seed(21)
     for _, c in ipairs({ { 2, 3, 2, 37, 64, 48 }, { 1, 4, 1, 1, 16, 16 }, { 1, 2, 4, 130, 32, 64 } }) do
@@ -365,10 +365,12 @@ describe("engine._decode_attention (decoding over a bf16 KV cache)", function()
       local o = engine._decode_attention(q, k, v)
       assert.are.same({ B, H, R, Ev }, o:shape())
       local r = F.scaled_dot_product_attention(q:double(), k:double(), v:double(), nil, 0, false)
-      assert.is_true(maxdiff(o:double(), r) <= 1e-6, table.concat(c, "x") .. ": " .. maxdiff(o:double(), r))
+      -- f32 arithmetic against f64 on the same bf16 values: 7e-7 at most on the optimized build (the softmax of
+      -- scores up to about 16 for scale 0.5 amplifies the rounding); 1e-5 leaves room for other compilers' rounding
+      assert.is_true(maxdiff(o:double(), r) <= 1e-5, table.concat(c, "x") .. ": " .. maxdiff(o:double(), r))
       local o2 = engine._decode_attention(q, k, v, 0.5)
       local r2 = F.scaled_dot_product_attention(q:double(), k:double(), v:double(), nil, 0, false, 0.5)
-      assert.is_true(maxdiff(o2:double(), r2) <= 1e-6)
+      assert.is_true(maxdiff(o2:double(), r2) <= 1e-5, table.concat(c, "x") .. " scale 0.5: " .. maxdiff(o2:double(), r2))
     end
     local q, k = engine.randn(1, 2, 1, 16), engine.randn(1, 2, 5, 16)
     assert.matches("expected f32 q %[B, H, R, E%] and bf16 k",
