@@ -215,8 +215,10 @@ local function new_class()
     if opts.broadcast_buffers ~= false then
       for _, b in module:named_buffers() do buffers[#buffers + 1] = b end
     end
-    rawset(self, "_broadcast_buffers", opts.broadcast_buffers ~= false)
-    rawset(self, "_sync_buffers", opts.broadcast_buffers ~= false) -- PyTorch's require_forward_param_sync: at first on
+    -- as PyTorch's will_sync_module_buffers: only a module that has buffers at construction syncs them (so a model
+    -- without any walks no module tree in its forwards)
+    rawset(self, "_broadcast_buffers", #buffers > 0)
+    rawset(self, "_sync_buffers", #buffers > 0) -- PyTorch's require_forward_param_sync: at first on
     -- PyTorch's _sync_module_states: every rank starts from rank 0's parameters and buffers (coalesced broadcasts)
     if opts.init_sync ~= false then
       local states = {}
